@@ -1,0 +1,128 @@
+"""Command line: ``treefx demo``, ``treefx stats FILE.jsonl``, ``treefx synth -o FILE.jsonl``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from . import synth
+from ._progress import Progress
+from .tree import Tree, write_jsonl
+
+_BIG_FILE = 1 << 20  # show a progress bar from 1 MiB on
+
+
+def _iter_trees_with_progress(path: str, show: bool | None):
+    size = os.path.getsize(path)
+    enabled = (size >= _BIG_FILE and sys.stderr.isatty()) if show is None else show
+    with open(path, "rb") as f, Progress(size, f"reading {path}", enabled=enabled) as bar:
+        for lineno, line in enumerate(f, 1):
+            bar.update(len(line))
+            if not line.strip():
+                continue
+            try:
+                yield Tree.from_dict(json.loads(line))
+            except (ValueError, TypeError) as e:
+                raise SystemExit(f"treefx: {path}, line {lineno}: {e}") from None
+
+
+def _stats_row(name, seqs, unique, baseline, extra=()):
+    por = 1 - unique / baseline
+    return [name, str(seqs), str(unique), str(baseline), f"{por:.3f}", f"{1 / (1 - por):.2f}x",
+            *extra]
+
+
+def _print_table(header, rows):
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    for k, r in enumerate([header, *rows]):
+        print("  ".join(str(c).rjust(w) for c, w in zip(r, widths)))
+        if k == 0 or k == len(rows) - 1 and len(rows) > 1:
+            print("  ".join("-" * w for w in widths))
+
+
+def cmd_stats(args) -> int:
+    header = ["tree", "sequences", "unique", "baseline", "POR", "bound"]
+    if args.max_tokens is not None:
+        from .partition import err, partition
+
+        header += ["parts", "ERR", "ERR/POR"]
+    rows, tot = [], [0, 0, 0, 0]
+    for i, tree in enumerate(_iter_trees_with_progress(args.file, args.progress)):
+        extra = ()
+        if args.max_tokens is not None:
+            try:
+                parts = partition(tree, args.max_tokens)
+            except ValueError as e:
+                raise SystemExit(f"treefx: tree {i}: {e}") from None
+            e = err(tree, parts)
+            extra = (str(len(parts)), f"{e:.3f}", f"{e / tree.por:.3f}" if tree.por > 0 else "-")
+            tot[3] += sum(p.num_tokens for p in parts)
+        rows.append(_stats_row(str(i), tree.num_sequences, tree.num_tokens,
+                               tree.num_baseline_tokens, extra))
+        tot[0] += tree.num_sequences
+        tot[1] += tree.num_tokens
+        tot[2] += tree.num_baseline_tokens
+    if not rows:
+        raise SystemExit(f"treefx: {args.file} holds no trees")
+    extra = ()
+    if args.max_tokens is not None:
+        e = 1 - tot[3] / tot[2]
+        por = 1 - tot[1] / tot[2]
+        extra = ("", f"{e:.3f}", f"{e / por:.3f}" if por > 0 else "-")
+    rows.append(_stats_row("total", tot[0], tot[1], tot[2], extra))
+    _print_table(header, rows)
+    return 0
+
+
+def cmd_synth(args) -> int:
+    trees = synth.dataset(
+        args.n, args.seed, rollouts=args.rollouts, target_por=args.target_por,
+        vocab_size=args.vocab_size, mask_outputs=args.mask_outputs,
+    )
+    n = write_jsonl(args.output, trees)
+    print(f"wrote {n} trees to {args.output}")
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from .demo import run_demo
+
+    return run_demo(steps=args.steps, seed=args.seed)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="treefx", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    d = sub.add_parser("demo", help="train a small decoder on synthetic agent trees, checking "
+                       "the tree loss against per-sequence training")
+    d.add_argument("--steps", type=int, default=5)
+    d.add_argument("--seed", type=int, default=0)
+    d.set_defaults(fn=cmd_demo)
+
+    s = sub.add_parser("stats", help="sequences, unique and baseline tokens, POR per tree")
+    s.add_argument("file", help="JSON Lines, one tree a line")
+    s.add_argument("--max-tokens", type=int, help="also partition each tree under this budget")
+    s.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="progress bar (default: on a terminal, for files from 1 MiB)")
+    s.set_defaults(fn=cmd_stats)
+
+    g = sub.add_parser("synth", help="write synthetic agent trees as JSON Lines")
+    g.add_argument("-o", "--output", required=True)
+    g.add_argument("-n", type=int, default=10)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--rollouts", type=int, default=4)
+    g.add_argument("--target-por", type=float)
+    g.add_argument("--vocab-size", type=int, default=32000)
+    g.add_argument("--mask-outputs", action="store_true",
+                   help="loss masks cover only what each call generated")
+    g.set_defaults(fn=cmd_synth)
+
+    args = p.parse_args(argv)
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,330 @@
+"""Depth-first layout of one or several trees (a forest) as one token row.
+
+Every subtree is a contiguous range of the row, so a key ``k`` is visible to a query ``q`` iff
+``k <= q < subtree_end[k]``: one interval per key column, no N x N table needed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+import torch
+
+from .ops.attention import dense_tree_mask, tree_block_tensors
+from .tree import Tree
+
+__all__ = ["TreeBatch", "pack", "tree_mask_mod"]
+
+_REDUCTIONS = ("sum", "mean")
+
+
+@dataclass(eq=False)
+class TreeBatch:
+    """N tokens of a forest of trees laid out depth-first (see :func:`pack`).
+
+    Token tensors: ``input_ids`` and ``position_ids`` [1, N]; ``parent_token``,
+    ``subtree_end``, ``loss_weights`` and ``tree_index`` (-1 on padding) [N].
+    Node tensors, DFS order over the whole forest: ``node_offset`` (first token),
+    ``node_length``, ``node_parent`` (-1 for roots). ``sequence_node_ends`` [P] holds the node
+    each sequence ends in, ``sequence_tree`` [P] the tree it belongs to.
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    parent_token: torch.Tensor
+    subtree_end: torch.Tensor
+    loss_weights: torch.Tensor
+    tree_index: torch.Tensor
+    node_offset: torch.Tensor
+    node_length: torch.Tensor
+    node_parent: torch.Tensor
+    sequence_node_ends: torch.Tensor
+    sequence_tree: torch.Tensor
+    reduction: str
+    num_real_tokens: int
+    trees: list[Tree] = field(repr=False)
+    _block_masks: dict = field(default_factory=dict, repr=False)
+    _parent_list: list | None = field(default=None, repr=False)
+
+    # ------------------------------------------------------------------ sizes
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens in the row, padding included."""
+        return int(self.input_ids.shape[-1])
+
+    @property
+    def num_padding(self) -> int:
+        return self.num_tokens - self.num_real_tokens
+
+    @property
+    def num_sequences(self) -> int:
+        return int(self.sequence_node_ends.numel())
+
+    @property
+    def num_baseline_tokens(self) -> int:
+        return sum(t.num_baseline_tokens for t in self.trees)
+
+    @property
+    def device(self) -> torch.device:
+        return self.input_ids.device
+
+    # ------------------------------------------------------------------ per sequence
+
+    def sequence_index(self, i: int) -> torch.Tensor:
+        """DFS indices of sequence ``i``'s tokens, in order (sequences numbered over the forest
+        in pack order, each tree's in its input order)."""
+        if not 0 <= i < self.num_sequences:
+            raise IndexError(f"sequence {i} out of range; the batch holds {self.num_sequences}")
+        if self._parent_list is None:
+            self._parent_list = self.node_parent.tolist()
+        parent = self._parent_list
+        n = int(self.sequence_node_ends[i])
+        path = []
+        while n >= 0:
+            path.append(n)
+            n = parent[n]
+        path.reverse()
+        off, ln = self.node_offset[path], self.node_length[path]
+        return torch.cat([torch.arange(int(o), int(o) + int(k)) for o, k in zip(off, ln)]).to(
+            self.device
+        )
+
+    # ------------------------------------------------------------------ masks
+
+    def dense_mask(self) -> torch.Tensor:
+        """[N, N] boolean tree mask, rows are queries: ``mask[q, k] = k <= q < subtree_end[k]``."""
+        return dense_tree_mask(self.subtree_end)
+
+    def block_mask(self, block_size: int = 128):
+        """FlexAttention ``BlockMask`` of the tree, built from per-block min/max of
+        ``subtree_end`` (no N x N tensor). Cached per block size."""
+        if not isinstance(block_size, int) or block_size <= 0:
+            raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
+        key = (block_size, str(self.device))
+        if key not in self._block_masks:
+            self._block_masks[key] = tree_block_mask(self.subtree_end, block_size)
+        return self._block_masks[key]
+
+    # ------------------------------------------------------------------ moving
+
+    def to(self, device) -> TreeBatch:
+        moved = {
+            f: getattr(self, f).to(device)
+            for f in (
+                "input_ids",
+                "position_ids",
+                "parent_token",
+                "subtree_end",
+                "loss_weights",
+                "tree_index",
+                "node_offset",
+                "node_length",
+                "node_parent",
+                "sequence_node_ends",
+                "sequence_tree",
+            )
+        }
+        return replace(self, _block_masks={}, _parent_list=self._parent_list, **moved)
+
+
+def tree_mask_mod(subtree_end: torch.Tensor):
+    """FlexAttention ``mask_mod`` for the interval test ``kv <= q < subtree_end[kv]``.
+
+    ``subtree_end`` must cover every index the kernel may ask for (pad it to a block multiple
+    with zeros: a padded key is then visible to no query).
+    """
+
+    def tree_mask(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (q_idx < subtree_end[kv_idx])
+
+    return tree_mask
+
+
+def tree_block_mask(subtree_end: torch.Tensor, block_size: int = 128):
+    """FlexAttention ``BlockMask`` for ``kv <= q < subtree_end[kv]``, from per-block min/max
+    of ``subtree_end`` (see :func:`treefx.ops.attention.tree_block_tensors`)."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    n = int(subtree_end.numel())
+    kv_num, kv_idx, full_num, full_idx, se = tree_block_tensors(subtree_end, block_size)
+    return BlockMask.from_kv_blocks(
+        kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=block_size,
+        mask_mod=tree_mask_mod(se), seq_lengths=(n, n),
+    )
+
+
+def _dfs_order(parents: np.ndarray) -> np.ndarray:
+    """Preorder of the nodes (children in index order)."""
+    if _is_preorder(parents):
+        return np.arange(len(parents))
+    children: list[list[int]] = [[] for _ in range(len(parents))]
+    roots = []
+    for i, p in enumerate(parents.tolist()):
+        (children[p] if p >= 0 else roots).append(i)
+    order, stack = [], roots[::-1]
+    while stack:
+        v = stack.pop()
+        order.append(v)
+        stack.extend(children[v][::-1])
+    return np.asarray(order, dtype=np.int64)
+
+
+def _is_preorder(parents: np.ndarray) -> bool:
+    """Index order is a preorder iff each node's parent is on the current root path."""
+    path: list[int] = []
+    for i, p in enumerate(parents.tolist()):
+        while path and path[-1] != p:
+            path.pop()
+        if p >= 0 and not path:
+            return False
+        path.append(i)
+    return True
+
+
+def pack(
+    trees: Tree | Iterable[Tree],
+    *,
+    reduction: str = "sum",
+    pad_to_multiple: int | None = None,
+    pad_token_id: int = 0,
+    weight_dtype: torch.dtype = torch.float32,
+) -> TreeBatch:
+    """Lay one tree or a forest of trees out depth-first as one row of tokens.
+
+    ``reduction``: how each sequence's token losses combine before the sequences are averaged
+    with their weights — ``"sum"`` or ``"mean"`` (over the sequence's loss-masked predicted
+    tokens). ``pad_to_multiple``: pad the row with inert tokens (weight 0, each sees only itself)
+    to a multiple of this. ``loss_weights`` come out in ``weight_dtype``.
+    """
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+    if isinstance(trees, Tree):
+        trees = [trees]
+    trees = list(trees)
+    if not trees:
+        raise ValueError("pack needs at least one tree")
+    for i, t in enumerate(trees):
+        if not isinstance(t, Tree):
+            raise TypeError(f"trees[{i}] is a {type(t).__name__}, not a treefx.Tree")
+    if pad_to_multiple is not None and (
+        not isinstance(pad_to_multiple, int) or pad_to_multiple <= 0
+    ):
+        raise ValueError(f"pad_to_multiple must be a positive integer, got {pad_to_multiple!r}")
+
+    ids, pos, par, send, wts, tix = [], [], [], [], [], []
+    n_off, n_len, n_par, s_end, s_tree = [], [], [], [], []
+    tok_base = node_base = 0
+    for ti, tree in enumerate(trees):
+        order = _dfs_order(tree.parents)
+        rank = np.empty_like(order)
+        rank[order] = np.arange(len(order))
+        lens = tree.segment_lengths[order]
+        parents = tree.parents[order]
+        parents = np.where(parents >= 0, rank[np.maximum(parents, 0)], -1)
+        offs = np.concatenate([[0], np.cumsum(lens)[:-1]])
+        n = int(lens.sum())
+        # Subtree sizes bottom-up: preorder puts every child after its parent.
+        sub = lens.copy()
+        for i in range(len(order) - 1, 0, -1):
+            if parents[i] >= 0:
+                sub[parents[i]] += sub[i]
+        node_of_tok = np.repeat(np.arange(len(order)), lens)
+        within = np.arange(n) - offs[node_of_tok]
+        depth = tree.node_depths[order]
+        seg = np.concatenate([tree.segments[o] for o in order])
+        parent_tok = np.arange(n) - 1
+        first = within == 0
+        pnode = parents[node_of_tok[first]]
+        parent_tok[first] = np.where(pnode >= 0, offs[np.maximum(pnode, 0)] + lens[pnode] - 1, -1)
+        ends = rank[tree.sequence_ends]
+        w = _token_weights(tree, ends, offs, lens, parents, node_of_tok, reduction)
+        w[depth[node_of_tok] + within == 0] = 0.0  # nothing predicts a sequence's first token
+
+        ids.append(seg)
+        pos.append(depth[node_of_tok] + within)
+        par.append(np.where(parent_tok >= 0, parent_tok + tok_base, -1))
+        send.append((offs + sub)[node_of_tok] + tok_base)
+        wts.append(w)
+        tix.append(np.full(n, ti))
+        n_off.append(offs + tok_base)
+        n_len.append(lens)
+        n_par.append(np.where(parents >= 0, parents + node_base, -1))
+        s_end.append(ends + node_base)
+        s_tree.append(np.full(len(ends), ti))
+        tok_base += n
+        node_base += len(order)
+
+    num_real = tok_base
+    if pad_to_multiple:
+        total = -(-num_real // pad_to_multiple) * pad_to_multiple
+        k = total - num_real
+        if k:
+            ar = np.arange(num_real, total)
+            ids.append(np.full(k, pad_token_id))
+            pos.append(np.zeros(k, dtype=np.int64))
+            par.append(np.full(k, -1))
+            send.append(ar + 1)
+            wts.append(np.zeros(k))
+            tix.append(np.full(k, -1))
+
+    def cat(xs, dtype=torch.int64):
+        return torch.from_numpy(np.ascontiguousarray(np.concatenate(xs))).to(dtype)
+
+    return TreeBatch(
+        input_ids=cat(ids)[None],
+        position_ids=cat(pos)[None],
+        parent_token=cat(par),
+        subtree_end=cat(send),
+        loss_weights=cat(wts, weight_dtype),
+        tree_index=cat(tix),
+        node_offset=cat(n_off),
+        node_length=cat(n_len),
+        node_parent=cat(n_par),
+        sequence_node_ends=cat(s_end),
+        sequence_tree=cat(s_tree),
+        reduction=reduction,
+        num_real_tokens=num_real,
+        trees=trees,
+    )
+
+
+def _token_weights(tree, ends, offs, lens, parents, node_of_tok, reduction) -> np.ndarray:
+    """w_t = sum over sequences p through t of weight_p * r_p * mask_p(t), float64.
+
+    Masks default to all ones; then a sequence adds the same amount to every token of its path,
+    so the sum runs over nodes (bottom-up), not tokens.
+    """
+    seq_len = tree.sequence_lengths
+    n = int(lens.sum())
+    if tree.loss_masks is None:
+        predicted = (seq_len - 1).astype(np.float64)
+        r = np.ones_like(predicted) if reduction == "sum" else _safe_inv(predicted)
+        node_w = np.zeros(len(lens))
+        np.add.at(node_w, ends, tree.weights * r)
+        for i in range(len(lens) - 1, 0, -1):
+            if parents[i] >= 0:
+                node_w[parents[i]] += node_w[i]
+        return node_w[node_of_tok].copy()
+    w = np.zeros(n)
+    for i, e in enumerate(ends.tolist()):
+        path = []
+        while e >= 0:
+            path.append(e)
+            e = int(parents[e])
+        path.reverse()
+        idx = np.concatenate([np.arange(offs[p], offs[p] + lens[p]) for p in path])
+        m = tree.loss_masks[i].copy()
+        m[0] = 0.0  # the first token is never predicted
+        r = 1.0 if reduction == "sum" else _safe_inv(np.array([m.sum()]))[0]
+        w[idx] += tree.weights[i] * r * m
+    return w
+
+
+def _safe_inv(x: np.ndarray) -> np.ndarray:
+    """1/x, with 0 where x == 0 (a sequence with nothing to predict adds nothing)."""
+    out = np.zeros_like(x, dtype=np.float64)
+    np.divide(1.0, x, out=out, where=x > 0)
+    return out

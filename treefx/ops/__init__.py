@@ -1,0 +1,1 @@
+"""Tree ops: a plain-torch reference and a fast version of each."""

@@ -1,0 +1,149 @@
+"""Tree attention: query ``q`` sees key ``k`` iff ``k <= q < subtree_end[k]``.
+
+Two versions with one meaning:
+
+- :func:`tree_attention_dense`: SDPA with the dense [N, N] boolean mask (CPU, reference,
+  differentiable everywhere);
+- :class:`TreeFlexAttention`: FlexAttention with a block mask built from per-block min/max of
+  ``subtree_end`` (GPU, Inductor generates the kernels, forward and backward).
+
+Both AND in the model's own mask when it has one, evaluated at path positions (so a sliding
+window or any other position-based mask stays exact per sequence).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "dense_tree_mask",
+    "tree_attention_dense",
+    "tree_block_tensors",
+    "TreeFlexAttention",
+]
+
+
+def dense_tree_mask(subtree_end: torch.Tensor) -> torch.Tensor:
+    """[N, N] boolean mask, rows are queries: ``mask[q, k] = k <= q < subtree_end[k]``."""
+    idx = torch.arange(subtree_end.shape[0], device=subtree_end.device)
+    return (idx[None, :] <= idx[:, None]) & (idx[:, None] < subtree_end[None, :])
+
+
+def tree_attention_dense(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    tree_mask: torch.Tensor,
+    model_mask: torch.Tensor | None = None,
+    *,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    """SDPA over the tree: ``tree_mask`` [N, N] bool (from :func:`dense_tree_mask`) ANDed with
+    the model's own mask (boolean, or additive float), which must already be evaluated at path
+    positions."""
+    mask = tree_mask
+    if model_mask is not None:
+        if model_mask.dtype == torch.bool:
+            mask = mask & model_mask
+        else:
+            mask = model_mask.masked_fill(~mask, float("-inf"))
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa
+    )
+
+
+def tree_block_tensors(subtree_end: torch.Tensor, block_size: int = 128, *, full: bool = True):
+    """The block sparsity of the tree mask as the tensors of a FlexAttention ``BlockMask``:
+    (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices), each with leading
+    [1, 1] dims, and ``subtree_end`` zero-padded to a block multiple (for the ``mask_mod``).
+
+    For a key block ``K`` strictly before a query block ``[q0, q1)``: some pair is visible iff
+    ``max(subtree_end[K]) > q0``; every pair iff ``min(subtree_end[K]) >= q1``. Diagonal
+    blocks are partial; blocks after the query block are empty. With ``full=False`` every
+    visible block is partial (needed when another mask is ANDed in by the ``mask_mod``).
+    Per-block work only: O(N + (N / block_size)^2), no N x N tensor.
+    """
+    n = subtree_end.shape[0]
+    nb = (n + block_size - 1) // block_size
+    se = F.pad(subtree_end, (0, nb * block_size - n))
+    blocks = se.view(nb, block_size)
+    # Only key blocks strictly before a query block use min/max, and those are never the
+    # (possibly short) last block, so the zero padding does not enter them.
+    max_se = blocks.amax(dim=1)
+    min_se = blocks.amin(dim=1)
+    b = torch.arange(nb, device=se.device)
+    q0 = b * block_size
+    q1 = torch.clamp((b + 1) * block_size, max=n)
+    before = b[None, :] < b[:, None]  # [q block, kv block]
+    full_m = before & (min_se[None, :] >= q1[:, None])
+    if not full:
+        full_m = torch.zeros_like(full_m)
+    partial = (before & (max_se[None, :] > q0[:, None]) & ~full_m) | (b[None, :] == b[:, None])
+
+    def to_blocks(m: torch.Tensor):
+        num = m.sum(dim=1, dtype=torch.int32)
+        # A stable sort puts the selected kv blocks first, in increasing order.
+        idx = torch.sort((~m).to(torch.int8), dim=1, stable=True).indices.to(torch.int32)
+        return num[None, None], idx[None, None]
+
+    return (*to_blocks(partial), *to_blocks(full_m), se)
+
+
+def _identity_score(score, b, h, q_idx, kv_idx):
+    return score
+
+
+def _tree_mask_mod(b, h, q_idx, kv_idx, subtree_end):
+    return (kv_idx <= q_idx) & (q_idx < subtree_end[kv_idx])
+
+
+class TreeFlexAttention:
+    """One attention site rewritten to FlexAttention over the tree.
+
+    Called with ``(q, k, v, kv_num, kv_idx, full_num, full_idx, subtree_end_padded,
+    positions_padded, *model_mask_buffers)``. ``model_mask`` (optional) is a mask_mod-like
+    callable ``(b, h, q_pos, kv_pos, *buffers) -> bool`` of path positions; ``score_mod`` is
+    the model's own (default: identity). Module-level callables, tensors as explicit buffers:
+    no per-step state in closures.
+    """
+
+    def __init__(self, *, scale=None, block_size=128, model_mask=None, score_mod=None,
+                 num_score_buffers=0, name="tree_flex_attention"):
+        self.scale = scale
+        self.block_size = block_size
+        self.model_mask = model_mask
+        self.score_mod = score_mod or _identity_score
+        self.num_score_buffers = num_score_buffers
+        self.__name__ = name
+
+    def _mask_mod(self, b, h, q_idx, kv_idx, subtree_end, positions, *bufs):
+        tree = _tree_mask_mod(b, h, q_idx, kv_idx, subtree_end)
+        if self.model_mask is None:
+            return tree
+        return tree & self.model_mask(b, h, positions[q_idx], positions[kv_idx], *bufs)
+
+    def __call__(self, q, k, v, kv_num, kv_idx, full_num, full_idx, se_pad, pos_pad, *bufs):
+        from torch._higher_order_ops.flex_attention import flex_attention as flex_hop
+        from torch.nn.attention.flex_attention import BlockMask, _apply_kernel_options
+
+        n = q.shape[-2]
+        block_mask = BlockMask.from_kv_blocks(
+            kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=self.block_size,
+            mask_mod=self._mask_mod, seq_lengths=(n, n),
+        )
+        score_bufs = tuple(bufs[: self.num_score_buffers])
+        mask_bufs = (se_pad, pos_pad, *bufs[self.num_score_buffers:])
+        scale = self.scale if self.scale is not None else 1.0 / math.sqrt(q.shape[-1])
+        kernel_options = _apply_kernel_options(q, k, v, False, None)
+        out, _, *_ = flex_hop(
+            q, k, v, self.score_mod, block_mask.as_tuple(), scale, kernel_options,
+            score_bufs, mask_bufs,
+        )
+        return out
+
+    def __repr__(self) -> str:
+        return self.__name__

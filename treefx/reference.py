@@ -1,0 +1,80 @@
+"""The per-branch oracle: the unmodified model run on every sequence alone.
+
+This is what tree training must reproduce, values and gradients. It is slow on purpose: no
+sharing, one forward per sequence.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from .tree import Tree
+
+__all__ = ["logits_of", "sequence_logprobs", "sequence_loss"]
+
+
+def logits_of(output) -> torch.Tensor:
+    """Logits from a model's output: a tensor, a tuple whose first entry is one, or an object
+    with ``.logits`` (Hugging Face)."""
+    if isinstance(output, torch.Tensor):
+        return output
+    logits = getattr(output, "logits", None)
+    if isinstance(logits, torch.Tensor):
+        return logits
+    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+        return output[0]
+    raise TypeError(
+        f"cannot find logits in the model's output of type {type(output).__name__}; "
+        "return a tensor, a tuple starting with one, or an object with .logits"
+    )
+
+
+def _trees(tree) -> list[Tree]:
+    if isinstance(tree, Tree):
+        return [tree]
+    trees = list(tree) if isinstance(tree, Iterable) else None
+    if not trees or not all(isinstance(t, Tree) for t in trees):
+        raise TypeError("expected a treefx.Tree or a non-empty list of them")
+    return trees
+
+
+def _device(model: torch.nn.Module) -> torch.device:
+    p = next(model.parameters(), None)
+    return p.device if p is not None else torch.device("cpu")
+
+
+def sequence_logprobs(model: torch.nn.Module, tree) -> list[torch.Tensor]:
+    """Per sequence (over all trees given, in order): log p(token j | tokens < j) for j >= 1,
+    a float32 tensor of length ``len(sequence) - 1``, from the model run on that sequence alone.
+    Differentiable."""
+    dev = _device(model)
+    out = []
+    for t in _trees(tree):
+        for i in range(t.num_sequences):
+            ids = torch.as_tensor(t.sequence(i), device=dev)[None]
+            logits = logits_of(model(ids))[0, :-1].float()
+            out.append(torch.log_softmax(logits, dim=-1).gather(-1, ids[0, 1:, None])[:, 0])
+    return out
+
+
+def sequence_loss(model: torch.nn.Module, tree, *, reduction: str = "sum") -> torch.Tensor:
+    """The baseline loss  Σ_p ω_p · r_p · Σ_{j≥1} m_p(j) · (−log p(s_p[j] | s_p[<j]))  with
+    r_p = 1 ("sum") or 1 / Σ_{j≥1} m_p(j) ("mean"; a sequence with nothing to predict adds 0),
+    summed over all trees given. Differentiable."""
+    if reduction not in ("sum", "mean"):
+        raise ValueError(f"reduction must be 'sum' or 'mean', got {reduction!r}")
+    trees = _trees(tree)
+    logps = iter(sequence_logprobs(model, trees))
+    total = torch.zeros((), device=_device(model))
+    for t in trees:
+        for i in range(t.num_sequences):
+            lp = next(logps)
+            m = torch.as_tensor(t.loss_mask(i)[1:], dtype=lp.dtype, device=lp.device)
+            r = 1.0
+            if reduction == "mean":
+                n = float(m.sum())
+                r = 1.0 / n if n > 0 else 0.0
+            total = total + float(t.weights[i]) * r * (m * -lp).sum()
+    return total

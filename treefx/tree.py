@@ -1,0 +1,450 @@
+"""Prefix trees of token sequences.
+
+A :class:`Tree` holds the model calls of one task (one token list each) merged into a prefix
+tree whose nodes are maximal shared segments. Every input sequence stays its own path, even when
+it is a prefix of, or equal to, another one, and keeps its own weight and per-token loss mask.
+
+Nodes are stored parents-first (``parents[i] < i``); the depth-first layout is made by
+:func:`treefx.pack`.
+"""
+
+from __future__ import annotations
+
+import json
+import numbers
+import os
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["Tree", "por", "bound", "read_jsonl", "write_jsonl"]
+
+
+def _as_token_array(seq, what: str) -> np.ndarray:
+    """Validate one token list: non-empty, integers, non-negative. ``what`` names it in errors."""
+    if isinstance(seq, (str, bytes, dict, set)):
+        raise TypeError(f"{what} must be a list of integer token ids, got {type(seq).__name__}")
+    arr = np.asarray(seq)
+    if arr.ndim != 1:
+        raise ValueError(f"{what} must be a flat list of token ids, got shape {tuple(arr.shape)}")
+    if arr.size == 0:
+        raise ValueError(f"{what} is empty; every sequence needs at least one token")
+    if arr.dtype == object or not np.issubdtype(arr.dtype, np.integer):
+        if arr.dtype == bool or not all(
+            isinstance(x, numbers.Integral) and not isinstance(x, bool) for x in arr.tolist()
+        ):
+            bad = next(
+                j
+                for j, x in enumerate(arr.tolist())
+                if not isinstance(x, numbers.Integral) or isinstance(x, bool)
+            )
+            raise TypeError(
+                f"{what}, position {bad}: token id {arr.tolist()[bad]!r} is not an integer"
+            )
+        arr = arr.astype(np.int64)
+    arr = arr.astype(np.int64, copy=False)
+    neg = np.flatnonzero(arr < 0)
+    if neg.size:
+        raise ValueError(f"{what}, position {int(neg[0])}: token id {int(arr[neg[0]])} is negative")
+    return arr
+
+
+def _as_mask_array(mask, length: int, what: str) -> np.ndarray:
+    if isinstance(mask, (str, bytes)):
+        raise TypeError(f"{what} must be a list of 0/1 values")
+    arr = np.asarray(mask)
+    if arr.ndim != 1:
+        raise ValueError(f"{what} must be a flat list of 0/1 values, got shape {tuple(arr.shape)}")
+    if arr.size != length:
+        raise ValueError(f"{what} has {arr.size} entries but its sequence has {length} tokens")
+    if arr.dtype == object or not (
+        np.issubdtype(arr.dtype, np.number) or arr.dtype == bool
+    ):
+        raise TypeError(f"{what} must hold 0/1 values, got dtype {arr.dtype}")
+    bad = np.flatnonzero((arr != 0) & (arr != 1))
+    if bad.size:
+        raise ValueError(
+            f"{what}, position {int(bad[0])}: mask value {arr[bad[0]].item()!r} is not 0 or 1"
+        )
+    return arr.astype(np.float64)
+
+
+def _as_weights(weights, num_sequences: int) -> np.ndarray:
+    if weights is None:
+        return np.full(num_sequences, 1.0 / num_sequences)
+    if isinstance(weights, (str, bytes)):
+        raise TypeError("weights must be a list of numbers, one per sequence")
+    arr = np.asarray(weights)
+    if arr.ndim != 1 or arr.size != num_sequences:
+        raise ValueError(
+            f"weights has {arr.size} entries but there are {num_sequences} sequences; "
+            "give one weight per sequence"
+        )
+    if arr.dtype == object or not np.issubdtype(arr.dtype, np.number) or arr.dtype == bool:
+        raise TypeError(f"weights must be numbers, got dtype {arr.dtype}")
+    arr = arr.astype(np.float64)
+    bad = np.flatnonzero(~np.isfinite(arr) | (arr < 0))
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(f"sequence {i}: weight {arr[i]!r} must be finite and non-negative")
+    return arr
+
+
+@dataclass(frozen=True)
+class _Node:
+    tokens: np.ndarray
+    parent: int
+
+
+class Tree:
+    """A prefix tree of token sequences with per-sequence weights and loss masks.
+
+    Build one with :meth:`from_sequences` (trie-merge token lists) or :meth:`from_nodes` (give
+    the segments and their parents). Attributes, all read-only by convention:
+
+    - ``segments``: list of int64 arrays, the tokens of each node;
+    - ``parents``: int64 array, parent node of each node (-1 for a root), ``parents[i] < i``;
+    - ``sequence_ends``: int64 array, the node each sequence ends in (at that node's last token);
+    - ``weights``: float64 array, one weight per sequence (default ``1/P``);
+    - ``loss_masks``: list of float64 0/1 arrays, one per sequence, one entry per token.
+    """
+
+    __slots__ = (
+        "segments",
+        "parents",
+        "sequence_ends",
+        "weights",
+        "loss_masks",
+        "_node_start",
+        "_has_custom_masks",
+    )
+
+    def __init__(self, segments, parents, sequence_ends, weights, loss_masks, *, _checked=False):
+        # Private: use from_sequences / from_nodes, which validate.
+        if not _checked:
+            raise TypeError("build a Tree with Tree.from_sequences or Tree.from_nodes")
+        self.segments: list[np.ndarray] = segments
+        self.parents: np.ndarray = parents
+        self.sequence_ends: np.ndarray = sequence_ends
+        self.weights: np.ndarray = weights
+        self.loss_masks: list[np.ndarray] | None = loss_masks
+        start = np.zeros(len(segments), dtype=np.int64)
+        lens = self.segment_lengths
+        for i, p in enumerate(parents.tolist()):
+            if p >= 0:
+                start[i] = start[p] + lens[p]
+        self._node_start = start  # position (depth) of each node's first token
+        self._has_custom_masks = loss_masks is not None
+
+    # ------------------------------------------------------------------ construction
+
+    @classmethod
+    def from_sequences(cls, sequences, *, weights=None, loss_masks=None) -> Tree:
+        """Trie-merge token lists into a prefix tree whose nodes are maximal shared segments.
+
+        ``sequences``: the token id lists (each model call of a rollout). ``weights``: one
+        non-negative weight per sequence (default ``1/P``). ``loss_masks``: one 0/1 list per
+        sequence, as long as the sequence (default all ones). Sequences that are prefixes of, or
+        equal to, others still count as their own paths.
+        """
+        if isinstance(sequences, (str, bytes)) or not isinstance(sequences, Iterable):
+            raise TypeError("sequences must be a list of token id lists")
+        seqs = [_as_token_array(s, f"sequence {i}") for i, s in enumerate(sequences)]
+        if not seqs:
+            raise ValueError("sequences is empty; a tree needs at least one sequence")
+        w = _as_weights(weights, len(seqs))
+        masks = None
+        if loss_masks is not None:
+            if isinstance(loss_masks, (str, bytes)) or not isinstance(loss_masks, Iterable):
+                raise TypeError("loss_masks must be a list of 0/1 lists, one per sequence")
+            loss_masks = list(loss_masks)
+            if len(loss_masks) != len(seqs):
+                raise ValueError(
+                    f"loss_masks has {len(loss_masks)} entries but there are {len(seqs)} sequences"
+                )
+            masks = [
+                _as_mask_array(m, len(s), f"loss mask of sequence {i}")
+                for i, (m, s) in enumerate(zip(loss_masks, seqs))
+            ]
+        segments, parents, ends = _build_trie(seqs)
+        return cls(segments, parents, ends, w, masks, _checked=True)
+
+    @classmethod
+    def from_nodes(
+        cls, segments, parents, *, sequence_ends=None, weights=None, loss_masks=None
+    ) -> Tree:
+        """A tree given explicitly: ``segments[i]`` holds node i's tokens, ``parents[i]`` its
+        parent node (-1 for a root), and every parent comes before its children.
+
+        ``sequence_ends`` lists, per sequence, the node it ends in (default: one sequence per
+        leaf, in node order). ``weights`` and ``loss_masks`` are per sequence, as in
+        :meth:`from_sequences`. Every node must lie on at least one sequence.
+        """
+        segs = [_as_token_array(s, f"segment {i}") for i, s in enumerate(segments)]
+        if not segs:
+            raise ValueError("segments is empty; a tree needs at least one node")
+        par = list(parents)
+        if len(par) != len(segs):
+            raise ValueError(f"parents has {len(par)} entries but there are {len(segs)} segments")
+        for i, p in enumerate(par):
+            if not isinstance(p, numbers.Integral) or isinstance(p, bool):
+                raise TypeError(f"parents[{i}] = {p!r} is not an integer node index")
+            if p < -1 or p >= len(segs):
+                raise ValueError(
+                    f"parents[{i}] = {p} is out of range; use -1 for a root or 0..{len(segs) - 1}"
+                )
+            if p == i:
+                raise ValueError(f"parents[{i}] = {p}: node {i} is its own parent (a cycle)")
+            if p > i:
+                raise ValueError(
+                    f"parents[{i}] = {p}: parent comes after its child; list parents before "
+                    "children (this also rules out cycles)"
+                )
+        par_arr = np.asarray(par, dtype=np.int64)
+        has_child = np.zeros(len(segs), dtype=bool)
+        has_child[par_arr[par_arr >= 0]] = True
+        if sequence_ends is None:
+            ends = np.flatnonzero(~has_child).astype(np.int64)
+        else:
+            ends_list = list(sequence_ends)
+            if not ends_list:
+                raise ValueError("sequence_ends is empty; a tree needs at least one sequence")
+            for i, e in enumerate(ends_list):
+                if not isinstance(e, numbers.Integral) or isinstance(e, bool):
+                    raise TypeError(f"sequence_ends[{i}] = {e!r} is not an integer node index")
+                if not 0 <= e < len(segs):
+                    raise ValueError(f"sequence_ends[{i}] = {e} is out of range 0..{len(segs) - 1}")
+            ends = np.asarray(ends_list, dtype=np.int64)
+        on_path = np.zeros(len(segs), dtype=bool)
+        for e in ends.tolist():
+            while e >= 0 and not on_path[e]:
+                on_path[e] = True
+                e = int(par_arr[e])
+        off = np.flatnonzero(~on_path)
+        if off.size:
+            raise ValueError(
+                f"node {int(off[0])} lies on no sequence (no entry of sequence_ends is it or below "
+                "it); remove it or add a sequence ending there"
+            )
+        tree = cls(segs, par_arr, ends, _as_weights(weights, len(ends)), None, _checked=True)
+        if loss_masks is not None:
+            loss_masks = list(loss_masks)
+            if len(loss_masks) != len(ends):
+                raise ValueError(
+                    f"loss_masks has {len(loss_masks)} entries but there are {len(ends)} sequences"
+                )
+            lens = tree.sequence_lengths
+            tree.loss_masks = [
+                _as_mask_array(m, int(n), f"loss mask of sequence {i}")
+                for i, (m, n) in enumerate(zip(loss_masks, lens))
+            ]
+            tree._has_custom_masks = True
+        return tree
+
+    # ------------------------------------------------------------------ views
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self.sequence_ends)
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.segments)
+
+    @property
+    def segment_lengths(self) -> np.ndarray:
+        return np.fromiter((len(s) for s in self.segments), dtype=np.int64, count=len(self.segments))
+
+    @property
+    def node_depths(self) -> np.ndarray:
+        """Position (offset in its sequences) of each node's first token."""
+        return self._node_start
+
+    @property
+    def sequence_lengths(self) -> np.ndarray:
+        return self._node_start[self.sequence_ends] + self.segment_lengths[self.sequence_ends]
+
+    @property
+    def num_tokens(self) -> int:
+        """Unique tokens: what the tree layout computes."""
+        return int(self.segment_lengths.sum())
+
+    @property
+    def num_baseline_tokens(self) -> int:
+        """Tokens over all sequences: what per-sequence training computes."""
+        return int(self.sequence_lengths.sum())
+
+    @property
+    def por(self) -> float:
+        """Prefix overlap ratio, 1 - unique / baseline tokens."""
+        return 1.0 - self.num_tokens / self.num_baseline_tokens
+
+    @property
+    def bound(self) -> float:
+        """Token-count bound on the speedup, baseline / unique tokens = 1 / (1 - POR)."""
+        return self.num_baseline_tokens / self.num_tokens
+
+    def node_path(self, i: int) -> list[int]:
+        """Nodes from the root to the end of sequence ``i``."""
+        path = []
+        n = int(self.sequence_ends[i])
+        while n >= 0:
+            path.append(n)
+            n = int(self.parents[n])
+        return path[::-1]
+
+    def sequence(self, i: int) -> np.ndarray:
+        if not -self.num_sequences <= i < self.num_sequences:
+            raise IndexError(f"sequence {i} out of range for a tree of {self.num_sequences}")
+        return np.concatenate([self.segments[n] for n in self.node_path(i % self.num_sequences)])
+
+    @property
+    def sequences(self) -> list[list[int]]:
+        """The token lists, in input order."""
+        return [self.sequence(i).tolist() for i in range(self.num_sequences)]
+
+    def loss_mask(self, i: int) -> np.ndarray:
+        if self.loss_masks is not None:
+            return self.loss_masks[i]
+        return np.ones(int(self.sequence_lengths[i]), dtype=np.float64)
+
+    def subtree(self, sequence_ids: Sequence[int]) -> Tree:
+        """The tree of a subset of the sequences (weights and masks kept as they are)."""
+        ids = [int(i) for i in sequence_ids]
+        if not ids:
+            raise ValueError("subtree needs at least one sequence")
+        seqs = [self.sequence(i) for i in ids]
+        masks = [self.loss_masks[i] for i in ids] if self.loss_masks is not None else None
+        return Tree.from_sequences(seqs, weights=self.weights[ids], loss_masks=masks)
+
+    # ------------------------------------------------------------------ serialization
+
+    def to_dict(self) -> dict:
+        d = {"sequences": self.sequences, "weights": self.weights.tolist()}
+        if self.loss_masks is not None:
+            d["loss_masks"] = [m.astype(np.int64).tolist() for m in self.loss_masks]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Tree:
+        if not isinstance(d, dict) or "sequences" not in d:
+            raise ValueError('a tree record must be an object with a "sequences" list')
+        unknown = set(d) - {"sequences", "weights", "loss_masks"}
+        if unknown:
+            raise ValueError(f"unknown keys in tree record: {sorted(unknown)}")
+        return cls.from_sequences(
+            d["sequences"], weights=d.get("weights"), loss_masks=d.get("loss_masks")
+        )
+
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, Tree):
+            return NotImplemented
+        return (
+            self.sequences == other.sequences
+            and np.array_equal(self.weights, other.weights)
+            and (self.loss_masks is None) == (other.loss_masks is None)
+            and (
+                self.loss_masks is None
+                or all(np.array_equal(a, b) for a, b in zip(self.loss_masks, other.loss_masks))
+            )
+        )
+
+    __hash__ = None
+
+    def __repr__(self) -> str:
+        return (
+            f"Tree(sequences={self.num_sequences}, nodes={self.num_nodes}, "
+            f"tokens={self.num_tokens}, baseline_tokens={self.num_baseline_tokens}, "
+            f"por={self.por:.3f})"
+        )
+
+
+def _build_trie(seqs: list[np.ndarray]) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
+    """Compressed trie of ``seqs``: (segments, parents, end node per sequence), nodes in DFS
+    preorder.
+
+    Sort the sequences, take the longest common prefix of neighbours, and walk a stack of the
+    current path (as when building a suffix tree from a suffix array): O(total tokens) after the
+    sort, no per-token Python loop.
+    """
+    order = sorted(range(len(seqs)), key=lambda i: seqs[i].tolist())
+    # Mutable nodes: [start, end, source sequence, children, ends-here]
+    nodes: list[list] = []
+    roots: list[int] = []
+    end_node = np.empty(len(seqs), dtype=np.int64)
+    stack: list[int] = []
+    prev = None
+    for i in order:
+        s = seqs[i]
+        if prev is None:
+            lcp = 0
+        else:
+            m = min(len(prev), len(s))
+            diff = np.flatnonzero(prev[:m] != s[:m])
+            lcp = int(diff[0]) if diff.size else m
+        while stack and nodes[stack[-1]][0] >= lcp:
+            stack.pop()
+        if stack and nodes[stack[-1]][1] > lcp:
+            # Split the top node at lcp: its tail keeps its children and its sequence ends.
+            top = nodes[stack[-1]]
+            tail = [lcp, top[1], top[2], top[3], top[4]]
+            nodes.append(tail)
+            top[1], top[3], top[4] = lcp, [len(nodes) - 1], []
+        if lcp < len(s):
+            nodes.append([lcp, len(s), i, [], []])
+            new = len(nodes) - 1
+            (nodes[stack[-1]][3] if stack else roots).append(new)
+            stack.append(new)
+        nodes[stack[-1]][4].append(i)
+        prev = s
+    # Preorder renumbering.
+    segments: list[np.ndarray] = []
+    parents: list[int] = []
+    work = [(r, -1) for r in reversed(roots)]
+    while work:
+        n, p = work.pop()
+        start, end, src, children, ends = nodes[n]
+        k = len(segments)
+        segments.append(seqs[src][start:end])
+        parents.append(p)
+        for e in ends:
+            end_node[e] = k
+        work.extend((c, k) for c in reversed(children))
+    return segments, np.asarray(parents, dtype=np.int64), end_node
+
+
+def por(tree: Tree) -> float:
+    """Prefix overlap ratio of a tree (or of a list of trees taken together)."""
+    if isinstance(tree, Tree):
+        return tree.por
+    trees = list(tree)
+    return 1.0 - sum(t.num_tokens for t in trees) / sum(t.num_baseline_tokens for t in trees)
+
+
+def bound(tree: Tree) -> float:
+    """Token-count bound on the speedup, 1 / (1 - POR)."""
+    return 1.0 / (1.0 - por(tree))
+
+
+def read_jsonl(path: str | os.PathLike) -> Iterator[Tree]:
+    """Trees from a JSON Lines file, one tree a line; errors name the line."""
+    with open(path) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                yield Tree.from_dict(json.loads(line))
+            except (ValueError, TypeError) as e:
+                raise type(e)(f"{os.fspath(path)}, line {lineno}: {e}") from e
+
+
+def write_jsonl(path: str | os.PathLike, trees: Iterable[Tree]) -> int:
+    """Write trees as JSON Lines; returns the number written."""
+    n = 0
+    with open(path, "w") as f:
+        for t in trees:
+            f.write(json.dumps(t.to_dict(), separators=(",", ":")))
+            f.write("\n")
+            n += 1
+    return n
