@@ -1,8 +1,28 @@
 """treefx: train LLMs on prefix trees of agent trajectories, computing every shared prefix once."""
 
+from . import reference, synth
+from .compile import TreeModel, TreeOutput, compile, tree_loss
 from .layout import TreeBatch, pack
+from .passes import GraphBreakError, TreeCompileError, UnmatchedAttentionError
 from .tree import Tree, bound, por, read_jsonl, write_jsonl
 
 __version__ = "0.1.0"
 
-__all__ = ["Tree", "TreeBatch", "bound", "pack", "por", "read_jsonl", "write_jsonl"]
+__all__ = [
+    "GraphBreakError",
+    "Tree",
+    "TreeBatch",
+    "TreeCompileError",
+    "TreeModel",
+    "TreeOutput",
+    "UnmatchedAttentionError",
+    "bound",
+    "compile",
+    "pack",
+    "por",
+    "read_jsonl",
+    "reference",
+    "synth",
+    "tree_loss",
+    "write_jsonl",
+]

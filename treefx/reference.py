@@ -54,7 +54,8 @@ def sequence_logprobs(model: torch.nn.Module, tree) -> list[torch.Tensor]:
     for t in _trees(tree):
         for i in range(t.num_sequences):
             ids = torch.as_tensor(t.sequence(i), device=dev)[None]
-            logits = logits_of(model(ids))[0, :-1].float()
+            logits = logits_of(model(ids))[0, :-1]
+            logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
             out.append(torch.log_softmax(logits, dim=-1).gather(-1, ids[0, 1:, None])[:, 0])
     return out
 

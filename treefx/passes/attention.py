@@ -1,0 +1,317 @@
+"""Attention pass: every attention in the graph becomes tree attention over ``subtree_end``.
+
+Matched forms:
+
+- ``scaled_dot_product_attention`` (``is_causal``, a mask the model built, ``scale``, GQA);
+- the eager pattern ``matmul(q, k^T) -> scale -> (+ mask) -> softmax (float32) ->
+  (dropout p=0) -> matmul(., v)`` as Hugging Face's ``eager`` attention and hand-written models
+  write it.
+
+A mask the model built is kept, ANDed with the tree: the positions pass has already replaced
+its index grids by path positions, so it is the model's mask (causal, sliding window, ...)
+evaluated per sequence. For the eager backend it stays a dense tensor; for the inductor backend
+it is lifted out of the graph into a FlexAttention ``mask_mod`` (see :mod:`.mask_lift`).
+
+Whatever still looks like attention afterwards (a softmax over the last dim feeding a matmul)
+is an :class:`UnmatchedAttentionError` naming the node and its module: running it over the DFS
+row as it is would be silently wrong training.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from ..ops.attention import TreeFlexAttention, dense_tree_mask, tree_attention_dense, tree_block_tensors
+from .common import GraphContext, UnmatchedAttentionError, describe, example, is_call, module_path
+from .mask_lift import MaskLiftError, lift_mask
+
+__all__ = ["attention_pass", "check_no_attention_left"]
+
+_SDPA = (F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention)
+_SOFTMAX = (torch.softmax, F.softmax, torch.nn.functional.softmax, torch.special.softmax)
+_MATMUL = (torch.matmul, operator.matmul, torch.bmm)
+_DROPOUT = (F.dropout, torch.dropout, torch.nn.functional.dropout)
+_CASTS = ("to", "float", "type", "type_as", "half", "bfloat16", "double")
+_OTHER_ATTENTION = (
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+    F.multi_head_attention_forward,
+)
+
+
+@dataclass
+class _Site:
+    """One attention to rewrite: ``out`` is replaced by attention(q, k, v) with the tree."""
+
+    out: fx.Node
+    anchor: fx.Node  # the node that names the site in reports (sdpa call or softmax)
+    q: fx.Node
+    k: fx.Node
+    v: fx.Node
+    mask: fx.Node | None  # model mask, boolean or additive
+    scale: float | None
+    enable_gqa: bool
+    kind: str
+
+
+def _arg(node: fx.Node, i: int, name: str, default=None):
+    if len(node.args) > i:
+        return node.args[i]
+    return node.kwargs.get(name, default)
+
+
+def _fail(node: fx.Node, why: str) -> UnmatchedAttentionError:
+    return UnmatchedAttentionError(
+        f"treefx cannot rewrite the attention at {module_path(node)} (graph node "
+        f"`{describe(node)}`): {why}. Running it unchanged over the tree's DFS row would mix "
+        "sequences, so compilation stops here."
+    )
+
+
+def _check_dropout(anchor: fx.Node, p, training=True) -> None:
+    if isinstance(p, (int, float)) and (p == 0 or training is False):
+        return
+    raise _fail(anchor, f"attention dropout p={p!r} is on; tree attention applies none, so set "
+                        "the attention dropout to 0 (or call model.eval())")
+
+
+def _sdpa_site(node: fx.Node) -> _Site:
+    q, k, v = node.args[:3]
+    _check_dropout(node, _arg(node, 4, "dropout_p", 0.0))
+    scale = _arg(node, 6, "scale", None)
+    if scale is not None and not isinstance(scale, (int, float)):
+        raise _fail(node, "its scale is computed in the graph, not a constant")
+    return _Site(node, node, q, k, v, _arg(node, 3, "attn_mask"), scale,
+                 bool(_arg(node, 7, "enable_gqa", False)), "sdpa")
+
+
+def _constant(node) -> float | None:
+    """A Python number, or a 0-d tensor made by ``torch.full([], c)`` / ``torch.tensor(c)``."""
+    if isinstance(node, (int, float)) and not isinstance(node, bool):
+        return float(node)
+    if is_call(node, torch.full) and tuple(_arg(node, 0, "size")) == ():
+        return _constant(_arg(node, 1, "fill_value"))
+    if is_call(node, torch.tensor, torch.scalar_tensor):
+        return _constant(node.args[0])
+    if is_call(node, methods=_CASTS):
+        return _constant(node.args[0])
+    return None
+
+
+def _strip_casts(node):
+    while is_call(node, methods=_CASTS) and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    return node
+
+
+def _untranspose(node: fx.Node):
+    """``k`` for ``k^T`` written as ``transpose(-2, -1)`` (any spelling) or ``.mT``."""
+    val = example(node)
+    if val is None:
+        return None
+    nd = val.dim()
+    if is_call(node, torch.transpose, methods=("transpose",)):
+        dims = {d % nd for d in node.args[1:3]}
+        if dims == {nd - 2, nd - 1}:
+            return node.args[0]
+    if node.op == "call_function" and node.target is getattr and node.args[1] == "mT":
+        return node.args[0]
+    if is_call(node, torch.permute, methods=("permute",)):
+        perm = node.args[1] if isinstance(node.args[1], (list, tuple)) else node.args[1:]
+        perm = [p % nd for p in perm]
+        if perm == [*range(nd - 2), nd - 1, nd - 2]:
+            return node.args[0]
+    return None
+
+
+def _eager_site(softmax: fx.Node) -> _Site | None:
+    """Match matmul -> scale -> (+mask) -> softmax -> (cast, dropout) -> matmul, or None if
+    this softmax is not followed by a matmul (not attention)."""
+    val = example(softmax)
+    dim = _arg(softmax, 1, "dim", None)
+    # Forward: softmax -> casts / dropout -> matmul(attn, v).
+    cur = softmax
+    while True:
+        if len(cur.users) != 1:
+            if any(is_call(u, *_MATMUL, methods=("matmul",)) for u in cur.users):
+                raise _fail(softmax, "its attention weights are also used elsewhere (is the "
+                                     "model returning attentions? set output_attentions=False)")
+            return None
+        (user,) = cur.users
+        if is_call(user, methods=_CASTS):
+            cur = user
+        elif is_call(user, *_DROPOUT):
+            _check_dropout(softmax, _arg(user, 1, "p", 0.5), _arg(user, 2, "training", True))
+            cur = user
+        elif is_call(user, *_MATMUL, methods=("matmul",)) and user.args[0] is cur:
+            out, v = user, user.args[1]
+            break
+        else:
+            return None
+    if val is None or dim is None or dim % val.dim() != val.dim() - 1:
+        raise _fail(softmax, f"its softmax runs over dim {dim}, not the key dimension (last)")
+    # Backward: softmax input -> mask -> scale -> matmul(q, k^T).
+    cur = _strip_casts(softmax.args[0])
+    mask = None
+    if is_call(cur, torch.add, operator.add, methods=("add",)):
+        a, b = cur.args[:2]
+        # The scores are the operand that reaches the q.k matmul; the other is the mask.
+        mask, cur = (b, a) if _reaches_matmul(a) else (a, b)
+    elif is_call(cur, torch.masked_fill, methods=("masked_fill",)):
+        cond = cur.args[1]
+        mask = ("not", cond)
+        cur = cur.args[0]
+    elif is_call(cur, torch.where) and _reaches_matmul(cur.args[1]):
+        mask = ("keep", cur.args[0])
+        cur = cur.args[1]
+    scale = 1.0
+    cur = _strip_casts(cur)
+    while is_call(cur, torch.mul, operator.mul, torch.div, operator.truediv,
+                  methods=("mul", "div")):
+        a, b = cur.args[:2]
+        is_div = cur.target in (torch.div, operator.truediv, "div")
+        c, other = (_constant(b), a) if _constant(b) is not None else (_constant(a), b)
+        if c is None or (is_div and other is not a):
+            raise _fail(softmax, f"its scores are scaled by a computed value ({describe(cur)})")
+        scale = scale / c if is_div else scale * c
+        cur = _strip_casts(other)
+    if not is_call(cur, *_MATMUL, methods=("matmul",)):
+        raise _fail(softmax, f"the softmax input does not come from a q @ k^T matmul "
+                             f"(found `{describe(cur)}`)")
+    q, kt = cur.args[:2]
+    k = _untranspose(kt)
+    return _Site(out, softmax, q, k if k is not None else kt, v, mask, scale, False,
+                 "eager" if k is not None else "eager-kT")
+
+
+def _reaches_matmul(node, depth: int = 6) -> bool:
+    """Whether ``node`` is (a scaled/cast form of) a matmul, within a few steps."""
+    for _ in range(depth):
+        if not isinstance(node, fx.Node):
+            return False
+        if is_call(node, *_MATMUL, methods=("matmul",)):
+            return True
+        if is_call(node, methods=_CASTS) or is_call(
+            node, torch.mul, operator.mul, torch.div, operator.truediv, methods=("mul", "div")
+        ):
+            node = node.args[0] if isinstance(node.args[0], fx.Node) else node.args[1]
+            continue
+        return False
+    return False
+
+
+def _mask_value(ctx: GraphContext, site: _Site):
+    """The model mask as a node: boolean (True = may attend) or additive float."""
+    m = site.mask
+    if isinstance(m, tuple):
+        how, cond = m
+        if how == "not":
+            with ctx.graph.inserting_before(site.out):
+                return ctx.graph.call_function(torch.logical_not, (cond,))
+        return cond
+    return m
+
+
+def _rewrite(ctx: GraphContext, site: _Site) -> fx.Node:
+    g = ctx.graph
+    k = site.k
+    with g.inserting_before(site.out):
+        if site.kind == "eager-kT":
+            k = g.call_method("transpose", (k, -2, -1))
+        mask = _mask_value(ctx, site) if site.mask is not None else None
+        if ctx.backend == "eager":
+            tree = ctx.shared("dense_tree_mask",
+                              lambda: g.call_function(dense_tree_mask, (ctx.subtree_end,)))
+            new = g.call_function(
+                tree_attention_dense, (site.q, k, site.v, tree, mask),
+                {"scale": site.scale, "enable_gqa": site.enable_gqa},
+            )
+        else:
+            lifted, bufs = None, ()
+            if mask is not None:
+                try:
+                    lifted, bufs = lift_mask(ctx, mask)
+                except MaskLiftError as e:
+                    raise _fail(site.anchor, f"its model-built attention mask cannot be lifted "
+                                             f"into a FlexAttention mask_mod ({e}); use "
+                                             "backend='eager' for this model") from None
+            blocks = _block_nodes(ctx, full=lifted is None)
+            fn = TreeFlexAttention(scale=site.scale, block_size=ctx.block_size,
+                                   model_mask=lifted,
+                                   name=f"tree_flex_attention_{site.anchor.name}")
+            new = g.call_function(fn, (site.q, k, site.v, *blocks, *bufs))
+    new.meta.update({k_: v_ for k_, v_ in site.out.meta.items()
+                     if k_ in ("nn_module_stack", "stack_trace", "example_value")})
+    ctx.record("attention", site.anchor, describe(new), note=site.kind)
+    site.out.replace_all_uses_with(new)
+    return new
+
+
+def _block_nodes(ctx: GraphContext, *, full: bool):
+    """Shared nodes: the tree's block-mask tensors and the padded tree tensors."""
+    g = ctx.graph
+
+    def make():
+        t = g.call_function(tree_block_tensors, (ctx.subtree_end, ctx.block_size), {"full": full})
+        parts = [g.call_function(operator.getitem, (t, i)) for i in range(5)]
+        n = parts[4]  # subtree_end padded to a block multiple
+        pos = g.call_function(_pad_like, (ctx.positions, n))
+        return (*parts, pos)
+
+    return ctx.shared(("blocks", full), make)
+
+
+def _pad_like(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return F.pad(x, (0, like.shape[0] - x.shape[0]))
+
+
+def attention_pass(ctx: GraphContext) -> int:
+    """Rewrite every matched attention; returns how many."""
+    sites = []
+    for node in list(ctx.graph.nodes):
+        if is_call(node, *_SDPA):
+            sites.append(_sdpa_site(node))
+        elif is_call(node, *_SOFTMAX, methods=("softmax",)):
+            site = _eager_site(node)
+            if site is not None:
+                sites.append(site)
+    for site in sites:
+        _rewrite(ctx, site)
+    ctx.graph.eliminate_dead_code()
+    return len(sites)
+
+
+def check_no_attention_left(ctx: GraphContext) -> None:
+    """After all passes: anything attention-like that survived is an error."""
+    for node in ctx.graph.nodes:
+        if node.op == "call_function" and node.target in _OTHER_ATTENTION + _SDPA:
+            raise _fail(node, "this attention op is not one treefx can rewrite")
+        if node.op == "call_function" and "flex_attention" in str(node.target) and not isinstance(
+            node.target, TreeFlexAttention
+        ):
+            raise _fail(node, "the model calls flex_attention itself; treefx does not rewrite "
+                              "a model's own flex_attention yet")
+        if is_call(node, *_SOFTMAX, methods=("softmax",)):
+            for user in _downstream(node):
+                if is_call(user, *_MATMUL, methods=("matmul", "bmm")) or is_call(
+                    user, torch.einsum
+                ):
+                    raise _fail(node, "a softmax feeds a matmul here, but not in a pattern "
+                                      "treefx recognises as attention")
+
+
+def _downstream(node: fx.Node, depth: int = 4):
+    frontier = [node]
+    for _ in range(depth):
+        nxt = []
+        for n in frontier:
+            for u in n.users:
+                yield u
+                nxt.append(u)
+        frontier = nxt

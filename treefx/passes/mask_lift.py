@@ -1,0 +1,282 @@
+"""Lift a model-built attention mask out of the graph into a FlexAttention ``mask_mod``.
+
+A model builds its mask from index grids: ``arange`` vectors broadcast to [B, H, Q, KV]
+(``q_idx[None, None, :, None]``, ``kv_idx[None, None, None, :]``), combined elementwise
+(causal ``kv <= q``, sliding window ``kv > q - W``, a padding lookup ``attention_mask[b, kv]``).
+After the positions pass its q/kv grids are path positions. This module re-evaluates that
+subgraph for one (b, h, q, kv) at a time, which is what a ``mask_mod`` is:
+
+- a *vector* node (1-D, from an index source) is evaluated at the index of the axis it is
+  broadcast to: tree positions at ``q_idx`` / ``kv_idx``, a batch or head ``arange`` at
+  ``b`` / ``h``;
+- a *grid* node (broadcast) is a scalar: shape ops (``expand``, ``view``, ``None``-indexing)
+  are identities, elementwise ops apply, indexing a buffer by grid scalars is a lookup;
+- tensors that do not depend on an index source are buffers, passed to the ``mask_mod`` at
+  run time (e.g. the padding mask).
+
+Anything else raises :class:`MaskLiftError`; the attention pass turns it into an error naming
+the attention site.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from .common import GraphContext, describe, example, is_call
+
+__all__ = ["MaskLiftError", "LiftedMask", "lift_mask"]
+
+_SHAPE_METHODS = ("expand", "expand_as", "view", "reshape", "unsqueeze", "contiguous",
+                  "squeeze", "broadcast_to")
+_SHAPE_FUNCS = (torch.reshape, torch.unsqueeze, torch.squeeze, torch.broadcast_to)
+_ROLES = ("b", "h", "q", "kv")
+
+
+class MaskLiftError(Exception):
+    """The mask subgraph is not an elementwise function of index grids."""
+
+
+def _is_index_source(ctx: GraphContext, node) -> bool:
+    return node is ctx.positions or is_call(node, torch.arange)
+
+
+class LiftedMask:
+    """``(b, h, q_pos, kv_pos, *buffers) -> bool``: the model's mask at path positions.
+
+    ``q_pos``/``kv_pos`` are the tree positions of the query and key (the caller indexes the
+    position table); ``buffers`` are the runtime values of the subgraph's leaf tensors.
+    """
+
+    def __init__(self, ctx: GraphContext, mask: fx.Node, leaves: list[fx.Node], rank: int,
+                 additive_cond: bool):
+        self.mask = mask
+        self.positions = ctx.positions
+        self.leaves = leaves
+        self.rank = rank
+        self.additive_cond = additive_cond
+
+    def __call__(self, b, h, q_pos, kv_pos, *buffers):
+        idx = {"b": b, "h": h}
+        pos = {"q": q_pos, "kv": kv_pos}
+        env = dict(zip(self.leaves, buffers))
+        vec_env: dict = {}
+
+        def vector(node, role):
+            key = (node, role)
+            if key in vec_env:
+                return vec_env[key]
+            val = example(node)
+            if val is not None and val.dim() == 1 and _static_one(val.shape[0]):
+                role_idx = torch.zeros_like(q_pos)  # a size-1 vector broadcasts its one entry
+            else:
+                role_idx = None
+            if node is self.positions:
+                if role not in pos:
+                    raise MaskLiftError("tree positions broadcast along a batch or head axis")
+                out = pos[role]
+            elif is_call(node, torch.arange):
+                i = role_idx if role_idx is not None else (pos[role] if role in pos else idx[role])
+                if role in pos and role_idx is None:
+                    raise MaskLiftError("an arange over the sequence survived the positions pass")
+                start, step = _arange_start_step(node)
+                out = start + step * i
+            elif node.op in ("call_function", "call_method"):
+                args = _map(node.args, lambda a: vector(a, role) if _depends(a) else leaf(a))
+                kwargs = _map(node.kwargs, lambda a: vector(a, role) if _depends(a) else leaf(a))
+                out = _call(node, args, kwargs)
+            else:
+                raise MaskLiftError(f"cannot evaluate `{describe(node)}` per index")
+            vec_env[key] = out
+            return out
+
+        def leaf(a):
+            if isinstance(a, fx.Node):
+                if a in env:
+                    return env[a]
+                raise MaskLiftError(f"`{describe(a)}` is not a tensor the mask can read")
+            return a
+
+        def _depends(a):
+            return isinstance(a, fx.Node) and a in self._dep
+
+        def grid(node):
+            if node in env:
+                return env[node]
+            if not _depends(node):
+                return leaf(node)
+            val = example(node)
+            src = node.args[0] if node.args else None
+            if _is_broadcast_of_vector(node, self._vectors):
+                out = vector(src, _axis_role(node))
+            elif is_call(node, *_SHAPE_FUNCS, methods=_SHAPE_METHODS) or (
+                is_call(node, operator.getitem) and _is_pure_view_key(node.args[1])
+            ):
+                out = grid(src)
+            elif is_call(node, operator.getitem):
+                base = grid(src) if _depends(src) else leaf(src)
+                key = node.args[1]
+                key = tuple(grid(k) if _depends(k) else k for k in key) if isinstance(
+                    key, tuple) else (grid(key) if _depends(key) else key)
+                out = base[key]
+            elif node.op in ("call_function", "call_method"):
+                args = _map(node.args, lambda a: grid(a) if _depends(a) else leaf(a))
+                kwargs = _map(node.kwargs, lambda a: grid(a) if _depends(a) else leaf(a))
+                out = _call(node, args, kwargs)
+            else:
+                raise MaskLiftError(f"cannot evaluate `{describe(node)}` per index")
+            if val is not None and isinstance(out, torch.Tensor) and out.dtype != val.dtype:
+                out = out.to(val.dtype)
+            env[node] = out
+            return out
+
+        out = grid(self.mask)
+        if self.additive_cond:
+            return out
+        if out.dtype != torch.bool:
+            raise MaskLiftError("the mask is not boolean")
+        return out.reshape(())
+
+    # Filled by lift_mask.
+    _dep: set
+    _vectors: set
+
+
+def _static_one(n) -> bool:
+    return isinstance(n, int) and n == 1
+
+
+def _arange_start_step(node: fx.Node):
+    args = node.args
+    if len(args) >= 2:
+        return args[0], (args[2] if len(args) >= 3 else node.kwargs.get("step", 1))
+    return node.kwargs.get("start", 0), node.kwargs.get("step", 1)
+
+
+def _map(x, fn):
+    if isinstance(x, tuple):
+        return tuple(_map(a, fn) for a in x)
+    if isinstance(x, list):
+        return [_map(a, fn) for a in x]
+    if isinstance(x, dict):
+        return {k: _map(v, fn) for k, v in x.items()}
+    return fn(x)
+
+
+def _call(node: fx.Node, args, kwargs):
+    if node.op == "call_method":
+        self_, *rest = args
+        if node.target == "to":
+            # Device moves and casts of a scalar: keep dtype casts only.
+            rest = [a for a in rest if isinstance(a, torch.dtype)]
+            kwargs = {k: v for k, v in kwargs.items() if k == "dtype"}
+            return self_.to(*rest, **kwargs) if rest or kwargs else self_
+        return getattr(self_, node.target)(*rest, **kwargs)
+    kwargs = {k: v for k, v in kwargs.items() if k != "device"} if node.target in (
+        torch.ones, torch.zeros, torch.full) else kwargs
+    return node.target(*args, **kwargs)
+
+
+def _is_pure_view_key(key) -> bool:
+    key = key if isinstance(key, tuple) else (key,)
+    return all(k is None or k is Ellipsis or k == slice(None) for k in key)
+
+
+def _is_broadcast_of_vector(node: fx.Node, vectors: set) -> bool:
+    if not node.args or node.args[0] not in vectors or node in vectors:
+        return False
+    val = example(node)
+    return val is not None and val.dim() >= 2
+
+
+def _axis_role(node: fx.Node) -> str:
+    """Which of b, h, q, kv the vector's axis lands on in a broadcast node's output."""
+    val = example(node)
+    rank = val.dim()
+    axis = None
+    if is_call(node, operator.getitem):
+        key = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+        out_axis = 0
+        for k in key:
+            if k is None:
+                out_axis += 1
+            elif k == slice(None):
+                axis = out_axis
+                out_axis += 1
+            elif k is Ellipsis:
+                if slice(None) not in [x for x in key if x is not Ellipsis]:
+                    axis = out_axis
+                out_axis += rank - (len(key) - 1)
+            else:
+                raise MaskLiftError(f"unexpected index in `{describe(node)}`")
+    else:
+        sizes = [s for s in val.shape]
+        big = [i for i, s in enumerate(sizes) if not _static_one(s)]
+        if len(big) == 1:
+            axis = big[0]
+    if axis is None:
+        # A size-1 vector: any role reads its only entry.
+        return "b"
+    from_end = rank - 1 - axis
+    if from_end >= len(_ROLES):
+        raise MaskLiftError(f"`{describe(node)}` broadcasts to more than 4 dims")
+    return _ROLES[::-1][from_end]
+
+
+def lift_mask(ctx: GraphContext, mask: fx.Node) -> tuple[LiftedMask, tuple[fx.Node, ...]]:
+    """The mask_mod of ``mask`` and the graph nodes to pass it as buffers."""
+    val = example(mask)
+    if val is None or val.dim() < 2:
+        raise MaskLiftError("the mask has no recorded shape")
+    additive_cond = False
+    if val.dtype != torch.bool:
+        # Additive masks the usual way: where(allowed, 0, -big). Anything else may carry a bias.
+        if is_call(mask, torch.where) and mask.args[1] in (0, 0.0):
+            mask = mask.args[0]
+        elif is_call(mask, torch.where) and isinstance(mask.args[1], fx.Node) and is_call(
+            mask.args[1], torch.zeros_like, torch.zeros
+        ):
+            mask = mask.args[0]
+        else:
+            raise MaskLiftError(f"it is an additive float mask made by `{describe(mask)}`, which "
+                                "may carry a bias, not only -inf")
+        if example(mask) is None or example(mask).dtype != torch.bool:
+            raise MaskLiftError("the additive mask's condition is not boolean")
+    # Nodes that depend on an index source, and which of them are still 1-D vectors.
+    dep: set = set()
+    vectors: set = set()
+    order = []
+    seen = set()
+
+    def visit(n):
+        if not isinstance(n, fx.Node) or n in seen:
+            return
+        seen.add(n)
+        for a in n.all_input_nodes:
+            visit(a)
+        order.append(n)
+
+    visit(mask)
+    for n in order:
+        if _is_index_source(ctx, n):
+            dep.add(n)
+            vectors.add(n)
+        elif any(a in dep for a in n.all_input_nodes):
+            dep.add(n)
+            v = example(n)
+            if v is not None and v.dim() == 1 and all(
+                a in vectors for a in n.all_input_nodes if a in dep
+            ):
+                vectors.add(n)
+    leaves = []
+    for n in order:
+        if n in dep:
+            continue
+        if any(u in dep for u in n.users) and isinstance(example(n), torch.Tensor):
+            leaves.append(n)
+    lifted = LiftedMask(ctx, mask, leaves, val.dim(), additive_cond)
+    lifted._dep = dep
+    lifted._vectors = vectors
+    return lifted, tuple(leaves)
