@@ -43,6 +43,7 @@ def _is_index_source(ctx: GraphContext, node) -> bool:
     return node is ctx.positions or is_call(node, torch.arange)
 
 
+
 class LiftedMask:
     """``(b, h, q_pos, kv_pos, *buffers) -> bool``: the model's mask at path positions.
 
@@ -50,13 +51,10 @@ class LiftedMask:
     position table); ``buffers`` are the runtime values of the subgraph's leaf tensors.
     """
 
-    def __init__(self, ctx: GraphContext, mask: fx.Node, leaves: list[fx.Node], rank: int,
-                 additive_cond: bool):
+    def __init__(self, positions: fx.Node | None, mask: fx.Node, leaves: list[fx.Node]):
+        self.positions = positions
         self.mask = mask
-        self.positions = ctx.positions
         self.leaves = leaves
-        self.rank = rank
-        self.additive_cond = additive_cond
 
     def __call__(self, b, h, q_pos, kv_pos, *buffers):
         idx = {"b": b, "h": h}
@@ -77,7 +75,9 @@ class LiftedMask:
                 if role not in pos:
                     raise MaskLiftError("tree positions broadcast along a batch or head axis")
                 out = pos[role]
-            elif is_call(node, torch.arange):
+            elif is_call(node, torch.arange) or node.op == "placeholder":
+                if node.op == "placeholder":
+                    raise MaskLiftError(f"`{node.name}` is not an index the mask can evaluate")
                 i = role_idx if role_idx is not None else (pos[role] if role in pos else idx[role])
                 if role in pos and role_idx is None:
                     raise MaskLiftError("an arange over the sequence survived the positions pass")
@@ -133,8 +133,6 @@ class LiftedMask:
             return out
 
         out = grid(self.mask)
-        if self.additive_cond:
-            return out
         if out.dtype != torch.bool:
             raise MaskLiftError("the mask is not boolean")
         return out.reshape(())
@@ -230,7 +228,6 @@ def lift_mask(ctx: GraphContext, mask: fx.Node) -> tuple[LiftedMask, tuple[fx.No
     val = example(mask)
     if val is None or val.dim() < 2:
         raise MaskLiftError("the mask has no recorded shape")
-    additive_cond = False
     if val.dtype != torch.bool:
         # Additive masks the usual way: where(allowed, 0, -big). Anything else may carry a bias.
         if is_call(mask, torch.where) and mask.args[1] in (0, 0.0):
@@ -270,13 +267,29 @@ def lift_mask(ctx: GraphContext, mask: fx.Node) -> tuple[LiftedMask, tuple[fx.No
                 a in vectors for a in n.all_input_nodes if a in dep
             ):
                 vectors.add(n)
+    # Snapshot the subgraph into a private graph: the attention pass removes the original
+    # nodes once the attention no longer reads the mask.
+    private = fx.Graph()
+    copies: dict = {}
     leaves = []
+
+    def outer(a: fx.Node) -> fx.Node:
+        # A value from outside the subgraph: a placeholder of the private graph.
+        if a not in copies:
+            ph = private.placeholder(a.name)
+            ph.meta = dict(a.meta)
+            copies[a] = ph
+            if a is not ctx.positions and isinstance(example(a), torch.Tensor):
+                leaves.append(a)
+        return copies[a]
+
     for n in order:
-        if n in dep:
-            continue
-        if any(u in dep for u in n.users) and isinstance(example(n), torch.Tensor):
-            leaves.append(n)
-    lifted = LiftedMask(ctx, mask, leaves, val.dim(), additive_cond)
-    lifted._dep = dep
-    lifted._vectors = vectors
+        if n in dep and n is not ctx.positions:
+            copies[n] = private.node_copy(n, lambda a: copies[a] if a in copies else outer(a))
+        elif n is ctx.positions:
+            outer(n)
+    lifted = LiftedMask(copies[ctx.positions] if ctx.positions in copies else None,
+                        copies[mask], [copies[n] for n in leaves])
+    lifted._dep = {copies[n] for n in dep}
+    lifted._vectors = {copies[n] for n in vectors}
     return lifted, tuple(leaves)
