@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+import treefx
 from treefx import read_jsonl, synth
 from treefx.cli import main
 
@@ -69,8 +70,6 @@ def test_stats_table_matches_trees(synth_file, capsys):
         sum(t.num_tokens for t in trees),
         sum(t.num_baseline_tokens for t in trees),
     )
-    import treefx
-
     assert float(total[4]) == pytest.approx(treefx.por(trees), abs=5e-4)
     # Separators under the header and above the total; columns line up.
     assert seps == [1, len(lines) - 2]

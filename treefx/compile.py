@@ -193,15 +193,23 @@ class TreeModel(torch.nn.Module):
         if batch.device != dev:
             raise ValueError(f"the batch is on {batch.device} but the model is on {dev}; "
                              f"use batch.to({str(dev)!r})")
-        emb = getattr(self.model, "get_input_embeddings", None)
-        emb = emb() if callable(emb) else None
-        vocab = getattr(emb, "num_embeddings", None)
+        vocab = _vocab_size(self.model)
         if vocab is not None:
             top = int(batch.input_ids.max())
             if top >= vocab:
                 t = int((batch.input_ids[0] == top).nonzero()[0, 0])
                 raise ValueError(f"token id {top} at DFS position {t} is out of range for the "
                                  f"model's vocabulary of {vocab}")
+
+
+def _vocab_size(model: torch.nn.Module) -> int | None:
+    """The token embedding's size: Hugging Face's get_input_embeddings, else the first
+    nn.Embedding of the model (None if it has none)."""
+    get = getattr(model, "get_input_embeddings", None)
+    emb = get() if callable(get) else None
+    if emb is None:
+        emb = next((m for m in model.modules() if isinstance(m, torch.nn.Embedding)), None)
+    return getattr(emb, "num_embeddings", None)
 
 
 def compile(model: torch.nn.Module, *, backend: str = "auto", block_size: int = 128,

@@ -1,0 +1,258 @@
+"""treefx.compile against the per-branch oracle: the unmodified model run on each sequence
+alone. Values and gradients, float32 on the CPU, eager backend."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from trees import odd_forest, odd_tree
+
+import treefx
+from treefx.models import tiny_decoder
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 64
+
+HF_CONFIGS = {
+    "qwen3": dict(model_type="qwen3", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=8),
+    "llama": dict(model_type="llama", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2),
+    # A window of 3 positions: shorter than most sequences here, so it matters.
+    "mistral": dict(model_type="mistral", hidden_size=32, intermediate_size=64,
+                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                    head_dim=8, sliding_window=3),
+    "gpt2": dict(model_type="gpt2", n_embd=32, n_layer=2, n_head=4, n_positions=64,
+                 attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0),
+}
+
+
+def hf_model(name: str, impl: str, dtype=torch.float32) -> torch.nn.Module:
+    cfg = dict(HF_CONFIGS[name])
+    cfg = transformers.AutoConfig.for_model(cfg.pop("model_type"), vocab_size=VOCAB, **cfg)
+    cfg._attn_implementation = impl
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(cfg).to(dtype)
+
+
+def grads(model) -> dict[str, torch.Tensor]:
+    out = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+def check_against_oracle(tm: treefx.TreeModel, trees, *, atol=1e-4, rtol=1e-4):
+    """Log-probs per token and gradients of both reductions equal the per-branch oracle."""
+    model = tm.model
+    model.zero_grad(set_to_none=True)
+    ref = treefx.reference.sequence_logprobs(model, trees)
+    for reduction in ("sum", "mean"):
+        batch = treefx.pack(trees, reduction=reduction)
+        out = tm(batch)
+        assert out.logits.shape[:2] == (1, batch.num_tokens)
+        for i, lp in enumerate(ref):
+            idx = batch.sequence_index(i)
+            torch.testing.assert_close(out.token_logprobs[idx[1:]], lp.detach(), atol=atol,
+                                       rtol=0)
+        roots = batch.parent_token < 0
+        assert torch.all(out.token_logprobs[roots] == 0)
+        loss = treefx.tree_loss(out, batch)
+        loss.backward()
+        g_tree = grads(model)
+        ref_loss = treefx.reference.sequence_loss(model, trees, reduction=reduction)
+        ref_loss.backward()
+        g_ref = grads(model)
+        torch.testing.assert_close(loss, ref_loss, atol=atol, rtol=rtol)
+        assert g_tree.keys() == g_ref.keys() and g_ref
+        for name, g in g_ref.items():
+            err = (g_tree[name] - g).norm() / g.norm().clamp_min(1e-12)
+            assert err <= rtol, f"{reduction}: gradient of {name} off by {err:.2e} (relative)"
+
+
+CASES = [
+    ("qwen3", "sdpa"), ("qwen3", "eager"),
+    ("llama", "sdpa"), ("llama", "eager"),
+    ("mistral", "sdpa"), ("mistral", "eager"),
+    ("gpt2", "sdpa"), ("gpt2", "eager"),
+]
+
+
+@pytest.mark.parametrize("name,impl", CASES, ids=[f"{n}-{i}" for n, i in CASES])
+def test_hf_models_match_oracle(name, impl):
+    model = hf_model(name, impl)
+    # GPT-2 builds its positions itself when not given them: exercise the positions pass.
+    tm = treefx.compile(model, backend="eager", pass_position_ids=False if name == "gpt2" else None)
+    check_against_oracle(tm, odd_tree(1, VOCAB))
+    check_against_oracle(tm, odd_forest(2, VOCAB))
+    assert tm.num_compilations == 1
+    rewritten = [r for r in tm.contexts[0].log if r.pass_name == "attention"]
+    assert len(rewritten) == 2  # one per layer
+    assert all(".attn" in r.module or "self_attn" in r.module for r in rewritten)
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+@pytest.mark.parametrize("give_positions", [True, False])
+def test_pure_torch_decoder(impl, give_positions):
+    torch.manual_seed(0)
+    model = tiny_decoder(vocab_size=VOCAB, attn_impl=impl)
+    tm = treefx.compile(model, backend="eager", pass_position_ids=give_positions)
+    check_against_oracle(tm, odd_forest(3, VOCAB))
+    passes = {r.pass_name for r in tm.contexts[0].log}
+    assert ("positions" in passes) == (not give_positions)
+
+
+@pytest.mark.parametrize("name,impl", [("mistral", "sdpa"), ("qwen3", "eager"), ("gpt2", "eager")])
+def test_flex_path_forward_matches_oracle(name, impl):
+    """The inductor backend's graph (FlexAttention, the lifted model mask as a mask_mod) run
+    eagerly: forward only, as FlexAttention has no backward on the CPU."""
+    model = hf_model(name, impl, torch.float64)
+    tm = treefx.compile(model, backend="flex-eager")
+    trees = odd_forest(4, VOCAB)
+    with torch.no_grad():
+        out = tm(treefx.pack(trees, pad_to_multiple=16))
+        ref = treefx.reference.sequence_logprobs(model, trees)
+    batch = treefx.pack(trees, pad_to_multiple=16)
+    for i, lp in enumerate(ref):
+        # HF's eager attention takes its softmax in float32 even for a float64 model.
+        torch.testing.assert_close(out.token_logprobs[batch.sequence_index(i)[1:]], lp,
+                                   atol=1e-6, rtol=0)
+
+
+def test_sliding_window_is_not_dropped():
+    """Guard against a pass that drops the model's mask: with a window of 3 the tree result
+    must differ from plain causal attention over each path."""
+    model = hf_model("mistral", "sdpa", torch.float64)
+    wide = hf_model("mistral", "sdpa", torch.float64)
+    wide.config.sliding_window = 10_000
+    for m in (model, wide):
+        m.model.config.sliding_window = m.config.sliding_window
+    tree = odd_tree(5, VOCAB)
+    with torch.no_grad():
+        narrow_out = treefx.compile(model, backend="eager")(treefx.pack(tree))
+        wide_out = treefx.compile(wide, backend="eager")(treefx.pack(tree))
+    assert not torch.allclose(narrow_out.token_logprobs, wide_out.token_logprobs, atol=1e-6)
+
+
+def test_twenty_tree_sizes_compile_at_most_three_times():
+    torch.manual_seed(0)
+    model = tiny_decoder(vocab_size=VOCAB)
+    tm = treefx.compile(model, backend="eager")
+    sizes = set()
+    for seed in range(20):
+        batch = treefx.pack(odd_tree(100 + seed, VOCAB))
+        sizes.add(batch.num_tokens)
+        tm(batch)
+    assert len(sizes) >= 10
+    assert tm.num_compilations <= 3
+
+
+def test_model_keeps_its_parameters_and_plain_use():
+    torch.manual_seed(0)
+    model = tiny_decoder(vocab_size=VOCAB)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    tm = treefx.compile(model, backend="eager")
+    assert list(tm.parameters()) == list(model.parameters())
+    batch = treefx.pack(odd_tree(7, VOCAB))
+    before = model.lm_head.weight.detach().clone()
+    treefx.tree_loss(tm(batch), batch).backward()
+    opt.step()
+    assert not torch.equal(before, model.lm_head.weight)
+    # The unwrapped model still runs plain batches, causally as before.
+    ids = torch.randint(0, VOCAB, (2, 9))
+    logits = model(ids)
+    assert logits.shape == (2, 9, VOCAB)
+    torch.testing.assert_close(model(ids[:, :5]), logits[:, :5])
+    # And the compiled model sees the optimizer's update.
+    out = tm(batch)
+    ref = treefx.reference.sequence_logprobs(model, batch.trees)
+    torch.testing.assert_close(out.token_logprobs[batch.sequence_index(0)[1:]], ref[0],
+                               atol=1e-4, rtol=0)
+
+
+def test_bad_batches_raise():
+    torch.manual_seed(0)
+    model = tiny_decoder(vocab_size=VOCAB)
+    tm = treefx.compile(model, backend="eager")
+    with pytest.raises(TypeError, match="TreeBatch"):
+        tm(torch.zeros(1, 4, dtype=torch.long))
+    bad = treefx.pack(treefx.Tree.from_sequences([[1, 2, VOCAB + 3]]))
+    with pytest.raises(ValueError, match=f"token id {VOCAB + 3} .* vocabulary of {VOCAB}"):
+        tm(bad)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        treefx.compile(model, backend="tpu")
+
+
+class EinsumAttention(torch.nn.Module):
+    """Attention written with einsum: looks like attention, matches no pattern."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(VOCAB, 16)
+        self.mixer = torch.nn.Linear(16, 48)
+        self.head = torch.nn.Linear(16, VOCAB)
+
+    def forward(self, input_ids):
+        x = self.emb(input_ids)
+        q, k, v = self.mixer(x).chunk(3, dim=-1)
+        att = torch.einsum("bqd,bkd->bqk", q, k).softmax(dim=-1)
+        return self.head(torch.einsum("bqk,bkd->bqd", att, v))
+
+
+class Wrapper(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = EinsumAttention()
+
+    def forward(self, input_ids):
+        return self.block(input_ids)
+
+
+def test_unmatched_attention_names_node_and_module():
+    tm = treefx.compile(Wrapper(), backend="eager")
+    with pytest.raises(treefx.UnmatchedAttentionError, match=r"at block \(graph node `att = \.softmax\(einsum"):
+        tm(treefx.pack(odd_tree(8, VOCAB)))
+
+
+class BreaksGraph(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(VOCAB, 8)
+        self.head = torch.nn.Linear(8, VOCAB)
+
+    def forward(self, input_ids):
+        x = self.emb(input_ids)
+        if x.sum().item() > 0:  # data-dependent Python control flow: a graph break
+            x = x * 2
+        return self.head(x)
+
+
+def test_graph_break_lists_reasons():
+    tm = treefx.compile(BreaksGraph(), backend="eager")
+    with pytest.raises(treefx.GraphBreakError, match=r"Graph breaks:\n  1\. "):
+        tm(treefx.pack(odd_tree(9, VOCAB)))
+
+
+def test_attention_dropout_in_training_is_refused():
+    cfg = dict(HF_CONFIGS["gpt2"], attn_pdrop=0.1)
+    cfg = transformers.AutoConfig.for_model(cfg.pop("model_type"), vocab_size=VOCAB, **cfg)
+    cfg._attn_implementation = "eager"
+    model = transformers.AutoModelForCausalLM.from_config(cfg).train()
+    with pytest.raises(treefx.UnmatchedAttentionError, match="dropout p=0.1"):
+        treefx.compile(model, backend="eager")(treefx.pack(odd_tree(10, VOCAB)))
+
+
+@pytest.mark.slow
+def test_inductor_cpu_forward_matches_oracle():
+    """Inductor's generated FlexAttention kernel with the lifted sliding-window mask_mod
+    (forward: the CPU has no FlexAttention backward). Minutes on 2 cores."""
+    model = hf_model("mistral", "sdpa")
+    tm = treefx.compile(model, backend="inductor")
+    trees = odd_forest(11, VOCAB)
+    with torch.no_grad():
+        out = tm(treefx.pack(trees))
+        ref = treefx.reference.sequence_logprobs(model, trees)
+    batch = treefx.pack(trees)
+    for i, lp in enumerate(ref):
+        torch.testing.assert_close(out.token_logprobs[batch.sequence_index(i)[1:]], lp,
+                                   atol=1e-4, rtol=0)
