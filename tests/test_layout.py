@@ -46,11 +46,11 @@ def sequence_sets(draw, max_seqs=10, max_len=8, alphabet=4):
 @st.composite
 def node_trees(draw):
     """Explicit nodes, parents first but usually not in DFS preorder; sequences end at every
-    leaf and at some internal nodes (shuffled, possibly repeated). Siblings may start with the
-    same token (from_nodes allows it)."""
+    leaf and at some internal nodes (shuffled, possibly repeated). Each node starts with its
+    own token (from_nodes rejects siblings that start alike)."""
     n = draw(st.integers(1, 7))
     parents = [-1] + [draw(st.integers(-1, i - 1)) for i in range(1, n)]
-    segments = [draw(st.lists(st.integers(0, 3), min_size=1, max_size=3)) for _ in range(n)]
+    segments = [[4 + i] + draw(st.lists(st.integers(0, 3), max_size=2)) for i in range(n)]
     leaves = [i for i in range(n) if i not in parents]
     extra = draw(st.lists(st.integers(0, n - 1), max_size=3))
     ends = list(draw(st.permutations(leaves + extra)))
@@ -357,7 +357,8 @@ def _tree_of_232() -> Tree:
     lengths = [40, 13, 25, 7, 30, 11, 19, 5, 22, 17, 9, 34]
     assert sum(lengths) == 232
     parents = [-1] + [rng.randrange(-1 if i > 6 else 0, i) for i in range(1, len(lengths))]
-    segments = [[rng.randrange(1, 1000) for _ in range(k)] for k in lengths]
+    segments = [[1000 + i] + [rng.randrange(1, 1000) for _ in range(k - 1)]
+                for i, k in enumerate(lengths)]
     return Tree.from_nodes(segments, parents)
 
 
@@ -407,6 +408,8 @@ def test_block_mask_of_128k_tokens():
     # Mostly deep chains with some branching, parents first (not preorder).
     parents = [-1] + [int(rng.integers(max(0, i - 50), i)) for i in range(1, n_nodes)]
     segments = [rng.integers(0, 32000, size=int(k)) for k in lengths]
+    for i, seg in enumerate(segments):
+        seg[0] = i  # siblings must start with different tokens
     batch = pack(Tree.from_nodes(segments, parents))
     assert batch.num_tokens == 131072
     se = batch.subtree_end

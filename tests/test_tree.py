@@ -373,39 +373,22 @@ def test_from_sequences_rejects_bad_input(kwargs, exc, match):
         Tree.from_sequences(seqs, **kwargs)
 
 
-# Bugs in _as_token_array: np.asarray coerces a mixed list to one dtype before the check, so
-# the error names the first token (converted) instead of the bad one, and a bool among ints
-# becomes the integer 1 without any error.
+# A mixed list must not be coerced to one dtype before the check: the error names the bad
+# entry itself, and a bool among ints is not taken as token 1.
 @pytest.mark.parametrize(
     "seqs, exc, match",
     [
         pytest.param(
             [[1, 2], [3, 1.5]], TypeError, r"sequence 1, position 1: token id 1\.5",
-            marks=pytest.mark.xfail(
-                reason="[3, 1.5] becomes a float array: the error names position 0 (3.0)",
-                strict=True,
-            ),
         ),
         pytest.param(
             [[0, "a"]], TypeError, "sequence 0, position 1: token id 'a'",
-            marks=pytest.mark.xfail(
-                reason="[0, 'a'] becomes a str array: the error names position 0 ('0')",
-                strict=True,
-            ),
         ),
         pytest.param(
             [[1, 2], [1, True]], TypeError, "sequence 1, position 1",
-            marks=pytest.mark.xfail(
-                reason="[1, True] becomes an int array: the bool is accepted as token 1",
-                strict=True,
-            ),
         ),
         pytest.param(
             [[1], [2**70]], ValueError, "sequence 1, position 0",
-            marks=pytest.mark.xfail(
-                reason="a token id beyond int64 raises a bare OverflowError naming nothing",
-                strict=True,
-            ),
         ),
     ],
 )
@@ -482,13 +465,14 @@ def test_read_jsonl_names_the_bad_line(tmp_path, second_line, exc, match):
     assert str(path) in str(info.value)
 
 
-@pytest.mark.xfail(
-    reason="read_jsonl re-raises as type(e)(message): json.JSONDecodeError needs (msg, doc, pos), "
-    "so invalid JSON gives 'TypeError: JSONDecodeError.__init__() missing 2 required positional "
-    "arguments' with no line number",
-    strict=True,
-)
 def test_read_jsonl_invalid_json_names_the_line(tmp_path):
     path = _write(tmp_path, '{"sequences": [[1, 2]]}\n\n{"sequences": [[1, 2]\n')
     with pytest.raises(ValueError, match="line 3"):
         list(read_jsonl(path))
+
+
+def test_from_nodes_rejects_siblings_that_start_alike():
+    with pytest.raises(ValueError, match="nodes 0 and 1 have the same parent .* token 5"):
+        Tree.from_nodes([[5, 6], [5, 7]], [-1, -1])
+    with pytest.raises(ValueError, match="nodes 1 and 2 have the same parent \\(0\\)"):
+        Tree.from_nodes([[1], [2, 3], [2]], [-1, 0, 0])

@@ -210,7 +210,8 @@ def pack(
         if not isinstance(t, Tree):
             raise TypeError(f"trees[{i}] is a {type(t).__name__}, not a treefx.Tree")
     if pad_to_multiple is not None and (
-        not isinstance(pad_to_multiple, int) or pad_to_multiple <= 0
+        not isinstance(pad_to_multiple, int) or isinstance(pad_to_multiple, bool)
+        or pad_to_multiple <= 0
     ):
         raise ValueError(f"pad_to_multiple must be a positive integer, got {pad_to_multiple!r}")
 

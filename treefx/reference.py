@@ -47,8 +47,8 @@ def _device(model: torch.nn.Module) -> torch.device:
 
 def sequence_logprobs(model: torch.nn.Module, tree) -> list[torch.Tensor]:
     """Per sequence (over all trees given, in order): log p(token j | tokens < j) for j >= 1,
-    a float32 tensor of length ``len(sequence) - 1``, from the model run on that sequence alone.
-    Differentiable."""
+    a tensor of length ``len(sequence) - 1`` in float32 (float64 for a float64 model), from the
+    model run on that sequence alone. Differentiable."""
     dev = _device(model)
     out = []
     for t in _trees(tree):

@@ -25,25 +25,31 @@ def _as_token_array(seq, what: str) -> np.ndarray:
     """Validate one token list: non-empty, integers, non-negative. ``what`` names it in errors."""
     if isinstance(seq, (str, bytes, dict, set)):
         raise TypeError(f"{what} must be a list of integer token ids, got {type(seq).__name__}")
-    arr = np.asarray(seq)
+    if isinstance(seq, np.ndarray) and seq.ndim == 1 and np.issubdtype(seq.dtype, np.integer):
+        arr = seq.astype(np.int64, copy=False)  # the fast path: already integer ids
+    else:
+        if hasattr(seq, "tolist"):  # numpy arrays, torch tensors
+            seq = seq.tolist()
+        try:
+            items = list(seq)
+        except TypeError:
+            raise TypeError(f"{what} must be a list of integer token ids, got "
+                            f"{type(seq).__name__}") from None
+        # Check the elements as given: converting the list first would turn [1, True] into
+        # [1, 1] and [3, 1.5] into floats, hiding which entry is wrong.
+        for j, x in enumerate(items):
+            if isinstance(x, bool) or not isinstance(x, numbers.Integral):
+                if isinstance(x, (list, tuple)):
+                    raise ValueError(f"{what} must be a flat list of token ids; position {j} "
+                                     "holds a list")
+                raise TypeError(f"{what}, position {j}: token id {x!r} is not an integer")
+            if not -(2**63) <= x < 2**63:
+                raise ValueError(f"{what}, position {j}: token id {x} does not fit in int64")
+        arr = np.asarray(items, dtype=np.int64)
     if arr.ndim != 1:
         raise ValueError(f"{what} must be a flat list of token ids, got shape {tuple(arr.shape)}")
     if arr.size == 0:
         raise ValueError(f"{what} is empty; every sequence needs at least one token")
-    if arr.dtype == object or not np.issubdtype(arr.dtype, np.integer):
-        if arr.dtype == bool or not all(
-            isinstance(x, numbers.Integral) and not isinstance(x, bool) for x in arr.tolist()
-        ):
-            bad = next(
-                j
-                for j, x in enumerate(arr.tolist())
-                if not isinstance(x, numbers.Integral) or isinstance(x, bool)
-            )
-            raise TypeError(
-                f"{what}, position {bad}: token id {arr.tolist()[bad]!r} is not an integer"
-            )
-        arr = arr.astype(np.int64)
-    arr = arr.astype(np.int64, copy=False)
     neg = np.flatnonzero(arr < 0)
     if neg.size:
         raise ValueError(f"{what}, position {int(neg[0])}: token id {int(arr[neg[0]])} is negative")
@@ -87,7 +93,7 @@ def _as_weights(weights, num_sequences: int) -> np.ndarray:
     bad = np.flatnonzero(~np.isfinite(arr) | (arr < 0))
     if bad.size:
         i = int(bad[0])
-        raise ValueError(f"sequence {i}: weight {arr[i]!r} must be finite and non-negative")
+        raise ValueError(f"sequence {i}: weight {float(arr[i])} must be finite and non-negative")
     return arr
 
 
@@ -117,7 +123,7 @@ class Tree:
         "weights",
         "loss_masks",
         "_node_start",
-        "_has_custom_masks",
+        "_sequences",
     )
 
     def __init__(self, segments, parents, sequence_ends, weights, loss_masks, *, _checked=False):
@@ -135,7 +141,7 @@ class Tree:
             if p >= 0:
                 start[i] = start[p] + lens[p]
         self._node_start = start  # position (depth) of each node's first token
-        self._has_custom_masks = loss_masks is not None
+        self._sequences: list[list[int]] | None = None
 
     # ------------------------------------------------------------------ construction
 
@@ -227,6 +233,17 @@ class Tree:
                 f"node {int(off[0])} lies on no sequence (no entry of sequence_ends is it or below "
                 "it); remove it or add a sequence ending there"
             )
+        first_seen: dict[tuple[int, int], int] = {}
+        for i, (p, seg) in enumerate(zip(par.tolist() if hasattr(par, "tolist") else par, segs)):
+            other = first_seen.setdefault((int(p), int(seg[0])), i)
+            if other != i:
+                # Such siblings share a prefix: the tree would compute it twice and count its
+                # tokens twice. Tree.from_sequences builds the merged tree.
+                raise ValueError(
+                    f"nodes {other} and {i} have the same parent ({p}) and both start with token "
+                    f"{int(seg[0])}; siblings must start with different tokens (use "
+                    "Tree.from_sequences to merge shared prefixes)"
+                )
         tree = cls(segs, par_arr, ends, _as_weights(weights, len(ends)), None, _checked=True)
         if loss_masks is not None:
             loss_masks = list(loss_masks)
@@ -239,7 +256,6 @@ class Tree:
                 _as_mask_array(m, int(n), f"loss mask of sequence {i}")
                 for i, (m, n) in enumerate(zip(loss_masks, lens))
             ]
-            tree._has_custom_masks = True
         return tree
 
     # ------------------------------------------------------------------ views
@@ -301,8 +317,10 @@ class Tree:
 
     @property
     def sequences(self) -> list[list[int]]:
-        """The token lists, in input order."""
-        return [self.sequence(i).tolist() for i in range(self.num_sequences)]
+        """The token lists, in input order (computed once; a tree does not change)."""
+        if self._sequences is None:
+            self._sequences = [self.sequence(i).tolist() for i in range(self.num_sequences)]
+        return self._sequences
 
     def loss_mask(self, i: int) -> np.ndarray:
         if self.loss_masks is not None:
@@ -435,6 +453,8 @@ def read_jsonl(path: str | os.PathLike) -> Iterator[Tree]:
                 continue
             try:
                 yield Tree.from_dict(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{os.fspath(path)}, line {lineno}: not valid JSON ({e})") from e
             except (ValueError, TypeError) as e:
                 raise type(e)(f"{os.fspath(path)}, line {lineno}: {e}") from e
 
