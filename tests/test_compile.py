@@ -243,6 +243,12 @@ def test_attention_dropout_in_training_is_refused():
 
 
 @pytest.mark.slow
+@pytest.mark.xfail(
+    reason="torch's CPU FlexAttention template cannot read mask buffers computed inside the "
+    "graph (NotImplementedError: Pointwise in ir.get_name, seen with torch 2.13); the same graph "
+    "compiles and is exact on CUDA (benchmarks/gpu_check.py)",
+    raises=Exception, strict=True,
+)
 def test_inductor_cpu_forward_matches_oracle():
     """Inductor's generated FlexAttention kernel with the lifted sliding-window mask_mod
     (forward: the CPU has no FlexAttention backward). Minutes on 2 cores."""

@@ -3,6 +3,7 @@
 from . import reference, synth
 from .compile import TreeModel, TreeOutput, compile, tree_loss
 from .layout import TreeBatch, pack
+from .partition import err, partition, partition_ids
 from .passes import GraphBreakError, TreeCompileError, UnmatchedAttentionError
 from .tree import Tree, bound, por, read_jsonl, write_jsonl
 
@@ -18,7 +19,10 @@ __all__ = [
     "UnmatchedAttentionError",
     "bound",
     "compile",
+    "err",
     "pack",
+    "partition",
+    "partition_ids",
     "por",
     "read_jsonl",
     "reference",
