@@ -236,6 +236,7 @@ def _context(gm: fx.GraphModule, backend: str, block_size: int) -> GraphContext:
         raise TreeCompileError(f"captured graph lacks the tree inputs (placeholders: "
                                f"{[n.name for n in placeholders]})")
     ids, info = by_name["input_ids"], by_name["tree_info"]
+    code_before = gm.code
     g = gm.graph
     fake = example(info)
     with g.inserting_after(placeholders[-1]):
@@ -248,7 +249,8 @@ def _context(gm: fx.GraphModule, backend: str, block_size: int) -> GraphContext:
     return GraphContext(gm=gm, backend="inductor" if backend == "inductor" else (
         "flex" if backend == "flex-eager" else "eager"),
         input_ids=ids, tree_info=info, positions=pos, subtree_end=se,
-        seq_len=example(ids).shape[1], entry=se.next, block_size=block_size)
+        seq_len=example(ids).shape[1], entry=se.next, block_size=block_size,
+        code_before=code_before)
 
 
 def _row(tree_info: torch.Tensor, i: int) -> torch.Tensor:

@@ -281,6 +281,9 @@ def attention_pass(ctx: GraphContext) -> int:
             site = _eager_site(node)
             if site is not None:
                 sites.append(site)
+            else:
+                ctx.keep("attention", node, "a softmax that feeds no matmul with values: not "
+                                            "attention (e.g. a router), correct per token as is")
     for site in sites:
         _rewrite(ctx, site)
     ctx.graph.eliminate_dead_code()

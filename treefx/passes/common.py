@@ -39,7 +39,8 @@ class GraphBreakError(TreeCompileError):
 
 @dataclass
 class Rewrite:
-    """One node a pass changed (or left alone, with the reason), for reports and logs."""
+    """One node a pass changed (or left alone: ``after`` is empty and ``note`` says why), for
+    reports and logs."""
 
     pass_name: str
     node: str
@@ -48,6 +49,10 @@ class Rewrite:
     module: str
     source: str
     note: str = ""
+
+    @property
+    def kept(self) -> bool:
+        return not self.after
 
 
 _MODULE_PREFIX = re.compile(r"^(?:L|G)\[['\"][^'\"]*['\"]\](?:\.|$)")
@@ -154,6 +159,7 @@ class GraphContext:
     seq_len: object
     entry: fx.Node
     block_size: int = 128
+    code_before: str = ""  # the captured graph's code before any pass ran
     log: list[Rewrite] = field(default_factory=list)
     _cache: dict = field(default_factory=dict)
 
@@ -166,6 +172,14 @@ class GraphContext:
             Rewrite(pass_name, node.name, describe(node), after, module_path(node),
                     source_line(node), note)
         )
+
+    def keep(self, pass_name: str, node: fx.Node, why: str) -> None:
+        """Record a node that looks relevant to a pass but is correct as it is."""
+        self.record(pass_name, node, "", note=why)
+
+    @property
+    def code_after(self) -> str:
+        return self.gm.code
 
     def shared(self, key, make):
         """A node built once per graph (before the model's first op) and reused by every site."""
