@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from trees import odd_forest, odd_tree
 
 import treefx
@@ -262,3 +263,28 @@ def test_inductor_cpu_forward_matches_oracle():
     for i, lp in enumerate(ref):
         torch.testing.assert_close(out.token_logprobs[batch.sequence_index(i)[1:]], lp,
                                    atol=1e-4, rtol=0)
+
+
+class MaskFromPositions(torch.nn.Module):
+    """Builds its attention mask from position_ids (as packed-sequence detection does)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(VOCAB, 16)
+        self.qkv = torch.nn.Linear(16, 48)
+        self.head = torch.nn.Linear(16, VOCAB)
+
+    def forward(self, input_ids, position_ids):
+        x = self.emb(input_ids)
+        q, k, v = (t[:, None] for t in self.qkv(x).chunk(3, dim=-1))
+        doc = torch.cumsum((position_ids == 0).long(), dim=-1)
+        mask = (doc[:, None, :, None] == doc[:, None, None, :]) & torch.ones(
+            x.shape[1], x.shape[1], dtype=torch.bool).tril()
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.head(out[:, 0])
+
+
+def test_mask_from_position_ids_is_refused():
+    tm = treefx.compile(MaskFromPositions(), backend="eager")
+    with pytest.raises(treefx.UnmatchedAttentionError, match="packed-sequence detection"):
+        tm(treefx.pack(odd_tree(12, VOCAB)))

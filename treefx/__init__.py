@@ -5,6 +5,7 @@ from .compile import TreeModel, TreeOutput, compile, tree_loss
 from .layout import TreeBatch, pack
 from .partition import err, partition, partition_ids
 from .passes import GraphBreakError, TreeCompileError, UnmatchedAttentionError
+from .step import TreeStep, step
 from .tree import Tree, bound, por, read_jsonl, write_jsonl
 
 __version__ = "0.1.0"
@@ -16,6 +17,7 @@ __all__ = [
     "TreeCompileError",
     "TreeModel",
     "TreeOutput",
+    "TreeStep",
     "UnmatchedAttentionError",
     "bound",
     "compile",
@@ -26,6 +28,7 @@ __all__ = [
     "por",
     "read_jsonl",
     "reference",
+    "step",
     "synth",
     "tree_loss",
     "write_jsonl",

@@ -1,4 +1,5 @@
-"""Command line: ``treefx demo``, ``treefx stats FILE.jsonl``, ``treefx synth -o FILE.jsonl``."""
+"""Command line: ``treefx demo``, ``treefx stats FILE.jsonl``, ``treefx synth -o FILE.jsonl``,
+``treefx explain MODULE:FACTORY``, ``treefx draw FILE.jsonl -o tree.png``."""
 
 from __future__ import annotations
 
@@ -92,6 +93,92 @@ def cmd_demo(args) -> int:
     return run_demo(steps=args.steps, seed=args.seed)
 
 
+def _load_factory(spec: str):
+    """``MODULE:FACTORY`` -> the object FACTORY names in MODULE (dots allowed in FACTORY)."""
+    import importlib
+
+    mod_name, sep, attr = spec.partition(":")
+    if not sep or not mod_name or not attr:
+        raise SystemExit(f"treefx: expected MODULE:FACTORY (e.g. treefx.debug.examples:qwen3_tiny), "
+                         f"got {spec!r}")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())  # like python -m: modules of the current directory
+    try:
+        obj = importlib.import_module(mod_name)
+    except ImportError as e:
+        raise SystemExit(f"treefx: cannot import {mod_name!r}: {e}") from None
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise SystemExit(f"treefx: {mod_name} has no {attr!r}")
+        obj = getattr(obj, part)
+    return obj
+
+
+def _verbosity(level: int) -> None:
+    if level <= 0:
+        return
+    import logging
+
+    logger = logging.getLogger("treefx")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("treefx: %(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO if level == 1 else logging.DEBUG)
+
+
+def cmd_explain(args) -> int:
+    import torch
+
+    from .compile import _vocab_size
+    from .debug import explain
+    from .debug.examples import demo_tree
+    from .layout import pack
+
+    _verbosity(args.verbose)
+    factory = _load_factory(args.factory)
+    model = factory() if callable(factory) and not isinstance(factory, torch.nn.Module) \
+        else factory
+    if not isinstance(model, torch.nn.Module):
+        raise SystemExit(f"treefx: {args.factory} returned a {type(model).__name__}, not a "
+                         "torch.nn.Module")
+    if args.trees:
+        trees = list(_iter_trees_with_progress(args.trees, None))
+        if args.num_trees is not None:
+            trees = trees[:args.num_trees]
+        if not trees:
+            raise SystemExit(f"treefx: {args.trees} holds no trees")
+    else:
+        vocab = _vocab_size(model) or 256
+        trees = [demo_tree(vocab)]
+    device = next(model.parameters(), torch.empty(0)).device
+    batch = pack(trees).to(device)
+    report = explain(model, batch, backend=args.backend)
+    print(report)
+    if args.diff:
+        print()
+        print(report.diff())
+    report.to_html(args.html)
+    print(f"\nwrote {args.html}")
+    return 0 if report.ok else 1
+
+
+def cmd_draw(args) -> int:
+    from .debug import draw
+
+    trees = list(_iter_trees_with_progress(args.file, None))
+    if not trees:
+        raise SystemExit(f"treefx: {args.file} holds no trees")
+    if not -len(trees) <= args.index < len(trees):
+        raise SystemExit(f"treefx: --index {args.index} is out of range; {args.file} holds "
+                         f"{len(trees)} trees")
+    try:
+        draw(trees[args.index], args.output, max_mask=args.max_mask)
+    except ValueError as e:
+        raise SystemExit(f"treefx: {e}") from None
+    print(f"wrote {args.output}")
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="treefx", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -119,6 +206,30 @@ def main(argv=None) -> int:
     g.add_argument("--mask-outputs", action="store_true",
                    help="loss masks cover only what each call generated")
     g.set_defaults(fn=cmd_synth)
+
+    x = sub.add_parser("explain", help="show what treefx does to a model: rewrites, nodes left "
+                       "alone, graph breaks, the graph diff; writes an HTML page")
+    x.add_argument("factory", metavar="MODULE:FACTORY",
+                   help="a zero-argument callable returning the torch.nn.Module, e.g. "
+                        "treefx.debug.examples:qwen3_tiny")
+    x.add_argument("--trees", metavar="FILE.jsonl",
+                   help="trees to pack (default: a small synthetic agent tree)")
+    x.add_argument("-n", "--num-trees", type=int, help="only the first N trees of --trees")
+    x.add_argument("--html", default="treefx-explain.html", help="page to write "
+                   "(default: %(default)s)")
+    x.add_argument("--backend", default="eager", choices=["eager", "inductor", "auto"])
+    x.add_argument("--diff", action="store_true", help="also print the unified graph diff")
+    x.add_argument("-v", "--verbose", action="count", default=0,
+                   help="log what the passes do (-vv: every node)")
+    x.set_defaults(fn=cmd_explain)
+
+    w = sub.add_parser("draw", help="draw a tree and its attention mask (.png or .svg)")
+    w.add_argument("file", help="JSON Lines, one tree a line")
+    w.add_argument("-o", "--output", required=True, help="tree.png or tree.svg")
+    w.add_argument("--index", type=int, default=0, help="which tree of the file (default 0)")
+    w.add_argument("--max-mask", type=int, default=512,
+                   help="largest mask picture side; bigger masks are OR-pooled over blocks")
+    w.set_defaults(fn=cmd_draw)
 
     args = p.parse_args(argv)
     return args.fn(args)

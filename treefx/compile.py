@@ -45,7 +45,7 @@ def tree_loss(out: TreeOutput, batch: TreeBatch) -> torch.Tensor:
 
 
 def _tree_forward_template(input_ids, tree_info):
-    # Filled per TreeModel (see _make_tree_forward); `model` and `opts` are closure cells.
+    # Copied per TreeModel by _make_traced, with `model` and `opts` in its globals.
     torch._check(tree_info.shape[1] == input_ids.shape[1])
     kwargs = {}
     if opts["position_ids"]:  # noqa: F821
@@ -68,59 +68,40 @@ def _tree_forward_template(input_ids, tree_info):
     return logits, token_logprobs
 
 
-def _make_tree_forward(model: torch.nn.Module, opts: dict, tag: int):
-    """A fresh copy of the traced function for one TreeModel.
+def _make_traced(template, tag: int, **cells):
+    """A fresh copy of ``template`` whose globals also hold ``cells`` (model, options, the
+    user's step function).
 
     Its own code object gives it its own Dynamo cache, so many compiled models never share or
     exhaust one function's recompile limit (which would fall back to the untransformed model).
     """
-    src = _tree_forward_template
-    code = src.__code__.replace(co_name=f"treefx_forward_{tag}")
-    glb = dict(src.__globals__)
-    glb.update(model=model, opts=dict(opts))
+    code = template.__code__.replace(co_name=f"treefx_{template.__name__.strip('_')}_{tag}")
+    glb = dict(template.__globals__)
+    glb.update(cells)
     return types.FunctionType(code, glb, code.co_name)
 
 
-class TreeModel(torch.nn.Module):
-    """A model compiled for trees: ``out = tm(batch)`` for a :class:`TreeBatch`.
+class TreeEngine:
+    """What a compiled model and a compiled training step share: the Dynamo capture with a
+    treefx backend per device kind, the passes, the error translation, and the check that the
+    rewritten graph (not a fallback to the untransformed code) ran.
 
-    Holds the user's model as ``.model`` (same parameters: an optimizer built on the model keeps
-    working, and the model itself keeps working on ordinary batches).
+    ``make_traced(tag)`` returns a fresh traced function; its graph inputs must include
+    ``input_ids`` [1, N] and ``tree_info`` [3, N] (and ``tree_weights`` [2, N] for a step).
     """
 
-    def __init__(self, model: torch.nn.Module, backend: str = "auto", *, block_size: int = 128,
-                 pass_position_ids: bool | None = None):
-        super().__init__()
-        if not isinstance(model, torch.nn.Module):
-            raise TypeError(f"treefx.compile expects a torch.nn.Module, got {type(model).__name__}")
+    def __init__(self, make_traced, backend: str, block_size: int):
         if backend not in _BACKENDS:
             raise ValueError(f"backend must be one of {_BACKENDS[:3]}, got {backend!r}")
-        self.model = model
+        self.make_traced = make_traced
         self.backend = backend
         self.block_size = block_size
-        params = inspect.signature(model.forward).parameters
-        takes_kwargs = any(p.kind is p.VAR_KEYWORD for p in params.values())
-
-        def accepts(name):
-            return name in params or takes_kwargs and name in ("use_cache",)
-
-        opts = {
-            "position_ids": accepts("position_ids") if pass_position_ids is None
-            else bool(pass_position_ids),
-            "attention_mask": accepts("attention_mask"),
-            "use_cache": accepts("use_cache"),
-        }
-        if opts["position_ids"] and not accepts("position_ids") and not takes_kwargs:
-            raise ValueError("pass_position_ids=True but the model's forward has no position_ids")
-        self.opts = opts
         self.num_compilations = 0
         self.contexts: list[GraphContext] = []
         self._runs = 0
         self._compiled: dict[str, object] = {}
 
-    # ------------------------------------------------------------------ compile
-
-    def _resolve_backend(self, device: torch.device) -> str:
+    def resolve_backend(self, device: torch.device) -> str:
         if self.backend != "auto":
             if self.backend == "inductor" and device.type == "cpu":
                 log.warning("inductor backend on the CPU: FlexAttention has no CPU backward")
@@ -150,56 +131,108 @@ class TreeModel(torch.nn.Module):
 
         return compile_graph
 
-    def _function(self, backend: str):
+    def __call__(self, device: torch.device, *args, dynamic: tuple[int, ...] = ()):
+        """Run the compiled function on ``args`` (compiling on first use per backend);
+        ``dynamic``: indices of the args whose last dim is the token count N."""
+        backend = self.resolve_backend(device)
         if backend not in self._compiled:
-            fn = _make_tree_forward(self.model, self.opts, id(self))
             self._compiled[backend] = torch.compile(
-                fn, backend=self._dynamo_backend(backend), fullgraph=True
+                self.make_traced(len(self._compiled)), backend=self._dynamo_backend(backend),
+                fullgraph=True,
             )
-        return self._compiled[backend]
-
-    # ------------------------------------------------------------------ run
-
-    def forward(self, batch: TreeBatch) -> TreeOutput:
-        if not isinstance(batch, TreeBatch):
-            raise TypeError(f"expected a treefx.TreeBatch (see treefx.pack), got "
-                            f"{type(batch).__name__}")
-        self._check_batch(batch)
-        backend = self._resolve_backend(batch.device)
-        fn = self._function(backend)
-        input_ids = batch.input_ids
-        tree_info = torch.stack([batch.position_ids[0], batch.parent_token, batch.subtree_end])
-        torch._dynamo.maybe_mark_dynamic(input_ids, 1)
-        torch._dynamo.maybe_mark_dynamic(tree_info, 1)
+        for i in dynamic:
+            torch._dynamo.maybe_mark_dynamic(args[i], args[i].dim() - 1)  # N varies per tree
         runs = self._runs
         try:
-            logits, token_logprobs = fn(input_ids, tree_info)
+            out = self._compiled[backend](*args)
         except torch._dynamo.exc.BackendCompilerFailed as e:
             inner = getattr(e, "inner_exception", None) or e.__cause__
             if isinstance(inner, TreeCompileError):
                 raise inner from None
             raise
         except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError) as e:
-            raise _graph_break_error(self.model, self.opts, input_ids, tree_info, e) from None
+            raise _graph_break_error(self.make_traced(-1), args, e) from None
         if self._runs == runs:
             raise TreeCompileError(
-                "the tree graph did not run: Dynamo fell back to the unmodified model (recompile "
+                "the tree graph did not run: Dynamo fell back to the unmodified code (recompile "
                 "limit?). Its output would be silently wrong, so treefx stops here."
             )
+        return out
+
+
+class TreeModel(torch.nn.Module):
+    """A model compiled for trees: ``out = tm(batch)`` for a :class:`TreeBatch`.
+
+    Holds the user's model as ``.model`` (same parameters: an optimizer built on the model keeps
+    working, and the model itself keeps working on ordinary batches).
+    """
+
+    def __init__(self, model: torch.nn.Module, backend: str = "auto", *, block_size: int = 128,
+                 pass_position_ids: bool | None = None):
+        super().__init__()
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"treefx.compile expects a torch.nn.Module, got {type(model).__name__}")
+        self.model = model
+        params = inspect.signature(model.forward).parameters
+        takes_kwargs = any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+        def accepts(name):
+            return name in params or takes_kwargs and name in ("use_cache",)
+
+        opts = {
+            "position_ids": accepts("position_ids") if pass_position_ids is None
+            else bool(pass_position_ids),
+            "attention_mask": accepts("attention_mask"),
+            "use_cache": accepts("use_cache"),
+        }
+        if opts["position_ids"] and not accepts("position_ids") and not takes_kwargs:
+            raise ValueError("pass_position_ids=True but the model's forward has no position_ids")
+        self.opts = opts
+        self.engine = TreeEngine(
+            lambda tag: _make_traced(_tree_forward_template, tag, model=model, opts=opts),
+            backend, block_size,
+        )
+
+    @property
+    def backend(self) -> str:
+        return self.engine.backend
+
+    @property
+    def num_compilations(self) -> int:
+        return self.engine.num_compilations
+
+    @property
+    def contexts(self) -> list[GraphContext]:
+        return self.engine.contexts
+
+    def forward(self, batch: TreeBatch) -> TreeOutput:
+        if not isinstance(batch, TreeBatch):
+            raise TypeError(f"expected a treefx.TreeBatch (see treefx.pack), got "
+                            f"{type(batch).__name__}")
+        check_batch(self.model, batch)
+        logits, token_logprobs = self.engine(batch.device, batch.input_ids, tree_info(batch),
+                                             dynamic=(0, 1))
         return TreeOutput(logits, token_logprobs)
 
-    def _check_batch(self, batch: TreeBatch) -> None:
-        dev = next(self.model.parameters(), torch.empty(0)).device
-        if batch.device != dev:
-            raise ValueError(f"the batch is on {batch.device} but the model is on {dev}; "
-                             f"use batch.to({str(dev)!r})")
-        vocab = _vocab_size(self.model)
-        if vocab is not None:
-            top = int(batch.input_ids.max())
-            if top >= vocab:
-                t = int((batch.input_ids[0] == top).nonzero()[0, 0])
-                raise ValueError(f"token id {top} at DFS position {t} is out of range for the "
-                                 f"model's vocabulary of {vocab}")
+
+def tree_info(batch: TreeBatch) -> torch.Tensor:
+    """The tree tensors as one graph input: positions, parent_token, subtree_end [3, N]."""
+    return torch.stack([batch.position_ids[0], batch.parent_token, batch.subtree_end])
+
+
+def check_batch(model: torch.nn.Module, batch: TreeBatch) -> None:
+    """Clear errors for a batch the model cannot take: wrong device, tokens out of range."""
+    dev = next(model.parameters(), torch.empty(0)).device
+    if batch.device != dev:
+        raise ValueError(f"the batch is on {batch.device} but the model is on {dev}; "
+                         f"use batch.to({str(dev)!r})")
+    vocab = _vocab_size(model)
+    if vocab is not None:
+        top = int(batch.input_ids.max())
+        if top >= vocab:
+            t = int((batch.input_ids[0] == top).nonzero()[0, 0])
+            raise ValueError(f"token id {top} at DFS position {t} is out of range for the "
+                             f"model's vocabulary of {vocab}")
 
 
 def _vocab_size(model: torch.nn.Module) -> int | None:
@@ -229,10 +262,10 @@ def _context(gm: fx.GraphModule, backend: str, block_size: int) -> GraphContext:
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     by_name = {}
     for n in placeholders:
-        for key in ("input_ids", "tree_info"):
-            if key in n.name:
+        for key in ("input_ids", "tree_info", "tree_weights"):
+            if n.name == f"l_{key}_":
                 by_name[key] = n
-    if set(by_name) != {"input_ids", "tree_info"}:
+    if not {"input_ids", "tree_info"} <= set(by_name):
         raise TreeCompileError(f"captured graph lacks the tree inputs (placeholders: "
                                f"{[n.name for n in placeholders]})")
     ids, info = by_name["input_ids"], by_name["tree_info"]
@@ -250,7 +283,7 @@ def _context(gm: fx.GraphModule, backend: str, block_size: int) -> GraphContext:
         "flex" if backend == "flex-eager" else "eager"),
         input_ids=ids, tree_info=info, positions=pos, subtree_end=se,
         seq_len=example(ids).shape[1], entry=se.next, block_size=block_size,
-        code_before=code_before)
+        code_before=code_before, tree_weights=by_name.get("tree_weights"))
 
 
 def _row(tree_info: torch.Tensor, i: int) -> torch.Tensor:
@@ -265,11 +298,10 @@ class _null:
         return False
 
 
-def _graph_break_error(model, opts, input_ids, tree_info, err) -> GraphBreakError:
-    fn = _make_tree_forward(model, opts, -1)
+def _graph_break_error(fn, args, err) -> GraphBreakError:
     reasons = []
     try:
-        explained = torch._dynamo.explain(fn)(input_ids, tree_info)
+        explained = torch._dynamo.explain(fn)(*args)
         for r in explained.break_reasons:
             where = ""
             if getattr(r, "user_stack", None):

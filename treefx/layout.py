@@ -44,6 +44,7 @@ class TreeBatch:
     sequence_tree: torch.Tensor
     reduction: str
     num_real_tokens: int
+    loss_weights_by_reduction: dict = field(repr=False)
     trees: list[Tree] = field(repr=False)
     _block_masks: dict = field(default_factory=dict, repr=False)
     _parent_list: list | None = field(default=None, repr=False)
@@ -92,6 +93,37 @@ class TreeBatch:
             self.device
         )
 
+    def loss_weights_for(self, reduction: str) -> torch.Tensor:
+        """``loss_weights`` as they would be for another per-sequence reduction."""
+        if reduction not in _REDUCTIONS:
+            raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+        return self.loss_weights_by_reduction[reduction]
+
+    # ------------------------------------------------------------------ mapping access
+
+    _KEYS = ("input_ids", "labels", "position_ids", "attention_mask")
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        """Mapping access as a Hugging Face collator's batch: ``input_ids``, ``labels`` (the
+        tokens, -100 where no sequence trains on a token), ``position_ids`` (tree positions),
+        ``attention_mask`` (ones: the tree mask replaces it inside a treefx step)."""
+        if key == "input_ids":
+            return self.input_ids
+        if key == "position_ids":
+            return self.position_ids
+        if key == "attention_mask":
+            return torch.ones_like(self.input_ids)
+        if key == "labels":
+            trained = (self.loss_weights_by_reduction["sum"] > 0)[None]
+            return torch.where(trained, self.input_ids, torch.full_like(self.input_ids, -100))
+        raise KeyError(f"{key!r}: a TreeBatch provides {', '.join(self._KEYS)}")
+
+    def keys(self):
+        return self._KEYS
+
+    def __contains__(self, key) -> bool:
+        return key in self._KEYS
+
     # ------------------------------------------------------------------ masks
 
     def dense_mask(self) -> torch.Tensor:
@@ -112,6 +144,11 @@ class TreeBatch:
 
     def to(self, device) -> TreeBatch:
         moved = {
+            "loss_weights_by_reduction": {
+                r: w.to(device) for r, w in self.loss_weights_by_reduction.items()
+            },
+        }
+        moved.update({
             f: getattr(self, f).to(device)
             for f in (
                 "input_ids",
@@ -126,7 +163,7 @@ class TreeBatch:
                 "sequence_node_ends",
                 "sequence_tree",
             )
-        }
+        })
         return replace(self, _block_masks={}, _parent_list=self._parent_list, **moved)
 
 
@@ -215,7 +252,8 @@ def pack(
     ):
         raise ValueError(f"pad_to_multiple must be a positive integer, got {pad_to_multiple!r}")
 
-    ids, pos, par, send, wts, tix = [], [], [], [], [], []
+    ids, pos, par, send, tix = [], [], [], [], []
+    wts: dict[str, list] = {r: [] for r in _REDUCTIONS}
     n_off, n_len, n_par, s_end, s_tree = [], [], [], [], []
     tok_base = node_base = 0
     for ti, tree in enumerate(trees):
@@ -241,14 +279,15 @@ def pack(
         pnode = parents[node_of_tok[first]]
         parent_tok[first] = np.where(pnode >= 0, offs[np.maximum(pnode, 0)] + lens[pnode] - 1, -1)
         ends = rank[tree.sequence_ends]
-        w = _token_weights(tree, ends, offs, lens, parents, node_of_tok, reduction)
-        w[depth[node_of_tok] + within == 0] = 0.0  # nothing predicts a sequence's first token
+        for r in _REDUCTIONS:
+            w = _token_weights(tree, ends, offs, lens, parents, node_of_tok, r)
+            w[depth[node_of_tok] + within == 0] = 0.0  # nothing predicts a sequence's 1st token
+            wts[r].append(w)
 
         ids.append(seg)
         pos.append(depth[node_of_tok] + within)
         par.append(np.where(parent_tok >= 0, parent_tok + tok_base, -1))
         send.append((offs + sub)[node_of_tok] + tok_base)
-        wts.append(w)
         tix.append(np.full(n, ti))
         n_off.append(offs + tok_base)
         n_len.append(lens)
@@ -268,7 +307,8 @@ def pack(
             pos.append(np.zeros(k, dtype=np.int64))
             par.append(np.full(k, -1))
             send.append(ar + 1)
-            wts.append(np.zeros(k))
+            for r in _REDUCTIONS:
+                wts[r].append(np.zeros(k))
             tix.append(np.full(k, -1))
 
     def cat(xs, dtype=torch.int64):
@@ -279,7 +319,8 @@ def pack(
         position_ids=cat(pos)[None],
         parent_token=cat(par),
         subtree_end=cat(send),
-        loss_weights=cat(wts, weight_dtype),
+        loss_weights=cat(wts[reduction], weight_dtype),
+        loss_weights_by_reduction={r: cat(wts[r], weight_dtype) for r in _REDUCTIONS},
         tree_index=cat(tix),
         node_offset=cat(n_off),
         node_length=cat(n_len),

@@ -12,6 +12,7 @@ from .common import (
     TreeCompileError,
     UnmatchedAttentionError,
 )
+from .loss import loss_pass
 from .positions import positions_pass
 
 __all__ = [
@@ -27,7 +28,7 @@ log = logging.getLogger("treefx")
 
 # Positions first: the attention pass then finds the model's masks already evaluated at path
 # positions, and keeps them (ANDed with the tree) instead of dropping them.
-PASSES = (("positions", positions_pass), ("attention", attention_pass))
+PASSES = (("positions", positions_pass), ("attention", attention_pass), ("loss", loss_pass))
 
 
 def run_passes(ctx: GraphContext) -> GraphContext:

@@ -218,6 +218,26 @@ def _mask_value(ctx: GraphContext, site: _Site):
     return m
 
 
+def _check_mask_sources(ctx: GraphContext, site: _Site, mask: fx.Node) -> None:
+    """A model mask may see the tree only through the positions pass's grids.
+
+    A mask computed from ``position_ids`` some other way (Hugging Face infers packed documents
+    from jumps in them) would, on the DFS row, cut a child node off from its parent's tokens.
+    """
+    stack, seen = [mask], set()
+    while stack:
+        n = stack.pop()
+        if n in seen or n is ctx.positions:
+            continue
+        seen.add(n)
+        if n is ctx.tree_info or n is ctx.tree_weights:
+            raise _fail(site.anchor, "its attention mask is computed from the positions in a way "
+                                     "other than index grids (packed-sequence detection from "
+                                     "position_ids?), which cannot be evaluated per sequence; "
+                                     "pass attention_mask to the model")
+        stack.extend(n.all_input_nodes)
+
+
 def _rewrite(ctx: GraphContext, site: _Site) -> fx.Node:
     g = ctx.graph
     k = site.k
@@ -225,6 +245,8 @@ def _rewrite(ctx: GraphContext, site: _Site) -> fx.Node:
         if site.kind == "eager-kT":
             k = g.call_method("transpose", (k, -2, -1))
         mask = _mask_value(ctx, site) if site.mask is not None else None
+        if mask is not None:
+            _check_mask_sources(ctx, site, mask)
         if ctx.backend == "eager":
             tree = ctx.shared("dense_tree_mask",
                               lambda: g.call_function(dense_tree_mask, (ctx.subtree_end,)))

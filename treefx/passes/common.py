@@ -158,6 +158,7 @@ class GraphContext:
     subtree_end: fx.Node
     seq_len: object
     entry: fx.Node
+    tree_weights: fx.Node | None = None  # [2, N] loss weights (sum, mean); in training steps
     block_size: int = 128
     code_before: str = ""  # the captured graph's code before any pass ran
     log: list[Rewrite] = field(default_factory=list)

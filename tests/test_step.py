@@ -1,0 +1,120 @@
+"""@treefx.step: an ordinary training step on a tree returns the per-branch baseline loss,
+value and every gradient (float32, CPU), with loss masks that differ between sequences sharing
+tokens (tests/trees.py gives every sequence its own random mask and weight)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_compile import VOCAB, grads, hf_model
+from trees import odd_forest
+
+import treefx
+
+
+def hf_labels_step(model, batch):
+    return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                 labels=batch["labels"]).loss
+
+
+def make_hand_step(reduction):
+    def hand_step(model, batch):
+        logits = model(batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        return F.cross_entropy(logits[:, :-1].flatten(0, 1), batch["labels"][:, 1:].flatten(),
+                               reduction=reduction)
+
+    return hand_step
+
+
+def check_step(step_fn, model, trees, reduction, *, rtol=1e-4):
+    model.zero_grad(set_to_none=True)
+    loss = step_fn(model, treefx.pack(trees))
+    loss.backward()
+    g_tree = grads(model)
+    ref = treefx.reference.sequence_loss(model, trees, reduction=reduction)
+    ref.backward()
+    g_ref = grads(model)
+    torch.testing.assert_close(loss, ref, atol=1e-5, rtol=rtol)
+    assert g_ref and g_tree.keys() == g_ref.keys()
+    for name, g in g_ref.items():
+        err = (g_tree[name] - g).norm() / g.norm().clamp_min(1e-12)
+        assert err <= rtol, f"gradient of {name} off by {err:.2e} (relative)"
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_hf_model_with_labels(impl):
+    model = hf_model("qwen3", impl)
+    step = treefx.step(hf_labels_step, backend="eager")
+    check_step(step, model, odd_forest(20, VOCAB), "mean")
+    (rewrite,) = [r for r in step.contexts[0].log if r.pass_name == "loss"]
+    assert rewrite.note == "reduction=mean"
+
+
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+def test_hand_written_cross_entropy(reduction):
+    model = hf_model("llama", "sdpa")
+    step = treefx.step(make_hand_step(reduction), backend="eager")
+    check_step(step, model, odd_forest(21, VOCAB), reduction)
+    # The same compiled step on another tree size: no new compilation.
+    check_step(step, model, odd_forest(22, VOCAB), reduction)
+    assert step.num_compilations == 1
+
+
+def test_decorator_forms_and_plain_batches():
+    model = hf_model("qwen3", "sdpa")
+
+    @treefx.step
+    def plain(model, batch):
+        return hf_labels_step(model, batch)
+
+    @treefx.step(backend="eager")
+    def with_args(model, batch):
+        return hf_labels_step(model, batch)
+
+    assert plain.__name__ == "plain" and isinstance(with_args, treefx.TreeStep)
+    ids = torch.randint(0, VOCAB, (2, 7))
+    ordinary = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+    torch.testing.assert_close(plain(model, ordinary), hf_labels_step(model, ordinary))
+    check_step(with_args, model, odd_forest(23, VOCAB), "mean")
+
+
+def test_tree_batch_reads_like_a_collated_batch():
+    batch = treefx.pack(odd_forest(24, VOCAB))
+    assert set(batch.keys()) == {"input_ids", "labels", "position_ids", "attention_mask"}
+    labels = batch["labels"][0]
+    trained = batch.loss_weights_for("sum") > 0
+    assert torch.equal(labels[trained], batch.input_ids[0][trained])
+    assert torch.all(labels[~trained] == -100)
+    with pytest.raises(KeyError, match="a TreeBatch provides"):
+        batch["pixel_values"]
+
+
+def _step(body):
+    step = treefx.step(body, backend="eager")
+    return lambda: step(hf_model("qwen3", "sdpa"), treefx.pack(odd_forest(25, VOCAB)))
+
+
+def _logits(model, batch):
+    return model(batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+
+
+@pytest.mark.parametrize("body, message", [
+    (lambda m, b: F.cross_entropy(_logits(m, b)[:, :-2].flatten(0, 1),
+                                  b["labels"][:, 2:].flatten()), r"sliced \[0:-2\]"),
+    (lambda m, b: F.cross_entropy(_logits(m, b)[:, :-1].flatten(0, 1),
+                                  b["labels"][:, 1:].flatten(), reduction="none").sum(),
+     "reduction='none'"),
+    (lambda m, b: F.cross_entropy(_logits(m, b).flatten(0, 1), b["labels"].flatten()),
+     "not the labels shifted by one"),
+    (lambda m, b: F.cross_entropy(_logits(m, b)[:, :-1].flatten(0, 1),
+                                  b["labels"][:, 1:].flatten(), reduction="sum")
+     / (b["labels"] != -100).sum(), "combined with a computed tensor"),
+    (lambda m, b: F.cross_entropy(_logits(m, b)[:, :-1].flatten(0, 1),
+                                  b["labels"][:, 1:].flatten(), label_smoothing=0.1),
+     "label_smoothing=0.1"),
+    (lambda m, b: _logits(m, b).logsumexp(-1).mean(), "computes no cross-entropy"),
+])
+def test_unprovable_losses_raise(body, message):
+    with pytest.raises(treefx.TreeCompileError, match=message):
+        _step(body)()

@@ -1,0 +1,538 @@
+"""``treefx.debug.explain(model, batch)``: what treefx does to a model, without training.
+
+Runs one forward (no grad) through ``treefx.compile(model)``, watching each captured graph go
+through the passes, and returns an :class:`ExplainReport`: every node a pass rewrote, every
+attention-/position-like node it left alone and why, the positions' source, graph breaks or the
+error that stops compilation, the number of graphs and compilations, and the graph code before
+and after the passes (``report.diff()``, ``report.to_html(path)``).
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import operator
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+from ..layout import TreeBatch, pack
+from ..passes.common import (
+    GraphBreakError,
+    Rewrite,
+    TreeCompileError,
+    module_path,
+    source_line,
+)
+from ..tree import Tree
+
+__all__ = ["ExplainReport", "GraphReport", "explain"]
+
+# The module, not the function of the same name that treefx/__init__ exports.
+_compile_mod = importlib.import_module("treefx.compile")
+
+OUTSIDE = "(treefx wrapper)"  # nodes of the traced function outside the user's model
+
+
+@dataclass
+class GraphReport:
+    """One captured graph: its code before and after the passes and what the passes did.
+
+    ``code_after`` is None when compilation stopped inside the passes; ``partial_after`` is then
+    the graph as far as the passes got.
+    """
+
+    index: int
+    code_before: str
+    code_after: str | None
+    log: list[Rewrite]
+    modules_before: dict[str, str] = field(repr=False, default_factory=dict)
+    modules_after: dict[str, str] = field(repr=False, default_factory=dict)
+    positions: list[str] = field(default_factory=list)
+    partial_after: str | None = field(repr=False, default=None)
+    globals_after: dict[str, str] = field(repr=False, default_factory=dict)
+
+    @property
+    def rewrites(self) -> list[Rewrite]:
+        return [r for r in self.log if not r.kept]
+
+    @property
+    def kept(self) -> list[Rewrite]:
+        return [r for r in self.log if r.kept]
+
+    @property
+    def ok(self) -> bool:
+        return self.code_after is not None
+
+
+@dataclass
+class ExplainReport:
+    """What :func:`explain` found. ``print(report)`` gives a short table; :meth:`diff` the
+    graph code diff; :meth:`to_html` one self-contained page with pictures."""
+
+    model_name: str
+    backend: str
+    batch: TreeBatch = field(repr=False)
+    graphs: list[GraphReport]
+    num_graphs: int
+    num_compilations: int
+    graph_breaks: list[str] = field(default_factory=list)  # distinct reasons, in order
+    num_graph_breaks: int = 0
+    error: TreeCompileError | None = None
+    stop_node: str | None = None  # the graph node that stops compilation
+    stop_module: str | None = None
+    stop_source: str | None = None
+    _model: torch.nn.Module | None = field(default=None, repr=False)
+
+    # ------------------------------------------------------------------ summary
+
+    @property
+    def ok(self) -> bool:
+        """Whether the model compiled for trees."""
+        return self.error is None
+
+    @property
+    def status(self) -> str:
+        if self.error is None:
+            return "compiled"
+        return f"stopped: {type(self.error).__name__}"
+
+    @property
+    def rewrites(self) -> list[Rewrite]:
+        return [r for g in self.graphs for r in g.rewrites]
+
+    @property
+    def kept(self) -> list[Rewrite]:
+        return [r for g in self.graphs for r in g.kept]
+
+    @property
+    def positions(self) -> list[str]:
+        out = []
+        for g in self.graphs:
+            out += [p for p in g.positions if p not in out]
+        return out
+
+    @property
+    def modules(self) -> list[str]:
+        """Module paths of the rewritten nodes, in graph order, without repeats."""
+        return list(dict.fromkeys(r.module for r in self.rewrites))
+
+    def _batch_line(self) -> str:
+        b = self.batch
+        trees = len(b.trees)
+        base = b.num_baseline_tokens
+        por = 1 - b.num_real_tokens / base if base else 0.0
+        return (f"{trees} tree{'s' if trees != 1 else ''}, {b.num_real_tokens} tokens, "
+                f"{b.num_sequences} sequences ({base} tokens one by one, POR {por:.2f})")
+
+    def __str__(self) -> str:
+        lines = [
+            f"treefx explain: {self.model_name}, {self.backend} backend, {self._batch_line()}",
+            f"graphs: {self.num_graphs}   compilations: {self.num_compilations}   "
+            f"graph breaks: {self.num_graph_breaks}   status: {self.status}",
+        ]
+        rows = [[r.pass_name, r.module, f"{_op(r.before)} -> {_after_op(r.after)}",
+                 _file_line(r.source)] for r in self.rewrites]
+        lines += ["", "rewritten"]
+        lines += _table(["pass", "module", "before -> after", "source"], rows) if rows else [
+            "  (nothing)"]
+        kept = [[r.pass_name, r.module, _op(r.before), r.note] for r in self.kept]
+        lines += ["", "left alone"]
+        lines += _table(["pass", "module", "node", "why"], kept) if kept else ["  (nothing)"]
+        lines += ["", "positions"]
+        lines += [f"  {p}" for p in self.positions] or ["  (the model uses no positions treefx "
+                                                        "could see)"]
+        if self.graph_breaks:
+            lines += ["", "graph breaks (treefx needs the whole forward as one graph)"]
+            lines += [f"  {i + 1}. {b}" for i, b in enumerate(self.graph_breaks)]
+        if self.error is not None and not self.graph_breaks:
+            lines += ["", "stops compilation"]
+            if self.stop_node:
+                lines.append(f"  node    {self.stop_node}")
+                lines.append(f"  module  {self.stop_module}")
+                if self.stop_source:
+                    lines.append(f"  source  {self.stop_source}")
+            lines.append(f"  {type(self.error).__name__}: {self.error}")
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return (f"ExplainReport({self.model_name}, {self.backend}, graphs={self.num_graphs}, "
+                f"compilations={self.num_compilations}, rewrites={len(self.rewrites)}, "
+                f"status={self.status!r})")
+
+    # ------------------------------------------------------------------ diff
+
+    def code_pair(self, graph: int = 0) -> tuple[list[str], list[str]]:
+        """Display lines of graph ``graph`` before and after the passes: parameters named by
+        module path (``self.model.layers.0.self_attn.q_proj.weight``), a ``# --- module``
+        header where the module changes, rewritten lines marked, ``x = None`` frees dropped."""
+        g = self.graphs[graph]
+        after_code = g.code_after if g.ok else (g.partial_after or "")
+        before_marks, after_marks = {}, {}
+        for r in g.log:
+            if r.kept:
+                before_marks[r.node] = f"treefx {r.pass_name}: left alone"
+                after_marks[r.node] = f"treefx {r.pass_name}: left alone"
+                continue
+            new = _assigned(r.after)
+            before_marks[r.node] = f"treefx {r.pass_name}: rewritten"
+            if new:
+                after_marks[new] = f"treefx {r.pass_name}: replaces {r.node}"
+        if self.stop_node and graph == len(self.graphs) - 1 and not g.ok:
+            name = _assigned(self.stop_node)
+            before_marks[name] = after_marks[name] = "<-- treefx stops here"
+        before = _display(g.code_before, g.modules_before, before_marks, {}, self._model)
+        after = _display(after_code, g.modules_after, after_marks, g.globals_after, self._model)
+        return before, after
+
+    def diff(self, context: int = 3) -> str:
+        """Unified diff (difflib) of each graph's code before and after the passes."""
+        out = []
+        for g in self.graphs:
+            before, after = self.code_pair(g.index)
+            to = "after the treefx passes" if g.ok else "where the treefx passes stopped"
+            hunks = list(difflib.unified_diff(before, after, f"graph {g.index}: captured",
+                                              f"graph {g.index}: {to}", n=context, lineterm=""))
+            out += hunks
+            if not g.ok:
+                where = [i for i, ln in enumerate(before) if "treefx stops here" in ln]
+                if not hunks:
+                    out.append(f"# graph {g.index}: the passes changed nothing before stopping")
+                for i in where[:1]:
+                    out.append(f"# graph {g.index}: compilation stops at line {i + 1}:")
+                    out += before[max(0, i - context):i + context + 1]
+        if not self.graphs and self.error is not None:
+            out.append(f"# no graph reached the passes: {type(self.error).__name__}: "
+                       f"{self.error}")
+        return "\n".join(out)
+
+    # ------------------------------------------------------------------ html
+
+    def to_html(self, path) -> str:
+        """Write one self-contained HTML page (inline CSS and pictures): the tables, the tree,
+        the attention mask and the side-by-side diff. Returns the path."""
+        from .page import render_page
+
+        html_text = render_page(self)
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(html_text)
+        return str(path)
+
+
+# ---------------------------------------------------------------------------------- explain
+
+def explain(model: torch.nn.Module, batch, *, backend: str = "eager",
+            **compile_kwargs) -> ExplainReport:
+    """Capture and transform ``model`` for ``batch`` (a TreeBatch, a Tree or a list of Trees)
+    with one no-grad forward through ``treefx.compile(model, backend=backend)``, and report
+    what the passes did. A :class:`~treefx.TreeCompileError` (graph breaks, an attention treefx
+    cannot rewrite) is recorded in the report, not raised. The model's train/eval mode and
+    parameters are left as they are."""
+    if isinstance(batch, Tree) or isinstance(batch, (list, tuple)) and batch and isinstance(
+            batch[0], Tree):
+        batch = pack(batch)
+    if not isinstance(batch, TreeBatch):
+        raise TypeError(f"expected a TreeBatch, a Tree or a list of Trees, got "
+                        f"{type(batch).__name__}")
+    tm = _compile_mod.compile(model, backend=backend, **compile_kwargs)
+    seen: list[tuple[object, dict]] = []
+    real = _compile_mod.run_passes
+
+    def watch(ctx):
+        seen.append((ctx, _module_map(ctx.graph)))
+        return real(ctx)
+
+    error = None
+    _compile_mod.run_passes = watch
+    try:
+        with torch.no_grad():
+            tm(batch)
+    except TreeCompileError as e:
+        error = e
+    finally:
+        _compile_mod.run_passes = real
+
+    if not seen:  # compile.py no longer calls run_passes by that name: use what it kept
+        seen = [(ctx, {}) for ctx in tm.contexts]
+    done = {id(c) for c in tm.contexts}
+    graphs = []
+    for i, (ctx, before_map) in enumerate(seen):
+        ok = id(ctx) in done
+        partial = None
+        if not ok:
+            try:
+                partial = ctx.graph.python_code("self").src
+            except Exception:  # a graph left half-rewritten may not print
+                partial = None
+        graphs.append(GraphReport(
+            index=i, code_before=ctx.code_before, code_after=ctx.code_after if ok else None,
+            log=list(ctx.log), modules_before=before_map, modules_after=_module_map(ctx.graph),
+            positions=_positions(ctx), partial_after=partial,
+            globals_after=_global_names(ctx.graph),
+        ))
+
+    report = ExplainReport(
+        model_name=type(model).__name__, backend=backend, batch=batch, graphs=graphs,
+        num_graphs=len(graphs), num_compilations=tm.num_compilations, error=error,
+        _model=model,
+    )
+    if isinstance(error, GraphBreakError):
+        report.graph_breaks, report.num_graph_breaks = _break_reasons(str(error))
+        report.num_graphs = _count_graphs(model, tm, batch) or report.num_graphs
+    elif error is not None:
+        m = re.search(r" at (\S+) \(graph node `(.+?)`\)", str(error))
+        if m:
+            report.stop_module, report.stop_node = m.group(1), m.group(2)
+            name = _assigned(report.stop_node)
+            for ctx, _ in seen[-1:]:
+                node = next((n for n in ctx.graph.nodes if n.name == name), None)
+                if node is not None:
+                    report.stop_source = source_line(node) or None
+            for g in graphs[-1:]:
+                for r in g.log:  # a node a pass let through that the final check refuses
+                    if r.kept and r.node == name:
+                        r.note += " (but the final check refuses it: see what stops compilation)"
+    return report
+
+
+def _module_map(graph: fx.Graph) -> dict[str, str]:
+    """Node name -> module path (``OUTSIDE`` for the tree wrapper around the model)."""
+    return {n.name: module_path(n) if n.meta.get("nn_module_stack") else OUTSIDE
+            for n in graph.nodes}
+
+
+def _global_names(graph: fx.Graph) -> dict[str, str]:
+    """FX's mangled global names of non-torch functions -> their qualified names."""
+    out = {}
+    for n in graph.nodes:
+        if n.op != "call_function":
+            continue
+        t = n.target
+        mod = getattr(t, "__module__", None) or ""
+        name = getattr(t, "__qualname__", None) or getattr(t, "__name__", None)
+        if not name or mod.startswith(("torch", "builtins", "_operator", "operator", "math")):
+            continue
+        qual = f"{mod}.{name}" if mod else name
+        out[re.sub(r"[^0-9a-zA-Z_]", "_", qual)] = qual
+    return out
+
+
+def _positions(ctx) -> list[str]:
+    """Where the model's positions come from, in words."""
+    out = []
+    for n in ctx.graph.nodes:
+        if (n.op == "call_function" and n.target is operator.getitem and n.args
+                and n.args[0] is ctx.tree_info and n.args[1] == slice(0, 1, None)):
+            users = _consumers(n)
+            out.append("model input position_ids = tree positions (each token's offset in its "
+                       "own sequence)" + (f", read by {', '.join(users)}" if users else ""))
+    for r in ctx.log:
+        if r.pass_name == "positions" and not r.kept:
+            where = _file_line(r.source)
+            out.append(f"{_op(r.before)} in {r.module}{f' ({where})' if where else ''} -> tree "
+                       f"positions")
+    return out
+
+
+def _consumers(node: fx.Node, depth: int = 8, limit: int = 3) -> list[str]:
+    """Module paths (inside the model) of the nodes that read ``node``, nearest first."""
+    seen, found, frontier = {node}, [], [node]
+    for _ in range(depth):
+        nxt = []
+        for n in frontier:
+            for u in n.users:
+                if u in seen:
+                    continue
+                seen.add(u)
+                if u.meta.get("nn_module_stack"):
+                    p = module_path(u)
+                    if p != "<model>":
+                        if p not in found:
+                            found.append(p)
+                        continue
+                nxt.append(u)
+        if len(found) >= limit:
+            break
+        frontier = nxt
+    return found[:limit]
+
+
+def _break_reasons(message: str) -> tuple[list[str], int]:
+    """Distinct reasons (``(xK)`` when Dynamo gave one K times) and how many it gave."""
+    reasons = [m.group(1).strip() for m in re.finditer(r"^\s+\d+\. (.+)$", message, re.M)]
+    if not reasons:
+        return [message.strip().splitlines()[0]], 1
+    counts = Counter(reasons)
+    out = [r if counts[r] == 1 else f"{r} (x{counts[r]})" for r in dict.fromkeys(reasons)]
+    return out, len(reasons)
+
+
+def _count_graphs(model, tm, batch) -> int | None:
+    """How many graphs Dynamo splits the traced forward into (when it breaks)."""
+    try:
+        engine = getattr(tm, "engine", None)
+        if engine is not None:
+            fn = engine.make_traced(-2)
+        else:  # before TreeEngine
+            fn = _compile_mod._make_tree_forward(model, tm.opts, -2)
+        tree_info = torch.stack([batch.position_ids[0], batch.parent_token, batch.subtree_end])
+        with torch.no_grad():
+            return int(torch._dynamo.explain(fn)(batch.input_ids, tree_info).graph_count)
+    except Exception:
+        return None
+
+
+# ---------------------------------------------------------------------------------- text
+
+def _assigned(desc: str) -> str:
+    """``name`` of ``name = target(...)`` (or of ``name (tree positions)``)."""
+    return re.split(r"\s*=\s*|\s+\(", desc.strip(), maxsplit=1)[0] if desc else ""
+
+
+_KEEP_KW = ("is_causal", "attn_mask", "dim", "dtype")
+
+
+def _op(desc: str) -> str:
+    """``scaled_dot_product_attention(attn_mask=…, is_causal=False)`` from a node description."""
+    m = re.match(r"\s*\w+ = ([\w.]+)\((.*)\)\s*$", desc or "")
+    if not m:
+        return desc
+    target, args = m.group(1), m.group(2)
+    name = target.rsplit(".", 1)[-1] if not target.startswith(".") else target
+    parts = _split_args(args)
+    shown = []
+    pos = [p for p in parts if "=" not in p.split("(")[0]]
+    if name in ("arange",) and pos:
+        shown.append(pos[0])
+    elif pos:
+        shown.append("…")
+    for p in parts:
+        k, _, v = p.partition("=")
+        if v and k.strip() in _KEEP_KW:
+            v = v.strip()
+            if re.fullmatch(r"[a-z_]\w*", v) and v not in ("None", "True", "False"):
+                v = "…"  # a graph value, not a constant
+            shown.append(f"{k.strip()}={v}")
+    return f"{name}({', '.join(shown)})"
+
+
+def _after_op(after: str) -> str:
+    if not after:
+        return "(left alone)"
+    if after.endswith("(tree positions)"):
+        return "tree positions"
+    return _op(after)
+
+
+def _split_args(s: str) -> list[str]:
+    out, depth, cur = [], 0, ""
+    for ch in s:
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        if ch == "," and depth == 0:
+            out.append(cur.strip())
+            cur = ""
+        else:
+            cur += ch
+    if cur.strip():
+        out.append(cur.strip())
+    return out
+
+
+def _file_line(source: str) -> str:
+    return source.split("  ", 1)[0] if source else ""
+
+
+def _table(header, rows, indent="  ") -> list[str]:
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    fmt = [indent + "  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip()
+           for r in [header, *rows]]
+    return [fmt[0], indent + "  ".join("-" * w for w in widths), *fmt[1:]]
+
+
+# ---------------------------------------------------------------------------------- display
+
+_ALIAS = re.compile(r"^\s+(\w+) = ([GL]_\w+)$")
+_FREES = re.compile(r";\s+(?:\w+ = )+None$")
+_ATTR = re.compile(r"\b[gGlL]_model_\w+")
+_LINE_NAME = re.compile(r"^\s+(\w+) = ")
+
+
+def _attr_name(ident: str) -> str:
+    """``g_model_modules_model_modules_layers_modules_0_..._parameters_weight_`` ->
+    ``self.model.layers.0.….weight``."""
+    rest = ident[len("g_model"):]
+    parts = [p for p in re.split(r"_(?:modules|parameters|buffers)_", rest + "_") if p]
+    if not parts or not re.match(r"_(?:modules|parameters|buffers)_", rest + "_"):
+        return ident
+    parts[-1] = parts[-1].rstrip("_") or parts[-1]
+    return "self." + ".".join(parts)
+
+
+def _display(code: str, modules: dict[str, str], marks: dict[str, str],
+             globals_: dict[str, str], model) -> list[str]:
+    if not code:
+        return []
+    lines = code.strip("\n").splitlines()
+    rename: dict[str, str] = {}
+    for ln in lines:
+        m = _ALIAS.match(ln)
+        if m and not _ATTR.fullmatch(m.group(1)):
+            rename[m.group(1)] = rename[m.group(2)] = m.group(1)[2:-1] or m.group(1)
+    rename.update(globals_)
+    word = re.compile(r"\b(" + "|".join(map(re.escape, sorted(rename, key=len, reverse=True)))
+                      + r")\b") if rename else None
+    group_cache: dict[str, str] = {}
+    out, current = [], None
+    for ln in lines:
+        if ln.startswith("def forward("):
+            params = [p.split(":")[0].strip() for p in _split_args(ln[len("def forward("):-2])]
+            params = [p for p in params if not _ATTR.fullmatch(p)]
+            ln = "def forward(" + ", ".join(params) + "):"
+        elif _ALIAS.match(ln):
+            continue
+        ln = _FREES.sub("", ln.rstrip())
+        if not ln.strip():
+            continue
+        ln = _ATTR.sub(lambda m: _attr_name(m.group(0)), ln)
+        if word is not None:
+            ln = word.sub(lambda m: rename[m.group(1)], ln)
+        m = _LINE_NAME.match(ln)
+        name = m.group(1) if m else None
+        if name is not None:
+            # the name before renaming, for the module map and the marks
+            orig = next((k for k, v in rename.items() if v == name and k in modules), name)
+            mod = modules.get(orig) or modules.get(name)
+            if mod is not None:
+                grp = group_cache.get(mod) or group_cache.setdefault(mod, _group(mod, model))
+                if grp != current:
+                    out.append(f"    # --- {grp}")
+                    current = grp
+            mark = marks.get(name) or marks.get(orig)
+            if mark:
+                ln = f"{ln}  # {mark}"
+        out.append(ln)
+    return out
+
+
+def _group(path: str, model) -> str:
+    """The module a header names: the innermost non-leaf module around ``path`` (so a q_proj
+    Linear or a norm is shown under its attention block)."""
+    if path in (OUTSIDE, "<model>") or model is None:
+        return path if path != "<model>" else f"<model> ({type(model).__name__})" if model \
+            is not None else path
+    parts = path.split(".")
+    while parts:
+        try:
+            sub = model.get_submodule(".".join(parts))
+        except (AttributeError, TypeError):
+            return path
+        if next(sub.children(), None) is not None:
+            return ".".join(parts)
+        parts.pop()
+    return f"<model> ({type(model).__name__})"

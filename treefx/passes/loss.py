@@ -1,0 +1,213 @@
+"""Loss pass: the cross-entropy on shifted logits/labels becomes the weighted tree loss.
+
+A training step written for ordinary batches computes ``F.cross_entropy`` of the logits at
+position j against the label at j + 1, written either way:
+
+- ``logits[:, :-1]`` against ``labels[:, 1:]`` (hand-written), or
+- ``logits`` against ``pad(labels, (0, 1), value=-100)[..., 1:]`` (Hugging Face 5.x).
+
+On a tree, the token before t is its tree predecessor ``parent_token[t]``, not t - 1. So the
+shift by one becomes a gather at ``parent_token`` and the reduction becomes the tree's per-token
+weights: ``Σ_t w_t · ℓ_t`` with w for the reduction the step asked for ("mean": each sequence's
+mean over its own masked tokens; "sum": its sum), averaged over the sequences with their
+weights. Anything the pass cannot prove equivalent raises an error naming the node.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from .common import GraphContext, TreeCompileError, describe, example, is_call, module_path
+
+__all__ = ["loss_pass", "tree_cross_entropy"]
+
+_CE = (F.cross_entropy, torch.nn.functional.cross_entropy)
+_RESHAPES = ("view", "reshape", "flatten", "contiguous", "float", "to", "type")
+_RESHAPE_FUNCS = (torch.reshape, torch.flatten)
+
+
+def tree_cross_entropy(logits: torch.Tensor, input_ids: torch.Tensor, parent_token: torch.Tensor,
+                       weights: torch.Tensor) -> torch.Tensor:
+    """Σ_t weights[t] · (−log softmax(logits[parent_token[t]])[input_ids[t]]), over tokens with
+    a predecessor; float32 accumulation (float64 for float64 logits).
+
+    Reads each logit row once for its log-sum-exp and gathers one logit per token: no
+    float32 copy of the [N, V] logits is needed (Inductor fuses the upcast into the reduction).
+    """
+    lg = logits.reshape(-1, logits.shape[-1])
+    acc = torch.promote_types(lg.dtype, torch.float32)
+    row = parent_token.clamp(min=0)
+    lse = torch.logsumexp(lg.to(acc), dim=-1)
+    nll = lse[row] - lg[row, input_ids.reshape(-1)].to(acc)
+    w = torch.where(parent_token >= 0, weights.to(acc), torch.zeros_like(weights, dtype=acc))
+    return (w * nll).sum()
+
+
+def _fail(node: fx.Node, why: str) -> TreeCompileError:
+    return TreeCompileError(
+        f"treefx cannot prove the loss at {module_path(node)} equivalent to per-sequence "
+        f"training (graph node `{describe(node)}`): {why}"
+    )
+
+
+def _strip(node):
+    """Skip reshapes, contiguous and dtype casts."""
+    while isinstance(node, fx.Node) and (
+        is_call(node, *_RESHAPE_FUNCS, methods=_RESHAPES)
+    ):
+        node = node.args[0]
+    return node
+
+
+def _seq_slice(node: fx.Node):
+    """For ``x[..., a:b, ...]`` slicing only the sequence dim of a [1, N, ...] tensor, return
+    (x, start, stop); else None. The sequence dim is dim 1 (or the last for a 2-D x)."""
+    if not is_call(node, operator.getitem):
+        return None
+    base, key = node.args
+    val = example(base)
+    if val is None:
+        return None
+    key = key if isinstance(key, tuple) else (key,)
+    seq_dim = 1 if val.dim() >= 2 else 0
+    if val.dim() == 2 and Ellipsis in key:
+        seq_dim = 1
+    # Expand an Ellipsis to explicit full slices.
+    if Ellipsis in key:
+        i = key.index(Ellipsis)
+        key = key[:i] + (slice(None),) * (val.dim() - len(key) + 1) + key[i + 1:]
+    key = key + (slice(None),) * (val.dim() - len(key))
+    for d, k in enumerate(key):
+        if d == seq_dim:
+            if not isinstance(k, slice) or k.step not in (None, 1):
+                return None
+        elif k != slice(None):
+            return None
+    k = key[seq_dim]
+    return base, k.start or 0, k.stop
+
+
+def _match_logits(ctx: GraphContext, ce: fx.Node):
+    """(the model's [1, N, V] logits node, shift) for the CE input; shift 1 means
+    ``logits[:, :-1]``."""
+    node = _strip(ce.args[0])
+    shift = 0
+    sl = _seq_slice(node)
+    if sl is not None:
+        base, start, stop = sl
+        if start != 0 or stop != -1:
+            raise _fail(ce, f"the logits are sliced [{start}:{stop}] along the sequence; only "
+                            "[:-1] (a shift by one) is understood")
+        node, shift = _strip(base), 1
+    val = example(node)
+    if val is None or val.dim() != 3 or not _is_seq(ctx, val.shape[1]):
+        raise _fail(ce, "its input is not the model's [1, N, vocab] logits")
+    return node, shift
+
+
+def _match_target(ctx: GraphContext, ce: fx.Node, logits_shift: int):
+    node = _strip(ce.args[1])
+    sl = _seq_slice(node)
+    if sl is None or sl[1] != 1 or sl[2] is not None:
+        raise _fail(ce, "its target is not the labels shifted by one ([..., 1:])")
+    base = _strip(sl[0])
+    if is_call(base, F.pad, torch._C._nn.pad):
+        pad = base.args[1] if len(base.args) > 1 else base.kwargs.get("pad")
+        value = base.kwargs.get("value", base.args[3] if len(base.args) > 3 else 0)
+        if tuple(pad) != (0, 1) or value != _ignore_index(ce):
+            raise _fail(ce, f"its labels are padded by {pad} with {value!r}; expected (0, 1) "
+                            "with the ignore index")
+        if logits_shift != 0:
+            raise _fail(ce, "both the logits and the padded labels are shifted: a shift of two")
+        base = _strip(base.args[0])
+    elif logits_shift != 1:
+        raise _fail(ce, "the labels are shifted by one but the logits are not cut to [:-1]: "
+                        "the positions do not line up")
+    val = example(base)
+    if val is None or val.dim() != 2 or not _is_seq(ctx, val.shape[1]):
+        raise _fail(ce, "its target is not built from the batch's [1, N] labels or input_ids")
+    return base
+
+
+def _is_seq(ctx: GraphContext, size) -> bool:
+    from .common import same_size
+
+    return same_size(size, ctx.seq_len)
+
+
+def _ignore_index(ce: fx.Node):
+    return ce.kwargs.get("ignore_index", ce.args[4] if len(ce.args) > 4 else -100)
+
+
+def _reduction(ce: fx.Node) -> str:
+    red = ce.kwargs.get("reduction", ce.args[7] if len(ce.args) > 7 else "mean")
+    if red not in ("mean", "sum"):
+        raise _fail(ce, f"reduction={red!r}; only 'mean' and 'sum' have a per-sequence meaning")
+    for name, pos, ok in (("weight", 2, None), ("label_smoothing", 8, 0.0)):
+        v = ce.kwargs.get(name, ce.args[pos] if len(ce.args) > pos else ok)
+        if v != ok:
+            raise _fail(ce, f"{name}={v!r} is not supported yet")
+    if _ignore_index(ce) != -100:
+        raise _fail(ce, f"ignore_index={_ignore_index(ce)}; a TreeBatch marks untrained labels "
+                        "with -100")
+    return red
+
+
+def _check_result_use(ce: fx.Node) -> None:
+    """The CE value may only be scaled by constants on its way out: dividing a sum by a token
+    count computed from the batch, say, has no per-sequence meaning on a tree."""
+    frontier = [ce]
+    seen = set()
+    while frontier:
+        node = frontier.pop()
+        for user in node.users:
+            if user in seen:
+                continue
+            seen.add(user)
+            if user.op == "output" or is_call(user, operator.getitem) or user.op == "call_function" \
+                    and user.target in (tuple, list):
+                continue
+            if is_call(user, operator.mul, operator.truediv, torch.mul, torch.div,
+                       methods=("mul", "div", "float", "to", "clone")):
+                others = [a for a in user.args[1:] if isinstance(a, fx.Node)]
+                if others:
+                    raise _fail(ce, f"its value is combined with a computed tensor in "
+                                    f"`{describe(user)}`")
+                frontier.append(user)
+                continue
+            raise _fail(ce, f"its value feeds `{describe(user)}`")
+
+
+def loss_pass(ctx: GraphContext) -> int:
+    """Rewrite every cross-entropy of the step; returns how many."""
+    if ctx.tree_weights is None:
+        return 0
+    count = 0
+    g = ctx.graph
+    for ce in [n for n in g.nodes if is_call(n, *_CE)]:
+        red = _reduction(ce)
+        logits, shift = _match_logits(ctx, ce)
+        _match_target(ctx, ce, shift)
+        _check_result_use(ce)
+        with g.inserting_before(ce):
+            parent = ctx.shared("parent_token",
+                                lambda: g.call_function(operator.getitem, (ctx.tree_info, 1)))
+            weights = ctx.shared(("weights", red), lambda: g.call_function(
+                operator.getitem, (ctx.tree_weights, 0 if red == "sum" else 1)))
+            new = g.call_function(tree_cross_entropy, (logits, ctx.input_ids, parent, weights))
+        new.meta["example_value"] = ce.meta.get("example_value")
+        ctx.record("loss", ce, describe(new), note=f"reduction={red}")
+        ce.replace_all_uses_with(new)
+        g.erase_node(ce)
+        count += 1
+    if count == 0:
+        raise TreeCompileError(
+            "the training step computes no cross-entropy treefx can find (F.cross_entropy on "
+            "shifted logits and labels, or a Hugging Face model called with labels=); without "
+            "it the step's loss cannot be made per-sequence"
+        )
+    return count

@@ -1,0 +1,495 @@
+"""Exact RL objectives on trees: policy gradient, PPO-clip, KL penalties.
+
+Every objective here is the per-branch objective — each sequence ``s_p`` scored alone — summed
+the way the batch's SFT loss is (see ARCHITECTURE.md):
+
+    L = Σ_p ω_p · r_p · Σ_{j≥1} m_p(j) · f_p(j)        r_p = 1 ("sum") or 1/Σ_{j≥1} m_p(j) ("mean")
+
+with ``ω_p`` the sequence weight, ``m_p`` its loss mask and ``r_p`` from ``batch.reduction``.
+Token j of sequence p is one token t of the tree, and its log-probability (so its ratio to an
+old or reference policy) is the same in every sequence through t. Writing
+``c_p(j) = ω_p · r_p · m_p(j) ≥ 0``, each objective collapses to per-token weights:
+
+- policy gradient, f = −A_p(j) · log π:     L = −Σ_t log π_t · Σ_{p∋t} c_p(t) A_p(t)
+- PPO-clip, f = −min(ρA, clip(ρ)A):         L = −Σ_t [min(ρ_t, clip ρ_t) · Σ_{p∋t} c_p A_p⁺
+                                                      + max(ρ_t, clip ρ_t) · Σ_{p∋t} c_p A_p⁻]
+  (for A ≥ 0, min(ρA, clip(ρ)A) = A·min(ρ, clip ρ); for A < 0 it is A·max(ρ, clip ρ))
+- KL penalty, f = kl(log π, log π_ref):     L = coef · Σ_t kl_t · Σ_{p∋t} c_p(t)
+
+Advantages may differ between sequences sharing a token (GRPO rollouts share the prompt, agent
+calls share the earlier turns), so they are never put "on the tree" one value per token: the
+sums over the sequences through each token come from a flat *incidence* of all sequences' paths
+(one entry per predicted baseline token: tree token, sequence, position), built once per batch
+and reduced with ``index_add``. Only old/reference log-probabilities, which are a function of
+the context, map onto the tree one value per token (:func:`to_tree`), and must agree.
+
+Per-sequence per-token data use one convention throughout, the one of
+:func:`treefx.reference.sequence_logprobs`: a sequence of length L gets L − 1 values, entry k
+for token k + 1 (the predicted tokens; token 0 has no prefix to be predicted from).
+
+Other aggregations are weights: a token-level mean over the whole group (DAPO) is
+``reduction="sum"`` with ``ω_p = 1 / Σ_q Σ_{j≥1} m_q(j)``; a constant normalizer (Dr. GRPO) is
+``reduction="sum"`` with ``ω_p = 1 / constant``.
+"""
+
+from __future__ import annotations
+
+import numbers
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .compile import TreeOutput
+from .layout import TreeBatch
+
+__all__ = [
+    "KL_ESTIMATORS",
+    "PathIncidence",
+    "kl_penalty",
+    "path_incidence",
+    "policy_gradient_loss",
+    "ppo_clip_loss",
+    "to_tree",
+    "token_sums",
+]
+
+KL_ESTIMATORS = ("k1", "k2", "k3")
+
+# Old/reference log-probabilities of one context, given once per sequence, may come from
+# separate calls of a rollout engine (bf16, other batch shapes): they agree to about this much.
+# Pass them through to_tree with your own tolerance to be stricter or looser.
+DEFAULT_ATOL = 1e-3
+DEFAULT_RTOL = 1e-3
+
+
+# ---------------------------------------------------------------------- incidence
+
+
+@dataclass(frozen=True, eq=False)
+class PathIncidence:
+    """Every sequence's path through the tree, flattened: one entry per predicted baseline
+    token (sequence p, position j ≥ 1), ordered by sequence, then position. T entries in all
+    (the batch's baseline tokens minus one per sequence).
+
+    - ``token`` [T]: the token's index in the DFS row.
+    - ``sequence`` [T]: p, numbered over the forest as in :meth:`TreeBatch.sequence_index`.
+    - ``position`` [T]: j, the token's offset in its sequence (≥ 1).
+    - ``coef`` [T] float64: c_p(j) = ω_p · r_p · m_p(j); ``token_sums`` of it is
+      ``batch.loss_weights``.
+    - ``sequence_lengths`` [P]: tokens per sequence (L_p; each has L_p − 1 entries here).
+    - ``first`` / ``first_trained`` [N]: per token, the first entry through it (among entries
+      with ``coef > 0`` for the latter), −1 where there is none.
+    """
+
+    token: torch.Tensor
+    sequence: torch.Tensor
+    position: torch.Tensor
+    coef: torch.Tensor
+    sequence_lengths: torch.Tensor
+    first: torch.Tensor
+    first_trained: torch.Tensor
+    num_tokens: int
+    sequence_names: tuple[str, ...]
+
+    @property
+    def num_sequences(self) -> int:
+        return int(self.sequence_lengths.numel())
+
+    @property
+    def trained(self) -> torch.Tensor:
+        """[N] bool: tokens that some sequence trains on (some ``coef > 0`` through them)."""
+        return self.first_trained >= 0
+
+
+# Keyed by the batch object: a batch is immutable by convention, and `batch.to(device)` makes a
+# new one (which gets its own incidence on its own device).
+_INCIDENCE: weakref.WeakKeyDictionary[TreeBatch, PathIncidence] = weakref.WeakKeyDictionary()
+
+
+def path_incidence(batch: TreeBatch) -> PathIncidence:
+    """The flat incidence of all sequences' paths (see :class:`PathIncidence`), built once per
+    batch (a loop over sequences walking node paths, the rest vectorized) and cached."""
+    if not isinstance(batch, TreeBatch):
+        raise TypeError(f"expected a treefx.TreeBatch (see treefx.pack), got {type(batch).__name__}")
+    inc = _INCIDENCE.get(batch)
+    if inc is None:
+        inc = _build_incidence(batch)
+        _INCIDENCE[batch] = inc
+    return inc
+
+
+def _build_incidence(batch: TreeBatch) -> PathIncidence:
+    node_parent = batch.node_parent.tolist()
+    node_offset = batch.node_offset.cpu().numpy()
+    node_length = batch.node_length.cpu().numpy()
+    path_nodes: list[int] = []
+    path_sizes: list[int] = []
+    for end in batch.sequence_node_ends.tolist():
+        path = []
+        while end >= 0:
+            path.append(end)
+            end = node_parent[end]
+        path_nodes.extend(reversed(path))
+        path_sizes.append(len(path))
+    nodes = np.asarray(path_nodes, dtype=np.int64)
+    lengths = node_length[nodes]
+    total = int(lengths.sum())
+    # Entry e lies in path node n at offset e − (n's first entry): its token is offset[n] + that.
+    node_first_entry = np.cumsum(lengths) - lengths
+    token = np.repeat(node_offset[nodes] - node_first_entry, lengths) + np.arange(total)
+    path_ends = np.cumsum(path_sizes)
+    seq_lengths = np.add.reduceat(lengths, path_ends - np.asarray(path_sizes))
+    num_seq = len(path_sizes)
+    sequence = np.repeat(np.arange(num_seq), seq_lengths)
+    position = np.arange(total) - np.repeat(np.cumsum(seq_lengths) - seq_lengths, seq_lengths)
+
+    trees = batch.trees
+    tree_lengths = np.concatenate([t.sequence_lengths for t in trees])
+    if not np.array_equal(tree_lengths, seq_lengths):
+        raise RuntimeError("the batch's layout does not match its trees' sequences; was the "
+                           "batch built by treefx.pack and its trees left unchanged?")
+    weights = np.concatenate([np.asarray(t.weights, dtype=np.float64) for t in trees])
+    masks = np.concatenate([t.loss_mask(i) for t in trees for i in range(t.num_sequences)])
+    predicted = position >= 1  # nothing predicts a sequence's first token
+    token, sequence, position, mask = (a[predicted] for a in (token, sequence, position, masks))
+    masked_count = np.bincount(sequence, weights=mask, minlength=num_seq)
+    if batch.reduction == "sum":
+        r = np.ones(num_seq)
+    else:  # a sequence with nothing to predict adds nothing
+        r = np.divide(1.0, masked_count, out=np.zeros(num_seq), where=masked_count > 0)
+    coef = weights[sequence] * r[sequence] * mask
+
+    n = batch.num_tokens
+    first = _first_entry(token, np.ones(len(token), dtype=bool), n)
+    first_trained = _first_entry(token, coef > 0, n)
+    names = tuple(
+        f"sequence {p}" if len(trees) == 1 else f"sequence {p} (tree {ti}, its sequence {i})"
+        for p, (ti, i) in enumerate((ti, i) for ti, t in enumerate(trees)
+                                    for i in range(t.num_sequences))
+    )
+
+    dev = batch.device
+
+    def tensor(a, dtype=torch.int64):
+        return torch.from_numpy(np.ascontiguousarray(a)).to(device=dev, dtype=dtype)
+
+    return PathIncidence(
+        token=tensor(token), sequence=tensor(sequence), position=tensor(position),
+        coef=tensor(coef, torch.float64), sequence_lengths=tensor(seq_lengths),
+        first=tensor(first), first_trained=tensor(first_trained), num_tokens=n,
+        sequence_names=names,
+    )
+
+
+def _first_entry(token: np.ndarray, selected: np.ndarray, n: int) -> np.ndarray:
+    """Per tree token, the index of the first selected entry through it, or −1."""
+    out = np.full(n, -1, dtype=np.int64)
+    entries = np.flatnonzero(selected)
+    uniq, first = np.unique(token[entries], return_index=True)
+    out[uniq] = entries[first]
+    return out
+
+
+# ---------------------------------------------------------------------- per-sequence data
+
+
+def _is_scalar(x) -> bool:
+    if isinstance(x, (torch.Tensor, np.ndarray)):
+        return x.ndim == 0
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def _float_dtype(values) -> torch.dtype:
+    """The floating dtype data comes in (the default dtype for Python numbers and integers)."""
+    items = values if isinstance(values, (list, tuple)) else [values]
+    dtypes = [x.dtype for x in items if isinstance(x, torch.Tensor) and x.is_floating_point()]
+    dtypes += [torch.from_numpy(np.zeros(0, x.dtype)).dtype for x in items
+               if isinstance(x, np.ndarray) and np.issubdtype(x.dtype, np.floating)]
+    if not dtypes:
+        return torch.get_default_dtype()
+    out = dtypes[0]
+    for d in dtypes[1:]:
+        out = torch.promote_types(out, d)
+    return out
+
+
+def _flat_values(inc: PathIncidence, values, name: str, dtype, device, *,
+                 scalars: bool = True) -> torch.Tensor:
+    """Per-sequence data as one value per incidence entry, [T].
+
+    ``values``: a [P] tensor / list of P numbers (one per sequence, when ``scalars``), or a list
+    of P per-token tensors, sequence p's of length L_p − 1 (entry k for token k + 1).
+    """
+    num_seq = inc.num_sequences
+    per_token_hint = (f"a list of {num_seq} per-token tensors (sequence p's of length "
+                      f"len(sequence p) − 1, entry k for token k + 1, as "
+                      f"treefx.reference.sequence_logprobs gives)")
+    expected = (f"one value per sequence (shape [{num_seq}]) or {per_token_hint}" if scalars
+                else per_token_hint)
+    if isinstance(values, (torch.Tensor, np.ndarray)):
+        v = torch.as_tensor(values)
+        if scalars and v.ndim == 1 and v.shape[0] == num_seq:
+            return v.to(device=device, dtype=dtype)[inc.sequence.to(device)]
+        raise ValueError(f"{name} has shape {list(v.shape)} but the batch holds {num_seq} "
+                         f"sequences; give {expected}")
+    if not isinstance(values, Sequence) or isinstance(values, (str, bytes)):
+        raise TypeError(f"{name} must be {expected}, got {type(values).__name__}")
+    if len(values) != num_seq:
+        raise ValueError(f"{name} has {len(values)} entries but the batch holds {num_seq} "
+                         f"sequences; give {expected}")
+    is_scalar = [_is_scalar(x) for x in values]
+    if scalars and num_seq and all(is_scalar):
+        v = torch.stack([torch.as_tensor(x, dtype=dtype, device=device) for x in values])
+        return v[inc.sequence.to(device)]
+    if any(is_scalar):
+        p = is_scalar.index(True)
+        raise ValueError(f"{name}[{p}] is a single number but other entries are not; give "
+                         f"{expected}")
+    lengths = inc.sequence_lengths.tolist()
+    parts = []
+    for p, (x, length) in enumerate(zip(values, lengths)):
+        try:
+            x = torch.as_tensor(x, dtype=dtype, device=device)
+        except (TypeError, ValueError, RuntimeError):
+            raise TypeError(f"{name}[{p}] ({inc.sequence_names[p]}) is not a list of numbers "
+                            f"or a tensor: {type(x).__name__}") from None
+        if x.ndim != 1 or x.numel() != length - 1:
+            raise ValueError(
+                f"{name}[{p}] has shape {list(x.shape)} but {inc.sequence_names[p]} has "
+                f"{length} tokens, so {length - 1} predicted tokens; give one value per "
+                f"predicted token (tokens 1..{length - 1}), as "
+                "treefx.reference.sequence_logprobs does"
+            )
+        parts.append(x)
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=dtype, device=device)
+
+
+def _scatter(inc: PathIncidence, flat: torch.Tensor) -> torch.Tensor:
+    """[T] → [N]: per tree token, the sum over the entries through it."""
+    out = torch.zeros(inc.num_tokens, dtype=flat.dtype, device=flat.device)
+    return out.index_add(0, inc.token.to(flat.device), flat)
+
+
+def token_sums(batch: TreeBatch, values=None, *, weighted: bool = True,
+               dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Per tree token t, the sum over the sequences through it:
+
+        out[t] = Σ_{p∋t} c_p(t) · x_p(t)        c_p(j) = ω_p · r_p · m_p(j)  (1 if not weighted)
+
+    ``values`` (x): one value per sequence ([P] tensor or list of P numbers), or a list of P
+    per-token tensors of length len(sequence) − 1 (entry k for token k + 1); ``None`` means
+    x = 1, so ``token_sums(batch)`` is ``batch.loss_weights`` (in float64). Tokens no sequence
+    predicts (a root's first token, padding) get 0. Differentiable in ``values``.
+    """
+    inc = path_incidence(batch)
+    if dtype is None:
+        dtype = torch.float64 if values is None else _float_dtype(values)
+    if values is None:
+        flat = torch.ones(inc.token.numel(), dtype=dtype, device=batch.device)
+    else:
+        flat = _flat_values(inc, values, "values", dtype, batch.device)
+    if weighted:
+        flat = flat * inc.coef.to(device=flat.device, dtype=dtype)
+    return _scatter(inc, flat)
+
+
+def to_tree(batch: TreeBatch, values, *, fill: float = 0.0, trained_only: bool = True,
+            atol: float = DEFAULT_ATOL, rtol: float = DEFAULT_RTOL, name: str = "values",
+            dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Per-sequence data that is a function of the context (old or reference log-probabilities,
+    a value model's outputs) as one [N] tensor on the tree, like ``out.token_logprobs``.
+
+    ``values``: a list of P per-token tensors, sequence p's of length len(sequence p) − 1 (entry
+    k for token k + 1: :func:`treefx.reference.sequence_logprobs`'s convention), or one value
+    per sequence ([P], broadcast over its predicted tokens). A token shared by several sequences
+    has one context, so their values must agree (``|a − b| ≤ atol + rtol·|b|``): a
+    ``ValueError`` names the sequences, position and values otherwise, and non-finite values
+    raise too. The tree takes the first sequence's value.
+
+    ``trained_only``: look only at entries a sequence trains on (``ω_p r_p m_p(j) > 0``);
+    rollout engines often leave placeholders on context tokens, which the loss never reads.
+    Tokens without a (trained) entry get ``fill``. Per-sequence quantities that may differ on
+    shared tokens, such as advantages, are not for this: see :func:`token_sums`.
+    """
+    inc = path_incidence(batch)
+    dtype = dtype or _float_dtype(values)
+    flat = _flat_values(inc, values, name, dtype, batch.device)
+    return _map_agreeing(inc, flat, name=name, fill=fill, trained_only=trained_only,
+                         atol=atol, rtol=rtol)
+
+
+def _map_agreeing(inc: PathIncidence, flat: torch.Tensor, *, name: str, fill: float,
+                  trained_only: bool, atol: float, rtol: float) -> torch.Tensor:
+    first = (inc.first_trained if trained_only else inc.first).to(flat.device)
+    selected = (inc.coef > 0 if trained_only else torch.ones_like(inc.coef, dtype=torch.bool))
+    selected = selected.to(flat.device)
+    with torch.no_grad():
+        bad = selected & ~torch.isfinite(flat)
+        if bool(bad.any()):
+            k = int(bad.nonzero()[0])
+            raise ValueError(f"{name}: {inc.sequence_names[int(inc.sequence[k])]}, token "
+                             f"{int(inc.position[k])}: value {float(flat[k])} is not finite")
+        reference = flat[first[inc.token.to(flat.device)].clamp(min=0)]
+        off = selected & ((flat - reference).abs() > atol + rtol * reference.abs())
+        if bool(off.any()):
+            k = int(off.nonzero()[0])
+            other = int(first[int(inc.token[k])])
+            raise ValueError(
+                f"{name} disagree on a shared token: {inc.sequence_names[int(inc.sequence[other])]}"
+                f" has {float(flat[other]):.6g} and {inc.sequence_names[int(inc.sequence[k])]} "
+                f"has {float(flat[k]):.6g} at token {int(inc.position[k])} (tree token "
+                f"{int(inc.token[k])}), beyond atol={atol}, rtol={rtol}. Both sequences reach "
+                "that token through the same prefix, so its log-probability is one number; "
+                "values that differ mean the data is misaligned or from different policies"
+            )
+    has = first >= 0
+    mapped = flat[first.clamp(min=0)] if flat.numel() else torch.zeros(
+        inc.num_tokens, dtype=flat.dtype, device=flat.device)
+    return torch.where(has, mapped, torch.full_like(mapped, fill))
+
+
+def _logprobs_on_tree(inc: PathIncidence, values, name: str, like: torch.Tensor) -> torch.Tensor:
+    """Old/reference log-probabilities as a detached [N] tensor in ``like``'s dtype: given on the
+    tree already, or per sequence (checked to agree on shared tokens)."""
+    if isinstance(values, TreeOutput):
+        values = values.token_logprobs
+    if isinstance(values, (torch.Tensor, np.ndarray)):
+        v = torch.as_tensor(values)
+        if v.ndim == 1 and v.shape[0] == inc.num_tokens:
+            # Constants of the objective: a graph attached to them (old = current log-probs,
+            # say) would turn the ratio's gradient into 0.
+            return v.detach().to(device=like.device, dtype=like.dtype)
+        raise ValueError(
+            f"{name} has shape {list(v.shape)}; give it on the tree, shape "
+            f"[{inc.num_tokens}] (batch.num_tokens) like out.token_logprobs, or as a list of "
+            f"{inc.num_sequences} per-sequence tensors of length len(sequence) − 1 (as "
+            "treefx.reference.sequence_logprobs gives)"
+        )
+    flat = _flat_values(inc, values, name, like.dtype, like.device, scalars=False).detach()
+    return _map_agreeing(inc, flat, name=name, fill=0.0, trained_only=True,
+                         atol=DEFAULT_ATOL, rtol=DEFAULT_RTOL)
+
+
+def _check_logprobs(token_logprobs, batch: TreeBatch) -> torch.Tensor:
+    if isinstance(token_logprobs, TreeOutput):
+        token_logprobs = token_logprobs.token_logprobs
+    if not isinstance(token_logprobs, torch.Tensor):
+        raise TypeError(f"token_logprobs must be a tensor (out.token_logprobs), got "
+                        f"{type(token_logprobs).__name__}")
+    if token_logprobs.shape != (batch.num_tokens,):
+        raise ValueError(f"token_logprobs has shape {list(token_logprobs.shape)} but the batch "
+                         f"has {batch.num_tokens} tokens; pass out.token_logprobs of this batch")
+    if not token_logprobs.is_floating_point():
+        raise TypeError(f"token_logprobs must be floating point, got {token_logprobs.dtype}")
+    return token_logprobs
+
+
+def _check_eps(value, name: str) -> float:
+    if not isinstance(value, numbers.Real) or isinstance(value, bool) or not np.isfinite(value) \
+            or value < 0:
+        raise ValueError(f"{name} must be a finite non-negative number, got {value!r}")
+    return float(value)
+
+
+# ---------------------------------------------------------------------- objectives
+
+
+def policy_gradient_loss(token_logprobs, batch: TreeBatch, advantages) -> torch.Tensor:
+    """REINFORCE / GRPO without a ratio:
+
+        L = −Σ_p ω_p r_p Σ_{j≥1} m_p(j) A_p(j) log π(s_p[j] | s_p[<j])
+          = −Σ_t log π_t · Σ_{p∋t} ω_p r_p m_p(t) A_p(t)
+
+    ``token_logprobs``: ``out.token_logprobs`` [N] (or the ``TreeOutput``). ``advantages``: per
+    sequence ([P], GRPO) or per token (a list of P tensors of length len(sequence) − 1, entry k
+    for token k + 1). Differentiable through ``token_logprobs`` (and the advantages, as given).
+    """
+    lp = _check_logprobs(token_logprobs, batch)
+    inc = path_incidence(batch)
+    adv = _flat_values(inc, advantages, "advantages", lp.dtype, lp.device)
+    weight = _scatter(inc, inc.coef.to(device=lp.device, dtype=lp.dtype) * adv)
+    return -(weight * lp).sum()
+
+
+def ppo_clip_loss(token_logprobs, batch: TreeBatch, advantages, old_logprobs, *,
+                  clip_eps: float = 0.2, clip_eps_high: float | None = None,
+                  return_stats: bool = False):
+    """PPO's clipped surrogate, per token ``−min(ρA, clip(ρ, 1−ε, 1+ε_high)·A)`` with
+    ``ρ = exp(log π − log π_old)``, summed like the SFT loss:
+
+        L = −Σ_p ω_p r_p Σ_{j≥1} m_p(j) min(ρ A_p(j), clip(ρ) A_p(j))
+          = −Σ_t [min(ρ_t, clip ρ_t) · Σ_{p∋t} c_p A_p⁺  +  max(ρ_t, clip ρ_t) · Σ_{p∋t} c_p A_p⁻]
+
+    exact because ρ_t is the same in every sequence through t and c_p = ω_p r_p m_p ≥ 0.
+
+    ``advantages``: per sequence [P] or per token (list of P tensors, len(sequence) − 1 each).
+    ``old_logprobs``: on the tree ([N], e.g. a no-grad forward's ``token_logprobs``) or per
+    sequence (list of P tensors like :func:`treefx.reference.sequence_logprobs`; values of a
+    shared token must agree, see :func:`to_tree`). They are constants: detached here.
+    ``clip_eps_high``: the upper clip (DAPO's clip-higher); default ``clip_eps``.
+
+    Returns the loss, or ``(loss, stats)`` with ``return_stats``: detached 0-dim tensors
+    ``clip_fraction`` (share of the weight ``c_p(j)`` on token terms whose clipped branch is
+    taken, so they give no gradient) and ``approx_kl`` (``c``-weighted mean of
+    ``ρ − 1 − log ρ``, an estimate of KL(π_old ‖ π)).
+    """
+    lp = _check_logprobs(token_logprobs, batch)
+    eps_low = _check_eps(clip_eps, "clip_eps")
+    eps_high = eps_low if clip_eps_high is None else _check_eps(clip_eps_high, "clip_eps_high")
+    inc = path_incidence(batch)
+    adv = _flat_values(inc, advantages, "advantages", lp.dtype, lp.device)
+    old = _logprobs_on_tree(inc, old_logprobs, "old_logprobs", lp)
+    # Tokens no sequence trains on have weight 0; zeroing their log-ratio keeps a placeholder
+    # old value there (or padding) from making exp overflow and 0 · inf a NaN.
+    log_ratio = torch.where(inc.trained.to(lp.device), lp - old, torch.zeros_like(lp))
+    ratio = torch.exp(log_ratio)
+    clipped = ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
+    coef = inc.coef.to(device=lp.device, dtype=lp.dtype)
+    positive = _scatter(inc, coef * adv.clamp(min=0))
+    negative = _scatter(inc, coef * adv.clamp(max=0))
+    loss = -(positive * torch.minimum(ratio, clipped) + negative * torch.maximum(ratio, clipped)).sum()
+    if not return_stats:
+        return loss
+    with torch.no_grad():
+        token = inc.token.to(lp.device)
+        r = ratio[token]
+        cut = ((adv > 0) & (r > 1.0 + eps_high)) | ((adv < 0) & (r < 1.0 - eps_low))
+        total = coef.sum().clamp_min(torch.finfo(coef.dtype).tiny)
+        lr = log_ratio[token]
+        stats = {
+            "clip_fraction": (coef * cut).sum() / total,
+            "approx_kl": (coef * (torch.expm1(lr) - lr)).sum() / total,
+        }
+    return loss, stats
+
+
+def kl_penalty(token_logprobs, batch: TreeBatch, ref_logprobs, *, estimator: str = "k1",
+               coef: float = 1.0) -> torch.Tensor:
+    """A KL penalty to a reference policy, weighted like the loss:
+
+        L = coef · Σ_p ω_p r_p Σ_{j≥1} m_p(j) kl(s_p[j]) = coef · Σ_t w_t · kl_t
+
+    with ``w_t = Σ_{p∋t} ω_p r_p m_p(t)`` (``batch.loss_weights``, computed here in float64)
+    and, for d = log π_ref − log π (Schulman's estimators of KL(π ‖ π_ref)):
+    ``"k1"``: −d;  ``"k2"``: d² / 2;  ``"k3"``: exp(d) − d − 1.
+
+    ``ref_logprobs``: on the tree ([N]) or per sequence (list of P tensors, len(sequence) − 1
+    each; values of a shared token must agree). Detached: the reference is a constant.
+    """
+    if estimator not in KL_ESTIMATORS:
+        raise ValueError(f"estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")
+    lp = _check_logprobs(token_logprobs, batch)
+    inc = path_incidence(batch)
+    ref = _logprobs_on_tree(inc, ref_logprobs, "ref_logprobs", lp)
+    d = torch.where(inc.trained.to(lp.device), ref - lp, torch.zeros_like(lp))
+    if estimator == "k1":
+        kl = -d
+    elif estimator == "k2":
+        kl = 0.5 * d * d
+    else:
+        kl = torch.expm1(d) - d  # exp(d) − 1 − d without cancellation near d = 0
+    weight = _scatter(inc, inc.coef.to(device=lp.device, dtype=lp.dtype))
+    return coef * (weight * kl).sum()

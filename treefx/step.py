@@ -1,0 +1,85 @@
+"""``@treefx.step``: an ordinary training step, run exactly on a tree.
+
+The step is written for a Hugging Face-style batch (``batch["input_ids"]``,
+``batch["labels"]``, ...) and computes a cross-entropy loss. Called with a :class:`TreeBatch`,
+it is captured as one graph together with the model; the passes rewrite its attention and
+positions for the tree and its loss into the weighted tree loss, so it returns what per-sequence
+training would: the per-sequence loss (its own reduction, its own loss mask) averaged over the
+sequences with their weights, with the same gradients. Called with anything else it is the
+plain function.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .compile import TreeEngine, _make_traced, check_batch, tree_info
+from .layout import TreeBatch
+
+__all__ = ["step", "TreeStep"]
+
+
+def _step_template(model, input_ids, tree_info, tree_weights, *args, **kwargs):
+    # Copied per TreeStep by _make_traced, with the user's function in its globals as `user_fn`.
+    torch._check(tree_info.shape[1] == input_ids.shape[1])
+    torch._check(tree_weights.shape[1] == input_ids.shape[1])
+    parent = tree_info[1]
+    trained = (parent >= 0) & (tree_weights[0] > 0)
+    labels = torch.where(trained, input_ids[0], torch.full_like(input_ids[0], -100))[None]
+    batch = {
+        "input_ids": input_ids,
+        "labels": labels,
+        "position_ids": tree_info[0:1],
+        "attention_mask": torch.ones_like(input_ids),
+    }
+    result = user_fn(model, batch, *args, **kwargs)  # noqa: F821
+    # Small views of the tree inputs keep them graph inputs even when the step reads neither.
+    return result, tree_info[:, :1], tree_weights[:, :1]
+
+
+class TreeStep:
+    """A training step compiled for trees (see :func:`step`)."""
+
+    def __init__(self, fn, *, backend: str = "auto", block_size: int = 128):
+        functools.update_wrapper(self, fn)
+        self.fn = fn
+        self.engine = TreeEngine(
+            lambda tag: _make_traced(_step_template, tag, user_fn=fn), backend, block_size
+        )
+
+    @property
+    def num_compilations(self) -> int:
+        return self.engine.num_compilations
+
+    @property
+    def contexts(self):
+        return self.engine.contexts
+
+    def __call__(self, model: torch.nn.Module, batch, *args, **kwargs):
+        if not isinstance(batch, TreeBatch):
+            return self.fn(model, batch, *args, **kwargs)
+        check_batch(model, batch)
+        weights = torch.stack([batch.loss_weights_for("sum"), batch.loss_weights_for("mean")])
+        weights = weights.to(torch.promote_types(weights.dtype, torch.float32))
+        result, _, _ = self.engine(batch.device, model, batch.input_ids, tree_info(batch),
+                                   weights, *args, dynamic=(1, 2, 3), **kwargs)
+        return result
+
+
+def step(fn=None, *, backend: str = "auto", block_size: int = 128):
+    """Decorate a training step ``fn(model, batch, ...) -> loss`` so that
+    ``fn(model, tree_batch)`` returns the per-branch baseline loss, exactly, with its gradients.
+
+    The step computes ``F.cross_entropy`` of shifted logits and labels (reduction "mean" or
+    "sum"), by hand or through a Hugging Face model called with ``labels=``. In a tree step,
+    ``batch["labels"]`` are the tokens (-100 where no sequence trains on a token); which tokens
+    count for each sequence comes from the tree's loss masks, and "mean" is over each
+    sequence's own masked tokens. Pass ``batch["attention_mask"]`` to a Hugging Face model:
+    without it the model infers packed sequences from the positions. ``backend`` as for
+    :func:`treefx.compile`.
+    """
+    if fn is None:
+        return functools.partial(step, backend=backend, block_size=block_size)
+    return TreeStep(fn, backend=backend, block_size=block_size)
