@@ -48,7 +48,8 @@ def test_hf_model_with_labels(impl):
     step = treefx.step(hf_labels_step, backend="eager")
     check_step(step, model, odd_forest(20, VOCAB), "mean")
     (rewrite,) = [r for r in step.contexts[0].log if r.pass_name == "loss"]
-    assert rewrite.note == "reduction=mean"
+    # The step reads only .loss: the output projection is fused, the logits never built.
+    assert rewrite.note == "reduction=mean, fused with the output projection"
 
 
 @pytest.mark.parametrize("reduction", ["sum", "mean"])
@@ -59,6 +60,22 @@ def test_hand_written_cross_entropy(reduction):
     # The same compiled step on another tree size: no new compilation.
     check_step(step, model, odd_forest(22, VOCAB), reduction)
     assert step.num_compilations == 1
+
+
+def test_step_that_also_returns_logits_keeps_them():
+    model = hf_model("qwen3", "sdpa")
+
+    def loss_and_logits(model, batch):
+        logits = model(batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), batch["labels"][:, 1:].flatten())
+        return loss, logits
+
+    step = treefx.step(loss_and_logits, backend="eager")
+    check_step(lambda m, b: step(m, b)[0], model, odd_forest(26, VOCAB), "mean")
+    (rewrite,) = [r for r in step.contexts[0].log if r.pass_name == "loss"]
+    assert rewrite.note == "reduction=mean"
+    batch = treefx.pack(odd_forest(26, VOCAB))
+    assert step(model, batch)[1].shape == (1, batch.num_tokens, VOCAB)
 
 
 def test_decorator_forms_and_plain_batches():

@@ -1,5 +1,4 @@
-"""Command line: ``treefx demo``, ``treefx stats FILE.jsonl``, ``treefx synth -o FILE.jsonl``,
-``treefx explain MODULE:FACTORY``, ``treefx draw FILE.jsonl -o tree.png``."""
+"""Command line: ``treefx demo``, ``treefx stats FILE.jsonl``, ``treefx synth -o FILE.jsonl``."""
 
 from __future__ import annotations
 

@@ -179,7 +179,9 @@ class ExplainReport:
                 continue
             new = _assigned(r.after)
             before_marks[r.node] = f"treefx {r.pass_name}: rewritten"
-            if new:
+            if new and new in after_marks:
+                after_marks[new] += f", {r.node}"
+            elif new:
                 after_marks[new] = f"treefx {r.pass_name}: replaces {r.node}"
         if self.stop_node and graph == len(self.graphs) - 1 and not g.ok:
             name = _assigned(self.stop_node)

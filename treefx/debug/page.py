@@ -21,28 +21,33 @@ h2 { font-size: 15px; margin: 16px 0 6px; border-bottom: 1px solid #e2e6eb; padd
               margin: 2px 4px 2px 0; font-size: 13px; }
 .facts span.ok { background: #d9f2dd; color: #16602a; font-weight: 600; }
 .facts span.bad { background: #fbdcdc; color: #8a1c1c; font-weight: 600; }
-.grid { display: grid; grid-template-columns: minmax(0, 1.45fr) minmax(0, 1fr); gap: 28px; }
+.grid { display: grid; grid-template-columns: minmax(0, 1.25fr) minmax(0, 1fr); gap: 28px; }
 table.t { border-collapse: collapse; width: 100%; font-size: 13px; }
 table.t th { text-align: left; color: #5a6675; font-weight: 600; border-bottom: 1px solid #cfd6de;
              padding: 3px 8px 3px 0; }
 table.t td { border-bottom: 1px solid #eef1f4; padding: 4px 8px 4px 0; vertical-align: top; }
+table.t tr.main:has(+ tr.code) td { border-bottom: none; padding-bottom: 0; }
+table.t tr.code td { padding-top: 0; }
 code, .mono { font-family: "DejaVu Sans Mono", Menlo, Consolas, monospace; font-size: 12px; }
 .pass { font-weight: 600; }
 .pass.attention { color: #2f6fba; } .pass.positions { color: #b35c12; }
 .pass.ssm { color: #34864f; } .pass.loss { color: #8a3d8a; }
 .src { color: #6a7480; font-size: 12px; }
-.src code { color: #38414c; }
+.src code { color: #38414c; overflow-wrap: anywhere; }
 .arrow { color: #8a96a3; }
 .none { color: #8a96a3; font-style: italic; }
 .error { background: #fff4f4; border: 1px solid #f1b8b8; border-radius: 6px; padding: 8px 12px;
          margin: 10px 0; }
 .error pre { white-space: pre-wrap; margin: 4px 0 0; font-size: 12px; }
+.pics { display: flex; gap: 28px; align-items: flex-start; }
+.pics .tree { flex: 1 1 auto; min-width: 0; } .pics .mask { flex: 0 0 auto; }
 .pic { overflow: auto; max-height: 560px; border: 1px solid #e2e6eb; border-radius: 6px;
-       padding: 6px; margin-bottom: 10px; }
+       padding: 6px; }
 .pic svg { max-width: 100%; height: auto; display: block; }
 table.diff { font-family: "DejaVu Sans Mono", Menlo, Consolas, monospace; font-size: 11.5px;
              border-collapse: collapse; width: 100%; table-layout: fixed; }
-table.diff col.n { width: 3.2em; } table.diff col.x { width: 1.4em; }
+table.diff col.n { width: 3.4em; } table.diff col.x { width: 0.6em; }
+table.diff td.diff_next a { display: none; }
 table.diff td { padding: 0 4px; vertical-align: top; white-space: pre-wrap;
                 word-break: break-all; }
 table.diff th { background: #eef2f6; text-align: left; padding: 3px 6px; font-weight: 600; }
@@ -80,12 +85,17 @@ def _facts(r: ExplainReport) -> str:
             + f'<span class="{cls}">{_e(r.status)}</span>')
 
 
-def _source(src: str) -> str:
-    if not src:
+def _where(src: str) -> str:
+    return f'<span class="src">{_e(_file_line(src))}</span>' if src else ""
+
+
+def _code_row(src: str, span: int) -> str:
+    """A sub-row under a table row: the source line that made the node."""
+    code = src.partition("  ")[2].strip() if src else ""
+    if not code:
         return ""
-    where, _, code = src.partition("  ")
-    return (f'<div class="src">{_e(where)}</div>'
-            + (f'<div class="src"><code>{_e(code.strip())}</code></div>' if code else ""))
+    return (f'<tr class="code"><td></td><td colspan="{span}" class="src"><code>{_e(code)}</code>'
+            f'</td></tr>')
 
 
 def _rewrites(r: ExplainReport) -> str:
@@ -93,11 +103,11 @@ def _rewrites(r: ExplainReport) -> str:
     if not rows:
         return '<p class="none">no node was rewritten</p>'
     body = "".join(
-        f'<tr><td class="pass {_e(x.pass_name)}">{_e(x.pass_name)}</td>'
+        f'<tr class="main"><td class="pass {_e(x.pass_name)}">{_e(x.pass_name)}</td>'
         f'<td><code>{_e(x.module)}</code></td>'
         f'<td><code title="{_e(x.before)}">{_e(_op(x.before))}</code> '
         f'<span class="arrow">→</span> <code title="{_e(x.after)}">{_e(_after_op(x.after))}'
-        f'</code></td><td>{_source(x.source)}</td></tr>'
+        f'</code></td><td>{_where(x.source)}</td></tr>{_code_row(x.source, 3)}'
         for x in rows)
     return ('<table class="t"><tr><th>pass</th><th>module</th><th>before → after</th>'
             f'<th>source</th></tr>{body}</table>')
@@ -109,12 +119,13 @@ def _kept(r: ExplainReport) -> str:
         return ('<p class="none">nothing: no attention-, position- or state-like node was '
                 'left as it is</p>')
     body = "".join(
-        f'<tr><td class="pass {_e(x.pass_name)}">{_e(x.pass_name)}</td>'
+        f'<tr class="main"><td class="pass {_e(x.pass_name)}">{_e(x.pass_name)}</td>'
         f'<td><code>{_e(x.module)}</code></td><td><code title="{_e(x.before)}">'
-        f'{_e(_op(x.before))}</code></td><td>{_e(x.note)}{_source(x.source)}</td></tr>'
+        f'{_e(_op(x.before))}</code></td><td>{_e(x.note)}</td><td>{_where(x.source)}</td></tr>'
+        f'{_code_row(x.source, 4)}'
         for x in rows)
-    return ('<table class="t"><tr><th>pass</th><th>module</th><th>node</th><th>why</th></tr>'
-            f'{body}</table>')
+    return ('<table class="t"><tr><th>pass</th><th>module</th><th>node</th><th>why</th>'
+            f'<th>source</th></tr>{body}</table>')
 
 
 def _stop(r: ExplainReport) -> str:
@@ -133,7 +144,9 @@ def _stop(r: ExplainReport) -> str:
                          f'</code></td></tr><tr><td>module</td><td><code>{_e(r.stop_module)}'
                          f'</code></td></tr>')
             if r.stop_source:
-                parts.append(f"<tr><td>source</td><td>{_source(r.stop_source)}</td></tr>")
+                where, _, code = r.stop_source.partition("  ")
+                parts.append(f"<tr><td>source</td><td><span class=\"src\">{_e(where)}</span> "
+                             f"<code>{_e(code.strip())}</code></td></tr>")
             parts.append("</table>")
     parts.append(f"<pre>{_e(r.error)}</pre></div>")
     return "".join(parts)
@@ -149,11 +162,12 @@ def _diff_tables(r: ExplainReport) -> str:
         before, after = r.code_pair(g.index)
         to = "after the treefx passes" if g.ok else "where the treefx passes stopped"
         table = hd.make_table(before, after, f"graph {g.index}: captured by Dynamo",
-                              f"graph {g.index}: {to}", context=True, numlines=3)
+                              f"graph {g.index}: {to}", context=True, numlines=2)
         # Fixed column widths: line numbers narrow, code halves equal.
         cols = ('<colgroup><col class="x"><col class="n"><col><col class="x"><col class="n">'
                 '<col></colgroup>')
-        table = table.replace("<thead>", cols + "<thead>", 1)
+        table = table.replace("<colgroup></colgroup>", "").replace("<thead>", cols + "<thead>",
+                                                                      1)
         table = table.replace(' nowrap="nowrap"', "")
         out.append(table)
     return "".join(out)
@@ -172,7 +186,8 @@ def _udiff(r: ExplainReport) -> str:
 def render_page(r: ExplainReport) -> str:
     from .. import __version__
 
-    positions = ("".join(f"<li><code>{_e(p)}</code></li>" for p in r.positions)
+    positions = ("".join(f"<li><code>{_e(p.replace(' -> ', ' → '))}</code></li>"
+                         for p in r.positions)
                  or '<li class="none">the model uses no positions treefx could see</li>')
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8">
@@ -186,17 +201,19 @@ def render_page(r: ExplainReport) -> str:
 <section>
 <h2>Rewritten nodes</h2>
 {_rewrites(r)}
+</section>
+<section>
 <h2>Left alone</h2>
 {_kept(r)}
 <h2>Positions</h2>
 <ul>{positions}</ul>
 </section>
-<section>
-<h2>Tree</h2>
-<div class="pic">{tree_svg(r.batch)}</div>
-<h2>Attention mask</h2>
-<div class="pic">{mask_svg(r.batch)}</div>
-</section>
+</div>
+<div class="pics">
+<section class="tree"><h2>Tree</h2>
+<div class="pic">{tree_svg(r.batch)}</div></section>
+<section class="mask"><h2>Attention mask</h2>
+<div class="pic">{mask_svg(r.batch, size=300)}</div></section>
 </div>
 <h2>Graph code: captured → after the passes</h2>
 {_diff_tables(r)}

@@ -212,12 +212,12 @@ def layout_tree(batch) -> TreeLayout:
                       int(depth.max()) + 1 if m else 0)
 
 
-def tree_svg(batch, *, slot: int = 62, layer: int = 64, max_width: int | None = None) -> str:
+def tree_svg(batch, *, slot: int = 50, layer: int = 58, max_width: int | None = None) -> str:
     """SVG of the tree(s): one box a node, labelled with its token count and ``×k``, the number
     of sequences through it (what per-sequence training would compute k times)."""
     batch = _as_batch(batch)
     L = layout_tree(batch)
-    bw, bh = slot - 10, 34
+    bw, bh = slot - 8, 34
     pad, top = 12, 44
     w = int(L.num_slots * slot + 2 * pad)
     w = max(w, 360)

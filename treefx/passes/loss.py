@@ -21,6 +21,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from ..ops.cross_entropy import fused_linear_tree_cross_entropy
 from .common import GraphContext, TreeCompileError, describe, example, is_call, module_path
 
 __all__ = ["loss_pass", "tree_cross_entropy"]
@@ -157,6 +158,24 @@ def _reduction(ce: fx.Node) -> str:
     return red
 
 
+def _projection_only_for(logits: fx.Node, ce: fx.Node):
+    """(h, weight, bias) if ``logits = linear(h, weight, bias)`` feeds nothing but this
+    cross-entropy (through reshapes, casts and the [:-1] cut), else None."""
+    if not is_call(logits, F.linear, torch._C._nn.linear):
+        return None
+    node = logits
+    while node is not ce:
+        if len(node.users) != 1:
+            return None
+        (node,) = node.users
+        if node is not ce and not (is_call(node, *_RESHAPE_FUNCS, methods=_RESHAPES)
+                                   or is_call(node, operator.getitem)):
+            return None
+    h, weight = logits.args[:2]
+    bias = logits.args[2] if len(logits.args) > 2 else logits.kwargs.get("bias")
+    return h, weight, bias
+
+
 def _check_result_use(ce: fx.Node) -> None:
     """The CE value may only be scaled by constants on its way out: dividing a sum by a token
     count computed from the batch, say, has no per-sequence meaning on a tree."""
@@ -198,9 +217,18 @@ def loss_pass(ctx: GraphContext) -> int:
                                 lambda: g.call_function(operator.getitem, (ctx.tree_info, 1)))
             weights = ctx.shared(("weights", red), lambda: g.call_function(
                 operator.getitem, (ctx.tree_weights, 0 if red == "sum" else 1)))
-            new = g.call_function(tree_cross_entropy, (logits, ctx.input_ids, parent, weights))
+            proj = _projection_only_for(logits, ce)
+            if proj is not None:
+                # The logits exist only for this loss: fuse the projection, never build them.
+                h, weight, bias = proj
+                new = g.call_function(fused_linear_tree_cross_entropy,
+                                      (h, weight, bias, ctx.input_ids, parent, weights))
+            else:
+                new = g.call_function(tree_cross_entropy,
+                                      (logits, ctx.input_ids, parent, weights))
         new.meta["example_value"] = ce.meta.get("example_value")
-        ctx.record("loss", ce, describe(new), note=f"reduction={red}")
+        ctx.record("loss", ce, describe(new), note=f"reduction={red}" + (
+            ", fused with the output projection" if proj is not None else ""))
         ce.replace_all_uses_with(new)
         g.erase_node(ce)
         count += 1
