@@ -196,7 +196,66 @@ def case_timing(res):
     }
 
 
+def hf_labels_step(model, batch):
+    return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                 labels=batch["labels"]).loss
+
+
+def case_step_fp32(res):
+    """@treefx.step with a Hugging Face labels= loss (fused projection + tree cross-entropy)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = hf_model("qwen3", **SMALL)
+    step = treefx.step(hf_labels_step, backend=BACKEND)
+    trees = small_trees(SMALL["vocab_size"])
+    batch = treefx.pack(trees).to(DEV)
+    loss = step(model, batch)
+    loss.backward()
+    g_tree = grads_of(model)
+    ref = treefx.reference.sequence_loss(model, trees, reduction="mean")
+    ref.backward()
+    g_ref = grads_of(model)
+    res["step-hf-labels-fp32"] = {
+        "loss_rel_err": abs(loss.item() - ref.item()) / abs(ref.item()),
+        "max_rel_grad_err": max(((g_tree[n] - g).norm() / g.norm().clamp_min(1e-30)).item()
+                                for n, g in g_ref.items()),
+        "loss_rewrite": [r.note for r in step.contexts[0].log if r.pass_name == "loss"],
+    }
+
+
+def case_loss_memory(res):
+    """Peak memory of one training step: logits materialized (compile + tree_loss) vs the
+    fused chunked loss (@treefx.step), Qwen3 with a 151k vocabulary, bf16."""
+    torch.backends.cuda.matmul.allow_tf32 = True
+    cfg = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=4,
+               num_attention_heads=16, num_key_value_heads=8, head_dim=128)
+    model = hf_model("qwen3", torch.bfloat16, **cfg)
+    tree = synth.agent_tree(3, vocab_size=cfg["vocab_size"], rollouts=8, target_por=0.75)
+    batch = treefx.pack(tree, reduction="mean").to(DEV)
+    tm = treefx.compile(model, backend=BACKEND)
+    step = treefx.step(hf_labels_step, backend=BACKEND)
+    out = {"tree": repr(tree), "vocab": cfg["vocab_size"]}
+    for name, fn in (
+        ("logits-materialized", lambda: treefx.tree_loss(tm(batch), batch)),
+        ("fused-chunked", lambda: step(model, batch)),
+    ):
+        fn().backward()  # compile
+        model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        loss = fn()
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        out[name] = {"loss": loss.item(),
+                     "peak_gib_above_start": (torch.cuda.max_memory_allocated() - base) / 2**30,
+                     "ms": _time(lambda: (fn().backward(), model.zero_grad(set_to_none=True)))}
+    res["loss-memory"] = out
+
+
 CASES = {
+    "step-fp32": case_step_fp32,
+    "loss-memory": case_loss_memory,
     "qwen3-fp32": case_qwen3_fp32,
     "qwen3-bf16": case_qwen3_bf16,
     "mistral-window": case_mistral_window,

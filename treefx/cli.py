@@ -113,16 +113,31 @@ def _load_factory(spec: str):
     return obj
 
 
-def _verbosity(level: int) -> None:
-    if level <= 0:
-        return
-    import logging
+class _Verbose:
+    """``-v``: the ``treefx`` logger to stderr at INFO (``-vv``: DEBUG) while a command runs."""
 
-    logger = logging.getLogger("treefx")
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("treefx: %(message)s"))
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO if level == 1 else logging.DEBUG)
+    def __init__(self, level: int):
+        import logging
+
+        self.logger = logging.getLogger("treefx")
+        self.level = level
+        self.handler = logging.StreamHandler(sys.stderr)
+        self.handler.setFormatter(logging.Formatter("treefx: %(message)s"))
+        self.saved = self.logger.level
+
+    def __enter__(self):
+        import logging
+
+        if self.level > 0:
+            self.logger.addHandler(self.handler)
+            self.logger.setLevel(logging.INFO if self.level == 1 else logging.DEBUG)
+        return self
+
+    def __exit__(self, *exc):
+        if self.level > 0:
+            self.logger.removeHandler(self.handler)
+            self.logger.setLevel(self.saved)
+        return False
 
 
 def cmd_explain(args) -> int:
@@ -133,7 +148,6 @@ def cmd_explain(args) -> int:
     from .debug.examples import demo_tree
     from .layout import pack
 
-    _verbosity(args.verbose)
     factory = _load_factory(args.factory)
     model = factory() if callable(factory) and not isinstance(factory, torch.nn.Module) \
         else factory
@@ -151,7 +165,8 @@ def cmd_explain(args) -> int:
         trees = [demo_tree(vocab)]
     device = next(model.parameters(), torch.empty(0)).device
     batch = pack(trees).to(device)
-    report = explain(model, batch, backend=args.backend)
+    with _Verbose(args.verbose):
+        report = explain(model, batch, backend=args.backend)
     print(report)
     if args.diff:
         print()

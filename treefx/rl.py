@@ -160,7 +160,7 @@ def _build_incidence(batch: TreeBatch) -> PathIncidence:
         r = np.ones(num_seq)
     else:  # a sequence with nothing to predict adds nothing
         r = np.divide(1.0, masked_count, out=np.zeros(num_seq), where=masked_count > 0)
-    coef = weights[sequence] * r[sequence] * (mask * 0 + 1)
+    coef = weights[sequence] * r[sequence] * mask
 
     n = batch.num_tokens
     first = _first_entry(token, np.ones(len(token), dtype=bool), n)

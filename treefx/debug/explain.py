@@ -134,7 +134,7 @@ class ExplainReport:
             f"graphs: {self.num_graphs}   compilations: {self.num_compilations}   "
             f"graph breaks: {self.num_graph_breaks}   status: {self.status}",
         ]
-        rows = [[r.pass_name, r.module, f"{_op(r.before)} -> {_after_op(r.after)}",
+        rows = [[r.pass_name, r.module, f"{_before_op(r)} -> {_after_op(r.after)}",
                  _file_line(r.source)] for r in self.rewrites]
         lines += ["", "rewritten"]
         lines += _table(["pass", "module", "before -> after", "source"], rows) if rows else [
@@ -239,6 +239,8 @@ def explain(model: torch.nn.Module, batch, *, backend: str = "eager",
     if not isinstance(batch, TreeBatch):
         raise TypeError(f"expected a TreeBatch, a Tree or a list of Trees, got "
                         f"{type(batch).__name__}")
+    if isinstance(model, _compile_mod.TreeModel):  # already compiled: explain its model
+        model = model.model
     tm = _compile_mod.compile(model, backend=backend, **compile_kwargs)
     seen: list[tuple[object, dict]] = []
     real = _compile_mod.run_passes
@@ -419,6 +421,13 @@ def _op(desc: str) -> str:
                 v = "…"  # a graph value, not a constant
             shown.append(f"{k.strip()}={v}")
     return f"{name}({', '.join(shown)})"
+
+
+def _before_op(r: Rewrite) -> str:
+    op = _op(r.before)
+    if r.pass_name == "attention" and r.note.startswith("eager"):
+        return f"matmul → {op} → matmul"  # the eager pattern, named by its softmax
+    return op
 
 
 def _after_op(after: str) -> str:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import difflib
 import html
 
-from .explain import ExplainReport, _after_op, _file_line, _op
+from .explain import ExplainReport, _after_op, _before_op, _file_line, _op
 from .pictures import mask_svg, tree_svg
 
 __all__ = ["render_page"]
@@ -105,7 +105,7 @@ def _rewrites(r: ExplainReport) -> str:
     body = "".join(
         f'<tr class="main"><td class="pass {_e(x.pass_name)}">{_e(x.pass_name)}</td>'
         f'<td><code>{_e(x.module)}</code></td>'
-        f'<td><code title="{_e(x.before)}">{_e(_op(x.before))}</code> '
+        f'<td><code title="{_e(x.before)}">{_e(_before_op(x))}</code> '
         f'<span class="arrow">→</span> <code title="{_e(x.after)}">{_e(_after_op(x.after))}'
         f'</code></td><td>{_where(x.source)}</td></tr>{_code_row(x.source, 3)}'
         for x in rows)

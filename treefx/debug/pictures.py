@@ -220,7 +220,7 @@ def tree_svg(batch, *, slot: int = 50, layer: int = 58, max_width: int | None = 
     bw, bh = slot - 8, 34
     pad, top = 12, 44
     w = int(L.num_slots * slot + 2 * pad)
-    w = max(w, 360)
+    w = max(w, 600)
     h = int(L.num_layers * layer + top + pad)
     trees = len(batch.trees)
     title = (f"{trees} tree{'s' if trees != 1 else ''}, {len(L.parent)} nodes, "

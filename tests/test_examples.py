@@ -1,0 +1,28 @@
+"""The README's entry points run: the quickstart and the demo agree with the oracle."""
+
+import re
+import runpy
+from pathlib import Path
+
+import treefx.cli
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_quickstart_prints_equal_losses(capsys):
+    runpy.run_path(str(ROOT / "examples" / "quickstart.py"), run_name="__main__")
+    out = capsys.readouterr().out
+    tree_loss, seq_loss = map(float, re.search(r"tree loss ([\d.]+) = per-sequence loss ([\d.]+)",
+                                                out).groups())
+    assert abs(tree_loss - seq_loss) < 1e-5
+
+
+def test_demo_runs_and_matches(capsys):
+    assert treefx.cli.main(["demo", "--steps", "2"]) == 0
+    out = capsys.readouterr().out
+    worst = float(re.search(r"largest relative gradient difference.*: ([\d.e+-]+)", out).group(1))
+    assert worst < 1e-4
+    rows = [ln.split() for ln in out.splitlines() if re.match(r"\s+\d+\s+\d+\s", ln)]
+    assert len(rows) == 2
+    for row in rows:
+        assert abs(float(row[2]) - float(row[3])) < 1e-4
