@@ -62,6 +62,10 @@ def grads(model):
     return out
 
 
+# A model this small runs fastest on one CPU thread; with several, on a busy machine, the
+# thread pool stalled for seconds and made the timings below meaningless.
+torch.set_num_threads(1)
+
 tree = treefx.synth.agent_tree(SEED, rollouts=GROUP, **SHAPE)
 rollout = rollout_of_each_sequence(SEED, GROUP, **SHAPE)
 rewards = np.random.default_rng(SEED).normal(size=GROUP)

@@ -339,11 +339,11 @@ def small():
 def test_bad_advantages_raise(small):
     tree, batch, lp, _ = small
     p = batch.num_sequences
-    with pytest.raises(ValueError, match=rf"advantages has shape \[{p}, 1\] .* holds {p} sequences"):
+    with pytest.raises(ValueError, match=rf"advantages has shape \[{p}, 1\] .* {p} sequences"):
         rl.policy_gradient_loss(lp, batch, torch.zeros(p, 1))
     with pytest.raises(ValueError, match=rf"advantages has shape \[{p + 1}\]"):
         rl.policy_gradient_loss(lp, batch, torch.zeros(p + 1))
-    with pytest.raises(ValueError, match=rf"advantages has {p - 1} entries but the batch holds {p}"):
+    with pytest.raises(ValueError, match=rf"advantages has {p - 1} entries but the batch holds"):
         rl.policy_gradient_loss(lp, batch, [0.0] * (p - 1))
     adv = [torch.zeros(len(s) - 1) for s in tree.sequences]
     adv[3] = torch.zeros(len(tree.sequences[3]))  # one per token instead of per predicted token
@@ -378,7 +378,7 @@ def test_bad_logprobs_raise(small):
 def test_bad_options_raise(small):
     _, batch, lp, old = small
     adv = torch.zeros(batch.num_sequences)
-    with pytest.raises(ValueError, match=r"estimator must be one of \('k1', 'k2', 'k3'\), got 'k4'"):
+    with pytest.raises(ValueError, match=r"estimator must be one of \('k1', 'k2', 'k3'\), got"):
         rl.kl_penalty(lp, batch, old, estimator="k4")
     with pytest.raises(ValueError, match="clip_eps must be a finite non-negative number, got -0.1"):
         rl.ppo_clip_loss(lp, batch, adv, old, clip_eps=-0.1)

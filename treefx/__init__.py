@@ -1,6 +1,9 @@
 """treefx: train LLMs on prefix trees of agent trajectories, computing every shared prefix once."""
 
-from . import reference, synth
+import logging
+
+from . import debug, reference, synth
+from .debug import explain
 from .compile import TreeModel, TreeOutput, compile, tree_loss
 from .layout import TreeBatch, pack
 from .partition import err, partition, partition_ids
@@ -9,6 +12,9 @@ from .step import TreeStep, step
 from .tree import Tree, bound, por, read_jsonl, write_jsonl
 
 __version__ = "0.1.0"
+
+# Quiet unless the application configures logging (logger "treefx").
+logging.getLogger("treefx").addHandler(logging.NullHandler())
 
 __all__ = [
     "GraphBreakError",
@@ -21,7 +27,9 @@ __all__ = [
     "UnmatchedAttentionError",
     "bound",
     "compile",
+    "debug",
     "err",
+    "explain",
     "pack",
     "partition",
     "partition_ids",

@@ -98,8 +98,8 @@ def _load_factory(spec: str):
 
     mod_name, sep, attr = spec.partition(":")
     if not sep or not mod_name or not attr:
-        raise SystemExit(f"treefx: expected MODULE:FACTORY (e.g. treefx.debug.examples:qwen3_tiny), "
-                         f"got {spec!r}")
+        raise SystemExit(f"treefx: expected MODULE:FACTORY (e.g. "
+                         f"treefx.debug.examples:qwen3_tiny), got {spec!r}")
     if os.getcwd() not in sys.path and "" not in sys.path:
         sys.path.insert(0, os.getcwd())  # like python -m: modules of the current directory
     try:

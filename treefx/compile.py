@@ -18,7 +18,7 @@ import torch.fx as fx
 
 from .layout import TreeBatch
 from .passes import GraphBreakError, GraphContext, TreeCompileError, run_passes
-from .passes.common import example
+from .passes.common import example, module_path
 from .reference import logits_of
 
 __all__ = ["compile", "TreeModel", "TreeOutput", "tree_loss"]
@@ -111,8 +111,9 @@ class TreeEngine:
     def _dynamo_backend(self, backend: str):
         def compile_graph(gm: fx.GraphModule, example_inputs):
             ctx = _context(gm, backend, self.block_size)
+            self.contexts.append(ctx)  # before the passes: a failed graph can be reported
             run_passes(ctx)
-            self.contexts.append(ctx)
+            ctx.done = True
             self.num_compilations += 1
             log.info("compiled a tree graph (%s backend, %d so far)", backend,
                      self.num_compilations)
@@ -270,6 +271,8 @@ def _context(gm: fx.GraphModule, backend: str, block_size: int) -> GraphContext:
                                f"{[n.name for n in placeholders]})")
     ids, info = by_name["input_ids"], by_name["tree_info"]
     code_before = gm.code
+    modules_before = {n.name: module_path(n) if n.meta.get("nn_module_stack") else "<treefx>"
+                      for n in gm.graph.nodes}
     g = gm.graph
     fake = example(info)
     with g.inserting_after(placeholders[-1]):
@@ -283,7 +286,8 @@ def _context(gm: fx.GraphModule, backend: str, block_size: int) -> GraphContext:
         "flex" if backend == "flex-eager" else "eager"),
         input_ids=ids, tree_info=info, positions=pos, subtree_end=se,
         seq_len=example(ids).shape[1], entry=se.next, block_size=block_size,
-        code_before=code_before, tree_weights=by_name.get("tree_weights"))
+        code_before=code_before, modules_before=modules_before,
+        tree_weights=by_name.get("tree_weights"))
 
 
 def _row(tree_info: torch.Tensor, i: int) -> torch.Tensor:

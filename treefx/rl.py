@@ -82,6 +82,7 @@ class PathIncidence:
     - ``sequence_lengths`` [P]: tokens per sequence (L_p; each has L_p − 1 entries here).
     - ``first`` / ``first_trained`` [N]: per token, the first entry through it (among entries
       with ``coef > 0`` for the latter), −1 where there is none.
+    - ``sequence_names``: how errors name sequence p ("sequence 7 (tree 1, its sequence 2)").
     """
 
     token: torch.Tensor
@@ -113,7 +114,8 @@ def path_incidence(batch: TreeBatch) -> PathIncidence:
     """The flat incidence of all sequences' paths (see :class:`PathIncidence`), built once per
     batch (a loop over sequences walking node paths, the rest vectorized) and cached."""
     if not isinstance(batch, TreeBatch):
-        raise TypeError(f"expected a treefx.TreeBatch (see treefx.pack), got {type(batch).__name__}")
+        raise TypeError(f"expected a treefx.TreeBatch (see treefx.pack), got "
+                        f"{type(batch).__name__}")
     inc = _INCIDENCE.get(batch)
     if inc is None:
         inc = _build_incidence(batch)
@@ -450,7 +452,8 @@ def ppo_clip_loss(token_logprobs, batch: TreeBatch, advantages, old_logprobs, *,
     coef = inc.coef.to(device=lp.device, dtype=lp.dtype)
     positive = _scatter(inc, coef * adv.clamp(min=0))
     negative = _scatter(inc, coef * adv.clamp(max=0))
-    loss = -(positive * torch.minimum(ratio, clipped) + negative * torch.maximum(ratio, clipped)).sum()
+    loss = -(positive * torch.minimum(ratio, clipped)
+             + negative * torch.maximum(ratio, clipped)).sum()
     if not return_stats:
         return loss
     with torch.no_grad():

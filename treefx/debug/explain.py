@@ -242,37 +242,23 @@ def explain(model: torch.nn.Module, batch, *, backend: str = "eager",
     if isinstance(model, _compile_mod.TreeModel):  # already compiled: explain its model
         model = model.model
     tm = _compile_mod.compile(model, backend=backend, **compile_kwargs)
-    seen: list[tuple[object, dict]] = []
-    real = _compile_mod.run_passes
-
-    def watch(ctx):
-        seen.append((ctx, _module_map(ctx.graph)))
-        return real(ctx)
-
     error = None
-    _compile_mod.run_passes = watch
     try:
         with torch.no_grad():
             tm(batch)
     except TreeCompileError as e:
         error = e
-    finally:
-        _compile_mod.run_passes = real
-
-    if not seen:  # compile.py no longer calls run_passes by that name: use what it kept
-        seen = [(ctx, {}) for ctx in tm.contexts]
-    done = {id(c) for c in tm.contexts}
     graphs = []
-    for i, (ctx, before_map) in enumerate(seen):
-        ok = id(ctx) in done
+    for i, ctx in enumerate(tm.contexts):
         partial = None
-        if not ok:
+        if not ctx.done:
             try:
                 partial = ctx.graph.python_code("self").src
             except Exception:  # a graph left half-rewritten may not print
                 partial = None
+        before_map = {k: (OUTSIDE if v == "<treefx>" else v) for k, v in ctx.modules_before.items()}
         graphs.append(GraphReport(
-            index=i, code_before=ctx.code_before, code_after=ctx.code_after if ok else None,
+            index=i, code_before=ctx.code_before, code_after=ctx.code_after if ctx.done else None,
             log=list(ctx.log), modules_before=before_map, modules_after=_module_map(ctx.graph),
             positions=_positions(ctx), partial_after=partial,
             globals_after=_global_names(ctx.graph),
@@ -291,14 +277,10 @@ def explain(model: torch.nn.Module, batch, *, backend: str = "eager",
         if m:
             report.stop_module, report.stop_node = m.group(1), m.group(2)
             name = _assigned(report.stop_node)
-            for ctx, _ in seen[-1:]:
+            for ctx in tm.contexts[-1:]:
                 node = next((n for n in ctx.graph.nodes if n.name == name), None)
                 if node is not None:
                     report.stop_source = source_line(node) or None
-            for g in graphs[-1:]:
-                for r in g.log:  # a node a pass let through that the final check refuses
-                    if r.kept and r.node == name:
-                        r.note += " (but the final check refuses it: see what stops compilation)"
     return report
 
 
@@ -377,14 +359,10 @@ def _break_reasons(message: str) -> tuple[list[str], int]:
 def _count_graphs(model, tm, batch) -> int | None:
     """How many graphs Dynamo splits the traced forward into (when it breaks)."""
     try:
-        engine = getattr(tm, "engine", None)
-        if engine is not None:
-            fn = engine.make_traced(-2)
-        else:  # before TreeEngine
-            fn = _compile_mod._make_tree_forward(model, tm.opts, -2)
-        tree_info = torch.stack([batch.position_ids[0], batch.parent_token, batch.subtree_end])
+        fn = tm.engine.make_traced(-2)
         with torch.no_grad():
-            return int(torch._dynamo.explain(fn)(batch.input_ids, tree_info).graph_count)
+            return int(torch._dynamo.explain(fn)(batch.input_ids,
+                                                 _compile_mod.tree_info(batch)).graph_count)
     except Exception:
         return None
 

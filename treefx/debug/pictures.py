@@ -12,6 +12,7 @@ import base64
 import html
 import math
 import os
+import re
 import struct
 import zlib
 from dataclasses import dataclass
@@ -366,7 +367,8 @@ def tree_png(batch, *, mask: bool = True, max_mask: int = 512) -> bytes:
     H = max(th, mimg.shape[0] + 14 if mimg is not None else 0) + top + pad
     c = _Canvas(W, H)
     c.text(pad, 10, f"{len(batch.trees)} TREE(S), {len(L.parent)} NODES, "
-                    f"{batch.num_real_tokens} TOKENS, {batch.num_sequences} SEQUENCES", (0, 0, 0), 2)
+                    f"{batch.num_real_tokens} TOKENS, {batch.num_sequences} SEQUENCES",
+           (0, 0, 0), 2)
     c.text(pad, 30, "BOX: TOKENS   XK: SEQUENCES THROUGH THE NODE", (85, 85, 85), 1)
     _tree_raster(c, L, pad, top, slot, layer)
     if mimg is not None:
@@ -410,8 +412,6 @@ def draw(trees, path: str | os.PathLike, *, max_mask: int = 512) -> str:
 
 
 def _svg_size(svg: str) -> tuple[int, int]:
-    import re
-
     m = re.search(r'width="(\d+)" height="(\d+)"', svg)
     return int(m.group(1)), int(m.group(2))
 
@@ -420,7 +420,6 @@ def _inner(svg: str) -> str:
     """An SVG's content wrapped as a nested <svg> with its own font settings."""
     start = svg.index(">") + 1
     head = svg[:start]
-    import re
-
     font = re.search(r'font-family="[^"]*"', head)
-    return f'<svg {font.group(0) if font else ""} overflow="visible">{svg[start:-len("</svg>")]}</svg>'
+    body = svg[start:-len("</svg>")]
+    return f'<svg {font.group(0) if font else ""} overflow="visible">{body}</svg>'

@@ -303,7 +303,7 @@ def attention_pass(ctx: GraphContext) -> int:
             site = _eager_site(node)
             if site is not None:
                 sites.append(site)
-            else:
+            elif not _feeds_matmul(node):
                 ctx.keep("attention", node, "a softmax that feeds no matmul with values: not "
                                             "attention (e.g. a router), correct per token as is")
     for site in sites:
@@ -322,13 +322,14 @@ def check_no_attention_left(ctx: GraphContext) -> None:
         ):
             raise _fail(node, "the model calls flex_attention itself; treefx does not rewrite "
                               "a model's own flex_attention yet")
-        if is_call(node, *_SOFTMAX, methods=("softmax",)):
-            for user in _downstream(node):
-                if is_call(user, *_MATMUL, methods=("matmul", "bmm")) or is_call(
-                    user, torch.einsum
-                ):
-                    raise _fail(node, "a softmax feeds a matmul here, but not in a pattern "
-                                      "treefx recognises as attention")
+        if is_call(node, *_SOFTMAX, methods=("softmax",)) and _feeds_matmul(node):
+            raise _fail(node, "a softmax feeds a matmul here, but not in a pattern treefx "
+                              "recognises as attention")
+
+
+def _feeds_matmul(node: fx.Node) -> bool:
+    return any(is_call(u, *_MATMUL, methods=("matmul", "bmm")) or is_call(u, torch.einsum)
+               for u in _downstream(node))
 
 
 def _downstream(node: fx.Node, depth: int = 4):

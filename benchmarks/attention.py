@@ -1,0 +1,368 @@
+"""Tree attention alone, forward + backward, against SDPA causal on the same number of attended
+(q, k) pairs, in TFLOP/s (issue 5).
+
+    PYTHONPATH=. python benchmarks/attention.py --out attention.json        # GPU, ~2-3 min
+    PYTHONPATH=. python benchmarks/attention.py --dry-run                   # CPU, tiny, checks
+
+Cases per size N (bf16, 16 heads, head_dim 128, batch 1):
+- flex_tree:        compiled ``flex_attention`` with ``treefx.layout.tree_block_mask`` (the
+                    BlockMask of ``kv <= q < subtree_end[kv]`` from per-block min/max) on a row
+                    of synthetic agent trees (POR-0.75 shape) cut at N tokens;
+- sdpa_causal_Leq:  SDPA causal (flash forced; also cuDNN and the default choice) at the length
+                    L_eq whose causal pair count L(L+1)/2 equals the tree's attended pairs;
+- flex_causal_N:    compiled ``flex_attention`` with a causal ``create_block_mask`` at N, and
+                    sdpa_causal_N, for reference;
+- with --extras: flex_causal_Leq and flex_tree_treefx_op (``TreeFlexAttention``, the op
+                    treefx's attention pass inserts, compiled).
+
+FLOP convention: forward F = 4 * pairs * head_dim * heads (QK^T and PV, 2 FLOPs per
+multiply-add, attended pairs only); backward = 2.5 F; forward+backward = 3.5 F
+(--fwd-bwd-factor). Each case reports forward, backward (= fwd+bwd - fwd) and fwd+bwd times
+(CUDA events, median of --reps after --warmup) and TFLOP/s. Ratios between cases do not depend
+on the convention. The block mask is built once, outside the timing (e2e.py times building).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+import traceback
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import treefx  # noqa: E402
+from treefx import synth  # noqa: E402
+from treefx.layout import tree_block_mask  # noqa: E402
+from treefx.ops.attention import dense_tree_mask, tree_block_tensors  # noqa: E402
+
+BLOCK = 128
+_LENGTHS = dict(system_len=(150, 400), prompt_len=(30, 200), think_len=(40, 300),
+                answer_len=(10, 80), tool_len=(20, 250))
+
+
+def tree_row(n: int, scale: float = 1.0, vocab: int = 32000) -> torch.Tensor:
+    """``subtree_end`` of a DFS row of agent trees (POR-0.75 shape: 4 rollouts) cut at ``n``
+    tokens (ends clipped to n: still a valid forest layout)."""
+    trees, total, i = [], 0, 0
+    lengths = {k: (max(1, round(lo * 1.8 * scale)), max(1, round(hi * 1.8 * scale)))
+               for k, (lo, hi) in _LENGTHS.items()}
+    while total < n:
+        t = synth.agent_tree(700 + i, vocab_size=vocab, rollouts=4, **lengths)
+        trees.append(t)
+        total += t.num_tokens
+        i += 1
+    se = treefx.pack(trees).subtree_end[:n].clamp(max=n).contiguous()
+    return se, trees
+
+
+def pairs_of(se: torch.Tensor) -> int:
+    """Visible (q, k) pairs of the tree mask: key k is seen by queries k .. subtree_end[k]-1."""
+    return int((se - torch.arange(se.numel(), device=se.device)).sum())
+
+
+def l_equivalent(pairs: int) -> int:
+    """L with L(L+1)/2 closest to ``pairs``."""
+    return max(1, round((math.sqrt(1 + 8 * pairs) - 1) / 2))
+
+
+class Timer:
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
+
+    def __call__(self, fn, reps: int, warmup: int) -> list[float]:
+        for _ in range(warmup):
+            fn()
+        if self.cuda:
+            torch.cuda.synchronize()
+        out = []
+        for _ in range(reps):
+            if self.cuda:
+                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                s.record()
+                fn()
+                e.record()
+                torch.cuda.synchronize()
+                out.append(s.elapsed_time(e))
+            else:
+                t0 = time.perf_counter()
+                fn()
+                out.append((time.perf_counter() - t0) * 1e3)
+        return out
+
+
+def qkv(length, heads, kv_heads, d, dtype, dev, seed=0, grad=True):
+    g = torch.Generator(device=dev).manual_seed(seed)
+    q = torch.randn(1, heads, length, d, dtype=dtype, device=dev, generator=g)
+    k = torch.randn(1, kv_heads, length, d, dtype=dtype, device=dev, generator=g)
+    v = torch.randn(1, kv_heads, length, d, dtype=dtype, device=dev, generator=g)
+    do = torch.randn(1, heads, length, d, dtype=dtype, device=dev, generator=g)
+    return [t.requires_grad_(grad) for t in (q, k, v)] + [do]
+
+
+def run_case(name, attn, length, pairs, args, env, timer, res_n):
+    """Time forward and forward+backward of ``attn(q, k, v)`` at ``length``; FLOPs from
+    ``pairs``."""
+    entry = {"length": length, "pairs": pairs}
+    try:
+        q, k, v, do = qkv(length, args.heads, args.kv_heads, args.head_dim, env["dtype"],
+                          env["dev"], grad=env["backward"])
+        t0 = time.perf_counter()
+        out = attn(q, k, v)  # first call: compiles
+        if env["cuda"]:
+            torch.cuda.synchronize()
+        entry["first_call_s"] = time.perf_counter() - t0
+        del out
+
+        def fwd():
+            attn(q, k, v)
+
+        def fwd_bwd():
+            o = attn(q, k, v)
+            torch.autograd.grad(o, (q, k, v), do)
+
+        f = timer(fwd, args.reps, args.warmup)
+        entry["fwd_ms"] = statistics.median(f)
+        if env["backward"]:
+            fb = timer(fwd_bwd, args.reps, args.warmup)
+            entry["fwd_bwd_ms"] = statistics.median(fb)
+            entry["bwd_ms"] = entry["fwd_bwd_ms"] - entry["fwd_ms"]
+        flops = 4.0 * pairs * args.head_dim * args.heads
+        entry["fwd_tflops"] = flops / (entry["fwd_ms"] * 1e-3) / 1e12
+        if "fwd_bwd_ms" in entry:
+            entry["fwd_bwd_tflops"] = (args.fwd_bwd_factor * flops
+                                       / (entry["fwd_bwd_ms"] * 1e-3) / 1e12)
+            if entry["bwd_ms"] > 0:
+                entry["bwd_tflops"] = ((args.fwd_bwd_factor - 1) * flops
+                                       / (entry["bwd_ms"] * 1e-3) / 1e12)
+    except Exception as e:
+        entry["error"] = traceback.format_exc()[-3000:]
+        if env["cuda"] and "out of memory" in str(e).lower():
+            torch.cuda.empty_cache()
+    res_n[name] = entry
+    msg = entry.get("error", "").strip().splitlines()[-1][:200] if "error" in entry else (
+        f"fwd {entry['fwd_ms']:.3f} ms ({entry['fwd_tflops']:.0f} TFLOP/s)"
+        + (f", fwd+bwd {entry['fwd_bwd_ms']:.3f} ms ({entry['fwd_bwd_tflops']:.0f} TFLOP/s)"
+           if "fwd_bwd_ms" in entry else ""))
+    print(f"  N={res_n['tokens']:6d} {name:24s} L={length:6d}: {msg}", flush=True)
+
+
+def sdpa_fn(backend_name, gqa):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backends = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION",
+                "efficient": "EFFICIENT_ATTENTION", "math": "MATH"}
+
+    def attn(q, k, v):
+        kw = {"enable_gqa": True} if gqa else {}
+        if backend_name == "default":
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, **kw)
+        with sdpa_kernel([getattr(SDPBackend, backends[backend_name])]):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, **kw)
+    return attn
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="attention.json")
+    p.add_argument("--tokens", default="16384,65536", help="tree row lengths N")
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--kv-heads", type=int, default=16, help="< heads: GQA (enable_gqa)")
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--fwd-bwd-factor", type=float, default=3.5,
+                   help="fwd+bwd FLOPs / fwd FLOPs (3.5: backward = 2.5x forward)")
+    p.add_argument("--scale", type=float, default=1.0, help="tree token lengths multiplier")
+    p.add_argument("--extras", action="store_true",
+                   help="also flex causal at L_eq and TreeFlexAttention (more compilations)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="CPU, float32, tiny: flex forward checked against dense SDPA")
+    args = p.parse_args(argv)
+
+    cuda = torch.cuda.is_available() and not args.dry_run
+    if not cuda and not args.dry_run:
+        p.error("no CUDA device: use --dry-run on the CPU")
+    if args.dry_run:
+        args.tokens, args.heads, args.kv_heads, args.head_dim = "512,1024", 2, 2, 16
+        args.reps, args.warmup = 3, 1
+    env = {"cuda": cuda, "dev": "cuda" if cuda else "cpu",
+           "dtype": torch.bfloat16 if cuda else torch.float32,
+           "backward": cuda}  # FlexAttention has no CPU backward
+    gqa = args.kv_heads != args.heads
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    if cuda:
+        flex = torch.compile(flex_attention, dynamic=False)
+    else:
+        flex = flex_attention  # eager flex forward on the CPU (a reference path)
+
+    def flex_with(bm):
+        def attn(q, k, v):
+            return flex(q, k, v, block_mask=bm, enable_gqa=gqa)
+        return attn
+
+    def causal(b, h, q_idx, kv_idx):
+        return kv_idx <= q_idx
+
+    try:
+        import triton
+    except ImportError:
+        triton = None
+    res = {
+        "meta": {"device": torch.cuda.get_device_name() if cuda else "cpu",
+                 "torch": torch.__version__, "triton": getattr(triton, "__version__", None),
+                 "python": platform.python_version(),
+                 "date": datetime.datetime.now().isoformat(timespec="seconds"),
+                 "command": " ".join([os.path.basename(sys.executable), *sys.argv])},
+        "config": vars(args),
+        "convention": (f"fwd FLOPs = 4*pairs*head_dim*heads; fwd+bwd = {args.fwd_bwd_factor} x "
+                       f"fwd; bwd = {args.fwd_bwd_factor - 1} x fwd; pairs = attended (q,k) "
+                       f"pairs only; batch 1, dtype {env['dtype']}"),
+        "sizes": {},
+    }
+    timer = Timer(cuda)
+    for n in [int(x) for x in args.tokens.split(",") if x]:
+        se_cpu, trees = tree_row(n, args.scale * (0.1 if args.dry_run else 1.0))
+        se = se_cpu.to(env["dev"])
+        pairs = pairs_of(se_cpu)
+        leq = l_equivalent(pairs)
+        r = {"tokens": n, "trees": len(trees), "tree_pairs": pairs, "L_eq": leq,
+             "causal_pairs_N": n * (n + 1) // 2,
+             "tree_density_vs_causal": pairs / (n * (n + 1) / 2)}
+        res["sizes"][str(n)] = r
+        print(f"N={n}: {len(trees)} trees, {pairs} attended pairs = {r['tree_density_vs_causal']:.3f}"
+              f" of causal; L_eq = {leq}", flush=True)
+        try:
+            bm_tree = tree_block_mask(se, BLOCK)
+            nblocks = int(bm_tree.kv_num_blocks.sum()) + int(bm_tree.full_kv_num_blocks.sum())
+            r["tree_blocks_visited"] = nblocks
+            r["tree_blocks_full"] = int(bm_tree.full_kv_num_blocks.sum())
+            nb = -(-n // BLOCK)
+            r["causal_blocks_visited"] = nb * (nb + 1) // 2
+        except Exception:
+            r["tree_block_mask_error"] = traceback.format_exc()[-3000:]
+            bm_tree = None
+        bm_causal = {}
+
+        def causal_mask(length):
+            if length not in bm_causal:
+                bm_causal[length] = create_block_mask(causal, None, None, length, length,
+                                                      device=env["dev"], BLOCK_SIZE=BLOCK)
+            return bm_causal[length]
+
+        cases = {}
+        if bm_tree is not None:
+            cases["flex_tree"] = (flex_with(bm_tree), n, pairs)
+        cases["flex_causal_N"] = (flex_with(causal_mask(n)), n, n * (n + 1) // 2)
+        for b in ("flash", "cudnn", "default"):
+            if cuda or b == "default":
+                cases[f"sdpa_{b}_causal_Leq"] = (sdpa_fn(b, gqa), leq, leq * (leq + 1) // 2)
+        cases["sdpa_default_causal_N"] = (sdpa_fn("default", gqa), n, n * (n + 1) // 2)
+        if args.extras:
+            cases["flex_causal_Leq"] = (flex_with(causal_mask(leq)), leq, leq * (leq + 1) // 2)
+            cases["flex_tree_treefx_op"] = (treefx_op(se, n, cuda, gqa), n, pairs)
+        for name, (attn, length, pr) in cases.items():
+            run_case(name, attn, length, pr, args, env, timer, r)
+        if args.dry_run:
+            r["checks"] = dry_checks(se, n, args, flex_with, bm_tree, gqa)
+            print(f"  checks: {r['checks']}", flush=True)
+        ref = r.get("sdpa_flash_causal_Leq") or r.get("sdpa_default_causal_Leq") or {}
+        key = "fwd_bwd_tflops" if "fwd_bwd_tflops" in ref else "fwd_tflops"
+        for name in ("flex_tree", "flex_causal_N"):
+            if key in r.get(name, {}) and key in ref:
+                r[f"{name}_vs_sdpa_Leq_{key}"] = r[name][key] / ref[key]
+        if cuda:
+            torch.cuda.empty_cache()
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1, default=str)
+
+    print_table(res)
+    with open(args.out, "w") as f:
+        json.dump(res, f, indent=1, default=str)
+    print(f"JSON: {args.out}")
+    return res
+
+
+def treefx_op(se, n, cuda, gqa):
+    """The op treefx's attention pass inserts (TreeFlexAttention), compiled, with its block
+    tensors built once."""
+    from treefx.ops.attention import TreeFlexAttention
+
+    kv_num, kv_idx, full_num, full_idx, se_pad = tree_block_tensors(se, BLOCK)
+    pos_pad = torch.zeros_like(se_pad)  # no model mask: positions unused
+    op = TreeFlexAttention(block_size=BLOCK)
+
+    def call(q, k, v):
+        if gqa:
+            rep = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+        return op(q, k, v, kv_num, kv_idx, full_num, full_idx, se_pad, pos_pad)
+
+    return torch.compile(call, dynamic=False) if cuda else call
+
+
+def dry_checks(se, n, args, flex_with, bm_tree, gqa) -> dict:
+    """CPU: flex forward with the tree BlockMask (and TreeFlexAttention) equals SDPA with the
+    dense tree mask; the pair count equals the dense mask's."""
+    q, k, v, _ = qkv(n, args.heads, args.kv_heads, args.head_dim, torch.float32, "cpu", seed=1,
+                      grad=False)
+    dense = dense_tree_mask(se)
+    out = {"pairs_match_dense": pairs_of(se) == int(dense.sum())}
+    with torch.no_grad():
+        ref = F.scaled_dot_product_attention(q, k, v, attn_mask=dense,
+                                             **({"enable_gqa": True} if gqa else {}))
+        if bm_tree is not None:
+            out["flex_tree_vs_dense_max_abs"] = (flex_with(bm_tree)(q, k, v) - ref).abs().max().item()
+        try:
+            out["treefx_op_vs_dense_max_abs"] = (
+                treefx_op(se, n, False, gqa)(q, k, v) - ref).abs().max().item()
+        except Exception:
+            out["treefx_op_error"] = traceback.format_exc()[-1500:]
+    return out
+
+
+def print_table(res):
+    print()
+    m = res["meta"]
+    print(f"device {m['device']} | torch {m['torch']} | triton {m['triton']} | {res['convention']}")
+    hdr = (f"{'N':>6s} {'case':24s} {'L':>6s} {'pairs':>12s} {'fwd ms':>8s} {'fwd TF/s':>8s} "
+           f"{'bwd ms':>8s} {'bwd TF/s':>8s} {'f+b ms':>8s} {'f+b TF/s':>8s}")
+    print(hdr)
+    print("-" * len(hdr))
+
+    def f(v, fmt):
+        return format(v, fmt) if v is not None else "-".rjust(int("0" + fmt.split(".")[0].rstrip("dfe")))
+
+    for n, r in res["sizes"].items():
+        for name, e in r.items():
+            if not isinstance(e, dict) or "length" not in e:
+                continue
+            if "error" in e:
+                print(f"{n:>6s} {name:24s} {e['length']:6d} FAILED: "
+                      f"{e['error'].strip().splitlines()[-1][:150]}")
+                continue
+            print(f"{n:>6s} {name:24s} {e['length']:6d} {e['pairs']:12d} "
+                  f"{f(e.get('fwd_ms'), '8.3f')} {f(e.get('fwd_tflops'), '8.1f')} "
+                  f"{f(e.get('bwd_ms'), '8.3f')} {f(e.get('bwd_tflops'), '8.1f')} "
+                  f"{f(e.get('fwd_bwd_ms'), '8.3f')} {f(e.get('fwd_bwd_tflops'), '8.1f')}")
+        extra = {k: v for k, v in r.items() if k.endswith("_tflops") and not isinstance(v, dict)}
+        if extra:
+            print(f"{'':>6s} ratios: " + ", ".join(f"{k} = {v:.2f}" for k, v in extra.items()))
+        print(f"{'':>6s} tree: {r['tree_pairs']} pairs ({r['tree_density_vs_causal']:.3f} of "
+              f"causal), blocks visited {r.get('tree_blocks_visited')} (full "
+              f"{r.get('tree_blocks_full')}) vs causal {r.get('causal_blocks_visited')}")
+
+
+if __name__ == "__main__":
+    main()

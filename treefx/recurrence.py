@@ -1,0 +1,136 @@
+"""The registry of recurrent / chunked state kernels treefx routes through the tree.
+
+A hybrid model's linear-attention or SSM layer calls a kernel that runs a recurrence over the
+sequence (Gated DeltaNet's chunked delta rule, Mamba2's chunked scan). Inlined into the graph
+such a kernel is hundreds of ops that nothing can recognise; on a DFS row its state would run
+from one branch into the next sibling. So during capture treefx swaps each registered kernel,
+where the model looks it up, for a *marker*: a function Dynamo keeps as one graph node
+(``allow_in_graph``) that still computes the original kernel when run. The SSM pass then finds
+the markers and rewrites each into a tree recurrence (every tree node is one chunk whose
+initial state is its parent node's final state).
+
+A :class:`Recurrence` says what the kernel's arguments mean. Register your own with
+:func:`register_recurrence`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["Recurrence", "register_recurrence", "registered", "capture_patches"]
+
+
+@dataclass
+class Recurrence:
+    """What a recurrent kernel's arguments mean.
+
+    ``fn(*args, **kwargs) -> (output, final_state)`` with:
+    - ``seq_args``: per-token inputs, name -> their sequence dim (batch is dim 0);
+    - ``neutral``: per seq arg, the padding value that leaves the state unchanged (e.g. a decay
+      of 0 in log space and an update rate ``beta`` of 0); unlisted seq args pad with 0;
+    - ``initial_state`` / ``output_final_state``: the names of the state-in argument and of the
+      flag that asks for the final state;
+    - ``output_seq_dim``: the sequence dim of ``output``.
+    """
+
+    name: str
+    fn: Callable
+    seq_args: dict[str, int]
+    neutral: dict[str, float] = field(default_factory=dict)
+    initial_state: str = "initial_state"
+    output_final_state: str = "output_final_state"
+    output_seq_dim: int = 1
+    marker: Callable | None = None
+    signature: inspect.Signature | None = None
+
+    def bind(self, args, kwargs) -> dict:
+        """All arguments by name (defaults filled in)."""
+        bound = self.signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        out = dict(bound.arguments)
+        out.update(out.pop("kwargs", {}) or {})
+        return out
+
+
+_REGISTRY: dict[str, Recurrence] = {}
+_SITES: list[tuple[str, str, str]] = []  # (module, attribute, recurrence name)
+
+
+def register_recurrence(rec: Recurrence, *, sites: list[tuple[str, str]] = ()) -> Recurrence:
+    """Register a recurrent kernel. ``sites``: (module path, attribute) pairs where models look
+    the kernel up, patched with the marker during capture (e.g. the module of your layer and
+    the name it calls)."""
+    rec.signature = inspect.signature(rec.fn)
+    missing = [a for a in (*rec.seq_args, rec.initial_state, rec.output_final_state)
+               if a not in rec.signature.parameters]
+    if missing:
+        raise ValueError(f"recurrence {rec.name!r}: {rec.fn.__name__} has no parameters "
+                         f"{missing}")
+    original = rec.fn
+
+    def marker(*args, **kwargs):
+        return original(*args, **kwargs)
+
+    marker.__name__ = marker.__qualname__ = f"treefx_recurrence_{rec.name}"
+    marker._treefx_recurrence = rec
+    rec.marker = torch._dynamo.allow_in_graph(marker)
+    _REGISTRY[rec.name] = rec
+    _SITES.extend((mod, attr, rec.name) for mod, attr in sites)
+    return rec
+
+
+def registered(target) -> Recurrence | None:
+    """The recurrence whose marker ``target`` is, if any."""
+    rec = getattr(target, "_treefx_recurrence", None)
+    return rec if rec is not None and rec.marker is target else None
+
+
+@contextlib.contextmanager
+def capture_patches():
+    """Swap every registered kernel for its marker where models look it up."""
+    saved = []
+    try:
+        for mod_name, attr, name in _SITES:
+            try:
+                mod = importlib.import_module(mod_name)
+            except ImportError:
+                continue
+            if hasattr(mod, attr):
+                saved.append((mod, attr, getattr(mod, attr)))
+                setattr(mod, attr, _REGISTRY[name].marker)
+        yield
+    finally:
+        for mod, attr, value in reversed(saved):
+            setattr(mod, attr, value)
+
+
+def _register_builtins() -> None:
+    """Gated DeltaNet's torch fallback in Hugging Face's Qwen3-Next and Qwen3.5."""
+    for model in ("qwen3_next", "qwen3_5"):
+        path = f"transformers.models.{model}.modeling_{model}"
+        try:
+            mod = importlib.import_module(path)
+        except ImportError:
+            continue
+        fn = getattr(mod, "torch_chunk_gated_delta_rule", None)
+        if fn is None:
+            continue
+        register_recurrence(
+            Recurrence(
+                name=f"{model}_gated_delta_rule",
+                fn=fn,
+                seq_args={"query": 1, "key": 1, "value": 1, "g": 1, "beta": 1},
+                # g is a log decay (0: keep the state), beta the update rate (0: no update).
+                neutral={"g": 0.0, "beta": 0.0},
+            ),
+            sites=[(path, "torch_chunk_gated_delta_rule")],
+        )
+
+
+_register_builtins()
