@@ -639,6 +639,7 @@ def dry_checks(env, model, trees, parts) -> dict:
         ref = treefx.reference.sequence_loss(model, tree, reduction="mean")
         ref.backward()
         g_ref = grads()
+        ref = ref.detach()
         entry = {"reference_loss": float(ref)}
         for name in parts["prepare"]:
             step = parts["prepare"][name](tree)

@@ -2,11 +2,12 @@
 
 import logging
 
-from . import debug, reference, synth
+from . import debug, reference, rl, synth
 from .debug import explain
 from .compile import TreeModel, TreeOutput, compile, tree_loss
 from .layout import TreeBatch, pack
 from .partition import err, partition, partition_ids
+from .recurrence import Recurrence, register_recurrence
 from .passes import GraphBreakError, TreeCompileError, UnmatchedAttentionError
 from .step import TreeStep, step
 from .tree import Tree, bound, por, read_jsonl, write_jsonl
@@ -24,6 +25,8 @@ __all__ = [
     "TreeModel",
     "TreeOutput",
     "TreeStep",
+    "Recurrence",
+    "register_recurrence",
     "UnmatchedAttentionError",
     "bound",
     "compile",
@@ -36,6 +39,7 @@ __all__ = [
     "por",
     "read_jsonl",
     "reference",
+    "rl",
     "step",
     "synth",
     "tree_loss",

@@ -30,8 +30,9 @@ _BACKENDS = ("auto", "inductor", "eager", "flex-eager")
 
 @dataclass
 class TreeOutput:
-    """``logits`` [1, N, V] in DFS order; ``token_logprobs`` [N] float32, entry t is
-    log p(token t | its own sequence's prefix), 0 where t has no predecessor."""
+    """``logits`` [1, N, V] in DFS order; ``token_logprobs`` [N] (float32, float64 for a
+    float64 model), entry t is log p(token t | its own sequence's prefix), 0 where t has no
+    predecessor."""
 
     logits: torch.Tensor
     token_logprobs: torch.Tensor

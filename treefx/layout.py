@@ -227,7 +227,7 @@ def pack(
     reduction: str = "sum",
     pad_to_multiple: int | None = None,
     pad_token_id: int = 0,
-    weight_dtype: torch.dtype = torch.float32,
+    weight_dtype: torch.dtype = torch.float64,
 ) -> TreeBatch:
     """Lay one tree or a forest of trees out depth-first as one row of tokens.
 

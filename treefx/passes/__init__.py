@@ -14,6 +14,7 @@ from .common import (
 )
 from .loss import loss_pass
 from .positions import positions_pass
+from .ssm import UnmatchedStateError, check_no_state_left, ssm_pass
 
 __all__ = [
     "GraphBreakError",
@@ -21,6 +22,7 @@ __all__ = [
     "Rewrite",
     "TreeCompileError",
     "UnmatchedAttentionError",
+    "UnmatchedStateError",
     "run_passes",
 ]
 
@@ -28,7 +30,12 @@ log = logging.getLogger("treefx")
 
 # Positions first: the attention pass then finds the model's masks already evaluated at path
 # positions, and keeps them (ANDed with the tree) instead of dropping them.
-PASSES = (("positions", positions_pass), ("attention", attention_pass), ("loss", loss_pass))
+PASSES = (
+    ("positions", positions_pass),
+    ("attention", attention_pass),
+    ("ssm", ssm_pass),
+    ("loss", loss_pass),
+)
 
 
 def run_passes(ctx: GraphContext) -> GraphContext:
@@ -36,6 +43,7 @@ def run_passes(ctx: GraphContext) -> GraphContext:
         count = fn(ctx)
         log.info("pass %s: %d rewrite(s)", name, count)
     check_no_attention_left(ctx)
+    check_no_state_left(ctx)
     ctx.graph.eliminate_dead_code()
     ctx.graph.lint()
     ctx.gm.recompile()

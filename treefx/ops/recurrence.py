@@ -1,0 +1,86 @@
+"""Tree recurrence: run a chunked/recurrent state kernel over a DFS-packed tree.
+
+Every tree node is one chunk whose initial state is its parent node's final state (zeros for a
+root). Siblings read the same parent state, so autograd sums their gradients into it. All
+nodes at the same depth run together as one batch, right-padded with *neutral* tokens (inputs
+that leave the state unchanged, e.g. a log-decay of 0 and an update rate of 0), so the number
+of sequential kernel calls is the tree's depth in nodes, not its node count.
+
+This is the plain-torch reference (any device, differentiable through the kernel's own torch
+code). Node boundaries come from ``parent_token``: a node starts wherever a token's
+predecessor is not the token just before it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..recurrence import Recurrence
+
+__all__ = ["tree_nodes", "tree_recurrence"]
+
+
+def tree_nodes(parent_token: torch.Tensor):
+    """(starts, lengths, parent node, depth in nodes) of the tree's nodes, DFS order, as
+    Python lists (the structure is data: this runs eagerly)."""
+    par = parent_token.tolist()
+    n = len(par)
+    starts = [t for t in range(n) if t == 0 or par[t] != t - 1]
+    lengths = [e - s for s, e in zip(starts, starts[1:] + [n])]
+    node_of = {}
+    for i, (s, ln) in enumerate(zip(starts, lengths)):
+        node_of[s + ln - 1] = i  # a parent's last token names the parent node
+    parents, depth = [], []
+    for s in starts:
+        p = node_of.get(par[s], -1) if par[s] >= 0 else -1
+        parents.append(p)
+        depth.append(depth[p] + 1 if p >= 0 else 0)
+    return starts, lengths, parents, depth
+
+
+def _pad_seq(x: torch.Tensor, dim: int, length: int, value: float) -> torch.Tensor:
+    missing = length - x.shape[dim]
+    if missing == 0:
+        return x
+    pad = [0, 0] * (x.dim() - 1 - dim) + [0, missing]
+    return F.pad(x, pad, value=value)
+
+
+def tree_recurrence(rec: Recurrence, parent_token: torch.Tensor, args: tuple, kwargs: dict):
+    """``rec.fn`` over the tree; returns ``(output, None)`` like the kernel called on the DFS
+    row without a final state (a tree has one final state per leaf, none for "the row")."""
+    bound = rec.bind(args, kwargs)
+    if bound.get(rec.initial_state) is not None:
+        raise ValueError(f"{rec.name}: an initial state given by the model (a cache?) cannot be "
+                         "combined with tree states")
+    starts, lengths, parents, depth = tree_nodes(parent_token)
+    seq = {name: bound[name] for name in rec.seq_args}
+    for name, t in seq.items():
+        if t.shape[0] != 1:
+            raise ValueError(f"{rec.name}: {name} has batch {t.shape[0]}; a tree row has batch 1")
+    static = {k: v for k, v in bound.items() if k not in seq and k not in (
+        rec.initial_state, rec.output_final_state)}
+    final: dict[int, torch.Tensor] = {}
+    outputs: dict[int, torch.Tensor] = {}
+    for level in range(max(depth) + 1):
+        nodes = [i for i, d in enumerate(depth) if d == level]
+        width = max(lengths[i] for i in nodes)
+        chunk = {
+            name: torch.cat([
+                _pad_seq(t.narrow(rec.seq_args[name], starts[i], lengths[i]),
+                         rec.seq_args[name], width, rec.neutral.get(name, 0.0))
+                for i in nodes
+            ])
+            for name, t in seq.items()
+        }
+        init = None
+        if level > 0:
+            init = torch.stack([final[parents[i]] for i in nodes])
+        out, fin = rec.fn(**chunk, **static, **{rec.initial_state: init,
+                                               rec.output_final_state: True})
+        for j, i in enumerate(nodes):
+            final[i] = fin[j]
+            outputs[i] = out[j:j + 1].narrow(rec.output_seq_dim, 0, lengths[i])
+    row = torch.cat([outputs[i] for i in range(len(starts))], dim=rec.output_seq_dim)
+    return row, None

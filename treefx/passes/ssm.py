@@ -1,0 +1,144 @@
+"""SSM pass: causal conv1d and recurrent state read from the tree, not from DFS neighbours.
+
+- A depthwise ``conv1d`` with left padding K-1 whose output is cut back to the sequence length
+  (how causal short convolutions are written) becomes a tree convolution: token t's K-1 left
+  inputs are its K-1 tree predecessors.
+- A registered recurrent kernel (see :mod:`treefx.recurrence`), kept as one graph node during
+  capture, becomes a tree recurrence: each tree node's initial state is its parent node's
+  final state.
+- Whatever else runs along the sequence (a conv1d in another form, a cumulative sum over the
+  tokens) is an :class:`UnmatchedStateError` naming the node and module.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from ..ops.conv import tree_causal_conv1d
+from ..ops.recurrence import tree_recurrence
+from ..recurrence import registered
+from .common import (GraphContext, UnmatchedAttentionError, describe, example, is_call,
+                     module_path, same_size)
+
+__all__ = ["ssm_pass", "check_no_state_left", "UnmatchedStateError"]
+
+_CONV1D = (F.conv1d, torch.conv1d)
+_SCANS = (torch.cumsum, torch.cumprod, torch.logcumsumexp, torch.cummax, torch.cummin)
+_SCAN_METHODS = ("cumsum", "cumprod", "logcumsumexp", "cummax", "cummin")
+
+
+class UnmatchedStateError(UnmatchedAttentionError):
+    """A conv or recurrence along the sequence that no pass can route through the tree."""
+
+
+def _fail(node: fx.Node, why: str) -> UnmatchedStateError:
+    return UnmatchedStateError(
+        f"treefx cannot route the sequence state at {module_path(node)} (graph node "
+        f"`{describe(node)}`) through the tree: {why}. Running it over the DFS row would carry "
+        "state from one branch into the next, so compilation stops here."
+    )
+
+
+class TreeRecurrenceCall:
+    """A registered kernel, run over the tree (eager backend)."""
+
+    def __init__(self, rec):
+        self.rec = rec
+        self.__name__ = f"tree_recurrence_{rec.name}"
+
+    def __call__(self, parent_token, *args, **kwargs):
+        return tree_recurrence(self.rec, parent_token, args, kwargs)
+
+    def __repr__(self):
+        return self.__name__
+
+
+def _arg(node: fx.Node, i: int, name: str, default=None):
+    return node.args[i] if len(node.args) > i else node.kwargs.get(name, default)
+
+
+def _on_sequence(ctx: GraphContext, node, dim: int = -1) -> bool:
+    val = example(node)
+    return val is not None and val.dim() > 0 and same_size(val.shape[dim], ctx.seq_len)
+
+
+def _causal_conv_site(ctx: GraphContext, conv: fx.Node):
+    """(slice node, x, weight, bias) when ``conv`` is conv1d(x, w, b, padding=K-1,
+    groups=C)[..., :N]; raises when it is a conv along the sequence in another form."""
+    x, w = conv.args[:2]
+    bias = _arg(conv, 2, "bias")
+    stride, padding, dilation = (_arg(conv, 3, "stride", 1), _arg(conv, 4, "padding", 0),
+                                 _arg(conv, 5, "dilation", 1))
+    groups = _arg(conv, 6, "groups", 1)
+    wv, xv = example(w), example(x)
+    k = wv.shape[-1]
+    norm = lambda v: v[0] if isinstance(v, (list, tuple)) else v  # noqa: E731
+    if norm(stride) != 1 or norm(dilation) != 1:
+        raise _fail(conv, f"a conv1d with stride {stride} and dilation {dilation}")
+    if groups != xv.shape[1] or wv.shape[1] != 1:
+        raise _fail(conv, "a conv1d that is not depthwise (groups != channels)")
+    if norm(padding) != k - 1:
+        raise _fail(conv, f"a conv1d with padding {padding}, not the causal K-1 = {k - 1}")
+    users = list(conv.users)
+    if len(users) == 1 and is_call(users[0], operator.getitem):
+        key = users[0].args[1]
+        key = key if isinstance(key, tuple) else (key,)
+        last = key[-1]
+        rest_ok = all(k_ == slice(None) or k_ is Ellipsis for k_ in key[:-1])
+        if rest_ok and isinstance(last, slice) and last.start in (None, 0) and \
+                last.step in (None, 1) and last.stop is not None and \
+                (last.stop is ctx.seq_len or isinstance(last.stop, fx.Node) and
+                 same_size(example(users[0]).shape[-1], ctx.seq_len)
+                 or isinstance(last.stop, int) and same_size(last.stop, ctx.seq_len)):
+            return users[0], x, w, bias
+    raise _fail(conv, "a padded conv1d whose output is not cut back to [..., :N] (not causal)")
+
+
+def ssm_pass(ctx: GraphContext) -> int:
+    g = ctx.graph
+    count = 0
+    for node in list(g.nodes):
+        rec = registered(node.target) if node.op == "call_function" else None
+        if rec is not None:
+            if ctx.backend != "eager":
+                raise _fail(node, f"the {rec.name} recurrence runs on the eager backend only "
+                                  "so far (backend='eager')")
+            parent = ctx.shared("parent_token",
+                                lambda: g.call_function(operator.getitem, (ctx.tree_info, 1)))
+            with g.inserting_before(node):
+                new = g.call_function(TreeRecurrenceCall(rec), (parent, *node.args), node.kwargs)
+            new.meta.update(node.meta)
+            ctx.record("ssm", node, describe(new), note=f"recurrence {rec.name}")
+            node.replace_all_uses_with(new)
+            g.erase_node(node)
+            count += 1
+        elif is_call(node, *_CONV1D) and _on_sequence(ctx, node.args[0]):
+            cut, x, w, bias = _causal_conv_site(ctx, node)
+            parent = ctx.shared("parent_token",
+                                lambda: g.call_function(operator.getitem, (ctx.tree_info, 1)))
+            with g.inserting_before(cut):
+                new = g.call_function(tree_causal_conv1d, (x, w, bias, parent))
+            new.meta.update(cut.meta)
+            ctx.record("ssm", node, describe(new), note="causal conv1d")
+            cut.replace_all_uses_with(new)
+            g.erase_node(cut)
+            g.erase_node(node)
+            count += 1
+    return count
+
+
+def check_no_state_left(ctx: GraphContext) -> None:
+    """A scan along the tokens that survived the passes would run across branches."""
+    for node in ctx.graph.nodes:
+        if is_call(node, *_SCANS, methods=_SCAN_METHODS):
+            x = node.args[0]
+            dim = _arg(node, 1, "dim")
+            val = example(x)
+            if val is not None and isinstance(dim, int) and _on_sequence(ctx, x, dim) and \
+                    val.shape[dim] != 1:
+                raise _fail(node, "a cumulative op runs along the tokens (an unregistered "
+                                  "recurrence? see treefx.register_recurrence)")
