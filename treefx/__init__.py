@@ -8,7 +8,12 @@ from .compile import TreeModel, TreeOutput, compile, tree_loss
 from .layout import TreeBatch, pack
 from .partition import err, partition, partition_ids
 from .recurrence import Recurrence, register_recurrence
-from .passes import GraphBreakError, TreeCompileError, UnmatchedAttentionError
+from .passes import (
+    GraphBreakError,
+    TreeCompileError,
+    UnmatchedAttentionError,
+    UnmatchedStateError,
+)
 from .step import TreeStep, step
 from .tree import Tree, bound, por, read_jsonl, write_jsonl
 
@@ -28,6 +33,7 @@ __all__ = [
     "Recurrence",
     "register_recurrence",
     "UnmatchedAttentionError",
+    "UnmatchedStateError",
     "bound",
     "compile",
     "debug",

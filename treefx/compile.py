@@ -19,6 +19,7 @@ import torch.fx as fx
 from .layout import TreeBatch
 from .passes import GraphBreakError, GraphContext, TreeCompileError, run_passes
 from .passes.common import example, module_path
+from .recurrence import capture_patches
 from .reference import logits_of
 
 __all__ = ["compile", "TreeModel", "TreeOutput", "tree_loss"]
@@ -146,7 +147,10 @@ class TreeEngine:
             torch._dynamo.maybe_mark_dynamic(args[i], args[i].dim() - 1)  # N varies per tree
         runs = self._runs
         try:
-            out = self._compiled[backend](*args)
+            # Registered recurrent kernels appear as single marker nodes (treefx.recurrence);
+            # the swap is in place on every call so that Dynamo's guards always see it.
+            with capture_patches():
+                out = self._compiled[backend](*args)
         except torch._dynamo.exc.BackendCompilerFailed as e:
             inner = getattr(e, "inner_exception", None) or e.__cause__
             if isinstance(inner, TreeCompileError):

@@ -26,7 +26,13 @@ def tree_nodes(parent_token: torch.Tensor):
     Python lists (the structure is data: this runs eagerly)."""
     par = parent_token.tolist()
     n = len(par)
-    starts = [t for t in range(n) if t == 0 or par[t] != t - 1]
+    children = [0] * n
+    for p in par:
+        if p >= 0:
+            children[p] += 1
+    # A node starts where the predecessor is not the previous token, and right after a
+    # branching token (its first child follows it in DFS order, yet starts a new node).
+    starts = [t for t in range(n) if t == 0 or par[t] != t - 1 or children[t - 1] > 1]
     lengths = [e - s for s, e in zip(starts, starts[1:] + [n])]
     node_of = {}
     for i, (s, ln) in enumerate(zip(starts, lengths)):

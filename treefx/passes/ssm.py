@@ -69,7 +69,7 @@ def _on_sequence(ctx: GraphContext, node, dim: int = -1) -> bool:
 def _causal_conv_site(ctx: GraphContext, conv: fx.Node):
     """(slice node, x, weight, bias) when ``conv`` is conv1d(x, w, b, padding=K-1,
     groups=C)[..., :N]; raises when it is a conv along the sequence in another form."""
-    x, w = conv.args[:2]
+    x, w = _arg(conv, 0, "input"), _arg(conv, 1, "weight")
     bias = _arg(conv, 2, "bias")
     stride, padding, dilation = (_arg(conv, 3, "stride", 1), _arg(conv, 4, "padding", 0),
                                  _arg(conv, 5, "dilation", 1))
@@ -116,7 +116,7 @@ def ssm_pass(ctx: GraphContext) -> int:
             node.replace_all_uses_with(new)
             g.erase_node(node)
             count += 1
-        elif is_call(node, *_CONV1D) and _on_sequence(ctx, node.args[0]):
+        elif is_call(node, *_CONV1D) and _on_sequence(ctx, _arg(node, 0, "input")):
             cut, x, w, bias = _causal_conv_site(ctx, node)
             parent = ctx.shared("parent_token",
                                 lambda: g.call_function(operator.getitem, (ctx.tree_info, 1)))
@@ -131,9 +131,64 @@ def ssm_pass(ctx: GraphContext) -> int:
     return count
 
 
+_RESHAPES = (torch.reshape,)
+_RESHAPE_METHODS = ("view", "reshape", "unflatten")
+_MATMULS = (torch.matmul, operator.matmul, torch.bmm)
+
+
+def _has_seq_axis(ctx: GraphContext, val) -> bool:
+    """Some axis runs along the tokens: its size is N, or (with dynamic shapes) depends on N,
+    as a padded token axis does."""
+    if not isinstance(val, torch.Tensor):
+        return False
+    n = ctx.seq_len
+    syms = n.node.expr.free_symbols if isinstance(n, torch.SymInt) else set()
+    for s in val.shape:
+        if same_size(s, n):
+            return True
+        if syms and isinstance(s, torch.SymInt) and s.node.expr.free_symbols & syms:
+            return True
+    return False
+
+
+def _keeps_tokens_whole(ctx: GraphContext, val) -> bool:
+    """Some axis is a whole multiple of N: tokens merged with other axes (a per-token
+    flatten, like [1, N, H, D] -> [N*H, D]), not cut into chunks."""
+    n = ctx.seq_len
+    for s in val.shape:
+        if isinstance(s, torch.SymInt) or isinstance(n, torch.SymInt):
+            import sympy
+
+            expr = getattr(s, "node", None)
+            nexpr = getattr(n, "node", None)
+            ratio = sympy.simplify((expr.expr if expr is not None else sympy.Integer(s)) /
+                                   (nexpr.expr if nexpr is not None else sympy.Integer(n)))
+            if ratio.is_Integer and ratio > 0:
+                return True
+        elif n and s % n == 0 and s > 0:
+            return True
+    return False
+
+
 def check_no_state_left(ctx: GraphContext) -> None:
-    """A scan along the tokens that survived the passes would run across branches."""
+    """After the passes, nothing may still mix tokens along the DFS row: every op that does
+    (attention, convs, recurrences, the loss's shift) has been rewritten to read the tree.
+    Flags scans along the tokens, reshapes that cut the token axis into chunks (how chunked
+    recurrences start), and matmuls that contract over the tokens."""
     for node in ctx.graph.nodes:
+        if is_call(node, *_RESHAPES, methods=_RESHAPE_METHODS):
+            src, out = example(node.args[0]), example(node)
+            if _has_seq_axis(ctx, src) and isinstance(out, torch.Tensor) and \
+                    not _keeps_tokens_whole(ctx, out):
+                raise _fail(node, f"a reshape cuts the token axis {tuple(src.shape)} -> "
+                                  f"{tuple(out.shape)} (chunks of an unregistered recurrence? see "
+                                  "treefx.register_recurrence)")
+        if is_call(node, *_MATMULS, methods=("matmul", "bmm")):
+            a, b = (example(x) for x in node.args[:2])
+            if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dim() >= 2 and \
+                    same_size(a.shape[-1], ctx.seq_len) and same_size(b.shape[-2], ctx.seq_len):
+                raise _fail(node, "a matmul contracts over the tokens (attention or a linear "
+                                  "recurrence treefx does not recognise)")
         if is_call(node, *_SCANS, methods=_SCAN_METHODS):
             x = node.args[0]
             dim = _arg(node, 1, "dim")

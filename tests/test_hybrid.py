@@ -1,0 +1,177 @@
+"""Hybrid models: causal conv1d and recurrent state routed through the tree, against the
+per-branch oracle (eager backend, CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_compile import VOCAB, check_against_oracle
+from trees import odd_forest, odd_tree
+
+import treefx
+from treefx.ops.conv import tree_causal_conv1d
+from treefx.ops.recurrence import tree_nodes, tree_recurrence
+from treefx.recurrence import _REGISTRY
+
+transformers = pytest.importorskip("transformers")
+
+# Single-token nodes, nodes shorter than the conv kernel, a prefix sequence, a forest.
+SHORT_NODES = treefx.Tree.from_sequences(
+    [[1, 2], [1, 2, 3], [1, 2, 4, 5], [1, 2, 4, 6, 7, 8, 9], [1, 2, 4, 6, 7, 8, 10], [11]]
+)
+
+
+def per_sequence(batch, fn):
+    """fn applied to each sequence's tokens alone, scattered back per sequence index."""
+    return [(batch.sequence_index(i), fn(batch.sequence_index(i)))
+            for i in range(batch.num_sequences)]
+
+
+@pytest.mark.parametrize("k", [2, 4, 6])
+@pytest.mark.parametrize("trees", [[SHORT_NODES], odd_forest(30, VOCAB)], ids=["short", "forest"])
+def test_tree_conv1d_matches_each_sequence_alone(k, trees):
+    batch = treefx.pack(trees)
+    g = torch.Generator().manual_seed(k)
+    c = 5
+    x = torch.randn(2, c, batch.num_tokens, dtype=torch.float64, generator=g, requires_grad=True)
+    w = torch.randn(c, 1, k, dtype=torch.float64, generator=g, requires_grad=True)
+    b = torch.randn(c, dtype=torch.float64, generator=g, requires_grad=True)
+    out = tree_causal_conv1d(x, w, b, batch.parent_token)
+    probe = torch.randn(out.shape, dtype=torch.float64, generator=g)
+    grads_tree = torch.autograd.grad((out * probe).sum(), (x, w, b))
+    total = 0
+    for idx, ref in per_sequence(batch, lambda idx: F.conv1d(
+            x[:, :, idx], w, b, padding=k - 1, groups=c)[..., :len(idx)]):
+        torch.testing.assert_close(out[:, :, idx], ref, atol=1e-12, rtol=0)
+        # Each token's output counts once however many sequences run through it.
+        total = total + (ref * probe[:, :, idx] / _multiplicity(batch)[idx]).sum()
+    for a, r in zip(grads_tree, torch.autograd.grad(total, (x, w, b))):
+        torch.testing.assert_close(a, r, atol=1e-10, rtol=1e-10)
+
+
+def _multiplicity(batch) -> torch.Tensor:
+    """How many sequences run through each token."""
+    m = torch.zeros(batch.num_tokens, dtype=torch.float64)
+    for i in range(batch.num_sequences):
+        m[batch.sequence_index(i)] += 1
+    return m
+
+
+def test_tree_nodes_splits_at_branches():
+    batch = treefx.pack(treefx.Tree.from_sequences([[1, 2, 3, 4, 5], [1, 2, 3, 6, 7, 8]]))
+    starts, lengths, parents, depth = tree_nodes(batch.parent_token)
+    assert (starts, lengths, parents, depth) == ([0, 3, 5], [3, 2, 3], [-1, 0, 0], [0, 1, 1])
+
+
+@pytest.mark.parametrize("trees", [[SHORT_NODES], odd_forest(31, VOCAB)], ids=["short", "forest"])
+def test_tree_gated_delta_rule_matches_each_sequence_alone(trees):
+    """Values and the gradients of every input: siblings share their parent's final state,
+    and autograd must sum their gradients into it."""
+    rec = _REGISTRY["qwen3_next_gated_delta_rule"]
+    batch = treefx.pack(trees)
+    n, heads, dim = batch.num_tokens, 2, 8
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, n, heads, dim, dtype=torch.float64, generator=g).requires_grad_()
+               for _ in range(3))
+    decay = (-torch.rand(1, n, heads, dtype=torch.float64, generator=g)).requires_grad_()
+    beta = torch.rand(1, n, heads, dtype=torch.float64, generator=g).requires_grad_()
+    inputs = (q, k, v, decay, beta)
+    kw = dict(use_qk_l2norm_in_kernel=True)
+    out, state = tree_recurrence(rec, batch.parent_token, (q, k, v),
+                                 dict(g=decay, beta=beta, output_final_state=False, **kw))
+    assert state is None
+    probe = torch.randn(out.shape, dtype=torch.float64, generator=g)
+    grads_tree = torch.autograd.grad((out * probe).sum(), inputs)
+    mult = _multiplicity(batch)
+    total = 0
+    for i in range(batch.num_sequences):
+        idx = batch.sequence_index(i)
+        ref, _ = rec.fn(q[:, idx], k[:, idx], v[:, idx], g=decay[:, idx], beta=beta[:, idx], **kw)
+        # The torch kernel computes in float32 whatever its inputs.
+        torch.testing.assert_close(out[:, idx], ref, atol=1e-5, rtol=1e-5)
+        total = total + (ref * probe[:, idx] / mult[idx, None, None]).sum()
+    for a, r in zip(grads_tree, torch.autograd.grad(total, inputs)):
+        torch.testing.assert_close(a, r, atol=1e-4, rtol=1e-4)
+
+
+def _gdn_config(model_type: str):
+    extra = dict(num_experts=0, mlp_only_layers=[0, 1, 2, 3]) if model_type == "qwen3_next" \
+        else {}
+    return transformers.AutoConfig.for_model(
+        model_type, vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, linear_num_value_heads=4,
+        linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
+        linear_conv_kernel_dim=4, layer_types=["linear_attention", "full_attention"] * 2,
+        **extra)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_next", "qwen3_5_text"])
+def test_hf_gated_deltanet_hybrids_match_oracle(model_type):
+    cfg = _gdn_config(model_type)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    tm = treefx.compile(model, backend="eager")
+    check_against_oracle(tm, [SHORT_NODES, odd_tree(32, VOCAB)])
+    notes = sorted(r.note for r in tm.contexts[0].log if r.pass_name == "ssm")
+    assert notes[:2] == ["causal conv1d"] * 2
+    assert all("gated_delta_rule" in n for n in notes[2:]) and len(notes) == 4
+
+
+class CumsumLinearAttention(torch.nn.Module):
+    """A linear attention written with cumsum over the tokens: unregistered state."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(VOCAB, 8)
+        self.kv = torch.nn.Linear(8, 16)
+        self.head = torch.nn.Linear(8, VOCAB)
+
+    def forward(self, input_ids):
+        k, v = self.kv(self.emb(input_ids)).chunk(2, dim=-1)
+        state = torch.cumsum(k * v, dim=1)
+        return self.head(state)
+
+
+class ChunkedScan(torch.nn.Module):
+    """Cuts the tokens into chunks (as chunked recurrences do)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(VOCAB, 8)
+        self.head = torch.nn.Linear(8, VOCAB)
+
+    def forward(self, input_ids):
+        x = self.emb(input_ids)
+        n = x.shape[1]
+        x = F.pad(x, (0, 0, 0, (-n) % 4))
+        chunks = x.reshape(1, -1, 4, 8)
+        mixed = chunks.mean(dim=2, keepdim=True).expand_as(chunks).reshape(1, -1, 8)[:, :n]
+        return self.head(mixed)
+
+
+@pytest.mark.parametrize("model, message", [
+    (CumsumLinearAttention(), "a cumulative op runs along the tokens"),
+    (ChunkedScan(), "a reshape cuts the token axis"),
+])
+def test_unrouted_state_names_node_and_module(model, message):
+    tm = treefx.compile(model, backend="eager")
+    with pytest.raises(treefx.UnmatchedStateError, match=message):
+        tm(treefx.pack(odd_tree(33, VOCAB)))
+
+
+def test_conv_that_is_not_causal_is_refused():
+    class CenteredConv(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(VOCAB, 8)
+            self.conv = torch.nn.Conv1d(8, 8, 3, padding=1, groups=8)
+            self.head = torch.nn.Linear(8, VOCAB)
+
+        def forward(self, input_ids):
+            return self.head(self.conv(self.emb(input_ids).transpose(1, 2)).transpose(1, 2))
+
+    tm = treefx.compile(CenteredConv(), backend="eager")
+    with pytest.raises(treefx.UnmatchedStateError, match="padding .*not the causal K-1 = 2"):
+        tm(treefx.pack(odd_tree(34, VOCAB)))
