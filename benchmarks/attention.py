@@ -191,6 +191,9 @@ def main(argv=None):
     args = p.parse_args(argv)
 
     cuda = torch.cuda.is_available() and not args.dry_run
+    for name, val in (("recompile_limit", 64), ("cache_size_limit", 64)):
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, val)
     if not cuda and not args.dry_run:
         p.error("no CUDA device: use --dry-run on the CPU")
     if args.dry_run:
@@ -241,8 +244,8 @@ def main(argv=None):
              "causal_pairs_N": n * (n + 1) // 2,
              "tree_density_vs_causal": pairs / (n * (n + 1) / 2)}
         res["sizes"][str(n)] = r
-        print(f"N={n}: {len(trees)} trees, {pairs} attended pairs = {r['tree_density_vs_causal']:.3f}"
-              f" of causal; L_eq = {leq}", flush=True)
+        print(f"N={n}: {len(trees)} trees, {pairs} attended pairs = "
+              f"{r['tree_density_vs_causal']:.3f} of causal; L_eq = {leq}", flush=True)
         try:
             bm_tree = tree_block_mask(se, BLOCK)
             nblocks = int(bm_tree.kv_num_blocks.sum()) + int(bm_tree.full_kv_num_blocks.sum())
@@ -282,6 +285,8 @@ def main(argv=None):
         for name in ("flex_tree", "flex_causal_N"):
             if key in r.get(name, {}) and key in ref:
                 r[f"{name}_vs_sdpa_Leq_{key}"] = r[name][key] / ref[key]
+        if key in r.get("flex_tree", {}) and key in r.get("flex_causal_N", {}):
+            r[f"flex_tree_vs_flex_causal_N_{key}"] = r["flex_tree"][key] / r["flex_causal_N"][key]
         if cuda:
             torch.cuda.empty_cache()
         with open(args.out, "w") as f:
@@ -323,7 +328,8 @@ def dry_checks(se, n, args, flex_with, bm_tree, gqa) -> dict:
         ref = F.scaled_dot_product_attention(q, k, v, attn_mask=dense,
                                              **({"enable_gqa": True} if gqa else {}))
         if bm_tree is not None:
-            out["flex_tree_vs_dense_max_abs"] = (flex_with(bm_tree)(q, k, v) - ref).abs().max().item()
+            got = flex_with(bm_tree)(q, k, v)
+            out["flex_tree_vs_dense_max_abs"] = (got - ref).abs().max().item()
         try:
             out["treefx_op_vs_dense_max_abs"] = (
                 treefx_op(se, n, False, gqa)(q, k, v) - ref).abs().max().item()
@@ -342,7 +348,8 @@ def print_table(res):
     print("-" * len(hdr))
 
     def f(v, fmt):
-        return format(v, fmt) if v is not None else "-".rjust(int("0" + fmt.split(".")[0].rstrip("dfe")))
+        width = int("0" + fmt.split(".")[0].rstrip("dfe"))
+        return format(v, fmt) if v is not None else "-".rjust(width)
 
     for n, r in res["sizes"].items():
         for name, e in r.items():

@@ -231,7 +231,7 @@ def test_pack_single_tree_and_generator():
     b = pack(t for t in [tree])
     assert torch.equal(a.input_ids, b.input_ids)
     assert a.trees == [tree] and a.reduction == "sum"
-    assert a.loss_weights.dtype == torch.float32
+    assert a.loss_weights.dtype == torch.float64  # exact sums by default
     assert pack(tree, pad_token_id=9, pad_to_multiple=4).input_ids[0].tolist() == [1, 2, 3, 9]
 
 
@@ -280,7 +280,8 @@ def test_loss_weights_reproduce_per_sequence_loss(forest, pad, reduction, seed):
     assert (batch.loss_weights[batch.position_ids[0] == 0] == 0).all()
     assert (batch.loss_weights[batch.num_real_tokens:] == 0).all()
     # float32 weights are the float64 ones rounded.
-    b32 = pack([f[0] for f in forest], reduction=reduction, pad_to_multiple=pad)
+    b32 = pack([f[0] for f in forest], reduction=reduction, pad_to_multiple=pad,
+               weight_dtype=torch.float32)
     assert b32.loss_weights.dtype == torch.float32
     assert torch.equal(b32.loss_weights, batch.loss_weights.float())
 

@@ -149,7 +149,9 @@ class TreeEngine:
         try:
             # Registered recurrent kernels appear as single marker nodes (treefx.recurrence);
             # the swap is in place on every call so that Dynamo's guards always see it.
-            with capture_patches():
+            # Floats stay constants: a module's attention scale must not become a traced
+            # symbol after models with different scales ran (the passes read it).
+            with capture_patches(), torch._dynamo.config.patch(specialize_float=True):
                 out = self._compiled[backend](*args)
         except torch._dynamo.exc.BackendCompilerFailed as e:
             inner = getattr(e, "inner_exception", None) or e.__cause__
@@ -234,7 +236,7 @@ def check_batch(model: torch.nn.Module, batch: TreeBatch) -> None:
                          f"use batch.to({str(dev)!r})")
     vocab = _vocab_size(model)
     if vocab is not None:
-        top = int(batch.input_ids.max())
+        top = batch.max_token_id if batch.max_token_id >= 0 else int(batch.input_ids.max())
         if top >= vocab:
             t = int((batch.input_ids[0] == top).nonzero()[0, 0])
             raise ValueError(f"token id {top} at DFS position {t} is out of range for the "

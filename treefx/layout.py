@@ -45,6 +45,7 @@ class TreeBatch:
     reduction: str
     num_real_tokens: int
     loss_weights_by_reduction: dict = field(repr=False)
+    max_token_id: int = field(default=-1, repr=False)  # from the host: no device sync to check
     trees: list[Tree] = field(repr=False)
     _block_masks: dict = field(default_factory=dict, repr=False)
     _parent_list: list | None = field(default=None, repr=False)
@@ -329,6 +330,7 @@ def pack(
         sequence_tree=cat(s_tree),
         reduction=reduction,
         num_real_tokens=num_real,
+        max_token_id=max(int(np.max(x)) for x in ids),
         trees=trees,
     )
 
