@@ -45,8 +45,8 @@ class TreeBatch:
     reduction: str
     num_real_tokens: int
     loss_weights_by_reduction: dict = field(repr=False)
-    max_token_id: int = field(default=-1, repr=False)  # from the host: no device sync to check
     trees: list[Tree] = field(repr=False)
+    max_token_id: int = field(default=-1, repr=False)  # from the host: no device sync to check
     _block_masks: dict = field(default_factory=dict, repr=False)
     _parent_list: list | None = field(default=None, repr=False)
 
