@@ -120,6 +120,22 @@ def test_flex_path_forward_matches_oracle(name, impl):
                                    atol=1e-6, rtol=0)
 
 
+@pytest.mark.parametrize("name,impl,kept", [
+    ("qwen3", "sdpa", False), ("llama", "eager", False),
+    ("mistral", "sdpa", True), ("mistral", "eager", True),
+])
+def test_causal_masks_go_windows_stay(name, impl, kept):
+    """A model mask that is causal in positions is implied by the tree and dropped (so the
+    GPU keeps the tree's full blocks); a sliding window is kept."""
+    tm = treefx.compile(hf_model(name, impl), backend="eager")
+    with torch.no_grad():
+        tm(treefx.pack(odd_tree(13, VOCAB)))
+    notes = [r.note for r in tm.contexts[0].log if r.pass_name == "attention"]
+    assert len(notes) == 2
+    word = "kept" if kept else "implied by the tree"
+    assert all(word in n for n in notes), notes
+
+
 def test_sliding_window_is_not_dropped():
     """Guard against a pass that drops the model's mask: with a window of 3 the tree result
     must differ from plain causal attention over each path."""

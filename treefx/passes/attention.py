@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from ..ops.attention import TreeFlexAttention, dense_tree_mask, tree_attention_dense, tree_block_tensors
 from .common import GraphContext, UnmatchedAttentionError, describe, example, is_call, module_path
-from .mask_lift import MaskLiftError, lift_mask
+from .mask_lift import MaskLiftError, implied_by_tree, lift_mask
 
 __all__ = ["attention_pass", "check_no_attention_left"]
 
@@ -245,8 +245,21 @@ def _rewrite(ctx: GraphContext, site: _Site) -> fx.Node:
         if site.kind == "eager-kT":
             k = g.call_method("transpose", (k, -2, -1))
         mask = _mask_value(ctx, site) if site.mask is not None else None
+        note = site.kind
+        lifted, bufs, lift_error = None, (), None
         if mask is not None:
             _check_mask_sources(ctx, site, mask)
+            try:
+                lifted, bufs = lift_mask(ctx, mask)
+            except MaskLiftError as e:
+                lift_error = e
+            if lifted is not None and implied_by_tree(lifted, bufs):
+                # Causal in positions: the tree mask implies it. Dropping it keeps the
+                # tree's full blocks (no mask_mod work there) and the dense mask small.
+                mask, lifted, bufs = None, None, ()
+                note += ", model mask implied by the tree"
+            elif mask is not None:
+                note += ", model mask kept (evaluated at path positions)"
         if ctx.backend == "eager":
             tree = ctx.shared("dense_tree_mask",
                               lambda: g.call_function(dense_tree_mask, (ctx.subtree_end,)))
@@ -255,14 +268,10 @@ def _rewrite(ctx: GraphContext, site: _Site) -> fx.Node:
                 {"scale": site.scale, "enable_gqa": site.enable_gqa},
             )
         else:
-            lifted, bufs = None, ()
-            if mask is not None:
-                try:
-                    lifted, bufs = lift_mask(ctx, mask)
-                except MaskLiftError as e:
-                    raise _fail(site.anchor, f"its model-built attention mask cannot be lifted "
-                                             f"into a FlexAttention mask_mod ({e}); use "
-                                             "backend='eager' for this model") from None
+            if mask is not None and lifted is None:
+                raise _fail(site.anchor, f"its model-built attention mask cannot be lifted "
+                                         f"into a FlexAttention mask_mod ({lift_error}); use "
+                                         "backend='eager' for this model")
             blocks = _block_nodes(ctx, full=lifted is None)
             fn = TreeFlexAttention(scale=site.scale, block_size=ctx.block_size,
                                    model_mask=lifted,
@@ -270,7 +279,7 @@ def _rewrite(ctx: GraphContext, site: _Site) -> fx.Node:
             new = g.call_function(fn, (site.q, k, site.v, *blocks, *bufs))
     new.meta.update({k_: v_ for k_, v_ in site.out.meta.items()
                      if k_ in ("nn_module_stack", "stack_trace", "example_value")})
-    ctx.record("attention", site.anchor, describe(new), note=site.kind)
+    ctx.record("attention", site.anchor, describe(new), note=note)
     site.out.replace_all_uses_with(new)
     return new
 

@@ -57,6 +57,11 @@ class LiftedMask:
         self.leaves = leaves
 
     def __call__(self, b, h, q_pos, kv_pos, *buffers):
+        return self.evaluate(b, h, q_pos, kv_pos, *buffers).reshape(())
+
+    def evaluate(self, b, h, q_pos, kv_pos, *buffers):
+        """The mask for (b, h, q_pos, kv_pos); these may be equal-length 1-D tensors of
+        pairs (elementwise), which is how :func:`implied_by_tree` probes it."""
         idx = {"b": b, "h": h}
         pos = {"q": q_pos, "kv": kv_pos}
         env = dict(zip(self.leaves, buffers))
@@ -135,7 +140,7 @@ class LiftedMask:
         out = grid(self.mask)
         if out.dtype != torch.bool:
             raise MaskLiftError("the mask is not boolean")
-        return out.reshape(())
+        return out
 
     # Filled by lift_mask.
     _dep: set
@@ -293,3 +298,48 @@ def lift_mask(ctx: GraphContext, mask: fx.Node) -> tuple[LiftedMask, tuple[fx.No
     lifted._dep = {copies[n] for n in dep}
     lifted._vectors = {copies[n] for n in vectors}
     return lifted, tuple(leaves)
+
+
+def _probe_pairs() -> tuple[torch.Tensor, torch.Tensor]:
+    """(q_pos, kv_pos) pairs with kv_pos <= q_pos: every small position and distance, and
+    positions and distances around each power of two up to 2^22 (4M tokens)."""
+    marks = sorted({v for k in range(6, 23) for v in (2**k - 1, 2**k, 2**k + 1, 3 * 2**k)})
+    qs = list(range(65)) + marks
+    ds = list(range(65)) + marks
+    pairs = [(q, q - d) for q in qs for d in ds if d <= q]
+    t = torch.tensor(pairs, dtype=torch.int64)
+    return t[:, 0], t[:, 1]
+
+
+def _is_all_ones_input(node) -> bool:
+    """``torch.ones_like(<graph input>)`` (the attention_mask treefx gives the model), through
+    casts and copies."""
+    while is_call(node, methods=("to", "bool", "long", "int", "float", "contiguous", "clone")):
+        node = node.args[0]
+    return is_call(node, torch.ones_like) and isinstance(node.args[0], fx.Node) and \
+        node.args[0].op == "placeholder"
+
+
+def implied_by_tree(lifted: LiftedMask, leaves: tuple[fx.Node, ...]) -> bool:
+    """Whether the model's mask is True for every key that the tree lets a query see.
+
+    On a tree a visible key is an ancestor (or the token itself), so its position is at most
+    the query's. A mask that is True on every probed pair with kv_pos <= q_pos, reading no data
+    but our own all-ones padding mask, is the plain causal mask in positions: the tree mask
+    implies it and it can go, keeping the tree's full blocks. A sliding window, chunked
+    attention or anything else position-dependent shows up as a False pair and is kept.
+    """
+    bufs = []
+    q, kv = _probe_pairs()
+    for leaf in leaves:
+        val = example(leaf)
+        if not _is_all_ones_input(leaf) or val is None or val.dim() != 2 or val.shape[0] != 1:
+            return False
+        bufs.append(torch.ones(1, int(q.max()) + 1, dtype=val.dtype))
+    zero = torch.zeros((), dtype=torch.int64)
+    try:
+        with torch.no_grad():
+            out = lifted.evaluate(zero, zero, q, kv, *bufs)
+    except Exception:  # noqa: BLE001 - a mask the probe cannot evaluate is simply kept
+        return False
+    return bool(out.all())
