@@ -39,3 +39,15 @@ def test_fused_traces_under_compile():
     torch.testing.assert_close(compiled(h, w, None, ids, parent, weights),
                                ce.linear_tree_cross_entropy_reference(h, w, None, ids, parent,
                                                                      weights))
+
+
+def test_fused_without_grad_gives_the_value():
+    g = torch.Generator().manual_seed(1)
+    h, w = torch.randn(1, 13, 8, generator=g), torch.randn(30, 8, generator=g, requires_grad=True)
+    ids, parent, weights = torch.randint(0, 30, (1, 13), generator=g), torch.arange(13) - 1, \
+        torch.rand(13, generator=g)
+    with torch.no_grad():
+        value = ce.fused_linear_tree_cross_entropy(h, w, None, ids, parent, weights)
+        ref = ce.linear_tree_cross_entropy_reference(h, w, None, ids, parent, weights)
+    assert not value.requires_grad
+    torch.testing.assert_close(value, ref)

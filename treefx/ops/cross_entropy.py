@@ -2,8 +2,10 @@
 
 ``Σ_t w_t · (lse(h[p_t] W^T + b) − (h[p_t] W^T + b)[y_t])`` with ``p_t = parent_token[t]``:
 token t is predicted from its tree predecessor's hidden state. The [N, V] logits are never
-materialized: each chunk of tokens computes its logits, log-sum-exp and gradient and drops
-them, so peak memory is one chunk's [C, V] in float32 on top of the hidden states.
+materialized: each chunk of tokens computes its logits, log-sum-exp and (when a gradient is
+wanted) the gradients of h, W and b, and drops them, so peak memory is one chunk's [C, V] in
+float32 on top of the hidden states. The loss is a final scalar, so its gradients are computed
+in the forward pass and only scaled in the backward: no second pass over the logits.
 
 A ``torch.library`` custom op with a registered backward: opaque to Inductor (which would
 otherwise need the whole [N, V] tensor), traceable by AOTAutograd, any N.
@@ -34,83 +36,83 @@ def _prepare(h, parent, ids, weights):
     return h.reshape(-1, h.shape[-1]), row, ids.reshape(-1), w
 
 
-@torch.library.custom_op("treefx::linear_tree_ce", mutates_args=())
-def _linear_tree_ce(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                    ids: torch.Tensor, parent: torch.Tensor, weights: torch.Tensor
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(loss, lse per token) — lse is saved for the backward."""
-    h2, row, ids, w = _prepare(h, parent, ids, weights)
-    n = ids.shape[0]
-    lse = torch.empty(n, dtype=_acc(h), device=h.device)
-    total = torch.zeros((), dtype=_acc(h), device=h.device)
-    step = _chunk(weight.shape[0])
-    for s in range(0, n, step):
-        e = min(s + step, n)
-        hc = h2[row[s:e]]
-        logits = torch.nn.functional.linear(hc, weight, bias).to(_acc(h))
-        lse_c = torch.logsumexp(logits, dim=-1)
-        picked = logits.gather(1, ids[s:e, None])[:, 0]
-        lse[s:e] = lse_c
-        total += (w[s:e] * (lse_c - picked)).sum()
-    return total, lse
-
-
-@_linear_tree_ce.register_fake
-def _(h, weight, bias, ids, parent, weights):
-    return h.new_empty((), dtype=_acc(h)), h.new_empty(ids.numel(), dtype=_acc(h))
-
-
-@torch.library.custom_op("treefx::linear_tree_ce_backward", mutates_args=())
-def _linear_tree_ce_backward(grad: torch.Tensor, h: torch.Tensor, weight: torch.Tensor,
-                             bias: torch.Tensor | None, ids: torch.Tensor, parent: torch.Tensor,
-                             weights: torch.Tensor, lse: torch.Tensor
-                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(d h, d weight, d bias); d bias is empty when there is no bias."""
+def _chunks(h, weight, bias, ids, parent, weights, want_grad: bool):
+    """One pass over chunks of tokens: the loss and, if ``want_grad``, its gradients for an
+    upstream gradient of 1 (scaled in the backward). Computing them here, while each chunk's
+    logits exist, saves recomputing the logits in the backward."""
     h2, row, ids, w = _prepare(h, parent, ids, weights)
     n = ids.shape[0]
     acc = _acc(h)
-    dh = torch.zeros(h2.shape, dtype=acc, device=h.device)
-    dw = torch.zeros(weight.shape, dtype=acc, device=h.device)
-    db = torch.zeros(weight.shape[0] if bias is not None else 0, dtype=acc, device=h.device)
-    scale = w * grad.to(acc)
+    total = torch.zeros((), dtype=acc, device=h.device)
+    dh = dw = db = None
+    if want_grad:
+        dh = torch.zeros(h2.shape, dtype=acc, device=h.device)
+        dw = torch.zeros(weight.shape, dtype=acc, device=h.device)
+        db = torch.zeros(weight.shape[0] if bias is not None else 0, dtype=acc, device=h.device)
     step = _chunk(weight.shape[0])
     for s in range(0, n, step):
         e = min(s + step, n)
         hc = h2[row[s:e]]
         logits = torch.nn.functional.linear(hc, weight, bias).to(acc)
-        d = torch.exp(logits - lse[s:e, None])  # softmax
+        lse = torch.logsumexp(logits, dim=-1)
+        picked = logits.gather(1, ids[s:e, None])[:, 0]
+        total += (w[s:e] * (lse - picked)).sum()
+        if not want_grad:
+            continue
+        d = torch.exp(logits.sub_(lse[:, None]))  # softmax, in place of the logits
         d[torch.arange(e - s, device=h.device), ids[s:e]] -= 1.0
-        d *= scale[s:e, None]
+        d *= w[s:e, None]
         dc = d.to(weight.dtype)
         dh.index_add_(0, row[s:e], (dc @ weight).to(acc))
         dw += (dc.t() @ hc).to(acc)
         if bias is not None:
             db += d.sum(0)
-    return dh.to(h.dtype).reshape(h.shape), dw.to(weight.dtype), db.to(weight.dtype)
+    if not want_grad:
+        return total, None, None, None
+    return (total, dh.to(h.dtype).reshape(h.shape), dw.to(weight.dtype),
+            db.to(weight.dtype))
 
 
-@_linear_tree_ce_backward.register_fake
-def _(grad, h, weight, bias, ids, parent, weights, lse):
-    return (torch.empty_like(h), torch.empty_like(weight),
+@torch.library.custom_op("treefx::linear_tree_ce", mutates_args=())
+def _linear_tree_ce(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                    ids: torch.Tensor, parent: torch.Tensor, weights: torch.Tensor
+                    ) -> torch.Tensor:
+    """The loss alone (no gradient wanted)."""
+    return _chunks(h, weight, bias, ids, parent, weights, False)[0]
+
+
+@_linear_tree_ce.register_fake
+def _(h, weight, bias, ids, parent, weights):
+    return h.new_empty((), dtype=_acc(h))
+
+
+@torch.library.custom_op("treefx::linear_tree_ce_with_grad", mutates_args=())
+def _linear_tree_ce_with_grad(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                              ids: torch.Tensor, parent: torch.Tensor, weights: torch.Tensor
+                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, d loss/d h, d loss/d weight, d loss/d bias (empty without a bias))."""
+    loss, dh, dw, db = _chunks(h, weight, bias, ids, parent, weights, True)
+    return loss, dh, dw, db
+
+
+@_linear_tree_ce_with_grad.register_fake
+def _(h, weight, bias, ids, parent, weights):
+    return (h.new_empty((), dtype=_acc(h)), torch.empty_like(h), torch.empty_like(weight),
             weight.new_empty(weight.shape[0] if bias is not None else 0))
 
 
 def _setup(ctx, inputs, output):
-    h, weight, bias, ids, parent, weights = inputs
-    ctx.has_bias = bias is not None
-    ctx.save_for_backward(h, weight, bias if bias is not None else weight.new_empty(0), ids,
-                          parent, weights, output[1])
+    ctx.has_bias = inputs[2] is not None
+    ctx.save_for_backward(*output[1:])
 
 
-def _backward(ctx, grad_loss, grad_lse):
-    h, weight, bias, ids, parent, weights, lse = ctx.saved_tensors
-    dh, dw, db = _linear_tree_ce_backward(grad_loss, h, weight,
-                                          bias if ctx.has_bias else None, ids, parent,
-                                          weights, lse)
-    return dh, dw, (db if ctx.has_bias else None), None, None, None
+def _backward(ctx, grad_loss, _dh, _dw, _db):
+    dh, dw, db = ctx.saved_tensors
+    return (grad_loss.to(dh.dtype) * dh, grad_loss.to(dw.dtype) * dw,
+            grad_loss.to(db.dtype) * db if ctx.has_bias else None, None, None, None)
 
 
-_linear_tree_ce.register_autograd(_backward, setup_context=_setup)
+_linear_tree_ce_with_grad.register_autograd(_backward, setup_context=_setup)
 
 
 def fused_linear_tree_cross_entropy(h: torch.Tensor, weight: torch.Tensor,
@@ -119,9 +121,14 @@ def fused_linear_tree_cross_entropy(h: torch.Tensor, weight: torch.Tensor,
                                     ) -> torch.Tensor:
     """The weighted tree loss from hidden states [.., N, D] and the output projection
     ``weight`` [V, D] (``bias`` [V] or None), without materializing the logits. Gradients flow
-    to ``h``, ``weight`` and ``bias``; ``weights`` are constants (the tree's loss weights)."""
-    loss, _ = _linear_tree_ce(h, weight, bias, input_ids, parent_token, weights.detach())
-    return loss
+    to ``h``, ``weight`` and ``bias`` (computed in the forward, chunk by chunk); ``weights``
+    are constants (the tree's loss weights)."""
+    needs_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (h, weight, bias))
+    if needs_grad:
+        return _linear_tree_ce_with_grad(h, weight, bias, input_ids, parent_token,
+                                         weights.detach())[0]
+    return _linear_tree_ce(h, weight, bias, input_ids, parent_token, weights.detach())
 
 
 def linear_tree_cross_entropy_reference(h, weight, bias, input_ids, parent_token, weights):
