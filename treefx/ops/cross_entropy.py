@@ -36,6 +36,31 @@ def _prepare(h, parent, ids, weights):
     return h.reshape(-1, h.shape[-1]), row, ids.reshape(-1), w
 
 
+def _loss_and_dlogits(logits, ids, w, acc: torch.dtype, want_grad: bool):
+    """One chunk's weighted loss and (if wanted) d loss / d logits = w · (softmax − onehot)."""
+    lg = logits.to(acc)
+    lse = torch.logsumexp(lg, dim=-1)
+    picked = lg.gather(1, ids[:, None])[:, 0]
+    loss = (w * (lse - picked)).sum()
+    if not want_grad:
+        return loss, None
+    d = torch.exp(lg - lse[:, None])
+    d = d - torch.nn.functional.one_hot(ids, lg.shape[-1]).to(acc)
+    return loss, d * w[:, None]
+
+
+_COMPILED = None
+
+
+def _pointwise_compiled():
+    """The chunk's pointwise math as one fused kernel on the GPU (a handful of passes over
+    the [C, V] logits instead of one per op); compiled once, dynamic in the chunk length."""
+    global _COMPILED
+    if _COMPILED is None:
+        _COMPILED = torch.compile(_loss_and_dlogits, dynamic=True)
+    return _COMPILED
+
+
 def _chunks(h, weight, bias, ids, parent, weights, want_grad: bool):
     """One pass over chunks of tokens: the loss and, if ``want_grad``, its gradients for an
     upstream gradient of 1 (scaled in the backward). Computing them here, while each chunk's
@@ -50,18 +75,15 @@ def _chunks(h, weight, bias, ids, parent, weights, want_grad: bool):
         dw = torch.zeros(weight.shape, dtype=acc, device=h.device)
         db = torch.zeros(weight.shape[0] if bias is not None else 0, dtype=acc, device=h.device)
     step = _chunk(weight.shape[0])
+    pointwise = _pointwise_compiled() if h.is_cuda else _loss_and_dlogits
     for s in range(0, n, step):
         e = min(s + step, n)
         hc = h2[row[s:e]]
-        logits = torch.nn.functional.linear(hc, weight, bias).to(acc)
-        lse = torch.logsumexp(logits, dim=-1)
-        picked = logits.gather(1, ids[s:e, None])[:, 0]
-        total += (w[s:e] * (lse - picked)).sum()
+        logits = torch.nn.functional.linear(hc, weight, bias)
+        loss_c, d = pointwise(logits, ids[s:e], w[s:e], acc, want_grad)
+        total += loss_c
         if not want_grad:
             continue
-        d = torch.exp(logits.sub_(lse[:, None]))  # softmax, in place of the logits
-        d[torch.arange(e - s, device=h.device), ids[s:e]] -= 1.0
-        d *= w[s:e, None]
         dc = d.to(weight.dtype)
         dh.index_add_(0, row[s:e], (dc @ weight).to(acc))
         dw += (dc.t() @ hc).to(acc)
