@@ -11,6 +11,7 @@ import zlib
 import numpy as np
 import pytest
 import torch
+from test_compile import BreaksGraph, Wrapper
 from trees import odd_forest, odd_tree
 
 import treefx
@@ -110,44 +111,6 @@ def test_html_page_is_self_contained_with_diff_and_pictures(hf_report, tmp_path)
         assert module in page
 
 
-class EinsumAttention(torch.nn.Module):
-    """Attention written with einsum: looks like attention, matches no pattern."""
-
-    def __init__(self):
-        super().__init__()
-        self.emb = torch.nn.Embedding(VOCAB, 16)
-        self.mixer = torch.nn.Linear(16, 48)
-        self.head = torch.nn.Linear(16, VOCAB)
-
-    def forward(self, input_ids):
-        x = self.emb(input_ids)
-        q, k, v = self.mixer(x).chunk(3, dim=-1)
-        att = torch.einsum("bqd,bkd->bqk", q, k).softmax(dim=-1)
-        return self.head(torch.einsum("bqk,bkd->bqd", att, v))
-
-
-class Wrapper(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.block = EinsumAttention()
-
-    def forward(self, input_ids):
-        return self.block(input_ids)
-
-
-class BreaksGraph(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.emb = torch.nn.Embedding(VOCAB, 8)
-        self.head = torch.nn.Linear(8, VOCAB)
-
-    def forward(self, input_ids):
-        x = self.emb(input_ids)
-        if x.sum().item() > 0:  # data-dependent Python control flow: a graph break
-            x = x * 2
-        return self.head(x)
-
-
 def test_unmatched_attention_report_shows_the_node_that_stops(tmp_path):
     torch.manual_seed(0)
     report = explain(Wrapper(), odd_tree(8, VOCAB))  # records the error, does not raise
@@ -155,7 +118,7 @@ def test_unmatched_attention_report_shows_the_node_that_stops(tmp_path):
     assert isinstance(report.error, treefx.UnmatchedAttentionError)
     assert report.stop_module == "block"
     assert report.stop_node.startswith("att = .softmax(")
-    assert "test_explain.py" in report.stop_source and "softmax" in report.stop_source
+    assert "test_compile.py" in report.stop_source and "softmax" in report.stop_source
     assert report.num_graphs == 1 and report.num_compilations == 0
     text = str(report)
     assert "stops compilation" in text and "UnmatchedAttentionError" in text

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from strategies import sequence_sets
 from torch.nn.attention.flex_attention import create_mask, flex_attention
 
 from treefx import Tree, TreeBatch, pack, synth
@@ -22,25 +23,6 @@ PROPS = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCh
 # ---------------------------------------------------------------------------- strategies
 
 
-@st.composite
-def sequence_sets(draw, max_seqs=10, max_len=8, alphabet=4):
-    """Token lists over a small alphabet, many extending a prefix of an earlier one."""
-    n = draw(st.integers(1, max_seqs))
-    seqs: list[list[int]] = []
-    for _ in range(n):
-        prefix: list[int] = []
-        if seqs and draw(st.booleans()):
-            base = draw(st.sampled_from(seqs))
-            prefix = base[: draw(st.integers(0, len(base)))]
-        rest = draw(
-            st.lists(
-                st.integers(0, alphabet - 1),
-                min_size=0 if prefix else 1,
-                max_size=max_len - len(prefix),
-            )
-        )
-        seqs.append(prefix + rest)
-    return seqs
 
 
 @st.composite

@@ -6,7 +6,7 @@ Every subtree is a contiguous range of the row, so a key ``k`` is visible to a q
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
 import numpy as np
