@@ -175,3 +175,17 @@ def test_conv_that_is_not_causal_is_refused():
     tm = treefx.compile(CenteredConv(), backend="eager")
     with pytest.raises(treefx.UnmatchedStateError, match="padding .*not the causal K-1 = 2"):
         tm(treefx.pack(odd_tree(34, VOCAB)))
+
+
+def test_hf_mamba2_matches_oracle():
+    """Mamba2's chunked scan (its torch fallback, padded per depth with a step dt = -inf
+    that leaves the state alone) and its causal conv1d, through the tree."""
+    cfg = transformers.AutoConfig.for_model(
+        "mamba2", vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_heads=8,
+        head_dim=8, state_size=16, n_groups=2, expand=2, conv_kernel=4, chunk_size=8)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    tm = treefx.compile(model, backend="eager")
+    check_against_oracle(tm, [SHORT_NODES, odd_tree(35, VOCAB)])
+    notes = sorted(r.note for r in tm.contexts[0].log if r.pass_name == "ssm")
+    assert notes == ["causal conv1d"] * 2 + ["recurrence mamba2_chunk_scan"] * 2

@@ -36,7 +36,9 @@ class Recurrence:
       of 0 in log space and an update rate ``beta`` of 0); unlisted seq args pad with 0;
     - ``initial_state`` / ``output_final_state``: the names of the state-in argument and of the
       flag that asks for the final state;
-    - ``output_seq_dim``: the sequence dim of ``output``.
+    - ``output_seq_dim``: the sequence dim of ``output``;
+    - ``bare_output_without_state``: called without asking for the final state, the kernel
+      returns ``output`` alone rather than ``(output, None)``.
     """
 
     name: str
@@ -46,6 +48,7 @@ class Recurrence:
     initial_state: str = "initial_state"
     output_final_state: str = "output_final_state"
     output_seq_dim: int = 1
+    bare_output_without_state: bool = False  # without the flag: ``output`` alone, no tuple
     marker: Callable | None = None
     signature: inspect.Signature | None = None
 
@@ -110,15 +113,19 @@ def capture_patches():
             setattr(mod, attr, value)
 
 
+def _import(path: str):
+    try:
+        return importlib.import_module(path)
+    except ImportError:
+        return None
+
+
 def _register_builtins() -> None:
-    """Gated DeltaNet's torch fallback in Hugging Face's Qwen3-Next and Qwen3.5."""
+    """The torch fallbacks of Hugging Face's hybrid layers: Gated DeltaNet (Qwen3-Next,
+    Qwen3.5) and Mamba2's chunked scan."""
     for model in ("qwen3_next", "qwen3_5"):
         path = f"transformers.models.{model}.modeling_{model}"
-        try:
-            mod = importlib.import_module(path)
-        except ImportError:
-            continue
-        fn = getattr(mod, "torch_chunk_gated_delta_rule", None)
+        fn = getattr(_import(path), "torch_chunk_gated_delta_rule", None)
         if fn is None:
             continue
         register_recurrence(
@@ -130,6 +137,23 @@ def _register_builtins() -> None:
                 neutral={"g": 0.0, "beta": 0.0},
             ),
             sites=[(path, "torch_chunk_gated_delta_rule")],
+        )
+    path = "transformers.models.mamba2.modeling_mamba2"
+    fn = getattr(_import(path), "mamba2_chunk_scan", None)
+    if fn is not None:
+        register_recurrence(
+            Recurrence(
+                name="mamba2_chunk_scan",
+                fn=fn,
+                seq_args={"hidden_states": 1, "dt": 1, "B": 1, "C": 1},
+                # dt = -inf: softplus gives a step of 0, so the state neither decays nor
+                # takes input (x·dt = 0, exp(A·dt) = 1); padded x is 0.
+                neutral={"dt": float("-inf")},
+                initial_state="initial_states",
+                output_final_state="return_final_states",
+                bare_output_without_state=True,
+            ),
+            sites=[(path, "mamba2_chunk_scan")],
         )
 
 

@@ -54,8 +54,9 @@ def _pad_seq(x: torch.Tensor, dim: int, length: int, value: float) -> torch.Tens
 
 
 def tree_recurrence(rec: Recurrence, parent_token: torch.Tensor, args: tuple, kwargs: dict):
-    """``rec.fn`` over the tree; returns ``(output, None)`` like the kernel called on the DFS
-    row without a final state (a tree has one final state per leaf, none for "the row")."""
+    """``rec.fn`` over the tree; returns what the kernel returns on the DFS row without a final
+    state, ``(output, None)`` or ``output`` (a tree has a final state per leaf, none for "the
+    row")."""
     bound = rec.bind(args, kwargs)
     if bound.get(rec.initial_state) is not None:
         raise ValueError(f"{rec.name}: an initial state given by the model (a cache?) cannot be "
@@ -89,4 +90,4 @@ def tree_recurrence(rec: Recurrence, parent_token: torch.Tensor, args: tuple, kw
             final[i] = fin[j]
             outputs[i] = out[j:j + 1].narrow(rec.output_seq_dim, 0, lengths[i])
     row = torch.cat([outputs[i] for i in range(len(starts))], dim=rec.output_seq_dim)
-    return row, None
+    return row if rec.bare_output_without_state else (row, None)
