@@ -189,3 +189,17 @@ def test_hf_mamba2_matches_oracle():
     check_against_oracle(tm, [SHORT_NODES, odd_tree(35, VOCAB)])
     notes = sorted(r.note for r in tm.contexts[0].log if r.pass_name == "ssm")
     assert notes == ["causal conv1d"] * 2 + ["recurrence mamba2_chunk_scan"] * 2
+
+
+@pytest.mark.parametrize("layer_types", [("gdn", "attention"), ("attention", "gdn", "gdn")])
+def test_pure_torch_hybrid_matches_oracle(layer_types):
+    from treefx.models import tiny_hybrid
+
+    torch.manual_seed(0)
+    model = tiny_hybrid(layer_types, vocab_size=VOCAB)
+    tm = treefx.compile(model, backend="eager")
+    check_against_oracle(tm, [SHORT_NODES, odd_tree(36, VOCAB)])
+    notes = [r.note for r in tm.contexts[0].log if r.pass_name == "ssm"]
+    n_gdn = layer_types.count("gdn")
+    assert sorted(notes) == ["causal conv1d"] * n_gdn + [
+        "recurrence treefx_models_gated_delta_rule"] * n_gdn

@@ -1,6 +1,7 @@
-"""Models for treefx: a small pure-torch dense decoder (gpt-fast style)."""
+"""Models for treefx: small pure-torch decoders (gpt-fast style), dense and hybrid."""
 
 from .dense import Decoder, DecoderConfig
+from .hybrid import HybridDecoder
 
 TINY_CONFIG = dict(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2)
 
@@ -10,4 +11,10 @@ def tiny_decoder(**overrides) -> Decoder:
     return Decoder(DecoderConfig(**{**TINY_CONFIG, **overrides}))
 
 
-__all__ = ["Decoder", "DecoderConfig", "tiny_decoder"]
+def tiny_hybrid(layer_types=("gdn", "attention"), **overrides) -> HybridDecoder:
+    """A small Gated DeltaNet + attention hybrid; keyword overrides go to DecoderConfig."""
+    cfg = {**TINY_CONFIG, **overrides, "n_layers": len(layer_types)}
+    return HybridDecoder(DecoderConfig(**cfg), layer_types=layer_types)
+
+
+__all__ = ["Decoder", "DecoderConfig", "HybridDecoder", "tiny_decoder", "tiny_hybrid"]
