@@ -8,6 +8,7 @@ into the nodes they rewrite. N is dynamic: trees of any size reuse one compiled 
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import types
@@ -286,7 +287,7 @@ def _context(gm: fx.GraphModule, backend: str, block_size: int) -> GraphContext:
         se = g.call_function(_row, (info, 2))
     with g.inserting_after(placeholders[-1]):
         pos = g.call_function(_row, (info, 0))
-    with fake.fake_mode if hasattr(fake, "fake_mode") else _null():
+    with fake.fake_mode if hasattr(fake, "fake_mode") else contextlib.nullcontext():
         pos.meta["example_value"] = fake[0]
         se.meta["example_value"] = fake[2]
     return GraphContext(gm=gm, backend="inductor" if backend == "inductor" else (
@@ -299,14 +300,6 @@ def _context(gm: fx.GraphModule, backend: str, block_size: int) -> GraphContext:
 
 def _row(tree_info: torch.Tensor, i: int) -> torch.Tensor:
     return tree_info[i]
-
-
-class _null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *a):
-        return False
 
 
 def _graph_break_error(fn, args, err) -> GraphBreakError:

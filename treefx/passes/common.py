@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import operator
 import re
 from dataclasses import dataclass, field
 
@@ -190,7 +189,3 @@ class GraphContext:
             with self.graph.inserting_before(self.entry):
                 self._cache[key] = make()
         return self._cache[key]
-
-
-# getitem on tensors appears as operator.getitem in Dynamo graphs.
-GETITEM = operator.getitem
