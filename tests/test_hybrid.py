@@ -203,3 +203,21 @@ def test_pure_torch_hybrid_matches_oracle(layer_types):
     n_gdn = layer_types.count("gdn")
     assert sorted(notes) == ["causal conv1d"] * n_gdn + [
         "recurrence treefx_models_gated_delta_rule"] * n_gdn
+
+
+def test_hf_bamba_mamba2_hybrid_matches_oracle():
+    """A Mamba2 + attention hybrid (Bamba): its own copy of the chunked scan is registered."""
+    cfg = transformers.AutoConfig.for_model(
+        "bamba", vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, mamba_n_heads=8, mamba_d_head=8,
+        mamba_d_state=16, mamba_n_groups=2, mamba_expand=2, mamba_d_conv=4, mamba_chunk_size=8,
+        attn_layer_indices=[1])
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    tm = treefx.compile(model, backend="eager")
+    check_against_oracle(tm, [SHORT_NODES, odd_tree(37, VOCAB)])
+    log = tm.contexts[0].log
+    assert sorted(r.note for r in log if r.pass_name == "ssm") == [
+        "causal conv1d", "recurrence bamba_mamba2_chunk_scan"]
+    assert [r.module for r in log if r.pass_name == "attention"] == ["model.layers.1.self_attn"]

@@ -120,15 +120,25 @@ def _import(path: str):
         return None
 
 
+def _register_if_compatible(rec: Recurrence, sites) -> None:
+    """Built-in registrations skip a kernel whose signature is not the one described (another
+    transformers version): its layer then fails the SSM pass's checks with a clear error."""
+    try:
+        register_recurrence(rec, sites=sites)
+    except ValueError:
+        pass
+
+
 def _register_builtins() -> None:
     """The torch fallbacks of Hugging Face's hybrid layers: Gated DeltaNet (Qwen3-Next,
-    Qwen3.5) and Mamba2's chunked scan."""
+    Qwen3.5) and Mamba2's chunked scan (Mamba2 and the hybrids built on it). Modules that are
+    missing, or whose kernel has another signature, are skipped."""
     for model in ("qwen3_next", "qwen3_5"):
         path = f"transformers.models.{model}.modeling_{model}"
         fn = getattr(_import(path), "torch_chunk_gated_delta_rule", None)
         if fn is None:
             continue
-        register_recurrence(
+        _register_if_compatible(
             Recurrence(
                 name=f"{model}_gated_delta_rule",
                 fn=fn,
@@ -138,12 +148,15 @@ def _register_builtins() -> None:
             ),
             sites=[(path, "torch_chunk_gated_delta_rule")],
         )
-    path = "transformers.models.mamba2.modeling_mamba2"
-    fn = getattr(_import(path), "mamba2_chunk_scan", None)
-    if fn is not None:
-        register_recurrence(
+    # Mamba2's chunked scan, and the same scan in the Mamba2 hybrids (attention + Mamba2).
+    for model in ("mamba2", "bamba", "falcon_h1", "granitemoehybrid", "nemotron_h", "zamba2"):
+        path = f"transformers.models.{model}.modeling_{model}"
+        fn = getattr(_import(path), "mamba2_chunk_scan", None)
+        if fn is None:
+            continue
+        _register_if_compatible(
             Recurrence(
-                name="mamba2_chunk_scan",
+                name=f"{model}_mamba2_chunk_scan",
                 fn=fn,
                 seq_args={"hidden_states": 1, "dt": 1, "B": 1, "C": 1},
                 # dt = -inf: softplus gives a step of 0, so the state neither decays nor
@@ -155,6 +168,5 @@ def _register_builtins() -> None:
             ),
             sites=[(path, "mamba2_chunk_scan")],
         )
-
 
 _register_builtins()
