@@ -253,7 +253,37 @@ def case_loss_memory(res):
     res["loss-memory"] = out
 
 
+def case_hybrid_fp32(res):
+    """Hybrid models on the inductor backend: FlexAttention, tree conv1d, and the recurrence
+    as a traced custom op (its torch kernel run per tree depth), against the oracle."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from treefx.models import tiny_hybrid
+
+    torch.manual_seed(0)
+    models = {"tiny_hybrid": tiny_hybrid(("gdn", "attention"), vocab_size=1024, dim=128,
+                                         n_heads=8, n_kv_heads=4).to(DEV)}
+    cfg = AutoConfig.for_model(
+        "qwen3_next", vocab_size=1024, hidden_size=128, intermediate_size=256,
+        num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4, head_dim=16,
+        linear_num_value_heads=8, linear_num_key_heads=4, linear_key_head_dim=16,
+        linear_value_head_dim=16, linear_conv_kernel_dim=4,
+        layer_types=["linear_attention", "full_attention"], num_experts=0,
+        mlp_only_layers=[0, 1])
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    models["qwen3_next"] = AutoModelForCausalLM.from_config(cfg).to(DEV)
+    from trees import odd_forest
+
+    trees = odd_forest(5, 1024)
+    for name, model in models.items():
+        tm = treefx.compile(model, backend=BACKEND)
+        res[f"hybrid-{name}-fp32"] = compare(tm, model, trees, "mean")
+
+
 CASES = {
+    "hybrid-fp32": case_hybrid_fp32,
     "step-fp32": case_step_fp32,
     "loss-memory": case_loss_memory,
     "qwen3-fp32": case_qwen3_fp32,

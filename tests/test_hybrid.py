@@ -221,3 +221,38 @@ def test_hf_bamba_mamba2_hybrid_matches_oracle():
     assert sorted(r.note for r in log if r.pass_name == "ssm") == [
         "causal conv1d", "recurrence bamba_mamba2_chunk_scan"]
     assert [r.module for r in log if r.pass_name == "attention"] == ["model.layers.1.self_attn"]
+
+
+def test_traced_recurrence_matches_oracle():
+    """The inductor backend's form of a recurrence: one opaque custom op, traced by
+    AOTAutograd, its backward recomputing the forward through torch.func.vjp. Checked on the
+    CPU by tracing with AOTAutograd and running the traced graphs eagerly (values and
+    gradients, both reductions); a model without attention, as FlexAttention has no CPU
+    backward."""
+    from treefx.models import tiny_hybrid
+
+    torch.manual_seed(0)
+    model = tiny_hybrid(("gdn", "gdn"), vocab_size=VOCAB)
+    tm = treefx.compile(model, backend="aot-eager")
+    check_against_oracle(tm, [SHORT_NODES, odd_tree(38, VOCAB)])
+    ops = [r.after for r in tm.contexts[0].log if "recurrence" in r.note]
+    assert len(ops) == 2 and all("tree_recurrence_op_" in op for op in ops)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_next"])
+def test_traced_hf_hybrid_forward(model_type):
+    """HF Qwen3-Next through the inductor backend's graph (FlexAttention and the traced
+    recurrence), traced by AOTAutograd, forward only on the CPU."""
+    cfg = _gdn_config(model_type)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    tm = treefx.compile(model, backend="aot-eager")
+    trees = [SHORT_NODES, odd_tree(39, VOCAB)]
+    batch = treefx.pack(trees)
+    with torch.no_grad():
+        out = tm(batch)
+        ref = treefx.reference.sequence_logprobs(model, trees)
+    for i, lp in enumerate(ref):
+        torch.testing.assert_close(out.token_logprobs[batch.sequence_index(i)[1:]], lp,
+                                   atol=1e-4, rtol=0)

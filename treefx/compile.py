@@ -27,7 +27,9 @@ __all__ = ["compile", "TreeModel", "TreeOutput", "tree_loss"]
 
 log = logging.getLogger("treefx")
 
-_BACKENDS = ("auto", "inductor", "eager", "flex-eager")
+# "flex-eager" and "aot-eager" are for tests on the CPU: the inductor backend's graph (tree
+# FlexAttention, traced recurrences) run eagerly, or traced by AOTAutograd and run eagerly.
+_BACKENDS = ("auto", "inductor", "eager", "flex-eager", "aot-eager")
 
 
 @dataclass
@@ -124,6 +126,11 @@ class TreeEngine:
                 from torch._inductor.compile_fx import compile_fx
 
                 compiled = compile_fx(ctx.gm, example_inputs)
+            elif backend == "aot-eager":
+                from torch._functorch.aot_autograd import aot_module_simplified
+
+                compiled = aot_module_simplified(ctx.gm, example_inputs,
+                                                 fw_compiler=_as_is, bw_compiler=_as_is)
             else:
                 compiled = ctx.gm.forward
 
@@ -290,12 +297,16 @@ def _context(gm: fx.GraphModule, backend: str, block_size: int) -> GraphContext:
     with fake.fake_mode if hasattr(fake, "fake_mode") else contextlib.nullcontext():
         pos.meta["example_value"] = fake[0]
         se.meta["example_value"] = fake[2]
-    return GraphContext(gm=gm, backend="inductor" if backend == "inductor" else (
-        "flex" if backend == "flex-eager" else "eager"),
+    return GraphContext(gm=gm, backend={"inductor": "inductor", "flex-eager": "flex",
+                                        "aot-eager": "inductor"}.get(backend, "eager"),
         input_ids=ids, tree_info=info, positions=pos, subtree_end=se,
         seq_len=example(ids).shape[1], entry=se.next, block_size=block_size,
         code_before=code_before, modules_before=modules_before,
         tree_weights=by_name.get("tree_weights"))
+
+
+def _as_is(gm, example_inputs):
+    return gm
 
 
 def _row(tree_info: torch.Tensor, i: int) -> torch.Tensor:

@@ -38,7 +38,8 @@ class Recurrence:
       flag that asks for the final state;
     - ``output_seq_dim``: the sequence dim of ``output``;
     - ``bare_output_without_state``: called without asking for the final state, the kernel
-      returns ``output`` alone rather than ``(output, None)``.
+      returns ``output`` alone rather than ``(output, None)``;
+    - ``output_like``: the seq arg whose shape and dtype ``output`` has (default: the first).
     """
 
     name: str
@@ -49,6 +50,7 @@ class Recurrence:
     output_final_state: str = "output_final_state"
     output_seq_dim: int = 1
     bare_output_without_state: bool = False  # without the flag: ``output`` alone, no tuple
+    output_like: str = ""  # the seq arg whose shape and dtype the output has (default: first)
     marker: Callable | None = None
     signature: inspect.Signature | None = None
 
@@ -70,6 +72,10 @@ def register_recurrence(rec: Recurrence, *, sites: list[tuple[str, str]] = ()) -
     the kernel up, patched with the marker during capture (e.g. the module of your layer and
     the name it calls)."""
     rec.signature = inspect.signature(rec.fn)
+    rec.output_like = rec.output_like or next(iter(rec.seq_args))
+    if rec.output_like not in rec.seq_args:
+        raise ValueError(f"recurrence {rec.name!r}: output_like={rec.output_like!r} is not one "
+                         "of its seq_args")
     missing = [a for a in (*rec.seq_args, rec.initial_state, rec.output_final_state)
                if a not in rec.signature.parameters]
     if missing:
@@ -143,6 +149,7 @@ def _register_builtins() -> None:
                 name=f"{model}_gated_delta_rule",
                 fn=fn,
                 seq_args={"query": 1, "key": 1, "value": 1, "g": 1, "beta": 1},
+                output_like="value",
                 # g is a log decay (0: keep the state), beta the update rate (0: no update).
                 neutral={"g": 0.0, "beta": 0.0},
             ),

@@ -43,6 +43,7 @@ register_recurrence(
         name="treefx_models_gated_delta_rule",
         fn=gated_delta_rule,
         seq_args={"q": 1, "k": 1, "v": 1, "g": 1, "beta": 1},
+        output_like="v",
         neutral={"g": 0.0, "beta": 0.0},  # no decay, no update: the state passes unchanged
     ),
     sites=[(__name__, "gated_delta_rule")],

@@ -91,3 +91,94 @@ def tree_recurrence(rec: Recurrence, parent_token: torch.Tensor, args: tuple, kw
             outputs[i] = out[j:j + 1].narrow(rec.output_seq_dim, 0, lengths[i])
     row = torch.cat([outputs[i] for i in range(len(starts))], dim=rec.output_seq_dim)
     return row if rec.bare_output_without_state else (row, None)
+
+
+# ---------------------------------------------------------------------------- traceable form
+#
+# Under AOTAutograd / Inductor the tree structure is data (it comes from parent_token), so the
+# per-depth loop cannot be traced. The recurrence then runs as one opaque custom op: its fake
+# implementation gives the output's shape, its backward recomputes the forward under autograd
+# (the kernels' own torch code) and differentiates it.
+
+_SITES: dict[str, tuple] = {}  # key -> (recurrence, tensor argument names, static arguments)
+
+
+def register_site(rec: Recurrence, tensor_names: list[str], static: dict) -> str:
+    """Remember one graph site's non-tensor arguments; returns the key the op is called with."""
+    key = f"{rec.name}#{len(_SITES)}"
+    _SITES[key] = (rec, list(tensor_names), dict(static))
+    return key
+
+
+def _run_site(key: str, parent_token: torch.Tensor, tensors) -> torch.Tensor:
+    rec, names, static = _SITES[key]
+    out = tree_recurrence(rec, parent_token, (), {**dict(zip(names, tensors)), **static})
+    return out if rec.bare_output_without_state else out[0]
+
+
+@torch.library.custom_op("treefx::tree_recurrence", mutates_args=())
+def _tree_recurrence_op(key: str, parent_token: torch.Tensor,
+                        tensors: list[torch.Tensor]) -> torch.Tensor:
+    with torch.no_grad():
+        return _run_site(key, parent_token, tensors)
+
+
+@_tree_recurrence_op.register_fake
+def _(key, parent_token, tensors):
+    rec, names, _ = _SITES[key]
+    like = tensors[names.index(rec.output_like)]
+    return torch.empty_like(like)
+
+
+@torch.library.custom_op("treefx::tree_recurrence_backward", mutates_args=())
+def _tree_recurrence_backward(key: str, parent_token: torch.Tensor, tensors: list[torch.Tensor],
+                              grad: torch.Tensor) -> list[torch.Tensor]:
+    # A custom op's body runs below the autograd dispatch key, so plain autograd records
+    # nothing here; torch.func.vjp differentiates through its own transform layer.
+    floats = [i for i, t in enumerate(tensors) if t.is_floating_point()]
+
+    def forward(*diff):
+        full = list(tensors)
+        for i, t in zip(floats, diff):
+            full[i] = t
+        return _run_site(key, parent_token, full)
+
+    _, vjp = torch.func.vjp(forward, *[tensors[i] for i in floats])
+    grads = dict(zip(floats, vjp(grad)))
+    return [grads[i] if i in grads else torch.zeros_like(t) for i, t in enumerate(tensors)]
+
+
+@_tree_recurrence_backward.register_fake
+def _(key, parent_token, tensors, grad):
+    return [torch.empty_like(t) for t in tensors]
+
+
+def _setup(ctx, inputs, output):
+    key, parent_token, tensors = inputs
+    ctx.key = key
+    ctx.save_for_backward(parent_token, *tensors)
+
+
+def _backward(ctx, grad):
+    parent_token, *tensors = ctx.saved_tensors
+    grads = _tree_recurrence_backward(ctx.key, parent_token, tensors, grad.contiguous())
+    return None, None, [g if t.is_floating_point() else None for g, t in zip(grads, tensors)]
+
+
+_tree_recurrence_op.register_autograd(_backward, setup_context=_setup)
+
+
+class TracedTreeRecurrence:
+    """A graph node's call of the custom op, returning what the kernel returns."""
+
+    def __init__(self, key: str):
+        self.key = key
+        self.rec = _SITES[key][0]
+        self.__name__ = f"tree_recurrence_op_{self.rec.name}"
+
+    def __call__(self, parent_token, *tensors):
+        out = _tree_recurrence_op(self.key, parent_token, list(tensors))
+        return out if self.rec.bare_output_without_state else (out, None)
+
+    def __repr__(self):
+        return self.__name__

@@ -19,7 +19,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from ..ops.conv import tree_causal_conv1d
-from ..ops.recurrence import tree_recurrence
+from ..ops.recurrence import TracedTreeRecurrence, register_site, tree_recurrence
 from ..recurrence import registered
 from .common import (GraphContext, UnmatchedAttentionError, describe, example, is_call,
                      module_path, same_size)
@@ -104,13 +104,20 @@ def ssm_pass(ctx: GraphContext) -> int:
     for node in list(g.nodes):
         rec = registered(node.target) if node.op == "call_function" else None
         if rec is not None:
-            if ctx.backend != "eager":
-                raise _fail(node, f"the {rec.name} recurrence runs on the eager backend only "
-                                  "so far (backend='eager')")
             parent = ctx.shared("parent_token",
                                 lambda: g.call_function(operator.getitem, (ctx.tree_info, 1)))
             with g.inserting_before(node):
-                new = g.call_function(TreeRecurrenceCall(rec), (parent, *node.args), node.kwargs)
+                if ctx.backend == "eager":
+                    new = g.call_function(TreeRecurrenceCall(rec), (parent, *node.args),
+                                          node.kwargs)
+                else:
+                    # Traced by AOTAutograd: one opaque op (the tree's structure is data).
+                    bound = rec.bind(node.args, node.kwargs)
+                    names = [k for k, v in bound.items() if isinstance(v, fx.Node)]
+                    static = {k: v for k, v in bound.items() if not isinstance(v, fx.Node)}
+                    key = register_site(rec, names, static)
+                    new = g.call_function(TracedTreeRecurrence(key),
+                                          (parent, *[bound[k] for k in names]))
             new.meta.update(node.meta)
             ctx.record("ssm", node, describe(new), note=f"recurrence {rec.name}")
             node.replace_all_uses_with(new)
