@@ -274,9 +274,7 @@ def case_hybrid_fp32(res):
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
     models["qwen3_next"] = AutoModelForCausalLM.from_config(cfg).to(DEV)
-    from trees import odd_forest
-
-    trees = odd_forest(5, 1024)
+    trees = small_trees(1024)
     for name, model in models.items():
         tm = treefx.compile(model, backend=BACKEND)
         res[f"hybrid-{name}-fp32"] = compare(tm, model, trees, "mean")
@@ -313,7 +311,8 @@ def main():
             CASES[name](res)
             status = "ok"
         except Exception:
-            res[f"{name}-error"] = traceback.format_exc()[-4000:]
+            tb = traceback.format_exc()
+            res[f"{name}-error"] = tb if len(tb) < 8000 else tb[:2000] + "\n...\n" + tb[-5000:]
             status = "FAILED"
         print(f"{name}: {status} in {time.perf_counter() - t0:.1f}s", flush=True)
         with open(args.out, "w") as f:
@@ -321,7 +320,8 @@ def main():
     print(json.dumps({k: v for k, v in res.items() if not k.endswith("error")}, indent=1))
     for k, v in res.items():
         if k.endswith("error"):
-            print(f"--- {k}\n{v[-1500:]}")
+            msgs = [ln for ln in v.splitlines() if "Error" in ln or "error:" in ln]
+            print(f"--- {k}\n" + "\n".join(m[:400] for m in msgs[-6:]))
 
 
 if __name__ == "__main__":
