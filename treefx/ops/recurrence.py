@@ -120,14 +120,15 @@ def _run_site(key: str, parent_token: torch.Tensor, tensors) -> torch.Tensor:
 def _tree_recurrence_op(key: str, parent_token: torch.Tensor,
                         tensors: list[torch.Tensor]) -> torch.Tensor:
     with torch.no_grad():
-        return _run_site(key, parent_token, tensors)
+        # Contiguous, as the fake implementation promises (Inductor checks the strides).
+        return _run_site(key, parent_token, tensors).contiguous()
 
 
 @_tree_recurrence_op.register_fake
 def _(key, parent_token, tensors):
     rec, names, _ = _SITES[key]
     like = tensors[names.index(rec.output_like)]
-    return torch.empty_like(like)
+    return like.new_empty(like.shape)
 
 
 @torch.library.custom_op("treefx::tree_recurrence_backward", mutates_args=())
@@ -145,12 +146,13 @@ def _tree_recurrence_backward(key: str, parent_token: torch.Tensor, tensors: lis
 
     _, vjp = torch.func.vjp(forward, *[tensors[i] for i in floats])
     grads = dict(zip(floats, vjp(grad)))
-    return [grads[i] if i in grads else torch.zeros_like(t) for i, t in enumerate(tensors)]
+    return [grads[i].contiguous() if i in grads else t.new_zeros(t.shape)
+            for i, t in enumerate(tensors)]
 
 
 @_tree_recurrence_backward.register_fake
 def _(key, parent_token, tensors, grad):
-    return [torch.empty_like(t) for t in tensors]
+    return [t.new_empty(t.shape) for t in tensors]
 
 
 def _setup(ctx, inputs, output):
