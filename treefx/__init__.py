@@ -3,17 +3,17 @@
 import logging
 
 from . import debug, reference, rl, synth
-from .debug import explain
 from .compile import TreeModel, TreeOutput, compile, tree_loss
+from .debug import explain
 from .layout import TreeBatch, pack
 from .partition import err, partition, partition_ids
-from .recurrence import Recurrence, register_recurrence
 from .passes import (
     GraphBreakError,
     TreeCompileError,
     UnmatchedAttentionError,
     UnmatchedStateError,
 )
+from .recurrence import Recurrence, register_recurrence
 from .step import TreeStep, step
 from .tree import Tree, bound, por, read_jsonl, write_jsonl
 

@@ -20,6 +20,7 @@ import torch.fx as fx
 from .layout import TreeBatch
 from .passes import GraphBreakError, GraphContext, TreeCompileError, run_passes
 from .passes.common import example, module_path
+from .passes.loss import tree_token_logprobs
 from .recurrence import capture_patches
 from .reference import logits_of
 
@@ -63,14 +64,7 @@ def _tree_forward_template(input_ids, tree_info):
     if opts["use_cache"]:  # noqa: F821
         kwargs["use_cache"] = False
     logits = logits_of(model(input_ids, **kwargs))  # noqa: F821
-    parent = tree_info[1]
-    row = parent.clamp(min=0)
-    lg = logits[0]
-    acc = torch.promote_types(lg.dtype, torch.float32)  # float32, or float64 for float64 models
-    lse = torch.logsumexp(lg.to(acc), dim=-1)
-    picked = lg[row, input_ids[0]].to(acc) - lse[row]
-    token_logprobs = torch.where(parent >= 0, picked, torch.zeros_like(picked))
-    return logits, token_logprobs
+    return logits, tree_token_logprobs(logits, input_ids, tree_info[1])
 
 
 def _make_traced(template, tag: int, **cells):

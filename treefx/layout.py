@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
-from .ops.attention import dense_tree_mask, tree_block_tensors
+from .ops.attention import _tree_mask_mod, dense_tree_mask, tree_block_tensors
 from .tree import Tree
 
 __all__ = ["TreeBatch", "pack", "tree_mask_mod"]
@@ -176,7 +176,7 @@ def tree_mask_mod(subtree_end: torch.Tensor):
     """
 
     def tree_mask(b, h, q_idx, kv_idx):
-        return (kv_idx <= q_idx) & (q_idx < subtree_end[kv_idx])
+        return _tree_mask_mod(b, h, q_idx, kv_idx, subtree_end)
 
     return tree_mask
 

@@ -26,8 +26,21 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from ..ops.attention import TreeFlexAttention, dense_tree_mask, tree_attention_dense, tree_block_tensors
-from .common import GraphContext, UnmatchedAttentionError, describe, example, is_call, module_path
+from ..ops.attention import (
+    TreeFlexAttention,
+    dense_tree_mask,
+    tree_attention_dense,
+    tree_block_tensors,
+)
+from .common import (
+    GraphContext,
+    UnmatchedAttentionError,
+    arg,
+    describe,
+    example,
+    is_call,
+    module_path,
+)
 from .mask_lift import MaskLiftError, implied_by_tree, lift_mask
 
 __all__ = ["attention_pass", "check_no_attention_left"]
@@ -60,11 +73,6 @@ class _Site:
     kind: str
 
 
-def _arg(node: fx.Node, i: int, name: str, default=None):
-    if len(node.args) > i:
-        return node.args[i]
-    return node.kwargs.get(name, default)
-
 
 def _fail(node: fx.Node, why: str) -> UnmatchedAttentionError:
     return UnmatchedAttentionError(
@@ -83,20 +91,20 @@ def _check_dropout(anchor: fx.Node, p, training=True) -> None:
 
 def _sdpa_site(node: fx.Node) -> _Site:
     q, k, v = node.args[:3]
-    _check_dropout(node, _arg(node, 4, "dropout_p", 0.0))
-    scale = _arg(node, 6, "scale", None)
+    _check_dropout(node, arg(node, 4, "dropout_p", 0.0))
+    scale = arg(node, 6, "scale", None)
     if scale is not None and not isinstance(scale, (int, float)):
         raise _fail(node, "its scale is computed in the graph, not a constant")
-    return _Site(node, node, q, k, v, _arg(node, 3, "attn_mask"), scale,
-                 bool(_arg(node, 7, "enable_gqa", False)), "sdpa")
+    return _Site(node, node, q, k, v, arg(node, 3, "attn_mask"), scale,
+                 bool(arg(node, 7, "enable_gqa", False)), "sdpa")
 
 
 def _constant(node) -> float | None:
     """A Python number, or a 0-d tensor made by ``torch.full([], c)`` / ``torch.tensor(c)``."""
     if isinstance(node, (int, float)) and not isinstance(node, bool):
         return float(node)
-    if is_call(node, torch.full) and tuple(_arg(node, 0, "size")) == ():
-        return _constant(_arg(node, 1, "fill_value"))
+    if is_call(node, torch.full) and tuple(arg(node, 0, "size")) == ():
+        return _constant(arg(node, 1, "fill_value"))
     if is_call(node, torch.tensor, torch.scalar_tensor):
         return _constant(node.args[0])
     if is_call(node, methods=_CASTS):
@@ -134,7 +142,7 @@ def _eager_site(softmax: fx.Node) -> _Site | None:
     """Match matmul -> scale -> (+mask) -> softmax -> (cast, dropout) -> matmul, or None if
     this softmax is not followed by a matmul (not attention)."""
     val = example(softmax)
-    dim = _arg(softmax, 1, "dim", None)
+    dim = arg(softmax, 1, "dim", None)
     # Forward: softmax -> casts / dropout -> matmul(attn, v).
     cur = softmax
     while True:
@@ -147,7 +155,7 @@ def _eager_site(softmax: fx.Node) -> _Site | None:
         if is_call(user, methods=_CASTS):
             cur = user
         elif is_call(user, *_DROPOUT):
-            _check_dropout(softmax, _arg(user, 1, "p", 0.5), _arg(user, 2, "training", True))
+            _check_dropout(softmax, arg(user, 1, "p", 0.5), arg(user, 2, "training", True))
             cur = user
         elif is_call(user, *_MATMUL, methods=("matmul",)) and user.args[0] is cur:
             out, v = user, user.args[1]

@@ -20,6 +20,7 @@ __all__ = [
     "example",
     "same_size",
     "is_call",
+    "arg",
 ]
 
 
@@ -130,6 +131,11 @@ def same_size(a, b) -> bool:
     return a == b
 
 
+def arg(node: fx.Node, i: int, name: str, default=None):
+    """Argument ``i`` of a call, given positionally or as ``name=``."""
+    return node.args[i] if len(node.args) > i else node.kwargs.get(name, default)
+
+
 def is_call(node, *targets, methods: tuple[str, ...] = ()) -> bool:
     """``node`` calls one of ``targets`` (functions) or one of ``methods`` (tensor methods)."""
     if not isinstance(node, fx.Node):
@@ -182,6 +188,13 @@ class GraphContext:
     @property
     def code_after(self) -> str:
         return self.gm.code
+
+    def parent_token(self) -> fx.Node:
+        """The [N] ``parent_token`` row of ``tree_info``, one node for all passes."""
+        import operator
+
+        return self.shared("parent_token",
+                           lambda: self.graph.call_function(operator.getitem, (self.tree_info, 1)))
 
     def shared(self, key, make):
         """A node built once per graph (before the model's first op) and reused by every site."""

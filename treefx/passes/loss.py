@@ -22,19 +22,26 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from ..ops.cross_entropy import fused_linear_tree_cross_entropy
-from .common import GraphContext, TreeCompileError, describe, example, is_call, module_path
+from .common import (
+    GraphContext,
+    TreeCompileError,
+    describe,
+    example,
+    is_call,
+    module_path,
+)
 
-__all__ = ["loss_pass", "tree_cross_entropy"]
+__all__ = ["loss_pass", "tree_cross_entropy", "tree_token_logprobs"]
 
 _CE = (F.cross_entropy, torch.nn.functional.cross_entropy)
 _RESHAPES = ("view", "reshape", "flatten", "contiguous", "float", "to", "type")
 _RESHAPE_FUNCS = (torch.reshape, torch.flatten)
 
 
-def tree_cross_entropy(logits: torch.Tensor, input_ids: torch.Tensor, parent_token: torch.Tensor,
-                       weights: torch.Tensor) -> torch.Tensor:
-    """Σ_t weights[t] · (−log softmax(logits[parent_token[t]])[input_ids[t]]), over tokens with
-    a predecessor; float32 accumulation (float64 for float64 logits).
+def tree_token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor,
+                        parent_token: torch.Tensor) -> torch.Tensor:
+    """[N]: log softmax(logits[parent_token[t]])[input_ids[t]], 0 where t has no predecessor;
+    float32 (float64 for float64 logits).
 
     Reads each logit row once for its log-sum-exp and gathers one logit per token: no
     float32 copy of the [N, V] logits is needed (Inductor fuses the upcast into the reduction).
@@ -43,9 +50,16 @@ def tree_cross_entropy(logits: torch.Tensor, input_ids: torch.Tensor, parent_tok
     acc = torch.promote_types(lg.dtype, torch.float32)
     row = parent_token.clamp(min=0)
     lse = torch.logsumexp(lg.to(acc), dim=-1)
-    nll = lse[row] - lg[row, input_ids.reshape(-1)].to(acc)
-    w = torch.where(parent_token >= 0, weights.to(acc), torch.zeros_like(weights, dtype=acc))
-    return (w * nll).sum()
+    picked = lg[row, input_ids.reshape(-1)].to(acc) - lse[row]
+    return torch.where(parent_token >= 0, picked, torch.zeros_like(picked))
+
+
+def tree_cross_entropy(logits: torch.Tensor, input_ids: torch.Tensor, parent_token: torch.Tensor,
+                       weights: torch.Tensor) -> torch.Tensor:
+    """Σ_t weights[t] · (−log softmax(logits[parent_token[t]])[input_ids[t]]), over tokens with
+    a predecessor (see :func:`tree_token_logprobs`)."""
+    lp = tree_token_logprobs(logits, input_ids, parent_token)
+    return -(weights.to(lp.dtype) * lp).sum()
 
 
 def _fail(node: fx.Node, why: str) -> TreeCompileError:
@@ -213,8 +227,7 @@ def loss_pass(ctx: GraphContext) -> int:
         _match_target(ctx, ce, shift)
         _check_result_use(ce)
         with g.inserting_before(ce):
-            parent = ctx.shared("parent_token",
-                                lambda: g.call_function(operator.getitem, (ctx.tree_info, 1)))
+            parent = ctx.parent_token()
             weights = ctx.shared(("weights", red), lambda: g.call_function(
                 operator.getitem, (ctx.tree_weights, 0 if red == "sum" else 1)))
             proj = _projection_only_for(logits, ce)

@@ -21,8 +21,16 @@ import torch.nn.functional as F
 from ..ops.conv import tree_causal_conv1d
 from ..ops.recurrence import TracedTreeRecurrence, register_site, tree_recurrence
 from ..recurrence import registered
-from .common import (GraphContext, UnmatchedAttentionError, describe, example, is_call,
-                     module_path, same_size)
+from .common import (
+    GraphContext,
+    UnmatchedAttentionError,
+    arg,
+    describe,
+    example,
+    is_call,
+    module_path,
+    same_size,
+)
 
 __all__ = ["ssm_pass", "check_no_state_left", "UnmatchedStateError"]
 
@@ -57,9 +65,6 @@ class TreeRecurrenceCall:
         return self.__name__
 
 
-def _arg(node: fx.Node, i: int, name: str, default=None):
-    return node.args[i] if len(node.args) > i else node.kwargs.get(name, default)
-
 
 def _on_sequence(ctx: GraphContext, node, dim: int = -1) -> bool:
     val = example(node)
@@ -69,11 +74,11 @@ def _on_sequence(ctx: GraphContext, node, dim: int = -1) -> bool:
 def _causal_conv_site(ctx: GraphContext, conv: fx.Node):
     """(slice node, x, weight, bias) when ``conv`` is conv1d(x, w, b, padding=K-1,
     groups=C)[..., :N]; raises when it is a conv along the sequence in another form."""
-    x, w = _arg(conv, 0, "input"), _arg(conv, 1, "weight")
-    bias = _arg(conv, 2, "bias")
-    stride, padding, dilation = (_arg(conv, 3, "stride", 1), _arg(conv, 4, "padding", 0),
-                                 _arg(conv, 5, "dilation", 1))
-    groups = _arg(conv, 6, "groups", 1)
+    x, w = arg(conv, 0, "input"), arg(conv, 1, "weight")
+    bias = arg(conv, 2, "bias")
+    stride, padding, dilation = (arg(conv, 3, "stride", 1), arg(conv, 4, "padding", 0),
+                                 arg(conv, 5, "dilation", 1))
+    groups = arg(conv, 6, "groups", 1)
     wv, xv = example(w), example(x)
     k = wv.shape[-1]
     norm = lambda v: v[0] if isinstance(v, (list, tuple)) else v  # noqa: E731
@@ -104,8 +109,7 @@ def ssm_pass(ctx: GraphContext) -> int:
     for node in list(g.nodes):
         rec = registered(node.target) if node.op == "call_function" else None
         if rec is not None:
-            parent = ctx.shared("parent_token",
-                                lambda: g.call_function(operator.getitem, (ctx.tree_info, 1)))
+            parent = ctx.parent_token()
             with g.inserting_before(node):
                 if ctx.backend == "eager":
                     new = g.call_function(TreeRecurrenceCall(rec), (parent, *node.args),
@@ -123,10 +127,9 @@ def ssm_pass(ctx: GraphContext) -> int:
             node.replace_all_uses_with(new)
             g.erase_node(node)
             count += 1
-        elif is_call(node, *_CONV1D) and _on_sequence(ctx, _arg(node, 0, "input")):
+        elif is_call(node, *_CONV1D) and _on_sequence(ctx, arg(node, 0, "input")):
             cut, x, w, bias = _causal_conv_site(ctx, node)
-            parent = ctx.shared("parent_token",
-                                lambda: g.call_function(operator.getitem, (ctx.tree_info, 1)))
+            parent = ctx.parent_token()
             with g.inserting_before(cut):
                 new = g.call_function(tree_causal_conv1d, (x, w, bias, parent))
             new.meta.update(cut.meta)
@@ -198,7 +201,7 @@ def check_no_state_left(ctx: GraphContext) -> None:
                                   "recurrence treefx does not recognise)")
         if is_call(node, *_SCANS, methods=_SCAN_METHODS):
             x = node.args[0]
-            dim = _arg(node, 1, "dim")
+            dim = arg(node, 1, "dim")
             val = example(x)
             if val is not None and isinstance(dim, int) and _on_sequence(ctx, x, dim) and \
                     val.shape[dim] != 1:
