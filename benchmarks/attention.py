@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import treefx  # noqa: E402
 from treefx import synth  # noqa: E402
@@ -188,6 +189,9 @@ def main(argv=None):
                    help="also flex causal at L_eq and TreeFlexAttention (more compilations)")
     p.add_argument("--dry-run", action="store_true",
                    help="CPU, float32, tiny: flex forward checked against dense SDPA")
+    p.add_argument("--e2e-trees", default="",
+                   help="also: tree attention on e2e.py's trees at these PORs in several block "
+                        "layouts, beside the packed baseline's attention (e.g. 0.75)")
     args = p.parse_args(argv)
 
     cuda = torch.cuda.is_available() and not args.dry_run
@@ -235,6 +239,11 @@ def main(argv=None):
         "sizes": {},
     }
     timer = Timer(cuda)
+    res["e2e_trees"] = {}
+    if args.e2e_trees:
+        e2e_tree_variants(args, env, timer, res, flex, gqa)
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1, default=str)
     for n in [int(x) for x in args.tokens.split(",") if x]:
         se_cpu, trees = tree_row(n, args.scale * (0.1 if args.dry_run else 1.0))
         se = se_cpu.to(env["dev"])
@@ -297,6 +306,95 @@ def main(argv=None):
         json.dump(res, f, indent=1, default=str)
     print(f"JSON: {args.out}")
     return res
+
+
+def _block_mask(kv_num, kv_idx, full_num, full_idx, se_pad, n, block):
+    from torch.nn.attention.flex_attention import BlockMask
+
+    from treefx.layout import tree_mask_mod
+
+    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=block,
+                                    mask_mod=tree_mask_mod(se_pad), seq_lengths=(n, n))
+
+
+def _diagonal_only(se, block):
+    """Block tensors with every off-diagonal visited block marked full and only diagonal
+    blocks partial. WRONG attention (partial blocks computed as full): timing only, to
+    measure what the partial blocks' masking costs."""
+    kv_num, kv_idx, full_num, full_idx, se_pad = tree_block_tensors(se, block)
+    nb = kv_num.shape[-1]
+    b = torch.arange(nb, device=se.device)
+    vis = torch.zeros(nb, nb, dtype=torch.bool, device=se.device)
+    for num, idx in ((kv_num, kv_idx), (full_num, full_idx)):
+        cols = torch.arange(nb, device=se.device)[None, :] < num[0, 0][:, None].long()
+        rows = b[:, None].expand(nb, nb)[cols]
+        vis[rows, idx[0, 0].long()[cols]] = True
+    diag = b[None, :] == b[:, None]
+    full = vis & ~diag
+
+    def to_blocks(m):
+        num = m.sum(dim=1, dtype=torch.int32)
+        idx = torch.sort((~m).to(torch.int8), dim=1, stable=True).indices.to(torch.int32)
+        return num[None, None], idx[None, None]
+
+    return (*to_blocks(diag), *to_blocks(full), se_pad)
+
+
+# Kernel tile sizes for a 64-token sparse block (forward BLOCK_M/N, backward M1/N1, M2/N2).
+_KO64 = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_M1": 32, "BLOCK_N1": 64, "BLOCK_M2": 64,
+         "BLOCK_N2": 32}
+
+
+def e2e_tree_variants(args, env, timer, res, flex, gqa):
+    """Tree attention on the end-to-end benchmark's trees (``--e2e-trees``), in several block
+    layouts, beside the packed baseline's document-masked attention on the same sequences:
+    how efficient tree attention is per attended pair, and what its partial blocks cost."""
+    from e2e import make_tree
+
+    for por in [float(x) for x in args.e2e_trees.split(",") if x]:
+        tree = make_tree(por, args.scale * (0.03 if args.dry_run else 1.0), 32000)
+        batch = treefx.pack(tree)
+        se = batch.subtree_end.to(env["dev"])
+        n = batch.num_tokens
+        lens = list(tree.sequence_lengths)
+        ends = torch.tensor([e for ln, e in zip(lens, torch.tensor(lens).cumsum(0).tolist())
+                             for _ in range(ln)], device=env["dev"])
+        r = {"tokens": n, "baseline_tokens": len(ends), "tree_pairs": pairs_of(se.cpu()),
+             "baseline_pairs": pairs_of(ends.cpu()), "por": tree.por}
+        res["e2e_trees"][f"por{por:g}"] = r
+        print(f"e2e tree POR {tree.por:.3f}: {n} tokens, {r['tree_pairs']} pairs; packed "
+              f"{len(ends)} tokens, {r['baseline_pairs']} pairs", flush=True)
+
+        def flex_bm(bm, ko=None):
+            def attn(q, k, v):
+                return flex(q, k, v, block_mask=bm, enable_gqa=gqa,
+                            **({"kernel_options": ko} if ko else {}))
+            return attn
+
+        cases = {}
+        for block, ko in ((128, None), (64, _KO64)):
+            try:
+                t = tree_block_tensors(se, block)
+                cases[f"tree_b{block}"] = (flex_bm(_block_mask(*t, n, block), ko), n,
+                                           r["tree_pairs"])
+                r[f"tree_b{block}_blocks"] = {"partial": int(t[0].sum()), "full": int(t[2].sum())}
+            except Exception:
+                r[f"tree_b{block}_error"] = traceback.format_exc()[-2000:]
+        t = tree_block_tensors(se, 128, full=False)
+        cases["tree_b128_all_partial"] = (flex_bm(_block_mask(*t, n, 128)), n, r["tree_pairs"])
+        t = _diagonal_only(se, 128)
+        cases["TIMING_ONLY_tree_b128_partial_as_full"] = (flex_bm(_block_mask(*t, n, 128)), n,
+                                                          r["tree_pairs"])
+        t = tree_block_tensors(ends, 128)
+        cases["packed_doc_b128"] = (flex_bm(_block_mask(*t, len(ends), 128)), len(ends),
+                                    r["baseline_pairs"])
+        for name, (attn, length, pr) in cases.items():
+            run_case(name, attn, length, pr, args, env, timer, r)
+        tf = {k: v.get("fwd_bwd_tflops") or v.get("fwd_tflops") for k, v in r.items()
+              if isinstance(v, dict) and ("fwd_tflops" in v)}
+        if tf.get("packed_doc_b128"):
+            r["tflops_vs_packed"] = {k: v / tf["packed_doc_b128"] for k, v in tf.items()}
+            print(f"  TFLOP/s relative to packed: {r['tflops_vs_packed']}", flush=True)
 
 
 def treefx_op(se, n, cuda, gqa):

@@ -109,9 +109,29 @@ def stream_trees(n: int, scale: float, vocab: int) -> list[treefx.Tree]:
 
 
 def tree_info(t: treefx.Tree) -> dict:
+    """Sizes, the token-count bound, and the attended (q, k) pairs of both layouts: a tree
+    token attends to its depth + 1 keys, a packed token to its position + 1."""
+    depth = treefx.pack(t).position_ids[0].double() + 1
     return {"tokens": t.num_tokens, "baseline_tokens": t.num_baseline_tokens,
             "sequences": t.num_sequences, "nodes": t.num_nodes, "por": round(t.por, 4),
-            "bound": t.bound, "max_seq_len": int(max(t.sequence_lengths))}
+            "bound": t.bound, "max_seq_len": int(max(t.sequence_lengths)),
+            "tree_pairs": int(depth.sum()),
+            "baseline_pairs": int(sum(n * (n + 1) // 2 for n in t.sequence_lengths))}
+
+
+def flop_bound(info: dict, model: dict) -> float:
+    """Baseline FLOPs / tree FLOPs of a training step: 6 FLOPs per parameter per token for the
+    matmuls (embedding lookups excluded), and per attended pair 4 * head_dim * heads per layer
+    forward, 3.5x that with the backward. The speedup that equal kernel efficiency gives; the
+    token-count bound assumes attention costs nothing."""
+    h, heads, kv, d = (model["hidden_size"], model["num_attention_heads"],
+                       model["num_key_value_heads"], model["head_dim"])
+    layer = h * heads * d + 2 * h * kv * d + heads * d * h + 3 * h * model["intermediate_size"]
+    per_token = 6 * (model["num_hidden_layers"] * layer + h * model["vocab_size"])
+    per_pair = 3.5 * 4 * d * heads * model["num_hidden_layers"]
+    tree = info["tokens"] * per_token + info["tree_pairs"] * per_pair
+    base = info["baseline_tokens"] * per_token + info["baseline_pairs"] * per_pair
+    return base / tree
 
 
 # ----------------------------------------------------------------------------- environment
@@ -148,13 +168,23 @@ def build_model(env: Env, hidden: int, args):
 
     if env.dry:
         cfg = dict(vocab_size=args.vocab, hidden_size=64, intermediate_size=192,
-                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                   head_dim=16)
+                   num_hidden_layers=2 if args.arch == "qwen3" else 4, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=16)
     else:
         cfg = dict(vocab_size=args.vocab, hidden_size=hidden, intermediate_size=3 * hidden,
                    num_hidden_layers=args.layers, num_attention_heads=16,
                    num_key_value_heads=8, head_dim=128)
-    config = AutoConfig.for_model("qwen3", **cfg)
+    if args.arch == "qwen3_next":
+        # Gated DeltaNet + attention, 3 : 1 as in Qwen3-Next, with a dense MLP in every layer.
+        layers = cfg["num_hidden_layers"]
+        kdim = cfg["head_dim"]
+        cfg.update(linear_num_key_heads=max(1, hidden // 128) if not env.dry else 2,
+                   linear_num_value_heads=2 * (max(1, hidden // 128) if not env.dry else 2),
+                   linear_key_head_dim=kdim, linear_value_head_dim=kdim,
+                   linear_conv_kernel_dim=4, num_experts=0, mlp_only_layers=list(range(layers)),
+                   layer_types=[("full_attention" if i % 4 == 3 else "linear_attention")
+                                for i in range(layers)])
+    config = AutoConfig.for_model(args.arch, **cfg)
     config._attn_implementation = "sdpa"
     config.use_cache = False
     torch.manual_seed(0)
@@ -165,7 +195,7 @@ def build_model(env: Env, hidden: int, args):
         model = AutoModelForCausalLM.from_config(config)
     model = model.to(env.dev, env.dtype)
     model.train()
-    return model, cfg
+    return model, dict(cfg, arch=args.arch)
 
 
 def _bump_dynamo_limits():
@@ -476,8 +506,34 @@ def method_one_by_one(env, model, parts, compile_mode: str):
     return prepare
 
 
+def method_packed_reset(env, model, parts):
+    """Sequence packing for models with state (hybrids): each sequence its own root in a
+    treefx forest, nothing shared. Attention is document-masked FlexAttention, the conv and
+    the recurrent state start from zero at every sequence, and the recurrence runs all
+    sequences in one variable-length call (fla) - what a packing trainer does for GDN layers."""
+    tm = parts.get("treefx_model") or treefx.compile(model, backend=env.tree_backend)
+    parts["treefx_model"] = tm
+
+    def prepare(tree):
+        masks = [None] * tree.num_sequences if tree.loss_masks is None else [
+            [list(tree.loss_mask(i))] for i in range(tree.num_sequences)]
+        forest = [treefx.Tree.from_sequences([s], weights=[w], loss_masks=m)
+                  for s, w, m in zip(tree.sequences, tree.weights, masks)]
+
+        def step():
+            set_attn(model, "sdpa")
+            model.zero_grad(set_to_none=True)
+            batch = treefx.pack(forest, reduction="mean").to(env.dev)
+            loss = treefx.tree_loss(tm(batch), batch)
+            loss.backward()
+            return loss.detach()
+        return step
+
+    return prepare
+
+
 METHODS = ("treefx", "packed", "hand", "one_by_one")
-EXTRA_METHODS = ("treefx_step",)  # opt-in with --methods
+EXTRA_METHODS = ("treefx_step", "packed_reset")  # opt-in with --methods
 
 
 # ----------------------------------------------------------------------------- timing
@@ -525,6 +581,59 @@ def measure(env, step, warmup: int, reps: int) -> dict:
     if env.cuda:
         out["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
     return out
+
+
+_KERNEL_KINDS = (  # (category, name fragments), first match wins
+    ("attention", ("flex_attention", "triton_tem", "flash", "fmha", "cudnn", "attention")),
+    ("gemm", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "sm90_", "sm80_", "splitk")),
+    ("copy/fill", ("memcpy", "memset", "copy", "fill")),
+    ("triton pointwise/reduction", ("triton_poi", "triton_red", "triton_per")),
+)
+
+
+def _kernel_kind(name: str) -> str:
+    low = name.lower()
+    for kind, frags in _KERNEL_KINDS:
+        if any(f in low for f in frags):
+            return kind
+    return "other"
+
+
+def profile_step(env, step, steps: int = 2) -> dict:
+    """GPU kernel time of ``steps`` steps by kind (torch.profiler), the busiest kernels, and
+    how much of the steps' span the GPU was busy (the rest: waiting for the host)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    env.sync()
+    w0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        env.sync()
+    wall_ms = (time.perf_counter() - w0) * 1e3
+    by_name: dict[str, float] = {}
+    spans = []
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        us = e.time_range.elapsed_us()
+        by_name[e.name] = by_name.get(e.name, 0.0) + us
+        spans.append((e.time_range.start, e.time_range.end))
+    kinds: dict[str, float] = {}
+    for name, us in by_name.items():
+        kinds[_kernel_kind(name)] = kinds.get(_kernel_kind(name), 0.0) + us
+    busy = sum(by_name.values())
+    span = (max(e for _, e in spans) - min(s for s, _ in spans)) if spans else 0
+    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:25]
+    return {
+        "steps": steps, "wall_ms_per_step": wall_ms / steps,
+        "gpu_busy_ms_per_step": busy / 1e3 / steps,
+        "gpu_span_ms_per_step": span / 1e3 / steps,
+        "by_kind_ms_per_step": {k: v / 1e3 / steps for k, v in sorted(kinds.items(),
+                                                                        key=lambda kv: -kv[1])},
+        "top_kernels_ms_per_step": [(n[:160], us / 1e3 / steps) for n, us in top],
+        "kernel_launches_per_step": sum(1 for _ in spans) / steps,
+    }
 
 
 def _cleanup(env, model=None):
@@ -746,6 +855,7 @@ def run_hidden(env, args, hidden, trees, res, deadline, first_hidden) -> None:
         "hand": lambda: method_hand(env, model, parts),
         "one_by_one": lambda: method_one_by_one(env, model, parts, args.obo_compile),
         "treefx_step": lambda: method_treefx_step(env, model, parts),
+        "packed_reset": lambda: method_packed_reset(env, model, parts),
     }
     parts["prepare"] = {}
     for name in args.methods:
@@ -764,6 +874,8 @@ def run_hidden(env, args, hidden, trees, res, deadline, first_hidden) -> None:
             try:
                 step = parts["prepare"][name](tree)
                 r = measure(env, step, warmup, reps)
+                if args.profile and env.cuda:
+                    r["profile"] = profile_step(env, step)
                 if name in ("treefx", "treefx_step"):
                     tm = parts["treefx_model" if name == "treefx" else "treefx_step_fn"]
                     r["treefx_compilations_total"] = tm.num_compilations
@@ -785,7 +897,7 @@ def run_hidden(env, args, hidden, trees, res, deadline, first_hidden) -> None:
             else:
                 res["stream"] = stream_check(env, args, model, parts)
             _save(res, args.out)
-    if env.dry:
+    if env.dry and args.arch == "qwen3":
         try:
             res["dry_run_checks"] = dry_checks(env, model, trees, parts)
         except Exception:
@@ -833,12 +945,18 @@ def summarize(res) -> list[dict]:
     for key, runs in res["runs"].items():
         for label, methods in runs.items():
             info = res["trees"][label]
-            base = methods.get("packed", {}).get("step_ms")
+            # The packing baseline: packed, or packed_reset for models with state.
+            pk = methods.get("packed") if "step_ms" in methods.get("packed", {}) else \
+                methods.get("packed_reset", {})
+            base = pk.get("step_ms")
             obo = methods.get("one_by_one", {}).get("step_ms")
             for name, r in methods.items():
                 row = {"model": key, "tree": label, "method": name, "por": info["por"],
                        "tokens": info["tokens"], "baseline_tokens": info["baseline_tokens"],
                        "bound": info["bound"]}
+                if "tree_pairs" in info and res.get("models", {}).get(key, {}).get(
+                        "arch", "qwen3") == "qwen3":
+                    row["flop_bound"] = flop_bound(info, res["models"][key])
                 if "step_ms" in r:
                     t = r["step_ms"]
                     row.update(step_ms=t, tokens_per_s=info["baseline_tokens"] / (t / 1e3),
@@ -846,15 +964,17 @@ def summarize(res) -> list[dict]:
                     if base:
                         row["speedup_vs_packed"] = base / t
                         row["share_of_bound"] = base / t / info["bound"]
+                        if "flop_bound" in row:
+                            row["share_of_flop_bound"] = base / t / row["flop_bound"]
                     if obo:
                         row["speedup_vs_one_by_one"] = obo / t
                     row["compilations"] = r.get("treefx_compilations_total")
                     row["graphs"] = r["dynamo_warmup"].get("unique_graphs", 0) + \
                         r["dynamo_timed"].get("unique_graphs", 0)
                     row["recompiles_timed"] = r["dynamo_timed"].get("unique_graphs", 0)
-                    if "loss" in r and "loss" in methods.get("packed", {}):
-                        row["loss_rel_diff_vs_packed"] = abs(r["loss"] - methods["packed"][
-                            "loss"]) / abs(methods["packed"]["loss"])
+                    if "loss" in r and "loss" in pk:
+                        row["loss_rel_diff_vs_packed"] = abs(r["loss"] - pk["loss"]) / abs(
+                            pk["loss"])
                 else:
                     row["status"] = "skipped" if "skipped" in r else "FAILED"
                 rows.append(row)
@@ -943,11 +1063,12 @@ def print_table(res, rows) -> None:
     print(f"device {m['device']} | torch {m['torch']} | triton {m['triton']} | transformers "
           f"{m['transformers']} | {'CUDA events' if m['cuda'] else 'CPU wall clock'}, median of "
           f"{res['config']['reps']} after {res['config']['warmup']} warm-up | Mtok/s = baseline "
-          f"tokens / step | graphs = Dynamo graphs compiled for this row")
+          f"tokens / step | % flop = share of the FLOP bound (attended pairs counted) | "
+          f"graphs = Dynamo graphs compiled for this row")
     hdr = (f"{'model':10s} {'tree':8s} {'POR':>5s} {'N_tree':>7s} {'N_base':>7s} "
            f"{'bound':>5s} {'method':10s} {'step ms':>9s} {'Mtok/s':>7s} {'peak GiB':>8s} "
-           f"{'x packed':>8s} {'x 1by1':>7s} {'% bound':>7s} {'graphs':>6s} {'tfx comp':>8s} "
-           f"{'dloss':>7s}")
+           f"{'x packed':>8s} {'x 1by1':>7s} {'% bound':>7s} {'% flop':>6s} {'graphs':>6s} "
+           f"{'tfx comp':>8s} {'dloss':>7s}")
     print(hdr)
     print("-" * len(hdr))
     for r in rows:
@@ -956,11 +1077,12 @@ def print_table(res, rows) -> None:
         if "step_ms" not in r:
             print(head + r["status"])
             continue
-        share = r.get("share_of_bound")
+        share, fshare = r.get("share_of_bound"), r.get("share_of_flop_bound")
         print(head + f"{r['step_ms']:9.2f} {r['tokens_per_s'] / 1e6:7.3f} "
               f"{f(r['peak_gib'], '8.2f')} {f(r.get('speedup_vs_packed'), '8.2f')} "
               f"{f(r.get('speedup_vs_one_by_one'), '7.2f')} "
-              f"{f(None if share is None else 100 * share, '7.1f')} {r['graphs']:6d} "
+              f"{f(None if share is None else 100 * share, '7.1f')} "
+              f"{f(None if fshare is None else 100 * fshare, '6.1f')} {r['graphs']:6d} "
               f"{f(r['compilations'], '8d')} {f(r.get('loss_rel_diff_vs_packed'), '7.1e')}")
 
 
@@ -991,6 +1113,9 @@ def main(argv=None):
     p.add_argument("--methods", default=",".join(METHODS),
                    help=f"subset of {METHODS}, plus opt-in {EXTRA_METHODS}")
     p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--arch", choices=("qwen3", "qwen3_next"), default="qwen3",
+                   help="qwen3 (attention) or qwen3_next (Gated DeltaNet + attention, 3:1; "
+                        "compare treefx with packed_reset)")
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--reps", type=int, default=5)
@@ -1001,6 +1126,8 @@ def main(argv=None):
     p.add_argument("--mask-reps", type=int, default=50)
     p.add_argument("--stream", type=int, default=20, help="trees in the recompilation check")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile", action="store_true",
+                   help="also profile each measured step: GPU time by kernel kind")
     p.add_argument("--budget", type=float, default=480.0,
                    help="seconds; measurements not started by then are skipped (recorded)")
     p.add_argument("--quick", action="store_true",
@@ -1089,7 +1216,8 @@ def main(argv=None):
     _save(res, args.out)
 
     try:
-        res["mask_build"] = mask_build_bench(env, args, args.vocab)
+        if args.mask_reps > 0:
+            res["mask_build"] = mask_build_bench(env, args, args.vocab)
     except Exception:
         res["mask_build"] = {"error": traceback.format_exc()[-3000:]}
     _save(res, args.out)

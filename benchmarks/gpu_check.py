@@ -99,6 +99,21 @@ def case_qwen3_fp32(res):
     res["qwen3-fp32-compilations"] = tm.num_compilations
 
 
+class PerBranch(torch.nn.Module):
+    """The plain model run per sequence, shaped like a TreeModel for compare()."""
+
+    def __init__(self, m):
+        super().__init__()
+        self.model = m
+
+    def forward(self, batch):
+        lps = treefx.reference.sequence_logprobs(self.model, batch.trees)
+        tl = torch.zeros(batch.num_tokens, device=DEV)
+        for i, lp in enumerate(lps):
+            tl = tl.index_put((batch.sequence_index(i)[1:],), lp.float())
+        return treefx.TreeOutput(None, tl)
+
+
 def case_qwen3_bf16(res):
     torch.backends.cuda.matmul.allow_tf32 = False
     ref = hf_model("qwen3", **SMALL)
@@ -107,20 +122,6 @@ def case_qwen3_bf16(res):
     trees = small_trees(SMALL["vocab_size"])
     tm = treefx.compile(low, backend=BACKEND)
     res["qwen3-bf16-tree-vs-fp32-oracle"] = compare(tm, ref, trees, "mean")
-
-    class PerBranch(torch.nn.Module):
-        """The plain bf16 model run per sequence, shaped like a TreeModel for compare()."""
-
-        def __init__(self, m):
-            super().__init__()
-            self.model = m
-
-        def forward(self, batch):
-            lps = treefx.reference.sequence_logprobs(self.model, batch.trees)
-            tl = torch.zeros(batch.num_tokens, device=DEV)
-            for i, lp in enumerate(lps):
-                tl = tl.index_put((batch.sequence_index(i)[1:],), lp.float())
-            return treefx.TreeOutput(None, tl)
 
     res["qwen3-bf16-perbranch-vs-fp32-oracle"] = compare(PerBranch(low), ref, trees, "mean")
 
@@ -253,17 +254,15 @@ def case_loss_memory(res):
     res["loss-memory"] = out
 
 
-def case_hybrid_fp32(res):
-    """Hybrid models on the inductor backend: FlexAttention, tree conv1d, and the recurrence
-    as a traced custom op (its torch kernel run per tree depth), against the oracle."""
-    torch.backends.cuda.matmul.allow_tf32 = False
+def hybrid_models(dtype=torch.float32) -> dict:
+    """A pure-torch GDN + attention hybrid and HF Qwen3-Next (GDN + attention) from configs."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from treefx.models import tiny_hybrid
 
     torch.manual_seed(0)
     models = {"tiny_hybrid": tiny_hybrid(("gdn", "attention"), vocab_size=1024, dim=128,
-                                         n_heads=8, n_kv_heads=4).to(DEV)}
+                                         n_heads=8, n_kv_heads=4).to(DEV, dtype)}
     cfg = AutoConfig.for_model(
         "qwen3_next", vocab_size=1024, hidden_size=128, intermediate_size=256,
         num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4, head_dim=16,
@@ -273,16 +272,103 @@ def case_hybrid_fp32(res):
         mlp_only_layers=[0, 1])
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
-    if os.environ.get("TREEFX_HYBRID_HF", "1") == "1":
-        models["qwen3_next"] = AutoModelForCausalLM.from_config(cfg).to(DEV)
+    models["qwen3_next"] = AutoModelForCausalLM.from_config(cfg).to(DEV, dtype)
+    only = os.environ.get("TREEFX_HYBRID_MODELS")  # e.g. "qwen3_next"
+    return {k: v for k, v in models.items() if not only or k in only.split(",")}
+
+
+def _kernels() -> dict:
+    """Which recurrences have a variable-length fast path (fla) in this environment."""
+    from treefx.recurrence import _REGISTRY
+
+    return {name: rec.varlen is not None for name, rec in _REGISTRY.items()
+            if "gated_delta" in name}
+
+
+def case_hybrid_fp32(res):
+    """Hybrid models on the inductor backend: FlexAttention, tree conv1d, and the recurrence
+    as a traced custom op (per tree depth: fla's varlen kernel when installed, else the torch
+    kernel padded), against the oracle (the same model, same kernels, each sequence alone)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    res["hybrid-varlen-fast-path"] = _kernels()
     trees = small_trees(1024)
-    for name, model in models.items():
+    for name, model in hybrid_models().items():
         tm = treefx.compile(model, backend=BACKEND)
         res[f"hybrid-{name}-fp32"] = compare(tm, model, trees, "mean")
 
 
+def case_hybrid_bf16(res):
+    """bf16 hybrids through treefx vs the float32 oracle, beside the plain bf16 per-branch run
+    vs the same oracle."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    trees = small_trees(1024)
+    refs = hybrid_models()
+    for name, low in hybrid_models(torch.bfloat16).items():
+        tm = treefx.compile(low, backend=BACKEND)
+        res[f"hybrid-{name}-bf16-tree-vs-fp32-oracle"] = compare(tm, refs[name], trees, "mean")
+        res[f"hybrid-{name}-bf16-perbranch-vs-fp32-oracle"] = compare(
+            PerBranch(low), refs[name], trees, "mean")
+
+
+def _forward_err(tm, model, trees) -> dict:
+    """Forward only, without autograd: max abs log-prob error against the oracle."""
+    batch = treefx.pack(trees).to(DEV)
+    with torch.no_grad():
+        out = tm(batch)
+        ref = treefx.reference.sequence_logprobs(model, trees)
+    err = max((out.token_logprobs[batch.sequence_index(i)[1:]].float() - lp.float())
+              .abs().max().item() for i, lp in enumerate(ref) if lp.numel())
+    return {"tokens": batch.num_tokens, "max_abs_logprob_err": err}
+
+
+def case_inference(res):
+    """Forward without autograd (evaluation, RL reference log-probs): the inference graph,
+    where Inductor may fuse the mask's padded tree tensors into the attention kernel."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = hf_model("qwen3", **SMALL)
+    few = [treefx.Tree.from_sequences([[1, 2, 3, 4, 5], [1, 2, 3, 6], [7]]),
+           treefx.Tree.from_sequences([[9] * 40, [9] * 20 + [8] * 24])]
+    for label, trees in (("tiny", few), ("small-trees", small_trees(SMALL["vocab_size"]))):
+        tm = treefx.compile(model, backend=BACKEND)
+        res[f"inference-qwen3-{label}"] = _forward_err(tm, model, trees)
+
+
+def case_hybrid_forward(res):
+    """Forward only (log-probs) of the hybrids against the oracle: with fla installed this
+    checks the varlen fast path (per-node initial states, cu_seqlens) where fla refuses its
+    backward (Triton < 3.7.1 on Hopper)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    res["hybrid-varlen-fast-path"] = _kernels()
+    trees = small_trees(1024)
+    for dtype in (torch.float32, torch.bfloat16):
+        for name, model in hybrid_models(dtype).items():
+            tm = treefx.compile(model, backend=BACKEND)
+            res[f"hybrid-{name}-forward-{str(dtype)[6:]}"] = _forward_err(tm, model, trees)
+
+
+def case_small_trees(res):
+    """Trees shorter than one 128-token attention block (and a little longer), inductor."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = hf_model("qwen3", **SMALL)
+    few = [treefx.Tree.from_sequences([[1, 2, 3, 4, 5], [1, 2, 3, 6], [7]]),
+           treefx.Tree.from_sequences([[9] * 40, [9] * 20 + [8] * 24])]
+    from trees import odd_forest
+
+    for label, trees in (("tiny", few), ("odd-forest", odd_forest(3, 1024)),
+                         ("block-plus", few + odd_forest(4, 1024))):
+        tm = treefx.compile(model, backend=BACKEND)
+        try:
+            res[f"small-{label}"] = compare(tm, model, trees, "mean")
+        except Exception:
+            res[f"small-{label}-error"] = _short_tb(traceback.format_exc(), label)
+
+
 CASES = {
+    "small-trees": case_small_trees,
     "hybrid-fp32": case_hybrid_fp32,
+    "hybrid-bf16": case_hybrid_bf16,
+    "hybrid-forward": case_hybrid_forward,
+    "inference": case_inference,
     "step-fp32": case_step_fp32,
     "loss-memory": case_loss_memory,
     "qwen3-fp32": case_qwen3_fp32,
@@ -293,11 +379,28 @@ CASES = {
 }
 
 
+ERR_DIR = None
+
+
+def _short_tb(tb: str, label: str) -> str:
+    """The traceback's head and the lines naming errors (the whole of it goes to a file)."""
+    if ERR_DIR:
+        with open(os.path.join(ERR_DIR, f"{label}.traceback.txt"), "w") as f:
+            f.write(tb)
+    if len(tb) < 8000:
+        return tb
+    named = [ln for ln in tb.splitlines() if "Error" in ln or "Exception" in ln][:20]
+    return tb[:1500] + "\n...\n" + "\n".join(ln[:500] for ln in named) + "\n...\n" + tb[-1500:]
+
+
 def main():
+    global ERR_DIR
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="gpu_check.json")
     p.add_argument("--cases", default=",".join(CASES))
+    p.add_argument("--err-dir", default=None, help="write full tracebacks here")
     args = p.parse_args()
+    ERR_DIR = args.err_dir
     import transformers
 
     try:
@@ -312,8 +415,7 @@ def main():
             CASES[name](res)
             status = "ok"
         except Exception:
-            tb = traceback.format_exc()
-            res[f"{name}-error"] = tb if len(tb) < 8000 else tb[:2000] + "\n...\n" + tb[-5000:]
+            res[f"{name}-error"] = _short_tb(traceback.format_exc(), name)
             status = "FAILED"
         print(f"{name}: {status} in {time.perf_counter() - t0:.1f}s", flush=True)
         with open(args.out, "w") as f:

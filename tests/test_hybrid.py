@@ -256,3 +256,136 @@ def test_traced_hf_hybrid_forward(model_type):
     for i, lp in enumerate(ref):
         torch.testing.assert_close(out.token_logprobs[batch.sequence_index(i)[1:]], lp,
                                    atol=1e-4, rtol=0)
+
+
+def _per_node_varlen(rec):
+    """A varlen form built from the padded kernel, one node at a time: checks the plumbing of
+    the fast path (concatenation, offsets, per-node states, splitting) on the CPU."""
+    def varlen(seq, static, init, cu):
+        outs, fins = [], []
+        for j in range(len(cu) - 1):
+            a, b = int(cu[j]), int(cu[j + 1])
+            out, fin = rec.fn(**{n: t[:, a:b] for n, t in seq.items()}, **static,
+                              initial_state=None if init is None else init[j:j + 1],
+                              output_final_state=True)
+            outs.append(out)
+            fins.append(fin)
+        return torch.cat(outs, dim=1), torch.cat(fins)
+    return varlen
+
+
+@pytest.mark.parametrize("trees", [[SHORT_NODES], odd_forest(32, VOCAB)], ids=["short", "forest"])
+def test_varlen_path_matches_padded_path(trees):
+    import dataclasses
+
+    padded = _REGISTRY["qwen3_next_gated_delta_rule"]
+    fast = dataclasses.replace(padded, varlen=_per_node_varlen(padded), varlen_devices=("cpu",))
+    batch = treefx.pack(trees)
+    n, g = batch.num_tokens, torch.Generator().manual_seed(1)
+    inputs = [torch.randn(1, n, 2, 8, dtype=torch.float64, generator=g).requires_grad_()
+              for _ in range(3)]
+    inputs += [(-torch.rand(1, n, 2, dtype=torch.float64, generator=g)).requires_grad_(),
+               torch.rand(1, n, 2, dtype=torch.float64, generator=g).requires_grad_()]
+    probe = torch.randn(1, n, 2, 8, dtype=torch.float64, generator=g)
+    results = []
+    for rec in (padded, fast):
+        out, _ = tree_recurrence(rec, batch.parent_token, inputs[:3],
+                                 dict(g=inputs[3], beta=inputs[4], use_qk_l2norm_in_kernel=True))
+        results.append((out, torch.autograd.grad((out * probe).sum(), inputs)))
+    torch.testing.assert_close(results[1][0], results[0][0], atol=1e-6, rtol=1e-6)
+    for a, b in zip(results[1][1], results[0][1]):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+
+def test_model_passing_cu_seqlens_is_refused():
+    rec = _REGISTRY["qwen3_next_gated_delta_rule"]
+    batch = treefx.pack([SHORT_NODES])
+    x = torch.randn(1, batch.num_tokens, 2, 8)
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        tree_recurrence(rec, batch.parent_token, (x, x, x),
+                        dict(g=x[..., 0], beta=x[..., 0], cu_seqlens=torch.tensor([0, 3])))
+
+
+class _DecayedSum(torch.autograd.Function):
+    """h_t = a_t h_(t-1) + x_t as a classic autograd.Function (ctx in forward, its own
+    backward), the style of fla's kernels."""
+
+    @staticmethod
+    def forward(ctx, x, a, h0):
+        h = torch.zeros_like(x[:, 0]) if h0 is None else h0
+        out = []
+        for t in range(x.shape[1]):
+            h = a[:, t] * h + x[:, t]
+            out.append(h)
+        out = torch.stack(out, 1)
+        ctx.h0_given = h0 is not None
+        ctx.save_for_backward(a, out, h0 if h0 is not None else torch.zeros_like(x[:, 0]))
+        return out, h
+
+    @staticmethod
+    def backward(ctx, g_out, g_fin):
+        a, out, h0 = ctx.saved_tensors
+        gh = torch.zeros_like(h0) if g_fin is None else g_fin.clone()
+        gx, ga = torch.zeros_like(out), torch.zeros_like(a)
+        for t in reversed(range(out.shape[1])):
+            gh = gh + g_out[:, t]
+            gx[:, t] = gh
+            ga[:, t] = gh * (out[:, t - 1] if t > 0 else h0)
+            gh = gh * a[:, t]
+        return gx, ga, (gh if ctx.h0_given else None)
+
+
+def decayed_sum(x, a, initial_state=None, output_final_state=False):
+    out, fin = _DecayedSum.apply(x, a, initial_state)
+    return out, (fin if output_final_state else None)
+
+
+def test_traced_recurrence_runs_classic_autograd_functions():
+    """The traced op's backward recomputes the forward under plain autograd inside a custom
+    op: kernels written as classic autograd.Functions (fla's) must differentiate there too."""
+    from treefx.ops.recurrence import TracedTreeRecurrence, register_site
+    from treefx.recurrence import Recurrence
+
+    rec = Recurrence(name="decayed_sum_test", fn=decayed_sum, seq_args={"x": 1, "a": 1},
+                     neutral={"a": 1.0})
+    rec.signature = __import__("inspect").signature(decayed_sum)
+    rec.output_like = "x"
+    op = TracedTreeRecurrence(register_site(rec, ["x", "a"], {}))
+    batch = treefx.pack(odd_forest(33, VOCAB))
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(1, batch.num_tokens, 3, dtype=torch.float64, generator=g, requires_grad=True)
+    a = torch.rand(1, batch.num_tokens, 3, dtype=torch.float64, generator=g, requires_grad=True)
+    probe = torch.randn(x.shape, dtype=torch.float64, generator=g)
+
+    def loss(parent, x, a):
+        return (op(parent, x, a)[0] * probe).sum()
+
+    got = torch.autograd.grad(torch.compile(loss, backend="aot_eager", fullgraph=True)(
+        batch.parent_token, x, a), (x, a))
+    want_out, _ = tree_recurrence(rec, batch.parent_token, (x, a), {})
+    want = torch.autograd.grad((want_out * probe).sum(), (x, a))
+    for w in want:
+        assert w.abs().sum() > 0
+    for a_, w in zip(got, want):
+        torch.testing.assert_close(a_, w, atol=1e-10, rtol=1e-10)
+
+
+def test_capture_does_not_run_the_kernel_on_fake_tensors():
+    """Dynamo runs graph-kept markers on fake tensors; GPU kernels (fla's Triton) cannot run
+    there, so the marker answers with the output's shape without calling the kernel."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from treefx.recurrence import Recurrence, register_recurrence
+
+    def kernel(x, a, initial_state=None, output_final_state=False):
+        raise RuntimeError("the kernel ran")
+
+    rec = register_recurrence(Recurrence(name="fake_probe_test", fn=kernel,
+                                         seq_args={"x": 1, "a": 1}))
+    real = torch.randn(1, 5, 3)
+    with FakeTensorMode() as mode:
+        fake = mode.from_tensor(real)
+        out, state = rec.marker(fake, fake)
+    assert out.shape == real.shape and state is None
+    with pytest.raises(RuntimeError, match="the kernel ran"):
+        rec.marker(real, real)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.util
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -39,7 +40,14 @@ class Recurrence:
     - ``output_seq_dim``: the sequence dim of ``output``;
     - ``bare_output_without_state``: called without asking for the final state, the kernel
       returns ``output`` alone rather than ``(output, None)``;
-    - ``output_like``: the seq arg whose shape and dtype ``output`` has (default: the first).
+    - ``output_like``: the seq arg whose shape and dtype ``output`` has (default: the first);
+    - ``varlen``: optional fast path for CUDA tensors. ``varlen(seq, static, initial_state,
+      cu_seqlens) -> (output, final_state)`` runs many nodes at once without padding: ``seq``
+      holds the seq args with batch 1 and the nodes laid end to end along their sequence dims,
+      ``cu_seqlens`` (int64, n + 1) where each node starts, ``initial_state`` one state per
+      node or None (all zero), ``static`` the other arguments by name. Built in for Gated
+      DeltaNet when flash-linear-attention (fla) is installed;
+    - ``varlen_devices``: the device types ``varlen`` runs on (others take the padded path).
     """
 
     name: str
@@ -51,6 +59,8 @@ class Recurrence:
     output_seq_dim: int = 1
     bare_output_without_state: bool = False  # without the flag: ``output`` alone, no tuple
     output_like: str = ""  # the seq arg whose shape and dtype the output has (default: first)
+    varlen: Callable | None = None
+    varlen_devices: tuple[str, ...] = ("cuda",)
     marker: Callable | None = None
     signature: inspect.Signature | None = None
 
@@ -84,6 +94,14 @@ def register_recurrence(rec: Recurrence, *, sites: list[tuple[str, str]] = ()) -
     original = rec.fn
 
     def marker(*args, **kwargs):
+        if _fake_call(args, kwargs):
+            # Dynamo runs the marker on fake tensors for the output's shape; Triton kernels
+            # (fla's) cannot run on them. The rewritten graph never asks for a final state.
+            bound = rec.bind(args, kwargs)
+            if not bound.get(rec.output_final_state):
+                like = bound[rec.output_like]
+                out = like.new_empty(like.shape)
+                return out if rec.bare_output_without_state else (out, None)
         return original(*args, **kwargs)
 
     marker.__name__ = marker.__qualname__ = f"treefx_recurrence_{rec.name}"
@@ -92,6 +110,13 @@ def register_recurrence(rec: Recurrence, *, sites: list[tuple[str, str]] = ()) -
     _REGISTRY[rec.name] = rec
     _SITES.extend((mod, attr, rec.name) for mod, attr in sites)
     return rec
+
+
+def _fake_call(args, kwargs) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+
+    return any(isinstance(a, torch.Tensor) and is_fake(a)
+               for a in (*args, *kwargs.values()))
 
 
 def registered(target) -> Recurrence | None:
@@ -135,6 +160,21 @@ def _register_if_compatible(rec: Recurrence, sites) -> None:
         pass
 
 
+def _fla_gated_delta_rule(seq: dict, static: dict, initial_state, cu_seqlens):
+    """Gated DeltaNet over variable-length nodes with fla's chunked kernel (CUDA)."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    extra = {k: static[k] for k in ("scale", "use_qk_l2norm_in_kernel")
+             if static.get(k) is not None}
+    return chunk_gated_delta_rule(seq["query"], seq["key"], seq["value"], g=seq["g"],
+                                  beta=seq["beta"], initial_state=initial_state,
+                                  output_final_state=True, cu_seqlens=cu_seqlens, **extra)
+
+
+def _has_fla() -> bool:
+    return importlib.util.find_spec("fla") is not None
+
+
 def _register_builtins() -> None:
     """The torch fallbacks of Hugging Face's hybrid layers: Gated DeltaNet (Qwen3-Next,
     Qwen3.5) and Mamba2's chunked scan (Mamba2 and the hybrids built on it). Modules that are
@@ -152,6 +192,7 @@ def _register_builtins() -> None:
                 output_like="value",
                 # g is a log decay (0: keep the state), beta the update rate (0: no update).
                 neutral={"g": 0.0, "beta": 0.0},
+                varlen=_fla_gated_delta_rule if _has_fla() else None,
             ),
             sites=[(path, "torch_chunk_gated_delta_rule")],
         )

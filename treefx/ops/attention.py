@@ -56,6 +56,20 @@ def tree_attention_dense(
     )
 
 
+@torch.library.custom_op("treefx::pad_to_block", mutates_args=())
+def pad_to_block(x: torch.Tensor, block_size: int) -> torch.Tensor:
+    """``x`` [N] zero-padded to a multiple of ``block_size``, as an opaque op: the mask reads
+    it as a buffer of its own. (Inductor would otherwise fuse the pad into the FlexAttention
+    mask as a masked load, and fails to generate that kernel in a forward without autograd.)"""
+    n = x.shape[0]
+    return F.pad(x, (0, -(-n // block_size) * block_size - n))
+
+
+@pad_to_block.register_fake
+def _(x, block_size):
+    return x.new_empty(((x.shape[0] + block_size - 1) // block_size * block_size,))
+
+
 def tree_block_tensors(subtree_end: torch.Tensor, block_size: int = 128, *, full: bool = True):
     """The block sparsity of the tree mask as the tensors of a FlexAttention ``BlockMask``:
     (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices), each with leading
@@ -69,7 +83,7 @@ def tree_block_tensors(subtree_end: torch.Tensor, block_size: int = 128, *, full
     """
     n = subtree_end.shape[0]
     nb = (n + block_size - 1) // block_size
-    se = F.pad(subtree_end, (0, nb * block_size - n))
+    se = pad_to_block(subtree_end, block_size)
     blocks = se.view(nb, block_size)
     # Only key blocks strictly before a query block use min/max, and those are never the
     # (possibly short) last block, so the zero padding does not enter them.

@@ -13,6 +13,7 @@ predecessor is not the token just before it.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -23,26 +24,24 @@ __all__ = ["tree_nodes", "tree_recurrence"]
 
 def tree_nodes(parent_token: torch.Tensor):
     """(starts, lengths, parent node, depth in nodes) of the tree's nodes, DFS order, as
-    Python lists (the structure is data: this runs eagerly)."""
-    par = parent_token.tolist()
-    n = len(par)
-    children = [0] * n
-    for p in par:
-        if p >= 0:
-            children[p] += 1
+    Python lists (the structure is data: this runs eagerly, one host copy of the row)."""
+    par = parent_token.detach().cpu().numpy().astype(np.int64, copy=False)
+    n = par.shape[0]
+    children = np.bincount(par[par >= 0], minlength=n)
+    t = np.arange(n)
     # A node starts where the predecessor is not the previous token, and right after a
     # branching token (its first child follows it in DFS order, yet starts a new node).
-    starts = [t for t in range(n) if t == 0 or par[t] != t - 1 or children[t - 1] > 1]
-    lengths = [e - s for s, e in zip(starts, starts[1:] + [n])]
-    node_of = {}
-    for i, (s, ln) in enumerate(zip(starts, lengths)):
-        node_of[s + ln - 1] = i  # a parent's last token names the parent node
-    parents, depth = [], []
-    for s in starts:
-        p = node_of.get(par[s], -1) if par[s] >= 0 else -1
-        parents.append(p)
+    prev_branches = np.concatenate([[False], children[:-1] > 1])
+    is_start = (t == 0) | (par != t - 1) | prev_branches
+    starts = np.flatnonzero(is_start)
+    lengths = np.diff(np.append(starts, n))
+    node_of_token = np.cumsum(is_start) - 1
+    first_par = par[starts]
+    parents = np.where(first_par >= 0, node_of_token[np.maximum(first_par, 0)], -1).tolist()
+    depth: list[int] = []
+    for p in parents:  # DFS order: a parent comes before its children
         depth.append(depth[p] + 1 if p >= 0 else 0)
-    return starts, lengths, parents, depth
+    return starts.tolist(), lengths.tolist(), parents, depth
 
 
 def _pad_seq(x: torch.Tensor, dim: int, length: int, value: float) -> torch.Tensor:
@@ -68,29 +67,62 @@ def tree_recurrence(rec: Recurrence, parent_token: torch.Tensor, args: tuple, kw
             raise ValueError(f"{rec.name}: {name} has batch {t.shape[0]}; a tree row has batch 1")
     static = {k: v for k, v in bound.items() if k not in seq and k not in (
         rec.initial_state, rec.output_final_state)}
+    if static.get("cu_seqlens") is not None:
+        raise ValueError(f"{rec.name}: the model passes cu_seqlens (packed sequences); a tree "
+                         "row is one sequence of nodes, pass a plain batch of 1")
+    fast = rec.varlen is not None and all(t.device.type in rec.varlen_devices
+                                          for t in seq.values())
     final: dict[int, torch.Tensor] = {}
     outputs: dict[int, torch.Tensor] = {}
     for level in range(max(depth) + 1):
         nodes = [i for i, d in enumerate(depth) if d == level]
-        width = max(lengths[i] for i in nodes)
-        chunk = {
-            name: torch.cat([
-                _pad_seq(t.narrow(rec.seq_args[name], starts[i], lengths[i]),
-                         rec.seq_args[name], width, rec.neutral.get(name, 0.0))
-                for i in nodes
-            ])
-            for name, t in seq.items()
-        }
-        init = None
-        if level > 0:
-            init = torch.stack([final[parents[i]] for i in nodes])
-        out, fin = rec.fn(**chunk, **static, **{rec.initial_state: init,
-                                               rec.output_final_state: True})
+        init = torch.stack([final[parents[i]] for i in nodes]) if level > 0 else None
+        if fast:
+            out, fin = _level_varlen(rec, seq, static, init, nodes, starts, lengths)
+        else:
+            out, fin = _level_padded(rec, seq, static, init, nodes, starts, lengths)
         for j, i in enumerate(nodes):
             final[i] = fin[j]
-            outputs[i] = out[j:j + 1].narrow(rec.output_seq_dim, 0, lengths[i])
+            outputs[i] = out[j]
     row = torch.cat([outputs[i] for i in range(len(starts))], dim=rec.output_seq_dim)
     return row if rec.bare_output_without_state else (row, None)
+
+
+def _level_padded(rec, seq, static, init, nodes, starts, lengths):
+    """One depth as a batch, each node right-padded with neutral tokens to the longest."""
+    width = max(lengths[i] for i in nodes)
+    chunk = {
+        name: torch.cat([
+            _pad_seq(t.narrow(rec.seq_args[name], starts[i], lengths[i]),
+                     rec.seq_args[name], width, rec.neutral.get(name, 0.0))
+            for i in nodes
+        ])
+        for name, t in seq.items()
+    }
+    out, fin = rec.fn(**chunk, **static, **{rec.initial_state: init,
+                                           rec.output_final_state: True})
+    return [out[j:j + 1].narrow(rec.output_seq_dim, 0, lengths[i])
+            for j, i in enumerate(nodes)], fin
+
+
+def _level_varlen(rec, seq, static, init, nodes, starts, lengths):
+    """One depth through the kernel's variable-length form: nodes end to end, no padding."""
+    if all(starts[b] == starts[a] + lengths[a] for a, b in zip(nodes, nodes[1:])):
+        chunk = {name: t.narrow(rec.seq_args[name], starts[nodes[0]],
+                                sum(lengths[i] for i in nodes))
+                 for name, t in seq.items()}  # contiguous in the row (a chain, one node)
+    else:
+        chunk = {name: torch.cat([t.narrow(rec.seq_args[name], starts[i], lengths[i])
+                                  for i in nodes], dim=rec.seq_args[name])
+                 for name, t in seq.items()}
+    device = next(iter(seq.values())).device
+    offsets = [0]
+    for i in nodes:
+        offsets.append(offsets[-1] + lengths[i])
+    cu = torch.tensor(offsets, dtype=torch.int64, device=device)
+    out, fin = rec.varlen(chunk, static, init, cu)
+    pieces = out.split([lengths[i] for i in nodes], dim=rec.output_seq_dim)
+    return list(pieces), fin
 
 
 # ---------------------------------------------------------------------------- traceable form
@@ -134,19 +166,20 @@ def _(key, parent_token, tensors):
 @torch.library.custom_op("treefx::tree_recurrence_backward", mutates_args=())
 def _tree_recurrence_backward(key: str, parent_token: torch.Tensor, tensors: list[torch.Tensor],
                               grad: torch.Tensor) -> list[torch.Tensor]:
-    # A custom op's body runs below the autograd dispatch key, so plain autograd records
-    # nothing here; torch.func.vjp differentiates through its own transform layer.
+    # Recompute the forward under autograd and differentiate it. A custom op's body runs below
+    # the autograd dispatch key; re-admitting it lets plain autograd record the kernel's torch
+    # ops and classic autograd.Functions (fla's kernels) alike.
     floats = [i for i, t in enumerate(tensors) if t.is_floating_point()]
-
-    def forward(*diff):
+    readmit = torch._C._SetExcludeDispatchKeyGuard(torch._C.DispatchKey.AutogradFunctionality,
+                                                   False)
+    with readmit, torch.enable_grad():
         full = list(tensors)
-        for i, t in zip(floats, diff):
-            full[i] = t
-        return _run_site(key, parent_token, full)
-
-    _, vjp = torch.func.vjp(forward, *[tensors[i] for i in floats])
-    grads = dict(zip(floats, vjp(grad)))
-    return [grads[i].contiguous() if i in grads else t.new_zeros(t.shape)
+        for i in floats:
+            full[i] = tensors[i].detach().requires_grad_()
+        out = _run_site(key, parent_token, full)
+        got = torch.autograd.grad(out, [full[i] for i in floats], grad, allow_unused=True)
+    grads = dict(zip(floats, got))
+    return [grads[i].contiguous() if grads.get(i) is not None else t.new_zeros(t.shape)
             for i, t in enumerate(tensors)]
 
 

@@ -30,6 +30,7 @@ from ..ops.attention import (
     TreeFlexAttention,
     dense_tree_mask,
     tree_attention_dense,
+    pad_to_block,  # noqa: F401  (registers torch.ops.treefx.pad_to_block)
     tree_block_tensors,
 )
 from .common import (
@@ -299,15 +300,12 @@ def _block_nodes(ctx: GraphContext, *, full: bool):
     def make():
         t = g.call_function(tree_block_tensors, (ctx.subtree_end, ctx.block_size), {"full": full})
         parts = [g.call_function(operator.getitem, (t, i)) for i in range(5)]
-        n = parts[4]  # subtree_end padded to a block multiple
-        pos = g.call_function(_pad_like, (ctx.positions, n))
+        # parts[4]: subtree_end padded to a block multiple; the positions likewise.
+        pos = g.call_function(torch.ops.treefx.pad_to_block.default,
+                              (ctx.positions, ctx.block_size))
         return (*parts, pos)
 
     return ctx.shared(("blocks", full), make)
-
-
-def _pad_like(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    return F.pad(x, (0, like.shape[0] - x.shape[0]))
 
 
 def attention_pass(ctx: GraphContext) -> int:

@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# Device calls of one session, by stage (each fits one 10-minute call):
+#   bash benchmarks/gpu_session.sh attention   tree attention on the e2e tree, block layouts,
+#                                               trees shorter than a block
+#   bash benchmarks/gpu_session.sh hybrid      hybrid exactness with fla (varlen fast path)
+#                                               and without (torch kernel, padded)
+#   bash benchmarks/gpu_session.sh e2e         profiled e2e step (dense) and the hybrid e2e row
+# Needs .whl/ with the fla-core, flash-linear-attention and einops wheels (carried).
+set -u
+export PYTHONPATH=.
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT" /tmp/err
+log="$OUT/session_$1.log"
+fla() {
+  pip install --no-deps --no-index --target /tmp/fla .whl/*.whl >/dev/null 2>&1 && echo "fla installed"
+}
+{
+  nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+  python -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"
+  case "$1" in
+  attention)
+    timeout 180 python benchmarks/gpu_check.py --cases small-trees \
+        --out "$OUT/gpu_check_small.json" --err-dir /tmp/err 2>&1 | grep -v Warning | tail -20
+    timeout 150 python benchmarks/attention.py --e2e-trees 0.75 --tokens "" --reps 10 \
+        --kv-heads 8 --out "$OUT/attention_e2e.json" 2>&1 | grep -v Warning | tail -30
+    ;;
+  hybrid)
+    fla
+    PYTHONPATH=.:/tmp/fla TREEFX_HYBRID_MODELS=qwen3_next timeout 230 \
+        python benchmarks/gpu_check.py --cases hybrid-fp32,hybrid-bf16 --out "$OUT/gpu_check_hybrid_fla.json" \
+        --err-dir /tmp/err 2>&1 | grep -v Warning | tail -60
+    TREEFX_HYBRID_MODELS=qwen3_next timeout 120 python benchmarks/gpu_check.py \
+        --cases hybrid-fp32 --out "$OUT/gpu_check_hybrid_nofla.json" --err-dir /tmp/err 2>&1 \
+        | grep -v Warning | tail -40
+    PYTHONPATH=.:/tmp/fla timeout 150 python benchmarks/e2e.py --arch qwen3_next \
+        --hidden 1024 --por 0.75 --methods treefx,packed_reset --stream 0 --mask-reps 0 \
+        --out "$OUT/e2e_hybrid.json" 2>&1 | grep -v Warning | tail -12
+    ;;
+  e2e)
+    timeout 230 python benchmarks/e2e.py --hidden 1024 --por 0.75 --methods treefx,hand,packed \
+        --profile --stream 0 --mask-reps 0 --out "$OUT/e2e_profile.json" 2>&1 | grep -v Warning | tail -12
+    fla
+    PYTHONPATH=.:/tmp/fla TREEFX_HYBRID_MODELS=qwen3_next timeout 110 \
+        python benchmarks/gpu_check.py --cases hybrid-forward --out "$OUT/gpu_check_fla_forward.json" \
+        --err-dir /tmp/err 2>&1 | grep -v Warning | tail -30
+    timeout 200 python benchmarks/e2e.py --arch qwen3_next --hidden 1024 --por 0.75 \
+        --methods treefx,packed_reset --stream 0 --mask-reps 0 --warmup 1 --reps 3 --profile \
+        --out "$OUT/e2e_hybrid.json" 2>&1 | grep -v Warning | tail -12
+    ;;
+  final)
+    timeout 150 python benchmarks/gpu_check.py --cases inference \
+        --out "$OUT/gpu_check_inference.json" --err-dir /tmp/err 2>&1 | grep -v Warning | tail -30
+    fla
+    PYTHONPATH=.:/tmp/fla TREEFX_HYBRID_MODELS=qwen3_next timeout 200 \
+        python benchmarks/gpu_check.py --cases hybrid-forward --out "$OUT/gpu_check_fla_forward.json" \
+        --err-dir /tmp/err 2>&1 | grep -v Warning | tail -30
+    ;;
+  esac
+} > "$log" 2>&1
+for f in /tmp/err/*.txt; do [ -e "$f" ] && { echo "=== $f"; cat "$f"; }; done > "$OUT/tracebacks_$1.txt"
+tail -c 8000 "$log"
