@@ -48,7 +48,7 @@ fla() {
         --out "$OUT/e2e_hybrid.json" 2>&1 | grep -v Warning | tail -12
     ;;
   final)
-    timeout 150 python benchmarks/gpu_check.py --cases inference \
+    timeout 200 python benchmarks/gpu_check.py --cases inference,qwen3-fp32 \
         --out "$OUT/gpu_check_inference.json" --err-dir /tmp/err 2>&1 | grep -v Warning | tail -30
     fla
     PYTHONPATH=.:/tmp/fla TREEFX_HYBRID_MODELS=qwen3_next timeout 200 \
