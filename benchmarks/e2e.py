@@ -371,17 +371,19 @@ def method_treefx(env, model, parts):
     tm = treefx.compile(model, backend=env.tree_backend)
     parts["treefx_model"] = tm
 
-    def prepare(tree):
-        def step():
-            set_attn(model, "sdpa")
-            model.zero_grad(set_to_none=True)
-            batch = treefx.pack(tree, reduction="mean").to(env.dev)
-            loss = treefx.tree_loss(tm(batch), batch)
-            loss.backward()
-            return loss.detach()
-        return step
+    return lambda tree: _tree_step(env, model, tm, tree)
 
-    return prepare
+
+def _tree_step(env, model, tm, trees):
+    """One timed step of a compiled TreeModel: layout, forward, tree loss, backward."""
+    def step():
+        set_attn(model, "sdpa")
+        model.zero_grad(set_to_none=True)
+        batch = treefx.pack(trees, reduction="mean").to(env.dev)
+        loss = treefx.tree_loss(tm(batch), batch)
+        loss.backward()
+        return loss.detach()
+    return step
 
 
 def _hf_train_step(model, batch):
@@ -519,15 +521,7 @@ def method_packed_reset(env, model, parts):
             [list(tree.loss_mask(i))] for i in range(tree.num_sequences)]
         forest = [treefx.Tree.from_sequences([s], weights=[w], loss_masks=m)
                   for s, w, m in zip(tree.sequences, tree.weights, masks)]
-
-        def step():
-            set_attn(model, "sdpa")
-            model.zero_grad(set_to_none=True)
-            batch = treefx.pack(forest, reduction="mean").to(env.dev)
-            loss = treefx.tree_loss(tm(batch), batch)
-            loss.backward()
-            return loss.detach()
-        return step
+        return _tree_step(env, model, tm, forest)
 
     return prepare
 

@@ -152,7 +152,10 @@ class TreeFlexAttention:
         score_bufs = tuple(bufs[: self.num_score_buffers])
         mask_bufs = (se_pad, pos_pad, *bufs[self.num_score_buffers:])
         scale = self.scale if self.scale is not None else 1.0 / math.sqrt(q.shape[-1])
-        kernel_options = _apply_kernel_options(q, k, v, False, None)
+        # The standard kernel always: with no autograd and fewer than 128 queries Inductor
+        # would otherwise pick its decoding kernel, which gave wrong tree log-probs on an
+        # H200 (torch 2.11; benchmarks/results/gpu_inference_h200.json).
+        kernel_options = _apply_kernel_options(q, k, v, False, {"BACKEND": "TRITON"})
         out, _, *_ = flex_hop(
             q, k, v, self.score_mod, block_mask.as_tuple(), scale, kernel_options,
             score_bufs, mask_bufs,

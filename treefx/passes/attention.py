@@ -30,7 +30,6 @@ from ..ops.attention import (
     TreeFlexAttention,
     dense_tree_mask,
     tree_attention_dense,
-    pad_to_block,  # noqa: F401  (registers torch.ops.treefx.pad_to_block)
     tree_block_tensors,
 )
 from .common import (
@@ -301,6 +300,7 @@ def _block_nodes(ctx: GraphContext, *, full: bool):
         t = g.call_function(tree_block_tensors, (ctx.subtree_end, ctx.block_size), {"full": full})
         parts = [g.call_function(operator.getitem, (t, i)) for i in range(5)]
         # parts[4]: subtree_end padded to a block multiple; the positions likewise.
+        # (torch.ops.treefx.pad_to_block is registered by importing ..ops.attention)
         pos = g.call_function(torch.ops.treefx.pad_to_block.default,
                               (ctx.positions, ctx.block_size))
         return (*parts, pos)
