@@ -115,6 +115,22 @@ def _tree_mask_mod(b, h, q_idx, kv_idx, subtree_end):
     return (kv_idx <= q_idx) & (q_idx < subtree_end[kv_idx])
 
 
+def _standard_kernel_options() -> dict:
+    """Kernel options that select FlexAttention's standard (non-decoding) kernel, in the
+    spelling this torch understands: ``BACKEND="TRITON"`` where it exists, else the older
+    ``FORCE_USE_FLEX_ATTENTION``."""
+    import typing
+
+    from torch.nn.attention import flex_attention as fa
+
+    if "TRITON" in typing.get_args(getattr(fa, "_Backend", None) or ()):
+        return {"BACKEND": "TRITON"}
+    return {"FORCE_USE_FLEX_ATTENTION": True}
+
+
+_STANDARD_KERNEL = _standard_kernel_options()
+
+
 class TreeFlexAttention:
     """One attention site rewritten to FlexAttention over the tree.
 
@@ -155,7 +171,7 @@ class TreeFlexAttention:
         # The standard kernel always: with no autograd and fewer than 128 queries Inductor
         # would otherwise pick its decoding kernel, which gave wrong tree log-probs on an
         # H200 (torch 2.11; benchmarks/results/gpu_inference_h200.json).
-        kernel_options = _apply_kernel_options(q, k, v, False, {"BACKEND": "TRITON"})
+        kernel_options = _apply_kernel_options(q, k, v, False, _STANDARD_KERNEL)
         out, _, *_ = flex_hop(
             q, k, v, self.score_mod, block_mask.as_tuple(), scale, kernel_options,
             score_bufs, mask_bufs,
