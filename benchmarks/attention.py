@@ -44,7 +44,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import treefx  # noqa: E402
 from treefx import synth  # noqa: E402
 from treefx.layout import tree_block_mask  # noqa: E402
-from treefx.ops.attention import dense_tree_mask, tree_block_tensors  # noqa: E402
+from treefx.ops.attention import (  # noqa: E402
+    block_indices,
+    dense_tree_mask,
+    tree_block_tensors,
+)
 
 BLOCK = 128
 _LENGTHS = dict(system_len=(150, 400), prompt_len=(30, 200), think_len=(40, 300),
@@ -332,12 +336,7 @@ def _diagonal_only(se, block):
     diag = b[None, :] == b[:, None]
     full = vis & ~diag
 
-    def to_blocks(m):
-        num = m.sum(dim=1, dtype=torch.int32)
-        idx = torch.sort((~m).to(torch.int8), dim=1, stable=True).indices.to(torch.int32)
-        return num[None, None], idx[None, None]
-
-    return (*to_blocks(diag), *to_blocks(full), se_pad)
+    return (*block_indices(diag), *block_indices(full), se_pad)
 
 
 # Kernel tile sizes for a 64-token sparse block (forward BLOCK_M/N, backward M1/N1, M2/N2).

@@ -323,3 +323,8 @@ def test_short_row_padding_keeps_outputs(monkeypatch):
     assert padded.token_logprobs.shape == plain.token_logprobs.shape
     torch.testing.assert_close(padded.token_logprobs, plain.token_logprobs, atol=1e-5, rtol=0)
     torch.testing.assert_close(padded.logits, plain.logits, atol=1e-5, rtol=0)
+    with torch.no_grad():
+        ref = treefx.reference.sequence_logprobs(model, trees)
+    for i, lp in enumerate(ref):
+        torch.testing.assert_close(padded.token_logprobs[batch.sequence_index(i)[1:]], lp,
+                                   atol=1e-4, rtol=0)

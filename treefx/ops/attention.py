@@ -70,6 +70,15 @@ def _(x, block_size):
     return x.new_empty(((x.shape[0] + block_size - 1) // block_size * block_size,))
 
 
+def block_indices(m: torch.Tensor):
+    """A [q block, kv block] bool matrix as a BlockMask's (num_blocks, indices) pair, each
+    with leading [1, 1] dims."""
+    num = m.sum(dim=1, dtype=torch.int32)
+    # A stable sort puts the selected kv blocks first, in increasing order.
+    idx = torch.sort((~m).to(torch.int8), dim=1, stable=True).indices.to(torch.int32)
+    return num[None, None], idx[None, None]
+
+
 def tree_block_tensors(subtree_end: torch.Tensor, block_size: int = 128, *, full: bool = True):
     """The block sparsity of the tree mask as the tensors of a FlexAttention ``BlockMask``:
     (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices), each with leading
@@ -98,13 +107,7 @@ def tree_block_tensors(subtree_end: torch.Tensor, block_size: int = 128, *, full
         full_m = torch.zeros_like(full_m)
     partial = (before & (max_se[None, :] > q0[:, None]) & ~full_m) | (b[None, :] == b[:, None])
 
-    def to_blocks(m: torch.Tensor):
-        num = m.sum(dim=1, dtype=torch.int32)
-        # A stable sort puts the selected kv blocks first, in increasing order.
-        idx = torch.sort((~m).to(torch.int8), dim=1, stable=True).indices.to(torch.int32)
-        return num[None, None], idx[None, None]
-
-    return (*to_blocks(partial), *to_blocks(full_m), se)
+    return (*block_indices(partial), *block_indices(full_m), se)
 
 
 def _identity_score(score, b, h, q_idx, kv_idx):

@@ -13,6 +13,8 @@ predecessor is not the token just before it.
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -115,14 +117,11 @@ def _level_varlen(rec, seq, static, init, nodes, starts, lengths):
         chunk = {name: torch.cat([t.narrow(rec.seq_args[name], starts[i], lengths[i])
                                   for i in nodes], dim=rec.seq_args[name])
                  for name, t in seq.items()}
-    device = next(iter(seq.values())).device
-    offsets = [0]
-    for i in nodes:
-        offsets.append(offsets[-1] + lengths[i])
-    cu = torch.tensor(offsets, dtype=torch.int64, device=device)
+    sizes = [lengths[i] for i in nodes]
+    cu = torch.tensor([0, *itertools.accumulate(sizes)], dtype=torch.int64,
+                      device=next(iter(seq.values())).device)
     out, fin = rec.varlen(chunk, static, init, cu)
-    pieces = out.split([lengths[i] for i in nodes], dim=rec.output_seq_dim)
-    return list(pieces), fin
+    return list(out.split(sizes, dim=rec.output_seq_dim)), fin
 
 
 # ---------------------------------------------------------------------------- traceable form
