@@ -196,6 +196,13 @@ def main(argv=None):
     p.add_argument("--e2e-trees", default="",
                    help="also: tree attention on e2e.py's trees at these PORs in several block "
                         "layouts, beside the packed baseline's attention (e.g. 0.75)")
+    p.add_argument("--kernel-sweep", action="store_true",
+                   help="with --e2e-trees: FlexAttention kernel options (tile sizes, TMA, "
+                        "max-autotune) on the tree and packed masks, each checked against "
+                        "the default kernel's output and gradients")
+    p.add_argument("--layouts", action="store_true", default=None,
+                   help="with --e2e-trees: the block-layout variants (default: on unless "
+                        "--kernel-sweep)")
     args = p.parse_args(argv)
 
     cuda = torch.cuda.is_available() and not args.dry_run
@@ -370,6 +377,10 @@ def e2e_tree_variants(args, env, timer, res, flex, gqa):
                             **({"kernel_options": ko} if ko else {}))
             return attn
 
+        if args.kernel_sweep:
+            kernel_sweep(se, ends, args, env, timer, r, gqa)
+        if not (args.layouts if args.layouts is not None else not args.kernel_sweep):
+            continue
         cases = {}
         for block, ko in ((128, None), (64, _KO64)):
             try:
@@ -394,6 +405,76 @@ def e2e_tree_variants(args, env, timer, res, flex, gqa):
         if tf.get("packed_doc_b128"):
             r["tflops_vs_packed"] = {k: v / tf["packed_doc_b128"] for k, v in tf.items()}
             print(f"  TFLOP/s relative to packed: {r['tflops_vs_packed']}", flush=True)
+
+
+# FlexAttention kernel options tried by --kernel-sweep (forward tiles BLOCK_M/N, backward
+# BLOCK_M1/N1 (dK/dV: key tile N1, query steps M1) and BLOCK_M2/N2 (dQ)); torch's own Hopper
+# default for bf16, head_dim 128 is forward 128x64 (3 stages, 8 warps), backward
+# 64/128/128/64 (3 stages, 8 warps).
+SWEEP = {
+    "default": {},
+    "rows_safe": {"ROWS_GUARANTEED_SAFE": True},
+    "bwd_64_64_64_64": {"BLOCK_M1": 64, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 64},
+    "bwd_32_128_128_32": {"BLOCK_M1": 32, "BLOCK_N1": 128, "BLOCK_M2": 128, "BLOCK_N2": 32},
+    "bwd_64_128_128_64_w4": {"BLOCK_M1": 64, "BLOCK_N1": 128, "BLOCK_M2": 128, "BLOCK_N2": 64,
+                             "bwd_num_warps": 4},
+    "fwd_128_128": {"BLOCK_M": 128, "BLOCK_N": 128},
+    "tma": {"USE_TMA": True},
+}
+
+
+def kernel_sweep(se, ends, args, env, timer, r, gqa):
+    """Tree (and packed) attention under several FlexAttention kernel options and under
+    ``max-autotune``: time each, and check each against the default kernel (max abs
+    difference of the output and of dq, dk, dv on the same inputs)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if env["cuda"]:
+        flex = torch.compile(flex_attention, dynamic=False)
+        tuned = torch.compile(flex_attention, dynamic=False, mode="max-autotune-no-cudagraphs")
+    else:  # --dry-run: the plumbing only (eager; kernel options are ignored there)
+        flex = tuned = flex_attention
+    n, m = se.numel(), ends.numel()
+    masks = {"tree": (_block_mask(*tree_block_tensors(se, 128), n, 128), n, r["tree_pairs"]),
+             "packed": (_block_mask(*tree_block_tensors(ends, 128), m, 128), m,
+                        r["baseline_pairs"])}
+    plan = [("tree", name, ko, flex) for name, ko in SWEEP.items()]
+    plan += [("tree", "max_autotune", None, tuned), ("packed", "default", None, flex),
+             ("packed", "max_autotune", None, tuned)]
+    ref = {}
+    r["kernel_sweep"] = sweep = {"tokens": n}
+    for mask_name, name, ko, fn in plan:
+        bm, length, pairs = masks[mask_name]
+
+        def attn(q, k, v, bm=bm, ko=ko, fn=fn):
+            return fn(q, k, v, block_mask=bm, enable_gqa=gqa,
+                      **({"kernel_options": ko} if ko else {}))
+
+        label = f"{mask_name}_{name}"
+        run_case(label, attn, length, pairs, args, env, timer, sweep)
+        if "error" in sweep[label]:
+            continue
+        try:
+            q, k, v, do = qkv(length, args.heads, args.kv_heads, args.head_dim, env["dtype"],
+                              env["dev"], seed=3, grad=env["backward"])
+            out = attn(q, k, v)
+            got = [out.detach()]
+            if env["backward"]:
+                got += torch.autograd.grad(out, (q, k, v), do)
+            if name == "default":
+                ref[mask_name] = got
+            else:
+                sweep[label]["max_abs_diff_vs_default"] = [
+                    (a.float() - b.float()).abs().max().item()
+                    for a, b in zip(got, ref[mask_name])]
+        except Exception:
+            sweep[label]["check_error"] = traceback.format_exc()[-1500:]
+    base = sweep.get("tree_default", {}).get("fwd_bwd_ms")
+    if base:
+        print("  kernel sweep, tree fwd+bwd relative to the default kernel: " + ", ".join(
+            f"{k}={v['fwd_bwd_ms'] / base:.3f}" for k, v in sweep.items()
+            if isinstance(v, dict) and v.get("fwd_bwd_ms") and k.startswith("tree")),
+            flush=True)
 
 
 def treefx_op(se, n, cuda, gqa):

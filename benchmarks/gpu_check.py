@@ -331,6 +331,17 @@ def case_inference(res):
     for label, trees in (("tiny", few), ("small-trees", small_trees(SMALL["vocab_size"]))):
         tm = treefx.compile(model, backend=BACKEND)
         res[f"inference-qwen3-{label}"] = _forward_err(tm, model, trees)
+    # The short-row padding switched off: does the standard-kernel option alone keep a row
+    # shorter than one block exact?
+    from treefx.compile import TreeModel
+
+    padded = TreeModel._pad_short_row
+    TreeModel._pad_short_row = lambda self, batch: False
+    try:
+        tm = treefx.compile(model, backend=BACKEND)
+        res["inference-qwen3-tiny-unpadded"] = _forward_err(tm, model, few)
+    finally:
+        TreeModel._pad_short_row = padded
 
 
 def case_hybrid_forward(res):

@@ -5,6 +5,8 @@
 #   bash benchmarks/gpu_session.sh hybrid      hybrid exactness with fla (varlen fast path)
 #                                               and without (torch kernel, padded)
 #   bash benchmarks/gpu_session.sh e2e         profiled e2e step (dense) and the hybrid e2e row
+#   bash benchmarks/gpu_session.sh verify      no-grad short rows (padded and not), hybrid bf16,
+#                                               FlexAttention kernel options on the e2e tree
 # Needs .whl/ with the fla-core, flash-linear-attention and einops wheels (carried).
 set -u
 export PYTHONPATH=.
@@ -46,6 +48,15 @@ fla() {
     timeout 200 python benchmarks/e2e.py --arch qwen3_next --hidden 1024 --por 0.75 \
         --methods treefx,packed_reset --stream 0 --mask-reps 0 --warmup 1 --reps 3 --profile \
         --out "$OUT/e2e_hybrid.json" 2>&1 | grep -v Warning | tail -12
+    ;;
+  verify)
+    timeout 140 python benchmarks/gpu_check.py --cases inference,qwen3-fp32 \
+        --out "$OUT/gpu_check_inference.json" --err-dir /tmp/err 2>&1 | grep -v Warning | tail -30
+    TREEFX_HYBRID_MODELS=qwen3_next timeout 130 python benchmarks/gpu_check.py \
+        --cases hybrid-bf16 --out "$OUT/gpu_check_hybrid_bf16.json" --err-dir /tmp/err 2>&1 \
+        | grep -v Warning | tail -30
+    timeout 270 python benchmarks/attention.py --e2e-trees 0.75 --kernel-sweep --tokens "" \
+        --reps 10 --kv-heads 8 --out "$OUT/attention_sweep.json" 2>&1 | grep -v Warning | tail -30
     ;;
   final)
     timeout 200 python benchmarks/gpu_check.py --cases inference,qwen3-fp32 \
