@@ -200,6 +200,8 @@ def main(argv=None):
                    help="with --e2e-trees: FlexAttention kernel options (tile sizes, TMA, "
                         "max-autotune) on the tree and packed masks, each checked against "
                         "the default kernel's output and gradients")
+    p.add_argument("--sweep-autotune", action="store_true",
+                   help="with --kernel-sweep: also max-autotune (several minutes)")
     p.add_argument("--layouts", action="store_true", default=None,
                    help="with --e2e-trees: the block-layout variants (default: on unless "
                         "--kernel-sweep)")
@@ -355,6 +357,11 @@ def e2e_tree_variants(args, env, timer, res, flex, gqa):
     """Tree attention on the end-to-end benchmark's trees (``--e2e-trees``), in several block
     layouts, beside the packed baseline's document-masked attention on the same sequences:
     how efficient tree attention is per attended pair, and what its partial blocks cost."""
+
+    def save():  # after every case: a run stopped at its time limit keeps what it measured
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1, default=str)
+
     from e2e import make_tree
 
     for por in [float(x) for x in args.e2e_trees.split(",") if x]:
@@ -378,7 +385,7 @@ def e2e_tree_variants(args, env, timer, res, flex, gqa):
             return attn
 
         if args.kernel_sweep:
-            kernel_sweep(se, ends, args, env, timer, r, gqa)
+            kernel_sweep(se, ends, args, env, timer, r, gqa, save)
         if not (args.layouts if args.layouts is not None else not args.kernel_sweep):
             continue
         cases = {}
@@ -407,23 +414,19 @@ def e2e_tree_variants(args, env, timer, res, flex, gqa):
             print(f"  TFLOP/s relative to packed: {r['tflops_vs_packed']}", flush=True)
 
 
-# FlexAttention kernel options tried by --kernel-sweep (forward tiles BLOCK_M/N, backward
-# BLOCK_M1/N1 (dK/dV: key tile N1, query steps M1) and BLOCK_M2/N2 (dQ)); torch's own Hopper
-# default for bf16, head_dim 128 is forward 128x64 (3 stages, 8 warps), backward
-# 64/128/128/64 (3 stages, 8 warps).
+# FlexAttention kernel options tried by --kernel-sweep. Tile sizes are left to
+# --sweep-autotune (max-autotune searches them: forward BLOCK_M/N, backward BLOCK_M1/N1/M2/N2,
+# stages, warps); torch's Hopper default for bf16, head_dim 128 is forward 128x64 (3 stages,
+# 8 warps), backward 64/128/128/64 (3 stages, 8 warps).
 SWEEP = {
     "default": {},
-    "rows_safe": {"ROWS_GUARANTEED_SAFE": True},
-    "bwd_64_64_64_64": {"BLOCK_M1": 64, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 64},
-    "bwd_32_128_128_32": {"BLOCK_M1": 32, "BLOCK_N1": 128, "BLOCK_M2": 128, "BLOCK_N2": 32},
-    "bwd_64_128_128_64_w4": {"BLOCK_M1": 64, "BLOCK_N1": 128, "BLOCK_M2": 128, "BLOCK_N2": 64,
-                             "bwd_num_warps": 4},
-    "fwd_128_128": {"BLOCK_M": 128, "BLOCK_N": 128},
+    "rows_safe": {"ROWS_GUARANTEED_SAFE": True},  # every tree row attends itself
     "tma": {"USE_TMA": True},
+    "rows_safe_tma": {"ROWS_GUARANTEED_SAFE": True, "USE_TMA": True},
 }
 
 
-def kernel_sweep(se, ends, args, env, timer, r, gqa):
+def kernel_sweep(se, ends, args, env, timer, r, gqa, save):
     """Tree (and packed) attention under several FlexAttention kernel options and under
     ``max-autotune``: time each, and check each against the default kernel (max abs
     difference of the output and of dq, dk, dv on the same inputs)."""
@@ -439,8 +442,9 @@ def kernel_sweep(se, ends, args, env, timer, r, gqa):
              "packed": (_block_mask(*tree_block_tensors(ends, 128), m, 128), m,
                         r["baseline_pairs"])}
     plan = [("tree", name, ko, flex) for name, ko in SWEEP.items()]
-    plan += [("tree", "max_autotune", None, tuned), ("packed", "default", None, flex),
-             ("packed", "max_autotune", None, tuned)]
+    plan += [("packed", "default", None, flex)]
+    if args.sweep_autotune:
+        plan += [("tree", "max_autotune", None, tuned), ("packed", "max_autotune", None, tuned)]
     ref = {}
     r["kernel_sweep"] = sweep = {"tokens": n}
     for mask_name, name, ko, fn in plan:
@@ -469,6 +473,7 @@ def kernel_sweep(se, ends, args, env, timer, r, gqa):
                     for a, b in zip(got, ref[mask_name])]
         except Exception:
             sweep[label]["check_error"] = traceback.format_exc()[-1500:]
+        save()
     base = sweep.get("tree_default", {}).get("fwd_bwd_ms")
     if base:
         print("  kernel sweep, tree fwd+bwd relative to the default kernel: " + ", ".join(

@@ -331,17 +331,63 @@ def case_inference(res):
     for label, trees in (("tiny", few), ("small-trees", small_trees(SMALL["vocab_size"]))):
         tm = treefx.compile(model, backend=BACKEND)
         res[f"inference-qwen3-{label}"] = _forward_err(tm, model, trees)
-    # The short-row padding switched off: does the standard-kernel option alone keep a row
-    # shorter than one block exact?
-    from treefx.compile import TreeModel
 
-    padded = TreeModel._pad_short_row
-    TreeModel._pad_short_row = lambda self, batch: False
+
+def _count_by_matmul(m):
+    """block_indices with the counts as a matrix-vector product (no Inductor reduction)."""
+    ones = torch.ones(m.shape[1], 1, dtype=torch.float32, device=m.device)
+    num = (m.to(torch.float32) @ ones).squeeze(1).to(torch.int32)
+    idx = torch.sort((~m).to(torch.int8), dim=1, stable=True).indices.to(torch.int32)
+    return num[None, None], idx[None, None]
+
+
+def case_short_rows(res):
+    """Rows shorter than one attention block, each variant on its own (a failure in one does
+    not hide the others): no autograd padded to one block (treefx's default) or to two, not
+    padded, without the standard-kernel option, with block counts by a matmul, and with
+    autograd."""
+    import treefx.ops.attention as ta
+
+    tc = sys.modules["treefx.compile"]  # the module (treefx.compile is also the function)
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = hf_model("qwen3", **SMALL)
+    few = [treefx.Tree.from_sequences([[1, 2, 3, 4, 5], [1, 2, 3, 6], [7]]),
+           treefx.Tree.from_sequences([[9] * 40, [9] * 20 + [8] * 24])]
+    pad_row, pad_short, kernel, blocks = (tc.pad_row, tc.TreeModel._pad_short_row,
+                                          ta._STANDARD_KERNEL, ta.block_indices)
+
+    def setup(name):
+        tc.pad_row, tc.TreeModel._pad_short_row = pad_row, pad_short
+        ta._STANDARD_KERNEL, ta.block_indices = kernel, blocks
+        if name == "unpadded":
+            tc.TreeModel._pad_short_row = lambda self, batch: False
+        elif name == "padded-2-blocks":
+            tc.pad_row = lambda ids, info, length: pad_row(ids, info, 2 * length)
+        elif name == "no-kernel-option":
+            ta._STANDARD_KERNEL = {}
+        elif name == "counts-by-matmul":
+            ta.block_indices = _count_by_matmul
+
     try:
-        tm = treefx.compile(model, backend=BACKEND)
-        res["inference-qwen3-tiny-unpadded"] = _forward_err(tm, model, few)
+        for name in ("padded", "unpadded", "padded-2-blocks", "no-kernel-option",
+                     "counts-by-matmul", "unpadded-counts-by-matmul", "with-autograd"):
+            setup(name)
+            if name == "unpadded-counts-by-matmul":
+                tc.TreeModel._pad_short_row = lambda self, batch: False
+                ta.block_indices = _count_by_matmul
+            tm = treefx.compile(model, backend=BACKEND)
+            try:
+                if name == "with-autograd":
+                    res[f"short-{name}"] = compare(tm, model, few, "mean")
+                    model.zero_grad(set_to_none=True)
+                else:
+                    res[f"short-{name}"] = _forward_err(tm, model, few)
+            except Exception:
+                res[f"short-{name}-error"] = _short_tb(traceback.format_exc(), f"short-{name}")
+            print(f"  short-{name}: {res.get(f'short-{name}', 'error')}", flush=True)
     finally:
-        TreeModel._pad_short_row = padded
+        setup(None)
 
 
 def case_hybrid_forward(res):
@@ -380,6 +426,7 @@ CASES = {
     "hybrid-bf16": case_hybrid_bf16,
     "hybrid-forward": case_hybrid_forward,
     "inference": case_inference,
+    "short-rows": case_short_rows,
     "step-fp32": case_step_fp32,
     "loss-memory": case_loss_memory,
     "qwen3-fp32": case_qwen3_fp32,

@@ -7,6 +7,8 @@
 #   bash benchmarks/gpu_session.sh e2e         profiled e2e step (dense) and the hybrid e2e row
 #   bash benchmarks/gpu_session.sh verify      no-grad short rows (padded and not), hybrid bf16,
 #                                               FlexAttention kernel options on the e2e tree
+#   bash benchmarks/gpu_session.sh debug       short rows variant by variant, kernel options
+#                                               (no autotune), hybrid e2e row (torch kernel)
 # Needs .whl/ with the fla-core, flash-linear-attention and einops wheels (carried).
 set -u
 export PYTHONPATH=.
@@ -57,6 +59,15 @@ fla() {
         | grep -v Warning | tail -30
     timeout 270 python benchmarks/attention.py --e2e-trees 0.75 --kernel-sweep --tokens "" \
         --reps 10 --kv-heads 8 --out "$OUT/attention_sweep.json" 2>&1 | grep -v Warning | tail -30
+    ;;
+  debug)
+    timeout 150 python benchmarks/gpu_check.py --cases short-rows \
+        --out "$OUT/gpu_check_short_rows.json" --err-dir /tmp/err 2>&1 | grep -v Warning
+    timeout 120 python benchmarks/attention.py --e2e-trees 0.75 --kernel-sweep --tokens "" \
+        --reps 10 --kv-heads 8 --out "$OUT/attention_sweep.json" 2>&1 | grep -v Warning
+    timeout 280 python benchmarks/e2e.py --arch qwen3_next --hidden 1024 --por 0.75 \
+        --methods treefx,packed_reset --stream 0 --mask-reps 0 --warmup 1 --reps 3 --budget 250 \
+        --out "$OUT/e2e_hybrid.json" 2>&1 | grep -v Warning | tail -40
     ;;
   final)
     timeout 200 python benchmarks/gpu_check.py --cases inference,qwen3-fp32 \
