@@ -333,61 +333,32 @@ def case_inference(res):
         res[f"inference-qwen3-{label}"] = _forward_err(tm, model, trees)
 
 
-def _count_by_matmul(m):
-    """block_indices with the counts as a matrix-vector product (no Inductor reduction)."""
-    ones = torch.ones(m.shape[1], 1, dtype=torch.float32, device=m.device)
-    num = (m.to(torch.float32) @ ones).squeeze(1).to(torch.int32)
-    idx = torch.sort((~m).to(torch.int8), dim=1, stable=True).indices.to(torch.int32)
-    return num[None, None], idx[None, None]
-
-
 def case_short_rows(res):
-    """Rows shorter than one attention block, each variant on its own (a failure in one does
-    not hide the others): no autograd padded to one block (treefx's default) or to two, not
-    padded, without the standard-kernel option, with block counts by a matmul, and with
-    autograd."""
-    import treefx.ops.attention as ta
-
-    tc = sys.modules["treefx.compile"]  # the module (treefx.compile is also the function)
-
+    """Rows of one attention block or less, and exactly one and two blocks, without autograd
+    (Inductor's decoding-kernel choice and its one-block reduction bug) and with it. (The
+    variant-by-variant run that located both bugs: results/gpu_short_rows_h200.json.)"""
     torch.backends.cuda.matmul.allow_tf32 = False
     model = hf_model("qwen3", **SMALL)
     few = [treefx.Tree.from_sequences([[1, 2, 3, 4, 5], [1, 2, 3, 6], [7]]),
            treefx.Tree.from_sequences([[9] * 40, [9] * 20 + [8] * 24])]
-    pad_row, pad_short, kernel, blocks = (tc.pad_row, tc.TreeModel._pad_short_row,
-                                          ta._STANDARD_KERNEL, ta.block_indices)
-
-    def setup(name):
-        tc.pad_row, tc.TreeModel._pad_short_row = pad_row, pad_short
-        ta._STANDARD_KERNEL, ta.block_indices = kernel, blocks
-        if name == "unpadded":
-            tc.TreeModel._pad_short_row = lambda self, batch: False
-        elif name == "padded-2-blocks":
-            tc.pad_row = lambda ids, info, length: pad_row(ids, info, 2 * length)
-        elif name == "no-kernel-option":
-            ta._STANDARD_KERNEL = {}
-        elif name == "counts-by-matmul":
-            ta.block_indices = _count_by_matmul
-
-    try:
-        for name in ("padded", "unpadded", "padded-2-blocks", "no-kernel-option",
-                     "counts-by-matmul", "unpadded-counts-by-matmul", "with-autograd"):
-            setup(name)
-            if name == "unpadded-counts-by-matmul":
-                tc.TreeModel._pad_short_row = lambda self, batch: False
-                ta.block_indices = _count_by_matmul
-            tm = treefx.compile(model, backend=BACKEND)
-            try:
-                if name == "with-autograd":
-                    res[f"short-{name}"] = compare(tm, model, few, "mean")
-                    model.zero_grad(set_to_none=True)
-                else:
-                    res[f"short-{name}"] = _forward_err(tm, model, few)
-            except Exception:
-                res[f"short-{name}-error"] = _short_tb(traceback.format_exc(), f"short-{name}")
-            print(f"  short-{name}: {res.get(f'short-{name}', 'error')}", flush=True)
-    finally:
-        setup(None)
+    block = [treefx.Tree.from_sequences([[5] * 60 + [6] * 20, [5] * 60 + [7] * 48])]
+    two = [treefx.Tree.from_sequences([[3] * 100 + [4] * 60, [3] * 100 + [2] * 96])]
+    tm = treefx.compile(model, backend=BACKEND)
+    for label, trees in (("71", few), ("128", block), ("256", two)):
+        assert treefx.pack(trees).num_tokens == int(label)
+        try:
+            res[f"short-{label}-no-grad"] = _forward_err(tm, model, trees)
+        except Exception:
+            res[f"short-{label}-no-grad-error"] = _short_tb(traceback.format_exc(),
+                                                            f"short-{label}-no-grad")
+    for label, trees in (("71", few), ("128", block)):
+        try:
+            res[f"short-{label}-training"] = compare(tm, model, trees, "mean")
+        except Exception:
+            res[f"short-{label}-training-error"] = _short_tb(traceback.format_exc(),
+                                                             f"short-{label}-training")
+        model.zero_grad(set_to_none=True)
+    res["short-compilations"] = tm.num_compilations
 
 
 def case_hybrid_forward(res):
@@ -400,7 +371,9 @@ def case_hybrid_forward(res):
     for dtype in (torch.float32, torch.bfloat16):
         for name, model in hybrid_models(dtype).items():
             tm = treefx.compile(model, backend=BACKEND)
-            res[f"hybrid-{name}-forward-{str(dtype)[6:]}"] = _forward_err(tm, model, trees)
+            key = f"hybrid-{name}-forward-{str(dtype)[6:]}"
+            res[key] = _forward_err(tm, model, trees)
+            print(f"  {key}: {res[key]}", flush=True)  # a run stopped at its limit keeps it
 
 
 def case_small_trees(res):
@@ -457,15 +430,22 @@ def main():
     p.add_argument("--out", default="gpu_check.json")
     p.add_argument("--cases", default=",".join(CASES))
     p.add_argument("--err-dir", default=None, help="write full tracebacks here")
+    p.add_argument("--tma", action="store_true",
+                   help="FlexAttention kernel option USE_TMA on (treefx leaves it off)")
     args = p.parse_args()
     ERR_DIR = args.err_dir
+    if args.tma:
+        from treefx.ops import attention
+
+        attention._STANDARD_KERNEL["USE_TMA"] = True
     import transformers
 
     try:
         import triton
     except ImportError:
         triton = None
-    res = {"device": torch.cuda.get_device_name() if DEV == "cuda" else "cpu", "torch": torch.__version__,
+    res = {"device": torch.cuda.get_device_name() if DEV == "cuda" else "cpu", "tma": args.tma,
+           "torch": torch.__version__,
            "triton": getattr(triton, "__version__", None), "transformers": transformers.__version__}
     for name in args.cases.split(","):
         t0 = time.perf_counter()

@@ -9,6 +9,11 @@
 #                                               FlexAttention kernel options on the e2e tree
 #   bash benchmarks/gpu_session.sh debug       short rows variant by variant, kernel options
 #                                               (no autotune), hybrid e2e row (torch kernel)
+#   bash benchmarks/gpu_session.sh confirm     short rows and exactness after the fixes, dense
+#                                               e2e at POR 0.75 (TMA on), fla forward
+#   bash benchmarks/gpu_session.sh tma         exactness with TMA off (treefx's default); TMA
+#                                               on in float32 (where it crashed) and bf16
+#   bash benchmarks/gpu_session.sh exact       exactness of short rows, no-grad, float32 (TMA off)
 # Needs .whl/ with the fla-core, flash-linear-attention and einops wheels (carried).
 set -u
 export PYTHONPATH=.
@@ -68,6 +73,32 @@ fla() {
     timeout 280 python benchmarks/e2e.py --arch qwen3_next --hidden 1024 --por 0.75 \
         --methods treefx,packed_reset --stream 0 --mask-reps 0 --warmup 1 --reps 3 --budget 250 \
         --out "$OUT/e2e_hybrid.json" 2>&1 | grep -v Warning | tail -40
+    ;;
+  confirm)
+    timeout 110 python benchmarks/gpu_check.py --cases short-rows,inference,qwen3-fp32 \
+        --out "$OUT/gpu_check_confirm.json" --err-dir /tmp/err 2>&1 | grep -v Warning | tail -60
+    timeout 330 python benchmarks/e2e.py --hidden 1024,2048 --por 0.75 \
+        --methods treefx,hand,packed,one_by_one --obo-compile none --stream 0 --mask-reps 0 \
+        --budget 300 --out "$OUT/e2e_tma.json" 2>&1 | grep -v Warning | tail -30
+    fla
+    PYTHONPATH=.:/tmp/fla TREEFX_HYBRID_MODELS=qwen3_next timeout 120 \
+        python benchmarks/gpu_check.py --cases hybrid-forward --out "$OUT/gpu_check_fla_forward.json" \
+        --err-dir /tmp/err 2>&1 | grep -v Warning | tail -30
+    ;;
+  tma)
+    timeout 110 python benchmarks/gpu_check.py --cases short-rows,inference,qwen3-fp32 \
+        --out "$OUT/gpu_check_exact.json" --err-dir /tmp/err 2>&1 | grep -v Warning | tail -50
+    mkdir -p /tmp/err/tma32 /tmp/err/tma16
+    CUDA_LAUNCH_BLOCKING=1 timeout 90 python benchmarks/gpu_check.py --tma --cases short-rows \
+        --out "$OUT/gpu_check_tma_fp32.json" --err-dir /tmp/err/tma32 2>&1 | grep -v Warning | tail -20
+    timeout 90 python benchmarks/gpu_check.py --tma --cases qwen3-bf16 \
+        --out "$OUT/gpu_check_tma_bf16.json" --err-dir /tmp/err/tma16 2>&1 | grep -v Warning | tail -20
+    for f in /tmp/err/tma32/*; do [ -e "$f" ] && { echo "=== $f"; grep -B2 -A30 "Traceback" "$f" | head -60; }; done
+    ;;
+  exact)
+    PYTHONUNBUFFERED=1 timeout 330 python benchmarks/gpu_check.py \
+        --cases short-rows,inference,qwen3-fp32 --out "$OUT/gpu_check_exact.json" \
+        --err-dir /tmp/err 2>&1 | grep -v Warning
     ;;
   final)
     timeout 200 python benchmarks/gpu_check.py --cases inference,qwen3-fp32 \

@@ -304,27 +304,3 @@ def test_mask_from_position_ids_is_refused():
     tm = treefx.compile(MaskFromPositions(), backend="eager")
     with pytest.raises(treefx.UnmatchedAttentionError, match="packed-sequence detection"):
         tm(treefx.pack(odd_tree(12, VOCAB)))
-
-
-def test_short_row_padding_keeps_outputs(monkeypatch):
-    """Rows shorter than one attention block get padded to a block in the CUDA no-grad
-    inductor path (FlexAttention's decoding kernel gave wrong log-probs there); the padding
-    tokens are separate roots whose outputs are cut off, so nothing changes."""
-    from treefx.compile import TreeModel
-
-    model = hf_model("qwen3", "sdpa")
-    tm = treefx.compile(model, backend="eager")
-    trees = [treefx.Tree.from_sequences([[1, 2, 3, 4, 5], [1, 2, 3, 6], [7]])]
-    batch = treefx.pack(trees)
-    with torch.no_grad():
-        plain = tm(batch)
-        monkeypatch.setattr(TreeModel, "_pad_short_row", lambda self, b: True)
-        padded = tm(batch)
-    assert padded.token_logprobs.shape == plain.token_logprobs.shape
-    torch.testing.assert_close(padded.token_logprobs, plain.token_logprobs, atol=1e-5, rtol=0)
-    torch.testing.assert_close(padded.logits, plain.logits, atol=1e-5, rtol=0)
-    with torch.no_grad():
-        ref = treefx.reference.sequence_logprobs(model, trees)
-    for i, lp in enumerate(ref):
-        torch.testing.assert_close(padded.token_logprobs[batch.sequence_index(i)[1:]], lp,
-                                   atol=1e-4, rtol=0)

@@ -419,6 +419,23 @@ def test_block_mask_of_128k_tokens():
     assert int(kv_num.sum() + full_num.sum()) < nb * nb  # sparse, not all blocks
 
 
+def test_block_counts_exact_under_bf16_autocast():
+    """Block counts come from a float32 product; under bf16 autocast a row of more than 256
+    visible blocks would round if autocast reached it."""
+    from treefx.ops.attention import block_indices
+
+    g = torch.Generator().manual_seed(0)
+    m = torch.rand(4, 601, generator=g) < 0.9  # rows of ~540 visible blocks
+    m[0] = True
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        num, idx = block_indices(m)
+    assert num.dtype == torch.int32 and num.shape == (1, 1, 4)
+    assert num[0, 0].tolist() == m.sum(dim=1).tolist()
+    assert int(num[0, 0, 0]) == 601  # odd above 256: not a bfloat16
+    for r in range(4):
+        assert idx[0, 0, r, : int(num[0, 0, r])].tolist() == m[r].nonzero()[:, 0].tolist()
+
+
 # ---------------------------------------------------------------------------- FlexAttention
 
 

@@ -15,7 +15,6 @@ import types
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 import torch.fx as fx
 
 from .layout import TreeBatch
@@ -221,33 +220,9 @@ class TreeModel(torch.nn.Module):
             raise TypeError(f"expected a treefx.TreeBatch (see treefx.pack), got "
                             f"{type(batch).__name__}")
         check_batch(self.model, batch)
-        ids, info, n = batch.input_ids, tree_info(batch), batch.num_tokens
-        if self._pad_short_row(batch):
-            ids, info = pad_row(ids, info, self.engine.block_size)
-        logits, token_logprobs = self.engine(batch.device, ids, info, dynamic=(0, 1))
-        if ids.shape[-1] != n:
-            logits = None if logits is None else logits[:, :n]
-            token_logprobs = token_logprobs[:n]
+        logits, token_logprobs = self.engine(batch.device, batch.input_ids, tree_info(batch),
+                                             dynamic=(0, 1))
         return TreeOutput(logits, token_logprobs)
-
-    def _pad_short_row(self, batch: TreeBatch) -> bool:
-        """A row shorter than one attention block, run by Inductor on CUDA without autograd,
-        is padded to a full block: FlexAttention's decoding kernel (chosen there for fewer
-        than 128 queries) is kept out of the tree's way. Padding tokens are roots of their
-        own: nothing real sees them, their outputs are cut off."""
-        return (batch.device.type == "cuda" and not torch.is_grad_enabled()
-                and batch.num_tokens < self.engine.block_size
-                and self.engine.resolve_backend(batch.device) == "inductor")
-
-
-def pad_row(input_ids: torch.Tensor, info: torch.Tensor, length: int):
-    """``input_ids`` [1, N] and ``tree_info`` [3, N] padded to ``length`` tokens, each padding
-    token a one-token tree (position 0, no parent, its subtree itself)."""
-    n = input_ids.shape[-1]
-    extra = torch.arange(n, length, device=info.device)
-    pad_info = torch.stack([torch.zeros_like(extra), torch.full_like(extra, -1), extra + 1])
-    return (F.pad(input_ids, (0, length - n)),
-            torch.cat([info, pad_info.to(info.dtype)], dim=1))
 
 
 def tree_info(batch: TreeBatch) -> torch.Tensor:

@@ -73,7 +73,14 @@ def _(x, block_size):
 def block_indices(m: torch.Tensor):
     """A [q block, kv block] bool matrix as a BlockMask's (num_blocks, indices) pair, each
     with leading [1, 1] dims."""
-    num = m.sum(dim=1, dtype=torch.int32)
+    # Counts as a matrix-vector product (0/1 entries, exact in float32 and TF32 for any
+    # number of blocks a GPU holds), not a sum: Inductor (torch 2.11) fails to generate the
+    # sum's kernel in a forward without autograd when the row is exactly one block
+    # (AssertionError in the reduction codegen; benchmarks/results/gpu_short_rows_h200.json).
+    # Autocast off: a bfloat16 product would round counts above 256.
+    with torch.autocast(m.device.type, enabled=False):
+        ones = torch.ones(m.shape[1], 1, dtype=torch.float32, device=m.device)
+        num = (m.to(torch.float32) @ ones).squeeze(1).to(torch.int32)
     # A stable sort puts the selected kv blocks first, in increasing order.
     idx = torch.sort((~m).to(torch.int8), dim=1, stable=True).indices.to(torch.int32)
     return num[None, None], idx[None, None]
@@ -119,9 +126,16 @@ def _tree_mask_mod(b, h, q_idx, kv_idx, subtree_end):
 
 
 def _standard_kernel_options() -> dict:
-    """Kernel options that select FlexAttention's standard (non-decoding) kernel, in the
-    spelling this torch understands: ``BACKEND="TRITON"`` where it exists, else the older
-    ``FORCE_USE_FLEX_ATTENTION``."""
+    """FlexAttention kernel options for every tree attention site: the standard
+    (non-decoding) kernel, in the spelling this torch understands (``BACKEND="TRITON"`` where
+    it exists, else the older ``FORCE_USE_FLEX_ATTENTION``). With no autograd and fewer than
+    128 queries Inductor would otherwise pick its decoding kernel, which gave wrong tree
+    log-probs on an H200 (torch 2.11; ``benchmarks/results/gpu_inference_h200.json``).
+
+    ``USE_TMA`` is left off: it made the bf16 e2e step 3.6% faster on an H200 but crashed a
+    float32 model with head_dim 32 there ("misaligned address";
+    ``benchmarks/results/gpu_check_tma_fp32_h200.json``, BENCHMARKS.md).
+    """
     import typing
 
     from torch.nn.attention import flex_attention as fa
@@ -171,9 +185,6 @@ class TreeFlexAttention:
         score_bufs = tuple(bufs[: self.num_score_buffers])
         mask_bufs = (se_pad, pos_pad, *bufs[self.num_score_buffers:])
         scale = self.scale if self.scale is not None else 1.0 / math.sqrt(q.shape[-1])
-        # The standard kernel always: with no autograd and fewer than 128 queries Inductor
-        # would otherwise pick its decoding kernel, which gave wrong tree log-probs on an
-        # H200 (torch 2.11; benchmarks/results/gpu_inference_h200.json).
         kernel_options = _apply_kernel_options(q, k, v, False, _STANDARD_KERNEL)
         out, _, *_ = flex_hop(
             q, k, v, self.score_mod, block_mask.as_tuple(), scale, kernel_options,
