@@ -147,6 +147,35 @@ def case_recompiles(res):
     res["recompiles"] = {"sizes": sizes, "compilations": tm.num_compilations}
 
 
+def case_recompiles_wide(res):
+    """Tree sizes from 71 to ~20k tokens on a hidden-1024 model, where Inductor's size
+    heuristics have thresholds inside that range (mix-order reductions at 5,120 tokens):
+    graphs compiled for a stream of training steps, then of forwards without autograd."""
+    model = hf_model("qwen3", torch.bfloat16, **{**SMALL, "hidden_size": 1024,
+                                                  "intermediate_size": 2048,
+                                                  "num_hidden_layers": 2, "head_dim": 64,
+                                                  "num_attention_heads": 16,
+                                                  "num_key_value_heads": 8})
+    few = [treefx.Tree.from_sequences([[1, 2, 3, 4, 5], [1, 2, 3, 6], [7]]),
+           treefx.Tree.from_sequences([[9] * 40, [9] * 20 + [8] * 24])]
+    streams = [few] + [[synth.agent_tree(200 + i, vocab_size=SMALL["vocab_size"],
+                                         rollouts=1 + i % 4)] * (1 + i % 3) for i in range(11)]
+    tm = treefx.compile(model, backend=BACKEND)
+    for mode in ("training", "no-grad"):
+        sizes, counts = [], []
+        for trees in streams:
+            batch = treefx.pack(trees).to(DEV)
+            sizes.append(batch.num_tokens)
+            if mode == "training":
+                treefx.tree_loss(tm(batch), batch).backward()
+            else:
+                with torch.no_grad():
+                    tm(batch)
+            counts.append(tm.num_compilations)
+        res[f"recompiles-wide-{mode}"] = {"sizes": sizes, "compilations_after_each": counts}
+        print(f"  {mode}: sizes {sizes} compilations {counts}", flush=True)
+
+
 def _time(fn, reps=5):
     fn()
     if DEV != "cuda":
@@ -406,6 +435,7 @@ CASES = {
     "qwen3-bf16": case_qwen3_bf16,
     "mistral-window": case_mistral_window,
     "recompiles": case_recompiles,
+    "recompiles-wide": case_recompiles_wide,
     "timing": case_timing,
 }
 

@@ -14,6 +14,8 @@
 #   bash benchmarks/gpu_session.sh tma         exactness with TMA off (treefx's default); TMA
 #                                               on in float32 (where it crashed) and bf16
 #   bash benchmarks/gpu_session.sh exact       exactness of short rows, no-grad, float32 (TMA off)
+#   bash benchmarks/gpu_session.sh recompiles  graphs compiled over 71..20k-token trees (hidden
+#                                               1024), the e2e step and its 12-tree stream
 # Needs .whl/ with the fla-core, flash-linear-attention and einops wheels (carried).
 set -u
 export PYTHONPATH=.
@@ -99,6 +101,14 @@ fla() {
     PYTHONUNBUFFERED=1 timeout 330 python benchmarks/gpu_check.py \
         --cases short-rows,inference,qwen3-fp32 --out "$OUT/gpu_check_exact.json" \
         --err-dir /tmp/err 2>&1 | grep -v Warning
+    ;;
+  recompiles)
+    PYTHONUNBUFFERED=1 TORCH_LOGS=recompiles timeout 200 python benchmarks/gpu_check.py \
+        --cases recompiles-wide,short-rows --out "$OUT/gpu_check_recompiles.json" \
+        --err-dir /tmp/err 2>&1 | grep -v Warning | grep -v "^C1122" | tail -60
+    timeout 260 python benchmarks/e2e.py --hidden 1024 --por 0.75 --methods treefx \
+        --stream 12 --mask-reps 0 --budget 240 --out "$OUT/e2e_stream.json" 2>&1 \
+        | grep -v Warning | tail -25
     ;;
   final)
     timeout 200 python benchmarks/gpu_check.py --cases inference,qwen3-fp32 \
