@@ -16,6 +16,7 @@
 #   bash benchmarks/gpu_session.sh exact       exactness of short rows, no-grad, float32 (TMA off)
 #   bash benchmarks/gpu_session.sh recompiles  graphs compiled over 71..20k-token trees (hidden
 #                                               1024), the e2e step and its 12-tree stream
+#   bash benchmarks/gpu_session.sh fla         fla's varlen fast path, forward (carry .whl)
 # Needs .whl/ with the fla-core, flash-linear-attention and einops wheels (carried).
 set -u
 export PYTHONPATH=.
@@ -109,6 +110,12 @@ fla() {
     timeout 260 python benchmarks/e2e.py --hidden 1024 --por 0.75 --methods treefx \
         --stream 12 --mask-reps 0 --budget 240 --out "$OUT/e2e_stream.json" 2>&1 \
         | grep -v Warning | tail -25
+    ;;
+  fla)
+    fla
+    PYTHONPATH=.:/tmp/fla PYTHONUNBUFFERED=1 TREEFX_HYBRID_MODELS=qwen3_next timeout 420 \
+        python benchmarks/gpu_check.py --cases hybrid-forward --out "$OUT/gpu_check_fla_forward.json" \
+        --err-dir /tmp/err 2>&1 | grep -v Warning | tail -40
     ;;
   final)
     timeout 200 python benchmarks/gpu_check.py --cases inference,qwen3-fp32 \
