@@ -619,7 +619,10 @@ def profile_step(env, step, steps: int = 2) -> dict:
     busy = sum(by_name.values())
     span = (max(e for _, e in spans) - min(s for s, _ in spans)) if spans else 0
     top = sorted(by_name.items(), key=lambda kv: -kv[1])[:25]
+    cpu = [(e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+           if e.device_type == torch.autograd.DeviceType.CPU]
     return {
+        "host_gaps": host_gaps(spans, cpu, steps),
         "steps": steps, "wall_ms_per_step": wall_ms / steps,
         "gpu_busy_ms_per_step": busy / 1e3 / steps,
         "gpu_span_ms_per_step": span / 1e3 / steps,
@@ -627,6 +630,45 @@ def profile_step(env, step, steps: int = 2) -> dict:
                                                                         key=lambda kv: -kv[1])},
         "top_kernels_ms_per_step": [(n[:160], us / 1e3 / steps) for n, us in top],
         "kernel_launches_per_step": sum(1 for _ in spans) / steps,
+    }
+
+
+def host_gaps(kernels, cpu, steps: int, min_us: float = 20.0) -> dict:
+    """Where the GPU waits for the host: the gaps of at least ``min_us`` between kernels
+    (``kernels``: (start, end) in µs), each CPU event's overlap with them (inclusive: a
+    parent and its child both count), and the largest gaps with the innermost CPU event
+    covering most of each."""
+    if not kernels:
+        return {}
+    merged = []
+    for s0, e0 in sorted(kernels):
+        if merged and s0 <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], e0)
+        else:
+            merged.append([s0, e0])
+    gaps = [(a[1], b[0]) for a, b in zip(merged, merged[1:]) if b[0] - a[1] >= min_us]
+    if not gaps or not cpu:
+        return {"gaps": len(gaps), "gap_ms_per_step": sum(b - a for a, b in gaps) / 1e3 / steps}
+    cs = np.array([c[0] for c in cpu], dtype=np.float64)
+    ce = np.array([c[1] for c in cpu], dtype=np.float64)
+    names = [c[2] for c in cpu]
+    by_name: dict[str, float] = {}
+    largest = []
+    for g0, g1 in gaps:
+        ov = np.clip(np.minimum(ce, g1) - np.maximum(cs, g0), 0, None)
+        for i in np.flatnonzero(ov > 0):
+            by_name[names[i]] = by_name.get(names[i], 0.0) + float(ov[i])
+        cover = np.flatnonzero(ov >= 0.5 * (g1 - g0))
+        inner = names[cover[np.argmin(ce[cover] - cs[cover])]] if cover.size else None
+        largest.append((g1 - g0, inner))
+    largest.sort(key=lambda x: -x[0])
+    return {
+        "gaps": len(gaps),
+        "gap_ms_per_step": sum(b - a for a, b in gaps) / 1e3 / steps,
+        "cpu_events_in_gaps_ms_per_step": [
+            (n[:120], us / 1e3 / steps)
+            for n, us in sorted(by_name.items(), key=lambda kv: -kv[1])[:30]],
+        "largest_gaps_us": [(round(us, 1), n and n[:120]) for us, n in largest[:15]],
     }
 
 
@@ -870,6 +912,10 @@ def run_hidden(env, args, hidden, trees, res, deadline, first_hidden) -> None:
                 r = measure(env, step, warmup, reps)
                 if args.profile and env.cuda:
                     r["profile"] = profile_step(env, step)
+                    hg = r["profile"]["host_gaps"]
+                    print(f"  GPU idle {hg.get('gap_ms_per_step', 0):.1f} ms/step in "
+                          f"{hg.get('gaps', 0)} gaps; largest: {hg.get('largest_gaps_us', [])[:6]}",
+                          flush=True)
                 if name in ("treefx", "treefx_step"):
                     tm = parts["treefx_model" if name == "treefx" else "treefx_step_fn"]
                     r["treefx_compilations_total"] = tm.num_compilations

@@ -17,6 +17,7 @@
 #   bash benchmarks/gpu_session.sh recompiles  graphs compiled over 71..20k-token trees (hidden
 #                                               1024), the e2e step and its 12-tree stream
 #   bash benchmarks/gpu_session.sh fla         fla's varlen fast path, forward (carry .whl)
+#   bash benchmarks/gpu_session.sh hostgaps    where the GPU waits for the host in the e2e step
 # Needs .whl/ with the fla-core, flash-linear-attention and einops wheels (carried).
 set -u
 export PYTHONPATH=.
@@ -116,6 +117,11 @@ fla() {
     PYTHONPATH=.:/tmp/fla PYTHONUNBUFFERED=1 TREEFX_HYBRID_MODELS=qwen3_next timeout 420 \
         python benchmarks/gpu_check.py --cases hybrid-forward --out "$OUT/gpu_check_fla_forward.json" \
         --err-dir /tmp/err 2>&1 | grep -v Warning | tail -40
+    ;;
+  hostgaps)
+    timeout 200 python benchmarks/e2e.py --hidden 1024 --por 0.75 --methods treefx,packed \
+        --profile --stream 0 --mask-reps 0 --budget 180 --out "$OUT/e2e_hostgaps.json" 2>&1 \
+        | grep -v Warning | tail -25
     ;;
   final)
     timeout 200 python benchmarks/gpu_check.py --cases inference,qwen3-fp32 \
