@@ -304,3 +304,45 @@ def test_mask_from_position_ids_is_refused():
     tm = treefx.compile(MaskFromPositions(), backend="eager")
     with pytest.raises(treefx.UnmatchedAttentionError, match="packed-sequence detection"):
         tm(treefx.pack(odd_tree(12, VOCAB)))
+
+
+def test_inductor_graphs_get_treefx_config_patches(monkeypatch):
+    """Tree graphs go to Inductor with treefx's config patches (the mix-order reduction size
+    checks off: they guarded N >= 5120 on the GPU and recompiled every smaller tree)."""
+    import sys
+
+    import torch._inductor.compile_fx as cfx
+
+    seen = []
+
+    def fake_compile_fx(gm, example_inputs, config_patches=None, **kw):
+        seen.append(config_patches)
+        return gm.forward
+
+    monkeypatch.setattr(cfx, "compile_fx", fake_compile_fx)
+    tm = treefx.compile(tiny_decoder(vocab_size=VOCAB), backend="inductor")
+    with torch.no_grad():
+        tm(treefx.pack(odd_tree(3, VOCAB)))
+    patches = sys.modules["treefx.compile"].inductor_patches()
+    assert seen == [patches]
+    from torch._inductor import config
+
+    if hasattr(config.triton, "mix_order_reduction_non_strict_mode"):
+        assert patches == {"triton.mix_order_reduction_non_strict_mode": True}
+
+
+def test_block_counts_exact_in_a_compiled_graph_under_autocast():
+    """The mask's block counts inside a traced graph (as treefx builds them) stay exact under
+    bfloat16 autocast with more than 256 blocks per row."""
+    from treefx.ops.attention import tree_block_tensors
+
+    n = 16 * 300 + 1  # 301 blocks of 16: counts up to 301, odd, not a bfloat16
+    se = torch.full((n,), n)  # one chain: every query sees every earlier key
+
+    @torch.compile(backend="eager", fullgraph=True)
+    def blocks(subtree_end):
+        return tree_block_tensors(subtree_end, 16, full=False)
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        kv_num = blocks(se)[0]
+    assert kv_num[0, 0].tolist() == list(range(1, 302))
