@@ -346,3 +346,39 @@ def test_block_counts_exact_in_a_compiled_graph_under_autocast():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         kv_num = blocks(se)[0]
     assert kv_num[0, 0].tolist() == list(range(1, 302))
+
+
+def test_kernel_options_reach_every_tree_attention_site():
+    """``kernel_options`` go to each rewritten FlexAttention site, on top of treefx's own;
+    they change nothing in the values (here on the eager flex path, where the CPU ignores
+    them)."""
+    from treefx.ops.attention import TreeFlexAttention
+
+    model = hf_model("qwen3", "sdpa", torch.float64)
+    trees = odd_forest(5, VOCAB)
+    opts = {"ROWS_GUARANTEED_SAFE": True, "BLOCK_M": 64}
+    plain = treefx.compile(model, backend="flex-eager")
+    tuned = treefx.compile(model, backend="flex-eager", kernel_options=opts)
+    with torch.no_grad():
+        a = plain(treefx.pack(trees)).token_logprobs
+        b = tuned(treefx.pack(trees)).token_logprobs
+    torch.testing.assert_close(a, b, atol=0, rtol=0)
+    sites = [n.target for n in tuned.contexts[0].gm.graph.nodes
+             if isinstance(n.target, TreeFlexAttention)]
+    assert len(sites) == model.config.num_hidden_layers
+    assert all(s.kernel_options == opts for s in sites)
+    step = treefx.step(lambda m, b: m(**b).loss, kernel_options=opts)
+    assert step.engine.kernel_options == opts
+
+
+@pytest.mark.parametrize("bad,err,match", [
+    ([("BLOCK_M", 64)], TypeError, "must be a dict"),
+    ({64: "BLOCK_M"}, TypeError, "option names"),
+    ({"BACKEND": "AUTO"}, ValueError, "standard kernel"),
+    ({"FORCE_USE_FLEX_ATTENTION": False}, ValueError, "standard kernel"),
+])
+def test_kernel_options_refused(bad, err, match):
+    with pytest.raises(err, match=match):
+        treefx.compile(tiny_decoder(vocab_size=VOCAB), kernel_options=bad)
+    with pytest.raises(err, match=match):
+        treefx.step(lambda m, b: m(**b).loss, kernel_options=bad)

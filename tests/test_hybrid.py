@@ -61,7 +61,32 @@ def _multiplicity(batch) -> torch.Tensor:
 def test_tree_nodes_splits_at_branches():
     batch = treefx.pack(treefx.Tree.from_sequences([[1, 2, 3, 4, 5], [1, 2, 3, 6, 7, 8]]))
     starts, lengths, parents, depth = tree_nodes(batch.parent_token)
-    assert (starts, lengths, parents, depth) == ([0, 3, 5], [3, 2, 3], [-1, 0, 0], [0, 1, 1])
+    assert (starts, lengths, parents, depth) == ((0, 3, 5), (3, 2, 3), (-1, 0, 0), (0, 1, 1))
+
+
+def test_tree_nodes_reuses_an_unchanged_row_only(monkeypatch):
+    """One host copy per row: the same unchanged row (or a view of it) is not copied again;
+    a changed row, another row with other values, or one at another place is."""
+    import treefx.ops.recurrence as rmod
+
+    copies = []
+    compute = rmod._tree_nodes
+    monkeypatch.setattr(rmod, "_tree_nodes", lambda t: copies.append(1) or compute(t))
+    info = torch.stack([torch.zeros(8, dtype=torch.long),
+                        torch.tensor([-1, 0, 1, 2, 1, 4, -1, 6]),
+                        torch.zeros(8, dtype=torch.long)])
+    row = info[1]
+    first = tree_nodes(row)
+    assert first == ((0, 2, 4, 6), (2, 2, 2, 2), (-1, 0, 0, -1), (0, 1, 1, 0))
+    assert tree_nodes(row) == first and tree_nodes(info[1]) == first and len(copies) == 1
+    info[1, 7] = -1  # in place, through the base: token 7 becomes a root of its own
+    changed = tree_nodes(row)
+    assert len(copies) == 2
+    assert changed == ((0, 2, 4, 6, 7), (2, 2, 2, 1, 1), (-1, 0, 0, -1, -1), (0, 1, 1, 0, 0))
+    assert changed == tree_nodes(torch.tensor([-1, 0, 1, 2, 1, 4, -1, -1]))  # other storage
+    assert len(copies) == 3
+    clone = row.clone()
+    assert tree_nodes(clone) == changed and len(copies) == 4
 
 
 @pytest.mark.parametrize("trees", [[SHORT_NODES], odd_forest(31, VOCAB)], ids=["short", "forest"])

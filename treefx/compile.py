@@ -18,6 +18,7 @@ import torch
 import torch.fx as fx
 
 from .layout import TreeBatch
+from .ops.attention import check_kernel_options
 from .passes import GraphBreakError, GraphContext, TreeCompileError, run_passes
 from .passes.common import example, module_path
 from .passes.loss import tree_token_logprobs
@@ -89,12 +90,13 @@ class TreeEngine:
     ``input_ids`` [1, N] and ``tree_info`` [3, N] (and ``tree_weights`` [2, N] for a step).
     """
 
-    def __init__(self, make_traced, backend: str, block_size: int):
+    def __init__(self, make_traced, backend: str, block_size: int, kernel_options=None):
         if backend not in _BACKENDS:
             raise ValueError(f"backend must be one of {_BACKENDS[:3]}, got {backend!r}")
         self.make_traced = make_traced
         self.backend = backend
         self.block_size = block_size
+        self.kernel_options = check_kernel_options(kernel_options)
         self.num_compilations = 0
         self.contexts: list[GraphContext] = []
         self._runs = 0
@@ -109,7 +111,7 @@ class TreeEngine:
 
     def _dynamo_backend(self, backend: str):
         def compile_graph(gm: fx.GraphModule, example_inputs):
-            ctx = _context(gm, backend, self.block_size)
+            ctx = _context(gm, backend, self.block_size, self.kernel_options)
             self.contexts.append(ctx)  # before the passes: a failed graph can be reported
             run_passes(ctx)
             ctx.done = True
@@ -178,7 +180,7 @@ class TreeModel(torch.nn.Module):
     """
 
     def __init__(self, model: torch.nn.Module, backend: str = "auto", *, block_size: int = 128,
-                 pass_position_ids: bool | None = None):
+                 pass_position_ids: bool | None = None, kernel_options: dict | None = None):
         super().__init__()
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"treefx.compile expects a torch.nn.Module, got {type(model).__name__}")
@@ -200,7 +202,7 @@ class TreeModel(torch.nn.Module):
         self.opts = opts
         self.engine = TreeEngine(
             lambda tag: _make_traced(_tree_forward_template, tag, model=model, opts=opts),
-            backend, block_size,
+            backend, block_size, kernel_options,
         )
 
     @property
@@ -268,7 +270,8 @@ def _vocab_size(model: torch.nn.Module) -> int | None:
 
 
 def compile(model: torch.nn.Module, *, backend: str = "auto", block_size: int = 128,
-            pass_position_ids: bool | None = None) -> TreeModel:
+            pass_position_ids: bool | None = None,
+            kernel_options: dict | None = None) -> TreeModel:
     """Compile ``model`` to run exactly on DFS-packed trees.
 
     ``backend``: ``"inductor"`` (CUDA: FlexAttention with the tree block mask and Inductor's
@@ -276,11 +279,15 @@ def compile(model: torch.nn.Module, *, backend: str = "auto", block_size: int = 
     mask; the reference), or ``"auto"`` (inductor on CUDA, eager otherwise, chosen per batch).
     ``pass_position_ids``: give the model the tree positions as ``position_ids`` (default: when
     its forward takes them); otherwise the positions pass replaces the ``arange`` it builds.
+    ``kernel_options``: FlexAttention kernel options for every tree attention site (tile sizes,
+    ``num_warps``, ``USE_TMA``, ...; BENCHMARKS.md has measured ones), added to treefx's own.
     """
-    return TreeModel(model, backend, block_size=block_size, pass_position_ids=pass_position_ids)
+    return TreeModel(model, backend, block_size=block_size, pass_position_ids=pass_position_ids,
+                     kernel_options=kernel_options)
 
 
-def _context(gm: fx.GraphModule, backend: str, block_size: int) -> GraphContext:
+def _context(gm: fx.GraphModule, backend: str, block_size: int,
+             kernel_options: dict | None = None) -> GraphContext:
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     by_name = {}
     for n in placeholders:
@@ -307,6 +314,7 @@ def _context(gm: fx.GraphModule, backend: str, block_size: int) -> GraphContext:
                                         "aot-eager": "inductor"}.get(backend, "eager"),
         input_ids=ids, tree_info=info, positions=pos, subtree_end=se,
         seq_len=example(ids).shape[1], entry=se.next, block_size=block_size,
+        kernel_options=dict(kernel_options or {}),
         code_before=code_before, modules_before=modules_before,
         tree_weights=by_name.get("tree_weights"))
 

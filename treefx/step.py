@@ -42,11 +42,13 @@ def _step_template(model, input_ids, tree_info, tree_weights, *args, **kwargs):
 class TreeStep:
     """A training step compiled for trees (see :func:`step`)."""
 
-    def __init__(self, fn, *, backend: str = "auto", block_size: int = 128):
+    def __init__(self, fn, *, backend: str = "auto", block_size: int = 128,
+                 kernel_options: dict | None = None):
         functools.update_wrapper(self, fn)
         self.fn = fn
         self.engine = TreeEngine(
-            lambda tag: _make_traced(_step_template, tag, user_fn=fn), backend, block_size
+            lambda tag: _make_traced(_step_template, tag, user_fn=fn), backend, block_size,
+            kernel_options,
         )
 
     @property
@@ -68,7 +70,8 @@ class TreeStep:
         return result
 
 
-def step(fn=None, *, backend: str = "auto", block_size: int = 128):
+def step(fn=None, *, backend: str = "auto", block_size: int = 128,
+         kernel_options: dict | None = None):
     """Decorate a training step ``fn(model, batch, ...) -> loss`` so that
     ``fn(model, tree_batch)`` returns the per-branch baseline loss, exactly, with its gradients.
 
@@ -77,9 +80,10 @@ def step(fn=None, *, backend: str = "auto", block_size: int = 128):
     ``batch["labels"]`` are the tokens (-100 where no sequence trains on a token); which tokens
     count for each sequence comes from the tree's loss masks, and "mean" is over each
     sequence's own masked tokens. Pass ``batch["attention_mask"]`` to a Hugging Face model:
-    without it the model infers packed sequences from the positions. ``backend`` as for
-    :func:`treefx.compile`.
+    without it the model infers packed sequences from the positions. ``backend`` and
+    ``kernel_options`` as for :func:`treefx.compile`.
     """
     if fn is None:
-        return functools.partial(step, backend=backend, block_size=block_size)
-    return TreeStep(fn, backend=backend, block_size=block_size)
+        return functools.partial(step, backend=backend, block_size=block_size,
+                                 kernel_options=kernel_options)
+    return TreeStep(fn, backend=backend, block_size=block_size, kernel_options=kernel_options)

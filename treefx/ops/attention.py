@@ -146,6 +146,27 @@ def _standard_kernel_options() -> dict:
 
 
 _STANDARD_KERNEL = _standard_kernel_options()
+_TREEFX_SETS = ("BACKEND", "FORCE_USE_FLEX_ATTENTION")
+
+
+def check_kernel_options(options) -> dict:
+    """A user's FlexAttention ``kernel_options`` for the tree attention sites (tile sizes,
+    ``num_warps``, ``USE_TMA``, ...), checked: a dict with string keys, not choosing the
+    kernel (treefx keeps the standard one; see :func:`_standard_kernel_options`)."""
+    if options is None:
+        return {}
+    if not isinstance(options, dict):
+        raise TypeError(f"kernel_options must be a dict of FlexAttention kernel options, got "
+                        f"{type(options).__name__}")
+    bad = [k for k in options if not isinstance(k, str)]
+    if bad:
+        raise TypeError(f"kernel_options keys must be option names (str), got {bad!r}")
+    chosen = [k for k in options if k in _TREEFX_SETS]
+    if chosen:
+        raise ValueError(f"kernel_options may not set {chosen}: treefx always uses "
+                         "FlexAttention's standard kernel (its decoding kernel gave wrong tree "
+                         "log-probs on short rows without autograd)")
+    return dict(options)
 
 
 class TreeFlexAttention:
@@ -159,8 +180,9 @@ class TreeFlexAttention:
     """
 
     def __init__(self, *, scale=None, block_size=128, model_mask=None, score_mod=None,
-                 num_score_buffers=0, name="tree_flex_attention"):
+                 num_score_buffers=0, kernel_options=None, name="tree_flex_attention"):
         self.scale = scale
+        self.kernel_options = check_kernel_options(kernel_options)
         self.block_size = block_size
         self.model_mask = model_mask
         self.score_mod = score_mod or _identity_score
@@ -185,7 +207,8 @@ class TreeFlexAttention:
         score_bufs = tuple(bufs[: self.num_score_buffers])
         mask_bufs = (se_pad, pos_pad, *bufs[self.num_score_buffers:])
         scale = self.scale if self.scale is not None else 1.0 / math.sqrt(q.shape[-1])
-        kernel_options = _apply_kernel_options(q, k, v, False, _STANDARD_KERNEL)
+        kernel_options = _apply_kernel_options(q, k, v, False,
+                                               {**_STANDARD_KERNEL, **self.kernel_options})
         out, _, *_ = flex_hop(
             q, k, v, self.score_mod, block_mask.as_tuple(), scale, kernel_options,
             score_bufs, mask_bufs,

@@ -24,9 +24,43 @@ from ..recurrence import Recurrence
 __all__ = ["tree_nodes", "tree_recurrence"]
 
 
+class _LastRow:
+    """The nodes of the last row seen, so that the recurrence layers of one step (forward and
+    recomputed backward) copy the row to the host once, not once per call: on a GPU each copy
+    waits for all queued work.
+
+    A hit needs the same storage, offset, shape, strides and version counter. The row tensor
+    is held, so its memory cannot be handed to another tensor while it is the key, and any
+    in-place change to it (or to a view of it) bumps the version counter. ``entry`` is one
+    (key, row, nodes) tuple, replaced whole (a reader on another thread never sees a key with
+    another row's nodes)."""
+
+    entry: tuple | None = None
+
+
+def _row_key(t: torch.Tensor):
+    try:
+        return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape),
+                t.stride(), t._version)
+    except Exception:  # tensors without storage (fake, functional wrappers): no caching
+        return None
+
+
 def tree_nodes(parent_token: torch.Tensor):
     """(starts, lengths, parent node, depth in nodes) of the tree's nodes, DFS order, as
-    Python lists (the structure is data: this runs eagerly, one host copy of the row)."""
+    tuples (the structure is data: this runs eagerly, one host copy of the row, reused while
+    the same unchanged row comes back)."""
+    key = _row_key(parent_token)
+    entry = _LastRow.entry
+    if key is not None and entry is not None and entry[0] == key:
+        return entry[2]
+    nodes = _tree_nodes(parent_token)
+    if key is not None:
+        _LastRow.entry = (key, parent_token, nodes)
+    return nodes
+
+
+def _tree_nodes(parent_token: torch.Tensor):
     par = parent_token.detach().cpu().numpy().astype(np.int64, copy=False)
     n = par.shape[0]
     children = np.bincount(par[par >= 0], minlength=n)
@@ -43,7 +77,7 @@ def tree_nodes(parent_token: torch.Tensor):
     depth: list[int] = []
     for p in parents:  # DFS order: a parent comes before its children
         depth.append(depth[p] + 1 if p >= 0 else 0)
-    return starts.tolist(), lengths.tolist(), parents, depth
+    return tuple(starts.tolist()), tuple(lengths.tolist()), tuple(parents), tuple(depth)
 
 
 def _pad_seq(x: torch.Tensor, dim: int, length: int, value: float) -> torch.Tensor:

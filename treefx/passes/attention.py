@@ -282,7 +282,7 @@ def _rewrite(ctx: GraphContext, site: _Site) -> fx.Node:
                                          "backend='eager' for this model")
             blocks = _block_nodes(ctx, full=lifted is None)
             fn = TreeFlexAttention(scale=site.scale, block_size=ctx.block_size,
-                                   model_mask=lifted,
+                                   model_mask=lifted, kernel_options=ctx.kernel_options,
                                    name=f"tree_flex_attention_{site.anchor.name}")
             new = g.call_function(fn, (site.q, k, site.v, *blocks, *bufs))
     new.meta.update({k_: v_ for k_, v_ in site.out.meta.items()
