@@ -75,6 +75,36 @@ def pairs_of(se: torch.Tensor) -> int:
     return int((se - torch.arange(se.numel(), device=se.device)).sum())
 
 
+def backward_balance(se: torch.Tensor, kv_heads: int, sms: int, block: int = BLOCK) -> dict:
+    """A model (not a measurement) of the FlexAttention backward's load balance: one program
+    per (kv head, key block) for dK/dV whose work is its column length (query blocks that see
+    the key block), then one per query block for dQ (its row length), launched in grid order
+    (heads outer, blocks inner) onto ``sms`` multiprocessors, one program each at a time.
+    Returns each mask's makespan over the ideal (total work / sms), in grid order and longest
+    first, and the column lengths."""
+    import heapq
+
+    kv_num, kv_idx, full_num, full_idx, _ = tree_block_tensors(se.cpu(), block)
+    nb = kv_num.shape[-1]
+    vis = torch.zeros(nb, nb, dtype=torch.bool)
+    for num, idx in ((kv_num, kv_idx), (full_num, full_idx)):
+        cols = torch.arange(nb)[None, :] < num[0, 0][:, None].long()
+        vis[torch.arange(nb)[:, None].expand(nb, nb)[cols], idx[0, 0].long()[cols]] = True
+    col, row = vis.sum(0).tolist(), vis.sum(1).tolist()
+    work = (col + row) * kv_heads
+
+    def makespan(order):
+        free = [0] * sms
+        for w in order:
+            heapq.heappush(free, heapq.heappop(free) + w)
+        return max(free)
+
+    ideal = sum(work) / sms
+    return {"column_max": max(col), "column_mean": sum(col) / nb, "row_max": max(row),
+            "grid_order_vs_ideal": makespan(work) / ideal,
+            "longest_first_vs_ideal": makespan(sorted(work, reverse=True)) / ideal}
+
+
 def l_equivalent(pairs: int) -> int:
     """L with L(L+1)/2 closest to ``pairs``."""
     return max(1, round((math.sqrt(1 + 8 * pairs) - 1) / 2))
@@ -377,6 +407,13 @@ def e2e_tree_variants(args, env, timer, res, flex, gqa):
         res["e2e_trees"][f"por{por:g}"] = r
         print(f"e2e tree POR {tree.por:.3f}: {n} tokens, {r['tree_pairs']} pairs; packed "
               f"{len(ends)} tokens, {r['baseline_pairs']} pairs", flush=True)
+        sms = (torch.cuda.get_device_properties(0).multi_processor_count if env["cuda"]
+               else 132)
+        r["backward_balance_model"] = {
+            name: backward_balance(s_, args.kv_heads, sms) for name, s_ in (("tree", se),
+                                                                            ("packed", ends))}
+        print(f"  backward load-balance model ({sms} SMs): {r['backward_balance_model']}",
+              flush=True)
 
         def flex_bm(bm, ko=None):
             def attn(q, k, v):
