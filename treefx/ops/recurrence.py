@@ -31,7 +31,9 @@ class _LastRow:
 
     A hit needs the same storage, offset, shape, strides and version counter. The row tensor
     is held, so its memory cannot be handed to another tensor while it is the key, and any
-    in-place change to it (or to a view of it) bumps the version counter. ``entry`` is one
+    in-place change to it (or to a view of it) bumps the version counter; a change made
+    behind torch's back (through a NumPy array sharing its memory) would not be seen, which is
+    why treefx hands this function rows it built itself. ``entry`` is one
     (key, row, nodes) tuple, replaced whole (a reader on another thread never sees a key with
     another row's nodes)."""
 
