@@ -41,6 +41,8 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from timing import timed  # noqa: E402
+
 import treefx  # noqa: E402
 from treefx import synth  # noqa: E402
 from treefx.layout import tree_block_mask  # noqa: E402
@@ -119,20 +121,7 @@ class Timer:
             fn()
         if self.cuda:
             torch.cuda.synchronize()
-        out = []
-        for _ in range(reps):
-            if self.cuda:
-                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                s.record()
-                fn()
-                e.record()
-                torch.cuda.synchronize()
-                out.append(s.elapsed_time(e))
-            else:
-                t0 = time.perf_counter()
-                fn()
-                out.append((time.perf_counter() - t0) * 1e3)
-        return out
+        return [timed(fn, self.cuda)[1] for _ in range(reps)]
 
 
 def qkv(length, heads, kv_heads, d, dtype, dev, seed=0, grad=True):

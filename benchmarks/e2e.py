@@ -56,6 +56,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from timing import timed  # noqa: E402
 
 import treefx  # noqa: E402
 from treefx import synth  # noqa: E402
@@ -550,16 +553,8 @@ def measure(env, step, warmup: int, reps: int) -> dict:
     times, walls = [], []
     for _ in range(reps):
         w0 = time.perf_counter()
-        if env.cuda:
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            loss = step()
-            e.record()
-            torch.cuda.synchronize()
-            times.append(s.elapsed_time(e))
-        else:
-            loss = step()
-            times.append((time.perf_counter() - w0) * 1e3)
+        loss, ms = timed(step, env.cuda)
+        times.append(ms)
         walls.append((time.perf_counter() - w0) * 1e3)
     c2 = dynamo_counts()
     out = {

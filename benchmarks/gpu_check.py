@@ -24,6 +24,9 @@ import traceback
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from timing import timed  # noqa: E402
 
 import treefx  # noqa: E402
 from treefx import synth  # noqa: E402
@@ -181,15 +184,7 @@ def _time(fn, reps=5):
     if DEV != "cuda":
         return float("nan")
     torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e))
-    return statistics.median(times)
+    return statistics.median(timed(fn, True)[1] for _ in range(reps))
 
 
 def case_timing(res):
