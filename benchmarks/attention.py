@@ -82,8 +82,9 @@ def backward_balance(se: torch.Tensor, kv_heads: int, sms: int, block: int = BLO
     per (kv head, key block) for dK/dV whose work is its column length (query blocks that see
     the key block), then one per query block for dQ (its row length), launched in grid order
     (heads outer, blocks inner) onto ``sms`` multiprocessors, one program each at a time.
-    Returns each mask's makespan over the ideal (total work / sms), in grid order and longest
-    first, and the column lengths."""
+    Returns each mask's makespan over the ideal (total work / sms), in grid order, with the
+    heads interleaved along the row (:func:`heads_interleaved`) and longest first, and the
+    column lengths."""
     import heapq
 
     kv_num, kv_idx, full_num, full_idx, _ = tree_block_tensors(se.cpu(), block)
@@ -104,6 +105,9 @@ def backward_balance(se: torch.Tensor, kv_heads: int, sms: int, block: int = BLO
     ideal = sum(work) / sms
     return {"column_max": max(col), "column_mean": sum(col) / nb, "row_max": max(row),
             "grid_order_vs_ideal": makespan(work) / ideal,
+            "heads_interleaved_vs_ideal": makespan(  # heads_interleaved(): blocks outer
+                [c for c in col for _ in range(kv_heads)]
+                + [r_ for r_ in row for _ in range(kv_heads)]) / ideal,
             "longest_first_vs_ideal": makespan(sorted(work, reverse=True)) / ideal}
 
 
@@ -423,6 +427,9 @@ def e2e_tree_variants(args, env, timer, res, flex, gqa):
                 r[f"tree_b{block}_blocks"] = {"partial": int(t[0].sum()), "full": int(t[2].sum())}
             except Exception:
                 r[f"tree_b{block}_error"] = traceback.format_exc()[-2000:]
+        inter = heads_interleaved(se, args.kv_heads)
+        cases["tree_b128_heads_interleaved"] = (lambda q, k, v: inter(q, k, v, flex), n,
+                                                r["tree_pairs"])
         t = tree_block_tensors(se, 128, full=False)
         cases["tree_b128_all_partial"] = (flex_bm(_block_mask(*t, n, 128)), n, r["tree_pairs"])
         t = _diagonal_only(se, 128)
@@ -508,6 +515,58 @@ def kernel_sweep(se, ends, args, env, timer, r, gqa, save):
             flush=True)
 
 
+def heads_interleaved(se: torch.Tensor, kv_heads: int, block: int = BLOCK):
+    """Tree attention with the KV heads interleaved along the row at block granularity: row
+    block ``b * kv_heads + g`` holds block ``b`` of KV head ``g``. FlexAttention's backward
+    launches its programs head by head, so in the usual layout the long-running programs of the
+    shared-prefix key blocks of the last heads start last (``backward_balance``); interleaved,
+    every head's first blocks launch first. Returns ``attn(q, k, v)`` on the usual [1, H, N, D]
+    tensors; the permutation copies are inside it (timed with the attention)."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    from treefx.ops.attention import _tree_mask_mod
+
+    n = se.numel()
+    kv_num, kv_idx, full_num, full_idx, se_pad = tree_block_tensors(se, block)
+    nb, hk = kv_num.shape[-1], kv_heads
+    g = torch.arange(hk, device=se.device)
+
+    def spread(num, idx):  # row block b -> rows b*hk + g, kv block j -> j*hk + g
+        num = num.repeat_interleave(hk, dim=-1)
+        idx = (idx[..., :, None, :] * hk + g[:, None]).reshape(1, 1, nb * hk, nb)
+        idx = torch.cat([idx, torch.zeros(1, 1, nb * hk, nb * hk - nb, dtype=idx.dtype,
+                                          device=idx.device)], dim=-1)
+        return num, idx.to(torch.int32)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        same = (q_idx // block) % hk == (kv_idx // block) % hk
+        qp = (q_idx // (block * hk)) * block + q_idx % block
+        kp = (kv_idx // (block * hk)) * block + kv_idx % block
+        return same & _tree_mask_mod(b, h, qp, kp, se_pad)
+
+    length = nb * hk * block
+    bm = BlockMask.from_kv_blocks(*spread(kv_num, kv_idx), *spread(full_num, full_idx),
+                                  BLOCK_SIZE=block, mask_mod=mask_mod,
+                                  seq_lengths=(length, length))
+    pad = nb * block - n
+
+    def interleave(x, heads):  # [1, hk*heads, N, D] -> [1, heads, nb*hk*block, D]
+        d = x.shape[-1]
+        x = F.pad(x.view(1, hk, heads, n, d), (0, 0, 0, pad))
+        x = x.view(1, hk, heads, nb, block, d).permute(0, 2, 3, 1, 4, 5)
+        return x.reshape(1, heads, length, d)
+
+    def attn(q, k, v, flex):
+        gq = q.shape[1] // hk
+        o = flex(interleave(q, gq), interleave(k, 1), interleave(v, 1), block_mask=bm,
+                 enable_gqa=gq > 1)
+        d = o.shape[-1]
+        o = o.view(1, gq, nb, hk, block, d).permute(0, 3, 1, 2, 4, 5)
+        return o.reshape(1, hk * gq, nb * block, d)[:, :, :n]
+
+    return attn
+
+
 def treefx_op(se, n, cuda, gqa):
     """The op treefx's attention pass inserts (TreeFlexAttention), compiled, with its block
     tensors built once."""
@@ -539,6 +598,10 @@ def dry_checks(se, n, args, flex_with, bm_tree, gqa) -> dict:
         if bm_tree is not None:
             got = flex_with(bm_tree)(q, k, v)
             out["flex_tree_vs_dense_max_abs"] = (got - ref).abs().max().item()
+            from torch.nn.attention.flex_attention import flex_attention
+
+            got = heads_interleaved(se, args.kv_heads)(q, k, v, flex_attention)
+            out["heads_interleaved_vs_dense_max_abs"] = (got - ref).abs().max().item()
         try:
             out["treefx_op_vs_dense_max_abs"] = (
                 treefx_op(se, n, False, gqa)(q, k, v) - ref).abs().max().item()
