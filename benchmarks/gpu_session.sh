@@ -18,6 +18,9 @@
 #                                               1024), the e2e step and its 12-tree stream
 #   bash benchmarks/gpu_session.sh fla         fla's varlen fast path, forward (carry .whl)
 #   bash benchmarks/gpu_session.sh hostgaps    where the GPU waits for the host in the e2e step
+#   bash benchmarks/gpu_session.sh next        (for the next session) exactness after this
+#                                               session's CPU-only changes, the hybrid with the
+#                                               tree_nodes cache, heads-interleaved attention
 # Needs .whl/ with the fla-core, flash-linear-attention and einops wheels (carried).
 set -u
 export PYTHONPATH=.
@@ -122,6 +125,16 @@ fla() {
     timeout 200 python benchmarks/e2e.py --hidden 1024 --por 0.75 --methods treefx,packed \
         --profile --stream 0 --mask-reps 0 --budget 180 --out "$OUT/e2e_hostgaps.json" 2>&1 \
         | grep -v Warning | tail -25
+    ;;
+  next)
+    PYTHONUNBUFFERED=1 timeout 150 python benchmarks/gpu_check.py \
+        --cases short-rows,inference,qwen3-fp32 --out "$OUT/gpu_check_exact.json" \
+        --err-dir /tmp/err 2>&1 | grep -v Warning | tail -40
+    PYTHONUNBUFFERED=1 TREEFX_HYBRID_MODELS=qwen3_next timeout 150 python benchmarks/gpu_check.py \
+        --cases hybrid-fp32 --out "$OUT/gpu_check_hybrid.json" --err-dir /tmp/err 2>&1 \
+        | grep -v Warning | tail -20
+    PYTHONUNBUFFERED=1 timeout 200 python benchmarks/attention.py --e2e-trees 0.75 --tokens "" \
+        --reps 10 --kv-heads 8 --out "$OUT/attention_layouts.json" 2>&1 | grep -v Warning | tail -30
     ;;
   final)
     timeout 200 python benchmarks/gpu_check.py --cases inference,qwen3-fp32 \
