@@ -112,8 +112,11 @@ def tree_recurrence(rec: Recurrence, parent_token: torch.Tensor, args: tuple, kw
                                           for t in seq.values())
     final: dict[int, torch.Tensor] = {}
     outputs: dict[int, torch.Tensor] = {}
-    for level in range(max(depth) + 1):
-        nodes = [i for i, d in enumerate(depth) if d == level]
+    levels: dict[int, list[int]] = {}
+    for i, d in enumerate(depth):  # one pass: deep trees have many levels
+        levels.setdefault(d, []).append(i)
+    for level in range(len(levels)):
+        nodes = levels[level]
         init = torch.stack([final[parents[i]] for i in nodes]) if level > 0 else None
         if fast:
             out, fin = _level_varlen(rec, seq, static, init, nodes, starts, lengths)
