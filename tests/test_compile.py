@@ -363,6 +363,11 @@ def test_kernel_options_reach_every_tree_attention_site():
         a = plain(treefx.pack(trees)).token_logprobs
         b = tuned(treefx.pack(trees)).token_logprobs
     torch.testing.assert_close(a, b, atol=0, rtol=0)
+    batch = treefx.pack(trees)
+    with torch.no_grad():
+        ref = treefx.reference.sequence_logprobs(model, trees)
+    for i, lp in enumerate(ref):  # and against the oracle, each sequence alone
+        torch.testing.assert_close(b[batch.sequence_index(i)[1:]], lp, atol=1e-6, rtol=0)
     sites = [n.target for n in tuned.contexts[0].gm.graph.nodes
              if isinstance(n.target, TreeFlexAttention)]
     assert len(sites) == model.config.num_hidden_layers
