@@ -430,6 +430,11 @@ def e2e_tree_variants(args, env, timer, res, flex, gqa):
         inter = heads_interleaved(se, args.kv_heads)
         cases["tree_b128_heads_interleaved"] = (lambda q, k, v: inter(q, k, v, flex), n,
                                                 r["tree_pairs"])
+        cases["TIMING_ONLY_interleave_copies"] = (interleave_copies(se, args.kv_heads), n,
+                                                  r["tree_pairs"])
+        for il in (False, True):
+            cases["treefx_op" + ("_interleaved" if il else "")] = (
+                treefx_op(se, n, env["cuda"], gqa, interleave=il), n, r["tree_pairs"])
         t = tree_block_tensors(se, 128, full=False)
         cases["tree_b128_all_partial"] = (flex_bm(_block_mask(*t, n, 128)), n, r["tree_pairs"])
         t = _diagonal_only(se, 128)
@@ -520,66 +525,71 @@ def heads_interleaved(se: torch.Tensor, kv_heads: int, block: int = BLOCK):
     block ``b * kv_heads + g`` holds block ``b`` of KV head ``g``. FlexAttention's backward
     launches its programs head by head, so in the usual layout the long-running programs of the
     shared-prefix key blocks of the last heads start last (``backward_balance``); interleaved,
-    every head's first blocks launch first. Returns ``attn(q, k, v)`` on the usual [1, H, N, D]
-    tensors; the permutation copies are inside it (timed with the attention)."""
+    every head's first blocks launch first. Returns ``attn(q, k, v, flex)`` on the usual
+    [1, H, N, D] tensors, built from treefx's own pieces (``interleave_block_tensors``, the
+    row permutation, the mask_mod of ``TreeFlexAttention(interleave_heads=True)``); the
+    permutation copies are inside it (timed with the attention, eager ops here; compiled into
+    the surrounding kernels in ``treefx_op(..., interleave=True)``)."""
     from torch.nn.attention.flex_attention import BlockMask
 
-    from treefx.ops.attention import _tree_mask_mod
+    from treefx.ops.attention import (
+        TreeFlexAttention,
+        _heads_to_row,
+        _row_to_heads,
+        interleave_block_tensors,
+    )
 
     n = se.numel()
     kv_num, kv_idx, full_num, full_idx, se_pad = tree_block_tensors(se, block)
     nb, hk = kv_num.shape[-1], kv_heads
-    g = torch.arange(hk, device=se.device)
-
-    def spread(num, idx):  # row block b -> rows b*hk + g, kv block j -> j*hk + g
-        num = num.repeat_interleave(hk, dim=-1)
-        idx = (idx[..., :, None, :] * hk + g[:, None]).reshape(1, 1, nb * hk, nb)
-        idx = torch.cat([idx, torch.zeros(1, 1, nb * hk, nb * hk - nb, dtype=idx.dtype,
-                                          device=idx.device)], dim=-1)
-        return num, idx.to(torch.int32)
-
-    def mask_mod(b, h, q_idx, kv_idx):
-        same = (q_idx // block) % hk == (kv_idx // block) % hk
-        qp = (q_idx // (block * hk)) * block + q_idx % block
-        kp = (kv_idx // (block * hk)) * block + kv_idx % block
-        return same & _tree_mask_mod(b, h, qp, kp, se_pad)
-
+    pos_pad = torch.zeros_like(se_pad)  # no model mask: positions unused
     length = nb * hk * block
-    bm = BlockMask.from_kv_blocks(*spread(kv_num, kv_idx), *spread(full_num, full_idx),
-                                  BLOCK_SIZE=block, mask_mod=mask_mod,
-                                  seq_lengths=(length, length))
-    pad = nb * block - n
-
-    def interleave(x, heads):  # [1, hk*heads, N, D] -> [1, heads, nb*hk*block, D]
-        d = x.shape[-1]
-        x = F.pad(x.view(1, hk, heads, n, d), (0, 0, 0, pad))
-        x = x.view(1, hk, heads, nb, block, d).permute(0, 2, 3, 1, 4, 5)
-        return x.reshape(1, heads, length, d)
+    cache = {}
 
     def attn(q, k, v, flex):
         gq = q.shape[1] // hk
-        o = flex(interleave(q, gq), interleave(k, 1), interleave(v, 1), block_mask=bm,
+        if gq not in cache:
+            op = TreeFlexAttention(block_size=block, interleave_heads=True)
+            mods, _ = op._interleaved_mods(hk, gq)
+            cache[gq] = BlockMask.from_kv_blocks(
+                *interleave_block_tensors(kv_num, kv_idx, hk),
+                *interleave_block_tensors(full_num, full_idx, hk), BLOCK_SIZE=block,
+                mask_mod=lambda b, h, qi, ki: mods(b, h, qi, ki, se_pad, pos_pad),
+                seq_lengths=(length, length))
+        o = flex(*(_heads_to_row(x, hk, nb, block) for x in (q, k, v)), block_mask=cache[gq],
                  enable_gqa=gq > 1)
-        d = o.shape[-1]
-        o = o.view(1, gq, nb, hk, block, d).permute(0, 3, 1, 2, 4, 5)
-        return o.reshape(1, hk * gq, nb * block, d)[:, :, :n]
+        return _row_to_heads(o, hk, nb, block, n)
 
     return attn
 
 
-def treefx_op(se, n, cuda, gqa):
-    """The op treefx's attention pass inserts (TreeFlexAttention), compiled, with its block
-    tensors built once."""
+def interleave_copies(se: torch.Tensor, kv_heads: int, block: int = BLOCK):
+    """TIMING ONLY: the row permutation of q, k, v and back, without attention (its cost in
+    ``heads_interleaved``)."""
+    from treefx.ops.attention import _heads_to_row, _row_to_heads
+
+    n = se.numel()
+    nb = -(-n // block)
+
+    def attn(q, k, v):
+        rows = [_heads_to_row(x, kv_heads, nb, block) for x in (q, k, v)]
+        mixed = rows[0] + rows[1].repeat_interleave(rows[0].shape[1] // rows[1].shape[1], 1) \
+            + rows[2].repeat_interleave(rows[0].shape[1] // rows[2].shape[1], 1)
+        return _row_to_heads(mixed, kv_heads, nb, block, n)
+
+    return attn
+
+
+def treefx_op(se, n, cuda, gqa, interleave=False):
+    """The op treefx's attention pass inserts (TreeFlexAttention; KV heads shared natively, as
+    the pass gives them), compiled, with its block tensors built once."""
     from treefx.ops.attention import TreeFlexAttention
 
     kv_num, kv_idx, full_num, full_idx, se_pad = tree_block_tensors(se, BLOCK)
     pos_pad = torch.zeros_like(se_pad)  # no model mask: positions unused
-    op = TreeFlexAttention(block_size=BLOCK)
+    op = TreeFlexAttention(block_size=BLOCK, interleave_heads=interleave)
 
     def call(q, k, v):
-        if gqa:
-            rep = q.shape[1] // k.shape[1]
-            k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
         return op(q, k, v, kv_num, kv_idx, full_num, full_idx, se_pad, pos_pad)
 
     return torch.compile(call, dynamic=False) if cuda else call
@@ -602,11 +612,12 @@ def dry_checks(se, n, args, flex_with, bm_tree, gqa) -> dict:
 
             got = heads_interleaved(se, args.kv_heads)(q, k, v, flex_attention)
             out["heads_interleaved_vs_dense_max_abs"] = (got - ref).abs().max().item()
-        try:
-            out["treefx_op_vs_dense_max_abs"] = (
-                treefx_op(se, n, False, gqa)(q, k, v) - ref).abs().max().item()
-        except Exception:
-            out["treefx_op_error"] = traceback.format_exc()[-1500:]
+        for il, key in ((False, "treefx_op"), (True, "treefx_op_interleaved")):
+            try:
+                out[f"{key}_vs_dense_max_abs"] = (
+                    treefx_op(se, n, False, gqa, interleave=il)(q, k, v) - ref).abs().max().item()
+            except Exception:
+                out[f"{key}_error"] = traceback.format_exc()[-1500:]
     return out
 
 

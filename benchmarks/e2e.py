@@ -370,9 +370,9 @@ class PackedData:
         return ids, pos, ends, src, w
 
 
-def method_treefx(env, model, parts):
-    tm = treefx.compile(model, backend=env.tree_backend)
-    parts["treefx_model"] = tm
+def method_treefx(env, model, parts, key="treefx_model", **options):
+    tm = treefx.compile(model, backend=env.tree_backend, **options)
+    parts[key] = tm
 
     return lambda tree: _tree_step(env, model, tm, tree)
 
@@ -530,7 +530,8 @@ def method_packed_reset(env, model, parts):
 
 
 METHODS = ("treefx", "packed", "hand", "one_by_one")
-EXTRA_METHODS = ("treefx_step", "packed_reset")  # opt-in with --methods
+# opt-in with --methods; treefx_interleaved: treefx.compile(..., interleave_heads=True)
+EXTRA_METHODS = ("treefx_step", "packed_reset", "treefx_interleaved")
 
 
 # ----------------------------------------------------------------------------- timing
@@ -886,6 +887,8 @@ def run_hidden(env, args, hidden, trees, res, deadline, first_hidden) -> None:
         "hand": lambda: method_hand(env, model, parts),
         "one_by_one": lambda: method_one_by_one(env, model, parts, args.obo_compile),
         "treefx_step": lambda: method_treefx_step(env, model, parts),
+        "treefx_interleaved": lambda: method_treefx(
+            env, model, parts, key="treefx_interleaved_model", interleave_heads=True),
         "packed_reset": lambda: method_packed_reset(env, model, parts),
     }
     parts["prepare"] = {}
@@ -911,8 +914,8 @@ def run_hidden(env, args, hidden, trees, res, deadline, first_hidden) -> None:
                     print(f"  GPU idle {hg.get('gap_ms_per_step', 0):.1f} ms/step in "
                           f"{hg.get('gaps', 0)} gaps; largest: {hg.get('largest_gaps_us', [])[:6]}",
                           flush=True)
-                if name in ("treefx", "treefx_step"):
-                    tm = parts["treefx_model" if name == "treefx" else "treefx_step_fn"]
+                if name in ("treefx", "treefx_step", "treefx_interleaved"):
+                    tm = parts["treefx_step_fn" if name == "treefx_step" else f"{name}_model"]
                     r["treefx_compilations_total"] = tm.num_compilations
                 slot[name] = r
                 msg = (f"{r['step_ms']:.1f} ms, first step {r['first_step_s']:.1f} s"
@@ -1030,8 +1033,8 @@ def targets(res) -> list[dict]:
         for key, need in (("hidden1024", 0.93), ("hidden2048", 0.95)):
             m = res["runs"].get(key, {}).get(lab, {})
             pk, hd = (m.get(x, {}).get("step_ms") for x in ("packed", "hand"))
-            for meth in ("treefx", "treefx_step"):
-                if meth == "treefx_step" and meth not in m:
+            for meth in ("treefx", "treefx_step", "treefx_interleaved"):
+                if meth != "treefx" and meth not in m:
                     continue
                 tf = m.get(meth, {}).get("step_ms")
                 share = pk / tf / info["bound"] if tf and pk else None

@@ -35,6 +35,7 @@ from treefx import synth  # noqa: E402
 # from CUDA with the inductor backend.
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 BACKEND = "inductor" if DEV == "cuda" else "eager"
+COMPILE_KW = {"backend": BACKEND}  # every treefx.compile / treefx.step here (--interleave-heads)
 
 
 def hf_model(model_type: str, dtype=torch.float32, seed=0, **cfg):
@@ -95,7 +96,7 @@ def case_qwen3_fp32(res):
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     model = hf_model("qwen3", **SMALL)
-    tm = treefx.compile(model, backend=BACKEND)
+    tm = treefx.compile(model, **COMPILE_KW)
     trees = small_trees(SMALL["vocab_size"])
     for red in ("sum", "mean"):
         res[f"qwen3-fp32-{red}"] = compare(tm, model, trees, red)
@@ -123,7 +124,7 @@ def case_qwen3_bf16(res):
     low = hf_model("qwen3", torch.bfloat16, **SMALL)
     low.load_state_dict({k: v.to(torch.bfloat16) for k, v in ref.state_dict().items()})
     trees = small_trees(SMALL["vocab_size"])
-    tm = treefx.compile(low, backend=BACKEND)
+    tm = treefx.compile(low, **COMPILE_KW)
     res["qwen3-bf16-tree-vs-fp32-oracle"] = compare(tm, ref, trees, "mean")
 
     res["qwen3-bf16-perbranch-vs-fp32-oracle"] = compare(PerBranch(low), ref, trees, "mean")
@@ -133,13 +134,13 @@ def case_mistral_window(res):
     torch.backends.cuda.matmul.allow_tf32 = False
     cfg = dict(SMALL, sliding_window=64)
     model = hf_model("mistral", **cfg)
-    tm = treefx.compile(model, backend=BACKEND)
+    tm = treefx.compile(model, **COMPILE_KW)
     res["mistral-window64-fp32"] = compare(tm, model, small_trees(cfg["vocab_size"]), "mean")
 
 
 def case_recompiles(res):
     model = hf_model("qwen3", torch.bfloat16, **SMALL)
-    tm = treefx.compile(model, backend=BACKEND)
+    tm = treefx.compile(model, **COMPILE_KW)
     sizes = []
     for seed in range(20):
         tree = synth.agent_tree(100 + seed, vocab_size=SMALL["vocab_size"],
@@ -163,7 +164,7 @@ def case_recompiles_wide(res):
            treefx.Tree.from_sequences([[9] * 40, [9] * 20 + [8] * 24])]
     streams = [few] + [[synth.agent_tree(200 + i, vocab_size=SMALL["vocab_size"],
                                          rollouts=1 + i % 4)] * (1 + i % 3) for i in range(11)]
-    tm = treefx.compile(model, backend=BACKEND)
+    tm = treefx.compile(model, **COMPILE_KW)
     for mode in ("training", "no-grad"):
         sizes, counts = [], []
         for trees in streams:
@@ -193,7 +194,7 @@ def case_timing(res):
                num_attention_heads=16, num_key_value_heads=8, head_dim=128)
     model = hf_model("qwen3", torch.bfloat16, **cfg)
     tree = synth.agent_tree(7, vocab_size=32000, rollouts=4, target_por=0.75)
-    tm = treefx.compile(model, backend=BACKEND)
+    tm = treefx.compile(model, **COMPILE_KW)
 
     def tree_step():
         batch = treefx.pack(tree, reduction="mean").to(DEV)  # layout and mask included
@@ -230,7 +231,7 @@ def case_step_fp32(res):
     """@treefx.step with a Hugging Face labels= loss (fused projection + tree cross-entropy)."""
     torch.backends.cuda.matmul.allow_tf32 = False
     model = hf_model("qwen3", **SMALL)
-    step = treefx.step(hf_labels_step, backend=BACKEND)
+    step = treefx.step(hf_labels_step, **COMPILE_KW)
     trees = small_trees(SMALL["vocab_size"])
     batch = treefx.pack(trees).to(DEV)
     loss = step(model, batch)
@@ -256,8 +257,8 @@ def case_loss_memory(res):
     model = hf_model("qwen3", torch.bfloat16, **cfg)
     tree = synth.agent_tree(3, vocab_size=cfg["vocab_size"], rollouts=8, target_por=0.75)
     batch = treefx.pack(tree, reduction="mean").to(DEV)
-    tm = treefx.compile(model, backend=BACKEND)
-    step = treefx.step(hf_labels_step, backend=BACKEND)
+    tm = treefx.compile(model, **COMPILE_KW)
+    step = treefx.step(hf_labels_step, **COMPILE_KW)
     out = {"tree": repr(tree), "vocab": cfg["vocab_size"]}
     for name, fn in (
         ("logits-materialized", lambda: treefx.tree_loss(tm(batch), batch)),
@@ -317,7 +318,7 @@ def case_hybrid_fp32(res):
     res["hybrid-varlen-fast-path"] = _kernels()
     trees = small_trees(1024)
     for name, model in hybrid_models().items():
-        tm = treefx.compile(model, backend=BACKEND)
+        tm = treefx.compile(model, **COMPILE_KW)
         res[f"hybrid-{name}-fp32"] = compare(tm, model, trees, "mean")
 
 
@@ -328,7 +329,7 @@ def case_hybrid_bf16(res):
     trees = small_trees(1024)
     refs = hybrid_models()
     for name, low in hybrid_models(torch.bfloat16).items():
-        tm = treefx.compile(low, backend=BACKEND)
+        tm = treefx.compile(low, **COMPILE_KW)
         res[f"hybrid-{name}-bf16-tree-vs-fp32-oracle"] = compare(tm, refs[name], trees, "mean")
         res[f"hybrid-{name}-bf16-perbranch-vs-fp32-oracle"] = compare(
             PerBranch(low), refs[name], trees, "mean")
@@ -353,7 +354,7 @@ def case_inference(res):
     few = [treefx.Tree.from_sequences([[1, 2, 3, 4, 5], [1, 2, 3, 6], [7]]),
            treefx.Tree.from_sequences([[9] * 40, [9] * 20 + [8] * 24])]
     for label, trees in (("tiny", few), ("small-trees", small_trees(SMALL["vocab_size"]))):
-        tm = treefx.compile(model, backend=BACKEND)
+        tm = treefx.compile(model, **COMPILE_KW)
         res[f"inference-qwen3-{label}"] = _forward_err(tm, model, trees)
 
 
@@ -367,7 +368,7 @@ def case_short_rows(res):
            treefx.Tree.from_sequences([[9] * 40, [9] * 20 + [8] * 24])]
     block = [treefx.Tree.from_sequences([[5] * 60 + [6] * 20, [5] * 60 + [7] * 48])]
     two = [treefx.Tree.from_sequences([[3] * 100 + [4] * 60, [3] * 100 + [2] * 96])]
-    tm = treefx.compile(model, backend=BACKEND)
+    tm = treefx.compile(model, **COMPILE_KW)
     for label, trees in (("71", few), ("128", block), ("256", two)):
         assert treefx.pack(trees).num_tokens == int(label)
         try:
@@ -394,7 +395,7 @@ def case_hybrid_forward(res):
     trees = small_trees(1024)
     for dtype in (torch.float32, torch.bfloat16):
         for name, model in hybrid_models(dtype).items():
-            tm = treefx.compile(model, backend=BACKEND)
+            tm = treefx.compile(model, **COMPILE_KW)
             key = f"hybrid-{name}-forward-{str(dtype)[6:]}"
             res[key] = _forward_err(tm, model, trees)
             print(f"  {key}: {res[key]}", flush=True)  # a run stopped at its limit keeps it
@@ -410,7 +411,7 @@ def case_small_trees(res):
 
     for label, trees in (("tiny", few), ("odd-forest", odd_forest(3, 1024)),
                          ("block-plus", few + odd_forest(4, 1024))):
-        tm = treefx.compile(model, backend=BACKEND)
+        tm = treefx.compile(model, **COMPILE_KW)
         try:
             res[f"small-{label}"] = compare(tm, model, trees, "mean")
         except Exception:
@@ -457,8 +458,11 @@ def main():
     p.add_argument("--err-dir", default=None, help="write full tracebacks here")
     p.add_argument("--tma", action="store_true",
                    help="FlexAttention kernel option USE_TMA on (treefx leaves it off)")
+    p.add_argument("--interleave-heads", action="store_true",
+                   help="treefx.compile(..., interleave_heads=True) everywhere")
     args = p.parse_args()
     ERR_DIR = args.err_dir
+    COMPILE_KW["interleave_heads"] = args.interleave_heads
     if args.tma:
         from treefx.ops import attention
 
@@ -470,6 +474,7 @@ def main():
     except ImportError:
         triton = None
     res = {"device": torch.cuda.get_device_name() if DEV == "cuda" else "cpu", "tma": args.tma,
+           "interleave_heads": args.interleave_heads,
            "torch": torch.__version__,
            "triton": getattr(triton, "__version__", None), "transformers": transformers.__version__}
     for name in args.cases.split(","):

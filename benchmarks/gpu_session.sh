@@ -21,6 +21,11 @@
 #   bash benchmarks/gpu_session.sh next        (for the next session) exactness after this
 #                                               session's CPU-only changes, the hybrid with the
 #                                               tree_nodes cache, heads-interleaved attention
+#   bash benchmarks/gpu_session.sh layouts     exactness with the KV heads shared natively,
+#                                               with and without interleave_heads; tree
+#                                               attention layouts incl. the treefx op both ways
+#   bash benchmarks/gpu_session.sh layouts_e2e e2e at POR 0.75, hidden 1024 and 2048:
+#                                               treefx, treefx_interleaved, packed, hand
 # Needs .whl/ with the fla-core, flash-linear-attention and einops wheels (carried).
 set -u
 export PYTHONPATH=.
@@ -135,6 +140,21 @@ fla() {
         | grep -v Warning | tail -20
     PYTHONUNBUFFERED=1 timeout 200 python benchmarks/attention.py --e2e-trees 0.75 --tokens "" \
         --reps 10 --kv-heads 8 --out "$OUT/attention_layouts.json" 2>&1 | grep -v Warning | tail -30
+    ;;
+  layouts)
+    PYTHONUNBUFFERED=1 timeout 170 python benchmarks/gpu_check.py \
+        --cases qwen3-fp32,mistral-window,qwen3-bf16 --out "$OUT/gpu_check_shared_kv.json" \
+        --err-dir /tmp/err 2>&1 | grep -v Warning | tail -30
+    PYTHONUNBUFFERED=1 timeout 170 python benchmarks/gpu_check.py --interleave-heads \
+        --cases qwen3-fp32,mistral-window,qwen3-bf16 --out "$OUT/gpu_check_interleaved.json" \
+        --err-dir /tmp/err 2>&1 | grep -v Warning | tail -30
+    PYTHONUNBUFFERED=1 timeout 200 python benchmarks/attention.py --e2e-trees 0.75 --tokens "" \
+        --reps 10 --kv-heads 8 --out "$OUT/attention_layouts2.json" 2>&1 | grep -v Warning | tail -30
+    ;;
+  layouts_e2e)
+    PYTHONUNBUFFERED=1 timeout 570 python benchmarks/e2e.py --hidden 1024,2048 --por 0.75 \
+        --methods treefx,treefx_interleaved,packed,hand --stream 0 --budget 500 \
+        --out "$OUT/e2e_layouts.json" 2>&1 | grep -v Warning | tail -45
     ;;
   final)
     timeout 200 python benchmarks/gpu_check.py --cases inference,qwen3-fp32 \

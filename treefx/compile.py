@@ -18,7 +18,7 @@ import torch
 import torch.fx as fx
 
 from .layout import TreeBatch
-from .ops.attention import check_kernel_options
+from .ops.attention import check_interleave_heads, check_kernel_options
 from .passes import GraphBreakError, GraphContext, TreeCompileError, run_passes
 from .passes.common import example, module_path
 from .passes.loss import tree_token_logprobs
@@ -90,13 +90,15 @@ class TreeEngine:
     ``input_ids`` [1, N] and ``tree_info`` [3, N] (and ``tree_weights`` [2, N] for a step).
     """
 
-    def __init__(self, make_traced, backend: str, block_size: int, kernel_options=None):
+    def __init__(self, make_traced, backend: str, block_size: int, kernel_options=None,
+                 interleave_heads: bool = False):
         if backend not in _BACKENDS:
             raise ValueError(f"backend must be one of {_BACKENDS[:3]}, got {backend!r}")
         self.make_traced = make_traced
         self.backend = backend
         self.block_size = block_size
         self.kernel_options = check_kernel_options(kernel_options)
+        self.interleave_heads = check_interleave_heads(interleave_heads, self.kernel_options)
         self.num_compilations = 0
         self.contexts: list[GraphContext] = []
         self._runs = 0
@@ -111,7 +113,8 @@ class TreeEngine:
 
     def _dynamo_backend(self, backend: str):
         def compile_graph(gm: fx.GraphModule, example_inputs):
-            ctx = _context(gm, backend, self.block_size, self.kernel_options)
+            ctx = _context(gm, backend, self.block_size, self.kernel_options,
+                           self.interleave_heads)
             self.contexts.append(ctx)  # before the passes: a failed graph can be reported
             run_passes(ctx)
             ctx.done = True
@@ -180,7 +183,8 @@ class TreeModel(torch.nn.Module):
     """
 
     def __init__(self, model: torch.nn.Module, backend: str = "auto", *, block_size: int = 128,
-                 pass_position_ids: bool | None = None, kernel_options: dict | None = None):
+                 pass_position_ids: bool | None = None, kernel_options: dict | None = None,
+                 interleave_heads: bool = False):
         super().__init__()
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"treefx.compile expects a torch.nn.Module, got {type(model).__name__}")
@@ -202,7 +206,7 @@ class TreeModel(torch.nn.Module):
         self.opts = opts
         self.engine = TreeEngine(
             lambda tag: _make_traced(_tree_forward_template, tag, model=model, opts=opts),
-            backend, block_size, kernel_options,
+            backend, block_size, kernel_options, interleave_heads,
         )
 
     @property
@@ -271,7 +275,7 @@ def _vocab_size(model: torch.nn.Module) -> int | None:
 
 def compile(model: torch.nn.Module, *, backend: str = "auto", block_size: int = 128,
             pass_position_ids: bool | None = None,
-            kernel_options: dict | None = None) -> TreeModel:
+            kernel_options: dict | None = None, interleave_heads: bool = False) -> TreeModel:
     """Compile ``model`` to run exactly on DFS-packed trees.
 
     ``backend``: ``"inductor"`` (CUDA: FlexAttention with the tree block mask and Inductor's
@@ -281,13 +285,17 @@ def compile(model: torch.nn.Module, *, backend: str = "auto", block_size: int = 
     its forward takes them); otherwise the positions pass replaces the ``arange`` it builds.
     ``kernel_options``: FlexAttention kernel options for every tree attention site (tile sizes,
     ``num_warps``, ``USE_TMA``, ...; BENCHMARKS.md has measured ones), added to treefx's own.
+    ``interleave_heads``: lay the KV heads out along the row, block by block, at every tree
+    attention site (same values; a different schedule for FlexAttention's backward, whose
+    long shared-prefix key columns of the last heads otherwise run last; BENCHMARKS.md).
     """
     return TreeModel(model, backend, block_size=block_size, pass_position_ids=pass_position_ids,
-                     kernel_options=kernel_options)
+                     kernel_options=kernel_options, interleave_heads=interleave_heads)
 
 
 def _context(gm: fx.GraphModule, backend: str, block_size: int,
-             kernel_options: dict | None = None) -> GraphContext:
+             kernel_options: dict | None = None,
+             interleave_heads: bool = False) -> GraphContext:
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     by_name = {}
     for n in placeholders:
@@ -314,7 +322,7 @@ def _context(gm: fx.GraphModule, backend: str, block_size: int,
                                         "aot-eager": "inductor"}.get(backend, "eager"),
         input_ids=ids, tree_info=info, positions=pos, subtree_end=se,
         seq_len=example(ids).shape[1], entry=se.next, block_size=block_size,
-        kernel_options=dict(kernel_options or {}),
+        kernel_options=dict(kernel_options or {}), interleave_heads=interleave_heads,
         code_before=code_before, modules_before=modules_before,
         tree_weights=by_name.get("tree_weights"))
 

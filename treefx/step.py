@@ -43,12 +43,12 @@ class TreeStep:
     """A training step compiled for trees (see :func:`step`)."""
 
     def __init__(self, fn, *, backend: str = "auto", block_size: int = 128,
-                 kernel_options: dict | None = None):
+                 kernel_options: dict | None = None, interleave_heads: bool = False):
         functools.update_wrapper(self, fn)
         self.fn = fn
         self.engine = TreeEngine(
             lambda tag: _make_traced(_step_template, tag, user_fn=fn), backend, block_size,
-            kernel_options,
+            kernel_options, interleave_heads,
         )
 
     @property
@@ -71,7 +71,7 @@ class TreeStep:
 
 
 def step(fn=None, *, backend: str = "auto", block_size: int = 128,
-         kernel_options: dict | None = None):
+         kernel_options: dict | None = None, interleave_heads: bool = False):
     """Decorate a training step ``fn(model, batch, ...) -> loss`` so that
     ``fn(model, tree_batch)`` returns the per-branch baseline loss, exactly, with its gradients.
 
@@ -81,9 +81,11 @@ def step(fn=None, *, backend: str = "auto", block_size: int = 128,
     count for each sequence comes from the tree's loss masks, and "mean" is over each
     sequence's own masked tokens. Pass ``batch["attention_mask"]`` to a Hugging Face model:
     without it the model infers packed sequences from the positions. ``backend`` and
-    ``kernel_options`` as for :func:`treefx.compile`.
+    ``kernel_options`` and ``interleave_heads`` as for :func:`treefx.compile`.
     """
     if fn is None:
         return functools.partial(step, backend=backend, block_size=block_size,
-                                 kernel_options=kernel_options)
-    return TreeStep(fn, backend=backend, block_size=block_size, kernel_options=kernel_options)
+                                 kernel_options=kernel_options,
+                                 interleave_heads=interleave_heads)
+    return TreeStep(fn, backend=backend, block_size=block_size, kernel_options=kernel_options,
+                    interleave_heads=interleave_heads)

@@ -23,6 +23,7 @@ __all__ = [
     "tree_attention_dense",
     "tree_block_tensors",
     "TreeFlexAttention",
+    "interleave_block_tensors",
 ]
 
 
@@ -169,6 +170,48 @@ def check_kernel_options(options) -> dict:
     return dict(options)
 
 
+def interleave_block_tensors(num: torch.Tensor, idx: torch.Tensor, kv_heads: int):
+    """A BlockMask's (num_blocks, indices) [1, 1, nb] / [1, 1, nb, nb] for the row with the KV
+    heads interleaved at block granularity (row block ``b * kv_heads + g`` is block ``b`` of
+    KV head ``g``): row ``b * kv_heads + g`` lists the same blocks as row ``b``, shifted to head
+    ``g``; the indices are padded to the interleaved block count with zeros (unread)."""
+    nb = num.shape[-1]
+    num = num[..., :, None].expand(*num.shape, kv_heads).reshape(1, 1, nb * kv_heads)
+    g = torch.arange(kv_heads, device=idx.device, dtype=idx.dtype)
+    idx = (idx[..., :, None, :] * kv_heads + g[:, None]).reshape(1, 1, nb * kv_heads, nb)
+    idx = F.pad(idx, (0, nb * kv_heads - nb))
+    return num, idx
+
+
+def _heads_to_row(x: torch.Tensor, kv_heads: int, nb: int, block: int) -> torch.Tensor:
+    """[B, kv_heads * r, N, D] -> [B, r, nb * kv_heads * block, D]: the row zero-padded to
+    ``nb`` blocks, block ``b`` of KV head ``g`` at row block ``b * kv_heads + g``."""
+    bsz, heads, n, d = x.shape
+    r = heads // kv_heads
+    x = F.pad(x, (0, 0, 0, nb * block - n)).view(bsz, kv_heads, r, nb, block, d)
+    return x.permute(0, 2, 3, 1, 4, 5).reshape(bsz, r, nb * kv_heads * block, d)
+
+
+def _row_to_heads(x: torch.Tensor, kv_heads: int, nb: int, block: int, n) -> torch.Tensor:
+    """The inverse of :func:`_heads_to_row`, the padding cut off."""
+    bsz, r, _, d = x.shape
+    x = x.view(bsz, r, nb, kv_heads, block, d).permute(0, 3, 1, 2, 4, 5)
+    return x.reshape(bsz, kv_heads * r, nb * block, d)[:, :, :n]
+
+
+def check_interleave_heads(interleave_heads, kernel_options: dict) -> bool:
+    """``interleave_heads`` checked: a bool, and not with ``ROWS_GUARANTEED_SAFE`` (the
+    interleaved row pads every KV head's part to whole blocks; a padded query row sees no key,
+    which that option promises never happens)."""
+    if not isinstance(interleave_heads, bool):
+        raise TypeError(f"interleave_heads must be True or False, got {interleave_heads!r}")
+    if interleave_heads and kernel_options.get("ROWS_GUARANTEED_SAFE"):
+        raise ValueError("interleave_heads=True cannot be combined with kernel option "
+                         "ROWS_GUARANTEED_SAFE: the interleaved row has padded query rows that "
+                         "see no key")
+    return interleave_heads
+
+
 class TreeFlexAttention:
     """One attention site rewritten to FlexAttention over the tree.
 
@@ -180,9 +223,11 @@ class TreeFlexAttention:
     """
 
     def __init__(self, *, scale=None, block_size=128, model_mask=None, score_mod=None,
-                 num_score_buffers=0, kernel_options=None, name="tree_flex_attention"):
+                 num_score_buffers=0, kernel_options=None, interleave_heads=False,
+                 name="tree_flex_attention"):
         self.scale = scale
         self.kernel_options = check_kernel_options(kernel_options)
+        self.interleave_heads = check_interleave_heads(interleave_heads, self.kernel_options)
         self.block_size = block_size
         self.model_mask = model_mask
         self.score_mod = score_mod or _identity_score
@@ -196,13 +241,55 @@ class TreeFlexAttention:
         return tree & self.model_mask(b, h, positions[q_idx], positions[kv_idx], *bufs)
 
     def __call__(self, q, k, v, kv_num, kv_idx, full_num, full_idx, se_pad, pos_pad, *bufs):
+        n = q.shape[-2]
+        if q.shape[1] % k.shape[1] or k.shape[1] != v.shape[1]:
+            raise ValueError(f"{self.__name__}: {q.shape[1]} query heads cannot share "
+                             f"{k.shape[1]} key and {v.shape[1]} value heads")
+        if not self.interleave_heads or k.shape[1] == 1:
+            return self._flex(q, k, v, (kv_num, kv_idx, full_num, full_idx), n,
+                              self._mask_mod, self.score_mod, se_pad, pos_pad, bufs)
+        hk, bs = k.shape[1], self.block_size
+        nb = kv_num.shape[-1]
+        blocks = (*interleave_block_tensors(kv_num, kv_idx, hk),
+                  *interleave_block_tensors(full_num, full_idx, hk))
+        mask_mod, score_mod = self._interleaved_mods(hk, q.shape[1] // hk)
+        out = self._flex(*(_heads_to_row(x, hk, nb, bs) for x in (q, k, v)), blocks,
+                         nb * hk * bs, mask_mod, score_mod, se_pad, pos_pad, bufs)
+        return _row_to_heads(out, hk, nb, bs, n)
+
+    def _interleaved_mods(self, kv_heads: int, group: int):
+        """The mask_mod and score_mod on the interleaved row, calling the site's own with the
+        row position and the query head they have in the usual layout."""
+        bs = self.block_size
+
+        def unmix(h, q_idx, kv_idx):
+            head = ((q_idx // bs) % kv_heads) * group + h
+            return (head, (q_idx // (bs * kv_heads)) * bs + q_idx % bs,
+                    (kv_idx // (bs * kv_heads)) * bs + kv_idx % bs)
+
+        def mask_mod(b, h, q_idx, kv_idx, *bufs):
+            # The block mask lists same-head blocks only (interleave_block_tensors), but the
+            # mask_mod must hold on its own: FlexAttention's eager path evaluates it densely.
+            head, qp, kp = unmix(h, q_idx, kv_idx)
+            same = (q_idx // bs) % kv_heads == (kv_idx // bs) % kv_heads
+            return same & self._mask_mod(b, head, qp, kp, *bufs)
+
+        if self.score_mod is _identity_score:
+            return mask_mod, _identity_score
+
+        def score_mod(score, b, h, q_idx, kv_idx, *bufs):
+            head, qp, kp = unmix(h, q_idx, kv_idx)
+            return self.score_mod(score, b, head, qp, kp, *bufs)
+
+        return mask_mod, score_mod
+
+    def _flex(self, q, k, v, blocks, length, mask_mod, score_mod, se_pad, pos_pad, bufs):
         from torch._higher_order_ops.flex_attention import flex_attention as flex_hop
         from torch.nn.attention.flex_attention import BlockMask, _apply_kernel_options
 
-        n = q.shape[-2]
         block_mask = BlockMask.from_kv_blocks(
-            kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=self.block_size,
-            mask_mod=self._mask_mod, seq_lengths=(n, n),
+            *blocks, BLOCK_SIZE=self.block_size, mask_mod=mask_mod,
+            seq_lengths=(length, length),
         )
         score_bufs = tuple(bufs[: self.num_score_buffers])
         mask_bufs = (se_pad, pos_pad, *bufs[self.num_score_buffers:])
@@ -210,7 +297,7 @@ class TreeFlexAttention:
         kernel_options = _apply_kernel_options(q, k, v, False,
                                                {**_STANDARD_KERNEL, **self.kernel_options})
         out, _, *_ = flex_hop(
-            q, k, v, self.score_mod, block_mask.as_tuple(), scale, kernel_options,
+            q, k, v, score_mod, block_mask.as_tuple(), scale, kernel_options,
             score_bufs, mask_bufs,
         )
         return out

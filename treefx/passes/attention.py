@@ -40,6 +40,7 @@ from .common import (
     example,
     is_call,
     module_path,
+    same_size,
 )
 from .mask_lift import MaskLiftError, implied_by_tree, lift_mask
 
@@ -246,6 +247,69 @@ def _check_mask_sources(ctx: GraphContext, site: _Site, mask: fx.Node) -> None:
         stack.extend(n.all_input_nodes)
 
 
+def _repeated_heads_source(node) -> fx.Node | None:
+    """``x`` when ``node`` is ``x`` [B, Hkv, N, D] with each head repeated ``r > 1`` times in
+    place along dim 1, written as Hugging Face's ``repeat_kv``
+    (``x[:, :, None].expand(B, Hkv, r, N, D).reshape(B, Hkv * r, N, D)``, or ``unsqueeze(2)``
+    for the indexing) or as ``repeat_interleave(x, r, dim=1)``; else None. Every shape is
+    checked on the example values, so a look-alike reshape is left alone."""
+    out = example(node)
+    if out is None or out.dim() != 4:
+        return None
+    if is_call(node, torch.repeat_interleave, methods=("repeat_interleave",)):
+        x, reps = node.args[0], arg(node, 1, "repeats")
+        dim = arg(node, 2, "dim")
+        xv = example(x)
+        if (isinstance(reps, int) and reps > 1 and dim in (1, -3) and xv is not None
+                and xv.dim() == 4 and same_size(xv.shape[1] * reps, out.shape[1])):
+            return x
+        return None
+    if not is_call(node, torch.reshape, methods=("reshape", "view")):
+        return None
+    expand = node.args[0]
+    if not is_call(expand, methods=("expand",)):
+        return None
+    src = expand.args[0]
+    if is_call(src, torch.unsqueeze, methods=("unsqueeze",)) and arg(src, 1, "dim") in (2, -3):
+        x = src.args[0]
+    elif (src.op == "call_function" and src.target is operator.getitem
+          and isinstance(src.args[1], tuple) and len(src.args[1]) >= 3
+          and src.args[1][2] is None
+          and all(i == slice(None) for i in src.args[1][:2])
+          and all(i in (slice(None), Ellipsis) for i in src.args[1][3:])):
+        x = src.args[0]
+    else:
+        return None
+    xv, ev = example(x), example(expand)
+    if xv is None or ev is None or xv.dim() != 4 or ev.dim() != 5:
+        return None
+    b, h, n, d = xv.shape
+    r = ev.shape[2]
+    want = (b, h, r, n, d)
+    if not all(same_size(a, w) for a, w in zip(ev.shape, want)):
+        return None
+    if not all(same_size(a, w) for a, w in zip(out.shape, (b, h * r, n, d))):
+        return None
+    if isinstance(r, int) and r < 2:
+        return None
+    return x
+
+
+def _kv_for_flex(site: _Site, k: fx.Node):
+    """The key and value FlexAttention reads: the model's own KV heads when it repeated them
+    for its query heads (FlexAttention shares a KV head between its query heads itself: no
+    repeat copies, and dK/dV come out per KV head instead of being summed over copies)."""
+    if k is not site.k:  # a transpose inserted by the pass
+        return k, site.v, False
+    k0, v0 = _repeated_heads_source(k), _repeated_heads_source(site.v)
+    if k0 is None or v0 is None:
+        return k, site.v, False
+    kv, vv, qv = example(k0), example(v0), example(site.q)
+    if qv is None or not same_size(kv.shape[1], vv.shape[1]):
+        return k, site.v, False
+    return k0, v0, True
+
+
 def _rewrite(ctx: GraphContext, site: _Site) -> fx.Node:
     g = ctx.graph
     k = site.k
@@ -283,8 +347,12 @@ def _rewrite(ctx: GraphContext, site: _Site) -> fx.Node:
             blocks = _block_nodes(ctx, full=lifted is None)
             fn = TreeFlexAttention(scale=site.scale, block_size=ctx.block_size,
                                    model_mask=lifted, kernel_options=ctx.kernel_options,
+                                   interleave_heads=ctx.interleave_heads,
                                    name=f"tree_flex_attention_{site.anchor.name}")
-            new = g.call_function(fn, (site.q, k, site.v, *blocks, *bufs))
+            k, v, shared_kv = _kv_for_flex(site, k)
+            if shared_kv:
+                note += ", KV heads shared by FlexAttention (the model's repeat undone)"
+            new = g.call_function(fn, (site.q, k, v, *blocks, *bufs))
     new.meta.update({k_: v_ for k_, v_ in site.out.meta.items()
                      if k_ in ("nn_module_stack", "stack_trace", "example_value")})
     ctx.record("attention", site.anchor, describe(new), note=note)
