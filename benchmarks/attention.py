@@ -592,7 +592,24 @@ def treefx_op(se, n, cuda, gqa, interleave=False):
     def call(q, k, v):
         return op(q, k, v, kv_num, kv_idx, full_num, full_idx, se_pad, pos_pad)
 
-    return torch.compile(call, dynamic=False) if cuda else call
+    if not cuda:
+        return call
+    # As treefx runs it: one node of an FX graph handed to Inductor (Dynamo does not trace
+    # into the op; AOTAutograd does, with the permutation copies next to the attention).
+    from torch._inductor.compile_fx import compile_fx
+
+    compiled = {}
+
+    def run(q, k, v):
+        args = (q, k, v, kv_num, kv_idx, full_num, full_idx, se_pad, pos_pad)
+        if "fn" not in compiled:
+            g = torch.fx.Graph()
+            phs = [g.placeholder(f"a{i}") for i in range(len(args))]
+            g.output((g.call_function(op, tuple(phs)),))
+            compiled["fn"] = compile_fx(torch.fx.GraphModule({}, g), list(args))
+        return compiled["fn"](*args)[0]
+
+    return run
 
 
 def dry_checks(se, n, args, flex_with, bm_tree, gqa) -> dict:

@@ -458,11 +458,12 @@ def main():
     p.add_argument("--err-dir", default=None, help="write full tracebacks here")
     p.add_argument("--tma", action="store_true",
                    help="FlexAttention kernel option USE_TMA on (treefx leaves it off)")
-    p.add_argument("--interleave-heads", action="store_true",
-                   help="treefx.compile(..., interleave_heads=True) everywhere")
+    p.add_argument("--interleave-heads", choices=("auto", "on", "off"), default="auto",
+                   help="treefx.compile(..., interleave_heads=None/True/False) everywhere")
     args = p.parse_args()
     ERR_DIR = args.err_dir
-    COMPILE_KW["interleave_heads"] = args.interleave_heads
+    COMPILE_KW["interleave_heads"] = {"auto": None, "on": True, "off": False}[
+        args.interleave_heads]
     if args.tma:
         from treefx.ops import attention
 

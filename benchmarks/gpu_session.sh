@@ -25,7 +25,10 @@
 #                                               with and without interleave_heads; tree
 #                                               attention layouts incl. the treefx op both ways
 #   bash benchmarks/gpu_session.sh layouts_e2e e2e at POR 0.75, hidden 1024 and 2048:
-#                                               treefx, treefx_interleaved, packed, hand
+#                                               treefx, treefx_standard, packed, hand (run at
+#                                               bb57081 as treefx_interleaved vs treefx)
+#   bash benchmarks/gpu_session.sh default     the treefx op both ways; e2e at every POR with
+#                                               the new defaults, the 12-tree stream
 # Needs .whl/ with the fla-core, flash-linear-attention and einops wheels (carried).
 set -u
 export PYTHONPATH=.
@@ -142,10 +145,10 @@ fla() {
         --reps 10 --kv-heads 8 --out "$OUT/attention_layouts.json" 2>&1 | grep -v Warning | tail -30
     ;;
   layouts)
-    PYTHONUNBUFFERED=1 timeout 170 python benchmarks/gpu_check.py \
+    PYTHONUNBUFFERED=1 timeout 170 python benchmarks/gpu_check.py --interleave-heads off \
         --cases qwen3-fp32,mistral-window,qwen3-bf16 --out "$OUT/gpu_check_shared_kv.json" \
         --err-dir /tmp/err 2>&1 | grep -v Warning | tail -30
-    PYTHONUNBUFFERED=1 timeout 170 python benchmarks/gpu_check.py --interleave-heads \
+    PYTHONUNBUFFERED=1 timeout 170 python benchmarks/gpu_check.py --interleave-heads on \
         --cases qwen3-fp32,mistral-window,qwen3-bf16 --out "$OUT/gpu_check_interleaved.json" \
         --err-dir /tmp/err 2>&1 | grep -v Warning | tail -30
     PYTHONUNBUFFERED=1 timeout 200 python benchmarks/attention.py --e2e-trees 0.75 --tokens "" \
@@ -153,8 +156,16 @@ fla() {
     ;;
   layouts_e2e)
     PYTHONUNBUFFERED=1 timeout 570 python benchmarks/e2e.py --hidden 1024,2048 --por 0.75 \
-        --methods treefx,treefx_interleaved,packed,hand --stream 0 --budget 500 \
+        --methods treefx,treefx_standard,packed,hand --stream 0 --budget 500 \
         --out "$OUT/e2e_layouts.json" 2>&1 | grep -v Warning | tail -45
+    ;;
+  default)
+    PYTHONUNBUFFERED=1 timeout 140 python benchmarks/attention.py --e2e-trees 0.75 --tokens "" \
+        --reps 10 --kv-heads 8 --out "$OUT/attention_default.json" 2>&1 | grep -v Warning \
+        | grep "treefx_op\|tree_b128 \|packed_doc\|relative"
+    PYTHONUNBUFFERED=1 timeout 430 python benchmarks/e2e.py --hidden 1024,2048 \
+        --methods treefx,packed,hand --stream 12 --budget 400 \
+        --out "$OUT/e2e_default.json" 2>&1 | grep -v Warning | tail -45
     ;;
   final)
     timeout 200 python benchmarks/gpu_check.py --cases inference,qwen3-fp32 \

@@ -224,9 +224,32 @@ def test_repeated_heads_source(fn, found):
     assert (_repeated_heads_source(out) is x) is found
 
 
+@pytest.mark.parametrize("backend", ["aot-eager", "flex-eager"])
+def test_default_interleaves_where_gradients_flow(backend):
+    """``interleave_heads=None`` (the default): interleaved in a graph that computes gradients
+    (the backward is what gains), the usual layout without autograd; exact either way."""
+    model = _hf("sdpa")
+    trees = odd_forest(4, VOCAB)
+    ref = treefx.reference.sequence_logprobs(model, trees)
+    for grad, layout in ((False, "standard"), (True, "interleaved")):
+        tm = treefx.compile(model, backend=backend)
+        batch = treefx.pack(trees)
+        with torch.set_grad_enabled(grad):
+            out = tm(batch)
+        for i, lp in enumerate(ref):
+            torch.testing.assert_close(out.token_logprobs[batch.sequence_index(i)[1:]],
+                                       lp.detach(), atol=1e-9, rtol=0)
+        sites = [n.target for n in tm.contexts[0].gm.graph.nodes
+                 if isinstance(n.target, TreeFlexAttention)]
+        assert len(sites) == 2 and all(s.layouts == {layout} for s in sites), grad
+    # ROWS_GUARANTEED_SAFE rules the interleaved row out: the default becomes the usual one.
+    safe = treefx.compile(model, kernel_options={"ROWS_GUARANTEED_SAFE": True})
+    assert safe.engine.interleave_heads is False
+
+
 @pytest.mark.parametrize("bad,err,match", [
-    ("yes", TypeError, "True or False"),
-    (None, TypeError, "True or False"),
+    ("yes", TypeError, "True, False or None"),
+    (1, TypeError, "True, False or None"),
 ])
 def test_interleave_heads_refused(bad, err, match):
     with pytest.raises(err, match=match):

@@ -91,7 +91,7 @@ class TreeEngine:
     """
 
     def __init__(self, make_traced, backend: str, block_size: int, kernel_options=None,
-                 interleave_heads: bool = False):
+                 interleave_heads: bool | None = None):
         if backend not in _BACKENDS:
             raise ValueError(f"backend must be one of {_BACKENDS[:3]}, got {backend!r}")
         self.make_traced = make_traced
@@ -184,7 +184,7 @@ class TreeModel(torch.nn.Module):
 
     def __init__(self, model: torch.nn.Module, backend: str = "auto", *, block_size: int = 128,
                  pass_position_ids: bool | None = None, kernel_options: dict | None = None,
-                 interleave_heads: bool = False):
+                 interleave_heads: bool | None = None):
         super().__init__()
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"treefx.compile expects a torch.nn.Module, got {type(model).__name__}")
@@ -275,7 +275,7 @@ def _vocab_size(model: torch.nn.Module) -> int | None:
 
 def compile(model: torch.nn.Module, *, backend: str = "auto", block_size: int = 128,
             pass_position_ids: bool | None = None,
-            kernel_options: dict | None = None, interleave_heads: bool = False) -> TreeModel:
+            kernel_options: dict | None = None, interleave_heads: bool | None = None) -> TreeModel:
     """Compile ``model`` to run exactly on DFS-packed trees.
 
     ``backend``: ``"inductor"`` (CUDA: FlexAttention with the tree block mask and Inductor's
@@ -286,8 +286,10 @@ def compile(model: torch.nn.Module, *, backend: str = "auto", block_size: int = 
     ``kernel_options``: FlexAttention kernel options for every tree attention site (tile sizes,
     ``num_warps``, ``USE_TMA``, ...; BENCHMARKS.md has measured ones), added to treefx's own.
     ``interleave_heads``: lay the KV heads out along the row, block by block, at every tree
-    attention site (same values; a different schedule for FlexAttention's backward, whose
-    long shared-prefix key columns of the last heads otherwise run last; BENCHMARKS.md).
+    attention site: same values, a better schedule for FlexAttention's backward (otherwise the
+    long shared-prefix key columns of the last heads run last). ``None`` (default): in graphs
+    that compute gradients, not in no-grad forwards (the forward alone does not gain);
+    ``True``/``False``: always/never. BENCHMARKS.md has the measurements.
     """
     return TreeModel(model, backend, block_size=block_size, pass_position_ids=pass_position_ids,
                      kernel_options=kernel_options, interleave_heads=interleave_heads)
@@ -295,7 +297,7 @@ def compile(model: torch.nn.Module, *, backend: str = "auto", block_size: int = 
 
 def _context(gm: fx.GraphModule, backend: str, block_size: int,
              kernel_options: dict | None = None,
-             interleave_heads: bool = False) -> GraphContext:
+             interleave_heads: bool | None = None) -> GraphContext:
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     by_name = {}
     for n in placeholders:

@@ -43,7 +43,7 @@ class TreeStep:
     """A training step compiled for trees (see :func:`step`)."""
 
     def __init__(self, fn, *, backend: str = "auto", block_size: int = 128,
-                 kernel_options: dict | None = None, interleave_heads: bool = False):
+                 kernel_options: dict | None = None, interleave_heads: bool | None = None):
         functools.update_wrapper(self, fn)
         self.fn = fn
         self.engine = TreeEngine(
@@ -71,7 +71,7 @@ class TreeStep:
 
 
 def step(fn=None, *, backend: str = "auto", block_size: int = 128,
-         kernel_options: dict | None = None, interleave_heads: bool = False):
+         kernel_options: dict | None = None, interleave_heads: bool | None = None):
     """Decorate a training step ``fn(model, batch, ...) -> loss`` so that
     ``fn(model, tree_batch)`` returns the per-branch baseline loss, exactly, with its gradients.
 

@@ -199,16 +199,21 @@ def _row_to_heads(x: torch.Tensor, kv_heads: int, nb: int, block: int, n) -> tor
     return x.reshape(bsz, kv_heads * r, nb * block, d)[:, :, :n]
 
 
-def check_interleave_heads(interleave_heads, kernel_options: dict) -> bool:
-    """``interleave_heads`` checked: a bool, and not with ``ROWS_GUARANTEED_SAFE`` (the
-    interleaved row pads every KV head's part to whole blocks; a padded query row sees no key,
-    which that option promises never happens)."""
-    if not isinstance(interleave_heads, bool):
-        raise TypeError(f"interleave_heads must be True or False, got {interleave_heads!r}")
-    if interleave_heads and kernel_options.get("ROWS_GUARANTEED_SAFE"):
-        raise ValueError("interleave_heads=True cannot be combined with kernel option "
-                         "ROWS_GUARANTEED_SAFE: the interleaved row has padded query rows that "
-                         "see no key")
+def check_interleave_heads(interleave_heads, kernel_options: dict) -> bool | None:
+    """``interleave_heads`` checked: True, False or None (treefx decides: interleaved where
+    the site computes gradients, the usual layout without autograd), and never with
+    ``ROWS_GUARANTEED_SAFE`` (the interleaved row pads every KV head's part to whole blocks; a
+    padded query row sees no key, which that option promises never happens; None then means
+    False)."""
+    if interleave_heads is not None and not isinstance(interleave_heads, bool):
+        raise TypeError(f"interleave_heads must be True, False or None, got "
+                        f"{interleave_heads!r}")
+    if kernel_options.get("ROWS_GUARANTEED_SAFE"):
+        if interleave_heads:
+            raise ValueError("interleave_heads=True cannot be combined with kernel option "
+                             "ROWS_GUARANTEED_SAFE: the interleaved row has padded query rows "
+                             "that see no key")
+        return False
     return interleave_heads
 
 
@@ -223,11 +228,12 @@ class TreeFlexAttention:
     """
 
     def __init__(self, *, scale=None, block_size=128, model_mask=None, score_mod=None,
-                 num_score_buffers=0, kernel_options=None, interleave_heads=False,
+                 num_score_buffers=0, kernel_options=None, interleave_heads=None,
                  name="tree_flex_attention"):
         self.scale = scale
         self.kernel_options = check_kernel_options(kernel_options)
         self.interleave_heads = check_interleave_heads(interleave_heads, self.kernel_options)
+        self.layouts: set[str] = set()  # the layouts this site was traced with
         self.block_size = block_size
         self.model_mask = model_mask
         self.score_mod = score_mod or _identity_score
@@ -245,7 +251,12 @@ class TreeFlexAttention:
         if q.shape[1] % k.shape[1] or k.shape[1] != v.shape[1]:
             raise ValueError(f"{self.__name__}: {q.shape[1]} query heads cannot share "
                              f"{k.shape[1]} key and {v.shape[1]} value heads")
-        if not self.interleave_heads or k.shape[1] == 1:
+        interleave = self.interleave_heads
+        if interleave is None:  # the backward is what gains; the forward alone does not
+            interleave = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+        interleave = interleave and k.shape[1] > 1
+        self.layouts.add("interleaved" if interleave else "standard")
+        if not interleave:
             return self._flex(q, k, v, (kv_num, kv_idx, full_num, full_idx), n,
                               self._mask_mod, self.score_mod, se_pad, pos_pad, bufs)
         hk, bs = k.shape[1], self.block_size

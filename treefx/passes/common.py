@@ -166,7 +166,7 @@ class GraphContext:
     tree_weights: fx.Node | None = None  # [2, N] loss weights (sum, mean); in training steps
     block_size: int = 128
     kernel_options: dict = field(default_factory=dict)  # FlexAttention's, for every site
-    interleave_heads: bool = False  # KV heads interleaved along the row at every site
+    interleave_heads: bool | None = None  # KV heads along the row (None: in training)
     code_before: str = ""  # the captured graph's code before any pass ran
     modules_before: dict = field(default_factory=dict)  # node name -> module path, before
     done: bool = False  # every pass ran and the graph was handed to the backend
