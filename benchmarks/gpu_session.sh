@@ -29,6 +29,8 @@
 #                                               bb57081 as treefx_interleaved vs treefx)
 #   bash benchmarks/gpu_session.sh default     the treefx op both ways; e2e at every POR with
 #                                               the new defaults, the 12-tree stream
+#   bash benchmarks/gpu_session.sh default_check short rows, no-grad, hybrid exactness with the
+#                                               new defaults; the e2e step profiled
 # Needs .whl/ with the fla-core, flash-linear-attention and einops wheels (carried).
 set -u
 export PYTHONPATH=.
@@ -166,6 +168,17 @@ fla() {
     PYTHONUNBUFFERED=1 timeout 430 python benchmarks/e2e.py --hidden 1024,2048 \
         --methods treefx,packed,hand --stream 12 --budget 400 \
         --out "$OUT/e2e_default.json" 2>&1 | grep -v Warning | tail -45
+    ;;
+  default_check)
+    PYTHONUNBUFFERED=1 timeout 270 python benchmarks/gpu_check.py \
+        --cases short-rows,inference --out "$OUT/gpu_check_default.json" \
+        --err-dir /tmp/err 2>&1 | grep -v Warning | tail -40
+    PYTHONUNBUFFERED=1 TREEFX_HYBRID_MODELS=qwen3_next timeout 100 python benchmarks/gpu_check.py \
+        --cases hybrid-fp32 --out "$OUT/gpu_check_default_hybrid.json" --err-dir /tmp/err 2>&1 \
+        | grep -v Warning | tail -12
+    PYTHONUNBUFFERED=1 timeout 190 python benchmarks/e2e.py --hidden 1024 --por 0.75 \
+        --methods treefx --stream 0 --profile --out "$OUT/e2e_default_profile.json" 2>&1 \
+        | grep -v Warning | tail -25
     ;;
   final)
     timeout 200 python benchmarks/gpu_check.py --cases inference,qwen3-fp32 \
