@@ -177,7 +177,7 @@ fla() {
         --cases hybrid-fp32 --out "$OUT/gpu_check_default_hybrid.json" --err-dir /tmp/err 2>&1 \
         | grep -v Warning | tail -12
     PYTHONUNBUFFERED=1 timeout 190 python benchmarks/e2e.py --hidden 1024 --por 0.75 \
-        --methods treefx --stream 0 --profile --out "$OUT/e2e_default_profile.json" 2>&1 \
+        --methods treefx --stream 0 --mask-reps 0 --profile --out "$OUT/e2e_default_profile.json" 2>&1 \
         | grep -v Warning | tail -25
     ;;
   final)
