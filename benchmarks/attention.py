@@ -536,7 +536,7 @@ def heads_interleaved(se: torch.Tensor, kv_heads: int, block: int = BLOCK):
         TreeFlexAttention,
         _heads_to_row,
         _row_to_heads,
-        interleave_block_tensors,
+        interleaved_block_mask,
     )
 
     n = se.numel()
@@ -551,11 +551,10 @@ def heads_interleaved(se: torch.Tensor, kv_heads: int, block: int = BLOCK):
         if gq not in cache:
             op = TreeFlexAttention(block_size=block, interleave_heads=True)
             mods, _ = op._interleaved_mods(hk, gq)
-            cache[gq] = BlockMask.from_kv_blocks(
-                *interleave_block_tensors(kv_num, kv_idx, hk),
-                *interleave_block_tensors(full_num, full_idx, hk), BLOCK_SIZE=block,
-                mask_mod=lambda b, h, qi, ki: mods(b, h, qi, ki, se_pad, pos_pad),
-                seq_lengths=(length, length))
+            std = BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx,
+                                           BLOCK_SIZE=block, seq_lengths=(n, n))
+            cache[gq] = interleaved_block_mask(
+                std, hk, length, lambda b, h, qi, ki: mods(b, h, qi, ki, se_pad, pos_pad))
         o = flex(*(_heads_to_row(x, hk, nb, block) for x in (q, k, v)), block_mask=cache[gq],
                  enable_gqa=gq > 1)
         return _row_to_heads(o, hk, nb, block, n)

@@ -31,6 +31,8 @@
 #                                               the new defaults, the 12-tree stream
 #   bash benchmarks/gpu_session.sh default_check short rows, no-grad, hybrid exactness with the
 #                                               new defaults; the e2e step profiled
+#   bash benchmarks/gpu_session.sh compact     after the interleaved BlockMask stopped being
+#                                               transposed at its own size: exactness, op, e2e
 # Needs .whl/ with the fla-core, flash-linear-attention and einops wheels (carried).
 set -u
 export PYTHONPATH=.
@@ -179,6 +181,17 @@ fla() {
     PYTHONUNBUFFERED=1 timeout 190 python benchmarks/e2e.py --hidden 1024 --por 0.75 \
         --methods treefx --stream 0 --mask-reps 0 --profile --out "$OUT/e2e_default_profile.json" 2>&1 \
         | grep -v Warning | tail -25
+    ;;
+  compact)
+    PYTHONUNBUFFERED=1 timeout 150 python benchmarks/gpu_check.py \
+        --cases qwen3-fp32,mistral-window --out "$OUT/gpu_check_compact.json" \
+        --err-dir /tmp/err 2>&1 | grep -v Warning | tail -30
+    PYTHONUNBUFFERED=1 timeout 120 python benchmarks/attention.py --e2e-trees 0.75 --tokens "" \
+        --reps 10 --kv-heads 8 --out "$OUT/attention_compact.json" 2>&1 | grep -v Warning \
+        | grep "treefx_op\|heads_interleaved\|tree_b128 \|packed_doc\|relative"
+    PYTHONUNBUFFERED=1 timeout 200 python benchmarks/e2e.py --hidden 1024 --por 0.75 \
+        --methods treefx,treefx_standard --stream 0 --mask-reps 0 \
+        --out "$OUT/e2e_compact.json" 2>&1 | grep -v Warning | tail -8
     ;;
   final)
     timeout 200 python benchmarks/gpu_check.py --cases inference,qwen3-fp32 \

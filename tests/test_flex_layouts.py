@@ -19,6 +19,7 @@ from treefx.ops.attention import (
     _row_to_heads,
     dense_tree_mask,
     interleave_block_tensors,
+    interleaved_block_mask,
     tree_block_tensors,
 )
 from treefx.passes.attention import _repeated_heads_source
@@ -73,6 +74,20 @@ def test_interleaved_block_mask_is_the_tree_mask_per_head(kv_heads, group, bs):
         # Padded keys are seen by no query row at all (their values are zeros).
         key_pad = (torch.arange(length) // (bs * kv_heads)) * bs + torch.arange(length) % bs >= n
         assert not seen[:, key_pad].any()
+    # The backward's side (query blocks per kv block) is the transpose of the forward's, for
+    # the partial and the full blocks, and no index tensor is wider than the usual row's.
+    from torch.nn.attention.flex_attention import BlockMask
+
+    std = BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=bs,
+                                   seq_lengths=(n, n))
+    bm = interleaved_block_mask(std, kv_heads, length, mask_mod)
+    rows = nb * kv_heads
+    assert torch.equal(_listed(bm.kv_num_blocks, bm.kv_indices, rows, rows), partial)
+    assert torch.equal(_listed(bm.full_kv_num_blocks, bm.full_kv_indices, rows, rows), full)
+    assert torch.equal(_listed(bm.q_num_blocks, bm.q_indices, rows, rows), partial.T)
+    assert torch.equal(_listed(bm.full_q_num_blocks, bm.full_q_indices, rows, rows), full.T)
+    for t in (bm.kv_indices, bm.full_kv_indices, bm.q_indices, bm.full_q_indices):
+        assert t.shape[-1] == nb
 
 
 def test_row_permutation_round_trip():

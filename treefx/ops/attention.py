@@ -24,6 +24,7 @@ __all__ = [
     "tree_block_tensors",
     "TreeFlexAttention",
     "interleave_block_tensors",
+    "interleaved_block_mask",
 ]
 
 
@@ -171,16 +172,32 @@ def check_kernel_options(options) -> dict:
 
 
 def interleave_block_tensors(num: torch.Tensor, idx: torch.Tensor, kv_heads: int):
-    """A BlockMask's (num_blocks, indices) [1, 1, nb] / [1, 1, nb, nb] for the row with the KV
-    heads interleaved at block granularity (row block ``b * kv_heads + g`` is block ``b`` of
-    KV head ``g``): row ``b * kv_heads + g`` lists the same blocks as row ``b``, shifted to head
-    ``g``; the indices are padded to the interleaved block count with zeros (unread)."""
+    """A BlockMask's (num_blocks, indices) [1, 1, nb] / [1, 1, nb, nb] (either side: kv blocks
+    per query block or query blocks per kv block) for the row with the KV heads interleaved at
+    block granularity (block ``b * kv_heads + g`` is block ``b`` of KV head ``g``): row
+    ``b * kv_heads + g`` lists the blocks of row ``b``, moved to head ``g``. Each row lists at
+    most ``nb`` blocks, so the indices stay ``nb`` wide: [1, 1, nb * kv_heads, nb]."""
     nb = num.shape[-1]
     num = num[..., :, None].expand(*num.shape, kv_heads).reshape(1, 1, nb * kv_heads)
     g = torch.arange(kv_heads, device=idx.device, dtype=idx.dtype)
-    idx = (idx[..., :, None, :] * kv_heads + g[:, None]).reshape(1, 1, nb * kv_heads, nb)
-    idx = F.pad(idx, (0, nb * kv_heads - nb))
+    idx = (idx[..., :, None, :] * kv_heads + g[:, None]).reshape(1, 1, nb * kv_heads,
+                                                                 idx.shape[-1])
     return num, idx
+
+
+def interleaved_block_mask(std, kv_heads: int, length, mask_mod):
+    """The BlockMask of the interleaved row from the usual row's ``std`` (both sides spread
+    with :func:`interleave_block_tensors`; no transposition at the interleaved size, whose
+    dense intermediate would grow with the square of the KV heads)."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    parts = {}
+    for side in ("kv", "full_kv", "q", "full_q"):
+        num, idx = getattr(std, f"{side}_num_blocks"), getattr(std, f"{side}_indices")
+        parts[f"{side}_num_blocks"], parts[f"{side}_indices"] = (
+            (None, None) if num is None else interleave_block_tensors(num, idx, kv_heads))
+    return BlockMask(seq_lengths=(length, length), BLOCK_SIZE=std.BLOCK_SIZE,
+                     mask_mod=mask_mod, **parts)
 
 
 def _heads_to_row(x: torch.Tensor, kv_heads: int, nb: int, block: int) -> torch.Tensor:
@@ -256,16 +273,21 @@ class TreeFlexAttention:
             interleave = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
         interleave = interleave and k.shape[1] > 1
         self.layouts.add("interleaved" if interleave else "standard")
+        from torch.nn.attention.flex_attention import BlockMask
+
         if not interleave:
-            return self._flex(q, k, v, (kv_num, kv_idx, full_num, full_idx), n,
-                              self._mask_mod, self.score_mod, se_pad, pos_pad, bufs)
+            block_mask = BlockMask.from_kv_blocks(
+                kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=self.block_size,
+                mask_mod=self._mask_mod, seq_lengths=(n, n))
+            return self._flex(q, k, v, block_mask, self.score_mod, se_pad, pos_pad, bufs)
         hk, bs = k.shape[1], self.block_size
         nb = kv_num.shape[-1]
-        blocks = (*interleave_block_tensors(kv_num, kv_idx, hk),
-                  *interleave_block_tensors(full_num, full_idx, hk))
+        std = BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=bs,
+                                       seq_lengths=(n, n))
         mask_mod, score_mod = self._interleaved_mods(hk, q.shape[1] // hk)
-        out = self._flex(*(_heads_to_row(x, hk, nb, bs) for x in (q, k, v)), blocks,
-                         nb * hk * bs, mask_mod, score_mod, se_pad, pos_pad, bufs)
+        block_mask = interleaved_block_mask(std, hk, nb * hk * bs, mask_mod)
+        out = self._flex(*(_heads_to_row(x, hk, nb, bs) for x in (q, k, v)), block_mask,
+                         score_mod, se_pad, pos_pad, bufs)
         return _row_to_heads(out, hk, nb, bs, n)
 
     def _interleaved_mods(self, kv_heads: int, group: int):
@@ -294,14 +316,10 @@ class TreeFlexAttention:
 
         return mask_mod, score_mod
 
-    def _flex(self, q, k, v, blocks, length, mask_mod, score_mod, se_pad, pos_pad, bufs):
+    def _flex(self, q, k, v, block_mask, score_mod, se_pad, pos_pad, bufs):
         from torch._higher_order_ops.flex_attention import flex_attention as flex_hop
-        from torch.nn.attention.flex_attention import BlockMask, _apply_kernel_options
+        from torch.nn.attention.flex_attention import _apply_kernel_options
 
-        block_mask = BlockMask.from_kv_blocks(
-            *blocks, BLOCK_SIZE=self.block_size, mask_mod=mask_mod,
-            seq_lengths=(length, length),
-        )
         score_bufs = tuple(bufs[: self.num_score_buffers])
         mask_bufs = (se_pad, pos_pad, *bufs[self.num_score_buffers:])
         scale = self.scale if self.scale is not None else 1.0 / math.sqrt(q.shape[-1])
