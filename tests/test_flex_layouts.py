@@ -166,6 +166,7 @@ def test_flex_sites_share_kv_heads_and_match_the_oracle(impl, interleave):
         assert (q.shape[1], k.shape[1], v.shape[1]) == (4, 2, 2)
     notes = [r.note for r in ctx.log if r.pass_name == "attention"]
     assert all("KV heads shared" in n for n in notes), notes
+    assert all(("interleaved along the row" in n) is interleave for n in notes), notes
 
 
 class _Tiled(torch.nn.Module):

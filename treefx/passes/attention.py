@@ -352,6 +352,11 @@ def _rewrite(ctx: GraphContext, site: _Site) -> fx.Node:
             k, v, shared_kv = _kv_for_flex(site, k)
             if shared_kv:
                 note += ", KV heads shared by FlexAttention (the model's repeat undone)"
+            kv = example(k)
+            if ctx.interleave_heads is not False and (kv is None or kv.shape[1] != 1):
+                note += (", KV heads interleaved along the row"
+                         + (" where gradients are computed" if ctx.interleave_heads is None
+                            else ""))
             new = g.call_function(fn, (site.q, k, v, *blocks, *bufs))
     new.meta.update({k_: v_ for k_, v_ in site.out.meta.items()
                      if k_ in ("nn_module_stack", "stack_trace", "example_value")})
