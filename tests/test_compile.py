@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from trees import odd_forest, odd_tree
+from trees import check_forward, odd_forest, odd_tree
 
 import treefx
 from treefx.models import tiny_decoder
@@ -109,15 +109,8 @@ def test_flex_path_forward_matches_oracle(name, impl):
     eagerly: forward only, as FlexAttention has no backward on the CPU."""
     model = hf_model(name, impl, torch.float64)
     tm = treefx.compile(model, backend="flex-eager")
-    trees = odd_forest(4, VOCAB)
-    with torch.no_grad():
-        out = tm(treefx.pack(trees, pad_to_multiple=16))
-        ref = treefx.reference.sequence_logprobs(model, trees)
-    batch = treefx.pack(trees, pad_to_multiple=16)
-    for i, lp in enumerate(ref):
-        # HF's eager attention takes its softmax in float32 even for a float64 model.
-        torch.testing.assert_close(out.token_logprobs[batch.sequence_index(i)[1:]], lp,
-                                   atol=1e-6, rtol=0)
+    # HF's eager attention takes its softmax in float32 even for a float64 model: 1e-6.
+    check_forward(tm, odd_forest(4, VOCAB), atol=1e-6, pad_to_multiple=16)
 
 
 @pytest.mark.parametrize("name,impl,kept", [

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
-from trees import odd_forest
+from trees import check_forward, odd_forest
 
 import treefx
 from treefx.ops.attention import (
@@ -149,14 +149,7 @@ def test_flex_sites_share_kv_heads_and_match_the_oracle(impl, interleave):
     and the log-probs still equal each sequence run alone."""
     model = _hf(impl)
     tm = treefx.compile(model, backend="flex-eager", interleave_heads=interleave)
-    trees = odd_forest(2, VOCAB)
-    batch = treefx.pack(trees)
-    with torch.no_grad():
-        out = tm(batch)
-        ref = treefx.reference.sequence_logprobs(model, trees)
-    for i, lp in enumerate(ref):
-        torch.testing.assert_close(out.token_logprobs[batch.sequence_index(i)[1:]], lp,
-                                   atol=1e-6, rtol=0)
+    check_forward(tm, odd_forest(2, VOCAB), atol=1e-6)
     ctx = tm.contexts[0]
     sites = [n for n in ctx.gm.graph.nodes if isinstance(n.target, TreeFlexAttention)]
     assert len(sites) == 2
@@ -195,14 +188,7 @@ def test_tiled_kv_heads_are_not_mistaken_for_gqa():
     torch.manual_seed(0)
     model = _Tiled().double()
     tm = treefx.compile(model, backend="flex-eager")
-    trees = odd_forest(3, VOCAB)
-    batch = treefx.pack(trees)
-    with torch.no_grad():
-        out = tm(batch)
-        ref = treefx.reference.sequence_logprobs(model, trees)
-    for i, lp in enumerate(ref):
-        torch.testing.assert_close(out.token_logprobs[batch.sequence_index(i)[1:]], lp,
-                                   atol=1e-9, rtol=0)
+    check_forward(tm, odd_forest(3, VOCAB), atol=1e-9)
     (site,) = [n for n in tm.contexts[0].gm.graph.nodes if isinstance(n.target, TreeFlexAttention)]
     assert site.args[1].meta["example_value"].shape[1] == 4
     assert not any("KV heads shared" in r.note for r in tm.contexts[0].log)
@@ -245,16 +231,9 @@ def test_default_interleaves_where_gradients_flow(backend):
     """``interleave_heads=None`` (the default): interleaved in a graph that computes gradients
     (the backward is what gains), the usual layout without autograd; exact either way."""
     model = _hf("sdpa")
-    trees = odd_forest(4, VOCAB)
-    ref = treefx.reference.sequence_logprobs(model, trees)
     for grad, layout in ((False, "standard"), (True, "interleaved")):
         tm = treefx.compile(model, backend=backend)
-        batch = treefx.pack(trees)
-        with torch.set_grad_enabled(grad):
-            out = tm(batch)
-        for i, lp in enumerate(ref):
-            torch.testing.assert_close(out.token_logprobs[batch.sequence_index(i)[1:]],
-                                       lp.detach(), atol=1e-9, rtol=0)
+        check_forward(tm, odd_forest(4, VOCAB), atol=1e-9, grad=grad)
         sites = [n.target for n in tm.contexts[0].gm.graph.nodes
                  if isinstance(n.target, TreeFlexAttention)]
         assert len(sites) == 2 and all(s.layouts == {layout} for s in sites), grad

@@ -43,3 +43,19 @@ def odd_tree(seed: int, vocab: int = 64, *, masks: bool = True) -> treefx.Tree:
 
 def odd_forest(seed: int, vocab: int = 64) -> list[treefx.Tree]:
     return [odd_tree(seed, vocab), odd_tree(seed + 1, vocab, masks=False)]
+
+
+def check_forward(tm, trees, *, atol: float, grad: bool = False, **pack_options):
+    """A compiled model's tree log-probs against the per-branch oracle (the unmodified model on
+    each sequence alone), forward only (``grad``: with autograd on). Returns the output."""
+    import torch
+
+    batch = treefx.pack(trees, **pack_options)
+    with torch.set_grad_enabled(grad):
+        out = tm(batch)
+    with torch.no_grad():
+        ref = treefx.reference.sequence_logprobs(tm.model, trees)
+    for i, lp in enumerate(ref):
+        torch.testing.assert_close(out.token_logprobs[batch.sequence_index(i)[1:]].detach(), lp,
+                                   atol=atol, rtol=0)
+    return out
