@@ -358,6 +358,26 @@ def case_inference(res):
         res[f"inference-qwen3-{label}"] = _forward_err(tm, model, trees)
 
 
+def case_small_sizes(res):
+    """Training steps on rows of 50 to 1,000 tokens (two sequences sharing a prefix): which
+    sizes compile a graph of their own. Run with TORCH_LOGS=recompiles to see the guard that
+    failed."""
+    model = hf_model("qwen3", torch.bfloat16, **SMALL)
+    tm = treefx.compile(model, **COMPILE_KW)
+    sizes, counts = [], []
+    for n in (50, 100, 128, 200, 256, 300, 600, 1000):
+        a = n // 2
+        b = n - a - n // 4
+        tree = treefx.Tree.from_sequences([[3] * a + [4] * b, [3] * a + [5] * (n - a - b)])
+        batch = treefx.pack(tree).to(DEV)
+        assert batch.num_tokens == n
+        treefx.tree_loss(tm(batch), batch).backward()
+        sizes.append(n)
+        counts.append(tm.num_compilations)
+        print(f"  small-sizes: {n} tokens -> {tm.num_compilations} compilations", flush=True)
+        res["small-sizes"] = {"sizes": sizes, "compilations_after_each": counts}
+
+
 def case_short_rows(res):
     """Rows of one attention block or less, and exactly one and two blocks, without autograd
     (Inductor's decoding-kernel choice and its one-block reduction bug) and with it. (The
@@ -432,6 +452,7 @@ CASES = {
     "mistral-window": case_mistral_window,
     "recompiles": case_recompiles,
     "recompiles-wide": case_recompiles_wide,
+    "small-sizes": case_small_sizes,
     "timing": case_timing,
 }
 

@@ -33,6 +33,8 @@
 #                                               new defaults; the e2e step profiled
 #   bash benchmarks/gpu_session.sh compact     after the interleaved BlockMask stopped being
 #                                               transposed at its own size: exactness, op, e2e
+#   bash benchmarks/gpu_session.sh small       which row sizes of 50-1,000 tokens compile a
+#                                               graph of their own, and the guard that failed
 # Needs .whl/ with the fla-core, flash-linear-attention and einops wheels (carried).
 set -u
 export PYTHONPATH=.
@@ -192,6 +194,11 @@ fla() {
     PYTHONUNBUFFERED=1 timeout 200 python benchmarks/e2e.py --hidden 1024 --por 0.75 \
         --methods treefx,treefx_standard --stream 0 --mask-reps 0 \
         --out "$OUT/e2e_compact.json" 2>&1 | grep -v Warning | tail -8
+    ;;
+  small)
+    PYTHONUNBUFFERED=1 TORCH_LOGS=recompiles timeout 330 python benchmarks/gpu_check.py \
+        --cases small-sizes --out "$OUT/gpu_check_small_sizes.json" --err-dir /tmp/err 2>&1 \
+        | grep -v Warning | grep -i "small-sizes\|guard\|recompil\|error" | cut -c1-600 | tail -60
     ;;
   final)
     timeout 200 python benchmarks/gpu_check.py --cases inference,qwen3-fp32 \
