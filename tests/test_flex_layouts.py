@@ -258,3 +258,19 @@ def test_interleave_heads_refuses_rows_guaranteed_safe():
     with pytest.raises(ValueError, match="ROWS_GUARANTEED_SAFE"):
         treefx.step(lambda m, b: m(**b).loss, interleave_heads=True,
                     kernel_options={"ROWS_GUARANTEED_SAFE": True})
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_one_graph_for_rows_of_one_block_and_more(grad):
+    """Rows shorter than a block, of exactly one block and of several share one graph (traced
+    by AOTAutograd: the usual layout without autograd, the interleaved one with it). Without
+    the spare block a one-block row was a graph of its own (a size that may be 1 is guarded),
+    and so was a row of whole blocks (its padding then has length 0)."""
+    model = _hf("sdpa", dtype=torch.float32)
+    tm = treefx.compile(model, backend="aot-eager")
+    for n in (50, 128, 200, 256):
+        a, b = n // 2, n - n // 2 - n // 4
+        tree = treefx.Tree.from_sequences([[3] * a + [4] * b, [3] * a + [5] * (n - a - b)])
+        out = check_forward(tm, [tree], atol=1e-5, grad=grad)
+        assert out.token_logprobs.shape[-1] == n
+    assert tm.num_compilations == 1

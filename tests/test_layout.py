@@ -310,7 +310,10 @@ def _check_block_mask(batch: TreeBatch, block: int):
     assert torch.equal(mod, dense)  # the mask_mod is the tree mask everywhere
     kv_num, kv_idx = bm.kv_num_blocks[0, 0], bm.kv_indices[0, 0]
     full_num, full_idx = bm.full_kv_num_blocks[0, 0], bm.full_kv_indices[0, 0]
-    assert kv_num.shape == (nb,) and full_num.shape == (nb,)
+    # One spare, empty block after the row's (treefx.ops.attention.num_blocks): it lists no
+    # block, and no block lists it (checked below: every listed block is < nb).
+    assert kv_num.shape == (nb + 1,) and full_num.shape == (nb + 1,)
+    assert kv_num[nb] == 0 and full_num[nb] == 0
     out = torch.zeros(n, n, dtype=torch.bool)
     for qb in range(nb):
         qs = slice(qb * block, min(n, (qb + 1) * block))
@@ -398,7 +401,7 @@ def test_block_mask_of_128k_tokens():
     se = batch.subtree_end
     bm = tree_block_mask(se, 128)
     nb = 131072 // 128
-    assert bm.kv_num_blocks.shape == (1, 1, nb)
+    assert bm.kv_num_blocks.shape == (1, 1, nb + 1)  # and the spare block
     # Spot-check blocks against the interval test on the tile.
     kv_num, kv_idx = bm.kv_num_blocks[0, 0], bm.kv_indices[0, 0]
     full_num, full_idx = bm.full_kv_num_blocks[0, 0], bm.full_kv_indices[0, 0]

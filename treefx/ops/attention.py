@@ -58,18 +58,26 @@ def tree_attention_dense(
     )
 
 
+def num_blocks(n, block_size: int):
+    """The row's block count in treefx's block tensors: the blocks that hold its ``n`` tokens
+    and one spare (empty) block. The spare keeps the count at 2 or more, so that Dynamo never
+    specializes a graph for a row of one block (a size that may be 1 gets guarded, e.g. by
+    contiguity checks); it lists no block and no block lists it."""
+    return (n + block_size - 1) // block_size + 1
+
+
 @torch.library.custom_op("treefx::pad_to_block", mutates_args=())
 def pad_to_block(x: torch.Tensor, block_size: int) -> torch.Tensor:
-    """``x`` [N] zero-padded to a multiple of ``block_size``, as an opaque op: the mask reads
-    it as a buffer of its own. (Inductor would otherwise fuse the pad into the FlexAttention
-    mask as a masked load, and fails to generate that kernel in a forward without autograd.)"""
+    """``x`` [N] zero-padded to :func:`num_blocks` blocks, as an opaque op: the mask reads it
+    as a buffer of its own. (Inductor would otherwise fuse the pad into the FlexAttention mask
+    as a masked load, and fails to generate that kernel in a forward without autograd.)"""
     n = x.shape[0]
-    return F.pad(x, (0, -(-n // block_size) * block_size - n))
+    return F.pad(x, (0, num_blocks(n, block_size) * block_size - n))
 
 
 @pad_to_block.register_fake
 def _(x, block_size):
-    return x.new_empty(((x.shape[0] + block_size - 1) // block_size * block_size,))
+    return x.new_empty((num_blocks(x.shape[0], block_size) * block_size,))
 
 
 def block_indices(m: torch.Tensor):
@@ -91,7 +99,8 @@ def block_indices(m: torch.Tensor):
 def tree_block_tensors(subtree_end: torch.Tensor, block_size: int = 128, *, full: bool = True):
     """The block sparsity of the tree mask as the tensors of a FlexAttention ``BlockMask``:
     (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices), each with leading
-    [1, 1] dims, and ``subtree_end`` zero-padded to a block multiple (for the ``mask_mod``).
+    [1, 1] dims, and ``subtree_end`` zero-padded to the same blocks (for the ``mask_mod``).
+    The tensors cover :func:`num_blocks` blocks: the row's and one spare, empty block.
 
     For a key block ``K`` strictly before a query block ``[q0, q1)``: some pair is visible iff
     ``max(subtree_end[K]) > q0``; every pair iff ``min(subtree_end[K]) >= q1``. Diagonal
@@ -100,7 +109,7 @@ def tree_block_tensors(subtree_end: torch.Tensor, block_size: int = 128, *, full
     Per-block work only: O(N + (N / block_size)^2), no N x N tensor.
     """
     n = subtree_end.shape[0]
-    nb = (n + block_size - 1) // block_size
+    nb = num_blocks(n, block_size)
     se = pad_to_block(subtree_end, block_size)
     blocks = se.view(nb, block_size)
     # Only key blocks strictly before a query block use min/max, and those are never the
@@ -110,11 +119,13 @@ def tree_block_tensors(subtree_end: torch.Tensor, block_size: int = 128, *, full
     b = torch.arange(nb, device=se.device)
     q0 = b * block_size
     q1 = torch.clamp((b + 1) * block_size, max=n)
-    before = b[None, :] < b[:, None]  # [q block, kv block]
+    # [q block, kv block]; rows of padding only (the spare block) list nothing.
+    before = (b[None, :] < b[:, None]) & (q0 < n)[:, None]
     full_m = before & (min_se[None, :] >= q1[:, None])
     if not full:
         full_m = torch.zeros_like(full_m)
-    partial = (before & (max_se[None, :] > q0[:, None]) & ~full_m) | (b[None, :] == b[:, None])
+    diagonal = (b[None, :] == b[:, None]) & (q0 < n)[:, None]
+    partial = (before & (max_se[None, :] > q0[:, None]) & ~full_m) | diagonal
 
     return (*block_indices(partial), *block_indices(full_m), se)
 
