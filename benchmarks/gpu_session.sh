@@ -35,6 +35,8 @@
 #                                               transposed at its own size: exactness, op, e2e
 #   bash benchmarks/gpu_session.sh small       which row sizes of 50-1,000 tokens compile a
 #                                               graph of their own, and the guard that failed
+#   bash benchmarks/gpu_session.sh spare       the same after the spare block; short rows and
+#                                               Qwen3 float32 exactness
 # Needs .whl/ with the fla-core, flash-linear-attention and einops wheels (carried).
 set -u
 export PYTHONPATH=.
@@ -199,6 +201,12 @@ fla() {
     PYTHONUNBUFFERED=1 TORCH_LOGS=recompiles timeout 330 python benchmarks/gpu_check.py \
         --cases small-sizes --out "$OUT/gpu_check_small_sizes.json" --err-dir /tmp/err 2>&1 \
         | grep -v Warning | grep -i "small-sizes\|guard\|recompil\|error" | cut -c1-600 | tail -60
+    ;;
+  spare)
+    PYTHONUNBUFFERED=1 TORCH_LOGS=recompiles timeout 320 python benchmarks/gpu_check.py \
+        --cases small-sizes,short-rows,qwen3-fp32 --out "$OUT/gpu_check_spare.json" \
+        --err-dir /tmp/err 2>&1 | grep -v Warning \
+        | grep -i "small-sizes\|- 0/\|: ok\|FAILED\|err\|compilations" | cut -c1-400 | tail -60
     ;;
   final)
     timeout 200 python benchmarks/gpu_check.py --cases inference,qwen3-fp32 \
