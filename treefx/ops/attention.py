@@ -9,6 +9,11 @@ Two versions with one meaning:
 
 Both AND in the model's own mask when it has one, evaluated at path positions (so a sliding
 window or any other position-based mask stays exact per sequence).
+
+:class:`TreeFlexAttention` takes the KV heads as the model has them (fewer than the query
+heads under GQA) and can lay them out along the row, block by block
+(``interleave_heads``): the same values, with FlexAttention's backward launching every
+head's long shared-prefix key columns first instead of the last head's last.
 """
 
 from __future__ import annotations
@@ -252,7 +257,9 @@ class TreeFlexAttention:
     positions_padded, *model_mask_buffers)``. ``model_mask`` (optional) is a mask_mod-like
     callable ``(b, h, q_pos, kv_pos, *buffers) -> bool`` of path positions; ``score_mod`` is
     the model's own (default: identity). Module-level callables, tensors as explicit buffers:
-    no per-step state in closures.
+    no per-step state in closures. ``interleave_heads``: True, False, or None for "where the
+    call computes gradients" (see :func:`check_interleave_heads`); ``layouts`` records the
+    layouts the site was traced with.
     """
 
     def __init__(self, *, scale=None, block_size=128, model_mask=None, score_mod=None,
