@@ -1,0 +1,49 @@
+"""The GPU benchmarks' own checks, run on the CPU (``--dry-run``: tiny model and trees, eager
+backends): every method's loss and gradients against the per-sequence reference, the block
+masks against the dense mask. Keeps the harness from drifting while only the GPU times it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(script: str, *args: str, out) -> dict:
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", script),
+                           "--dry-run", "--out", str(out), *args],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(out) as f:
+        return json.load(f)
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_e2e_dry_run_checks(tmp_path):
+    res = _run("e2e.py", "--por", "0.75", "--methods", "treefx,treefx_standard,packed,hand",
+               out=tmp_path / "e2e.json")
+    checks = res["dry_run_checks"]["por0.75"]
+    for method in ("treefx", "packed", "hand"):
+        assert checks[method]["loss_rel_err"] < 1e-5, method
+        assert checks[method]["max_rel_grad_err"] < 1e-5, method
+    flex = checks["flex_forward"]
+    assert flex["hand_blocks_match_tree_block_mask"] is True
+    assert max(v for k, v in flex.items() if k.endswith("_max_abs")) < 1e-5
+    run = res["runs"]["hidden64"]["por0.75"]
+    for method in ("treefx", "treefx_standard", "packed", "hand"):
+        assert "step_ms" in run[method], (method, run[method].get("error", "")[-1500:])
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_attention_dry_run_checks(tmp_path):
+    res = _run("attention.py", "--tokens", "512", "--kv-heads", "2", out=tmp_path / "att.json")
+    checks = res["sizes"]["512"]["checks"]
+    assert checks["pairs_match_dense"] is True
+    for key in ("flex_tree", "heads_interleaved", "treefx_op", "treefx_op_interleaved"):
+        assert checks[f"{key}_vs_dense_max_abs"] < 1e-5, key
