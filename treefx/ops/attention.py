@@ -293,15 +293,13 @@ class TreeFlexAttention:
         self.layouts.add("interleaved" if interleave else "standard")
         from torch.nn.attention.flex_attention import BlockMask
 
+        std = BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx,
+                                       BLOCK_SIZE=self.block_size, mask_mod=self._mask_mod,
+                                       seq_lengths=(n, n))
         if not interleave:
-            block_mask = BlockMask.from_kv_blocks(
-                kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=self.block_size,
-                mask_mod=self._mask_mod, seq_lengths=(n, n))
-            return self._flex(q, k, v, block_mask, self.score_mod, se_pad, pos_pad, bufs)
+            return self._flex(q, k, v, std, self.score_mod, se_pad, pos_pad, bufs)
         hk, bs = k.shape[1], self.block_size
         nb = kv_num.shape[-1]
-        std = BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=bs,
-                                       seq_lengths=(n, n))
         mask_mod, score_mod = self._interleaved_mods(hk, q.shape[1] // hk)
         block_mask = interleaved_block_mask(std, hk, nb * hk * bs, mask_mod)
         out = self._flex(*(_heads_to_row(x, hk, nb, bs) for x in (q, k, v)), block_mask,
@@ -313,24 +311,21 @@ class TreeFlexAttention:
         row position and the query head they have in the usual layout."""
         bs = self.block_size
 
-        def unmix(h, q_idx, kv_idx):
-            head = ((q_idx // bs) % kv_heads) * group + h
-            return (head, (q_idx // (bs * kv_heads)) * bs + q_idx % bs,
-                    (kv_idx // (bs * kv_heads)) * bs + kv_idx % bs)
+        def unmix(idx):  # interleaved index -> (KV head, position in the usual row)
+            return (idx // bs) % kv_heads, (idx // (bs * kv_heads)) * bs + idx % bs
 
         def mask_mod(b, h, q_idx, kv_idx, *bufs):
             # The block mask lists same-head blocks only (interleave_block_tensors), but the
             # mask_mod must hold on its own: FlexAttention's eager path evaluates it densely.
-            head, qp, kp = unmix(h, q_idx, kv_idx)
-            same = (q_idx // bs) % kv_heads == (kv_idx // bs) % kv_heads
-            return same & self._mask_mod(b, head, qp, kp, *bufs)
+            (gq, qp), (gk, kp) = unmix(q_idx), unmix(kv_idx)
+            return (gq == gk) & self._mask_mod(b, gq * group + h, qp, kp, *bufs)
 
         if self.score_mod is _identity_score:
             return mask_mod, _identity_score
 
         def score_mod(score, b, h, q_idx, kv_idx, *bufs):
-            head, qp, kp = unmix(h, q_idx, kv_idx)
-            return self.score_mod(score, b, head, qp, kp, *bufs)
+            (gq, qp), (_, kp) = unmix(q_idx), unmix(kv_idx)
+            return self.score_mod(score, b, gq * group + h, qp, kp, *bufs)
 
         return mask_mod, score_mod
 

@@ -304,8 +304,7 @@ def _kv_for_flex(site: _Site, k: fx.Node):
     k0, v0 = _repeated_heads_source(k), _repeated_heads_source(site.v)
     if k0 is None or v0 is None:
         return k, site.v, False
-    kv, vv, qv = example(k0), example(v0), example(site.q)
-    if qv is None or not same_size(kv.shape[1], vv.shape[1]):
+    if not same_size(example(k0).shape[1], example(v0).shape[1]):
         return k, site.v, False
     return k0, v0, True
 
@@ -372,7 +371,7 @@ def _block_nodes(ctx: GraphContext, *, full: bool):
     def make():
         t = g.call_function(tree_block_tensors, (ctx.subtree_end, ctx.block_size), {"full": full})
         parts = [g.call_function(operator.getitem, (t, i)) for i in range(5)]
-        # parts[4]: subtree_end padded to a block multiple; the positions likewise.
+        # parts[4]: subtree_end padded to the block tensors' blocks; the positions likewise.
         # (torch.ops.treefx.pad_to_block is registered by importing ..ops.attention)
         pos = g.call_function(torch.ops.treefx.pad_to_block.default,
                               (ctx.positions, ctx.block_size))
