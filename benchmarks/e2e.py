@@ -479,9 +479,28 @@ def _obo_loss(model, ids, w):
     return (w * (lse - picked)).sum()
 
 
+def _inductor_split_count_parenthesized() -> bool:
+    """Whether this torch's Inductor parenthesizes a mix-order reduction's split count when it
+    slices the partial sums. torch 2.11 does not: with a sequence length L the split count
+    prints as ``1 + floor(s/16)`` and the slice ``[0 : 1 + floor(s/16) * 1024]`` is one element
+    ("shape '[344, 1024]' is invalid for input of size 1" in the one-by-one graph,
+    ``benchmarks/results/e2e_h200_run1.json``). The baseline then compiles without that
+    fusion. (treefx's graphs take the token count as one symbol and were not hit.)"""
+    import inspect
+
+    try:
+        from torch._inductor.codegen import simd
+        return '({nsplit}) * ({rnumel})' in inspect.getsource(simd)
+    except Exception:
+        return False
+
+
 def method_one_by_one(env, model, parts, compile_mode: str):
     if compile_mode == "dynamic":
-        fn = torch.compile(_obo_loss, backend=env.backend, dynamic=True)
+        options = None
+        if env.backend == "inductor" and not _inductor_split_count_parenthesized():
+            options = {"triton.mix_order_reduction": False}
+        fn = torch.compile(_obo_loss, backend=env.backend, dynamic=True, options=options)
     else:
         fn = _obo_loss
 

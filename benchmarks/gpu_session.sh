@@ -37,6 +37,11 @@
 #                                               graph of their own, and the guard that failed
 #   bash benchmarks/gpu_session.sh spare       the same after the spare block; short rows and
 #                                               Qwen3 float32 exactness
+#   bash benchmarks/gpu_session.sh retime      (fourth session) e2e at every POR after the
+#                                               spare block and the grouped batch copy;
+#                                               Qwen3 float32 exactness
+#   bash benchmarks/gpu_session.sh obo         one by one compiled (dynamic) at every POR; the
+#                                               hybrid e2e row with the current defaults
 # Needs .whl/ with the fla-core, flash-linear-attention and einops wheels (carried).
 set -u
 export PYTHONPATH=.
@@ -215,6 +220,21 @@ fla() {
     PYTHONPATH=.:/tmp/fla TREEFX_HYBRID_MODELS=qwen3_next timeout 200 \
         python benchmarks/gpu_check.py --cases hybrid-forward --out "$OUT/gpu_check_fla_forward.json" \
         --err-dir /tmp/err 2>&1 | grep -v Warning | tail -30
+    ;;
+  retime)
+    PYTHONUNBUFFERED=1 timeout 420 python benchmarks/e2e.py --hidden 1024,2048 \
+        --methods treefx,packed,hand --stream 12 --budget 390 \
+        --out "$OUT/e2e_retime.json" 2>&1 | grep -v Warning | tail -45
+    PYTHONUNBUFFERED=1 timeout 110 python benchmarks/gpu_check.py --cases qwen3-fp32 \
+        --out "$OUT/gpu_check_retime.json" --err-dir /tmp/err 2>&1 | grep -v Warning | tail -12
+    ;;
+  obo)
+    PYTHONUNBUFFERED=1 timeout 330 python benchmarks/e2e.py --hidden 1024,2048 \
+        --methods one_by_one --obo-compile dynamic --stream 0 --mask-reps 0 --budget 300 \
+        --out "$OUT/e2e_obo.json" 2>&1 | grep -v Warning | tail -20
+    PYTHONUNBUFFERED=1 timeout 210 python benchmarks/e2e.py --arch qwen3_next --hidden 1024 \
+        --por 0.75 --methods treefx,packed_reset --stream 0 --mask-reps 0 --warmup 1 --reps 3 \
+        --out "$OUT/e2e_hybrid_retime.json" 2>&1 | grep -v Warning | tail -12
     ;;
   esac
 } > "$log" 2>&1

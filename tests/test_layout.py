@@ -499,3 +499,28 @@ def test_to_cpu_keeps_values():
     bm2 = moved.block_mask(4)
     assert torch.equal(bm2.kv_num_blocks, bm.kv_num_blocks)
     assert torch.equal(bm2.full_kv_indices, bm.full_kv_indices)
+
+
+def test_grouped_copy_keeps_values_shapes_and_alignment():
+    """The CPU -> GPU path of TreeBatch.to: one buffer per dtype, split back into views."""
+    from treefx.layout import grouped_copy
+
+    ts = [torch.arange(5), torch.rand(3, dtype=torch.float64), torch.arange(6).view(2, 3),
+          torch.tensor([True, False, True]), torch.empty(0, dtype=torch.int64),
+          torch.rand(1, 7), torch.arange(3, dtype=torch.int32)]
+    out = grouped_copy(ts, torch.device("cpu"), pin=False)
+    for a, b in zip(ts, out):
+        assert b.shape == a.shape and b.dtype == a.dtype and torch.equal(a, b)
+        assert b.is_contiguous() and b.data_ptr() % 64 == 0
+    # tensors of one dtype share one buffer, and writing one leaves the others alone
+    assert out[0].untyped_storage().data_ptr() == out[2].untyped_storage().data_ptr()
+    out[0].fill_(-1)
+    assert torch.equal(out[2], ts[2]) and torch.equal(out[4], ts[4])
+
+
+def test_to_keeps_every_reductions_weights():
+    tree = Tree.from_sequences([[1, 2, 3], [1, 4]], weights=[0.3, 0.7])
+    batch = pack(tree, reduction="mean")
+    moved = batch.to("cpu")
+    for r in ("sum", "mean"):
+        assert torch.equal(moved.loss_weights_for(r), batch.loss_weights_for(r))

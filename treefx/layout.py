@@ -143,29 +143,57 @@ class TreeBatch:
 
     # ------------------------------------------------------------------ moving
 
-    def to(self, device) -> TreeBatch:
-        moved = {
-            "loss_weights_by_reduction": {
-                r: w.to(device) for r, w in self.loss_weights_by_reduction.items()
-            },
-        }
-        moved.update({
-            f: getattr(self, f).to(device)
-            for f in (
-                "input_ids",
-                "position_ids",
-                "parent_token",
-                "subtree_end",
-                "loss_weights",
-                "tree_index",
-                "node_offset",
-                "node_length",
-                "node_parent",
-                "sequence_node_ends",
-                "sequence_tree",
-            )
-        })
-        return replace(self, _block_masks={}, _parent_list=self._parent_list, **moved)
+    _TENSOR_FIELDS = ("input_ids", "position_ids", "parent_token", "subtree_end",
+                      "loss_weights", "tree_index", "node_offset", "node_length", "node_parent",
+                      "sequence_node_ends", "sequence_tree")
+
+    def to(self, device, non_blocking: bool = True) -> TreeBatch:
+        """The batch on ``device``. From the CPU to a GPU its tensors travel as one pinned
+        buffer per dtype, copied without blocking the host: a training loop can prepare the
+        next batch while the GPU runs (the copies stay ordered before any kernel on the
+        current stream that reads them)."""
+        names = [f"loss_weights_by_reduction.{r}" for r in self.loss_weights_by_reduction]
+        names += self._TENSOR_FIELDS
+        tensors = [self.loss_weights_by_reduction[n.split(".", 1)[1]] if "." in n
+                   else getattr(self, n) for n in names]
+        moved = dict(zip(names, move_tensors(tensors, torch.device(device), non_blocking)))
+        by_reduction = {r: moved.pop(f"loss_weights_by_reduction.{r}")
+                        for r in self.loss_weights_by_reduction}
+        return replace(self, _block_masks={}, _parent_list=self._parent_list,
+                       loss_weights_by_reduction=by_reduction, **moved)
+
+
+def move_tensors(tensors: list[torch.Tensor], device: torch.device,
+                 non_blocking: bool = True) -> list[torch.Tensor]:
+    """``tensors`` on ``device``, same shapes and dtypes. CPU tensors bound for a CUDA device
+    are concatenated per dtype into one pinned buffer and copied once (``non_blocking``: the
+    host does not wait for the copy); anything else moves tensor by tensor."""
+    if device.type != "cuda" or not all(t.device.type == "cpu" for t in tensors):
+        return [t.to(device) for t in tensors]
+    return grouped_copy(tensors, device, pin=non_blocking)
+
+
+def grouped_copy(tensors: list[torch.Tensor], device: torch.device,
+                 pin: bool) -> list[torch.Tensor]:
+    """One buffer per dtype (pinned if ``pin``, then copied without blocking), split back into
+    views of ``tensors``' shapes."""
+    out: list[torch.Tensor | None] = [None] * len(tensors)
+    groups: dict[torch.dtype, list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault(t.dtype, []).append(i)
+    for dtype, idx in groups.items():
+        # Each tensor starts on a 64-byte boundary of the buffer, as a fresh allocation
+        # would (Inductor's kernels assume aligned inputs).
+        unit = max(1, 64 // torch.empty((), dtype=dtype).element_size())
+        sizes = [tensors[i].numel() for i in idx]
+        slots = [-(-n // unit) * unit for n in sizes]
+        flat = torch.empty(sum(slots), dtype=dtype, pin_memory=pin)
+        for i, part in zip(idx, flat.split(slots)):
+            part[: tensors[i].numel()].copy_(tensors[i].reshape(-1))
+        flat = flat.to(device, non_blocking=pin)
+        for i, part, n in zip(idx, flat.split(slots), sizes):
+            out[i] = part[:n].view(tensors[i].shape)
+    return out
 
 
 def tree_mask_mod(subtree_end: torch.Tensor):
