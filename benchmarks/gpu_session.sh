@@ -42,6 +42,8 @@
 #                                               Qwen3 float32 exactness
 #   bash benchmarks/gpu_session.sh obo         one by one compiled (dynamic) at every POR; the
 #                                               hybrid e2e row with the current defaults
+#   bash benchmarks/gpu_session.sh nograd      the guards that split no-grad graphs by row size;
+#                                               the e2e step profiled after the grouped copy
 # Needs .whl/ with the fla-core, flash-linear-attention and einops wheels (carried).
 set -u
 export PYTHONPATH=.
@@ -235,6 +237,15 @@ fla() {
     PYTHONUNBUFFERED=1 timeout 210 python benchmarks/e2e.py --arch qwen3_next --hidden 1024 \
         --por 0.75 --methods treefx,packed_reset --stream 0 --mask-reps 0 --warmup 1 --reps 3 \
         --out "$OUT/e2e_hybrid_retime.json" 2>&1 | grep -v Warning | tail -12
+    ;;
+  nograd)
+    PYTHONUNBUFFERED=1 TORCH_LOGS=recompiles timeout 240 python benchmarks/gpu_check.py \
+        --cases short-rows --out "$OUT/gpu_check_nograd.json" --err-dir /tmp/err 2>&1 \
+        | grep -v Warning | grep -i "short\|- 0/\|guard\|Recompil\|FAILED\|err" \
+        | cut -c1-500 | tail -40
+    PYTHONUNBUFFERED=1 timeout 220 python benchmarks/e2e.py --hidden 1024 --por 0.75 \
+        --methods treefx,packed --stream 0 --mask-reps 0 --profile \
+        --out "$OUT/e2e_profile_retime.json" 2>&1 | grep -v Warning | tail -8
     ;;
   esac
 } > "$log" 2>&1
