@@ -44,6 +44,8 @@
 #                                               hybrid e2e row with the current defaults
 #   bash benchmarks/gpu_session.sh nograd      the guards that split no-grad graphs by row size;
 #                                               the e2e step profiled after the grouped copy
+#   bash benchmarks/gpu_session.sh nograd2     the same guards, filtered so they survive; the
+#                                               one-by-one row the obo stage's budget skipped
 # Needs .whl/ with the fla-core, flash-linear-attention and einops wheels (carried).
 set -u
 export PYTHONPATH=.
@@ -246,6 +248,15 @@ fla() {
     PYTHONUNBUFFERED=1 timeout 220 python benchmarks/e2e.py --hidden 1024 --por 0.75 \
         --methods treefx,packed --stream 0 --mask-reps 0 --profile \
         --out "$OUT/e2e_profile_retime.json" 2>&1 | grep -v Warning | tail -8
+    ;;
+  nograd2)
+    PYTHONUNBUFFERED=1 TORCH_LOGS=recompiles timeout 200 python benchmarks/gpu_check.py \
+        --cases short-rows --out "$OUT/gpu_check_nograd.json" --err-dir /tmp/err 2>&1 \
+        | grep -v "Warning\|pow_by_natural" | grep -i "short\|- 0/\|Recompiling\|triggered" \
+        | cut -c1-700 | tail -40
+    PYTHONUNBUFFERED=1 timeout 200 python benchmarks/e2e.py --hidden 2048 --por 0.85 \
+        --methods one_by_one --obo-compile dynamic --stream 0 --mask-reps 0 \
+        --out "$OUT/e2e_obo_2048_085.json" 2>&1 | grep -v Warning | tail -5
     ;;
   esac
 } > "$log" 2>&1
