@@ -596,8 +596,11 @@ def measure(env, step, warmup: int, reps: int) -> dict:
 _KERNEL_KINDS = (  # (category, name fragments), first match wins
     ("attention", ("flex_attention", "triton_tem", "flash", "fmha", "cudnn", "attention")),
     ("gemm", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "sm90_", "sm80_", "splitk")),
-    ("copy/fill", ("memcpy", "memset", "copy", "fill")),
+    # Before copy/fill: Inductor names a fused kernel after its ops, so RoPE or SiLU fused
+    # with a dtype cast is "triton_poi_fused__to_copy_...". (Profiles before 2026-11-22's
+    # fourth session counted those as copies.)
     ("triton pointwise/reduction", ("triton_poi", "triton_red", "triton_per")),
+    ("copy/fill", ("memcpy", "memset", "copy", "fill")),
 )
 
 

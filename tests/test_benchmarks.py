@@ -47,3 +47,19 @@ def test_attention_dry_run_checks(tmp_path):
     assert checks["pairs_match_dense"] is True
     for key in ("flex_tree", "heads_interleaved", "treefx_op", "treefx_op_interleaved"):
         assert checks[f"{key}_vs_dense_max_abs"] < 1e-5, key
+
+
+def test_profile_kinds_do_not_count_fused_kernels_as_copies():
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import e2e
+    finally:
+        sys.path.pop(0)
+    kind = e2e._kernel_kind
+    assert kind("triton_poi_fused__to_copy__unsafe_view_add_cos_mul_permute_10") == \
+        "triton pointwise/reduction"
+    assert kind("triton_tem_fused_flex_attention_backward_8") == "attention"
+    assert kind("Memcpy HtoD (Pinned -> Device)") == "copy/fill"
+    assert kind("void at::native::vectorized_elementwise_kernel<4, FillFunctor<float>>") == \
+        "copy/fill"
+    assert kind("nvjet_sm90_tst_128x272_64x4_2x1_v_bz_coopA_NNT") == "gemm"
