@@ -46,6 +46,9 @@
 #                                               the e2e step profiled after the grouped copy
 #   bash benchmarks/gpu_session.sh nograd2     the same guards, filtered so they survive; the
 #                                               one-by-one row the obo stage's budget skipped
+#   bash benchmarks/gpu_session.sh prologue    e2e at POR 0.75 with Inductor's prologue fusion
+#                                               off (RoPE recomputed inside the attention
+#                                               forward's key loop?) against on
 # Needs .whl/ with the fla-core, flash-linear-attention and einops wheels (carried).
 set -u
 export PYTHONPATH=.
@@ -257,6 +260,14 @@ fla() {
     PYTHONUNBUFFERED=1 timeout 200 python benchmarks/e2e.py --hidden 2048 --por 0.85 \
         --methods one_by_one --obo-compile dynamic --stream 0 --mask-reps 0 \
         --out "$OUT/e2e_obo_2048_085.json" 2>&1 | grep -v Warning | tail -5
+    ;;
+  prologue)
+    PYTHONUNBUFFERED=1 TORCHINDUCTOR_PROLOGUE_FUSION=0 timeout 300 python benchmarks/e2e.py \
+        --hidden 1024,2048 --por 0.75 --methods treefx,packed --stream 0 --mask-reps 0 \
+        --profile --out "$OUT/e2e_noprologue.json" 2>&1 | grep -v Warning | tail -8
+    PYTHONUNBUFFERED=1 timeout 150 python benchmarks/e2e.py --hidden 1024 --por 0.75 \
+        --methods treefx --stream 0 --mask-reps 0 --profile \
+        --out "$OUT/e2e_prologue.json" 2>&1 | grep -v Warning | tail -4
     ;;
   esac
 } > "$log" 2>&1
