@@ -49,6 +49,7 @@
 #   bash benchmarks/gpu_session.sh prologue    e2e at POR 0.75 with Inductor's prologue fusion
 #                                               off (RoPE recomputed inside the attention
 #                                               forward's key loop?) against on
+#   bash benchmarks/gpu_session.sh obo085      the one-by-one row at hidden 2048, POR 0.85
 # Needs .whl/ with the fla-core, flash-linear-attention and einops wheels (carried).
 set -u
 export PYTHONPATH=.
@@ -268,6 +269,11 @@ fla() {
     PYTHONUNBUFFERED=1 timeout 150 python benchmarks/e2e.py --hidden 1024 --por 0.75 \
         --methods treefx --stream 0 --mask-reps 0 --profile \
         --out "$OUT/e2e_prologue.json" 2>&1 | grep -v Warning | tail -4
+    ;;
+  obo085)
+    PYTHONUNBUFFERED=1 timeout 480 python benchmarks/e2e.py --hidden 2048 --por 0.85 \
+        --methods one_by_one --obo-compile dynamic --stream 0 --mask-reps 0 --budget 450 \
+        --out "$OUT/e2e_obo_2048_085.json" 2>&1 | grep -v Warning | tail -5
     ;;
   esac
 } > "$log" 2>&1
