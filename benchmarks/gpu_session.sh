@@ -50,6 +50,8 @@
 #                                               off (RoPE recomputed inside the attention
 #                                               forward's key loop?) against on
 #   bash benchmarks/gpu_session.sh obo085      the one-by-one row at hidden 2048, POR 0.85
+#   bash benchmarks/gpu_session.sh mixorder    the treefx step with Inductor's mix-order
+#                                               reduction off (torch 2.11's slicing bug) and on
 # Needs .whl/ with the fla-core, flash-linear-attention and einops wheels (carried).
 set -u
 export PYTHONPATH=.
@@ -274,6 +276,14 @@ fla() {
     PYTHONUNBUFFERED=1 timeout 480 python benchmarks/e2e.py --hidden 2048 --por 0.85 \
         --methods one_by_one --obo-compile dynamic --stream 0 --mask-reps 0 --budget 450 \
         --out "$OUT/e2e_obo_2048_085.json" 2>&1 | grep -v Warning | tail -5
+    ;;
+  mixorder)
+    PYTHONUNBUFFERED=1 TORCHINDUCTOR_MIX_ORDER_REDUCTION=0 timeout 200 python benchmarks/e2e.py \
+        --hidden 1024,2048 --por 0.75 --methods treefx --stream 0 --mask-reps 0 \
+        --out "$OUT/e2e_nomixorder.json" 2>&1 | grep -v Warning | tail -5
+    PYTHONUNBUFFERED=1 timeout 200 python benchmarks/e2e.py --hidden 1024,2048 --por 0.75 \
+        --methods treefx --stream 0 --mask-reps 0 \
+        --out "$OUT/e2e_mixorder.json" 2>&1 | grep -v Warning | tail -5
     ;;
   esac
 } > "$log" 2>&1
