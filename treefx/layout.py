@@ -152,15 +152,14 @@ class TreeBatch:
         buffer per dtype, copied without blocking the host: a training loop can prepare the
         next batch while the GPU runs (the copies stay ordered before any kernel on the
         current stream that reads them)."""
-        names = [f"loss_weights_by_reduction.{r}" for r in self.loss_weights_by_reduction]
-        names += self._TENSOR_FIELDS
-        tensors = [self.loss_weights_by_reduction[n.split(".", 1)[1]] if "." in n
-                   else getattr(self, n) for n in names]
-        moved = dict(zip(names, move_tensors(tensors, torch.device(device), non_blocking)))
-        by_reduction = {r: moved.pop(f"loss_weights_by_reduction.{r}")
-                        for r in self.loss_weights_by_reduction}
+        reductions = list(self.loss_weights_by_reduction)
+        tensors = [self.loss_weights_by_reduction[r] for r in reductions]
+        tensors += [getattr(self, f) for f in self._TENSOR_FIELDS]
+        moved = move_tensors(tensors, torch.device(device), non_blocking)
+        k = len(reductions)
         return replace(self, _block_masks={}, _parent_list=self._parent_list,
-                       loss_weights_by_reduction=by_reduction, **moved)
+                       loss_weights_by_reduction=dict(zip(reductions, moved[:k])),
+                       **dict(zip(self._TENSOR_FIELDS, moved[k:])))
 
 
 def move_tensors(tensors: list[torch.Tensor], device: torch.device,
@@ -184,12 +183,12 @@ def grouped_copy(tensors: list[torch.Tensor], device: torch.device,
     for dtype, idx in groups.items():
         # Each tensor starts on a 64-byte boundary of the buffer, as a fresh allocation
         # would (Inductor's kernels assume aligned inputs).
-        unit = max(1, 64 // torch.empty((), dtype=dtype).element_size())
+        unit = max(1, 64 // dtype.itemsize)
         sizes = [tensors[i].numel() for i in idx]
         slots = [-(-n // unit) * unit for n in sizes]
         flat = torch.empty(sum(slots), dtype=dtype, pin_memory=pin)
-        for i, part in zip(idx, flat.split(slots)):
-            part[: tensors[i].numel()].copy_(tensors[i].reshape(-1))
+        for i, part, n in zip(idx, flat.split(slots), sizes):
+            part[:n].copy_(tensors[i].reshape(-1))
         flat = flat.to(device, non_blocking=pin)
         for i, part, n in zip(idx, flat.split(slots), sizes):
             out[i] = part[:n].view(tensors[i].shape)
