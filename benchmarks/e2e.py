@@ -341,7 +341,8 @@ class PackedData:
     def __init__(self, tree: treefx.Tree):
         self.seqs = [np.asarray(s, dtype=np.int64) for s in tree.sequences]
         self.lens = np.array([len(s) for s in self.seqs], dtype=np.int64)
-        self.weights = np.asarray(tree.weights, dtype=np.float64)
+        # treefx's loss is the mean over the sequences: weight ω_p / P (see treefx.pack).
+        self.weights = np.asarray(tree.weights, dtype=np.float64) / tree.num_sequences
         self.masks = None if tree.loss_masks is None else [np.asarray(tree.loss_mask(i))
                                                           for i in range(tree.num_sequences)]
 
@@ -513,7 +514,7 @@ def method_one_by_one(env, model, parts, compile_mode: str):
             m = np.asarray(tree.loss_mask(i), dtype=np.float64)[1:]
             if m.sum() == 0:
                 continue
-            w = float(tree.weights[i]) * m / m.sum()
+            w = float(tree.weights[i]) / tree.num_sequences * m / m.sum()
             items.append((torch.from_numpy(s), torch.from_numpy(w).float()))
 
         def step():

@@ -40,8 +40,8 @@ def rollout_of_each_sequence(seed: int, group: int, **shape) -> np.ndarray:
 
 
 def per_branch_objective(model, tree, advantages, old, ref, reduction):
-    """The same objective, one model call at a time:
-    Σ_p ω_p r_p Σ_{j≥1} m_p(j) [−min(ρA_p, clip(ρ)A_p) + β·k3(log π_ref − log π)]."""
+    """The same objective, one model call at a time, averaged over the P model calls:
+    (1/P) Σ_p ω_p r_p Σ_{j≥1} m_p(j) [−min(ρA_p, clip(ρ)A_p) + β·k3(log π_ref − log π)]."""
     total = torch.zeros(())
     for p, lp in enumerate(treefx.reference.sequence_logprobs(model, tree)):
         m = torch.as_tensor(tree.loss_mask(p)[1:], dtype=lp.dtype)
@@ -53,7 +53,7 @@ def per_branch_objective(model, tree, advantages, old, ref, reduction):
         d = ref[p] - lp
         kl = torch.exp(d) - d - 1
         total = total + float(tree.weights[p]) * r * (m * (-surrogate + KL_COEF * kl)).sum()
-    return total
+    return total / tree.num_sequences
 
 
 def grads(model):

@@ -63,7 +63,7 @@ def trees(draw, masks=st.booleans(), weights=st.booleans()):
         m = [draw(st.lists(st.integers(0, 1), min_size=len(s), max_size=len(s))) for s in seqs]
     tree = make(weights=w, loss_masks=m)
     assert tree.sequences == seqs
-    w = [1.0 / p] * p if w is None else w
+    w = [1.0] * p if w is None else w
     m = [[1] * len(s) for s in seqs] if m is None else m
     return tree, seqs, w, m
 
@@ -199,8 +199,10 @@ def test_pack_non_preorder_nodes_hand_checked():
     assert batch.input_ids[0, batch.sequence_index(0)].tolist() == [1, 2, 4, 5]
     assert batch.input_ids[0, batch.sequence_index(1)].tolist() == [1, 2, 3, 6]
     assert batch.input_ids[0, batch.sequence_index(3)].tolist() == [7, 8]
-    # Weights 1/2 per sequence, "sum": token 2 is on both paths of tree 0; 8 on both of tree 1.
-    assert batch.loss_weights.tolist() == [0, 1, 0.5, 0.5, 0.5, 0.5, 0, 1, 0.5, 0, 0, 0]
+    # Weight 1 per sequence over the batch's 4 sequences, "sum": 1/4 per path through a token;
+    # token 2 is on both paths of tree 0, 8 on both of tree 1.
+    assert batch.num_sequences_normalizer == 4
+    assert batch.loss_weights.tolist() == [0, 0.5, 0.25, 0.25, 0.25, 0.25, 0, 0.5, 0.25, 0, 0, 0]
     with pytest.raises(IndexError, match="sequence 4 out of range"):
         batch.sequence_index(4)
     with pytest.raises(IndexError):
@@ -221,10 +223,17 @@ def test_pack_single_tree_and_generator():
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(forests, paddings, st.sampled_from(["sum", "mean"]), st.integers(0, 2**32 - 1))
-def test_loss_weights_reproduce_per_sequence_loss(forest, pad, reduction, seed):
+@given(forests, paddings, st.sampled_from(["sum", "mean"]), st.integers(0, 2**32 - 1),
+       st.sampled_from([None, 0, 5]))
+def test_loss_weights_reproduce_per_sequence_loss(forest, pad, reduction, seed, extra):
+    """The tree loss Σ_t w_t ℓ_t is (1/P) Σ_p ω_p r_p Σ_j m_p(j) ℓ_p(j), P the batch's sequence
+    count (``extra`` None) or a larger global count given to pack."""
+    own = sum(len(f[1]) for f in forest)
+    num_sequences = None if extra is None else own + extra
     batch = pack([f[0] for f in forest], reduction=reduction, pad_to_multiple=pad,
-                 weight_dtype=torch.float64)
+                 weight_dtype=torch.float64, num_sequences=num_sequences)
+    normalizer = own if extra is None else own + extra
+    assert batch.num_sequences_normalizer == normalizer
     assert batch.loss_weights.dtype == torch.float64
     assert batch.reduction == reduction
     rng = np.random.default_rng(seed)
@@ -242,7 +251,7 @@ def test_loss_weights_reproduce_per_sequence_loss(forest, pad, reduction, seed):
         r = 1.0 if reduction == "sum" else (1.0 / predicted if predicted else 0.0)
         for j in range(len(seq)):
             key = (ti, tuple(seq[: j + 1]))
-            coef = w * r * m[j] if j >= 1 else 0.0
+            coef = w * r * m[j] / normalizer if j >= 1 else 0.0
             expected_w[key] = expected_w.get(key, 0.0) + coef
             if j >= 1:
                 baseline += coef * loss(key)
@@ -263,7 +272,7 @@ def test_loss_weights_reproduce_per_sequence_loss(forest, pad, reduction, seed):
     assert (batch.loss_weights[batch.num_real_tokens:] == 0).all()
     # float32 weights are the float64 ones rounded.
     b32 = pack([f[0] for f in forest], reduction=reduction, pad_to_multiple=pad,
-               weight_dtype=torch.float32)
+               weight_dtype=torch.float32, num_sequences=num_sequences)
     assert b32.loss_weights.dtype == torch.float32
     assert torch.equal(b32.loss_weights, batch.loss_weights.float())
 
@@ -273,17 +282,20 @@ def test_loss_weights_hand_checked_with_length_one_sequence():
     weights = [0.5, 0.25, 1.0, 2.0]
     masks = [[1, 1, 1], [0, 0, 1], [1], [1]]
     tree = Tree.from_sequences(seqs, weights=weights, loss_masks=masks)
-    # DFS: 1 2 3 4 5
+    # DFS: 1 2 3 4 5; every weight divided by the 4 sequences.
     b = pack(tree, weight_dtype=torch.float64)
     assert b.input_ids[0].tolist() == [1, 2, 3, 4, 5]
-    assert b.loss_weights.tolist() == [0.0, 0.5, 0.5, 0.25, 0.0]
+    assert b.loss_weights.tolist() == [0.0, 0.125, 0.125, 0.0625, 0.0]
     b = pack(tree, reduction="mean", weight_dtype=torch.float64)
     # r = 1/2, 1/1, 1/0 -> 0, 1/0 -> 0
-    assert b.loss_weights.tolist() == [0.0, 0.25, 0.25, 0.25, 0.0]
+    assert b.loss_weights.tolist() == [0.0, 0.0625, 0.0625, 0.0625, 0.0]
     # Same without masks: r = 1/2, 1/2 and length-one sequences add nothing (no NaN).
     tree = Tree.from_sequences(seqs, weights=weights)
     b = pack(tree, reduction="mean", weight_dtype=torch.float64)
-    assert b.loss_weights.tolist() == [0.0, 0.375, 0.25, 0.125, 0.0]
+    assert b.loss_weights.tolist() == [0.0, 0.09375, 0.0625, 0.03125, 0.0]
+    # A global count of 8 sequences halves them again.
+    b = pack(tree, reduction="mean", weight_dtype=torch.float64, num_sequences=8)
+    assert b.loss_weights.tolist() == [0.0, 0.046875, 0.03125, 0.015625, 0.0]
     b = pack(Tree.from_sequences([[7]]), reduction="mean", weight_dtype=torch.float64)
     assert b.loss_weights.tolist() == [0.0]
 
@@ -291,9 +303,48 @@ def test_loss_weights_hand_checked_with_length_one_sequence():
 def test_loss_weights_first_token_of_root_is_zero_even_if_masked_in():
     tree = Tree.from_sequences([[3, 4], [3, 5]], loss_masks=[[1, 1], [1, 0]], weights=[1, 1])
     b = pack(tree, weight_dtype=torch.float64)
-    assert b.loss_weights.tolist() == [0.0, 1.0, 0.0]
+    assert b.loss_weights.tolist() == [0.0, 0.5, 0.0]
     b = pack(tree, reduction="mean", weight_dtype=torch.float64)
-    assert b.loss_weights.tolist() == [0.0, 1.0, 0.0]
+    assert b.loss_weights.tolist() == [0.0, 0.5, 0.0]
+
+
+def test_copies_of_a_tree_weigh_as_one_tree():
+    """The batch loss is the mean over all its sequences: k copies of a tree give each token k
+    times the paths and k times the count, so the same weights per copy (not k times the loss,
+    as a sum of per-tree means would)."""
+    tree = Tree.from_sequences([[1, 2, 3], [1, 2, 4, 5], [6]], weights=[0.5, 2.0, 1.0],
+                               loss_masks=[[1, 1, 1], [0, 1, 0, 1], [1]])
+    for reduction in ("sum", "mean"):
+        one = pack(tree, reduction=reduction).loss_weights
+        eight = pack([tree] * 8, reduction=reduction)
+        assert eight.num_sequences_normalizer == 24
+        torch.testing.assert_close(eight.loss_weights, one.repeat(8) / 8, rtol=1e-15, atol=0)
+        assert float(eight.loss_weights.sum()) == pytest.approx(float(one.sum()), rel=1e-14)
+
+
+def test_forest_weights_are_the_mean_over_all_its_sequences():
+    # Trees of 1 and 3 sequences: every sequence weighs 1/4, whichever tree it is in.
+    small = Tree.from_sequences([[1, 2]])
+    big = Tree.from_sequences([[3, 4], [3, 5], [3, 5, 6]])
+    b = pack([small, big], weight_dtype=torch.float64)
+    # DFS: 1 2 | 3 4 5 6
+    assert b.input_ids[0].tolist() == [1, 2, 3, 4, 5, 6]
+    assert b.loss_weights.tolist() == [0.0, 0.25, 0.0, 0.25, 0.5, 0.25]
+
+
+def test_num_sequences_is_checked():
+    tree = Tree.from_sequences([[1, 2], [1, 3], [4, 5]])
+    assert pack(tree).num_sequences_normalizer == 3
+    assert pack(tree, num_sequences=np.int64(7)).num_sequences_normalizer == 7
+    with pytest.raises(ValueError, match=r"num_sequences=2 is smaller than the 3 sequences of "
+                                         r"this batch.*global batch"):
+        pack(tree, num_sequences=2)
+    for bad in (0, -1):
+        with pytest.raises(ValueError, match="smaller than the 3 sequences"):
+            pack(tree, num_sequences=bad)
+    for bad in (3.0, "3", True):
+        with pytest.raises(TypeError, match="num_sequences must be an integer count"):
+            pack(tree, num_sequences=bad)
 
 
 # ---------------------------------------------------------------------------- block masks
@@ -482,6 +533,34 @@ def test_pack_errors():
             pack(tree, pad_to_multiple=bad)
 
 
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.bool, torch.complex64, "float"])
+def test_pack_refuses_non_floating_weight_dtypes(dtype):
+    # An integer dtype would truncate every fractional weight to 0: a loss of 0, silently.
+    with pytest.raises(ValueError, match=r"weight_dtype must be a floating torch dtype .*got"):
+        pack(Tree.from_sequences([[1, 2, 3]]), weight_dtype=dtype)
+
+
+def test_pack_floating_weight_dtypes():
+    tree = Tree.from_sequences([[1, 2, 3], [1, 4]])
+    for dtype in (torch.float64, torch.float32, torch.bfloat16, torch.float16):
+        b = pack(tree, weight_dtype=dtype)
+        assert b.loss_weights.dtype == dtype
+        assert b.loss_weights.tolist() == [0.0, 0.5, 0.5, 0.5]
+
+
+def test_pad_token_id_is_checked():
+    tree = Tree.from_sequences([[1, 2, 3]])
+    assert pack(tree, pad_token_id=np.int32(5), pad_to_multiple=4).input_ids[0].tolist() == \
+        [1, 2, 3, 5]
+    for bad in (1.5, 1.0, True, "0", None):
+        with pytest.raises(TypeError, match=r"pad_token_id must be an integer token id, got"):
+            pack(tree, pad_token_id=bad, pad_to_multiple=4)
+    with pytest.raises(ValueError, match="pad_token_id must be a non-negative token id, got -1"):
+        pack(tree, pad_token_id=-1, pad_to_multiple=4)
+    with pytest.raises(ValueError, match="pad_token_id"):  # checked even when nothing is padded
+        pack(tree, pad_token_id=-1)
+
+
 def test_to_cpu_keeps_values():
     tree = Tree.from_sequences([[1, 2, 3], [1, 4]], weights=[0.3, 0.7], loss_masks=[[1, 0, 1], [1, 1]])
     batch = pack([tree, Tree.from_sequences([[5]])], reduction="mean", pad_to_multiple=8)
@@ -495,6 +574,7 @@ def test_to_cpu_keeps_values():
         assert torch.equal(a, b) and a.dtype == b.dtype, name
     assert moved.device == torch.device("cpu")
     assert (moved.reduction, moved.num_real_tokens, moved.trees) == ("mean", 5, batch.trees)
+    assert moved.num_sequences_normalizer == batch.num_sequences_normalizer == 3
     assert moved.sequence_index(1).tolist() == batch.sequence_index(1).tolist()
     bm2 = moved.block_mask(4)
     assert torch.equal(bm2.kv_num_blocks, bm.kv_num_blocks)
@@ -524,3 +604,38 @@ def test_to_keeps_every_reductions_weights():
     moved = batch.to("cpu")
     for r in ("sum", "mean"):
         assert torch.equal(moved.loss_weights_for(r), batch.loss_weights_for(r))
+
+
+def test_weights_that_a_narrow_dtype_cannot_hold_raise():
+    """float16 flushes weights below ~3e-8 to 0 (a silent 0 loss for those tokens) and turns
+    weights above 65504 into inf."""
+    tree = Tree.from_sequences([[1, 2, 3], [1, 2, 4], [1, 5, 6], [1, 5, 7]])
+    assert pack(tree, reduction="mean", weight_dtype=torch.float16).loss_weights.tolist() == \
+        [0, 0.25, 0.125, 0.125, 0.25, 0.125, 0.125]
+    # With a global count of 10^8: 1e-8 and 5e-9.
+    with pytest.raises(ValueError, match=r'loss weight of token 1 \(1e-08, reduction="mean"\) '
+                                         r"underflows to 0 in torch.float16 \(6 tokens do\); "
+                                         r"pack with weight_dtype=torch.float32"):
+        pack(tree, reduction="mean", weight_dtype=torch.float16, num_sequences=10**8)
+    assert pack(tree, reduction="mean", weight_dtype=torch.float32,
+                num_sequences=10**8).loss_weights.tolist()[1] == pytest.approx(1e-8)
+    # The batch's other reduction is refused when a step asks for it, not at pack: here the
+    # "sum" weights are 1e-5 and the "mean" ones of the long sequence 1e-8.
+    long = Tree.from_sequences([list(range(1, 1002)), [1, 5000]])
+    batch = pack(long, reduction="sum", weight_dtype=torch.float16, num_sequences=10**5)
+    assert bool((batch.loss_weights[1:] > 0).all())
+    assert torch.equal(batch.loss_weights_for("sum"), batch.loss_weights)
+    for b in (batch, batch.to("cpu")):
+        with pytest.raises(ValueError, match=r'reduction="mean"\) underflows to 0 in '
+                                             r"torch.float16 \(1000 tokens do\)"):
+            b.loss_weights_for("mean")
+    # Large weights overflow.
+    big = Tree.from_sequences([[1, 2], [1, 3]], weights=[1e6, 1.0])
+    with pytest.raises(ValueError, match=r"loss weight of token 1 \(5e\+05, reduction=\"sum\"\) "
+                                         r"overflows in torch.float16"):
+        pack(big, weight_dtype=torch.float16)
+    assert bool(pack(big, weight_dtype=torch.bfloat16).loss_weights.isfinite().all())
+    # A weight below float32's range (losses are computed in float32 at least) means nothing
+    # in any dtype: flushing it is no error.
+    tiny = Tree.from_sequences([[4, 5], [4, 6]], weights=[1.0, 1e-300])
+    assert pack(tiny, weight_dtype=torch.float32).loss_weights.tolist() == [0, 0.5, 0]

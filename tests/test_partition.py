@@ -118,21 +118,22 @@ def token_losses(tree: Tree, batch, ell) -> np.ndarray:
     return values
 
 
-def tree_loss(tree: Tree, reduction: str, ell) -> float:
-    """``sum_t w_t l_t`` over the packed tree."""
-    batch = pack(tree, reduction=reduction, weight_dtype=torch.float64)
+def tree_loss(tree: Tree, reduction: str, ell, num_sequences: int | None = None) -> float:
+    """``sum_t w_t l_t`` over the packed tree (normalized by ``num_sequences``, see pack)."""
+    batch = pack(tree, reduction=reduction, weight_dtype=torch.float64,
+                 num_sequences=num_sequences)
     return float(batch.loss_weights.numpy() @ token_losses(tree, batch, ell))
 
 
 def per_sequence_loss(tree: Tree, reduction: str, ell) -> float:
-    """The per-branch baseline, ``sum_p w_p r_p sum_{j>=1} m_p(j) l(s_p[:j+1])``."""
+    """The per-branch baseline, ``(1/P) sum_p w_p r_p sum_{j>=1} m_p(j) l(s_p[:j+1])``."""
     total = 0.0
     for i, seq in enumerate(tree.sequences):
         m = tree.loss_mask(i).copy()
         m[0] = 0.0
         r = 1.0 if reduction == "sum" else (1.0 / m.sum() if m.sum() else 0.0)
         total += tree.weights[i] * r * sum(m[j] * ell[tuple(seq[: j + 1])] for j in range(len(seq)))
-    return total
+    return total / tree.num_sequences
 
 
 def records(tree: Tree) -> list:
@@ -158,7 +159,8 @@ def check_partition(tree: Tree, budget: int, method: str, ell) -> int:
         whole = tree_loss(tree, reduction, ell)
         assert math.isclose(whole, per_sequence_loss(tree, reduction, ell), rel_tol=1e-12,
                             abs_tol=1e-12)
-        split = sum(tree_loss(p, reduction, ell) for p in parts)
+        # Each part normalized by the whole tree's sequence count (see partition's docstring).
+        split = sum(tree_loss(p, reduction, ell, num_sequences=tree.num_sequences) for p in parts)
         assert math.isclose(split, whole, rel_tol=1e-12, abs_tol=1e-12)
     total = sum(p.num_tokens for p in parts)
     trie = Tree.from_sequences(tree.sequences)
@@ -314,6 +316,31 @@ def test_exact_refuses_large_trees_unless_they_fit():
     with pytest.raises(ValueError, match=rf"at most {EXACT_MAX_SEQUENCES} sequences.*has 17"):
         partition(tree, 4, method="exact")
     assert partition(tree, tree.num_tokens, method="exact") == [tree]
+
+
+def test_err_refuses_parts_that_are_not_a_partition_of_the_tree():
+    tree = Tree.from_sequences([[1, 2, 3], [1, 2, 4], [1, 2, 3], [5, 6]])
+    parts = partition(tree, 4)
+    assert len(parts) >= 2
+    assert err(tree, parts) == pytest.approx(1 - sum(p.num_tokens for p in parts) / 11)
+    assert err(tree, (p for p in parts)) == err(tree, parts)  # any iterable
+    other = Tree.from_sequences([[7, 8, 9, 10, 11, 12, 13, 14], [7, 8]])
+    with pytest.raises(ValueError, match=r"parts\[0\], its sequence 0 \(8 tokens \[7, 8, 9, 10, "
+                                         r"11, 12, \.\.\.\]\) is not in the tree"):
+        err(tree, [other])  # was a negative number
+    with pytest.raises(ValueError, match=r"sequence 3 of the tree \(2 tokens \[5, 6\]\) is in no "
+                                         r"part"):
+        err(tree, [tree.subtree([0, 1, 2])])
+    with pytest.raises(ValueError, match=r"parts\[1\], its sequence 0 .* more often than the tree"):
+        err(tree, [tree, tree.subtree([0])])
+    with pytest.raises(ValueError, match=r"sequence 2 of the tree .* is in no part"):
+        err(tree, [tree.subtree([0, 1, 3])])  # one of the two duplicates is missing
+    with pytest.raises(ValueError, match="parts is empty"):
+        err(tree, [])
+    with pytest.raises(TypeError, match=r"parts\[0\] is a list"):
+        err(tree, [[1, 2, 3]])
+    with pytest.raises(TypeError, match="tree must be a treefx.Tree"):
+        err([[1, 2, 3]], parts)
 
 
 def test_not_a_tree():

@@ -89,6 +89,8 @@ def test_sequence_loss_matches_hand_computation(model, trees, reduction):
     with torch.no_grad():
         lps = sequence_logprobs(model, trees)
         loss = sequence_loss(model, trees, reduction=reduction)
+        global_loss = sequence_loss(model, trees, reduction=reduction, num_sequences=15)
+    # The mean over all 6 sequences of both trees, not a sum of per-tree means.
     want = 0.0
     k = 0
     for t in trees:
@@ -99,14 +101,17 @@ def test_sequence_loss_matches_hand_computation(model, trees, reduction):
             n = sum(m)
             r = 1.0 if reduction == "sum" else (1.0 / n if n else 0.0)
             want += float(t.weights[i]) * r * sum(mj * -x for mj, x in zip(m, lp))
+    assert k == 6
     assert loss.ndim == 0 and torch.isfinite(loss)
     assert loss.dtype == torch.float64
-    assert float(loss) == pytest.approx(want, rel=1e-12)
+    assert float(loss) == pytest.approx(want / 6, rel=1e-12)
     assert float(loss) > 0
+    # A global count of 15 sequences (these 6 being a micro-batch of them).
+    assert float(global_loss) == pytest.approx(want / 15, rel=1e-12)
 
 
 def test_sequence_loss_by_hand_on_a_tiny_case(model):
-    # One sequence, weight 2, mask [., 1, 0, 1]: sum = 2 * (-lp1 - lp3); mean = half that.
+    # One sequence, weight 2, mask [., 1, 0, 1]: sum = 2 * (-lp1 - lp3) / 1; mean = half that.
     seq = [3, 4, 5, 6]
     tree = Tree.from_sequences([seq], weights=[2.0], loss_masks=[[0, 1, 0, 1]])
     with torch.no_grad():
@@ -169,6 +174,10 @@ def test_sequence_loss_bad_arguments(model, trees):
         sequence_logprobs(model, [trees[0], "x"])
     with pytest.raises(TypeError, match="treefx.Tree"):
         sequence_logprobs(model, 3)
+    with pytest.raises(ValueError, match="num_sequences=5 is smaller than the 6 sequences"):
+        sequence_loss(model, trees, num_sequences=5)
+    with pytest.raises(TypeError, match="num_sequences must be an integer count"):
+        sequence_loss(model, trees, num_sequences=6.0)
 
 
 def test_logits_of():

@@ -95,17 +95,19 @@ def advantage_of(advantages, p: int, length: int) -> torch.Tensor:
 
 
 def per_branch(trees, logprobs: list[torch.Tensor], reduction: str, term) -> torch.Tensor:
-    """The baseline  Σ_p ω_p r_p Σ_{j≥1} m_p(j) f_p(j), one sequence at a time.
+    """The baseline  (1/P) Σ_p ω_p r_p Σ_{j≥1} m_p(j) f_p(j), one sequence at a time, P the
+    number of sequences of all trees.
 
     ``term(p, lp)`` gives f_p for sequence p from its own log-probs lp [L_p − 1]."""
     total = torch.zeros((), dtype=torch.float64)
-    for p, ((seq, weight, mask), lp) in enumerate(zip(sequences_and_masks(trees), logprobs)):
+    seqs = sequences_and_masks(trees)
+    for p, ((seq, weight, mask), lp) in enumerate(zip(seqs, logprobs)):
         m = torch.as_tensor(mask[1:], dtype=lp.dtype)
         r = 1.0
         if reduction == "mean":
             r = 1.0 / float(m.sum()) if float(m.sum()) > 0 else 0.0
         total = total + weight * r * (m * term(p, lp)).sum()
-    return total
+    return total / len(seqs)
 
 
 def check_against_baseline(tm, trees, reduction, tree_objective, branch_term):
@@ -433,3 +435,102 @@ def test_forest_errors_name_the_tree(tree_model):
     adv[p] = torch.zeros(0 if lengths[p] > 1 else 3)
     with pytest.raises(ValueError, match=rf"sequence {p} \(tree 1, its sequence 1\) has"):
         rl.policy_gradient_loss(torch.zeros(batch.num_tokens), batch, adv)
+
+
+# ---------------------------------------------------------------------- non-finite inputs
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_advantages_per_sequence_raise(small, bad):
+    """A NaN advantage would make the loss NaN through a 0 · NaN weight, with no error; GRPO's
+    group normalization gives one whenever a group's rewards are all equal."""
+    tree, batch, lp, old = small
+    adv = torch.zeros(batch.num_sequences, dtype=torch.float64)
+    adv[3] = bad
+    message = rf"advantages\[3\] \(sequence 3\) is {bad}, not finite; GRPO's"
+    for objective in (lambda a: rl.policy_gradient_loss(lp, batch, a),
+                      lambda a: rl.ppo_clip_loss(lp, batch, a, old),
+                      lambda a: rl.ppo_clip_loss(lp, batch, a, lp)):
+        with pytest.raises(ValueError, match=message):
+            objective(adv)
+        with pytest.raises(ValueError, match=message):
+            objective(adv.tolist())  # a list of numbers
+        with pytest.raises(ValueError, match=message):
+            objective(adv.numpy())
+    # A one-token sequence has nothing to predict, but its advantage is still checked.
+    one = [i for i, s in enumerate(tree.sequences) if len(s) == 1]
+    assert one
+    adv = torch.zeros(batch.num_sequences)
+    adv[one[0]] = float("nan")
+    with pytest.raises(ValueError, match=rf"advantages\[{one[0]}\]"):
+        rl.policy_gradient_loss(lp, batch, adv)
+
+
+def test_grpo_group_of_equal_rewards_raises(small):
+    tree, batch, lp, old = small
+    rewards = torch.ones(batch.num_sequences)
+    adv = (rewards - rewards.mean()) / rewards.std()  # 0 / 0
+    assert bool(adv.isnan().all())
+    with pytest.raises(ValueError, match=r"advantages\[0\] \(sequence 0\) is nan.*std 0"):
+        rl.ppo_clip_loss(lp, batch, adv, old)
+
+
+def test_non_finite_advantages_per_token_raise_naming_the_token(small):
+    tree, batch, lp, old = small
+    adv = [torch.zeros(len(s) - 1, dtype=torch.float64) for s in tree.sequences]
+    p = next(i for i, s in enumerate(tree.sequences) if len(s) >= 4)
+    adv[p][2] = float("inf")
+    token = int(batch.sequence_index(p)[3])
+    with pytest.raises(ValueError, match=rf"advantages\[{p}\] \(sequence {p}\), entry 2 \(token 3, "
+                                         rf"tree token {token}\): value inf is not finite"):
+        rl.policy_gradient_loss(lp, batch, adv)
+    with pytest.raises(ValueError, match=rf"values\[{p}\] \(sequence {p}\), entry 2"):
+        rl.token_sums(batch, adv)
+    with pytest.raises(ValueError, match=rf"values\[{p}\] \(sequence {p}\), entry 2"):
+        rl.token_sums(batch, adv, weighted=False)
+    with pytest.raises(ValueError, match=r"values\[1\] \(sequence 1\) is nan, not finite"):
+        rl.token_sums(batch, [0.0, float("nan")] + [0.0] * (batch.num_sequences - 2))
+
+
+@pytest.mark.parametrize("which", ["old", "ref"])
+def test_non_finite_logprobs_on_the_tree_raise_naming_the_token(small, which):
+    """Old/reference log-probs given as one [N] tensor: checked on every token the loss reads,
+    as the per-sequence form always was."""
+    tree, batch, lp, _ = small
+    adv = torch.ones(batch.num_sequences, dtype=torch.float64)
+    inc = rl.path_incidence(batch)
+    trained = inc.trained.nonzero()[:, 0]
+    t = int(trained[len(trained) // 2])
+    values = torch.zeros(batch.num_tokens, dtype=torch.float64)
+    values[t] = float("nan")
+    # The sequence the error names runs through the token, at the position it names.
+    e = int(inc.first_trained[t])
+    p, j = int(inc.sequence[e]), int(inc.position[e])
+    assert int(batch.sequence_index(p)[j]) == t
+    name = "old_logprobs" if which == "old" else "ref_logprobs"
+    message = (rf"{name}: tree token {t} \(token {j} of sequence {p}, among others through it\) "
+               r"is nan, not finite")
+    with pytest.raises(ValueError, match=message):
+        if which == "old":
+            rl.ppo_clip_loss(lp, batch, adv, values)
+        else:
+            rl.kl_penalty(lp, batch, values, estimator="k3")
+
+
+def test_non_finite_logprobs_where_nothing_trains_are_ignored():
+    """Padding and tokens no sequence trains on are never read: a NaN there neither raises nor
+    changes the loss (rollout engines leave placeholders on context tokens)."""
+    tree = odd_tree(14, VOCAB)
+    batch = treefx.pack(tree, reduction="mean", pad_to_multiple=16)
+    inc = rl.path_incidence(batch)
+    assert batch.num_padding > 0 and bool((~inc.trained[: batch.num_real_tokens]).any())
+    gen = torch.Generator().manual_seed(0)
+    lp = -torch.rand(batch.num_tokens, generator=gen, dtype=torch.float64)
+    old = lp + 0.1 * torch.randn(batch.num_tokens, generator=gen, dtype=torch.float64)
+    adv = torch.randn(batch.num_sequences, generator=gen, dtype=torch.float64)
+    garbage = torch.where(inc.trained, old, torch.full_like(old, float("nan")))
+    torch.testing.assert_close(rl.ppo_clip_loss(lp, batch, adv, garbage),
+                               rl.ppo_clip_loss(lp, batch, adv, old), rtol=0, atol=0)
+    torch.testing.assert_close(rl.kl_penalty(lp, batch, garbage, estimator="k2"),
+                               rl.kl_penalty(lp, batch, old, estimator="k2"), rtol=0, atol=0)
+    assert torch.isfinite(rl.ppo_clip_loss(lp, batch, adv, garbage))

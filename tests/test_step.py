@@ -116,6 +116,39 @@ def _logits(model, batch):
     return model(batch["input_ids"], attention_mask=batch["attention_mask"]).logits
 
 
+def _mean_ce(model, batch):
+    return F.cross_entropy(_logits(model, batch)[:, :-1].flatten(0, 1),
+                           batch["labels"][:, 1:].flatten())
+
+
+@pytest.mark.parametrize("scaled, factor", [
+    (lambda m, b: 0.25 * _mean_ce(m, b), 0.25),   # a constant on the left
+    (lambda m, b: _mean_ce(m, b) * 0.25, 0.25),   # on the right
+    (lambda m, b: _mean_ce(m, b) / 4, 0.25),
+    (lambda m, b: torch.mul(3.0, _mean_ce(m, b)).float() / 2, 1.5),
+    (lambda m, b: 2 * (_mean_ce(m, b) * 0.5) * 3, 3.0),
+], ids=["const_times_loss", "loss_times_const", "loss_div_const", "torch_mul_then_div",
+        "chained"])
+def test_loss_scaled_by_a_constant_on_either_side(scaled, factor):
+    model = hf_model("qwen3", "sdpa")
+    step = treefx.step(scaled, backend="eager")
+    check_step(lambda m, b: step(m, b) / factor, model, odd_forest(27, VOCAB), "mean")
+
+
+@pytest.mark.parametrize("body, message", [
+    (lambda m, b: (b["labels"] != -100).sum() * _mean_ce(m, b),
+     r"combined with a computed tensor in `\w+ = mul\(sum\w*, cross_entropy\)`"),
+    (lambda m, b: _mean_ce(m, b) * (b["labels"] != -100).sum(),
+     r"combined with a computed tensor in `\w+ = mul\(cross_entropy, sum\w*\)`"),
+    (lambda m, b: _mean_ce(m, b) * _mean_ce(m, b), "combined with a computed tensor"),
+    (lambda m, b: 4.0 / _mean_ce(m, b),
+     r"its value is the divisor in `\w+ = truediv\(4\.?0?, cross_entropy\)`"),
+], ids=["count_times_loss", "loss_times_count", "loss_squared", "const_div_loss"])
+def test_loss_combined_with_computed_values_raises(body, message):
+    with pytest.raises(treefx.TreeCompileError, match=message):
+        _step(body)()
+
+
 @pytest.mark.parametrize("body, message", [
     (lambda m, b: F.cross_entropy(_logits(m, b)[:, :-2].flatten(0, 1),
                                   b["labels"][:, 2:].flatten()), r"sliced \[0:-2\]"),

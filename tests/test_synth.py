@@ -55,7 +55,7 @@ def test_shape_of_a_tree():
     shared = min(_lcp(seqs[0], s) for s in seqs[1:])
     assert shared >= 180
     assert 0 < tree.por < 1
-    np.testing.assert_allclose(tree.weights, 1 / tree.num_sequences)
+    np.testing.assert_array_equal(tree.weights, np.ones(tree.num_sequences))  # the default
     assert tree.loss_masks is None
 
 

@@ -6,8 +6,12 @@ import json
 import math
 from collections import defaultdict
 
+import copy
+import pickle
+
 import numpy as np
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from strategies import sequence_sets
 from hypothesis import strategies as st
@@ -49,7 +53,7 @@ def test_from_sequences_recovers_sequences_in_order(seqs):
     assert tree.num_sequences == len(seqs)
     assert tree.num_baseline_tokens == sum(len(s) for s in seqs)
     assert tree.sequence_lengths.tolist() == [len(s) for s in seqs]
-    np.testing.assert_array_equal(tree.weights, np.full(len(seqs), 1.0 / len(seqs)))
+    np.testing.assert_array_equal(tree.weights, np.ones(len(seqs)))  # the mean is pack's job
     assert tree.loss_masks is None
     for i, s in enumerate(seqs):
         np.testing.assert_array_equal(tree.loss_mask(i), np.ones(len(s)))
@@ -149,7 +153,7 @@ def test_prefix_and_duplicate_sequences_are_their_own_paths():
     assert [s.tolist() for s in tree.segments] == [[1], [2], [3], [4]]
     assert tree.parents.tolist() == [-1, 0, 1, 2]
     assert tree.sequence_ends.tolist() == [2, 1, 2, 3, 0]
-    assert tree.weights.tolist() == [0.2] * 5
+    assert tree.weights.tolist() == [1.0] * 5
 
 
 def test_forest_of_several_roots():
@@ -202,6 +206,63 @@ def test_subtree_keeps_weights_and_masks():
         tree.subtree([])
 
 
+def _arrays(tree: Tree) -> dict[str, np.ndarray]:
+    out = {"parents": tree.parents, "sequence_ends": tree.sequence_ends,
+           "weights": tree.weights, "node_depths": tree.node_depths}
+    out.update({f"segments[{i}]": s for i, s in enumerate(tree.segments)})
+    out.update({f"loss_masks[{i}]": m for i, m in enumerate(tree.loss_masks or ())})
+    return out
+
+
+@pytest.mark.parametrize("build", ["sequences", "nodes"])
+def test_tree_arrays_are_read_only_copies(build):
+    """A tree does not change once built: its arrays refuse writes, and the caller's arrays
+    it was built from (which the trie would otherwise slice into) can change freely."""
+    seq = np.array([1, 2, 3], dtype=np.int64)
+    other = np.array([1, 2, 4], dtype=np.int64)
+    weights = np.array([0.5, 2.0])
+    mask = np.array([0.0, 1.0, 1.0])
+    if build == "sequences":
+        tree = Tree.from_sequences([seq, other], weights=weights, loss_masks=[mask, mask])
+    else:
+        tree = Tree.from_nodes([seq[:2], seq[2:], other[2:]], np.array([-1, 0, 0]),
+                               sequence_ends=np.array([1, 2]), weights=weights,
+                               loss_masks=[mask, mask])
+    before = treefx.pack(tree, reduction="mean")
+    arrays = _arrays(tree)
+    assert len(arrays) == 4 + tree.num_nodes + 2
+    for name, arr in arrays.items():
+        assert not arr.flags.writeable, name
+        with pytest.raises(ValueError, match="read-only"):
+            arr[0] = 7
+    for arr in (seq, other, weights, mask):  # the inputs: not shared with the tree
+        arr[:] = 9
+    assert tree.sequences == [[1, 2, 3], [1, 2, 4]]
+    assert tree.weights.tolist() == [0.5, 2.0]
+    assert tree.loss_masks[0].tolist() == [0.0, 1.0, 1.0]
+    after = treefx.pack(tree, reduction="mean")
+    for name in ("input_ids", "loss_weights", "parent_token", "subtree_end"):
+        assert torch.equal(getattr(after, name), getattr(before, name)), name
+    # loss_mask(i) is the caller's copy: writing it leaves the tree alone.
+    m = tree.loss_mask(0)
+    m[:] = 0
+    assert tree.loss_masks[0].tolist() == [0.0, 1.0, 1.0]
+
+
+def test_tree_attributes_cannot_be_reassigned_but_pickle_and_copy():
+    tree = Tree.from_sequences([[1, 2, 3], [1, 2]], weights=[1.0, 3.0], loss_masks=[[1, 1, 0], [0, 1]])
+    for name, value in (("weights", np.ones(2)), ("segments", ()), ("loss_masks", None),
+                        ("_sequences", [[0]])):
+        with pytest.raises(AttributeError, match=f"does not change once built \\(setting '{name}'"):
+            setattr(tree, name, value)
+    with pytest.raises(AttributeError, match="does not change once built"):
+        del tree.weights
+    for twin in (pickle.loads(pickle.dumps(tree)), copy.deepcopy(tree), copy.copy(tree)):
+        assert twin == tree and twin is not tree
+        assert all(not a.flags.writeable for a in _arrays(twin).values())
+        assert torch.equal(treefx.pack(twin).loss_weights, treefx.pack(tree).loss_weights)
+
+
 def test_sequence_index_out_of_range():
     tree = Tree.from_sequences([[1], [2]])
     with pytest.raises(IndexError, match="sequence 2 out of range"):
@@ -221,7 +282,7 @@ def test_from_nodes_not_in_dfs_preorder():
     assert tree.num_tokens == 6
     assert tree.num_baseline_tokens == 8
     assert tree.node_depths.tolist() == [0, 2, 2, 3]
-    assert tree.weights.tolist() == [0.5, 0.5]
+    assert tree.weights.tolist() == [1.0, 1.0]
     assert tree.por == pytest.approx(0.25)
 
 

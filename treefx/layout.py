@@ -6,6 +6,7 @@ Every subtree is a contiguous range of the row, so a key ``k`` is visible to a q
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
@@ -15,7 +16,7 @@ import torch
 from .ops.attention import _tree_mask_mod, dense_tree_mask, tree_block_tensors
 from .tree import Tree
 
-__all__ = ["TreeBatch", "pack", "tree_mask_mod"]
+__all__ = ["TreeBatch", "check_num_sequences", "pack", "tree_mask_mod"]
 
 _REDUCTIONS = ("sum", "mean")
 
@@ -29,6 +30,9 @@ class TreeBatch:
     Node tensors, DFS order over the whole forest: ``node_offset`` (first token),
     ``node_length``, ``node_parent`` (-1 for roots). ``sequence_node_ends`` [P] holds the node
     each sequence ends in, ``sequence_tree`` [P] the tree it belongs to.
+    ``num_sequences_normalizer``: the sequence count every loss weight is divided by (this
+    batch's own count, or the global count given to :func:`pack`); :mod:`treefx.rl` divides
+    by the same number.
     """
 
     input_ids: torch.Tensor
@@ -44,11 +48,14 @@ class TreeBatch:
     sequence_tree: torch.Tensor
     reduction: str
     num_real_tokens: int
+    num_sequences_normalizer: int
     loss_weights_by_reduction: dict = field(repr=False)
     trees: list[Tree] = field(repr=False)
     max_token_id: int = field(default=-1, repr=False)  # from the host: no device sync to check
     _block_masks: dict = field(default_factory=dict, repr=False)
     _parent_list: list | None = field(default=None, repr=False)
+    # reduction -> why its weights are unusable in the batch's weight dtype (see pack)
+    _weight_errors: dict = field(default_factory=dict, repr=False)
 
     # ------------------------------------------------------------------ sizes
 
@@ -98,6 +105,8 @@ class TreeBatch:
         """``loss_weights`` as they would be for another per-sequence reduction."""
         if reduction not in _REDUCTIONS:
             raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+        if reduction in self._weight_errors:
+            raise ValueError(self._weight_errors[reduction])
         return self.loss_weights_by_reduction[reduction]
 
     # ------------------------------------------------------------------ mapping access
@@ -249,20 +258,77 @@ def _is_preorder(parents: np.ndarray) -> bool:
     return True
 
 
+def check_num_sequences(num_sequences, own: int) -> int:
+    """The loss normalizer: ``num_sequences`` checked, or ``own`` (the batch's own sequence
+    count) when it is None.
+
+    A global count is the number of sequences of the whole batch that this one is a part of
+    (several micro-batches, several ranks, the parts of a partitioned tree), so it is a
+    positive integer no smaller than ``own``. A smaller number is refused rather than taken:
+    it would scale the loss up silently (the old "sum of per-tree means" was such a case).
+    """
+    if num_sequences is None:
+        return own
+    if not isinstance(num_sequences, numbers.Integral) or isinstance(num_sequences, bool):
+        raise TypeError(
+            f"num_sequences must be an integer count of sequences, got {num_sequences!r} "
+            f"({type(num_sequences).__name__})"
+        )
+    if num_sequences < own:
+        raise ValueError(
+            f"num_sequences={int(num_sequences)} is smaller than the {own} sequences of this "
+            "batch; it is the sequence count of the whole global batch (all micro-batches and "
+            "ranks together) that the loss is averaged over, so at least this batch's own "
+            "count. Leave it None to average over this batch; weigh sequences with Tree weights"
+        )
+    return int(num_sequences)
+
+
+def _check_pad_token_id(pad_token_id) -> int:
+    if not isinstance(pad_token_id, numbers.Integral) or isinstance(pad_token_id, bool):
+        raise TypeError(
+            f"pad_token_id must be an integer token id, got {pad_token_id!r} "
+            f"({type(pad_token_id).__name__})"
+        )
+    if not 0 <= pad_token_id < 2**63:
+        raise ValueError(f"pad_token_id must be a non-negative token id, got {pad_token_id}")
+    return int(pad_token_id)
+
+
 def pack(
     trees: Tree | Iterable[Tree],
     *,
     reduction: str = "sum",
+    num_sequences: int | None = None,
     pad_to_multiple: int | None = None,
     pad_token_id: int = 0,
     weight_dtype: torch.dtype = torch.float64,
 ) -> TreeBatch:
     """Lay one tree or a forest of trees out depth-first as one row of tokens.
 
-    ``reduction``: how each sequence's token losses combine before the sequences are averaged
-    with their weights — ``"sum"`` or ``"mean"`` (over the sequence's loss-masked predicted
-    tokens). ``pad_to_multiple``: pad the row with inert tokens (weight 0, each sees only itself)
-    to a multiple of this. ``loss_weights`` come out in ``weight_dtype``.
+    The batch's loss (``treefx.tree_loss``, ``@treefx.step``, every :mod:`treefx.rl`
+    objective) is the mean over all its sequences, of all its trees:
+
+        L = (1/P) · Σ_p ω_p · r_p · Σ_{j≥1} m_p(j) · ℓ_p(j)
+
+    with ω_p the sequence's weight (``Tree`` weights, default 1), m_p its loss mask, r_p from
+    ``reduction`` and P = ``num_sequences``. ``loss_weights`` holds, per token t, the sum of
+    ``ω_p · r_p · m_p(t) / P`` over the sequences p through t.
+
+    ``reduction``: how each sequence's token losses combine — ``"sum"`` (r_p = 1) or ``"mean"``
+    (r_p = 1 / its loss-masked predicted tokens; 0 when it has none).
+    ``num_sequences``: P, default the number of sequences in this batch (all trees). A global
+    batch split into micro-batches, or over ranks, passes the global count to every ``pack``:
+    the micro-batch losses and gradients then sum to those of the global batch's mean. At least
+    this batch's own count (a part of a batch cannot hold more sequences than the whole).
+    With DDP / FSDP, which average gradients over ranks, multiply each rank's loss by the
+    world size. The parts of :func:`treefx.partition` take the whole tree's count.
+    ``pad_to_multiple``: pad the row with inert tokens (weight 0, each sees only itself)
+    to a multiple of this, with token id ``pad_token_id`` (a non-negative integer).
+    ``loss_weights`` come out in ``weight_dtype``, a floating dtype (float64 by default, so
+    weights summed over many sequences stay exact); a weight that it turns into 0 or inf
+    (float16 and small weights over a large count, say) raises a ``ValueError``, for the other
+    reduction when :meth:`TreeBatch.loss_weights_for` asks for it.
     """
     if reduction not in _REDUCTIONS:
         raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
@@ -279,6 +345,13 @@ def pack(
         or pad_to_multiple <= 0
     ):
         raise ValueError(f"pad_to_multiple must be a positive integer, got {pad_to_multiple!r}")
+    pad_token_id = _check_pad_token_id(pad_token_id)
+    if not isinstance(weight_dtype, torch.dtype) or not weight_dtype.is_floating_point:
+        raise ValueError(
+            f"weight_dtype must be a floating torch dtype (float64, float32, ...), got "
+            f"{weight_dtype!r}: loss weights are fractions, an integer dtype would make them 0"
+        )
+    normalizer = check_num_sequences(num_sequences, sum(t.num_sequences for t in trees))
 
     ids, pos, par, send, tix = [], [], [], [], []
     wts: dict[str, list] = {r: [] for r in _REDUCTIONS}
@@ -308,7 +381,7 @@ def pack(
         parent_tok[first] = np.where(pnode >= 0, offs[np.maximum(pnode, 0)] + lens[pnode] - 1, -1)
         ends = rank[tree.sequence_ends]
         for r in _REDUCTIONS:
-            w = _token_weights(tree, ends, offs, lens, parents, node_of_tok, r)
+            w = _token_weights(tree, ends, offs, lens, parents, node_of_tok, r, normalizer)
             w[depth[node_of_tok] + within == 0] = 0.0  # nothing predicts a sequence's 1st token
             wts[r].append(w)
 
@@ -342,13 +415,19 @@ def pack(
     def cat(xs, dtype=torch.int64):
         return torch.from_numpy(np.ascontiguousarray(np.concatenate(xs))).to(dtype)
 
+    weights = {r: cat(wts[r], weight_dtype) for r in _REDUCTIONS}
+    errors = {r: e for r in _REDUCTIONS
+              if (e := _weights_lost(np.concatenate(wts[r]), weights[r], r)) is not None}
+    if reduction in errors:
+        raise ValueError(errors[reduction])
+
     return TreeBatch(
         input_ids=cat(ids)[None],
         position_ids=cat(pos)[None],
         parent_token=cat(par),
         subtree_end=cat(send),
-        loss_weights=cat(wts[reduction], weight_dtype),
-        loss_weights_by_reduction={r: cat(wts[r], weight_dtype) for r in _REDUCTIONS},
+        loss_weights=weights[reduction].clone(),
+        loss_weights_by_reduction=weights,
         tree_index=cat(tix),
         node_offset=cat(n_off),
         node_length=cat(n_len),
@@ -357,13 +436,37 @@ def pack(
         sequence_tree=cat(s_tree),
         reduction=reduction,
         num_real_tokens=num_real,
+        num_sequences_normalizer=normalizer,
         max_token_id=max(int(np.max(x)) for x in ids),
         trees=trees,
+        _weight_errors=errors,
     )
 
 
-def _token_weights(tree, ends, offs, lens, parents, node_of_tok, reduction) -> np.ndarray:
-    """w_t = sum over sequences p through t of weight_p * r_p * mask_p(t), float64.
+# Losses are computed in float32 at least (token log-probs are promoted to it): a weight below
+# its smallest normal number means nothing in any dtype, so only larger ones count as lost.
+_FLOAT32_TINY = float(torch.finfo(torch.float32).tiny)
+
+
+def _weights_lost(exact: np.ndarray, cast: torch.Tensor, reduction: str) -> str | None:
+    """Why ``cast`` (the float64 weights ``exact`` in a narrower dtype) would train wrongly —
+    a weight that float32 holds but ``cast`` flushes to 0, or one that overflows — or None."""
+    if cast.dtype == torch.float64:
+        return None
+    back = cast.double().numpy()
+    bad = np.flatnonzero(((np.abs(exact) >= _FLOAT32_TINY) & (back == 0)) | ~np.isfinite(back))
+    if not bad.size:
+        return None
+    t = int(bad[0])
+    what = "underflows to 0" if np.isfinite(back[t]) else "overflows"
+    return (f'loss weight of token {t} ({exact[t]:.3g}, reduction="{reduction}") {what} in '
+            f"{cast.dtype} ({bad.size} tokens do); pack with weight_dtype=torch.float32 or "
+            "torch.float64 (the default)")
+
+
+def _token_weights(tree, ends, offs, lens, parents, node_of_tok, reduction,
+                   normalizer: int) -> np.ndarray:
+    """w_t = sum over sequences p through t of weight_p * r_p * mask_p(t) / normalizer, float64.
 
     Masks default to all ones; then a sequence adds the same amount to every token of its path,
     so the sum runs over nodes (bottom-up), not tokens.
@@ -374,7 +477,7 @@ def _token_weights(tree, ends, offs, lens, parents, node_of_tok, reduction) -> n
         predicted = (seq_len - 1).astype(np.float64)
         r = np.ones_like(predicted) if reduction == "sum" else _safe_inv(predicted)
         node_w = np.zeros(len(lens))
-        np.add.at(node_w, ends, tree.weights * r)
+        np.add.at(node_w, ends, tree.weights * r / normalizer)
         for i in range(len(lens) - 1, 0, -1):
             if parents[i] >= 0:
                 node_w[parents[i]] += node_w[i]
@@ -390,7 +493,7 @@ def _token_weights(tree, ends, offs, lens, parents, node_of_tok, reduction) -> n
         m = tree.loss_masks[i].copy()
         m[0] = 0.0  # the first token is never predicted
         r = 1.0 if reduction == "sum" else _safe_inv(np.array([m.sum()]))[0]
-        w[idx] += tree.weights[i] * r * m
+        w[idx] += tree.weights[i] * r / normalizer * m
     return w
 
 

@@ -2,7 +2,10 @@
 
 A part is the tree of a subset of the sequences (:meth:`Tree.subtree`): whole sequences, each
 with its own weight and loss mask, so the parts' losses add up exactly to the whole tree's loss
-(``L = sum_t w_t l_t`` is a sum over sequences; nothing is renormalised). What a split costs is
+(``L = sum_t w_t l_t`` is a sum over sequences; nothing is renormalised) — provided each part is
+packed with the whole's sequence count, ``pack(part, num_sequences=tree.num_sequences)`` (or the
+count of the whole batch the tree is in): a batch's loss is the mean over its sequences, and a
+part packed alone would average over its own, fewer ones. What a split costs is
 the prefix tokens that more than one part must compute again, so the goal is the fewest total
 tokens, ``sum over parts of part.num_tokens``, with every part within ``max_tokens``.
 
@@ -14,6 +17,7 @@ planning is done on nodes, never on tokens, so it costs the same for long and sh
 from __future__ import annotations
 
 import numbers
+from collections import Counter
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -38,7 +42,9 @@ def partition(
     at most ``max_tokens`` unique tokens.
 
     Every sequence lands in exactly one part with its weight and loss mask unchanged, so the
-    parts' losses sum to the tree's loss. ``method``: ``"greedy"`` (fast, for any size) or
+    parts' losses sum to the tree's loss when every part is packed with the whole tree's
+    sequence count, ``pack(part, num_sequences=tree.num_sequences)`` (the losses are means over
+    sequences; a part packed without it averages over its own sequences only). ``method``: ``"greedy"`` (fast, for any size) or
     ``"exact"`` (fewest total tokens; at most :data:`EXACT_MAX_SEQUENCES` sequences).
     ``progress``: ``True`` draws a bar on stderr; a callable gets ``(done, total)`` after each
     step (planning, then building the parts).
@@ -85,9 +91,53 @@ def err(tree: Tree, parts: Sequence[Tree]) -> float:
     """Effective reuse ratio of a partition: ``1 - sum part.num_tokens / baseline tokens``.
 
     The tree's own POR is the best any split can reach; what a split loses against it is the
-    prefix tokens computed again in several parts.
+    prefix tokens computed again in several parts. ``parts`` must be a partition of the tree's
+    sequences (every sequence in exactly one part, as :func:`partition` gives): a ``ValueError``
+    names a sequence missing from the parts, or one the tree does not hold (as often); the ratio
+    of any other list of trees means nothing.
     """
+    _num_sequences(tree)
+    parts = list(parts)
+    _check_is_partition(tree, parts)
     return 1.0 - sum(p.num_tokens for p in parts) / tree.num_baseline_tokens
+
+
+def _check_is_partition(tree: Tree, parts: list) -> None:
+    """The parts' sequences are the tree's, as a multiset (duplicates count)."""
+    if not parts:
+        raise ValueError("parts is empty; a partition of a tree has at least one part")
+    left: Counter = Counter(tuple(s) for s in tree.sequences)
+    for k, part in enumerate(parts):
+        if not isinstance(part, Tree):
+            raise TypeError(f"parts[{k}] is a {type(part).__name__}, not a treefx.Tree")
+        for i, s in enumerate(part.sequences):
+            key = tuple(s)
+            if left[key] == 0:
+                more = "more often than the tree holds it" if key in left else "not in the tree"
+                raise ValueError(
+                    f"parts[{k}], its sequence {i} ({_short(s)}) is {more}: parts must be a "
+                    "partition of the tree's sequences (every sequence in exactly one part; "
+                    "treefx.partition gives one)"
+                )
+            left[key] -= 1
+    # Some sequence is in no part: the first one in order that the parts do not account for.
+    used = Counter(tuple(s) for s in tree.sequences)
+    used.subtract(left)  # how many of each the parts hold
+    for i, s in enumerate(tree.sequences):
+        key = tuple(s)
+        if used[key] == 0:
+            raise ValueError(
+                f"sequence {i} of the tree ({_short(s)}) is in no part: parts must be a "
+                "partition of the tree's sequences (every sequence in exactly one part; "
+                "treefx.partition gives one)"
+            )
+        used[key] -= 1
+
+
+def _short(seq: list[int]) -> str:
+    """A sequence for an error message: its length and first tokens."""
+    head = ", ".join(map(str, seq[:6])) + (", ..." if len(seq) > 6 else "")
+    return f"{len(seq)} tokens [{head}]"
 
 
 # ---------------------------------------------------------------------------- checks

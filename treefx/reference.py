@@ -10,6 +10,7 @@ from collections.abc import Iterable
 
 import torch
 
+from .layout import check_num_sequences
 from .tree import Tree
 
 __all__ = ["logits_of", "sequence_logprobs", "sequence_loss"]
@@ -60,22 +61,29 @@ def sequence_logprobs(model: torch.nn.Module, tree) -> list[torch.Tensor]:
     return out
 
 
-def sequence_loss(model: torch.nn.Module, tree, *, reduction: str = "sum") -> torch.Tensor:
-    """The baseline loss  Σ_p ω_p · r_p · Σ_{j≥1} m_p(j) · (−log p(s_p[j] | s_p[<j]))  with
-    r_p = 1 ("sum") or 1 / Σ_{j≥1} m_p(j) ("mean"; a sequence with nothing to predict adds 0),
-    summed over all trees given. Differentiable."""
+def sequence_loss(model: torch.nn.Module, tree, *, reduction: str = "sum",
+                  num_sequences: int | None = None) -> torch.Tensor:
+    """The baseline loss, the mean over all sequences of all trees given:
+
+        L = (1/P) · Σ_p ω_p · r_p · Σ_{j≥1} m_p(j) · (−log p(s_p[j] | s_p[<j]))
+
+    with r_p = 1 ("sum") or 1 / Σ_{j≥1} m_p(j) ("mean"; a sequence with nothing to predict
+    adds 0), ω_p the tree's sequence weights and P = ``num_sequences``: by default the number of
+    sequences given, or a global count as for :func:`treefx.pack` (its batch of the same trees
+    and ``num_sequences`` has this loss). Differentiable."""
     if reduction not in ("sum", "mean"):
         raise ValueError(f"reduction must be 'sum' or 'mean', got {reduction!r}")
     trees = _trees(tree)
+    normalizer = check_num_sequences(num_sequences, sum(t.num_sequences for t in trees))
     logps = iter(sequence_logprobs(model, trees))
     total = torch.zeros((), device=_device(model))
     for t in trees:
         for i in range(t.num_sequences):
             lp = next(logps)
-            m = torch.as_tensor(t.loss_mask(i)[1:], dtype=lp.dtype, device=lp.device)
+            m = torch.tensor(t.loss_mask(i)[1:], dtype=lp.dtype, device=lp.device)
             r = 1.0
             if reduction == "mean":
                 n = float(m.sum())
                 r = 1.0 / n if n > 0 else 0.0
-            total = total + float(t.weights[i]) * r * (m * -lp).sum()
+            total = total + float(t.weights[i]) * r / normalizer * (m * -lp).sum()
     return total

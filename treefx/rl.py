@@ -1,14 +1,16 @@
 """Exact RL objectives on trees: policy gradient, PPO-clip, KL penalties.
 
-Every objective here is the per-branch objective — each sequence ``s_p`` scored alone — summed
-the way the batch's SFT loss is (see ARCHITECTURE.md):
+Every objective here is the per-branch objective — each sequence ``s_p`` scored alone — averaged
+over the batch's sequences the way its SFT loss is (see :func:`treefx.pack`):
 
-    L = Σ_p ω_p · r_p · Σ_{j≥1} m_p(j) · f_p(j)        r_p = 1 ("sum") or 1/Σ_{j≥1} m_p(j) ("mean")
+    L = (1/P) Σ_p ω_p · r_p · Σ_{j≥1} m_p(j) · f_p(j)    r_p = 1 ("sum") or 1/Σ_{j≥1} m_p(j) ("mean")
 
-with ``ω_p`` the sequence weight, ``m_p`` its loss mask and ``r_p`` from ``batch.reduction``.
-Token j of sequence p is one token t of the tree, and its log-probability (so its ratio to an
-old or reference policy) is the same in every sequence through t. Writing
-``c_p(j) = ω_p · r_p · m_p(j) ≥ 0``, each objective collapses to per-token weights:
+with ``ω_p`` the sequence weight, ``m_p`` its loss mask, ``r_p`` from ``batch.reduction`` and
+P = ``batch.num_sequences_normalizer`` (the batch's sequence count, or the global count given to
+``pack(..., num_sequences=)``: micro-batches packed with the global count sum to the global
+objective). Token j of sequence p is one token t of the tree, and its log-probability (so its
+ratio to an old or reference policy) is the same in every sequence through t. Writing
+``c_p(j) = ω_p · r_p · m_p(j) / P ≥ 0``, each objective collapses to per-token weights:
 
 - policy gradient, f = −A_p(j) · log π:     L = −Σ_t log π_t · Σ_{p∋t} c_p(t) A_p(t)
 - PPO-clip, f = −min(ρA, clip(ρ)A):         L = −Σ_t [min(ρ_t, clip ρ_t) · Σ_{p∋t} c_p A_p⁺
@@ -28,8 +30,12 @@ Per-sequence per-token data use one convention throughout, the one of
 for token k + 1 (the predicted tokens; token 0 has no prefix to be predicted from).
 
 Other aggregations are weights: a token-level mean over the whole group (DAPO) is
-``reduction="sum"`` with ``ω_p = 1 / Σ_q Σ_{j≥1} m_q(j)``; a constant normalizer (Dr. GRPO) is
-``reduction="sum"`` with ``ω_p = 1 / constant``.
+``reduction="sum"`` with ``ω_p = P / Σ_q Σ_{j≥1} m_q(j)``; a constant normalizer (Dr. GRPO) is
+``reduction="sum"`` with ``ω_p = P / constant`` (P the normalizer above).
+
+Every input is checked: advantages and values must be finite (GRPO's ``(R − mean) / std`` is
+NaN for a group whose rewards are all equal), and so must old/reference log-probabilities on
+every token the loss reads; an error names the sequence and token.
 """
 
 from __future__ import annotations
@@ -77,8 +83,8 @@ class PathIncidence:
     - ``token`` [T]: the token's index in the DFS row.
     - ``sequence`` [T]: p, numbered over the forest as in :meth:`TreeBatch.sequence_index`.
     - ``position`` [T]: j, the token's offset in its sequence (≥ 1).
-    - ``coef`` [T] float64: c_p(j) = ω_p · r_p · m_p(j); ``token_sums`` of it is
-      ``batch.loss_weights``.
+    - ``coef`` [T] float64: c_p(j) = ω_p · r_p · m_p(j) / P (P =
+      ``batch.num_sequences_normalizer``); ``token_sums`` of it is ``batch.loss_weights``.
     - ``sequence_lengths`` [P]: tokens per sequence (L_p; each has L_p − 1 entries here).
     - ``first`` / ``first_trained`` [N]: per token, the first entry through it (among entries
       with ``coef > 0`` for the latter), −1 where there is none.
@@ -162,7 +168,7 @@ def _build_incidence(batch: TreeBatch) -> PathIncidence:
         r = np.ones(num_seq)
     else:  # a sequence with nothing to predict adds nothing
         r = np.divide(1.0, masked_count, out=np.zeros(num_seq), where=masked_count > 0)
-    coef = weights[sequence] * r[sequence] * mask
+    coef = weights[sequence] * r[sequence] / batch.num_sequences_normalizer * mask
 
     n = batch.num_tokens
     first = _first_entry(token, np.ones(len(token), dtype=bool), n)
@@ -218,12 +224,20 @@ def _float_dtype(values) -> torch.dtype:
     return out
 
 
+_NONFINITE_HINT = (
+    "; GRPO's (R − mean R) / std R is NaN or infinite for a group whose rewards are all equal "
+    "(std 0): add an epsilon to the std, or give such a group advantage 0"
+)
+
+
 def _flat_values(inc: PathIncidence, values, name: str, dtype, device, *,
-                 scalars: bool = True) -> torch.Tensor:
+                 scalars: bool = True, finite: bool = True) -> torch.Tensor:
     """Per-sequence data as one value per incidence entry, [T].
 
     ``values``: a [P] tensor / list of P numbers (one per sequence, when ``scalars``), or a list
     of P per-token tensors, sequence p's of length L_p − 1 (entry k for token k + 1).
+    ``finite``: every value must be finite (advantages, token_sums' values: a coefficient 0
+    times NaN or inf is NaN, so none may be). Otherwise the caller checks the entries it reads.
     """
     num_seq = inc.num_sequences
     per_token_hint = (f"a list of {num_seq} per-token tensors (sequence p's of length "
@@ -234,7 +248,10 @@ def _flat_values(inc: PathIncidence, values, name: str, dtype, device, *,
     if isinstance(values, (torch.Tensor, np.ndarray)):
         v = torch.as_tensor(values)
         if scalars and v.ndim == 1 and v.shape[0] == num_seq:
-            return v.to(device=device, dtype=dtype)[inc.sequence.to(device)]
+            v = v.to(device=device, dtype=dtype)
+            if finite:
+                _check_sequence_values(inc, v, name)
+            return v[inc.sequence.to(device)]
         raise ValueError(f"{name} has shape {list(v.shape)} but the batch holds {num_seq} "
                          f"sequences; give {expected}")
     if not isinstance(values, Sequence) or isinstance(values, (str, bytes)):
@@ -245,6 +262,8 @@ def _flat_values(inc: PathIncidence, values, name: str, dtype, device, *,
     is_scalar = [_is_scalar(x) for x in values]
     if scalars and num_seq and all(is_scalar):
         v = torch.stack([torch.as_tensor(x, dtype=dtype, device=device) for x in values])
+        if finite:
+            _check_sequence_values(inc, v, name)
         return v[inc.sequence.to(device)]
     if any(is_scalar):
         p = is_scalar.index(True)
@@ -266,7 +285,31 @@ def _flat_values(inc: PathIncidence, values, name: str, dtype, device, *,
                 "treefx.reference.sequence_logprobs does"
             )
         parts.append(x)
-    return torch.cat(parts) if parts else torch.zeros(0, dtype=dtype, device=device)
+    flat = torch.cat(parts) if parts else torch.zeros(0, dtype=dtype, device=device)
+    if finite:
+        with torch.no_grad():
+            bad = ~torch.isfinite(flat)
+            if bool(bad.any()):
+                k = int(bad.nonzero()[0])
+                p, j = int(inc.sequence[k]), int(inc.position[k])
+                raise ValueError(
+                    f"{name}[{p}] ({inc.sequence_names[p]}), entry {j - 1} (token {j}, tree "
+                    f"token {int(inc.token[k])}): value {float(flat[k])} is not finite"
+                    + (_NONFINITE_HINT if name == "advantages" else "")
+                )
+    return flat
+
+
+def _check_sequence_values(inc: PathIncidence, v: torch.Tensor, name: str) -> None:
+    """One value per sequence: all finite, or a ValueError naming the first sequence."""
+    with torch.no_grad():
+        bad = ~torch.isfinite(v)
+        if bool(bad.any()):
+            p = int(bad.nonzero()[0])
+            raise ValueError(
+                f"{name}[{p}] ({inc.sequence_names[p]}) is {float(v[p])}, not finite"
+                + (_NONFINITE_HINT if name == "advantages" else "")
+            )
 
 
 def _scatter(inc: PathIncidence, flat: torch.Tensor) -> torch.Tensor:
@@ -279,10 +322,11 @@ def token_sums(batch: TreeBatch, values=None, *, weighted: bool = True,
                dtype: torch.dtype | None = None) -> torch.Tensor:
     """Per tree token t, the sum over the sequences through it:
 
-        out[t] = Σ_{p∋t} c_p(t) · x_p(t)        c_p(j) = ω_p · r_p · m_p(j)  (1 if not weighted)
+        out[t] = Σ_{p∋t} c_p(t) · x_p(t)    c_p(j) = ω_p · r_p · m_p(j) / P  (1 if not weighted)
 
-    ``values`` (x): one value per sequence ([P] tensor or list of P numbers), or a list of P
-    per-token tensors of length len(sequence) − 1 (entry k for token k + 1); ``None`` means
+    (P = ``batch.num_sequences_normalizer``). ``values`` (x): one value per sequence ([P]
+    tensor or list of P numbers), or a list of P per-token tensors of length
+    len(sequence) − 1 (entry k for token k + 1), all finite; ``None`` means
     x = 1, so ``token_sums(batch)`` is ``batch.loss_weights`` (in float64). Tokens no sequence
     predicts (a root's first token, padding) get 0. Differentiable in ``values``.
     """
@@ -318,7 +362,7 @@ def to_tree(batch: TreeBatch, values, *, fill: float = 0.0, trained_only: bool =
     """
     inc = path_incidence(batch)
     dtype = dtype or _float_dtype(values)
-    flat = _flat_values(inc, values, name, dtype, batch.device)
+    flat = _flat_values(inc, values, name, dtype, batch.device, finite=False)
     return _map_agreeing(inc, flat, name=name, fill=fill, trained_only=trained_only,
                          atol=atol, rtol=rtol)
 
@@ -363,16 +407,36 @@ def _logprobs_on_tree(inc: PathIncidence, values, name: str, like: torch.Tensor)
         if v.ndim == 1 and v.shape[0] == inc.num_tokens:
             # Constants of the objective: a graph attached to them (old = current log-probs,
             # say) would turn the ratio's gradient into 0.
-            return v.detach().to(device=like.device, dtype=like.dtype)
+            v = v.detach().to(device=like.device, dtype=like.dtype)
+            _check_tree_values(inc, v, name)
+            return v
         raise ValueError(
             f"{name} has shape {list(v.shape)}; give it on the tree, shape "
             f"[{inc.num_tokens}] (batch.num_tokens) like out.token_logprobs, or as a list of "
             f"{inc.num_sequences} per-sequence tensors of length len(sequence) − 1 (as "
             "treefx.reference.sequence_logprobs gives)"
         )
-    flat = _flat_values(inc, values, name, like.dtype, like.device, scalars=False).detach()
+    flat = _flat_values(inc, values, name, like.dtype, like.device, scalars=False,
+                        finite=False).detach()
     return _map_agreeing(inc, flat, name=name, fill=0.0, trained_only=True,
                          atol=DEFAULT_ATOL, rtol=DEFAULT_RTOL)
+
+
+def _check_tree_values(inc: PathIncidence, v: torch.Tensor, name: str) -> None:
+    """Values on the tree [N]: finite on every token some sequence trains on (the objectives
+    read no other; placeholders elsewhere, padding say, are left alone), or a ValueError naming
+    the token's DFS index and a sequence through it."""
+    with torch.no_grad():
+        bad = inc.trained.to(v.device) & ~torch.isfinite(v)
+        if bool(bad.any()):
+            t = int(bad.nonzero()[0])
+            e = int(inc.first_trained[t])
+            p = int(inc.sequence[e])
+            raise ValueError(
+                f"{name}: tree token {t} (token {int(inc.position[e])} of "
+                f"{inc.sequence_names[p]}, among others through it) is {float(v[t])}, not "
+                "finite; a sequence trains on that token, so the loss would be NaN"
+            )
 
 
 def _check_logprobs(token_logprobs, batch: TreeBatch) -> torch.Tensor:
@@ -402,12 +466,13 @@ def _check_eps(value, name: str) -> float:
 def policy_gradient_loss(token_logprobs, batch: TreeBatch, advantages) -> torch.Tensor:
     """REINFORCE / GRPO without a ratio:
 
-        L = −Σ_p ω_p r_p Σ_{j≥1} m_p(j) A_p(j) log π(s_p[j] | s_p[<j])
-          = −Σ_t log π_t · Σ_{p∋t} ω_p r_p m_p(t) A_p(t)
+        L = −(1/P) Σ_p ω_p r_p Σ_{j≥1} m_p(j) A_p(j) log π(s_p[j] | s_p[<j])
+          = −Σ_t log π_t · Σ_{p∋t} c_p(t) A_p(t)          c_p = ω_p r_p m_p / P
 
     ``token_logprobs``: ``out.token_logprobs`` [N] (or the ``TreeOutput``). ``advantages``: per
     sequence ([P], GRPO) or per token (a list of P tensors of length len(sequence) − 1, entry k
-    for token k + 1). Differentiable through ``token_logprobs`` (and the advantages, as given).
+    for token k + 1); every value finite. Differentiable through ``token_logprobs`` (and the
+    advantages, as given).
     """
     lp = _check_logprobs(token_logprobs, batch)
     inc = path_incidence(batch)
@@ -422,15 +487,17 @@ def ppo_clip_loss(token_logprobs, batch: TreeBatch, advantages, old_logprobs, *,
     """PPO's clipped surrogate, per token ``−min(ρA, clip(ρ, 1−ε, 1+ε_high)·A)`` with
     ``ρ = exp(log π − log π_old)``, summed like the SFT loss:
 
-        L = −Σ_p ω_p r_p Σ_{j≥1} m_p(j) min(ρ A_p(j), clip(ρ) A_p(j))
+        L = −(1/P) Σ_p ω_p r_p Σ_{j≥1} m_p(j) min(ρ A_p(j), clip(ρ) A_p(j))
           = −Σ_t [min(ρ_t, clip ρ_t) · Σ_{p∋t} c_p A_p⁺  +  max(ρ_t, clip ρ_t) · Σ_{p∋t} c_p A_p⁻]
 
-    exact because ρ_t is the same in every sequence through t and c_p = ω_p r_p m_p ≥ 0.
+    exact because ρ_t is the same in every sequence through t and c_p = ω_p r_p m_p / P ≥ 0
+    (P = ``batch.num_sequences_normalizer``).
 
-    ``advantages``: per sequence [P] or per token (list of P tensors, len(sequence) − 1 each).
-    ``old_logprobs``: on the tree ([N], e.g. a no-grad forward's ``token_logprobs``) or per
-    sequence (list of P tensors like :func:`treefx.reference.sequence_logprobs`; values of a
-    shared token must agree, see :func:`to_tree`). They are constants: detached here.
+    ``advantages``: per sequence [P] or per token (list of P tensors, len(sequence) − 1 each),
+    all finite. ``old_logprobs``: on the tree ([N], e.g. a no-grad forward's
+    ``token_logprobs``; finite on every trained token) or per sequence (list of P tensors like
+    :func:`treefx.reference.sequence_logprobs`; values of a shared token must agree, see
+    :func:`to_tree`). They are constants: detached here.
     ``clip_eps_high``: the upper clip (DAPO's clip-higher); default ``clip_eps``.
 
     Returns the loss, or ``(loss, stats)`` with ``return_stats``: detached 0-dim tensors
@@ -473,14 +540,15 @@ def kl_penalty(token_logprobs, batch: TreeBatch, ref_logprobs, *, estimator: str
                coef: float = 1.0) -> torch.Tensor:
     """A KL penalty to a reference policy, weighted like the loss:
 
-        L = coef · Σ_p ω_p r_p Σ_{j≥1} m_p(j) kl(s_p[j]) = coef · Σ_t w_t · kl_t
+        L = coef · (1/P) Σ_p ω_p r_p Σ_{j≥1} m_p(j) kl(s_p[j]) = coef · Σ_t w_t · kl_t
 
-    with ``w_t = Σ_{p∋t} ω_p r_p m_p(t)`` (``batch.loss_weights``, computed here in float64)
+    with ``w_t = Σ_{p∋t} ω_p r_p m_p(t) / P`` (``batch.loss_weights``, computed here in float64)
     and, for d = log π_ref − log π (Schulman's estimators of KL(π ‖ π_ref)):
     ``"k1"``: −d;  ``"k2"``: d² / 2;  ``"k3"``: exp(d) − d − 1.
 
-    ``ref_logprobs``: on the tree ([N]) or per sequence (list of P tensors, len(sequence) − 1
-    each; values of a shared token must agree). Detached: the reference is a constant.
+    ``ref_logprobs``: on the tree ([N]; finite on every trained token) or per sequence (list of
+    P tensors, len(sequence) − 1 each; values of a shared token must agree). Detached: the
+    reference is a constant.
     """
     if estimator not in KL_ESTIMATORS:
         raise ValueError(f"estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")

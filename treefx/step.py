@@ -4,9 +4,10 @@ The step is written for a Hugging Face-style batch (``batch["input_ids"]``,
 ``batch["labels"]``, ...) and computes a cross-entropy loss. Called with a :class:`TreeBatch`,
 it is captured as one graph together with the model; the passes rewrite its attention and
 positions for the tree and its loss into the weighted tree loss, so it returns what per-sequence
-training would: the per-sequence loss (its own reduction, its own loss mask) averaged over the
-sequences with their weights, with the same gradients. Called with anything else it is the
-plain function.
+training would: the per-sequence loss (its own reduction, its own loss mask) times the sequence
+weight, averaged over the batch's sequences (divided by ``batch.num_sequences_normalizer``: the
+batch's own count, or the global count given to ``treefx.pack(..., num_sequences=)``), with the
+same gradients. Called with anything else it is the plain function.
 """
 
 from __future__ import annotations
@@ -79,7 +80,9 @@ def step(fn=None, *, backend: str = "auto", block_size: int = 128,
     "sum"), by hand or through a Hugging Face model called with ``labels=``. In a tree step,
     ``batch["labels"]`` are the tokens (-100 where no sequence trains on a token); which tokens
     count for each sequence comes from the tree's loss masks, and "mean" is over each
-    sequence's own masked tokens. Pass ``batch["attention_mask"]`` to a Hugging Face model:
+    sequence's own masked tokens. The sequences are averaged as :func:`treefx.pack` says
+    (``(1/P) Σ_p ω_p · loss_p``, P the batch's sequence count or the global ``num_sequences``
+    it was packed with). Pass ``batch["attention_mask"]`` to a Hugging Face model:
     without it the model infers packed sequences from the positions. ``backend`` and
     ``kernel_options`` and ``interleave_heads`` as for :func:`treefx.compile`.
     """

@@ -56,6 +56,17 @@ def _as_token_array(seq, what: str) -> np.ndarray:
     return arr
 
 
+def _frozen(arr: np.ndarray, dtype) -> np.ndarray:
+    """A private, read-only copy of ``arr`` in ``dtype``.
+
+    A Tree's arrays must not change after it is built: :func:`treefx.pack` and
+    :mod:`treefx.rl` read them again later, and a caller's array (or a view of it) changed in
+    place would change those results without any error."""
+    out = np.array(arr, dtype=dtype, copy=True)
+    out.flags.writeable = False
+    return out
+
+
 def _as_mask_array(mask, length: int, what: str) -> np.ndarray:
     if isinstance(mask, (str, bytes)):
         raise TypeError(f"{what} must be a list of 0/1 values")
@@ -77,8 +88,10 @@ def _as_mask_array(mask, length: int, what: str) -> np.ndarray:
 
 
 def _as_weights(weights, num_sequences: int) -> np.ndarray:
+    """Per-sequence weights as float64; ``None`` gives 1.0 each (the loss is normalized by the
+    batch's sequence count in :func:`treefx.pack`, not by the weights)."""
     if weights is None:
-        return np.full(num_sequences, 1.0 / num_sequences)
+        return np.ones(num_sequences)
     if isinstance(weights, (str, bytes)):
         raise TypeError("weights must be a list of numbers, one per sequence")
     arr = np.asarray(weights)
@@ -107,13 +120,19 @@ class Tree:
     """A prefix tree of token sequences with per-sequence weights and loss masks.
 
     Build one with :meth:`from_sequences` (trie-merge token lists) or :meth:`from_nodes` (give
-    the segments and their parents). Attributes, all read-only by convention:
+    the segments and their parents). A tree does not change once built: its arrays are
+    private copies marked read-only (``flags.writeable`` is False) and its attributes cannot be
+    reassigned, so a batch packed from it, and everything computed later from the batch's
+    trees (:mod:`treefx.rl`), always see the same data. Attributes:
 
-    - ``segments``: list of int64 arrays, the tokens of each node;
+    - ``segments``: tuple of int64 arrays, the tokens of each node;
     - ``parents``: int64 array, parent node of each node (-1 for a root), ``parents[i] < i``;
     - ``sequence_ends``: int64 array, the node each sequence ends in (at that node's last token);
-    - ``weights``: float64 array, one weight per sequence (default ``1/P``);
-    - ``loss_masks``: list of float64 0/1 arrays, one per sequence, one entry per token.
+    - ``weights``: float64 array, one weight ω_p per sequence (default 1.0). The loss of a
+      batch is ``(1/P) Σ_p ω_p · (sequence p's loss)`` with P the batch's sequence count (see
+      :func:`treefx.pack`), so the default is the plain mean over sequences;
+    - ``loss_masks``: tuple of float64 0/1 arrays, one per sequence, one entry per token, or
+      None (all ones).
     """
 
     __slots__ = (
@@ -130,18 +149,38 @@ class Tree:
         # Private: use from_sequences / from_nodes, which validate.
         if not _checked:
             raise TypeError("build a Tree with Tree.from_sequences or Tree.from_nodes")
-        self.segments: list[np.ndarray] = segments
-        self.parents: np.ndarray = parents
-        self.sequence_ends: np.ndarray = sequence_ends
-        self.weights: np.ndarray = weights
-        self.loss_masks: list[np.ndarray] | None = loss_masks
+        # Own, read-only copies: segments may be views of the caller's arrays.
+        init = object.__setattr__
+        init(self, "segments", tuple(_frozen(s, np.int64) for s in segments))
+        init(self, "parents", _frozen(parents, np.int64))
+        init(self, "sequence_ends", _frozen(sequence_ends, np.int64))
+        init(self, "weights", _frozen(weights, np.float64))
+        init(self, "loss_masks", None if loss_masks is None
+             else tuple(_frozen(m, np.float64) for m in loss_masks))
         start = np.zeros(len(segments), dtype=np.int64)
         lens = self.segment_lengths
-        for i, p in enumerate(parents.tolist()):
+        for i, p in enumerate(self.parents.tolist()):
             if p >= 0:
                 start[i] = start[p] + lens[p]
-        self._node_start = start  # position (depth) of each node's first token
-        self._sequences: list[list[int]] | None = None
+        start.flags.writeable = False
+        init(self, "_node_start", start)  # position (depth) of each node's first token
+        init(self, "_sequences", None)
+
+    def __setattr__(self, name, value):
+        raise AttributeError(
+            f"a Tree does not change once built (setting {name!r}); build a new one with "
+            "Tree.from_sequences / Tree.from_nodes (or tree.subtree for some of its sequences)"
+        )
+
+    def __delattr__(self, name):
+        raise AttributeError(f"a Tree does not change once built (deleting {name!r})")
+
+    def __reduce__(self):
+        # Pickle and copy through the constructor (the default slot-by-slot restore would set
+        # attributes); a copy is a Tree of its own, read-only again.
+        return (_rebuild_tree, (list(self.segments), self.parents, self.sequence_ends,
+                                self.weights, None if self.loss_masks is None
+                                else list(self.loss_masks)))
 
     # ------------------------------------------------------------------ construction
 
@@ -150,7 +189,8 @@ class Tree:
         """Trie-merge token lists into a prefix tree whose nodes are maximal shared segments.
 
         ``sequences``: the token id lists (each model call of a rollout). ``weights``: one
-        non-negative weight per sequence (default ``1/P``). ``loss_masks``: one 0/1 list per
+        non-negative weight ω_p per sequence, kept as given (default 1.0; the batch loss divides
+        by the sequence count, see :func:`treefx.pack`). ``loss_masks``: one 0/1 list per
         sequence, as long as the sequence (default all ones). Sequences that are prefixes of, or
         equal to, others still count as their own paths.
         """
@@ -252,10 +292,11 @@ class Tree:
                     f"loss_masks has {len(loss_masks)} entries but there are {len(ends)} sequences"
                 )
             lens = tree.sequence_lengths
-            tree.loss_masks = [
+            masks = [
                 _as_mask_array(m, int(n), f"loss mask of sequence {i}")
                 for i, (m, n) in enumerate(zip(loss_masks, lens))
             ]
+            object.__setattr__(tree, "loss_masks", tuple(_frozen(m, np.float64) for m in masks))
         return tree
 
     # ------------------------------------------------------------------ views
@@ -317,14 +358,19 @@ class Tree:
 
     @property
     def sequences(self) -> list[list[int]]:
-        """The token lists, in input order (computed once; a tree does not change)."""
+        """The token lists, in input order (computed once and cached, as a tree does not
+        change: treat the lists as read-only, or copy them)."""
         if self._sequences is None:
-            self._sequences = [self.sequence(i).tolist() for i in range(self.num_sequences)]
+            object.__setattr__(
+                self, "_sequences", [self.sequence(i).tolist() for i in range(self.num_sequences)]
+            )
         return self._sequences
 
     def loss_mask(self, i: int) -> np.ndarray:
+        """Sequence ``i``'s 0/1 loss mask (float64, one entry per token): a fresh, writable
+        copy (``loss_masks`` holds the tree's own, read-only)."""
         if self.loss_masks is not None:
-            return self.loss_masks[i]
+            return self.loss_masks[i].copy()
         return np.ones(int(self.sequence_lengths[i]), dtype=np.float64)
 
     def subtree(self, sequence_ids: Sequence[int]) -> Tree:
@@ -376,6 +422,11 @@ class Tree:
             f"tokens={self.num_tokens}, baseline_tokens={self.num_baseline_tokens}, "
             f"por={self.por:.3f})"
         )
+
+
+def _rebuild_tree(segments, parents, sequence_ends, weights, loss_masks) -> Tree:
+    """Unpickle / copy a Tree (see ``Tree.__reduce__``); its data was validated when built."""
+    return Tree(segments, parents, sequence_ends, weights, loss_masks, _checked=True)
 
 
 def _build_trie(seqs: list[np.ndarray]) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
