@@ -191,8 +191,10 @@ def _projection_only_for(logits: fx.Node, ce: fx.Node):
 
 
 def _check_result_use(ce: fx.Node) -> None:
-    """The CE value may only be scaled by constants on its way out: dividing a sum by a token
-    count computed from the batch, say, has no per-sequence meaning on a tree."""
+    """The CE value may only be scaled by constants on its way out: ``loss * c``, ``c * loss``,
+    ``loss / c`` (and casts, copies). A computed value on the other side (dividing a sum by a
+    token count computed from the batch, say) has no per-sequence meaning on a tree, and
+    neither has dividing by the loss."""
     frontier = [ce]
     seen = set()
     while frontier:
@@ -204,15 +206,24 @@ def _check_result_use(ce: fx.Node) -> None:
             if user.op == "output" or is_call(user, operator.getitem) or user.op == "call_function" \
                     and user.target in (tuple, list):
                 continue
-            if is_call(user, operator.mul, operator.truediv, torch.mul, torch.div,
-                       methods=("mul", "div", "float", "to", "clone")):
-                others = [a for a in user.args[1:] if isinstance(a, fx.Node)]
-                if others:
-                    raise _fail(ce, f"its value is combined with a computed tensor in "
-                                    f"`{describe(user)}`")
-                frontier.append(user)
-                continue
-            raise _fail(ce, f"its value feeds `{describe(user)}`")
+            operands = list(user.args) + list(user.kwargs.values())
+            if is_call(user, operator.mul, torch.mul, methods=("mul",)):
+                operands.remove(node)  # the loss on either side; the other must be a constant
+            elif is_call(user, operator.truediv, torch.div, methods=("div",)):
+                if not user.args or user.args[0] is not node:
+                    raise _fail(ce, f"its value is the divisor in `{describe(user)}`; only a "
+                                    "division of the loss by a constant is understood")
+                if user.kwargs.get("rounding_mode") is not None:
+                    raise _fail(ce, f"its value is rounded in `{describe(user)}`")
+                operands.remove(node)
+            elif is_call(user, methods=("float", "to", "clone")):
+                operands.remove(node)
+            else:
+                raise _fail(ce, f"its value feeds `{describe(user)}`")
+            if any(isinstance(a, fx.Node) for a in operands):
+                raise _fail(ce, f"its value is combined with a computed tensor in "
+                                f"`{describe(user)}`")
+            frontier.append(user)
 
 
 def loss_pass(ctx: GraphContext) -> int:
