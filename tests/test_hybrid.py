@@ -145,18 +145,28 @@ def test_hf_gated_deltanet_hybrids_match_oracle(model_type):
 
 
 class CumsumLinearAttention(torch.nn.Module):
-    """A linear attention written with cumsum over the tokens: unregistered state."""
+    """A linear attention written with a cumulative op over the tokens: a cumsum is a sum
+    along each path on the tree (exact); other cumulative ops are unregistered state."""
 
-    def __init__(self):
+    def __init__(self, op=torch.cumsum):
         super().__init__()
+        self.op = op
         self.emb = torch.nn.Embedding(VOCAB, 8)
         self.kv = torch.nn.Linear(8, 16)
         self.head = torch.nn.Linear(8, VOCAB)
 
     def forward(self, input_ids):
         k, v = self.kv(self.emb(input_ids)).chunk(2, dim=-1)
-        state = torch.cumsum(k * v, dim=1)
+        state = self.op(torch.sigmoid(k) * v, dim=1)
         return self.head(state)
+
+
+def test_cumsum_along_the_tokens_is_a_sum_along_each_path():
+    torch.manual_seed(0)
+    tm = treefx.compile(CumsumLinearAttention(), backend="eager")
+    check_against_oracle(tm, [SHORT_NODES, odd_tree(34, VOCAB)])
+    (rewrite,) = [r for r in tm.contexts[0].log if r.pass_name == "ssm"]
+    assert rewrite.note == "cumulative sum along each path"
 
 
 class ChunkedScan(torch.nn.Module):
@@ -177,8 +187,8 @@ class ChunkedScan(torch.nn.Module):
 
 
 @pytest.mark.parametrize("model, message", [
-    (CumsumLinearAttention(), "a cumulative op runs along the tokens"),
-    (ChunkedScan(), "a reshape cuts the token axis"),
+    (CumsumLinearAttention(torch.cumprod), "a cumulative op runs along the tokens"),
+    (ChunkedScan(), "a token axis of size .* from the N tokens"),
 ])
 def test_unrouted_state_names_node_and_module(model, message):
     tm = treefx.compile(model, backend="eager")
@@ -214,6 +224,38 @@ def test_hf_mamba2_matches_oracle():
     check_against_oracle(tm, [SHORT_NODES, odd_tree(35, VOCAB)])
     notes = sorted(r.note for r in tm.contexts[0].log if r.pass_name == "ssm")
     assert notes == ["causal conv1d"] * 2 + ["recurrence mamba2_mamba2_chunk_scan"] * 2
+
+
+def test_mamba2_with_a_step_floor_is_exact():
+    """Nemotron-H clamps the step dt to [time_step_min, ...] inside its scan kernel: the
+    padding's step of 0 becomes a real step and would decay the state handed to children.
+    treefx measures that the padding is not neutral and runs each depth's nodes in groups of
+    equal length instead (Gated DeltaNet's padding stays neutral, and padded)."""
+    from treefx.ops.recurrence import _NEUTRAL
+
+    cfg = transformers.AutoConfig.for_model(
+        "nemotron_h", vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, intermediate_size=64, mamba_num_heads=4,
+        mamba_head_dim=8, ssm_state_size=8, n_groups=1, layers_block_type=["mamba", "attention"],
+        time_step_min=0.01, initializer_range=0.2, mamba_chunk_size=8)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    tm = treefx.compile(model, backend="eager")
+    check_against_oracle(tm, [SHORT_NODES, odd_tree(36, VOCAB)])
+    verdicts = {k[0]: v for k, v in _NEUTRAL.items()}
+    assert verdicts["nemotron_h_mamba2_chunk_scan"] is False
+
+
+def test_gated_deltanet_padding_is_neutral():
+    from treefx.ops.recurrence import padding_is_neutral
+
+    rec = _REGISTRY["qwen3_next_gated_delta_rule"]
+    g = torch.Generator().manual_seed(0)
+    b, t, h, d = 1, 5, 2, 8
+    seq = {"query": torch.randn(b, t, h, d, generator=g), "key": torch.randn(b, t, h, d, generator=g),
+           "value": torch.randn(b, t, h, d, generator=g),
+           "g": -torch.rand(b, t, h, generator=g), "beta": torch.rand(b, t, h, generator=g)}
+    assert padding_is_neutral(rec, seq, {"use_qk_l2norm_in_kernel": True})
 
 
 @pytest.mark.parametrize("layer_types", [("gdn", "attention"), ("attention", "gdn", "gdn")])

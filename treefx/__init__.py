@@ -12,10 +12,12 @@ from .passes import (
     TreeCompileError,
     UnmatchedAttentionError,
     UnmatchedStateError,
+    UnsupportedSubgraphError,
 )
 from .recurrence import Recurrence, register_recurrence
 from .step import TreeStep, step
 from .tree import Tree, bound, por, read_jsonl, write_jsonl
+from .verification import TreeVerificationError, VerificationReport, probe_forest, verify
 
 __version__ = "0.1.0"
 
@@ -30,10 +32,13 @@ __all__ = [
     "TreeModel",
     "TreeOutput",
     "TreeStep",
+    "TreeVerificationError",
+    "VerificationReport",
     "Recurrence",
     "register_recurrence",
     "UnmatchedAttentionError",
     "UnmatchedStateError",
+    "UnsupportedSubgraphError",
     "bound",
     "compile",
     "debug",
@@ -43,11 +48,13 @@ __all__ = [
     "partition",
     "partition_ids",
     "por",
+    "probe_forest",
     "read_jsonl",
     "reference",
     "rl",
     "step",
     "synth",
     "tree_loss",
+    "verify",
     "write_jsonl",
 ]

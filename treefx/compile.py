@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+import os
 import types
 from dataclasses import dataclass
 
@@ -20,7 +21,7 @@ import torch.fx as fx
 from .layout import TreeBatch
 from .ops.attention import check_interleave_heads, check_kernel_options
 from .passes import GraphBreakError, GraphContext, TreeCompileError, run_passes
-from .passes.common import example, module_path
+from .passes.common import example, graph_code, module_path
 from .passes.loss import tree_token_logprobs
 from .recurrence import capture_patches
 from .reference import logits_of
@@ -158,7 +159,8 @@ class TreeEngine:
             # the swap is in place on every call so that Dynamo's guards always see it.
             # Floats stay constants: a module's attention scale must not become a traced
             # symbol after models with different scales ran (the passes read it).
-            with capture_patches(), torch._dynamo.config.patch(specialize_float=True):
+            with capture_patches(), torch._dynamo.config.patch(
+                    specialize_float=True, ignore_logger_methods=_logger_methods()):
                 out = self._compiled[backend](*args)
         except torch._dynamo.exc.BackendCompilerFailed as e:
             inner = getattr(e, "inner_exception", None) or e.__cause__
@@ -184,7 +186,7 @@ class TreeModel(torch.nn.Module):
 
     def __init__(self, model: torch.nn.Module, backend: str = "auto", *, block_size: int = 128,
                  pass_position_ids: bool | None = None, kernel_options: dict | None = None,
-                 interleave_heads: bool | None = None):
+                 interleave_heads: bool | None = None, verify: bool | None = None):
         super().__init__()
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"treefx.compile expects a torch.nn.Module, got {type(model).__name__}")
@@ -195,8 +197,16 @@ class TreeModel(torch.nn.Module):
         def accepts(name):
             return name in params or takes_kwargs and name in ("use_cache",)
 
+        def requires(name):
+            p = params.get(name)
+            return p is not None and p.default is p.empty and p.kind in (
+                p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+
         opts = {
-            "position_ids": accepts("position_ids") if pass_position_ids is None
+            # By default the model computes its own positions with its own code, which the
+            # passes evaluate per path: giving it 0-based positions would be wrong for a model
+            # whose positions start elsewhere (RoBERTa's start after the padding index).
+            "position_ids": requires("position_ids") if pass_position_ids is None
             else bool(pass_position_ids),
             "attention_mask": accepts("attention_mask"),
             "use_cache": accepts("use_cache"),
@@ -208,6 +218,10 @@ class TreeModel(torch.nn.Module):
             lambda tag: _make_traced(_tree_forward_template, tag, model=model, opts=opts),
             backend, block_size, kernel_options, interleave_heads,
         )
+        self._verify_pending = verify_default() if verify is None else verify
+        if not isinstance(self._verify_pending, bool):
+            raise TypeError(f"verify must be True, False or None, got {verify!r}")
+        self.verification = None  # the first call's VerificationReport (or why it was skipped)
 
     @property
     def backend(self) -> str:
@@ -226,9 +240,44 @@ class TreeModel(torch.nn.Module):
             raise TypeError(f"expected a treefx.TreeBatch (see treefx.pack), got "
                             f"{type(batch).__name__}")
         check_batch(self.model, batch)
+        if self._verify_pending:
+            self._verify_pending = False
+            self._verify_first_call()
         logits, token_logprobs = self.engine(batch.device, batch.input_ids, tree_info(batch),
                                              dynamic=(0, 1))
         return TreeOutput(logits, token_logprobs)
+
+    def _verify_first_call(self) -> None:
+        """The probe check (:mod:`treefx.verification`) through this model's own compiled graph,
+        with gradients when the call computes them, before the user's first batch."""
+        from .verification import VerificationUnavailable, verify
+
+        try:
+            self.verification = verify(self, grads=torch.is_grad_enabled())
+        except VerificationUnavailable as e:
+            self.verification = str(e)
+            log.warning("treefx: %s", e)
+
+
+def _logger_methods() -> set:
+    """Logging calls inside a model's forward (Hugging Face warns there, e.g. that
+    ``use_cache`` is off under gradient checkpointing) have no effect on its values; Dynamo
+    would break the graph at them, so the capture skips them."""
+    methods = {logging.Logger.debug, logging.Logger.info, logging.Logger.warning,
+               logging.Logger.error}
+    once = getattr(logging.Logger, "warning_once", None)  # added by transformers
+    if once is not None:
+        methods.add(once)
+    return methods
+
+
+def verify_default() -> bool:
+    """Whether compiled models verify themselves on their first call when ``verify`` is
+    not given: yes, unless the environment variable ``TREEFX_VERIFY`` is ``0``."""
+    value = os.environ.get("TREEFX_VERIFY", "1").strip().lower()
+    if value not in ("0", "1", "false", "true", "no", "yes", "off", "on"):
+        raise ValueError(f"TREEFX_VERIFY must be 0 or 1, got {value!r}")
+    return value in ("1", "true", "yes", "on")
 
 
 def inductor_patches() -> dict:
@@ -275,14 +324,18 @@ def _vocab_size(model: torch.nn.Module) -> int | None:
 
 def compile(model: torch.nn.Module, *, backend: str = "auto", block_size: int = 128,
             pass_position_ids: bool | None = None,
-            kernel_options: dict | None = None, interleave_heads: bool | None = None) -> TreeModel:
+            kernel_options: dict | None = None, interleave_heads: bool | None = None,
+            verify: bool | None = None) -> TreeModel:
     """Compile ``model`` to run exactly on DFS-packed trees.
 
     ``backend``: ``"inductor"`` (CUDA: FlexAttention with the tree block mask and Inductor's
     fused kernels, forward and backward), ``"eager"`` (any device: SDPA with the dense tree
     mask; the reference), or ``"auto"`` (inductor on CUDA, eager otherwise, chosen per batch).
-    ``pass_position_ids``: give the model the tree positions as ``position_ids`` (default: when
-    its forward takes them); otherwise the positions pass replaces the ``arange`` it builds.
+    ``pass_position_ids``: give the model the tree positions (0-based offsets in each sequence)
+    as ``position_ids``. Default: only when its forward requires them; otherwise the model
+    computes its own positions with its own code and the passes evaluate that code per path
+    (an ``arange`` over the tokens becomes the tree positions, a ``cumsum`` along them a sum
+    along each path), which is exact whatever the model's convention.
     ``kernel_options``: FlexAttention kernel options for every tree attention site (tile sizes,
     ``num_warps``, ``USE_TMA``, ...; BENCHMARKS.md has measured ones), added to treefx's own.
     ``interleave_heads``: lay the KV heads out along the row, block by block, at every tree
@@ -290,9 +343,17 @@ def compile(model: torch.nn.Module, *, backend: str = "auto", block_size: int = 
     long shared-prefix key columns of the last heads run last). ``None`` (default): in graphs
     that compute gradients, not in no-grad forwards (the forward alone does not gain);
     ``True``/``False``: always/never. BENCHMARKS.md has the measurements.
+    ``verify``: on the first call, run the compiled graph and the unmodified model on each
+    sequence of a small probe forest and compare log-probabilities (and gradients when the
+    call computes them); a difference raises :class:`treefx.TreeVerificationError` naming the
+    worst token and parameter (see :func:`treefx.verify`). The model's ``.grad``, buffers and
+    random state are left as they were; skipped with a warning when the graph draws random
+    numbers (dropout in training mode). ``None`` (default): on, unless the environment sets
+    ``TREEFX_VERIFY=0``.
     """
     return TreeModel(model, backend, block_size=block_size, pass_position_ids=pass_position_ids,
-                     kernel_options=kernel_options, interleave_heads=interleave_heads)
+                     kernel_options=kernel_options, interleave_heads=interleave_heads,
+                     verify=verify)
 
 
 def _context(gm: fx.GraphModule, backend: str, block_size: int,
@@ -308,7 +369,7 @@ def _context(gm: fx.GraphModule, backend: str, block_size: int,
         raise TreeCompileError(f"captured graph lacks the tree inputs (placeholders: "
                                f"{[n.name for n in placeholders]})")
     ids, info = by_name["input_ids"], by_name["tree_info"]
-    code_before = gm.code
+    code_before = graph_code(gm)
     modules_before = {n.name: module_path(n) if n.meta.get("nn_module_stack") else "<treefx>"
                       for n in gm.graph.nodes}
     g = gm.graph
@@ -320,11 +381,12 @@ def _context(gm: fx.GraphModule, backend: str, block_size: int,
     with fake.fake_mode if hasattr(fake, "fake_mode") else contextlib.nullcontext():
         pos.meta["example_value"] = fake[0]
         se.meta["example_value"] = fake[2]
-    return GraphContext(gm=gm, backend={"inductor": "inductor", "flex-eager": "flex",
-                                        "aot-eager": "inductor"}.get(backend, "eager"),
+    return GraphContext(
+        gm, {"inductor": "inductor", "flex-eager": "flex", "aot-eager": "inductor"}.get(
+            backend, "eager"),
         input_ids=ids, tree_info=info, positions=pos, subtree_end=se,
         seq_len=example(ids).shape[1], entry=se.next, block_size=block_size,
-        kernel_options=dict(kernel_options or {}), interleave_heads=interleave_heads,
+        kernel_options=kernel_options, interleave_heads=interleave_heads,
         code_before=code_before, modules_before=modules_before,
         tree_weights=by_name.get("tree_weights"))
 

@@ -4,7 +4,9 @@ Every tree node is one chunk whose initial state is its parent node's final stat
 root). Siblings read the same parent state, so autograd sums their gradients into it. All
 nodes at the same depth run together as one batch, right-padded with *neutral* tokens (inputs
 that leave the state unchanged, e.g. a log-decay of 0 and an update rate of 0), so the number
-of sequential kernel calls is the tree's depth in nodes, not its node count.
+of sequential kernel calls is the tree's depth in nodes, not its node count. Neutrality is
+measured on the kernel (:func:`padding_is_neutral`); where it fails, the nodes of a depth run
+in groups of equal length, unpadded.
 
 This is the plain-torch reference (any device, differentiable through the kernel's own torch
 code). Node boundaries come from ``parent_token``: a node starts wherever a token's
@@ -21,7 +23,7 @@ import torch.nn.functional as F
 
 from ..recurrence import Recurrence
 
-__all__ = ["tree_nodes", "tree_recurrence"]
+__all__ = ["tree_nodes", "tree_recurrence", "padding_is_neutral"]
 
 
 class _LastRow:
@@ -115,18 +117,68 @@ def tree_recurrence(rec: Recurrence, parent_token: torch.Tensor, args: tuple, kw
     levels: dict[int, list[int]] = {}
     for i, d in enumerate(depth):  # one pass: deep trees have many levels
         levels.setdefault(d, []).append(i)
+    neutral = fast or padding_is_neutral(rec, seq, static)
     for level in range(len(levels)):
         nodes = levels[level]
-        init = torch.stack([final[parents[i]] for i in nodes]) if level > 0 else None
-        if fast:
-            out, fin = _level_varlen(rec, seq, static, init, nodes, starts, lengths)
-        else:
-            out, fin = _level_padded(rec, seq, static, init, nodes, starts, lengths)
-        for j, i in enumerate(nodes):
-            final[i] = fin[j]
-            outputs[i] = out[j]
+        # Without neutral padding, nodes of one length run together (no padding at all).
+        groups = [nodes] if neutral else _by_length(nodes, lengths)
+        for group in groups:
+            init = torch.stack([final[parents[i]] for i in group]) if level > 0 else None
+            if fast:
+                out, fin = _level_varlen(rec, seq, static, init, group, starts, lengths)
+            else:
+                out, fin = _level_padded(rec, seq, static, init, group, starts, lengths)
+            for j, i in enumerate(group):
+                final[i] = fin[j]
+                outputs[i] = out[j]
     row = torch.cat([outputs[i] for i in range(len(starts))], dim=rec.output_seq_dim)
     return row if rec.bare_output_without_state else (row, None)
+
+
+def _by_length(nodes, lengths) -> list[list[int]]:
+    groups: dict[int, list[int]] = {}
+    for i in nodes:
+        groups.setdefault(lengths[i], []).append(i)
+    return list(groups.values())
+
+
+_NEUTRAL: dict = {}  # (recurrence, static arguments, dtype, device) -> padding is neutral
+
+
+def _static_key(static: dict):
+    def key(v):
+        if isinstance(v, torch.Tensor):
+            return ("tensor", v.dtype, tuple(v.shape))
+        if isinstance(v, (list, tuple)):
+            return tuple(key(x) for x in v)
+        return repr(v)
+
+    return tuple(sorted((k, key(v)) for k, v in static.items()))
+
+
+def padding_is_neutral(rec: Recurrence, seq: dict, static: dict) -> bool:
+    """Whether tokens of ``rec.neutral`` values leave the kernel's state unchanged, as the
+    padded batching of a level needs. Measured, not assumed: a kernel may transform its
+    inputs before the recurrence (Mamba2 models with a ``dt`` floor clamp the padding's step
+    of 0 up to a real step, which decays the state). Checked once per kernel, static
+    arguments, dtype and device: two padding-only tokens run from a random state."""
+    some = next(iter(seq.values()))
+    key = (rec.name, _static_key(static), some.dtype, some.device.type)
+    if key not in _NEUTRAL:
+        with torch.no_grad():
+            one = {n: t.narrow(rec.seq_args[n], 0, 1) for n, t in seq.items()}
+            _, fin = rec.fn(**one, **static, **{rec.initial_state: None,
+                                                rec.output_final_state: True})
+            g = torch.Generator(device=fin.device).manual_seed(0)
+            state = torch.randn(fin.shape, generator=g, device=fin.device).to(fin.dtype)
+            pad = {n: _pad_seq(t.narrow(rec.seq_args[n], 0, 0), rec.seq_args[n], 2,
+                               rec.neutral.get(n, 0.0)) for n, t in seq.items()}
+            _, after = rec.fn(**pad, **static, **{rec.initial_state: state,
+                                                  rec.output_final_state: True})
+            scale = float(state.abs().max())
+            _NEUTRAL[key] = bool(torch.allclose(after.float(), state.float(), rtol=1e-5,
+                                                atol=1e-6 * scale))
+    return _NEUTRAL[key]
 
 
 def _level_padded(rec, seq, static, init, nodes, starts, lengths):

@@ -12,17 +12,23 @@ from .common import (
     TreeCompileError,
     UnmatchedAttentionError,
 )
-from .loss import loss_pass
+from .dce import eliminate_dead_code
+from .loss import check_loss_found, loss_pass
 from .positions import positions_pass
 from .ssm import UnmatchedStateError, check_no_state_left, ssm_pass
+from .subgraphs import UnsupportedSubgraphError, check_opaque_ops, discover, prune
+from .tokens import SpecializedGraphError, TokenAxisError, check_token_axis
 
 __all__ = [
     "GraphBreakError",
     "GraphContext",
     "Rewrite",
+    "SpecializedGraphError",
+    "TokenAxisError",
     "TreeCompileError",
     "UnmatchedAttentionError",
     "UnmatchedStateError",
+    "UnsupportedSubgraphError",
     "run_passes",
 ]
 
@@ -39,14 +45,26 @@ PASSES = (
 
 
 def run_passes(ctx: GraphContext) -> GraphContext:
+    """Every pass over the root graph and every higher-order-op body in it (activation
+    checkpointing, ...), each pass on all graphs before the next (the attention pass of a body
+    may read a mask the root built, which must still be there), then dead
+    code out (effects kept, :mod:`.dce`; nothing is removed before every pass ran, since a
+    body may still import a root node that looks unused), then the checks."""
+    discover(ctx)
+    scopes = list(ctx.scopes())
     for name, fn in PASSES:
-        count = fn(ctx)
+        count = sum(fn(c) for c in scopes)
         log.info("pass %s: %d rewrite(s)", name, count)
-    check_no_attention_left(ctx)
-    check_no_state_left(ctx)
-    ctx.graph.eliminate_dead_code()
-    ctx.graph.lint()
-    ctx.gm.recompile()
+    check_loss_found(ctx)
+    prune(ctx, eliminate_dead_code)  # what the rewrites replaced must not trip the checks
+    for c in scopes:
+        check_opaque_ops(c)
+        check_no_attention_left(c)
+        check_token_axis(c)
+        check_no_state_left(c)
+    for c in scopes:
+        c.graph.lint()
+        c.gm.recompile()
     for r in ctx.log:
         log.debug("%s: %s [%s] -> %s", r.pass_name, r.before, r.module, r.after)
     return ctx

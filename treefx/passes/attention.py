@@ -233,18 +233,18 @@ def _check_mask_sources(ctx: GraphContext, site: _Site, mask: fx.Node) -> None:
     A mask computed from ``position_ids`` some other way (Hugging Face infers packed documents
     from jumps in them) would, on the DFS row, cut a child node off from its parent's tokens.
     """
-    stack, seen = [mask], set()
+    stack, seen = [ctx.resolve(mask)], set()
     while stack:
         n = stack.pop()
-        if n in seen or n is ctx.positions:
+        if n in seen or ctx.is_tree_input(n, "positions"):
             continue
         seen.add(n)
-        if n is ctx.tree_info or n is ctx.tree_weights:
+        if ctx.is_tree_input(n, "tree_info") or ctx.is_tree_input(n, "tree_weights"):
             raise _fail(site.anchor, "its attention mask is computed from the positions in a way "
                                      "other than index grids (packed-sequence detection from "
                                      "position_ids?), which cannot be evaluated per sequence; "
                                      "pass attention_mask to the model")
-        stack.extend(n.all_input_nodes)
+        stack.extend(ctx.resolve(a) for a in n.all_input_nodes)
 
 
 def _repeated_heads_source(node) -> fx.Node | None:
@@ -331,9 +331,10 @@ def _rewrite(ctx: GraphContext, site: _Site) -> fx.Node:
                 note += ", model mask implied by the tree"
             elif mask is not None:
                 note += ", model mask kept (evaluated at path positions)"
+            bufs = tuple(ctx.local(b) for b in bufs)
         if ctx.backend == "eager":
             tree = ctx.shared("dense_tree_mask",
-                              lambda: g.call_function(dense_tree_mask, (ctx.subtree_end,)))
+                              lambda c: c.graph.call_function(dense_tree_mask, (c.subtree_end,)))
             new = g.call_function(
                 tree_attention_dense, (site.q, k, site.v, tree, mask),
                 {"scale": site.scale, "enable_gqa": site.enable_gqa},
@@ -366,15 +367,14 @@ def _rewrite(ctx: GraphContext, site: _Site) -> fx.Node:
 
 def _block_nodes(ctx: GraphContext, *, full: bool):
     """Shared nodes: the tree's block-mask tensors and the padded tree tensors."""
-    g = ctx.graph
-
-    def make():
-        t = g.call_function(tree_block_tensors, (ctx.subtree_end, ctx.block_size), {"full": full})
+    def make(c: GraphContext):
+        g = c.graph
+        t = g.call_function(tree_block_tensors, (c.subtree_end, c.block_size), {"full": full})
         parts = [g.call_function(operator.getitem, (t, i)) for i in range(5)]
         # parts[4]: subtree_end padded to the block tensors' blocks; the positions likewise.
         # (torch.ops.treefx.pad_to_block is registered by importing ..ops.attention)
         pos = g.call_function(torch.ops.treefx.pad_to_block.default,
-                              (ctx.positions, ctx.block_size))
+                              (c.positions, c.block_size))
         return (*parts, pos)
 
     return ctx.shared(("blocks", full), make)
@@ -395,7 +395,6 @@ def attention_pass(ctx: GraphContext) -> int:
                                             "attention (e.g. a router), correct per token as is")
     for site in sites:
         _rewrite(ctx, site)
-    ctx.graph.eliminate_dead_code()
     return len(sites)
 
 

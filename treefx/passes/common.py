@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
@@ -11,6 +11,7 @@ import torch.fx as fx
 __all__ = [
     "TreeCompileError",
     "UnmatchedAttentionError",
+    "UnmatchedStateError",
     "GraphBreakError",
     "Rewrite",
     "GraphContext",
@@ -21,6 +22,8 @@ __all__ = [
     "same_size",
     "is_call",
     "arg",
+    "graph_code",
+    "set_example",
 ]
 
 
@@ -31,6 +34,11 @@ class TreeCompileError(RuntimeError):
 class UnmatchedAttentionError(TreeCompileError):
     """An attention- or state-like op that no pass can rewrite: running it over the DFS row
     as it is would silently mix sequences."""
+
+
+class UnmatchedStateError(UnmatchedAttentionError):
+    """A conv, recurrence or other op along the sequence that no pass can route through the
+    tree."""
 
 
 class GraphBreakError(TreeCompileError):
@@ -90,6 +98,8 @@ def _target_name(node: fx.Node) -> str:
         return f".{t}"
     if node.op == "call_module":
         return f"module {t}"
+    if isinstance(t, torch._ops.OpOverload | torch._ops.OpOverloadPacket):
+        return f"torch.ops.{t}"
     name = getattr(t, "__qualname__", None) or getattr(t, "__name__", None) or str(t)
     mod = getattr(t, "__module__", "") or ""
     if mod.startswith("torch"):
@@ -147,40 +157,129 @@ def is_call(node, *targets, methods: tuple[str, ...] = ()) -> bool:
     return False
 
 
-@dataclass
 class GraphContext:
-    """The captured graph and the tree tensors wired into it.
+    """One graph the passes rewrite: the captured graph (the root) or the body of a
+    higher-order op inside it (an activation-checkpointed region, a ``wrap``, a ``cond``
+    branch; see :mod:`.subgraphs`), with the tree tensors wired into it.
 
-    ``positions``, ``subtree_end``: [N] int64 nodes read from the graph input ``tree_info``.
-    ``seq_len``: N as the graph knows it (a SymInt under dynamic shapes).
+    ``positions``, ``subtree_end``, ``parent_token()``: [N] int64 nodes of *this* graph. In the
+    root they are read from the graph input ``tree_info``; in a body they are placeholders that
+    the body's callers feed with the root's nodes (added on first use: :meth:`local`).
+    ``seq_len``: N as the graph knows it (a SymInt under dynamic shapes; the bodies share the
+    root's symbols).
     """
 
-    gm: fx.GraphModule
-    backend: str
-    input_ids: fx.Node
-    tree_info: fx.Node
-    positions: fx.Node
-    subtree_end: fx.Node
-    seq_len: object
-    entry: fx.Node
-    tree_weights: fx.Node | None = None  # [2, N] loss weights (sum, mean); in training steps
-    block_size: int = 128
-    kernel_options: dict = field(default_factory=dict)  # FlexAttention's, for every site
-    interleave_heads: bool | None = None  # KV heads along the row (None: in training)
-    code_before: str = ""  # the captured graph's code before any pass ran
-    modules_before: dict = field(default_factory=dict)  # node name -> module path, before
-    done: bool = False  # every pass ran and the graph was handed to the backend
-    log: list[Rewrite] = field(default_factory=list)
-    _cache: dict = field(default_factory=dict)
+    def __init__(self, gm: fx.GraphModule, backend: str, *, input_ids: fx.Node,
+                 tree_info: fx.Node, positions: fx.Node, subtree_end: fx.Node, seq_len,
+                 entry: fx.Node, tree_weights: fx.Node | None = None, block_size: int = 128,
+                 kernel_options: dict | None = None, interleave_heads: bool | None = None,
+                 code_before: str = "", modules_before: dict | None = None,
+                 parent: GraphContext | None = None, name: str = ""):
+        self.gm = gm
+        self.backend = backend
+        self.seq_len = seq_len
+        self.entry = entry  # shared nodes are inserted before it (after the placeholders)
+        self.block_size = block_size
+        self.kernel_options = dict(kernel_options or {})  # FlexAttention's, for every site
+        self.interleave_heads = interleave_heads  # KV heads along the row (None: in training)
+        self.code_before = code_before  # the captured graph's code before any pass ran
+        self.modules_before = dict(modules_before or {})  # node name -> module path, before
+        self.done = False  # every pass ran and the graph was handed to the backend
+        self.parent = parent
+        self.name = name  # the body's attribute path ("" for the root)
+        self.children: list[GraphContext] = []
+        self.log: list[Rewrite] = parent.log if parent is not None else []
+        self._root_nodes = {"input_ids": input_ids, "tree_info": tree_info,
+                            "positions": positions, "subtree_end": subtree_end,
+                            "tree_weights": tree_weights}
+        self._cache: dict = {}
+        # Bodies: how this graph's placeholders map to its callers' operands (set by
+        # .subgraphs.discover); ``_imports`` maps an outer node to the placeholder made for it.
+        self.body = None
+        self._imports: dict = {}
+
+    # ------------------------------------------------------------------ scopes
+
+    @property
+    def root(self) -> GraphContext:
+        return self if self.parent is None else self.parent.root
+
+    def scopes(self):
+        """This graph and every body inside it, outer before inner."""
+        yield self
+        for c in self.children:
+            yield from c.scopes()
+
+    def local(self, node):
+        """``node`` (of this graph or of an enclosing one) as a node of this graph: a body
+        gets a new placeholder, fed by its callers, on first use."""
+        if not isinstance(node, fx.Node) or node.graph is self.graph:
+            return node
+        if self.parent is None:
+            raise TreeCompileError(f"node {node.name} belongs to no enclosing graph")
+        from .subgraphs import import_operand
+
+        return import_operand(self, self.parent.local(node))
+
+    def resolve(self, node):
+        """The node a body placeholder stands for, through every enclosing graph (the
+        placeholder itself when its callers do not all pass the same node)."""
+        ctx = self
+        while ctx is not None and isinstance(node, fx.Node) and node.graph is not ctx.graph:
+            ctx = ctx.parent  # a node of an enclosing graph
+        while ctx is not None and isinstance(node, fx.Node) and node.op == "placeholder" \
+                and ctx.body is not None:
+            outer = ctx.body.outer(node)
+            if outer is None:
+                return node
+            node, ctx = outer, ctx.parent
+        return node
+
+    def _tree_node(self, key: str):
+        node = self.root._root_nodes[key]
+        return None if node is None else self.local(node)
+
+    @property
+    def input_ids(self) -> fx.Node:
+        return self._tree_node("input_ids")
+
+    @property
+    def tree_info(self) -> fx.Node:
+        return self._tree_node("tree_info")
+
+    @property
+    def positions(self) -> fx.Node:
+        return self._tree_node("positions")
+
+    @property
+    def subtree_end(self) -> fx.Node:
+        return self._tree_node("subtree_end")
+
+    @property
+    def tree_weights(self) -> fx.Node | None:
+        return self._tree_node("tree_weights")
+
+    @property
+    def is_step(self) -> bool:
+        """A training step: the graph has loss weights (``tree_weights``) to rewrite into."""
+        return self.root._root_nodes["tree_weights"] is not None
+
+    def is_tree_input(self, node, key: str) -> bool:
+        """Whether ``node`` (resolved through body placeholders) is the root's ``key`` node."""
+        root = self.root._root_nodes[key]
+        return root is not None and self.resolve(node) is root
+
+    # ------------------------------------------------------------------ graph
 
     @property
     def graph(self) -> fx.Graph:
         return self.gm.graph
 
     def record(self, pass_name: str, node: fx.Node, after: str, note: str = "") -> None:
+        where = f" (in checkpointed/subgraph body {self.name})" if self.name else ""
         self.log.append(
             Rewrite(pass_name, node.name, describe(node), after, module_path(node),
-                    source_line(node), note)
+                    source_line(node), note + where if note or where else note)
         )
 
     def keep(self, pass_name: str, node: fx.Node, why: str) -> None:
@@ -189,18 +288,65 @@ class GraphContext:
 
     @property
     def code_after(self) -> str:
-        return self.gm.code
+        return graph_code(self.gm)
 
     def parent_token(self) -> fx.Node:
         """The [N] ``parent_token`` row of ``tree_info``, one node for all passes."""
         import operator
 
-        return self.shared("parent_token",
-                           lambda: self.graph.call_function(operator.getitem, (self.tree_info, 1)))
+        return self.shared("parent_token", lambda c: c.graph.call_function(
+            operator.getitem, (c.tree_info, 1)))
 
     def shared(self, key, make):
-        """A node built once per graph (before the model's first op) and reused by every site."""
-        if key not in self._cache:
-            with self.graph.inserting_before(self.entry):
-                self._cache[key] = make()
-        return self._cache[key]
+        """A node built once (before the model's first op of the root graph) by
+        ``make(root_context)`` and reused by every site; bodies import it as an operand, so a
+        checkpointed region does not rebuild the tree's masks in its recomputation."""
+        root = self.root
+        if key not in root._cache:
+            with root.graph.inserting_before(root.entry):
+                node = make(root)
+            if isinstance(node, fx.Node) and "example_value" not in node.meta:
+                set_example(node)
+            root._cache[key] = node
+        value = root._cache[key]
+        if isinstance(value, tuple):
+            return tuple(self.local(v) for v in value)
+        return self.local(value)
+
+
+def set_example(node: fx.Node) -> None:
+    """Record a fake example value for a node treefx added (and for its inputs that lack
+    one), by running its target on its inputs' example values. A placeholder made for a body
+    carries its operand's example value, so nodes passed into bodies need one."""
+    if not isinstance(node, fx.Node) or example(node) is not None:
+        return
+    for a in node.all_input_nodes:
+        set_example(a)
+    args = fx.map_arg(node.args, example)
+    kwargs = fx.map_arg(node.kwargs, example)
+    vals = _tensors((args, kwargs))
+    mode = next((getattr(v, "fake_mode", None) for v in vals
+                 if getattr(v, "fake_mode", None) is not None), None)
+    if mode is None:
+        return
+    with mode:
+        if node.op == "call_function":
+            node.meta["example_value"] = node.target(*args, **kwargs)
+        elif node.op == "call_method":
+            node.meta["example_value"] = getattr(args[0], node.target)(*args[1:], **kwargs)
+
+
+def _tensors(x) -> list:
+    out = []
+    fx.node.map_aggregate(x, lambda v: out.append(v) if isinstance(v, torch.Tensor) else None)
+    return out
+
+
+def graph_code(gm: fx.GraphModule) -> str:
+    """The code of a graph module and of every graph module inside it (the bodies of
+    higher-order ops), each under a header naming it."""
+    parts = [gm.code]
+    for name, sub in gm.named_modules():
+        if name and isinstance(sub, fx.GraphModule):
+            parts.append(f"\n# ---- body {name} ----{sub.code}")
+    return "".join(parts)

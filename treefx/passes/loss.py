@@ -31,7 +31,7 @@ from .common import (
     module_path,
 )
 
-__all__ = ["loss_pass", "tree_cross_entropy", "tree_token_logprobs"]
+__all__ = ["check_loss_found", "loss_pass", "tree_cross_entropy", "tree_token_logprobs"]
 
 _CE = (F.cross_entropy, torch.nn.functional.cross_entropy)
 _RESHAPES = ("view", "reshape", "flatten", "contiguous", "float", "to", "type")
@@ -228,7 +228,7 @@ def _check_result_use(ce: fx.Node) -> None:
 
 def loss_pass(ctx: GraphContext) -> int:
     """Rewrite every cross-entropy of the step; returns how many."""
-    if ctx.tree_weights is None:
+    if not ctx.is_step:
         return 0
     count = 0
     g = ctx.graph
@@ -239,8 +239,8 @@ def loss_pass(ctx: GraphContext) -> int:
         _check_result_use(ce)
         with g.inserting_before(ce):
             parent = ctx.parent_token()
-            weights = ctx.shared(("weights", red), lambda: g.call_function(
-                operator.getitem, (ctx.tree_weights, 0 if red == "sum" else 1)))
+            weights = ctx.shared(("weights", red), lambda c: c.graph.call_function(
+                operator.getitem, (c.tree_weights, 0 if red == "sum" else 1)))
             proj = _projection_only_for(logits, ce)
             if proj is not None:
                 # The logits exist only for this loss: fuse the projection, never build them.
@@ -256,10 +256,15 @@ def loss_pass(ctx: GraphContext) -> int:
         ce.replace_all_uses_with(new)
         g.erase_node(ce)
         count += 1
-    if count == 0:
+    ctx.root._cache["loss_sites"] = ctx.root._cache.get("loss_sites", 0) + count
+    return count
+
+
+def check_loss_found(ctx: GraphContext) -> None:
+    """A training step (a graph with loss weights) must have had its loss rewritten."""
+    if ctx.is_step and not ctx._cache.get("loss_sites"):
         raise TreeCompileError(
             "the training step computes no cross-entropy treefx can find (F.cross_entropy on "
             "shifted logits and labels, or a Hugging Face model called with labels=); without "
             "it the step's loss cannot be made per-sequence"
         )
-    return count

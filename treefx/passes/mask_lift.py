@@ -40,7 +40,7 @@ class MaskLiftError(Exception):
 
 
 def _is_index_source(ctx: GraphContext, node) -> bool:
-    return node is ctx.positions or is_call(node, torch.arange)
+    return ctx.is_tree_input(node, "positions") or is_call(node, torch.arange)
 
 
 
@@ -140,9 +140,10 @@ class LiftedMask:
         out = grid(self.mask)
         if out.dtype != torch.bool:
             raise MaskLiftError("the mask is not boolean")
-        return out
+        return ~out if self.negate else out
 
     # Filled by lift_mask.
+    negate: bool = False  # the subgraph computes where attention is blocked
     _dep: set
     _vectors: set
 
@@ -229,21 +230,30 @@ def _axis_role(node: fx.Node) -> str:
 
 
 def lift_mask(ctx: GraphContext, mask: fx.Node) -> tuple[LiftedMask, tuple[fx.Node, ...]]:
-    """The mask_mod of ``mask`` and the graph nodes to pass it as buffers."""
+    """The mask_mod of ``mask`` and the graph nodes to pass it as buffers.
+
+    The subgraph is followed through the placeholders of higher-order-op bodies into the
+    graphs that call them (a checkpointed layer receives the mask its model built outside),
+    so buffers may be nodes of an enclosing graph: ``ctx.local`` makes them this graph's."""
+    mask = ctx.resolve(mask)
     val = example(mask)
     if val is None or val.dim() < 2:
         raise MaskLiftError("the mask has no recorded shape")
+    negate = False
     if val.dtype != torch.bool:
-        # Additive masks the usual way: where(allowed, 0, -big). Anything else may carry a bias.
-        if is_call(mask, torch.where) and mask.args[1] in (0, 0.0):
-            mask = mask.args[0]
-        elif is_call(mask, torch.where) and isinstance(mask.args[1], fx.Node) and is_call(
-            mask.args[1], torch.zeros_like, torch.zeros
-        ):
-            mask = mask.args[0]
-        else:
+        # Additive masks the usual way: where(allowed, 0, -big), or where(blocked, -big, 0)
+        # (a triu of -inf). The -big must really be -big: anything else is a bias, not a mask.
+        if not is_call(mask, torch.where) or len(mask.args) < 3:
             raise MaskLiftError(f"it is an additive float mask made by `{describe(mask)}`, which "
                                 "may carry a bias, not only -inf")
+        cond, a, b = (ctx.resolve(x) for x in mask.args[:3])
+        if _is_zero(ctx, a) and _very_negative(ctx, b):
+            mask = cond
+        elif _very_negative(ctx, a) and _is_zero(ctx, b):
+            mask, negate = cond, True
+        else:
+            raise MaskLiftError(f"it is an additive float mask made by `{describe(mask)}` whose "
+                                "values are not only 0 and -inf: it may carry a bias")
         if example(mask) is None or example(mask).dtype != torch.bool:
             raise MaskLiftError("the additive mask's condition is not boolean")
     # Nodes that depend on an index source, and which of them are still 1-D vectors.
@@ -257,7 +267,7 @@ def lift_mask(ctx: GraphContext, mask: fx.Node) -> tuple[LiftedMask, tuple[fx.No
             return
         seen.add(n)
         for a in n.all_input_nodes:
-            visit(a)
+            visit(ctx.resolve(a))
         order.append(n)
 
     visit(mask)
@@ -265,11 +275,11 @@ def lift_mask(ctx: GraphContext, mask: fx.Node) -> tuple[LiftedMask, tuple[fx.No
         if _is_index_source(ctx, n):
             dep.add(n)
             vectors.add(n)
-        elif any(a in dep for a in n.all_input_nodes):
+        elif any(ctx.resolve(a) in dep for a in n.all_input_nodes):
             dep.add(n)
             v = example(n)
             if v is not None and v.dim() == 1 and all(
-                a in vectors for a in n.all_input_nodes if a in dep
+                ctx.resolve(a) in vectors for a in n.all_input_nodes if ctx.resolve(a) in dep
             ):
                 vectors.add(n)
     # Snapshot the subgraph into a private graph: the attention pass removes the original
@@ -277,6 +287,7 @@ def lift_mask(ctx: GraphContext, mask: fx.Node) -> tuple[LiftedMask, tuple[fx.No
     private = fx.Graph()
     copies: dict = {}
     leaves = []
+    positions = ctx.root._root_nodes["positions"]
 
     def outer(a: fx.Node) -> fx.Node:
         # A value from outside the subgraph: a placeholder of the private graph.
@@ -284,20 +295,46 @@ def lift_mask(ctx: GraphContext, mask: fx.Node) -> tuple[LiftedMask, tuple[fx.No
             ph = private.placeholder(a.name)
             ph.meta = dict(a.meta)
             copies[a] = ph
-            if a is not ctx.positions and isinstance(example(a), torch.Tensor):
+            if a is not positions and isinstance(example(a), torch.Tensor):
                 leaves.append(a)
         return copies[a]
 
+    def arg(a: fx.Node) -> fx.Node:
+        a = ctx.resolve(a)
+        return copies[a] if a in copies else outer(a)
+
     for n in order:
-        if n in dep and n is not ctx.positions:
-            copies[n] = private.node_copy(n, lambda a: copies[a] if a in copies else outer(a))
-        elif n is ctx.positions:
+        if n in dep and n is not positions:
+            copies[n] = private.node_copy(n, arg)
+        elif n is positions:
             outer(n)
-    lifted = LiftedMask(copies[ctx.positions] if ctx.positions in copies else None,
+    lifted = LiftedMask(copies[positions] if positions in copies else None,
                         copies[mask], [copies[n] for n in leaves])
     lifted._dep = {copies[n] for n in dep}
     lifted._vectors = {copies[n] for n in vectors}
+    lifted.negate = negate
     return lifted, tuple(leaves)
+
+
+def _is_zero(ctx: GraphContext, x) -> bool:
+    if isinstance(x, (int, float)) and not isinstance(x, bool):
+        return x == 0
+    return is_call(x, torch.zeros_like, torch.zeros)
+
+
+def _very_negative(ctx: GraphContext, x) -> bool:
+    """A constant at or below -1e4 (-inf, the dtype's min): adding it masks a score out."""
+    if isinstance(x, (int, float)) and not isinstance(x, bool):
+        return x <= -1e4
+    if is_call(x, torch.full, torch.full_like, methods=("new_full",)) and len(x.args) > 1:
+        return _very_negative(ctx, x.args[1])
+    if is_call(x, torch.full) and "fill_value" in x.kwargs:
+        return _very_negative(ctx, x.kwargs["fill_value"])
+    if is_call(x, torch.tensor, torch.scalar_tensor) and x.args:
+        return _very_negative(ctx, x.args[0])
+    if is_call(x, methods=("to", "type", "type_as", "float", "half", "bfloat16")):
+        return _very_negative(ctx, ctx.resolve(x.args[0]))
+    return False
 
 
 def _probe_pairs() -> tuple[torch.Tensor, torch.Tensor]:

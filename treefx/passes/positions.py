@@ -10,17 +10,55 @@ window, ...) evaluated at path positions, which the attention pass then ANDs wit
 
 from __future__ import annotations
 
+import operator
+
 import torch
 
-from .common import GraphContext, example, is_call, same_size
+from .common import GraphContext, arg, example, is_call, same_size, set_example
 
 __all__ = ["positions_pass"]
+
+
+def _rewrite_band(ctx: GraphContext, node) -> bool:
+    """``triu``/``tril`` over a [..., N, N] grid keeps or drops entries by their distance
+    in the DFS row; on a tree it is the distance in positions. Rewritten to a ``where`` on
+    the position grids (exact for every query/key pair on one path: the pairs tree attention
+    lets through)."""
+    val = example(node.args[0])
+    if not isinstance(val, torch.Tensor) or val.dim() < 2 or not (
+            same_size(val.shape[-1], ctx.seq_len) and same_size(val.shape[-2], ctx.seq_len)):
+        return False
+    upper = node.target in (torch.triu, "triu")
+    diagonal = arg(node, 1, "diagonal", 0)
+    if not isinstance(diagonal, int):
+        return False
+    g = ctx.graph
+    with g.inserting_before(node):
+        pos = ctx.positions
+        q = g.call_function(operator.getitem, (pos, (slice(None), None)))
+        kv = g.call_function(operator.getitem, (pos, (None, slice(None))))
+        dist = g.call_function(operator.sub, (kv, q))
+        keep = g.call_function(operator.ge if upper else operator.le, (dist, diagonal))
+        new = g.call_function(torch.where, (keep, node.args[0],
+                                            g.call_function(torch.zeros_like,
+                                                            (node.args[0],))))
+    for n in (q, kv, dist, keep):
+        set_example(n)
+    new.meta["example_value"] = val
+    ctx.record("positions", node, f"{new.name} (kept by distance in positions)",
+               note="triu" if upper else "tril")
+    node.replace_all_uses_with(new)
+    ctx.graph.erase_node(node)
+    return True
 
 
 def positions_pass(ctx: GraphContext) -> int:
     """Replace every ``arange`` of the sequence length by the tree positions; returns how many."""
     count = 0
     for node in list(ctx.graph.nodes):
+        if is_call(node, torch.triu, torch.tril, methods=("triu", "tril")):
+            count += _rewrite_band(ctx, node)
+            continue
         if not is_call(node, torch.arange):
             continue
         val = example(node)

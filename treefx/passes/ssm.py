@@ -3,6 +3,8 @@
 - A depthwise ``conv1d`` with left padding K-1 whose output is cut back to the sequence length
   (how causal short convolutions are written) becomes a tree convolution: token t's K-1 left
   inputs are its K-1 tree predecessors.
+- A ``cumsum`` along the tokens (positions counted by the model itself: RoBERTa counts its
+  non-padding tokens) becomes a sum along each token's path.
 - A registered recurrent kernel (see :mod:`treefx.recurrence`), kept as one graph node during
   capture, becomes a tree recurrence: each tree node's initial state is its parent node's
   final state.
@@ -19,11 +21,12 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from ..ops.conv import tree_causal_conv1d
+from ..ops.scan import tree_cumsum
 from ..ops.recurrence import TracedTreeRecurrence, register_site, tree_recurrence
 from ..recurrence import registered
 from .common import (
     GraphContext,
-    UnmatchedAttentionError,
+    UnmatchedStateError,
     arg,
     describe,
     example,
@@ -37,10 +40,6 @@ __all__ = ["ssm_pass", "check_no_state_left", "UnmatchedStateError"]
 _CONV1D = (F.conv1d, torch.conv1d)
 _SCANS = (torch.cumsum, torch.cumprod, torch.logcumsumexp, torch.cummax, torch.cummin)
 _SCAN_METHODS = ("cumsum", "cumprod", "logcumsumexp", "cummax", "cummin")
-
-
-class UnmatchedStateError(UnmatchedAttentionError):
-    """A conv or recurrence along the sequence that no pass can route through the tree."""
 
 
 def _fail(node: fx.Node, why: str) -> UnmatchedStateError:
@@ -103,6 +102,17 @@ def _causal_conv_site(ctx: GraphContext, conv: fx.Node):
     raise _fail(conv, "a padded conv1d whose output is not cut back to [..., :N] (not causal)")
 
 
+def _token_scan_dim(ctx: GraphContext, node: fx.Node) -> int | None:
+    """The dim of a ``cumsum`` when it runs along the tokens (a dim of size exactly N)."""
+    val = example(node.args[0])
+    dim = arg(node, 1, "dim")
+    if not isinstance(val, torch.Tensor) or not isinstance(dim, int) or val.dim() == 0:
+        return None
+    dim %= val.dim()
+    return dim if same_size(val.shape[dim], ctx.seq_len) and not isinstance(
+        ctx.seq_len, int) else None
+
+
 def ssm_pass(ctx: GraphContext) -> int:
     g = ctx.graph
     count = 0
@@ -124,6 +134,18 @@ def ssm_pass(ctx: GraphContext) -> int:
                                           (parent, *[bound[k] for k in names]))
             new.meta.update(node.meta)
             ctx.record("ssm", node, describe(new), note=f"recurrence {rec.name}")
+            node.replace_all_uses_with(new)
+            g.erase_node(node)
+            count += 1
+        elif is_call(node, torch.cumsum, methods=("cumsum",)) and \
+                _token_scan_dim(ctx, node) is not None:
+            dim = _token_scan_dim(ctx, node)
+            parent, se = ctx.parent_token(), ctx.subtree_end
+            with g.inserting_before(node):
+                new = g.call_function(tree_cumsum, (node.args[0], dim, parent, se),
+                                      {"dtype": arg(node, 2, "dtype")})
+            new.meta.update(node.meta)
+            ctx.record("ssm", node, describe(new), note="cumulative sum along each path")
             node.replace_all_uses_with(new)
             g.erase_node(node)
             count += 1

@@ -1,0 +1,152 @@
+"""treefx.verify and the first-call check of treefx.compile: pass on exact models, catch a
+planted defect (a pass switched off) naming the worst token and parameter, leave the model's
+state alone, and say so when they cannot compare (random draws)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from trees import odd_forest
+
+import treefx
+import treefx.passes
+from treefx.models import tiny_decoder
+from treefx.verification import (
+    Tolerance,
+    VerificationUnavailable,
+    probe_forest,
+    tolerance_for,
+)
+
+VOCAB = 64
+
+
+def model(**kw):
+    torch.manual_seed(0)
+    return tiny_decoder(vocab_size=VOCAB, **kw)
+
+
+@pytest.fixture
+def without_positions_pass(monkeypatch):
+    """A planted defect: the model keeps DFS indices as its positions."""
+    monkeypatch.setattr(treefx.passes, "PASSES",
+                        tuple(p for p in treefx.passes.PASSES if p[0] != "positions"))
+
+
+def test_probe_forest_has_every_odd_shape():
+    trees = probe_forest(VOCAB)
+    assert len(trees) == 2
+    first, second = trees
+    seqs = first.sequences
+    assert any(a != b and a == b[:len(a)] for a in seqs for b in seqs)  # a prefix
+    assert any(seqs.count(s) > 1 for s in seqs)  # a duplicate
+    assert 1 in first.segment_lengths.tolist()  # a single-token node
+    assert any(len(s) == 1 for s in second.sequences)  # nothing to predict
+    assert first.loss_masks is not None and second.loss_masks is None
+    assert sum(t.num_tokens for t in probe_forest(VOCAB, min_tokens=300)) >= 300
+
+
+def test_passes_on_an_exact_model():
+    report = treefx.verify(model(), backend="eager")
+    assert report.passed
+    assert report.compared_params == report.total_params == len(list(model().parameters()))
+    assert report.max_logprob_error < 1e-5 and report.max_grad_error < 1e-4
+    assert "passed" in str(report) and report.tolerance == tolerance_for(torch.float32)
+
+
+def test_catches_a_planted_defect(without_positions_pass):
+    tm = treefx.compile(model(), backend="eager", verify=False)
+    with pytest.raises(treefx.TreeVerificationError) as info:
+        treefx.verify(tm)
+    report = info.value.report
+    assert not report.passed and report.max_logprob_error > 1e-3
+    s, j, t = report.worst_token
+    assert j >= 1 and 0 <= t < report.num_tokens
+    assert f"sequence {s}, position {j}" in str(info.value)
+    assert report.worst_param[0] in dict(tm.model.named_parameters())
+
+
+def test_report_without_raising(without_positions_pass):
+    report = treefx.verify(model(), backend="eager", raise_on_failure=False)
+    assert not report.passed and "FAILED" in str(report)
+
+
+def test_first_call_verifies_and_raises(without_positions_pass):
+    tm = treefx.compile(model(), backend="eager", verify=True)
+    with pytest.raises(treefx.TreeVerificationError):
+        tm(treefx.pack(odd_forest(1, VOCAB)))
+
+
+def test_first_call_report_is_kept():
+    tm = treefx.compile(model(), backend="eager", verify=True)
+    out = tm(treefx.pack(odd_forest(2, VOCAB)))
+    assert out.token_logprobs.requires_grad
+    assert tm.verification.passed and tm.verification.compared_params > 0
+    # Without autograd the first call compares log-probabilities alone.
+    tm = treefx.compile(model(), backend="eager", verify=True)
+    with torch.no_grad():
+        tm(treefx.pack(odd_forest(2, VOCAB)))
+    assert tm.verification.passed and tm.verification.compared_params == 0
+
+
+def test_model_state_is_left_alone():
+    m = model()
+    m.register_buffer("counter", torch.zeros(3))
+    grads = {}
+    for n, p in m.named_parameters():
+        p.grad = torch.full_like(p, 7.0)
+        grads[n] = p.grad
+    torch.manual_seed(123)
+    expected_draw = torch.rand(2)
+    torch.manual_seed(123)
+    treefx.verify(m, backend="eager")
+    for n, p in m.named_parameters():
+        assert p.grad is grads[n] and bool((p.grad == 7.0).all())
+    assert torch.equal(torch.rand(2), expected_draw)
+
+
+def test_random_draws_cannot_be_compared(caplog):
+    m = model()
+
+    class Noisy(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, input_ids):
+            return torch.nn.functional.dropout(self.inner(input_ids), p=0.1, training=True)
+
+    with pytest.raises(VerificationUnavailable, match="random"):
+        treefx.verify(Noisy(m), backend="eager")
+    tm = treefx.compile(Noisy(m), backend="eager", verify=True)
+    with caplog.at_level(logging.WARNING, logger="treefx"):
+        tm(treefx.pack(odd_forest(3, VOCAB)))
+    assert isinstance(tm.verification, str) and "random" in tm.verification
+    assert any("cannot verify" in r.message for r in caplog.records)
+
+
+def test_environment_default(monkeypatch):
+    monkeypatch.setenv("TREEFX_VERIFY", "1")
+    assert treefx.compile(model())._verify_pending is True
+    monkeypatch.setenv("TREEFX_VERIFY", "0")
+    assert treefx.compile(model())._verify_pending is False
+    assert treefx.compile(model(), verify=True)._verify_pending is True
+    monkeypatch.setenv("TREEFX_VERIFY", "maybe")
+    with pytest.raises(ValueError, match="TREEFX_VERIFY"):
+        treefx.compile(model())
+
+
+def test_float64_tolerance_and_explicit_trees():
+    m = model().double()
+    report = treefx.verify(m, odd_forest(4, VOCAB), backend="eager")
+    assert report.dtype == torch.float64 and report.max_logprob_error < 1e-10
+    one = treefx.verify(m, odd_forest(4, VOCAB), backend="eager", params=["lm_head.weight"])
+    assert list(one.grad_errors) == ["lm_head.weight"]
+    # A tolerance below what a float64 run reaches reports the (tiny) differences as failures.
+    loose = treefx.verify(m, backend="eager", tolerance=Tolerance(1e-3, 1e-3))
+    tight = treefx.verify(m, backend="eager", tolerance=Tolerance(0.0, 0.0),
+                          raise_on_failure=False)
+    assert loose.passed and loose.max_logprob_error == tight.max_logprob_error
+    assert tight.passed == (tight.max_logprob_error == 0 and tight.max_grad_error == 0)

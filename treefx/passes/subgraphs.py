@@ -1,0 +1,259 @@
+"""Bodies of higher-order ops: activation checkpointing, ``wrap``, ``cond`` branches, ...
+
+Dynamo captures an activation-checkpointed region (Hugging Face gradient checkpointing with
+either ``use_reentrant``, ``torch.utils.checkpoint`` in user code, a selective policy) as a call
+of the higher-order op ``tag_activation_checkpoint`` whose body is a graph module of its own;
+``wrap``, ``invoke_subgraph``, grad-mode and autocast regions and the branches of ``cond`` look
+the same. Such a body runs once on its operands, so the passes rewrite inside it exactly as at
+top level. The tree tensors enter a body as extra operands of its calls (a graph input added by
+hand would break AOTAutograd; an operand is an ordinary value the body receives), so a
+checkpointed region recomputes nothing of the tree's masks in the backward.
+
+Every other higher-order op (``scan``, ``map``, ``while_loop``, ``associative_scan``, custom
+autograd functions, a model's own ``flex_attention``) runs its body some other way than once on
+its operands: whatever touches the tokens inside it cannot be rewritten, so one that sees a
+token axis stops compilation (:func:`check_opaque_ops`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+from .common import GraphContext, TreeCompileError, describe, example, module_path, same_size
+
+__all__ = ["discover", "import_operand", "prune", "check_opaque_ops", "opaque_ops",
+           "UnsupportedSubgraphError"]
+
+
+class UnsupportedSubgraphError(TreeCompileError):
+    """A higher-order op treefx cannot see into runs over the tokens."""
+
+
+@dataclass(frozen=True)
+class _Kind:
+    """Where a higher-order op's bodies and operands sit in its call's arguments: bodies at
+    ``bodies``, operands from ``first`` on (or, with ``packed``, as one tuple at ``first``)."""
+
+    bodies: tuple[int, ...]
+    first: int
+    packed: bool = False
+
+    def operands(self, call: fx.Node) -> list:
+        return list(call.args[self.first]) if self.packed else list(call.args[self.first:])
+
+    def set_operands(self, call: fx.Node, operands: list) -> None:
+        args = list(call.args)
+        if self.packed:
+            args[self.first] = type(call.args[self.first])(operands)
+            call.args = tuple(args)
+        else:
+            call.args = tuple(args[: self.first]) + tuple(operands)
+
+
+# Higher-order ops whose bodies run once on their operands (``cond`` runs one of two).
+_KINDS = {
+    "tag_activation_checkpoint": _Kind((0,), 1),
+    "wrap": _Kind((0,), 1),
+    "wrap_with_set_grad_enabled": _Kind((1,), 2),
+    "wrap_with_autocast": _Kind((4,), 5),
+    "invoke_subgraph": _Kind((0,), 2),
+    "cond": _Kind((1, 2), 3, packed=True),
+}
+
+
+def _hop_name(node: fx.Node) -> str | None:
+    t = node.target
+    if node.op == "call_function" and isinstance(t, torch._ops.HigherOrderOperator):
+        return t.name()
+    return None
+
+
+@dataclass(eq=False)
+class Body:
+    """How a body graph is called: the call nodes in the enclosing graph (one, or several
+    calls of one shared body), the op's kind, and the bodies that share those calls' operands
+    (both branches of a ``cond``), which must take the same placeholders."""
+
+    kind: _Kind
+    op: str
+    sites: list[fx.Node] = field(default_factory=list)
+    group: list[GraphContext] = field(default_factory=list)
+
+    def placeholders(self, ctx: GraphContext) -> list[fx.Node]:
+        return [n for n in ctx.graph.nodes if n.op == "placeholder"]
+
+    def outer(self, ph: fx.Node):
+        """The operand every call passes for placeholder ``ph`` (None when they differ)."""
+        ctx = next(c for c in self.group if c.graph is ph.graph)
+        i = self.placeholders(ctx).index(ph)
+        values = {id(self.kind.operands(s)[i]): self.kind.operands(s)[i] for s in self.sites}
+        return next(iter(values.values())) if len(values) == 1 else None
+
+
+def discover(ctx: GraphContext) -> None:
+    """Make a child context for every body of a higher-order op in ``ctx``'s graph (and in
+    theirs, recursively). Bodies of ops treefx cannot see into are left to
+    :func:`check_opaque_ops`."""
+    bodies: dict[int, GraphContext] = {}
+    for node in ctx.graph.nodes:
+        name = _hop_name(node)
+        kind = _KINDS.get(name)
+        if kind is None:
+            continue
+        members = []
+        for i in kind.bodies:
+            attr = node.args[i]
+            if not (isinstance(attr, fx.Node) and attr.op == "get_attr"):
+                raise UnsupportedSubgraphError(
+                    f"the {name} at {module_path(node)} (graph node `{describe(node)}`) has no "
+                    "body graph treefx can read")
+            gm = _attr(ctx.gm, attr.target)
+            child = bodies.get(id(gm))
+            if child is None:
+                child = _child(ctx, gm, attr.target, kind, name)
+                bodies[id(gm)] = child
+            elif child.body.kind != kind:
+                raise UnsupportedSubgraphError(
+                    f"the body {attr.target} is called by different higher-order ops")
+            members.append(child)
+        for child in members:
+            if node not in child.body.sites:
+                child.body.sites.append(node)
+        group = list(dict.fromkeys(c for m in members for c in m.body.group)) or members
+        for m in members:
+            if m not in group:
+                group.append(m)
+        for m in group:
+            m.body.group = group
+        for child in members:
+            n_ph = len(child.body.placeholders(child))
+            n_op = len(kind.operands(node))
+            if n_ph != n_op:
+                raise UnsupportedSubgraphError(
+                    f"the {name} at {module_path(node)} passes {n_op} operands to a body with "
+                    f"{n_ph} inputs; treefx cannot map them")
+    for child in bodies.values():
+        discover(child)
+
+
+def _attr(gm: fx.GraphModule, target: str) -> fx.GraphModule:
+    obj = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    if not isinstance(obj, fx.GraphModule):
+        raise UnsupportedSubgraphError(f"{target} is not a graph module")
+    return obj
+
+
+def _child(ctx: GraphContext, gm: fx.GraphModule, target: str, kind: _Kind,
+           op: str) -> GraphContext:
+    entry = next(n for n in gm.graph.nodes if n.op != "placeholder")
+    root = ctx.root
+    child = GraphContext(
+        gm, ctx.backend, input_ids=root._root_nodes["input_ids"],
+        tree_info=root._root_nodes["tree_info"], positions=root._root_nodes["positions"],
+        subtree_end=root._root_nodes["subtree_end"], seq_len=ctx.seq_len, entry=entry,
+        tree_weights=root._root_nodes["tree_weights"], block_size=ctx.block_size,
+        kernel_options=ctx.kernel_options, interleave_heads=ctx.interleave_heads,
+        parent=ctx, name=f"{ctx.name}.{target}" if ctx.name else target,
+    )
+    child.body = Body(kind, op)
+    ctx.children.append(child)
+    return child
+
+
+def import_operand(ctx: GraphContext, outer: fx.Node) -> fx.Node:
+    """The placeholder of body ``ctx`` for ``outer`` (a node of the enclosing graph), added
+    to every body of its group and passed by every call on first use."""
+    if outer in ctx._imports:
+        return ctx._imports[outer]
+    body = ctx.body
+    for member in body.group:
+        phs = body.placeholders(member)
+        g = member.graph
+        with g.inserting_after(phs[-1]) if phs else g.inserting_before(member.entry):
+            ph = g.placeholder(f"treefx_{outer.name}")
+        value = example(outer)
+        if value is not None:
+            ph.meta["example_value"] = value
+        member._imports[outer] = ph
+    for site in body.sites:
+        body.kind.set_operands(site, [*body.kind.operands(site), outer])
+    return ctx._imports[outer]
+
+
+def prune(ctx: GraphContext, eliminate_dead_code) -> None:
+    """Dead code out of every graph, inner bodies first, and the inputs a body no longer
+    reads out of it and out of its calls (so the enclosing graph can then drop what fed
+    them)."""
+    for child in ctx.children:
+        prune(child, eliminate_dead_code)
+    groups = {id(c.body.group[0]): c.body.group[0].body for c in ctx.children}
+    for body in groups.values():
+        _drop_unused_inputs(body)
+    eliminate_dead_code(ctx.graph)
+
+
+def _drop_unused_inputs(body: Body) -> None:
+    lists = [body.placeholders(m) for m in body.group]
+    if not lists or any(len(p) != len(lists[0]) for p in lists):
+        return
+    unused = [
+        i for i in range(len(lists[0]))
+        if all(not p[i].users and isinstance(example(p[i]), torch.Tensor) for p in lists)
+    ]
+    if not unused:
+        return
+    for site in body.sites:
+        ops = body.kind.operands(site)
+        body.kind.set_operands(site, [a for i, a in enumerate(ops) if i not in unused])
+    for m, phs in zip(body.group, lists):
+        for i in reversed(unused):
+            m.graph.erase_node(phs[i])
+        m._imports = {k: v for k, v in m._imports.items() if v.graph is m.graph and
+                      v in m.graph.nodes}
+
+
+def opaque_ops(ctx: GraphContext):
+    """Higher-order-op calls in ``ctx``'s graph whose bodies treefx does not rewrite."""
+    for node in ctx.graph.nodes:
+        name = _hop_name(node)
+        if name is not None and name not in _KINDS:
+            yield name, node
+
+
+_WHY = {
+    "flex_attention": "the model calls flex_attention itself; treefx does not rewrite a "
+                      "model's own flex_attention yet",
+    "associative_scan": "an associative scan runs along the tokens (a recurrence, e.g. Mamba's "
+                        "selective scan), and treefx cannot route its state through the tree",
+    "scan": "a scan runs along the tokens (a recurrence), and treefx cannot route its state "
+            "through the tree",
+    "while_loop": "a while_loop's body runs over the tokens some number of times",
+    "map_impl": "a map runs its body over slices of the tokens",
+    "autograd_function_apply": "a custom autograd.Function's forward and backward are opaque "
+                               "to treefx (it cannot tell whether they mix tokens)",
+}
+
+
+def check_opaque_ops(ctx: GraphContext) -> None:
+    """A higher-order op treefx does not see into may only touch values without a token axis."""
+    n = ctx.seq_len
+    for name, node in opaque_ops(ctx):
+        values = [example(a) for a in node.all_input_nodes] + [example(node)]
+        flat = []
+        for v in values:
+            fx.node.map_aggregate(v, lambda x: flat.append(x) if isinstance(x, torch.Tensor)
+                                  else None)
+        if any(any(same_size(s, n) for s in t.shape) for t in flat):
+            why = _WHY.get(name, f"treefx does not know how the higher-order op {name} runs "
+                                 "its body")
+            raise UnsupportedSubgraphError(
+                f"treefx cannot rewrite the {name} at {module_path(node)} (graph node "
+                f"`{describe(node)}`): {why}. Running it over the tree's DFS row would mix "
+                "sequences, so compilation stops here."
+            )
+

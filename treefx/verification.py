@@ -1,0 +1,385 @@
+"""``treefx.verify``: the rewritten model against the unmodified one, on a probe forest.
+
+The passes rewrite what they recognise and refuse what they know to be unsafe; a model can
+still do something along the tokens that no check foresaw. The probe catches that: it runs the
+compiled tree model (the same compiled graph the user trains with) and the unmodified model on
+each sequence of a small random forest with every odd shape (branches, a single-token node, a
+sequence that is a prefix of another, a duplicate, two trees, more than one attention block on
+the GPU), and compares log-probabilities and gradients within a tolerance stated per dtype.
+
+``treefx.compile`` runs it once, on the first call, before the user's batch (``verify=True``,
+the default): forward and gradients in a call with autograd on, log-probabilities alone in a
+call without. It leaves the model as it found it (gradients in ``.grad``, buffers, random
+state) and is skipped, with a warning, when the graph draws random numbers (dropout in
+training mode), since two runs could not agree.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from .passes import TreeCompileError
+from .passes.dce import draws_random
+from .passes.common import module_path
+from .tree import Tree
+
+__all__ = ["TreeVerificationError", "VerificationUnavailable", "VerificationReport", "Tolerance", "probe_forest",
+           "verify", "tolerance_for"]
+
+log = logging.getLogger("treefx")
+
+
+class TreeVerificationError(TreeCompileError):
+    """The rewritten model disagrees with the unmodified one on the probe forest."""
+
+    def __init__(self, message: str, report: VerificationReport | None = None):
+        super().__init__(message)
+        self.report = report
+
+
+class VerificationUnavailable(TreeVerificationError):
+    """The probe cannot compare this model: its graph draws random numbers (dropout in
+    training mode), so two runs disagree whatever treefx does."""
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """``logprob``: max absolute log-probability error; ``grad``: max relative gradient error
+    per parameter, ``|g_tree - g_ref| / max(|g_ref|, floor · |G_ref|)`` with ``|G_ref|`` the
+    norm of all the compared gradients together (so a parameter the probe barely reaches is
+    not judged on rounding noise)."""
+
+    logprob: float
+    grad: float
+    floor: float = 1e-3
+
+
+# What rounding leaves between two exact computations of the same log-probabilities in one
+# dtype (the tree row and each sequence alone sum in different orders, and chunked state
+# kernels cut chunks at different places). The defects treefx guards against are far larger:
+# a causal mask over the DFS row is off by nats, a decayed state handed to a child by ~1e-3.
+# Models that compute in float32 internally (Hugging Face's Gated DeltaNet, even for float64
+# weights) need the float32 figures.
+_TOLERANCES = {
+    torch.float64: Tolerance(logprob=1e-7, grad=1e-6),
+    torch.float32: Tolerance(logprob=1e-4, grad=1e-3),
+    torch.float16: Tolerance(logprob=2e-2, grad=5e-2),
+    torch.bfloat16: Tolerance(logprob=1e-1, grad=1e-1),
+}
+
+
+def tolerance_for(dtype: torch.dtype) -> Tolerance:
+    """The default tolerance for a model whose parameters have ``dtype``."""
+    return _TOLERANCES.get(dtype, _TOLERANCES[torch.float32])
+
+
+@dataclass
+class VerificationReport:
+    """What :func:`verify` compared and found. ``worst_token``: (sequence, position in it,
+    DFS index) of the largest log-probability error; ``grad_errors``: relative error per
+    compared parameter (empty without autograd)."""
+
+    dtype: torch.dtype
+    tolerance: Tolerance
+    num_trees: int
+    num_sequences: int
+    num_tokens: int
+    max_logprob_error: float
+    worst_token: tuple[int, int, int] | None
+    grad_errors: dict[str, float] = field(default_factory=dict)
+    compared_params: int = 0
+    total_params: int = 0
+    seconds: float = 0.0
+
+    @property
+    def worst_param(self) -> tuple[str, float] | None:
+        if not self.grad_errors:
+            return None
+        name = max(self.grad_errors, key=self.grad_errors.get)
+        return name, self.grad_errors[name]
+
+    @property
+    def max_grad_error(self) -> float:
+        return max(self.grad_errors.values(), default=0.0)
+
+    @property
+    def passed(self) -> bool:
+        return (self.max_logprob_error <= self.tolerance.logprob
+                and self.max_grad_error <= self.tolerance.grad)
+
+    def __str__(self) -> str:
+        verdict = "passed" if self.passed else "FAILED"
+        text = (f"treefx verify {verdict}: probe forest of {self.num_trees} trees, "
+                f"{self.num_sequences} sequences, {self.num_tokens} tokens, {self.dtype}; "
+                f"max log-prob error {self.max_logprob_error:.2e} (tolerance "
+                f"{self.tolerance.logprob:.0e})")
+        if self.worst_token is not None and self.max_logprob_error > 0:
+            s, j, t = self.worst_token
+            text += f" at sequence {s}, position {j} (DFS token {t})"
+        if self.grad_errors:
+            name, err = self.worst_param
+            text += (f"; max relative gradient error {err:.2e} (tolerance "
+                     f"{self.tolerance.grad:.0e}) in {name}, over {self.compared_params} of "
+                     f"{self.total_params} parameters")
+        return text + f"; {self.seconds:.2f} s"
+
+
+# ---------------------------------------------------------------------------- probe forest
+
+
+def probe_forest(vocab_size: int, *, min_tokens: int = 0, seed: int = 0) -> list[Tree]:
+    """Two trees with every shape that breaks tree training: a shared prefix with branches, a
+    single-token node, a sequence that ends inside another (a prefix of it), a duplicate
+    sequence, a one-token sequence, random weights and loss masks on one tree and none on the
+    other. Segments are scaled so that the forest has at least ``min_tokens`` tokens (more
+    than one attention block on the GPU)."""
+    if vocab_size < 2:
+        raise ValueError(f"vocab_size must be at least 2, got {vocab_size}")
+    rng = np.random.default_rng(seed)
+    scale = 1
+    while True:
+        trees = _probe_trees(rng, vocab_size, scale)
+        if sum(t.num_tokens for t in trees) >= min_tokens:
+            return trees
+        scale *= 2
+        rng = np.random.default_rng(seed)
+
+
+def _probe_trees(rng, vocab: int, scale: int) -> list[Tree]:
+    def seg(n):
+        return rng.integers(0, vocab, size=n * scale).tolist()
+
+    def fresh(prefix, n):
+        """A segment whose first token differs from ``prefix``'s (so siblings branch)."""
+        s = seg(n)
+        while prefix and s[0] == prefix[0]:
+            s[0] = int(rng.integers(0, vocab))
+        return s
+
+    root = seg(5)
+    a = seg(4)
+    b = fresh(a, 6)
+    x = [int(rng.integers(0, vocab))]
+    y = fresh(x, 1)
+    c = fresh(root[3:], 3)
+    first = [
+        root + a,
+        root + a + x,  # a single-token node
+        root + a + y,
+        root + b,
+        root[:3],  # ends inside the root node: a prefix of every other sequence
+        root + b,  # a duplicate
+        root[:3] + c,
+    ]
+    weights = rng.uniform(0.5, 1.5, size=len(first)).tolist()
+    masks = [(rng.random(len(s)) < 0.8).astype(int).tolist() for s in first]
+    trunk, tail = seg(4), seg(5)
+    one = fresh(trunk, 1)  # a one-token sequence: a root of its own, nothing to predict
+    second = [trunk + tail, trunk + fresh(tail, 2), one]
+    return [Tree.from_sequences(first, weights=weights, loss_masks=masks),
+            Tree.from_sequences(second)]
+
+
+# ---------------------------------------------------------------------------- verify
+
+
+def _vocab_size(model) -> int:
+    from .compile import _vocab_size as vocab_of
+
+    v = vocab_of(model)
+    if v is None:
+        raise ValueError("cannot tell the model's vocabulary size (no input embedding); pass "
+                         "trees=")
+    return v
+
+
+def _select_params(model: torch.nn.Module, params, budget: int = 1 << 26):
+    """(name, parameter) pairs to compare gradients of. ``"all"``: every trainable one;
+    ``"sample"``: as many as fit ``budget`` elements from the first and the last layers (a
+    first layer's gradient passes through the whole backward, so it sees any error there);
+    a list of names: those."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if params == "all":
+        return named
+    if params == "sample":
+        chosen, used = {}, 0
+        for seq in (named, named[::-1]):
+            for n, p in seq:
+                if used >= budget:
+                    break
+                if n not in chosen and p.numel() <= budget // 4:
+                    chosen[n] = p
+                    used += p.numel()
+            budget += budget  # the same amount again from the end
+        return [(n, p) for n, p in named if n in chosen]
+    names = set(params)
+    missing = names - {n for n, _ in named}
+    if missing:
+        raise ValueError(f"no trainable parameters named {sorted(missing)}")
+    return [(n, p) for n, p in named if n in names]
+
+
+@contextlib.contextmanager
+def _model_state_kept(model: torch.nn.Module, params):
+    """Buffers (running statistics), random state and ``.grad`` as they were before."""
+    buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
+    grads = {id(p): p.grad for _, p in model.named_parameters()}
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for n, b in model.named_buffers():
+                if n in buffers and b.shape == buffers[n].shape:
+                    b.copy_(buffers[n])
+        for _, p in model.named_parameters():
+            p.grad = grads.get(id(p))
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+
+
+def _grads(loss: torch.Tensor, params, model: torch.nn.Module) -> list[torch.Tensor | None]:
+    """d loss / d params. ``autograd.grad`` where it works; reentrant activation checkpointing
+    refuses it, so then a plain ``backward`` with the other parameters frozen (``.grad`` is
+    restored by the caller)."""
+    tensors = [p for _, p in params]
+    try:
+        # Retained: if this raises, the backward below still has the graph.
+        return list(torch.autograd.grad(loss, tensors, allow_unused=True, retain_graph=True))
+    except RuntimeError as e:
+        if "checkpoint" not in str(e).lower():
+            raise
+    chosen = {id(p) for p in tensors}
+    frozen = [p for p in model.parameters() if p.requires_grad and id(p) not in chosen]
+    for p in tensors:
+        p.grad = None
+    try:
+        for p in frozen:
+            p.requires_grad_(False)
+        loss.backward()
+    finally:
+        for p in frozen:
+            p.requires_grad_(True)
+    return [p.grad for p in tensors]
+
+
+def graph_draws_random(tree_model) -> str | None:
+    """Where the compiled graphs of ``tree_model`` draw random numbers (dropout in training
+    mode, ...), or None."""
+    for ctx in getattr(tree_model, "contexts", ()):
+        for scope in ctx.scopes():
+            for node in scope.graph.nodes:
+                if draws_random(node):
+                    return f"{module_path(node)} ({node.name})"
+    return None
+
+
+def verify(model, trees=None, *, reduction: str = "mean", grads: bool = True,
+           params="auto", tolerance: Tolerance | None = None, seed: int = 0,
+           raise_on_failure: bool = True, **compile_options) -> VerificationReport:
+    """Compare a tree-compiled model with the unmodified model run on each sequence alone.
+
+    ``model``: a :class:`treefx.TreeModel` (its compiled graph is what gets checked) or a
+    module (compiled with ``treefx.compile(model, **compile_options)``, verification off).
+    ``trees``: the forest to compare on (default :func:`probe_forest`, with more than two
+    attention blocks of tokens on the GPU). ``grads``: compare parameter gradients too
+    (``params``: ``"all"``, ``"sample"`` — the first and last layers, bounded memory — or
+    names; ``"auto"``: all up to 100M parameters, else a sample). ``tolerance``: default by
+    the parameters' dtype (:func:`tolerance_for`).
+
+    Returns a :class:`VerificationReport`; raises :class:`TreeVerificationError` naming the
+    worst token and parameter when over tolerance (unless ``raise_on_failure=False``). The
+    model's ``.grad``, buffers and random state are left as they were.
+    """
+    from . import reference
+    from .compile import TreeModel, compile as tree_compile, tree_loss
+    from .layout import pack
+
+    t0 = time.perf_counter()
+    if isinstance(model, TreeModel):
+        tm = model
+    else:
+        tm = tree_compile(model, **{"verify": False, **compile_options})
+    net = tm.model
+    first = next(net.parameters(), None)
+    if first is None:
+        raise ValueError("the model has no parameters")
+    device, dtype = first.device, first.dtype
+    if trees is None:
+        blocks = tm.engine.block_size if device.type == "cuda" else 0
+        trees = probe_forest(_vocab_size(net), min_tokens=2 * blocks + 1, seed=seed)
+    elif isinstance(trees, Tree):
+        trees = [trees]
+    tol = tolerance or tolerance_for(dtype)
+    batch = pack(trees, reduction=reduction)
+    if device.type != "cpu":
+        batch = batch.to(device)
+    total = sum(p.numel() for p in net.parameters() if p.requires_grad)
+    if params == "auto":
+        params = "all" if total <= 100_000_000 else "sample"
+    chosen = _select_params(net, params) if grads else []
+    with _model_state_kept(net, chosen), torch.set_grad_enabled(grads):
+        out = tm(batch)
+        where = graph_draws_random(tm)
+        if where is not None:
+            raise VerificationUnavailable(
+                f"cannot verify: the compiled graph draws random numbers at {where} (dropout "
+                "in training mode?), so the tree and the per-sequence runs cannot agree; "
+                "verify with model.eval() or dropout set to 0")
+        g_tree = _grads(tree_loss(out, batch), chosen, net) if chosen else []
+        ref_lp = reference.sequence_logprobs(net, trees)
+        g_ref = []
+        if chosen:
+            ref_loss = reference.sequence_loss(net, trees, reduction=reduction)
+            g_ref = _grads(ref_loss, chosen, net)
+    lp = out.token_logprobs.detach()
+    worst, worst_at = 0.0, None
+    for i, ref in enumerate(ref_lp):
+        idx = batch.sequence_index(i)[1:]
+        if not len(idx):
+            continue
+        err = (lp[idx].double() - ref.detach().double()).abs()
+        j = int(err.argmax())
+        if not math.isfinite(float(err[j])) or float(err[j]) > worst:
+            worst, worst_at = float(err[j]), (i, j + 1, int(idx[j]))
+    grad_errors = _grad_errors(chosen, g_tree, g_ref, tol)
+    report = VerificationReport(
+        dtype=dtype, tolerance=tol, num_trees=len(trees), num_sequences=batch.num_sequences,
+        num_tokens=batch.num_tokens, max_logprob_error=worst, worst_token=worst_at,
+        grad_errors=grad_errors, compared_params=len(chosen), total_params=len(list(
+            p for p in net.parameters() if p.requires_grad)),
+        seconds=time.perf_counter() - t0)
+    log.info("%s", report)
+    if raise_on_failure and not report.passed:
+        raise TreeVerificationError(
+            f"{report}. The tree run differs from each sequence run alone: something in this "
+            "model runs along the tokens in a way treefx did not rewrite. Please report it "
+            "with `treefx explain` output.", report)
+    return report
+
+
+def _grad_errors(chosen, g_tree, g_ref, tol: Tolerance) -> dict[str, float]:
+    if not chosen:
+        return {}
+
+    def dense(g, p):
+        return torch.zeros_like(p, dtype=torch.float64) if g is None else g.detach().double()
+
+    refs = [dense(g, p) for g, (_, p) in zip(g_ref, chosen)]
+    trees = [dense(g, p) for g, (_, p) in zip(g_tree, chosen)]
+    scale = math.sqrt(sum(float(r.pow(2).sum()) for r in refs))
+    out = {}
+    for (name, _), t, r in zip(chosen, trees, refs):
+        denom = max(float(r.norm()), tol.floor * scale, 1e-30)
+        err = float((t - r).norm()) / denom
+        out[name] = err if math.isfinite(err) else math.inf
+    return out
