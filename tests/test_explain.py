@@ -51,13 +51,13 @@ def test_report_names_every_attention_module_and_the_positions(hf_report):
     attention = [r for r in report.rewrites if r.pass_name == "attention"]
     assert {r.module for r in attention} == ATTENTION
     assert all(re.match(r"\S+\.py:\d+ ", r.source) for r in attention)  # file:line code
-    # Positions: the model takes position_ids (the tree's), read by the rotary embedding; the
-    # index grids of the mask it builds are tree positions too.
-    assert any("position_ids" in p and "model.rotary_emb" in p for p in report.positions)
+    # Positions: the model builds its own (an arange), which becomes the tree positions, read
+    # by the rotary embedding; the index grids of the mask it builds are tree positions too.
+    assert any("tree positions" in p and "model.rotary_emb" in p for p in report.positions)
     text = str(report)
     for module in ATTENTION:
         assert module in text
-    assert "position_ids" in text and "model.rotary_emb" in text
+    assert "tree positions" in text and "model.rotary_emb" in text
     assert "graphs: 1" in text and "compilations: 1" in text and "compiled" in text
     before = "scaled_dot_product_attention(" if name == "qwen3" else "softmax("
     assert any(before in ln and "tree_attention_dense(" in ln for ln in text.splitlines())

@@ -261,14 +261,11 @@ class TreeModel(torch.nn.Module):
 
 def _logger_methods() -> set:
     """Logging calls inside a model's forward (Hugging Face warns there, e.g. that
-    ``use_cache`` is off under gradient checkpointing) have no effect on its values; Dynamo
-    would break the graph at them, so the capture skips them."""
-    methods = {logging.Logger.debug, logging.Logger.info, logging.Logger.warning,
-               logging.Logger.error}
-    once = getattr(logging.Logger, "warning_once", None)  # added by transformers
-    if once is not None:
-        methods.add(once)
-    return methods
+    ``use_cache`` is off under gradient checkpointing, through ``warning_once``, which calls
+    ``warning``) have no effect on its values; Dynamo would break the graph at them, so the
+    capture skips ``Logger.warning``. One method only: torch 2.11 sorts this set when it logs
+    its configuration, and functions do not sort."""
+    return {logging.Logger.warning}
 
 
 def verify_default() -> bool:
@@ -385,7 +382,7 @@ def _context(gm: fx.GraphModule, backend: str, block_size: int,
         gm, {"inductor": "inductor", "flex-eager": "flex", "aot-eager": "inductor"}.get(
             backend, "eager"),
         input_ids=ids, tree_info=info, positions=pos, subtree_end=se,
-        seq_len=example(ids).shape[1], entry=se.next, block_size=block_size,
+        seq_len=example(ids).shape[1], prelude=se, block_size=block_size,
         kernel_options=kernel_options, interleave_heads=interleave_heads,
         code_before=code_before, modules_before=modules_before,
         tree_weights=by_name.get("tree_weights"))

@@ -247,14 +247,15 @@ def _model_state_kept(model: torch.nn.Module, params):
             torch.cuda.set_rng_state_all(cuda_rng)
 
 
-def _grads(loss: torch.Tensor, params, model: torch.nn.Module) -> list[torch.Tensor | None]:
-    """d loss / d params. ``autograd.grad`` where it works; reentrant activation checkpointing
-    refuses it, so then a plain ``backward`` with the other parameters frozen (``.grad`` is
-    restored by the caller)."""
+def _grads(make_loss, params, model: torch.nn.Module) -> list[torch.Tensor | None]:
+    """d loss / d params for ``loss = make_loss()``: ``autograd.grad``, which leaves ``.grad``
+    alone. Reentrant activation checkpointing refuses it (in an eager model): the loss is then
+    computed again and differentiated with a plain ``backward``, the other parameters frozen
+    (the caller restores ``.grad``). The graph is never retained: a compiled backward with
+    donated buffers refuses that."""
     tensors = [p for _, p in params]
     try:
-        # Retained: if this raises, the backward below still has the graph.
-        return list(torch.autograd.grad(loss, tensors, allow_unused=True, retain_graph=True))
+        return list(torch.autograd.grad(make_loss(), tensors, allow_unused=True))
     except RuntimeError as e:
         if "checkpoint" not in str(e).lower():
             raise
@@ -265,7 +266,7 @@ def _grads(loss: torch.Tensor, params, model: torch.nn.Module) -> list[torch.Ten
     try:
         for p in frozen:
             p.requires_grad_(False)
-        loss.backward()
+        make_loss().backward()
     finally:
         for p in frozen:
             p.requires_grad_(True)
@@ -335,12 +336,13 @@ def verify(model, trees=None, *, reduction: str = "mean", grads: bool = True,
                 f"cannot verify: the compiled graph draws random numbers at {where} (dropout "
                 "in training mode?), so the tree and the per-sequence runs cannot agree; "
                 "verify with model.eval() or dropout set to 0")
-        g_tree = _grads(tree_loss(out, batch), chosen, net) if chosen else []
-        ref_lp = reference.sequence_logprobs(net, trees)
+        g_tree = _grads(lambda: tree_loss(out, batch), chosen, net) if chosen else []
+        with torch.no_grad():
+            ref_lp = reference.sequence_logprobs(net, trees)
         g_ref = []
         if chosen:
-            ref_loss = reference.sequence_loss(net, trees, reduction=reduction)
-            g_ref = _grads(ref_loss, chosen, net)
+            g_ref = _grads(lambda: reference.sequence_loss(net, trees, reduction=reduction),
+                           chosen, net)
     lp = out.token_logprobs.detach()
     worst, worst_at = 0.0, None
     for i, ref in enumerate(ref_lp):

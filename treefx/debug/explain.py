@@ -315,11 +315,17 @@ def _positions(ctx) -> list[str]:
             users = _consumers(n)
             out.append("model input position_ids = tree positions (each token's offset in its "
                        "own sequence)" + (f", read by {', '.join(users)}" if users else ""))
+    rewritten = False
     for r in ctx.log:
         if r.pass_name == "positions" and not r.kept:
             where = _file_line(r.source)
             out.append(f"{_op(r.before)} in {r.module}{f' ({where})' if where else ''} -> tree "
                        f"positions")
+            rewritten = True
+    if rewritten and ctx.done:
+        users = _consumers(ctx.positions)
+        if users:
+            out.append(f"tree positions read by {', '.join(users)}")
     return out
 
 
@@ -335,7 +341,9 @@ def _consumers(node: fx.Node, depth: int = 8, limit: int = 3) -> list[str]:
                 seen.add(u)
                 if u.meta.get("nn_module_stack"):
                     p = module_path(u)
-                    if p != "<model>":
+                    # Nodes of the model's outer container ("model" in Hugging Face) are passed
+                    # through: the readers worth naming are the submodules below it.
+                    if p != "<model>" and "." in p:
                         if p not in found:
                             found.append(p)
                         continue

@@ -171,14 +171,17 @@ class GraphContext:
 
     def __init__(self, gm: fx.GraphModule, backend: str, *, input_ids: fx.Node,
                  tree_info: fx.Node, positions: fx.Node, subtree_end: fx.Node, seq_len,
-                 entry: fx.Node, tree_weights: fx.Node | None = None, block_size: int = 128,
+                 prelude: fx.Node, tree_weights: fx.Node | None = None, block_size: int = 128,
                  kernel_options: dict | None = None, interleave_heads: bool | None = None,
                  code_before: str = "", modules_before: dict | None = None,
                  parent: GraphContext | None = None, name: str = ""):
         self.gm = gm
         self.backend = backend
         self.seq_len = seq_len
-        self.entry = entry  # shared nodes are inserted before it (after the placeholders)
+        # The last node of the graph's prelude: treefx's own nodes after the placeholders.
+        # Shared nodes go right after it (never "before the model's first node": a pass may
+        # erase that node, an arange, and an insertion before an erased node is lost).
+        self.prelude = prelude
         self.block_size = block_size
         self.kernel_options = dict(kernel_options or {})  # FlexAttention's, for every site
         self.interleave_heads = interleave_heads  # KV heads along the row (None: in training)
@@ -303,8 +306,10 @@ class GraphContext:
         checkpointed region does not rebuild the tree's masks in its recomputation."""
         root = self.root
         if key not in root._cache:
-            with root.graph.inserting_before(root.entry):
+            successor = root.prelude.next
+            with root.graph.inserting_before(successor):
                 node = make(root)
+            root.prelude = successor.prev
             if isinstance(node, fx.Node) and "example_value" not in node.meta:
                 set_example(node)
             root._cache[key] = node

@@ -150,12 +150,14 @@ def _attr(gm: fx.GraphModule, target: str) -> fx.GraphModule:
 
 def _child(ctx: GraphContext, gm: fx.GraphModule, target: str, kind: _Kind,
            op: str) -> GraphContext:
-    entry = next(n for n in gm.graph.nodes if n.op != "placeholder")
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if not placeholders:
+        raise UnsupportedSubgraphError(f"the body {target} takes no inputs")
     root = ctx.root
     child = GraphContext(
         gm, ctx.backend, input_ids=root._root_nodes["input_ids"],
         tree_info=root._root_nodes["tree_info"], positions=root._root_nodes["positions"],
-        subtree_end=root._root_nodes["subtree_end"], seq_len=ctx.seq_len, entry=entry,
+        subtree_end=root._root_nodes["subtree_end"], seq_len=ctx.seq_len, prelude=placeholders[-1],
         tree_weights=root._root_nodes["tree_weights"], block_size=ctx.block_size,
         kernel_options=ctx.kernel_options, interleave_heads=ctx.interleave_heads,
         parent=ctx, name=f"{ctx.name}.{target}" if ctx.name else target,
@@ -174,8 +176,10 @@ def import_operand(ctx: GraphContext, outer: fx.Node) -> fx.Node:
     for member in body.group:
         phs = body.placeholders(member)
         g = member.graph
-        with g.inserting_after(phs[-1]) if phs else g.inserting_before(member.entry):
+        with g.inserting_after(phs[-1]):
             ph = g.placeholder(f"treefx_{outer.name}")
+        if member.prelude is phs[-1]:
+            member.prelude = ph
         value = example(outer)
         if value is not None:
             ph.meta["example_value"] = value
