@@ -1,0 +1,161 @@
+"""The zoo's per-model check (treefx.zoo): its classifier on real models, on a perturbed treefx
+(it must report WRONG), on small hand-made models (refused, not a decoder), its tiny configs and
+its report."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+import treefx
+
+transformers = pytest.importorskip("transformers")
+zoo = importlib.import_module("treefx.zoo")
+compile_module = importlib.import_module("treefx.compile")
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "gpt2", "llama"])
+def test_fast_models_are_exact(model_type):
+    r = zoo.run_model(model_type)
+    assert r["status"] == "exact", r
+    assert r["float32"]["logprob_err"] <= 1e-4 and r["float32"]["grad_err"] <= 1e-4
+    assert "float64" not in r  # no second run when float32 passes
+
+
+def _shift_values(logits, ids, parent):
+    return _original(logits, ids, parent) + 1e-3
+
+
+def _scale_gradients(logits, ids, parent):
+    lp = _original(logits, ids, parent)
+    return lp + 0.01 * (lp - lp.detach())  # same values, gradients x 1.01
+
+
+_original = compile_module.tree_token_logprobs
+
+
+def _has_self_check() -> bool:
+    import inspect
+
+    return "verify" in inspect.signature(treefx.compile).parameters
+
+
+@pytest.mark.parametrize("perturb, verify", [(_shift_values, True), (_scale_gradients, False)],
+                         ids=["values-self-check", "grads-unchecked"])
+def test_perturbed_treefx_is_reported(monkeypatch, perturb, verify):
+    """treefx's tree log-probs perturbed inside the compiled graph. Without treefx's first-call
+    self-check the classifier must call it WRONG, in float32 and in the float64 re-run, with
+    the error it made; with the self-check, treefx refuses it and the zoo records the same
+    numbers from a run without the check."""
+    if verify and not _has_self_check():
+        pytest.skip("this treefx has no first-call self-check")
+    monkeypatch.setattr(compile_module, "tree_token_logprobs", perturb)
+    r = zoo.run_model("gpt2", verify=verify)  # (tests/conftest.py turns the default off)
+    if verify:
+        assert r["status"] == "refused", r
+        assert r["float32"]["type"] == "TreeVerificationError"
+        runs = r["unverified"]
+        assert "the self-check caught a wrong rewrite || without it: float32: log-prob" \
+            in r["detail"]
+    else:
+        assert r["status"] == "WRONG", r
+        runs = r
+        assert "float32: log-prob err" in r["detail"] and "float64: log-prob err" in r["detail"]
+    for dt in ("float32", "float64"):
+        x = runs[dt]
+        assert x["status"] == "WRONG"
+        if perturb is _shift_values:
+            assert x["logprob_err"] == pytest.approx(1e-3, rel=1e-2)
+        else:
+            assert x["logprob_err"] < (1e-5 if dt == "float32" else 1e-12)
+            assert x["grad_err"] == pytest.approx(1e-2, rel=1e-2)
+
+
+class _Embed(torch.nn.Module):
+    def __init__(self, vocab=zoo.VOCAB, dim=8):
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, dim)
+        self.head = torch.nn.Linear(dim, vocab)
+
+
+class DataDependentBranch(_Embed):
+    """Causal, but its Python branch on a tensor value cannot be captured as one graph."""
+
+    def forward(self, input_ids):
+        x = self.emb(input_ids)
+        if x.sum() > 0:
+            x = 2 * x
+        return self.head(x)
+
+
+class Bidirectional(_Embed):
+    """Every token sees the whole sequence: not a decoder."""
+
+    def forward(self, input_ids):
+        x = self.emb(input_ids)
+        return self.head(x + x.mean(dim=1, keepdim=True))
+
+
+def test_refused_and_not_a_decoder():
+    torch.manual_seed(0)
+    trees = zoo.probe_forest()
+    r = zoo.compare(DataDependentBranch(), trees, tolerances=zoo.TOLERANCES["float32"])
+    assert r["status"] == "refused" and r["type"] == "GraphBreakError", r
+    assert r["treefx_frame"].startswith("treefx/")
+    r = zoo.compare(Bidirectional(), trees, tolerances=zoo.TOLERANCES["float32"])
+    assert r["status"] == "not a decoder" and r["causal_err"] > 1e-3
+
+
+def test_probe_forest_has_the_odd_shapes():
+    trees = zoo.probe_forest(exclude={0, 1, 2})
+    assert len(trees) == 2
+    seqs = [tuple(t.sequence(i)) for t in trees for i in range(t.num_sequences)]
+    assert len(set(seqs)) < len(seqs)  # a duplicate
+    assert any(a != b and b[:len(a)] == a for a in seqs for b in seqs)  # a prefix
+    assert any(len(s) == 1 for s in seqs)
+    assert 17 <= max(map(len, seqs)) <= 24  # crosses windows (5) and chunks (8)
+    assert all(tok >= 3 for s in seqs for tok in s)  # special ids left out
+
+
+def test_tiny_configs_keep_one_layer_of_each_kind():
+    cfg = zoo.tiny_config("gemma2")
+    assert cfg.num_hidden_layers == 2 and set(cfg.layer_types) == {"sliding_attention",
+                                                                   "full_attention"}
+    assert cfg.sliding_window == zoo.WINDOW and cfg.hidden_size == zoo.HIDDEN
+    cfg = zoo.tiny_config("qwen3_next")
+    assert set(cfg.layer_types) == {"linear_attention", "full_attention"}
+    cfg = zoo.tiny_config("deepseek_v3")  # first_k_dense_replace: one dense, one MoE layer
+    assert (cfg.num_hidden_layers, cfg.first_k_dense_replace, cfg.n_routed_experts) == (2, 1, 4)
+    cfg = zoo.tiny_config("gpt2")  # aliases without attribute_map entries; dropout off
+    assert (cfg.n_embd, cfg.n_layer, cfg.vocab_size) == (zoo.HIDDEN, 2, zoo.VOCAB)
+    assert cfg.attn_pdrop == cfg.resid_pdrop == cfg.embd_pdrop == 0.0
+
+
+def _row(mt, status, detail=""):
+    return {"model_type": mt, "status": status, "detail": detail, "seconds": 1.0}
+
+
+def test_markdown_header_and_sections(tmp_path):
+    results = [_row("qwen3", "exact"), _row("odd|model", "WRONG", "float32: log-prob err 1e-2"),
+               _row("gemma2", "refused", "UnmatchedAttentionError: ...")]
+    md = zoo.markdown_section(results, command="python -m treefx.zoo --models qwen3",
+                              date="2026-01-02", dtype="float32", checkpointing=False,
+                              revision="abc1234")
+    assert f"torch {torch.__version__}, transformers {transformers.__version__}" in md
+    assert "2026-01-02" in md and "`python -m treefx.zoo --models qwen3`" in md
+    assert "abc1234" in md and "log-prob abs 0.0001" in md
+    assert "counts: exact 1, WRONG 1, refused 1 (of 3)" in md
+    assert "| odd\\|model | WRONG |" in md  # a | in a cell is escaped
+    path = tmp_path / "zoo.md"
+    zoo.write_markdown(path, md, checkpointing=False)
+    ck = zoo.markdown_section(results[:1], command="c", date="d", dtype="float32",
+                              checkpointing=True)
+    zoo.write_markdown(path, ck, checkpointing=True)
+    zoo.write_markdown(path, md.replace("2026-01-02", "2026-01-03"), checkpointing=False)
+    text = path.read_text()
+    assert text.startswith("# treefx zoo")
+    assert "2026-01-03" in text and "2026-01-02" not in text  # replaced, not appended
+    assert text.index("## All causal-LM") < text.index("## Gradient checkpointing")
+    assert text.count("<!-- zoo:default -->") == text.count("<!-- zoo:checkpointing -->") == 1
