@@ -15,6 +15,8 @@ Parts (each runs even if another fails; failures are recorded with their traceba
   ~17k tokens: one ``@treefx.step`` training step (HF labels, fused loss) with and without HF
   gradient checkpointing: peak memory, median step time, first-call (compile) time, and the
   cost of ``treefx.verify`` (sampled parameters) on the same model.
+- ``verify``: the first-call check alone on the same stack (bf16, with and without
+  checkpointing): its verdict against the oracle's own floor, its time beside the compile's.
 """
 
 from __future__ import annotations
@@ -228,6 +230,46 @@ def part_memory(args) -> dict:
     return results
 
 
+def part_verify(args) -> dict:
+    """The first-call check on the 8B-shaped stack (bf16): its verdict with the oracle's
+    floor, and its cost beside the first call's compile."""
+    if args.dry_run:
+        shape = dict(vocab_size=512, hidden_size=64, intermediate_size=128,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    else:
+        shape = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128)
+    out = {}
+    for ckpt in (None, "nonreentrant"):
+        name = f"ckpt-{ckpt or 'off'}"
+        try:
+            model = hf_model("qwen3", torch.bfloat16 if CUDA else torch.float32, ckpt,
+                             num_hidden_layers=args.layers, **shape)
+            tm = treefx.compile(model, backend=BACKEND, verify=False)
+            probe = treefx.pack(treefx.probe_forest(
+                shape["vocab_size"], min_tokens=2 * tm.engine.block_size + 1)).to(DEV)
+            t0 = time.perf_counter()
+            tm(probe)
+            compile_s = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            rep = treefx.verify(tm, params="sample", raise_on_failure=False)
+            out[name] = dict(compile_s=compile_s, verify_s=time.perf_counter() - t0,
+                             report=str(rep), passed=rep.passed,
+                             logprob_err=rep.max_logprob_error, logprob_floor=rep.logprob_floor,
+                             grad_err=rep.max_grad_error, grad_floor=rep.grad_floor,
+                             params=f"{rep.compared_params}/{rep.total_params}")
+            print(f"{name}: compile {compile_s:.1f} s, verify {out[name]['verify_s']:.1f} s: "
+                  f"{rep}", flush=True)
+            del model, tm
+        except Exception as e:  # noqa: BLE001
+            out[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+            print(f"{name}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+        finally:
+            if CUDA:
+                torch.cuda.empty_cache()
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--parts", default="exact,memory")
@@ -244,7 +286,8 @@ def main(argv=None) -> int:
            "torch": torch.__version__, "transformers": transformers.__version__,
            "backend": BACKEND, "argv": sys.argv[1:]}
     for part in args.parts.split(","):
-        out[part] = {"exact": part_exact, "memory": part_memory}[part](args)
+        out[part] = {"exact": part_exact, "memory": part_memory,
+                     "verify": part_verify}[part](args)
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(out, f, indent=1, default=str)

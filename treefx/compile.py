@@ -259,13 +259,36 @@ class TreeModel(torch.nn.Module):
             log.warning("treefx: %s", e)
 
 
+class _LoggerMethod:
+    """A logging method as an entry of Dynamo's ignore set: equal to (and hashed as) the
+    function itself, so Dynamo's membership test finds it, and ordered by name, because
+    torch 2.11 sorts the set when it logs its configuration and functions do not sort."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __hash__(self):
+        return hash(self.fn)
+
+    def __eq__(self, other):
+        return other is self.fn or (isinstance(other, _LoggerMethod) and other.fn is self.fn)
+
+    def __lt__(self, other):
+        return self.fn.__qualname__ < getattr(other, "fn", other).__qualname__
+
+    def __repr__(self):
+        return f"logging.Logger.{self.fn.__name__}"
+
+
 def _logger_methods() -> set:
     """Logging calls inside a model's forward (Hugging Face warns there, e.g. that
-    ``use_cache`` is off under gradient checkpointing, through ``warning_once``, which calls
-    ``warning``) have no effect on its values; Dynamo would break the graph at them, so the
-    capture skips ``Logger.warning``. One method only: torch 2.11 sorts this set when it logs
-    its configuration, and functions do not sort."""
-    return {logging.Logger.warning}
+    ``use_cache`` is off under gradient checkpointing, through ``warning_once``) have no
+    effect on its values; Dynamo would break the graph at them, so the capture skips them."""
+    names = ("debug", "info", "warning", "warn", "warning_once", "warning_advice", "info_once")
+    return {_LoggerMethod(getattr(logging.Logger, n)) for n in names
+            if callable(getattr(logging.Logger, n, None))}
 
 
 def verify_default() -> bool:
