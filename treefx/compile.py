@@ -259,15 +259,15 @@ class TreeModel(torch.nn.Module):
             log.warning("treefx: %s", e)
 
 
-class _LoggerMethod:
+class _LoggerMethod(str):
     """A logging method as an entry of Dynamo's ignore set: equal to (and hashed as) the
-    function itself, so Dynamo's membership test finds it, and ordered by name, because
-    torch 2.11 sorts the set when it logs its configuration and functions do not sort."""
+    function itself, so Dynamo's membership test finds it, and a string otherwise, because
+    torch 2.11 sorts the set and writes it as JSON when it logs its configuration."""
 
-    __slots__ = ("fn",)
-
-    def __init__(self, fn):
+    def __new__(cls, fn):
+        self = super().__new__(cls, f"logging.Logger.{fn.__name__}")
         self.fn = fn
+        return self
 
     def __hash__(self):
         return hash(self.fn)
@@ -275,11 +275,8 @@ class _LoggerMethod:
     def __eq__(self, other):
         return other is self.fn or (isinstance(other, _LoggerMethod) and other.fn is self.fn)
 
-    def __lt__(self, other):
-        return self.fn.__qualname__ < getattr(other, "fn", other).__qualname__
-
-    def __repr__(self):
-        return f"logging.Logger.{self.fn.__name__}"
+    def __ne__(self, other):
+        return not self == other
 
 
 def _logger_methods() -> set:
