@@ -159,3 +159,47 @@ def test_floor_does_not_hide_a_defect(without_positions_pass):
     report = treefx.verify(model(), backend="eager", raise_on_failure=False)
     assert not report.passed
     assert report.max_logprob_error > 1000 * report.logprob_floor
+
+
+# ------------------------------------------------------------------ explain and the command line
+
+def test_explain_shows_the_verification():
+    from treefx.debug import explain
+
+    report = explain(model(), odd_forest(3, VOCAB), verify=True)
+    assert report.verification is not None and report.verification.passed
+    assert report.status == "compiled, verified"
+    assert "verification (the tree run against each sequence run alone)" in str(report)
+    assert explain(model(), odd_forest(3, VOCAB), verify=False).verification is None
+
+
+def test_explain_shows_a_failed_verification(without_positions_pass):
+    from treefx.debug import explain
+
+    report = explain(model(), odd_forest(3, VOCAB), verify=True)
+    assert report.ok and not report.verification.passed  # compiled, but wrong
+    assert report.status == "compiled, verification FAILED"
+    assert "FAILED" in str(report)
+
+
+def test_cli_check_exit_status_says_what_it_found(capsys, without_positions_pass):
+    from treefx.cli import main
+
+    # a planted defect: compiles, but differs from each sequence alone -> 1
+    assert main(["check", "treefx.debug.examples:qwen3_tiny", "--backend", "eager"]) == 1
+    out = capsys.readouterr().out
+    assert "qwen3_tiny, eager backend on cpu, float32" in out and "FAILED" in out
+
+
+def test_cli_check_passes_and_refuses(capsys):
+    from treefx.cli import main
+
+    assert main(["check", "treefx.debug.examples:qwen3_tiny", "--backend", "eager",
+                 "--dtype", "float64"]) == 0
+    assert "treefx verify passed" in capsys.readouterr().out
+    # attention sinks over the DFS row: refused with the node named -> 2
+    assert main(["check", "hf:granite_swa", "--backend", "eager"]) == 2
+    out = capsys.readouterr().out
+    assert "refused (TokenAxisError)" in out and "logsumexp" in out
+    with pytest.raises(SystemExit, match="cannot build a tiny 'no_such_type'"):
+        main(["check", "hf:no_such_type"])

@@ -1,4 +1,5 @@
-"""Command line: ``treefx demo``, ``treefx stats FILE.jsonl``, ``treefx synth -o FILE.jsonl``."""
+"""Command line: ``treefx demo``, ``stats FILE.jsonl``, ``synth -o FILE.jsonl``, ``explain MODEL``,
+``check MODEL``, ``draw FILE.jsonl``."""
 
 from __future__ import annotations
 
@@ -140,6 +141,29 @@ class _Verbose:
         return False
 
 
+def _load_model(spec: str):
+    """A model spec on the command line: ``hf:MODEL_TYPE`` (a tiny Hugging Face model of that
+    type with random weights, as the zoo builds it) or ``MODULE:FACTORY`` (a zero-argument
+    callable returning the module, or the module itself)."""
+    import torch
+
+    if spec.startswith("hf:"):
+        from .zoo import build_model
+
+        try:
+            return build_model(spec[3:])
+        except Exception as e:  # noqa: BLE001 - any config failure is the user's answer
+            raise SystemExit(f"treefx: cannot build a tiny {spec[3:]!r} model: "
+                             f"{type(e).__name__}: {e}") from None
+    factory = _load_factory(spec)
+    model = factory() if callable(factory) and not isinstance(factory, torch.nn.Module) \
+        else factory
+    if not isinstance(model, torch.nn.Module):
+        raise SystemExit(f"treefx: {spec} returned a {type(model).__name__}, not a "
+                         "torch.nn.Module")
+    return model
+
+
 def cmd_explain(args) -> int:
     import torch
 
@@ -148,12 +172,7 @@ def cmd_explain(args) -> int:
     from .debug.examples import demo_tree
     from .layout import pack
 
-    factory = _load_factory(args.factory)
-    model = factory() if callable(factory) and not isinstance(factory, torch.nn.Module) \
-        else factory
-    if not isinstance(model, torch.nn.Module):
-        raise SystemExit(f"treefx: {args.factory} returned a {type(model).__name__}, not a "
-                         "torch.nn.Module")
+    model = _load_model(args.factory)
     if args.trees:
         trees = list(_iter_trees_with_progress(args.trees, None))
         if args.num_trees is not None:
@@ -166,14 +185,51 @@ def cmd_explain(args) -> int:
     device = next(model.parameters(), torch.empty(0)).device
     batch = pack(trees).to(device)
     with _Verbose(args.verbose):
-        report = explain(model, batch, backend=args.backend)
+        report = explain(model, batch, backend=args.backend, verify=args.verify)
     print(report)
     if args.diff:
         print()
         print(report.diff())
     report.to_html(args.html)
     print(f"\nwrote {args.html}")
-    return 0 if report.ok else 1
+    return 0 if report.ok and (report.verification is None or report.verification.passed) else 1
+
+
+def cmd_check(args) -> int:
+    import torch
+
+    from .compile import TreeCompileError, compile as tree_compile
+    from .verification import VerificationUnavailable, verify
+
+    model = _load_model(args.model)
+    dtype = {"float32": torch.float32, "float64": torch.float64,
+             "bfloat16": torch.bfloat16}[args.dtype]
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model = model.to(device=device, dtype=dtype)
+    if args.checkpointing:
+        enable = getattr(model, "activation_checkpointing_enable", None) or getattr(
+            model, "gradient_checkpointing_enable", None)
+        if enable is None:
+            raise SystemExit("treefx: --checkpointing needs a Hugging Face model "
+                             "(gradient_checkpointing_enable)")
+        enable()
+        model.train()
+    trees = list(_iter_trees_with_progress(args.trees, None)) if args.trees else None
+    if trees is not None and not trees:
+        raise SystemExit(f"treefx: {args.trees} holds no trees")
+    with _Verbose(args.verbose):
+        try:
+            tm = tree_compile(model, backend=args.backend, verify=False)
+            report = verify(tm, trees, params=args.params, raise_on_failure=False)
+        except VerificationUnavailable as e:
+            print(f"treefx check: {args.model}: cannot verify: {e}")
+            return 3
+        except TreeCompileError as e:
+            print(f"treefx check: {args.model}: refused ({type(e).__name__}): {e}")
+            return 2
+    print(f"treefx check: {args.model}, {args.backend} backend on {device}, {args.dtype}")
+    print(report)
+    return 0 if report.passed else 1
 
 
 def cmd_draw(args) -> int:
@@ -223,9 +279,10 @@ def main(argv=None) -> int:
 
     x = sub.add_parser("explain", help="show what treefx does to a model: rewrites, nodes left "
                        "alone, graph breaks, the graph diff; writes an HTML page")
-    x.add_argument("factory", metavar="MODULE:FACTORY",
-                   help="a zero-argument callable returning the torch.nn.Module, e.g. "
-                        "treefx.debug.examples:qwen3_tiny")
+    x.add_argument("factory", metavar="MODEL",
+                   help="MODULE:FACTORY, a zero-argument callable returning the "
+                        "torch.nn.Module (e.g. treefx.debug.examples:qwen3_tiny), or "
+                        "hf:MODEL_TYPE (a tiny Hugging Face model, random weights)")
     x.add_argument("--trees", metavar="FILE.jsonl",
                    help="trees to pack (default: a small synthetic agent tree)")
     x.add_argument("-n", "--num-trees", type=int, help="only the first N trees of --trees")
@@ -233,9 +290,33 @@ def main(argv=None) -> int:
                    "(default: %(default)s)")
     x.add_argument("--backend", default="eager", choices=["eager", "inductor", "auto"])
     x.add_argument("--diff", action="store_true", help="also print the unified graph diff")
+    x.add_argument("--verify", action=argparse.BooleanOptionalAction, default=None,
+                   help="also compare with each sequence run alone (default: on, unless "
+                        "TREEFX_VERIFY=0)")
     x.add_argument("-v", "--verbose", action="count", default=0,
                    help="log what the passes do (-vv: every node)")
     x.set_defaults(fn=cmd_explain)
+
+    c = sub.add_parser("check", help="compile a model for trees and compare it with the "
+                       "unmodified model on each sequence alone (log-probs and gradients)",
+                       description="Exit status: 0 exact within the dtype's tolerance, 1 "
+                       "different (treefx would train it wrongly), 2 refused by treefx (an "
+                       "error names the node), 3 not comparable (random ops in the graph).")
+    c.add_argument("model", metavar="MODEL",
+                   help="hf:MODEL_TYPE (a tiny Hugging Face model of that type, random "
+                        "weights, e.g. hf:qwen3) or MODULE:FACTORY (a zero-argument callable "
+                        "returning the torch.nn.Module)")
+    c.add_argument("--trees", metavar="FILE.jsonl",
+                   help="trees to compare on (default: treefx's probe forest)")
+    c.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16"])
+    c.add_argument("--device", help="cpu or cuda (default: cuda when available)")
+    c.add_argument("--backend", default="auto", choices=["eager", "inductor", "auto"])
+    c.add_argument("--params", default="auto", choices=["auto", "all", "sample"],
+                   help="parameters whose gradients are compared (default: all up to 100M)")
+    c.add_argument("--checkpointing", action="store_true",
+                   help="HF gradient checkpointing on, train mode")
+    c.add_argument("-v", "--verbose", action="count", default=0)
+    c.set_defaults(fn=cmd_check)
 
     w = sub.add_parser("draw", help="draw a tree and its attention mask (.png or .svg)")
     w.add_argument("file", help="JSON Lines, one tree a line")

@@ -278,6 +278,12 @@ class _LoggerMethod(str):
     def __ne__(self, other):
         return not self == other
 
+    def __reduce__(self):  # copies and pickles of the config rebuild it from the function
+        return _LoggerMethod, (self.fn,)
+
+    def __deepcopy__(self, memo):
+        return self
+
 
 def _logger_methods() -> set:
     """Logging calls inside a model's forward (Hugging Face warns there, e.g. that

@@ -28,6 +28,8 @@ from ..passes.common import (
     source_line,
 )
 from ..tree import Tree
+from ..verification import VerificationReport, VerificationUnavailable
+from ..verification import verify as verify_model
 
 __all__ = ["ExplainReport", "GraphReport", "explain"]
 
@@ -85,6 +87,8 @@ class ExplainReport:
     stop_node: str | None = None  # the graph node that stops compilation
     stop_module: str | None = None
     stop_source: str | None = None
+    verification: VerificationReport | None = None  # the probe check, when it ran
+    verification_error: str | None = None  # why it could not run
     _model: torch.nn.Module | None = field(default=None, repr=False)
 
     # ------------------------------------------------------------------ summary
@@ -96,9 +100,11 @@ class ExplainReport:
 
     @property
     def status(self) -> str:
-        if self.error is None:
-            return "compiled"
-        return f"stopped: {type(self.error).__name__}"
+        if self.error is not None:
+            return f"stopped: {type(self.error).__name__}"
+        if self.verification is not None and not self.verification.passed:
+            return "compiled, verification FAILED"
+        return "compiled, verified" if self.verification is not None else "compiled"
 
     @property
     def rewrites(self) -> list[Rewrite]:
@@ -156,6 +162,9 @@ class ExplainReport:
                 if self.stop_source:
                     lines.append(f"  source  {self.stop_source}")
             lines.append(f"  {type(self.error).__name__}: {self.error}")
+        if self.verification is not None or self.verification_error:
+            lines += ["", "verification (the tree run against each sequence run alone)"]
+            lines.append(f"  {self.verification or self.verification_error}")
         return "\n".join(lines)
 
     def __repr__(self) -> str:
@@ -226,13 +235,16 @@ class ExplainReport:
 
 # ---------------------------------------------------------------------------------- explain
 
-def explain(model: torch.nn.Module, batch, *, backend: str = "eager",
+def explain(model: torch.nn.Module, batch, *, backend: str = "eager", verify: bool | None = None,
             **compile_kwargs) -> ExplainReport:
     """Capture and transform ``model`` for ``batch`` (a TreeBatch, a Tree or a list of Trees)
     with one no-grad forward through ``treefx.compile(model, backend=backend)``, and report
     what the passes did. A :class:`~treefx.TreeCompileError` (graph breaks, an attention treefx
-    cannot rewrite) is recorded in the report, not raised. The model's train/eval mode and
-    parameters are left as they are."""
+    cannot rewrite) is recorded in the report, not raised. ``verify``: when the model compiled,
+    also run :func:`treefx.verify` on its probe forest (values and gradients against each
+    sequence run alone) and record the result in ``report.verification`` (default: as
+    ``treefx.compile`` decides, :func:`treefx.compile.verify_default`). The model's
+    train/eval mode, parameters and gradients are left as they are."""
     if isinstance(batch, Tree) or isinstance(batch, (list, tuple)) and batch and isinstance(
             batch[0], Tree):
         batch = pack(batch)
@@ -241,13 +253,23 @@ def explain(model: torch.nn.Module, batch, *, backend: str = "eager",
                         f"{type(batch).__name__}")
     if isinstance(model, _compile_mod.TreeModel):  # already compiled: explain its model
         model = model.model
-    tm = _compile_mod.compile(model, backend=backend, **compile_kwargs)
+    tm = _compile_mod.compile(model, backend=backend, **{"verify": False, **compile_kwargs})
     error = None
     try:
         with torch.no_grad():
             tm(batch)
     except TreeCompileError as e:
         error = e
+    verification = verification_error = None
+    if verify is None:
+        verify = _compile_mod.verify_default()
+    if verify and error is None:
+        try:
+            verification = verify_model(tm, raise_on_failure=False)
+        except VerificationUnavailable as e:
+            verification_error = f"not run: {e}"
+        except TreeCompileError as e:  # the probe forest needs a graph the batch did not
+            error = e
     graphs = []
     for i, ctx in enumerate(tm.contexts):
         partial = None
@@ -267,7 +289,7 @@ def explain(model: torch.nn.Module, batch, *, backend: str = "eager",
     report = ExplainReport(
         model_name=type(model).__name__, backend=backend, batch=batch, graphs=graphs,
         num_graphs=len(graphs), num_compilations=tm.num_compilations, error=error,
-        _model=model,
+        verification=verification, verification_error=verification_error, _model=model,
     )
     if isinstance(error, GraphBreakError):
         report.graph_breaks, report.num_graph_breaks = _break_reasons(str(error))

@@ -80,9 +80,12 @@ def _facts(r: ExplainReport) -> str:
         f"{r.num_compilations} compilation{'s' if r.num_compilations != 1 else ''}",
         f"{r.num_graph_breaks} graph break{'s' if r.num_graph_breaks != 1 else ''}",
     ]
-    cls = "ok" if r.ok else "bad"
+    cls = "ok" if r.ok and (r.verification is None or r.verification.passed) else "bad"
+    verified = r.verification or r.verification_error
     return ("".join(f"<span>{i}</span>" for i in items)
-            + f'<span class="{cls}">{_e(r.status)}</span>')
+            + f'<span class="{cls}">{_e(r.status)}</span>'
+            + (f'<span class="src" title="{_e(str(verified))}">{_e(str(verified))}</span>'
+               if verified else ""))
 
 
 def _where(src: str) -> str:

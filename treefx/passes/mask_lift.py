@@ -278,7 +278,7 @@ def lift_mask(ctx: GraphContext, mask: fx.Node) -> tuple[LiftedMask, tuple[fx.No
         elif any(ctx.resolve(a) in dep for a in n.all_input_nodes):
             dep.add(n)
             v = example(n)
-            if v is not None and v.dim() == 1 and all(
+            if isinstance(v, torch.Tensor) and v.dim() == 1 and all(
                 ctx.resolve(a) in vectors for a in n.all_input_nodes if ctx.resolve(a) in dep
             ):
                 vectors.add(n)
