@@ -303,7 +303,8 @@ def graph_draws_random(tree_model) -> str | None:
 
 def verify(model, trees=None, *, reduction: str = "mean", grads: bool = True,
            params="auto", tolerance: Tolerance | None = None, seed: int = 0,
-           raise_on_failure: bool = True, **compile_options) -> VerificationReport:
+           reference: torch.nn.Module | None = None, raise_on_failure: bool = True,
+           **compile_options) -> VerificationReport:
     """Compare a tree-compiled model with the unmodified model run on each sequence alone.
 
     ``model``: a :class:`treefx.TreeModel` (its compiled graph is what gets checked) or a
@@ -312,13 +313,15 @@ def verify(model, trees=None, *, reduction: str = "mean", grads: bool = True,
     attention blocks of tokens on the GPU). ``grads``: compare parameter gradients too
     (``params``: ``"all"``, ``"sample"`` — the first and last layers, bounded memory — or
     names; ``"auto"``: all up to 100M parameters, else a sample). ``tolerance``: default by
-    the parameters' dtype (:func:`tolerance_for`).
+    the parameters' dtype (:func:`tolerance_for`). ``reference``: the module the oracle runs
+    (default: the same one), e.g. a float32 copy of a bf16 model; its parameters are matched
+    by name.
 
     Returns a :class:`VerificationReport`; raises :class:`TreeVerificationError` naming the
     worst token and parameter when over tolerance (unless ``raise_on_failure=False``). The
     model's ``.grad``, buffers and random state are left as they were.
     """
-    from . import reference
+    from . import reference as oracle_mod
     from .compile import TreeModel, compile as tree_compile, tree_loss
     from .layout import pack
 
@@ -345,7 +348,16 @@ def verify(model, trees=None, *, reduction: str = "mean", grads: bool = True,
     if params == "auto":
         params = "all" if total <= 100_000_000 else "sample"
     chosen = _select_params(net, params) if grads else []
-    with _model_state_kept(net, chosen), torch.set_grad_enabled(grads):
+    oracle = net if reference is None else reference
+    ref_chosen = chosen
+    if reference is not None and chosen:
+        by_name = dict(reference.named_parameters())
+        missing = [n for n, _ in chosen if n not in by_name]
+        if missing:
+            raise ValueError(f"the reference model has no parameters named {missing[:3]}")
+        ref_chosen = [(n, by_name[n]) for n, _ in chosen]
+    with _model_state_kept(net, chosen), _model_state_kept(oracle, ref_chosen), \
+            torch.set_grad_enabled(grads):
         out = tm(batch)
         where = graph_draws_random(tm)
         if where is not None:
@@ -355,17 +367,17 @@ def verify(model, trees=None, *, reduction: str = "mean", grads: bool = True,
                 "verify with model.eval() or dropout set to 0")
         g_tree = _grads(lambda: tree_loss(out, batch), chosen, net) if chosen else []
         with torch.no_grad():
-            ref_lp = reference.sequence_logprobs(net, trees)
+            ref_lp = oracle_mod.sequence_logprobs(oracle, trees)
         g_ref = []
         if chosen:
-            g_ref = _grads(lambda: reference.sequence_loss(net, trees, reduction=reduction),
-                           chosen, net)
+            g_ref = _grads(lambda: oracle_mod.sequence_loss(oracle, trees, reduction=reduction),
+                           ref_chosen, oracle)
         # The oracle's own floor: the same computation in other shapes.
         extended = _extended(trees, _vocab_size(net), seed)
         with torch.no_grad():
-            ext_lp = reference.sequence_logprobs(net, extended)
-        g_ext = _grads(lambda: reference.sequence_loss(net, extended, reduction=reduction),
-                       chosen, net) if chosen else []
+            ext_lp = oracle_mod.sequence_logprobs(oracle, extended)
+        g_ext = _grads(lambda: oracle_mod.sequence_loss(oracle, extended, reduction=reduction),
+                       ref_chosen, oracle) if chosen else []
     lp = out.token_logprobs.detach()
     worst, worst_at = 0.0, None
     for i, ref in enumerate(ref_lp):
