@@ -319,7 +319,7 @@ def test_inductor_graphs_get_treefx_config_patches(monkeypatch):
     tm = treefx.compile(tiny_decoder(vocab_size=VOCAB), backend="inductor")
     with torch.no_grad():
         tm(treefx.pack(odd_tree(3, VOCAB)))
-    patches = sys.modules["treefx.compile"].inductor_patches()
+    patches = sys.modules["treefx.backends"].inductor_patches()
     assert seen == [patches]
     from torch._inductor import config
 
@@ -330,7 +330,7 @@ def test_inductor_graphs_get_treefx_config_patches(monkeypatch):
 def test_block_counts_exact_in_a_compiled_graph_under_autocast():
     """The mask's block counts inside a traced graph (as treefx builds them) stay exact under
     bfloat16 autocast with more than 256 blocks per row."""
-    from treefx.ops.attention import tree_block_tensors
+    from treefx.mask import tree_block_tensors
 
     n = 16 * 300 + 1  # 301 blocks of 16: counts up to 301, odd, not a bfloat16
     se = torch.full((n,), n)  # one chain: every query sees every earlier key

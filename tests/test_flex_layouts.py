@@ -13,14 +13,13 @@ import torch.nn.functional as F
 from trees import check_forward, odd_forest
 
 import treefx
+from treefx.mask import dense_tree_mask, tree_block_tensors
 from treefx.ops.attention import (
     TreeFlexAttention,
     _heads_to_row,
     _row_to_heads,
-    dense_tree_mask,
     interleave_block_tensors,
     interleaved_block_mask,
-    tree_block_tensors,
 )
 from treefx.passes.attention import _repeated_heads_source
 
@@ -104,31 +103,26 @@ def test_row_permutation_round_trip():
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 2), (3, 3), (6, 2), (2, 1)])
 def test_interleaved_op_matches_dense_tree_attention(heads, kv_heads):
-    """Values and the model's own mask (a window of 4 positions, read at path positions) and
-    score_mod (a per-head bias, so the head index must come back right) through the op."""
+    """Values and the model's own mask (a window of 2 + h positions for query head h, read
+    at path positions, so the head index must come back right) through the op."""
     torch.manual_seed(0)
     se, pos = _row(1)
     n = se.numel()
     q, k, v = (torch.randn(1, h, n, 8, dtype=torch.float64) for h in (heads, kv_heads, kv_heads))
-    window = (pos[:, None] - pos[None, :]) < 4
-    bias = torch.arange(heads, dtype=torch.float64)[:, None, None] * 0.25 * (
-        pos[:, None] - pos[None, :]).to(torch.float64) / 8
-    dense = torch.where(dense_tree_mask(se) & window, bias, float("-inf"))
+    head = torch.arange(heads)[:, None, None]
+    window = (pos[None, :, None] - pos[None, None, :]) < 2 + head
+    dense = dense_tree_mask(se)[None] & window
     ref = F.scaled_dot_product_attention(q, k, v, attn_mask=dense[None], enable_gqa=True)
 
     def model_mask(b, h, qp, kp):
-        return qp - kp < 4
-
-    def score_mod(score, b, h, q_idx, kv_idx, positions):
-        return score + h * 0.25 * (positions[q_idx] - positions[kv_idx]) / 8
+        return qp - kp < 2 + h
 
     bs = 16
     kv_num, kv_idx, full_num, full_idx, se_pad = tree_block_tensors(se, bs, full=False)
     pos_pad = F.pad(pos, (0, se_pad.numel() - n))
     for inter in (False, True):
-        op = TreeFlexAttention(block_size=bs, model_mask=model_mask, score_mod=score_mod,
-                               num_score_buffers=1, interleave_heads=inter)
-        out = op(q, k, v, kv_num, kv_idx, full_num, full_idx, se_pad, pos_pad, pos_pad)
+        op = TreeFlexAttention(block_size=bs, model_mask=model_mask, interleave_heads=inter)
+        out = op(q, k, v, kv_num, kv_idx, full_num, full_idx, se_pad, pos_pad)
         torch.testing.assert_close(out, ref, atol=1e-12, rtol=0)
 
 

@@ -12,7 +12,7 @@ from trees import check_forward, odd_forest, odd_tree
 import treefx
 from treefx.ops.conv import tree_causal_conv1d
 from treefx.ops.recurrence import tree_nodes, tree_recurrence
-from treefx.recurrence import _REGISTRY
+from treefx.kernels import _REGISTRY
 
 transformers = pytest.importorskip("transformers")
 
@@ -404,7 +404,7 @@ def test_traced_recurrence_runs_classic_autograd_functions():
     """The traced op's backward recomputes the forward under plain autograd inside a custom
     op: kernels written as classic autograd.Functions (fla's) must differentiate there too."""
     from treefx.ops.recurrence import TracedTreeRecurrence, register_site
-    from treefx.recurrence import Recurrence
+    from treefx.kernels import Recurrence
 
     rec = Recurrence(name="decayed_sum_test", fn=decayed_sum, seq_args={"x": 1, "a": 1},
                      neutral={"a": 1.0})
@@ -435,7 +435,7 @@ def test_capture_does_not_run_the_kernel_on_fake_tensors():
     there, so the marker answers with the output's shape without calling the kernel."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from treefx.recurrence import Recurrence, register_recurrence
+    from treefx.kernels import Recurrence, register_recurrence
 
     def kernel(x, a, initial_state=None, output_final_state=False):
         raise RuntimeError("the kernel ran")

@@ -16,7 +16,7 @@ from strategies import sequence_sets
 from torch.nn.attention.flex_attention import create_mask, flex_attention
 
 from treefx import Tree, TreeBatch, pack, synth
-from treefx.layout import tree_block_mask
+from treefx.mask import tree_block_mask
 
 PROPS = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -361,7 +361,7 @@ def _check_block_mask(batch: TreeBatch, block: int):
     assert torch.equal(mod, dense)  # the mask_mod is the tree mask everywhere
     kv_num, kv_idx = bm.kv_num_blocks[0, 0], bm.kv_indices[0, 0]
     full_num, full_idx = bm.full_kv_num_blocks[0, 0], bm.full_kv_indices[0, 0]
-    # One spare, empty block after the row's (treefx.ops.attention.num_blocks): it lists no
+    # One spare, empty block after the row's (treefx.mask.num_blocks): it lists no
     # block, and no block lists it (checked below: every listed block is < nb).
     assert kv_num.shape == (nb + 1,) and full_num.shape == (nb + 1,)
     assert kv_num[nb] == 0 and full_num[nb] == 0
@@ -476,7 +476,7 @@ def test_block_mask_of_128k_tokens():
 def test_block_counts_exact_under_bf16_autocast():
     """Block counts come from a float32 product; under bf16 autocast a row of more than 256
     visible blocks would round if autocast reached it."""
-    from treefx.ops.attention import block_indices
+    from treefx.mask import block_indices
 
     g = torch.Generator().manual_seed(0)
     m = torch.rand(4, 601, generator=g) < 0.9  # rows of ~540 visible blocks

@@ -13,7 +13,7 @@ import treefx
 
 transformers = pytest.importorskip("transformers")
 zoo = importlib.import_module("treefx.zoo")
-compile_module = importlib.import_module("treefx.compile")
+compile_module = importlib.import_module("treefx.tree_model")
 
 
 @pytest.mark.parametrize("model_type", ["qwen3", "gpt2", "llama"])

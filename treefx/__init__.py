@@ -3,8 +3,9 @@
 import logging
 
 from . import debug, reference, rl, synth
-from .compile import TreeModel, TreeOutput, compile, tree_loss
+from ._version import __version__
 from .debug import explain
+from .kernels import Recurrence, register_recurrence
 from .layout import TreeBatch, pack
 from .partition import err, partition, partition_ids
 from .passes import (
@@ -14,17 +15,16 @@ from .passes import (
     UnmatchedStateError,
     UnsupportedSubgraphError,
 )
-from .recurrence import Recurrence, register_recurrence
 from .step import TreeStep, step
 from .tree import Tree, bound, por, read_jsonl, write_jsonl
-from .verification import TreeVerificationError, VerificationReport, probe_forest, verify
-
-__version__ = "0.1.0"
+from .tree_model import TreeModel, TreeOutput, compile, tree_loss, verify
+from .verification import TreeVerificationError, VerificationReport, probe_forest
 
 # Quiet unless the application configures logging (logger "treefx").
 logging.getLogger("treefx").addHandler(logging.NullHandler())
 
 __all__ = [
+    "__version__",
     "GraphBreakError",
     "Tree",
     "TreeBatch",

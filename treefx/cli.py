@@ -167,10 +167,10 @@ def _load_model(spec: str):
 def cmd_explain(args) -> int:
     import torch
 
-    from .compile import _vocab_size
     from .debug import explain
     from .debug.examples import demo_tree
     from .layout import pack
+    from .reference import vocab_size
 
     model = _load_model(args.factory)
     if args.trees:
@@ -180,7 +180,7 @@ def cmd_explain(args) -> int:
         if not trees:
             raise SystemExit(f"treefx: {args.trees} holds no trees")
     else:
-        vocab = _vocab_size(model) or 256
+        vocab = vocab_size(model) or 256
         trees = [demo_tree(vocab)]
     device = next(model.parameters(), torch.empty(0)).device
     batch = pack(trees).to(device)
@@ -198,8 +198,10 @@ def cmd_explain(args) -> int:
 def cmd_check(args) -> int:
     import torch
 
-    from .compile import TreeCompileError, compile as tree_compile
-    from .verification import VerificationUnavailable, verify
+    from .passes import TreeCompileError
+    from .tree_model import compile as tree_compile
+    from .tree_model import verify
+    from .verification import VerificationUnavailable
 
     model = _load_model(args.model)
     dtype = {"float32": torch.float32, "float64": torch.float64,

@@ -8,9 +8,9 @@ import time
 import torch
 
 from . import reference, synth
-from .compile import compile, tree_loss
 from .layout import pack
 from .models import tiny_decoder
+from .tree_model import compile, tree_loss
 
 
 def run_demo(steps: int = 5, seed: int = 0, device: str | None = None) -> int:

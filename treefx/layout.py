@@ -13,10 +13,10 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
-from .ops.attention import _tree_mask_mod, dense_tree_mask, tree_block_tensors
+from .mask import dense_tree_mask, tree_block_mask
 from .tree import Tree
 
-__all__ = ["TreeBatch", "check_num_sequences", "pack", "tree_mask_mod"]
+__all__ = ["TreeBatch", "check_num_sequences", "pack"]
 
 _REDUCTIONS = ("sum", "mean")
 
@@ -204,30 +204,8 @@ def grouped_copy(tensors: list[torch.Tensor], device: torch.device,
     return out
 
 
-def tree_mask_mod(subtree_end: torch.Tensor):
-    """FlexAttention ``mask_mod`` for the interval test ``kv <= q < subtree_end[kv]``.
-
-    ``subtree_end`` must cover every index the kernel may ask for (pad it to a block multiple
-    with zeros: a padded key is then visible to no query).
-    """
-
-    def tree_mask(b, h, q_idx, kv_idx):
-        return _tree_mask_mod(b, h, q_idx, kv_idx, subtree_end)
-
-    return tree_mask
 
 
-def tree_block_mask(subtree_end: torch.Tensor, block_size: int = 128):
-    """FlexAttention ``BlockMask`` for ``kv <= q < subtree_end[kv]``, from per-block min/max
-    of ``subtree_end`` (see :func:`treefx.ops.attention.tree_block_tensors`)."""
-    from torch.nn.attention.flex_attention import BlockMask
-
-    n = int(subtree_end.numel())
-    kv_num, kv_idx, full_num, full_idx, se = tree_block_tensors(subtree_end, block_size)
-    return BlockMask.from_kv_blocks(
-        kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=block_size,
-        mask_mod=tree_mask_mod(se), seq_lengths=(n, n),
-    )
 
 
 def _dfs_order(parents: np.ndarray) -> np.ndarray:

@@ -13,7 +13,7 @@ import torch
 from .layout import check_num_sequences
 from .tree import Tree
 
-__all__ = ["logits_of", "sequence_logprobs", "sequence_loss"]
+__all__ = ["logits_of", "sequence_logprobs", "sequence_loss", "vocab_size"]
 
 
 def logits_of(output) -> torch.Tensor:
@@ -87,3 +87,13 @@ def sequence_loss(model: torch.nn.Module, tree, *, reduction: str = "sum",
                 r = 1.0 / n if n > 0 else 0.0
             total = total + float(t.weights[i]) * r / normalizer * (m * -lp).sum()
     return total
+
+
+def vocab_size(model: torch.nn.Module) -> int | None:
+    """The token embedding's size: Hugging Face's get_input_embeddings, else the first
+    nn.Embedding of the model (None if it has none)."""
+    get = getattr(model, "get_input_embeddings", None)
+    emb = get() if callable(get) else None
+    if emb is None:
+        emb = next((m for m in model.modules() if isinstance(m, torch.nn.Embedding)), None)
+    return getattr(emb, "num_embeddings", None)

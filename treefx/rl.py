@@ -48,8 +48,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .compile import TreeOutput
 from .layout import TreeBatch
+from .tree_model import TreeOutput
 
 __all__ = [
     "KL_ESTIMATORS",

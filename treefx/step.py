@@ -16,7 +16,7 @@ import functools
 
 import torch
 
-from .compile import TreeEngine, _make_traced, check_batch, tree_info
+from .engine import TreeEngine, check_batch, make_traced, tree_info
 from .layout import TreeBatch
 
 __all__ = ["step", "TreeStep"]
@@ -48,7 +48,7 @@ class TreeStep:
         functools.update_wrapper(self, fn)
         self.fn = fn
         self.engine = TreeEngine(
-            lambda tag: _make_traced(_step_template, tag, user_fn=fn), backend, block_size,
+            lambda tag: make_traced(_step_template, tag, user_fn=fn), backend, block_size,
             kernel_options, interleave_heads,
         )
 

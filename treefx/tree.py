@@ -14,7 +14,6 @@ import json
 import numbers
 import os
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -108,12 +107,6 @@ def _as_weights(weights, num_sequences: int) -> np.ndarray:
         i = int(bad[0])
         raise ValueError(f"sequence {i}: weight {float(arr[i])} must be finite and non-negative")
     return arr
-
-
-@dataclass(frozen=True)
-class _Node:
-    tokens: np.ndarray
-    parent: int
 
 
 class Tree:

@@ -25,13 +25,17 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from . import reference as oracle_mod
+from .layout import pack
+from .ops.cross_entropy import weighted_logprob_loss
 from .passes import TreeCompileError
-from .passes.dce import draws_random
 from .passes.common import module_path
+from .passes.dce import draws_random
+from .reference import vocab_size
 from .tree import Tree
 
 __all__ = ["TreeVerificationError", "VerificationUnavailable", "VerificationReport", "Tolerance", "probe_forest",
-           "verify", "tolerance_for"]
+           "verify_compiled", "tolerance_for"]
 
 log = logging.getLogger("treefx")
 
@@ -208,9 +212,7 @@ def _probe_trees(rng, vocab: int, scale: int) -> list[Tree]:
 
 
 def _vocab_size(model) -> int:
-    from .compile import _vocab_size as vocab_of
-
-    v = vocab_of(model)
+    v = vocab_size(model)
     if v is None:
         raise ValueError("cannot tell the model's vocabulary size (no input embedding); pass "
                          "trees=")
@@ -301,14 +303,14 @@ def graph_draws_random(tree_model) -> str | None:
     return None
 
 
-def verify(model, trees=None, *, reduction: str = "mean", grads: bool = True,
-           params="auto", tolerance: Tolerance | None = None, seed: int = 0,
-           reference: torch.nn.Module | None = None, raise_on_failure: bool = True,
-           **compile_options) -> VerificationReport:
-    """Compare a tree-compiled model with the unmodified model run on each sequence alone.
+def verify_compiled(tm, trees=None, *, reduction: str = "mean", grads: bool = True,
+                    params="auto", tolerance: Tolerance | None = None, seed: int = 0,
+                    reference: torch.nn.Module | None = None,
+                    raise_on_failure: bool = True) -> VerificationReport:
+    """Compare a tree-compiled model with the unmodified model run on each sequence alone
+    (``treefx.verify`` compiles a module first).
 
-    ``model``: a :class:`treefx.TreeModel` (its compiled graph is what gets checked) or a
-    module (compiled with ``treefx.compile(model, **compile_options)``, verification off).
+    ``tm``: a :class:`treefx.TreeModel`; its compiled graph is what gets checked.
     ``trees``: the forest to compare on (default :func:`probe_forest`, with more than two
     attention blocks of tokens on the GPU). ``grads``: compare parameter gradients too
     (``params``: ``"all"``, ``"sample"`` — the first and last layers, bounded memory — or
@@ -321,15 +323,7 @@ def verify(model, trees=None, *, reduction: str = "mean", grads: bool = True,
     worst token and parameter when over tolerance (unless ``raise_on_failure=False``). The
     model's ``.grad``, buffers and random state are left as they were.
     """
-    from . import reference as oracle_mod
-    from .compile import TreeModel, compile as tree_compile, tree_loss
-    from .layout import pack
-
     t0 = time.perf_counter()
-    if isinstance(model, TreeModel):
-        tm = model
-    else:
-        tm = tree_compile(model, **{"verify": False, **compile_options})
     net = tm.model
     first = next(net.parameters(), None)
     if first is None:
@@ -365,7 +359,8 @@ def verify(model, trees=None, *, reduction: str = "mean", grads: bool = True,
                 f"cannot verify: the compiled graph draws random numbers at {where} (dropout "
                 "in training mode?), so the tree and the per-sequence runs cannot agree; "
                 "verify with model.eval() or dropout set to 0")
-        g_tree = _grads(lambda: tree_loss(out, batch), chosen, net) if chosen else []
+        g_tree = _grads(lambda: weighted_logprob_loss(out.token_logprobs, batch.loss_weights),
+                        chosen, net) if chosen else []
         with torch.no_grad():
             ref_lp = oracle_mod.sequence_logprobs(oracle, trees)
         g_ref = []

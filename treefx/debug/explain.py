@@ -10,7 +10,6 @@ and after the passes (``report.diff()``, ``report.to_html(path)``).
 from __future__ import annotations
 
 import difflib
-import importlib
 import operator
 import re
 from collections import Counter
@@ -19,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
+from ..engine import tree_info
 from ..layout import TreeBatch, pack
 from ..passes.common import (
     GraphBreakError,
@@ -28,15 +28,26 @@ from ..passes.common import (
     source_line,
 )
 from ..tree import Tree
+from ..tree_model import TreeModel, verify_default
+from ..tree_model import compile as tree_compile
+from ..tree_model import verify as verify_model
 from ..verification import VerificationReport, VerificationUnavailable
-from ..verification import verify as verify_model
+from .display import (
+    OUTSIDE,
+    after_label,
+    assigned,
+    before_label,
+    display_code,
+    file_line,
+    op_label,
+    text_table,
+)
+from .page import render_page
 
 __all__ = ["ExplainReport", "GraphReport", "explain"]
 
 # The module, not the function of the same name that treefx/__init__ exports.
-_compile_mod = importlib.import_module("treefx.compile")
 
-OUTSIDE = "(treefx wrapper)"  # nodes of the traced function outside the user's model
 
 
 @dataclass
@@ -140,14 +151,14 @@ class ExplainReport:
             f"graphs: {self.num_graphs}   compilations: {self.num_compilations}   "
             f"graph breaks: {self.num_graph_breaks}   status: {self.status}",
         ]
-        rows = [[r.pass_name, r.module, f"{_before_op(r)} -> {_after_op(r.after)}",
-                 _file_line(r.source)] for r in self.rewrites]
+        rows = [[r.pass_name, r.module, f"{before_label(r)} -> {after_label(r.after)}",
+                 file_line(r.source)] for r in self.rewrites]
         lines += ["", "rewritten"]
-        lines += _table(["pass", "module", "before -> after", "source"], rows) if rows else [
+        lines += text_table(["pass", "module", "before -> after", "source"], rows) if rows else [
             "  (nothing)"]
-        kept = [[r.pass_name, r.module, _op(r.before), r.note] for r in self.kept]
+        kept = [[r.pass_name, r.module, op_label(r.before), r.note] for r in self.kept]
         lines += ["", "left alone"]
-        lines += _table(["pass", "module", "node", "why"], kept) if kept else ["  (nothing)"]
+        lines += text_table(["pass", "module", "node", "why"], kept) if kept else ["  (nothing)"]
         lines += ["", "positions"]
         lines += [f"  {p}" for p in self.positions] or ["  (the model uses no positions treefx "
                                                         "could see)"]
@@ -186,17 +197,17 @@ class ExplainReport:
                 before_marks[r.node] = f"treefx {r.pass_name}: left alone"
                 after_marks[r.node] = f"treefx {r.pass_name}: left alone"
                 continue
-            new = _assigned(r.after)
+            new = assigned(r.after)
             before_marks[r.node] = f"treefx {r.pass_name}: rewritten"
             if new and new in after_marks:
                 after_marks[new] += f", {r.node}"
             elif new:
                 after_marks[new] = f"treefx {r.pass_name}: replaces {r.node}"
         if self.stop_node and graph == len(self.graphs) - 1 and not g.ok:
-            name = _assigned(self.stop_node)
+            name = assigned(self.stop_node)
             before_marks[name] = after_marks[name] = "<-- treefx stops here"
-        before = _display(g.code_before, g.modules_before, before_marks, {}, self._model)
-        after = _display(after_code, g.modules_after, after_marks, g.globals_after, self._model)
+        before = display_code(g.code_before, g.modules_before, before_marks, {}, self._model)
+        after = display_code(after_code, g.modules_after, after_marks, g.globals_after, self._model)
         return before, after
 
     def diff(self, context: int = 3) -> str:
@@ -225,7 +236,6 @@ class ExplainReport:
     def to_html(self, path) -> str:
         """Write one self-contained HTML page (inline CSS and pictures): the tables, the tree,
         the attention mask and the side-by-side diff. Returns the path."""
-        from .page import render_page
 
         html_text = render_page(self)
         with open(path, "w", encoding="utf-8") as f:
@@ -243,7 +253,7 @@ def explain(model: torch.nn.Module, batch, *, backend: str = "eager", verify: bo
     cannot rewrite) is recorded in the report, not raised. ``verify``: when the model compiled,
     also run :func:`treefx.verify` on its probe forest (values and gradients against each
     sequence run alone) and record the result in ``report.verification`` (default: as
-    ``treefx.compile`` decides, :func:`treefx.compile.verify_default`). The model's
+    ``treefx.compile`` decides, :func:`treefx.tree_model.verify_default`). The model's
     train/eval mode, parameters and gradients are left as they are."""
     if isinstance(batch, Tree) or isinstance(batch, (list, tuple)) and batch and isinstance(
             batch[0], Tree):
@@ -251,9 +261,9 @@ def explain(model: torch.nn.Module, batch, *, backend: str = "eager", verify: bo
     if not isinstance(batch, TreeBatch):
         raise TypeError(f"expected a TreeBatch, a Tree or a list of Trees, got "
                         f"{type(batch).__name__}")
-    if isinstance(model, _compile_mod.TreeModel):  # already compiled: explain its model
+    if isinstance(model, TreeModel):  # already compiled: explain its model
         model = model.model
-    tm = _compile_mod.compile(model, backend=backend, **{"verify": False, **compile_kwargs})
+    tm = tree_compile(model, backend=backend, **{"verify": False, **compile_kwargs})
     error = None
     try:
         with torch.no_grad():
@@ -262,7 +272,7 @@ def explain(model: torch.nn.Module, batch, *, backend: str = "eager", verify: bo
         error = e
     verification = verification_error = None
     if verify is None:
-        verify = _compile_mod.verify_default()
+        verify = verify_default()
     if verify and error is None:
         try:
             verification = verify_model(tm, raise_on_failure=False)
@@ -298,7 +308,7 @@ def explain(model: torch.nn.Module, batch, *, backend: str = "eager", verify: bo
         m = re.search(r" at (\S+) \(graph node `(.+?)`\)", str(error))
         if m:
             report.stop_module, report.stop_node = m.group(1), m.group(2)
-            name = _assigned(report.stop_node)
+            name = assigned(report.stop_node)
             for ctx in tm.contexts[-1:]:
                 node = next((n for n in ctx.graph.nodes if n.name == name), None)
                 if node is not None:
@@ -340,8 +350,8 @@ def _positions(ctx) -> list[str]:
     rewritten = False
     for r in ctx.log:
         if r.pass_name == "positions" and not r.kept:
-            where = _file_line(r.source)
-            out.append(f"{_op(r.before)} in {r.module}{f' ({where})' if where else ''} -> tree "
+            where = file_line(r.source)
+            out.append(f"{op_label(r.before)} in {r.module}{f' ({where})' if where else ''} -> tree "
                        f"positions")
             rewritten = True
     if rewritten and ctx.done:
@@ -392,166 +402,6 @@ def _count_graphs(model, tm, batch) -> int | None:
         fn = tm.engine.make_traced(-2)
         with torch.no_grad():
             return int(torch._dynamo.explain(fn)(batch.input_ids,
-                                                 _compile_mod.tree_info(batch)).graph_count)
+                                                 tree_info(batch)).graph_count)
     except Exception:
         return None
-
-
-# ---------------------------------------------------------------------------------- text
-
-def _assigned(desc: str) -> str:
-    """``name`` of ``name = target(...)`` (or of ``name (tree positions)``)."""
-    return re.split(r"\s*=\s*|\s+\(", desc.strip(), maxsplit=1)[0] if desc else ""
-
-
-_KEEP_KW = ("is_causal", "attn_mask", "dim", "dtype")
-
-
-def _op(desc: str) -> str:
-    """``scaled_dot_product_attention(attn_mask=…, is_causal=False)`` from a node description."""
-    m = re.match(r"\s*\w+ = ([\w.]+)\((.*)\)\s*$", desc or "")
-    if not m:
-        return desc
-    target, args = m.group(1), m.group(2)
-    name = target.rsplit(".", 1)[-1] if not target.startswith(".") else target
-    parts = _split_args(args)
-    shown = []
-    pos = [p for p in parts if "=" not in p.split("(")[0]]
-    if name in ("arange",) and pos:
-        shown.append(pos[0])
-    elif pos:
-        shown.append("…")
-    for p in parts:
-        k, _, v = p.partition("=")
-        if v and k.strip() in _KEEP_KW:
-            v = v.strip()
-            if re.fullmatch(r"[a-z_]\w*", v) and v not in ("None", "True", "False"):
-                v = "…"  # a graph value, not a constant
-            shown.append(f"{k.strip()}={v}")
-    return f"{name}({', '.join(shown)})"
-
-
-def _before_op(r: Rewrite) -> str:
-    op = _op(r.before)
-    if r.pass_name == "attention" and r.note.startswith("eager"):
-        return f"matmul → {op} → matmul"  # the eager pattern, named by its softmax
-    return op
-
-
-def _after_op(after: str) -> str:
-    if not after:
-        return "(left alone)"
-    if after.endswith("(tree positions)"):
-        return "tree positions"
-    return _op(after)
-
-
-def _split_args(s: str) -> list[str]:
-    out, depth, cur = [], 0, ""
-    for ch in s:
-        if ch in "([{":
-            depth += 1
-        elif ch in ")]}":
-            depth -= 1
-        if ch == "," and depth == 0:
-            out.append(cur.strip())
-            cur = ""
-        else:
-            cur += ch
-    if cur.strip():
-        out.append(cur.strip())
-    return out
-
-
-def _file_line(source: str) -> str:
-    return source.split("  ", 1)[0] if source else ""
-
-
-def _table(header, rows, indent="  ") -> list[str]:
-    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
-    fmt = [indent + "  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip()
-           for r in [header, *rows]]
-    return [fmt[0], indent + "  ".join("-" * w for w in widths), *fmt[1:]]
-
-
-# ---------------------------------------------------------------------------------- display
-
-_ALIAS = re.compile(r"^\s+(\w+) = ([GL]_\w+)$")
-_FREES = re.compile(r";\s+(?:\w+ = )+None$")
-_ATTR = re.compile(r"\b[gGlL]_model_\w+")
-_LINE_NAME = re.compile(r"^\s+(\w+) = ")
-
-
-def _attr_name(ident: str) -> str:
-    """``g_model_modules_model_modules_layers_modules_0_..._parameters_weight_`` ->
-    ``self.model.layers.0.….weight``."""
-    rest = ident[len("g_model"):]
-    parts = [p for p in re.split(r"_(?:modules|parameters|buffers)_", rest + "_") if p]
-    if not parts or not re.match(r"_(?:modules|parameters|buffers)_", rest + "_"):
-        return ident
-    parts[-1] = parts[-1].rstrip("_") or parts[-1]
-    return "self." + ".".join(parts)
-
-
-def _display(code: str, modules: dict[str, str], marks: dict[str, str],
-             globals_: dict[str, str], model) -> list[str]:
-    if not code:
-        return []
-    lines = code.strip("\n").splitlines()
-    rename: dict[str, str] = {}
-    for ln in lines:
-        m = _ALIAS.match(ln)
-        if m and not _ATTR.fullmatch(m.group(1)):
-            rename[m.group(1)] = rename[m.group(2)] = m.group(1)[2:-1] or m.group(1)
-    rename.update(globals_)
-    word = re.compile(r"\b(" + "|".join(map(re.escape, sorted(rename, key=len, reverse=True)))
-                      + r")\b") if rename else None
-    group_cache: dict[str, str] = {}
-    out, current = [], None
-    for ln in lines:
-        if ln.startswith("def forward("):
-            params = [p.split(":")[0].strip() for p in _split_args(ln[len("def forward("):-2])]
-            params = [p for p in params if not _ATTR.fullmatch(p)]
-            ln = "def forward(" + ", ".join(params) + "):"
-        elif _ALIAS.match(ln):
-            continue
-        ln = _FREES.sub("", ln.rstrip())
-        if not ln.strip():
-            continue
-        ln = _ATTR.sub(lambda m: _attr_name(m.group(0)), ln)
-        if word is not None:
-            ln = word.sub(lambda m: rename[m.group(1)], ln)
-        m = _LINE_NAME.match(ln)
-        name = m.group(1) if m else None
-        if name is not None:
-            # the name before renaming, for the module map and the marks
-            orig = next((k for k, v in rename.items() if v == name and k in modules), name)
-            mod = modules.get(orig) or modules.get(name)
-            if mod is not None:
-                grp = group_cache.get(mod) or group_cache.setdefault(mod, _group(mod, model))
-                if grp != current:
-                    out.append(f"    # --- {grp}")
-                    current = grp
-            mark = marks.get(name) or marks.get(orig)
-            if mark:
-                ln = f"{ln}  # {mark}"
-        out.append(ln)
-    return out
-
-
-def _group(path: str, model) -> str:
-    """The module a header names: the innermost non-leaf module around ``path`` (so a q_proj
-    Linear or a norm is shown under its attention block)."""
-    if path in (OUTSIDE, "<model>") or model is None:
-        return path if path != "<model>" else f"<model> ({type(model).__name__})" if model \
-            is not None else path
-    parts = path.split(".")
-    while parts:
-        try:
-            sub = model.get_submodule(".".join(parts))
-        except (AttributeError, TypeError):
-            return path
-        if next(sub.children(), None) is not None:
-            return ".".join(parts)
-        parts.pop()
-    return f"<model> ({type(model).__name__})"

@@ -5,9 +5,14 @@ from __future__ import annotations
 
 import difflib
 import html
+from typing import TYPE_CHECKING
 
-from .explain import ExplainReport, _after_op, _before_op, _file_line, _op
+from .._version import __version__
+from .display import after_label, before_label, file_line, op_label
 from .pictures import mask_svg, tree_svg
+
+if TYPE_CHECKING:  # the report renders itself through this module
+    from .explain import ExplainReport
 
 __all__ = ["render_page"]
 
@@ -89,7 +94,7 @@ def _facts(r: ExplainReport) -> str:
 
 
 def _where(src: str) -> str:
-    return f'<span class="src">{_e(_file_line(src))}</span>' if src else ""
+    return f'<span class="src">{_e(file_line(src))}</span>' if src else ""
 
 
 def _code_row(src: str, span: int) -> str:
@@ -108,8 +113,8 @@ def _rewrites(r: ExplainReport) -> str:
     body = "".join(
         f'<tr class="main"><td class="pass {_e(x.pass_name)}">{_e(x.pass_name)}</td>'
         f'<td><code>{_e(x.module)}</code></td>'
-        f'<td><code title="{_e(x.before)}">{_e(_before_op(x))}</code> '
-        f'<span class="arrow">→</span> <code title="{_e(x.after)}">{_e(_after_op(x.after))}'
+        f'<td><code title="{_e(x.before)}">{_e(before_label(x))}</code> '
+        f'<span class="arrow">→</span> <code title="{_e(x.after)}">{_e(after_label(x.after))}'
         f'</code></td><td>{_where(x.source)}</td></tr>{_code_row(x.source, 3)}'
         for x in rows)
     return ('<table class="t"><tr><th>pass</th><th>module</th><th>before → after</th>'
@@ -124,7 +129,7 @@ def _kept(r: ExplainReport) -> str:
     body = "".join(
         f'<tr class="main"><td class="pass {_e(x.pass_name)}">{_e(x.pass_name)}</td>'
         f'<td><code>{_e(x.module)}</code></td><td><code title="{_e(x.before)}">'
-        f'{_e(_op(x.before))}</code></td><td>{_e(x.note)}</td><td>{_where(x.source)}</td></tr>'
+        f'{_e(op_label(x.before))}</code></td><td>{_e(x.note)}</td><td>{_where(x.source)}</td></tr>'
         f'{_code_row(x.source, 4)}'
         for x in rows)
     return ('<table class="t"><tr><th>pass</th><th>module</th><th>node</th><th>why</th>'
@@ -187,7 +192,6 @@ def _udiff(r: ExplainReport) -> str:
 
 
 def render_page(r: ExplainReport) -> str:
-    from .. import __version__
 
     positions = ("".join(f"<li><code>{_e(p.replace(' -> ', ' → '))}</code></li>"
                          for p in r.positions)

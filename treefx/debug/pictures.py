@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..layout import TreeBatch, pack
+from ..mask import pooled_mask
 from ..tree import Tree
 
 __all__ = [
@@ -80,25 +81,6 @@ def _as_batch(x) -> TreeBatch:
     raise TypeError(f"expected a TreeBatch, a Tree or a list of Trees, got {type(x).__name__}")
 
 
-def pooled_mask(subtree_end, max_size: int = 512) -> tuple[np.ndarray, int]:
-    """The tree mask (rows: queries, columns: keys) OR-pooled over ``block`` x ``block`` cells so
-    that it is at most ``max_size`` on a side: ``(grid [B, B] bool, block)``. A cell is True iff
-    some query of its row block sees some key of its column block. O(N + B²), no N x N tensor."""
-    se = np.asarray(subtree_end.cpu() if hasattr(subtree_end, "cpu") else subtree_end,
-                    dtype=np.int64).reshape(-1)
-    n = len(se)
-    if n == 0:
-        return np.zeros((0, 0), bool), 1
-    block = max(1, math.ceil(n / max_size))
-    nb = math.ceil(n / block)
-    k = np.arange(n)
-    col = k // block
-    lo = k // block  # key k sees queries k .. se[k]-1
-    hi = (np.maximum(se, k + 1) - 1) // block
-    diff = np.zeros((nb, nb + 1), np.int64)  # [key block, query block]
-    np.add.at(diff, (col, lo), 1)
-    np.add.at(diff, (col, np.minimum(hi, nb - 1) + 1), -1)
-    return (np.cumsum(diff, axis=1)[:, :nb] > 0).T.copy(), block
 
 
 def _mask_rgb(batch: TreeBatch, max_size: int = 512) -> tuple[np.ndarray, int]:

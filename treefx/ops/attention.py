@@ -23,20 +23,14 @@ import math
 import torch
 import torch.nn.functional as F
 
+from ..mask import tree_visible
+
 __all__ = [
-    "dense_tree_mask",
     "tree_attention_dense",
-    "tree_block_tensors",
     "TreeFlexAttention",
     "interleave_block_tensors",
     "interleaved_block_mask",
 ]
-
-
-def dense_tree_mask(subtree_end: torch.Tensor) -> torch.Tensor:
-    """[N, N] boolean mask, rows are queries: ``mask[q, k] = k <= q < subtree_end[k]``."""
-    idx = torch.arange(subtree_end.shape[0], device=subtree_end.device)
-    return (idx[None, :] <= idx[:, None]) & (idx[:, None] < subtree_end[None, :])
 
 
 def tree_attention_dense(
@@ -63,84 +57,20 @@ def tree_attention_dense(
     )
 
 
-def num_blocks(n, block_size: int):
-    """The row's block count in treefx's block tensors: the blocks that hold its ``n`` tokens
-    and one spare (empty) block. The spare keeps the count at 2 or more, so that Dynamo never
-    specializes a graph for a row of one block (a size that may be 1 gets guarded, e.g. by
-    contiguity checks); it lists no block and no block lists it."""
-    return (n + block_size - 1) // block_size + 1
 
 
-@torch.library.custom_op("treefx::pad_to_block", mutates_args=())
-def pad_to_block(x: torch.Tensor, block_size: int) -> torch.Tensor:
-    """``x`` [N] zero-padded to :func:`num_blocks` blocks, as an opaque op: the mask reads it
-    as a buffer of its own. (Inductor would otherwise fuse the pad into the FlexAttention mask
-    as a masked load, and fails to generate that kernel in a forward without autograd.)"""
-    n = x.shape[0]
-    return F.pad(x, (0, num_blocks(n, block_size) * block_size - n))
 
 
-@pad_to_block.register_fake
-def _(x, block_size):
-    return x.new_empty((num_blocks(x.shape[0], block_size) * block_size,))
 
 
-def block_indices(m: torch.Tensor):
-    """A [q block, kv block] bool matrix as a BlockMask's (num_blocks, indices) pair, each
-    with leading [1, 1] dims."""
-    # Counts as a matrix-vector product (0/1 entries, exact in float32 and TF32 for any
-    # number of blocks a GPU holds), not a sum: Inductor (torch 2.11) fails to generate the
-    # sum's kernel in a forward without autograd when the row is exactly one block
-    # (AssertionError in the reduction codegen; benchmarks/results/gpu_short_rows_h200.json).
-    # Autocast off: a bfloat16 product would round counts above 256.
-    with torch.autocast(m.device.type, enabled=False):
-        ones = torch.ones(m.shape[1], 1, dtype=torch.float32, device=m.device)
-        num = (m.to(torch.float32) @ ones).squeeze(1).to(torch.int32)
-    # A stable sort puts the selected kv blocks first, in increasing order.
-    idx = torch.sort((~m).to(torch.int8), dim=1, stable=True).indices.to(torch.int32)
-    return num[None, None], idx[None, None]
 
 
-def tree_block_tensors(subtree_end: torch.Tensor, block_size: int = 128, *, full: bool = True):
-    """The block sparsity of the tree mask as the tensors of a FlexAttention ``BlockMask``:
-    (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices), each with leading
-    [1, 1] dims, and ``subtree_end`` zero-padded to the same blocks (for the ``mask_mod``).
-    The tensors cover :func:`num_blocks` blocks: the row's and one spare, empty block.
-
-    For a key block ``K`` strictly before a query block ``[q0, q1)``: some pair is visible iff
-    ``max(subtree_end[K]) > q0``; every pair iff ``min(subtree_end[K]) >= q1``. Diagonal
-    blocks are partial; blocks after the query block are empty. With ``full=False`` every
-    visible block is partial (needed when another mask is ANDed in by the ``mask_mod``).
-    Per-block work only: O(N + (N / block_size)^2), no N x N tensor.
-    """
-    n = subtree_end.shape[0]
-    nb = num_blocks(n, block_size)
-    se = pad_to_block(subtree_end, block_size)
-    blocks = se.view(nb, block_size)
-    # Only key blocks strictly before a query block use min/max, and those are never the
-    # (possibly short) last block, so the zero padding does not enter them.
-    max_se = blocks.amax(dim=1)
-    min_se = blocks.amin(dim=1)
-    b = torch.arange(nb, device=se.device)
-    q0 = b * block_size
-    q1 = torch.clamp((b + 1) * block_size, max=n)
-    # [q block, kv block]; rows of padding only (the spare block) list nothing.
-    before = (b[None, :] < b[:, None]) & (q0 < n)[:, None]
-    full_m = before & (min_se[None, :] >= q1[:, None])
-    if not full:
-        full_m = torch.zeros_like(full_m)
-    diagonal = (b[None, :] == b[:, None]) & (q0 < n)[:, None]
-    partial = (before & (max_se[None, :] > q0[:, None]) & ~full_m) | diagonal
-
-    return (*block_indices(partial), *block_indices(full_m), se)
 
 
 def _identity_score(score, b, h, q_idx, kv_idx):
     return score
 
 
-def _tree_mask_mod(b, h, q_idx, kv_idx, subtree_end):
-    return (kv_idx <= q_idx) & (q_idx < subtree_end[kv_idx])
 
 
 def _standard_kernel_options() -> dict:
@@ -255,15 +185,15 @@ class TreeFlexAttention:
 
     Called with ``(q, k, v, kv_num, kv_idx, full_num, full_idx, subtree_end_padded,
     positions_padded, *model_mask_buffers)``. ``model_mask`` (optional) is a mask_mod-like
-    callable ``(b, h, q_pos, kv_pos, *buffers) -> bool`` of path positions; ``score_mod`` is
-    the model's own (default: identity). Module-level callables, tensors as explicit buffers:
+    callable ``(b, h, q_pos, kv_pos, *buffers) -> bool`` of path positions (``h`` the query
+    head). Scores are not modified. Module-level callables, tensors as explicit buffers:
     no per-step state in closures. ``interleave_heads``: True, False, or None for "where the
     call computes gradients" (see :func:`check_interleave_heads`); ``layouts`` records the
     layouts the site was traced with.
     """
 
-    def __init__(self, *, scale=None, block_size=128, model_mask=None, score_mod=None,
-                 num_score_buffers=0, kernel_options=None, interleave_heads=None,
+    def __init__(self, *, scale=None, block_size=128, model_mask=None,
+                 kernel_options=None, interleave_heads=None,
                  name="tree_flex_attention"):
         self.scale = scale
         self.kernel_options = check_kernel_options(kernel_options)
@@ -271,12 +201,10 @@ class TreeFlexAttention:
         self.layouts: set[str] = set()  # the layouts this site was traced with
         self.block_size = block_size
         self.model_mask = model_mask
-        self.score_mod = score_mod or _identity_score
-        self.num_score_buffers = num_score_buffers
         self.__name__ = name
 
     def _mask_mod(self, b, h, q_idx, kv_idx, subtree_end, positions, *bufs):
-        tree = _tree_mask_mod(b, h, q_idx, kv_idx, subtree_end)
+        tree = tree_visible(b, h, q_idx, kv_idx, subtree_end)
         if self.model_mask is None:
             return tree
         return tree & self.model_mask(b, h, positions[q_idx], positions[kv_idx], *bufs)
@@ -297,18 +225,18 @@ class TreeFlexAttention:
                                        BLOCK_SIZE=self.block_size, mask_mod=self._mask_mod,
                                        seq_lengths=(n, n))
         if not interleave:
-            return self._flex(q, k, v, std, self.score_mod, se_pad, pos_pad, bufs)
+            return self._flex(q, k, v, std, se_pad, pos_pad, bufs)
         hk, bs = k.shape[1], self.block_size
         nb = kv_num.shape[-1]
-        mask_mod, score_mod = self._interleaved_mods(hk, q.shape[1] // hk)
+        mask_mod = self._interleaved_mask_mod(hk, q.shape[1] // hk)
         block_mask = interleaved_block_mask(std, hk, nb * hk * bs, mask_mod)
         out = self._flex(*(_heads_to_row(x, hk, nb, bs) for x in (q, k, v)), block_mask,
-                         score_mod, se_pad, pos_pad, bufs)
+                         se_pad, pos_pad, bufs)
         return _row_to_heads(out, hk, nb, bs, n)
 
-    def _interleaved_mods(self, kv_heads: int, group: int):
-        """The mask_mod and score_mod on the interleaved row, calling the site's own with the
-        row position and the query head they have in the usual layout."""
+    def _interleaved_mask_mod(self, kv_heads: int, group: int):
+        """The mask_mod on the interleaved row, calling the site's own with the row position
+        and the query head they have in the usual layout."""
         bs = self.block_size
 
         def unmix(idx):  # interleaved index -> (KV head, position in the usual row)
@@ -320,27 +248,19 @@ class TreeFlexAttention:
             (gq, qp), (gk, kp) = unmix(q_idx), unmix(kv_idx)
             return (gq == gk) & self._mask_mod(b, gq * group + h, qp, kp, *bufs)
 
-        if self.score_mod is _identity_score:
-            return mask_mod, _identity_score
+        return mask_mod
 
-        def score_mod(score, b, h, q_idx, kv_idx, *bufs):
-            (gq, qp), (_, kp) = unmix(q_idx), unmix(kv_idx)
-            return self.score_mod(score, b, gq * group + h, qp, kp, *bufs)
-
-        return mask_mod, score_mod
-
-    def _flex(self, q, k, v, block_mask, score_mod, se_pad, pos_pad, bufs):
+    def _flex(self, q, k, v, block_mask, se_pad, pos_pad, bufs):
         from torch._higher_order_ops.flex_attention import flex_attention as flex_hop
         from torch.nn.attention.flex_attention import _apply_kernel_options
 
-        score_bufs = tuple(bufs[: self.num_score_buffers])
-        mask_bufs = (se_pad, pos_pad, *bufs[self.num_score_buffers:])
+        mask_bufs = (se_pad, pos_pad, *bufs)
         scale = self.scale if self.scale is not None else 1.0 / math.sqrt(q.shape[-1])
         kernel_options = _apply_kernel_options(q, k, v, False,
                                                {**_STANDARD_KERNEL, **self.kernel_options})
         out, _, *_ = flex_hop(
-            q, k, v, score_mod, block_mask.as_tuple(), scale, kernel_options,
-            score_bufs, mask_bufs,
+            q, k, v, _identity_score, block_mask.as_tuple(), scale, kernel_options,
+            (), mask_bufs,
         )
         return out
 

@@ -15,15 +15,62 @@ predecessor is not the token just before it.
 
 from __future__ import annotations
 
+import inspect
 import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..recurrence import Recurrence
-
 __all__ = ["tree_nodes", "tree_recurrence", "padding_is_neutral"]
+
+
+@dataclass
+class Recurrence:
+    """What a recurrent kernel's arguments mean.
+
+    ``fn(*args, **kwargs) -> (output, final_state)`` with:
+    - ``seq_args``: per-token inputs, name -> their sequence dim (batch is dim 0);
+    - ``neutral``: per seq arg, the padding value that leaves the state unchanged (e.g. a decay
+      of 0 in log space and an update rate ``beta`` of 0); unlisted seq args pad with 0;
+    - ``initial_state`` / ``output_final_state``: the names of the state-in argument and of the
+      flag that asks for the final state;
+    - ``output_seq_dim``: the sequence dim of ``output``;
+    - ``bare_output_without_state``: called without asking for the final state, the kernel
+      returns ``output`` alone rather than ``(output, None)``;
+    - ``output_like``: the seq arg whose shape and dtype ``output`` has (default: the first);
+    - ``varlen``: optional fast path for CUDA tensors. ``varlen(seq, static, initial_state,
+      cu_seqlens) -> (output, final_state)`` runs many nodes at once without padding: ``seq``
+      holds the seq args with batch 1 and the nodes laid end to end along their sequence dims,
+      ``cu_seqlens`` (int64, n + 1) where each node starts, ``initial_state`` one state per
+      node or None (all zero), ``static`` the other arguments by name. Built in for Gated
+      DeltaNet when flash-linear-attention (fla) is installed;
+    - ``varlen_devices``: the device types ``varlen`` runs on (others take the padded path).
+    """
+
+    name: str
+    fn: Callable
+    seq_args: dict[str, int]
+    neutral: dict[str, float] = field(default_factory=dict)
+    initial_state: str = "initial_state"
+    output_final_state: str = "output_final_state"
+    output_seq_dim: int = 1
+    bare_output_without_state: bool = False  # without the flag: ``output`` alone, no tuple
+    output_like: str = ""  # the seq arg whose shape and dtype the output has (default: first)
+    varlen: Callable | None = None
+    varlen_devices: tuple[str, ...] = ("cuda",)
+    marker: Callable | None = None
+    signature: inspect.Signature | None = None
+
+    def bind(self, args, kwargs) -> dict:
+        """All arguments by name (defaults filled in)."""
+        bound = self.signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        out = dict(bound.arguments)
+        out.update(out.pop("kwargs", {}) or {})
+        return out
 
 
 class _LastRow:
@@ -226,9 +273,15 @@ _SITES: dict[str, tuple] = {}  # key -> (recurrence, tensor argument names, stat
 
 
 def register_site(rec: Recurrence, tensor_names: list[str], static: dict) -> str:
-    """Remember one graph site's non-tensor arguments; returns the key the op is called with."""
+    """Remember one graph site's non-tensor arguments; returns the key the op is called with.
+    Sites with the same recurrence and arguments share a key, so recompiling a model (or
+    compiling many) does not grow the table."""
+    entry = (rec, list(tensor_names), dict(static))
+    for key, known in _SITES.items():
+        if known[0] is rec and known[1:] == entry[1:]:
+            return key
     key = f"{rec.name}#{len(_SITES)}"
-    _SITES[key] = (rec, list(tensor_names), dict(static))
+    _SITES[key] = entry
     return key
 
 

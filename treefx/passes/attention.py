@@ -26,12 +26,8 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from ..ops.attention import (
-    TreeFlexAttention,
-    dense_tree_mask,
-    tree_attention_dense,
-    tree_block_tensors,
-)
+from ..mask import dense_tree_mask, tree_block_tensors
+from ..ops.attention import TreeFlexAttention, tree_attention_dense
 from .common import (
     GraphContext,
     UnmatchedAttentionError,
@@ -372,7 +368,7 @@ def _block_nodes(ctx: GraphContext, *, full: bool):
         t = g.call_function(tree_block_tensors, (c.subtree_end, c.block_size), {"full": full})
         parts = [g.call_function(operator.getitem, (t, i)) for i in range(5)]
         # parts[4]: subtree_end padded to the block tensors' blocks; the positions likewise.
-        # (torch.ops.treefx.pad_to_block is registered by importing ..ops.attention)
+        # (torch.ops.treefx.pad_to_block is registered by importing ..mask)
         pos = g.call_function(torch.ops.treefx.pad_to_block.default,
                               (c.positions, c.block_size))
         return (*parts, pos)

@@ -220,9 +220,28 @@ class GraphContext:
             return node
         if self.parent is None:
             raise TreeCompileError(f"node {node.name} belongs to no enclosing graph")
-        from .subgraphs import import_operand
+        return self._import_operand(self.parent.local(node))
 
-        return import_operand(self, self.parent.local(node))
+    def _import_operand(self, outer: fx.Node) -> fx.Node:
+        """The placeholder of body ``ctx`` for ``outer`` (a node of the enclosing graph), added
+        to every body of its group and passed by every call on first use."""
+        if outer in self._imports:
+            return self._imports[outer]
+        body = self.body
+        for member in body.group:
+            phs = body.placeholders(member)
+            g = member.graph
+            with g.inserting_after(phs[-1]):
+                ph = g.placeholder(f"treefx_{outer.name}")
+            if member.prelude is phs[-1]:
+                member.prelude = ph
+            value = example(outer)
+            if value is not None:
+                ph.meta["example_value"] = value
+            member._imports[outer] = ph
+        for site in body.sites:
+            body.kind.set_operands(site, [*body.kind.operands(site), outer])
+        return self._imports[outer]
 
     def resolve(self, node):
         """The node a body placeholder stands for, through every enclosing graph (the

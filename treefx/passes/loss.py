@@ -21,7 +21,10 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from ..ops.cross_entropy import fused_linear_tree_cross_entropy
+from ..ops.cross_entropy import (
+    fused_linear_tree_cross_entropy,
+    tree_cross_entropy,
+)
 from .common import (
     GraphContext,
     TreeCompileError,
@@ -31,35 +34,11 @@ from .common import (
     module_path,
 )
 
-__all__ = ["check_loss_found", "loss_pass", "tree_cross_entropy", "tree_token_logprobs"]
+__all__ = ["check_loss_found", "loss_pass"]
 
 _CE = (F.cross_entropy, torch.nn.functional.cross_entropy)
 _RESHAPES = ("view", "reshape", "flatten", "contiguous", "float", "to", "type")
 _RESHAPE_FUNCS = (torch.reshape, torch.flatten)
-
-
-def tree_token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor,
-                        parent_token: torch.Tensor) -> torch.Tensor:
-    """[N]: log softmax(logits[parent_token[t]])[input_ids[t]], 0 where t has no predecessor;
-    float32 (float64 for float64 logits).
-
-    Reads each logit row once for its log-sum-exp and gathers one logit per token: no
-    float32 copy of the [N, V] logits is needed (Inductor fuses the upcast into the reduction).
-    """
-    lg = logits.reshape(-1, logits.shape[-1])
-    acc = torch.promote_types(lg.dtype, torch.float32)
-    row = parent_token.clamp(min=0)
-    lse = torch.logsumexp(lg.to(acc), dim=-1)
-    picked = lg[row, input_ids.reshape(-1)].to(acc) - lse[row]
-    return torch.where(parent_token >= 0, picked, torch.zeros_like(picked))
-
-
-def tree_cross_entropy(logits: torch.Tensor, input_ids: torch.Tensor, parent_token: torch.Tensor,
-                       weights: torch.Tensor) -> torch.Tensor:
-    """Σ_t weights[t] · (−log softmax(logits[parent_token[t]])[input_ids[t]]), over tokens with
-    a predecessor (see :func:`tree_token_logprobs`)."""
-    lp = tree_token_logprobs(logits, input_ids, parent_token)
-    return -(weights.to(lp.dtype) * lp).sum()
 
 
 def _fail(node: fx.Node, why: str) -> TreeCompileError:

@@ -5,7 +5,7 @@
   inputs are its K-1 tree predecessors.
 - A ``cumsum`` along the tokens (positions counted by the model itself: RoBERTa counts its
   non-padding tokens) becomes a sum along each token's path.
-- A registered recurrent kernel (see :mod:`treefx.recurrence`), kept as one graph node during
+- A registered recurrent kernel (see :mod:`treefx.kernels`), kept as one graph node during
   capture, becomes a tree recurrence: each tree node's initial state is its parent node's
   final state.
 - Whatever else runs along the sequence (a conv1d in another form, a cumulative sum over the
@@ -20,10 +20,10 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from ..kernels import registered
 from ..ops.conv import tree_causal_conv1d
-from ..ops.scan import tree_cumsum
 from ..ops.recurrence import TracedTreeRecurrence, register_site, tree_recurrence
-from ..recurrence import registered
+from ..ops.scan import tree_cumsum
 from .common import (
     GraphContext,
     UnmatchedStateError,

@@ -22,9 +22,16 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from .common import GraphContext, TreeCompileError, describe, example, module_path, same_size
+from .common import (
+    GraphContext,
+    TreeCompileError,
+    describe,
+    example,
+    module_path,
+    same_size,
+)
 
-__all__ = ["discover", "import_operand", "prune", "check_opaque_ops", "opaque_ops",
+__all__ = ["discover", "prune", "check_opaque_ops", "opaque_ops",
            "UnsupportedSubgraphError"]
 
 
@@ -167,26 +174,6 @@ def _child(ctx: GraphContext, gm: fx.GraphModule, target: str, kind: _Kind,
     return child
 
 
-def import_operand(ctx: GraphContext, outer: fx.Node) -> fx.Node:
-    """The placeholder of body ``ctx`` for ``outer`` (a node of the enclosing graph), added
-    to every body of its group and passed by every call on first use."""
-    if outer in ctx._imports:
-        return ctx._imports[outer]
-    body = ctx.body
-    for member in body.group:
-        phs = body.placeholders(member)
-        g = member.graph
-        with g.inserting_after(phs[-1]):
-            ph = g.placeholder(f"treefx_{outer.name}")
-        if member.prelude is phs[-1]:
-            member.prelude = ph
-        value = example(outer)
-        if value is not None:
-            ph.meta["example_value"] = value
-        member._imports[outer] = ph
-    for site in body.sites:
-        body.kind.set_operands(site, [*body.kind.operands(site), outer])
-    return ctx._imports[outer]
 
 
 def prune(ctx: GraphContext, eliminate_dead_code) -> None:

@@ -1,4 +1,5 @@
-"""The registry of recurrent / chunked state kernels treefx routes through the tree.
+"""The registry of recurrent / chunked state kernels treefx routes through the tree
+(what runs them over the tree is :mod:`treefx.ops.recurrence`).
 
 A hybrid model's linear-attention or SSM layer calls a kernel that runs a recurrence over the
 sequence (Gated DeltaNet's chunked delta rule, Mamba2's chunked scan). Inlined into the graph
@@ -19,58 +20,15 @@ import contextlib
 import importlib
 import importlib.util
 import inspect
-from collections.abc import Callable
-from dataclasses import dataclass, field
+import logging
 
 import torch
 
+from .ops.recurrence import Recurrence
+
 __all__ = ["Recurrence", "register_recurrence", "registered", "capture_patches"]
 
-
-@dataclass
-class Recurrence:
-    """What a recurrent kernel's arguments mean.
-
-    ``fn(*args, **kwargs) -> (output, final_state)`` with:
-    - ``seq_args``: per-token inputs, name -> their sequence dim (batch is dim 0);
-    - ``neutral``: per seq arg, the padding value that leaves the state unchanged (e.g. a decay
-      of 0 in log space and an update rate ``beta`` of 0); unlisted seq args pad with 0;
-    - ``initial_state`` / ``output_final_state``: the names of the state-in argument and of the
-      flag that asks for the final state;
-    - ``output_seq_dim``: the sequence dim of ``output``;
-    - ``bare_output_without_state``: called without asking for the final state, the kernel
-      returns ``output`` alone rather than ``(output, None)``;
-    - ``output_like``: the seq arg whose shape and dtype ``output`` has (default: the first);
-    - ``varlen``: optional fast path for CUDA tensors. ``varlen(seq, static, initial_state,
-      cu_seqlens) -> (output, final_state)`` runs many nodes at once without padding: ``seq``
-      holds the seq args with batch 1 and the nodes laid end to end along their sequence dims,
-      ``cu_seqlens`` (int64, n + 1) where each node starts, ``initial_state`` one state per
-      node or None (all zero), ``static`` the other arguments by name. Built in for Gated
-      DeltaNet when flash-linear-attention (fla) is installed;
-    - ``varlen_devices``: the device types ``varlen`` runs on (others take the padded path).
-    """
-
-    name: str
-    fn: Callable
-    seq_args: dict[str, int]
-    neutral: dict[str, float] = field(default_factory=dict)
-    initial_state: str = "initial_state"
-    output_final_state: str = "output_final_state"
-    output_seq_dim: int = 1
-    bare_output_without_state: bool = False  # without the flag: ``output`` alone, no tuple
-    output_like: str = ""  # the seq arg whose shape and dtype the output has (default: first)
-    varlen: Callable | None = None
-    varlen_devices: tuple[str, ...] = ("cuda",)
-    marker: Callable | None = None
-    signature: inspect.Signature | None = None
-
-    def bind(self, args, kwargs) -> dict:
-        """All arguments by name (defaults filled in)."""
-        bound = self.signature.bind(*args, **kwargs)
-        bound.apply_defaults()
-        out = dict(bound.arguments)
-        out.update(out.pop("kwargs", {}) or {})
-        return out
+log = logging.getLogger("treefx")
 
 
 _REGISTRY: dict[str, Recurrence] = {}
@@ -156,8 +114,8 @@ def _register_if_compatible(rec: Recurrence, sites) -> None:
     transformers version): its layer then fails the SSM pass's checks with a clear error."""
     try:
         register_recurrence(rec, sites=sites)
-    except ValueError:
-        pass
+    except ValueError as e:
+        log.info("treefx: built-in recurrence %s not registered: %s", rec.name, e)
 
 
 def _fla_gated_delta_rule(seq: dict, static: dict, initial_state, cu_seqlens):

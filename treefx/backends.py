@@ -1,0 +1,116 @@
+"""The backends a tree graph is compiled with, and the Dynamo settings of the capture.
+
+``"eager"`` runs the rewritten graph as it is (SDPA with the dense tree mask; any device, the
+reference); ``"inductor"`` lowers tree attention to FlexAttention with the block mask and
+compiles forward and backward with Inductor (CUDA); ``"auto"`` picks per batch: inductor on
+CUDA, eager elsewhere. ``"flex-eager"`` and ``"aot-eager"`` are for tests on the CPU: the
+inductor backend's graph (tree FlexAttention, traced recurrences) run eagerly, or traced by
+AOTAutograd and run eagerly.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.fx as fx
+
+__all__ = ["BACKENDS", "capture_config", "check", "compile_graph", "lowering", "resolve"]
+
+log = logging.getLogger("treefx")
+
+BACKENDS = ("auto", "inductor", "eager", "flex-eager", "aot-eager")
+PUBLIC = BACKENDS[:3]
+
+
+def check(backend: str) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {PUBLIC}, got {backend!r}")
+    return backend
+
+
+def resolve(backend: str, device: torch.device) -> str:
+    """The backend a batch on ``device`` runs with."""
+    if backend != "auto":
+        if backend == "inductor" and device.type == "cpu":
+            log.warning("inductor backend on the CPU: FlexAttention has no CPU backward")
+        return backend
+    return "inductor" if device.type == "cuda" else "eager"
+
+
+def lowering(backend: str) -> str:
+    """What the passes lower tree attention to for ``backend``: ``"inductor"`` (FlexAttention,
+    compiled), ``"flex"`` (FlexAttention, run eagerly) or ``"eager"`` (SDPA, dense mask)."""
+    return {"inductor": "inductor", "flex-eager": "flex", "aot-eager": "inductor"}.get(
+        backend, "eager")
+
+
+def compile_graph(backend: str, gm: fx.GraphModule, example_inputs):
+    """The rewritten graph, compiled for ``backend``: a callable."""
+    if backend == "inductor":
+        from torch._inductor.compile_fx import compile_fx
+
+        return compile_fx(gm, example_inputs, config_patches=inductor_patches())
+    if backend == "aot-eager":
+        from torch._functorch.aot_autograd import aot_module_simplified
+
+        return aot_module_simplified(gm, example_inputs, fw_compiler=_as_is, bw_compiler=_as_is)
+    return gm.forward
+
+
+def _as_is(gm, example_inputs):
+    return gm
+
+
+def inductor_patches() -> dict:
+    """Inductor settings for tree graphs: the mix-order reduction heuristic's size checks off
+    (where this torch has the switch). Those checks guard the token count (a minimum size that
+    depends on the hidden size), so every tree below the threshold compiled a second graph."""
+    from torch._inductor import config
+
+    if hasattr(config.triton, "mix_order_reduction_non_strict_mode"):
+        return {"triton.mix_order_reduction_non_strict_mode": True}
+    return {}
+
+
+def capture_config():
+    """Dynamo settings for capturing a model for trees. Floats stay constants: a module's
+    attention scale must not become a traced symbol after models with different scales ran
+    (the passes read it). Logging calls are skipped (:func:`_logger_methods`)."""
+    return torch._dynamo.config.patch(specialize_float=True,
+                                      ignore_logger_methods=_logger_methods())
+
+
+class _LoggerMethod(str):
+    """A logging method as an entry of Dynamo's ignore set: equal to (and hashed as) the
+    function itself, so Dynamo's membership test finds it, and a string otherwise, because
+    torch 2.11 sorts the set and writes it as JSON when it logs its configuration."""
+
+    def __new__(cls, fn):
+        self = super().__new__(cls, f"logging.Logger.{fn.__name__}")
+        self.fn = fn
+        return self
+
+    def __hash__(self):
+        return hash(self.fn)
+
+    def __eq__(self, other):
+        return other is self.fn or (isinstance(other, _LoggerMethod) and other.fn is self.fn)
+
+    def __ne__(self, other):
+        return not self == other
+
+    def __reduce__(self):  # copies and pickles of the config rebuild it from the function
+        return _LoggerMethod, (self.fn,)
+
+    def __deepcopy__(self, memo):
+        return self
+
+
+def _logger_methods() -> set:
+    """Logging calls inside a model's forward (Hugging Face warns there, e.g. that
+    ``use_cache`` is off under gradient checkpointing, through ``warning_once``) have no
+    effect on its values; Dynamo would break the graph at them, so the capture skips them."""
+    names = ("debug", "info", "warning", "warn", "warning_once", "warning_advice", "info_once")
+    return {_LoggerMethod(getattr(logging.Logger, n)) for n in names
+            if callable(getattr(logging.Logger, n, None))}

@@ -1,0 +1,199 @@
+"""The engine: capture a function around the model with Dynamo, rewrite the graph for trees,
+compile it, and check that the rewritten graph is what ran.
+
+The capture traces one function around the model: it calls the model on the DFS row and reads
+each token's log-probability at its tree predecessor. The tree tensors enter as one real graph
+input, ``tree_info`` [3, N] (positions, parent_token, subtree_end), so the passes can wire them
+into the nodes they rewrite. N is dynamic: trees of any size reuse one compiled graph.
+A compiled model (:mod:`treefx.tree_model`) and a compiled training step (:mod:`treefx.step`)
+share this engine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import types
+
+import torch
+import torch.fx as fx
+
+from . import backends
+from .kernels import capture_patches
+from .layout import TreeBatch
+from .ops.attention import check_interleave_heads, check_kernel_options
+from .passes import GraphBreakError, GraphContext, TreeCompileError, run_passes
+from .passes.common import example, graph_code, module_path
+from .reference import vocab_size
+
+__all__ = ["TreeEngine", "check_batch", "make_traced", "tree_info"]
+
+log = logging.getLogger("treefx")
+
+
+def make_traced(template, tag: int, **cells):
+    """A fresh copy of ``template`` whose globals also hold ``cells`` (model, options, the
+    user's step function).
+
+    Its own code object gives it its own Dynamo cache, so many compiled models never share or
+    exhaust one function's recompile limit (which would fall back to the untransformed model).
+    """
+    code = template.__code__.replace(co_name=f"treefx_{template.__name__.strip('_')}_{tag}")
+    glb = dict(template.__globals__)
+    glb.update(cells)
+    return types.FunctionType(code, glb, code.co_name)
+
+
+class TreeEngine:
+    """What a compiled model and a compiled training step share: the Dynamo capture with a
+    treefx backend per device kind, the passes, the error translation, and the check that the
+    rewritten graph (not a fallback to the untransformed code) ran.
+
+    ``make_traced(tag)`` returns a fresh traced function; its graph inputs must include
+    ``input_ids`` [1, N] and ``tree_info`` [3, N] (and ``tree_weights`` [2, N] for a step).
+    """
+
+    def __init__(self, make_traced, backend: str, block_size: int, kernel_options=None,
+                 interleave_heads: bool | None = None):
+        self.make_traced = make_traced
+        self.backend = backends.check(backend)
+        self.block_size = block_size
+        self.kernel_options = check_kernel_options(kernel_options)
+        self.interleave_heads = check_interleave_heads(interleave_heads, self.kernel_options)
+        self.num_compilations = 0
+        self.contexts: list[GraphContext] = []
+        self._runs = 0
+        self._compiled: dict[str, object] = {}
+
+    def resolve_backend(self, device: torch.device) -> str:
+        return backends.resolve(self.backend, device)
+
+    def _dynamo_backend(self, backend: str):
+        def compile_graph(gm: fx.GraphModule, example_inputs):
+            ctx = _context(gm, backend, self.block_size, self.kernel_options,
+                           self.interleave_heads)
+            self.contexts.append(ctx)  # before the passes: a failed graph can be reported
+            run_passes(ctx)
+            ctx.done = True
+            self.num_compilations += 1
+            log.info("compiled a tree graph (%s backend, %d so far)", backend,
+                     self.num_compilations)
+            compiled = backends.compile_graph(backend, ctx.gm, example_inputs)
+
+            def run(*args):
+                self._runs += 1
+                return compiled(*args)
+
+            return run
+
+        return compile_graph
+
+    def __call__(self, device: torch.device, *args, dynamic: tuple[int, ...] = ()):
+        """Run the compiled function on ``args`` (compiling on first use per backend);
+        ``dynamic``: indices of the args whose last dim is the token count N."""
+        backend = self.resolve_backend(device)
+        if backend not in self._compiled:
+            self._compiled[backend] = torch.compile(
+                self.make_traced(len(self._compiled)), backend=self._dynamo_backend(backend),
+                fullgraph=True,
+            )
+        for i in dynamic:
+            torch._dynamo.maybe_mark_dynamic(args[i], args[i].dim() - 1)  # N varies per tree
+        runs = self._runs
+        try:
+            # Registered recurrent kernels appear as single marker nodes (treefx.kernels);
+            # the swap is in place on every call so that Dynamo's guards always see it.
+            with capture_patches(), backends.capture_config():
+                out = self._compiled[backend](*args)
+        except torch._dynamo.exc.BackendCompilerFailed as e:
+            inner = getattr(e, "inner_exception", None) or e.__cause__
+            if isinstance(inner, TreeCompileError):
+                raise inner from None
+            raise
+        except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError) as e:
+            raise _graph_break_error(self.make_traced(-1), args, e) from None
+        if self._runs == runs:
+            raise TreeCompileError(
+                "the tree graph did not run: Dynamo fell back to the unmodified code (recompile "
+                "limit?). Its output would be silently wrong, so treefx stops here."
+            )
+        return out
+
+
+def tree_info(batch: TreeBatch) -> torch.Tensor:
+    """The tree tensors as one graph input: positions, parent_token, subtree_end [3, N]."""
+    return torch.stack([batch.position_ids[0], batch.parent_token, batch.subtree_end])
+
+
+def check_batch(model: torch.nn.Module, batch: TreeBatch) -> None:
+    """Clear errors for a batch the model cannot take: wrong device, tokens out of range."""
+    dev = next(model.parameters(), torch.empty(0)).device
+    if batch.device != dev:
+        raise ValueError(f"the batch is on {batch.device} but the model is on {dev}; "
+                         f"use batch.to({str(dev)!r})")
+    vocab = vocab_size(model)
+    if vocab is not None:
+        top = batch.max_token_id if batch.max_token_id >= 0 else int(batch.input_ids.max())
+        if top >= vocab:
+            t = int((batch.input_ids[0] == top).nonzero()[0, 0])
+            raise ValueError(f"token id {top} at DFS position {t} is out of range for the "
+                             f"model's vocabulary of {vocab}")
+
+
+def _context(gm: fx.GraphModule, backend: str, block_size: int,
+             kernel_options: dict | None = None,
+             interleave_heads: bool | None = None) -> GraphContext:
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    by_name = {}
+    for n in placeholders:
+        for key in ("input_ids", "tree_info", "tree_weights"):
+            if n.name == f"l_{key}_":
+                by_name[key] = n
+    if not {"input_ids", "tree_info"} <= set(by_name):
+        raise TreeCompileError(f"captured graph lacks the tree inputs (placeholders: "
+                               f"{[n.name for n in placeholders]})")
+    ids, info = by_name["input_ids"], by_name["tree_info"]
+    code_before = graph_code(gm)
+    modules_before = {n.name: module_path(n) if n.meta.get("nn_module_stack") else "<treefx>"
+                      for n in gm.graph.nodes}
+    g = gm.graph
+    fake = example(info)
+    with g.inserting_after(placeholders[-1]):
+        se = g.call_function(_row, (info, 2))
+    with g.inserting_after(placeholders[-1]):
+        pos = g.call_function(_row, (info, 0))
+    with fake.fake_mode if hasattr(fake, "fake_mode") else contextlib.nullcontext():
+        pos.meta["example_value"] = fake[0]
+        se.meta["example_value"] = fake[2]
+    return GraphContext(
+        gm, backends.lowering(backend),
+        input_ids=ids, tree_info=info, positions=pos, subtree_end=se,
+        seq_len=example(ids).shape[1], prelude=se, block_size=block_size,
+        kernel_options=kernel_options, interleave_heads=interleave_heads,
+        code_before=code_before, modules_before=modules_before,
+        tree_weights=by_name.get("tree_weights"))
+
+
+def _row(tree_info: torch.Tensor, i: int) -> torch.Tensor:
+    return tree_info[i]
+
+
+def _graph_break_error(fn, args, err) -> GraphBreakError:
+    reasons = []
+    try:
+        explained = torch._dynamo.explain(fn)(*args)
+        for r in explained.break_reasons:
+            where = ""
+            if getattr(r, "user_stack", None):
+                fr = r.user_stack[-1]
+                where = f" ({fr.filename.rsplit('/', 1)[-1]}:{fr.lineno})"
+            reasons.append(f"{r.reason.strip().splitlines()[0]}{where}")
+    except Exception as e:  # explain itself failed: report the original error
+        reasons.append(f"{type(e).__name__}: {e}")
+    if not reasons:
+        reasons.append(str(err).strip().splitlines()[0])
+    listing = "\n".join(f"  {i + 1}. {r}" for i, r in enumerate(reasons))
+    return GraphBreakError(
+        f"the model cannot be captured as one graph; treefx needs the whole forward to rewrite "
+        f"it. Graph breaks:\n{listing}"
+    )

@@ -1,0 +1,196 @@
+"""``treefx.compile(model)``: a model compiled to run exactly on DFS-packed trees, its output,
+its loss, and the check against each sequence run alone (``treefx.verify``)."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from . import verification
+from .engine import TreeEngine, check_batch, make_traced, tree_info
+from .layout import TreeBatch
+from .ops.cross_entropy import tree_token_logprobs, weighted_logprob_loss
+from .passes import GraphContext
+from .reference import logits_of
+
+__all__ = ["compile", "TreeModel", "TreeOutput", "tree_loss", "verify", "verify_default"]
+
+log = logging.getLogger("treefx")
+
+
+@dataclass
+class TreeOutput:
+    """``logits`` [1, N, V] in DFS order; ``token_logprobs`` [N] (float32, float64 for a
+    float64 model), entry t is log p(token t | its own sequence's prefix), 0 where t has no
+    predecessor."""
+
+    logits: torch.Tensor
+    token_logprobs: torch.Tensor
+
+
+def tree_loss(out: TreeOutput, batch: TreeBatch) -> torch.Tensor:
+    """Σ_t loss_weights[t] · (−token_logprobs[t]): the per-sequence loss of the batch's
+    reduction, averaged with the sequence weights."""
+    return weighted_logprob_loss(out.token_logprobs, batch.loss_weights)
+
+
+def _tree_forward_template(input_ids, tree_info):
+    # Copied per TreeModel by make_traced, with `model` and `opts` in its globals.
+    torch._check(tree_info.shape[1] == input_ids.shape[1])
+    kwargs = {}
+    if opts["position_ids"]:  # noqa: F821
+        kwargs["position_ids"] = tree_info[0:1]
+    if opts["attention_mask"]:  # noqa: F821
+        # An explicit all-ones mask: Hugging Face then builds its causal (+ window) mask from
+        # index grids, which the positions pass turns into path positions, instead of
+        # inferring packed documents from the jumping position_ids.
+        kwargs["attention_mask"] = torch.ones_like(input_ids)
+    if opts["use_cache"]:  # noqa: F821
+        kwargs["use_cache"] = False
+    logits = logits_of(model(input_ids, **kwargs))  # noqa: F821
+    return logits, tree_token_logprobs(logits, input_ids, tree_info[1])
+
+
+class TreeModel(torch.nn.Module):
+    """A model compiled for trees: ``out = tm(batch)`` for a :class:`TreeBatch`.
+
+    Holds the user's model as ``.model`` (same parameters: an optimizer built on the model keeps
+    working, and the model itself keeps working on ordinary batches).
+    """
+
+    def __init__(self, model: torch.nn.Module, backend: str = "auto", *, block_size: int = 128,
+                 pass_position_ids: bool | None = None, kernel_options: dict | None = None,
+                 interleave_heads: bool | None = None, verify: bool | None = None):
+        super().__init__()
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"treefx.compile expects a torch.nn.Module, got {type(model).__name__}")
+        self.model = model
+        params = inspect.signature(model.forward).parameters
+        takes_kwargs = any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+        def accepts(name):
+            return name in params or takes_kwargs and name in ("use_cache",)
+
+        def requires(name):
+            p = params.get(name)
+            return p is not None and p.default is p.empty and p.kind in (
+                p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+
+        opts = {
+            # By default the model computes its own positions with its own code, which the
+            # passes evaluate per path: giving it 0-based positions would be wrong for a model
+            # whose positions start elsewhere (RoBERTa's start after the padding index).
+            "position_ids": requires("position_ids") if pass_position_ids is None
+            else bool(pass_position_ids),
+            "attention_mask": accepts("attention_mask"),
+            "use_cache": accepts("use_cache"),
+        }
+        if opts["position_ids"] and not accepts("position_ids") and not takes_kwargs:
+            raise ValueError("pass_position_ids=True but the model's forward has no position_ids")
+        self.opts = opts
+        self.engine = TreeEngine(
+            lambda tag: make_traced(_tree_forward_template, tag, model=model, opts=opts),
+            backend, block_size, kernel_options, interleave_heads,
+        )
+        self._verify_pending = verify_default() if verify is None else verify
+        if not isinstance(self._verify_pending, bool):
+            raise TypeError(f"verify must be True, False or None, got {verify!r}")
+        self.verification = None  # the first call's VerificationReport (or why it was skipped)
+
+    @property
+    def backend(self) -> str:
+        return self.engine.backend
+
+    @property
+    def num_compilations(self) -> int:
+        return self.engine.num_compilations
+
+    @property
+    def contexts(self) -> list[GraphContext]:
+        return self.engine.contexts
+
+    def forward(self, batch: TreeBatch) -> TreeOutput:
+        if not isinstance(batch, TreeBatch):
+            raise TypeError(f"expected a treefx.TreeBatch (see treefx.pack), got "
+                            f"{type(batch).__name__}")
+        check_batch(self.model, batch)
+        if self._verify_pending:
+            self._verify_pending = False
+            self._verify_first_call()
+        logits, token_logprobs = self.engine(batch.device, batch.input_ids, tree_info(batch),
+                                             dynamic=(0, 1))
+        return TreeOutput(logits, token_logprobs)
+
+    def _verify_first_call(self) -> None:
+        """The probe check (:mod:`treefx.verification`) through this model's own compiled graph,
+        with gradients when the call computes them, before the user's first batch."""
+        try:
+            self.verification = verification.verify_compiled(self, grads=torch.is_grad_enabled())
+        except verification.VerificationUnavailable as e:
+            self.verification = str(e)
+            log.warning("treefx: %s", e)
+
+
+def verify_default() -> bool:
+    """Whether compiled models verify themselves on their first call when ``verify`` is
+    not given: yes, unless the environment variable ``TREEFX_VERIFY`` is ``0``."""
+    value = os.environ.get("TREEFX_VERIFY", "1").strip().lower()
+    if value not in ("0", "1", "false", "true", "no", "yes", "off", "on"):
+        raise ValueError(f"TREEFX_VERIFY must be 0 or 1, got {value!r}")
+    return value in ("1", "true", "yes", "on")
+
+
+def compile(model: torch.nn.Module, *, backend: str = "auto", block_size: int = 128,
+            pass_position_ids: bool | None = None,
+            kernel_options: dict | None = None, interleave_heads: bool | None = None,
+            verify: bool | None = None) -> TreeModel:
+    """Compile ``model`` to run exactly on DFS-packed trees.
+
+    ``backend``: ``"inductor"`` (CUDA: FlexAttention with the tree block mask and Inductor's
+    fused kernels, forward and backward), ``"eager"`` (any device: SDPA with the dense tree
+    mask; the reference), or ``"auto"`` (inductor on CUDA, eager otherwise, chosen per batch).
+    ``pass_position_ids``: give the model the tree positions (0-based offsets in each sequence)
+    as ``position_ids``. Default: only when its forward requires them; otherwise the model
+    computes its own positions with its own code and the passes evaluate that code per path
+    (an ``arange`` over the tokens becomes the tree positions, a ``cumsum`` along them a sum
+    along each path), which is exact whatever the model's convention.
+    ``kernel_options``: FlexAttention kernel options for every tree attention site (tile sizes,
+    ``num_warps``, ``USE_TMA``, ...; BENCHMARKS.md has measured ones), added to treefx's own.
+    ``interleave_heads``: lay the KV heads out along the row, block by block, at every tree
+    attention site: same values, a better schedule for FlexAttention's backward (otherwise the
+    long shared-prefix key columns of the last heads run last). ``None`` (default): in graphs
+    that compute gradients, not in no-grad forwards (the forward alone does not gain);
+    ``True``/``False``: always/never. BENCHMARKS.md has the measurements.
+    ``verify``: on the first call, run the compiled graph and the unmodified model on each
+    sequence of a small probe forest and compare log-probabilities (and gradients when the
+    call computes them); a difference raises :class:`treefx.TreeVerificationError` naming the
+    worst token and parameter (see :func:`treefx.verify`). The model's ``.grad``, buffers and
+    random state are left as they were; skipped with a warning when the graph draws random
+    numbers (dropout in training mode). ``None`` (default): on, unless the environment sets
+    ``TREEFX_VERIFY=0``.
+    """
+    return TreeModel(model, backend, block_size=block_size, pass_position_ids=pass_position_ids,
+                     kernel_options=kernel_options, interleave_heads=interleave_heads,
+                     verify=verify)
+
+
+def verify(model, trees=None, **options) -> verification.VerificationReport:
+    """Compare a tree-compiled model with the unmodified model run on each sequence alone;
+    ``model``: a :class:`TreeModel` (its compiled graph is what gets checked) or a module
+    (compiled here with ``treefx.compile`` options from ``options``, its own first-call
+    check off). The other options are :func:`treefx.verification.verify_compiled`'s."""
+    names = set(inspect.signature(verification.verify_compiled).parameters)
+    check_opts = {k: v for k, v in options.items() if k in names}
+    compile_opts = {k: v for k, v in options.items() if k not in names}
+    if isinstance(model, TreeModel):
+        if compile_opts:
+            raise TypeError(f"compile options {sorted(compile_opts)} given for a model that "
+                            "is already compiled")
+        tm = model
+    else:
+        tm = compile(model, **{"verify": False, **compile_opts})
+    return verification.verify_compiled(tm, trees, **check_opts)
