@@ -195,5 +195,4 @@ def _graph_break_error(fn, args, err) -> GraphBreakError:
     listing = "\n".join(f"  {i + 1}. {r}" for i, r in enumerate(reasons))
     return GraphBreakError(
         f"the model cannot be captured as one graph; treefx needs the whole forward to rewrite "
-        f"it. Graph breaks:\n{listing}"
-    )
+        f"it. Graph breaks:\n{listing}", breaks=reasons)

@@ -25,7 +25,6 @@ from ..passes.common import (
     Rewrite,
     TreeCompileError,
     module_path,
-    source_line,
 )
 from ..tree import Tree
 from ..tree_model import TreeModel, verify_default
@@ -302,17 +301,11 @@ def explain(model: torch.nn.Module, batch, *, backend: str = "eager", verify: bo
         verification=verification, verification_error=verification_error, _model=model,
     )
     if isinstance(error, GraphBreakError):
-        report.graph_breaks, report.num_graph_breaks = _break_reasons(str(error))
+        report.graph_breaks, report.num_graph_breaks = _break_reasons(error.breaks)
         report.num_graphs = _count_graphs(model, tm, batch) or report.num_graphs
-    elif error is not None:
-        m = re.search(r" at (\S+) \(graph node `(.+?)`\)", str(error))
-        if m:
-            report.stop_module, report.stop_node = m.group(1), m.group(2)
-            name = assigned(report.stop_node)
-            for ctx in tm.contexts[-1:]:
-                node = next((n for n in ctx.graph.nodes if n.name == name), None)
-                if node is not None:
-                    report.stop_source = source_line(node) or None
+    elif error is not None and error.node is not None:
+        report.stop_node, report.stop_module = error.node, error.module
+        report.stop_source = error.source
     return report
 
 
@@ -386,11 +379,8 @@ def _consumers(node: fx.Node, depth: int = 8, limit: int = 3) -> list[str]:
     return found[:limit]
 
 
-def _break_reasons(message: str) -> tuple[list[str], int]:
+def _break_reasons(reasons: list[str]) -> tuple[list[str], int]:
     """Distinct reasons (``(xK)`` when Dynamo gave one K times) and how many it gave."""
-    reasons = [m.group(1).strip() for m in re.finditer(r"^\s+\d+\. (.+)$", message, re.M)]
-    if not reasons:
-        return [message.strip().splitlines()[0]], 1
     counts = Counter(reasons)
     out = [r if counts[r] == 1 else f"{r} (x{counts[r]})" for r in dict.fromkeys(reasons)]
     return out, len(reasons)

@@ -71,18 +71,15 @@ def _identity_score(score, b, h, q_idx, kv_idx):
     return score
 
 
-
-
 def _standard_kernel_options() -> dict:
     """FlexAttention kernel options for every tree attention site: the standard
     (non-decoding) kernel, in the spelling this torch understands (``BACKEND="TRITON"`` where
     it exists, else the older ``FORCE_USE_FLEX_ATTENTION``). With no autograd and fewer than
-    128 queries Inductor would otherwise pick its decoding kernel, which gave wrong tree
-    log-probs on an H200 (torch 2.11; ``benchmarks/results/gpu_inference_h200.json``).
+    128 queries Inductor would otherwise pick its decoding kernel, which does not take the
+    tree's block mask correctly (wrong log-probs on torch 2.11).
 
-    ``USE_TMA`` is left off: it made the bf16 e2e step 3.6% faster on an H200 but crashed a
-    float32 model with head_dim 32 there ("misaligned address";
-    ``benchmarks/results/gpu_check_tma_fp32_h200.json``, BENCHMARKS.md).
+    ``USE_TMA`` is left off: it fails on some float32 shapes (a misaligned address at
+    head_dim 32 on torch 2.11); BENCHMARKS.md has what it gains where it works.
     """
     import typing
 

@@ -75,7 +75,8 @@ def _fail(node: fx.Node, why: str) -> UnmatchedAttentionError:
     return UnmatchedAttentionError(
         f"treefx cannot rewrite the attention at {module_path(node)} (graph node "
         f"`{describe(node)}`): {why}. Running it unchanged over the tree's DFS row would mix "
-        "sequences, so compilation stops here."
+        "sequences, so compilation stops here.",
+        node=node,
     )
 
 

@@ -28,7 +28,19 @@ __all__ = [
 
 
 class TreeCompileError(RuntimeError):
-    """treefx cannot turn this model into an exact tree computation."""
+    """treefx cannot turn this model into an exact tree computation.
+
+    When one graph node is the cause, ``node`` is its description (``name = target(args)``),
+    ``node_name`` its name in the captured graph, ``module`` the path of the module that made
+    it and ``source`` the model's source line (``file:line  code``); otherwise all are None.
+    """
+
+    def __init__(self, message: str, *, node: fx.Node | None = None):
+        super().__init__(message)
+        self.node = describe(node) if node is not None else None
+        self.node_name = node.name if node is not None else None
+        self.module = module_path(node) if node is not None else None
+        self.source = (source_line(node) or None) if node is not None else None
 
 
 class UnmatchedAttentionError(TreeCompileError):
@@ -42,7 +54,12 @@ class UnmatchedStateError(UnmatchedAttentionError):
 
 
 class GraphBreakError(TreeCompileError):
-    """The model could not be captured as one graph."""
+    """The model could not be captured as one graph. ``breaks``: Dynamo's reasons, one per
+    break, each with its ``file:line`` where known."""
+
+    def __init__(self, message: str, *, breaks: list[str] = ()):
+        super().__init__(message)
+        self.breaks = list(breaks)
 
 
 @dataclass

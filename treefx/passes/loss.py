@@ -44,7 +44,8 @@ _RESHAPE_FUNCS = (torch.reshape, torch.flatten)
 def _fail(node: fx.Node, why: str) -> TreeCompileError:
     return TreeCompileError(
         f"treefx cannot prove the loss at {module_path(node)} equivalent to per-sequence "
-        f"training (graph node `{describe(node)}`): {why}"
+        f"training (graph node `{describe(node)}`): {why}",
+        node=node,
     )
 
 

@@ -46,7 +46,8 @@ def _fail(node: fx.Node, why: str) -> UnmatchedStateError:
     return UnmatchedStateError(
         f"treefx cannot route the sequence state at {module_path(node)} (graph node "
         f"`{describe(node)}`) through the tree: {why}. Running it over the DFS row would carry "
-        "state from one branch into the next, so compilation stops here."
+        "state from one branch into the next, so compilation stops here.",
+        node=node,
     )
 
 

@@ -245,6 +245,7 @@ def check_opaque_ops(ctx: GraphContext) -> None:
             raise UnsupportedSubgraphError(
                 f"treefx cannot rewrite the {name} at {module_path(node)} (graph node "
                 f"`{describe(node)}`): {why}. Running it over the tree's DFS row would mix "
-                "sequences, so compilation stops here."
+                "sequences, so compilation stops here.",
+                node=node,
             )
 

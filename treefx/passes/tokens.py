@@ -56,7 +56,8 @@ def _fail(node: fx.Node, why: str) -> TokenAxisError:
     return TokenAxisError(
         f"treefx cannot run the op at {module_path(node)} (graph node `{describe(node)}`) on a "
         f"tree: {why}. On the tree's DFS row the neighbouring tokens belong to other "
-        "sequences, so compilation stops here."
+        "sequences, so compilation stops here.",
+        node=node,
     )
 
 
