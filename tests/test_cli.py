@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 
 import pytest
@@ -10,8 +9,6 @@ import pytest
 import treefx
 from treefx import read_jsonl, synth
 from treefx.cli import main
-
-HAS_PARTITION = importlib.util.find_spec("treefx.partition") is not None
 
 
 def _table(out: str):
@@ -122,7 +119,6 @@ def test_stats_progress_bar_when_forced(synth_file, capsys):
     assert "reading" in err and "100.0%" in err
 
 
-@pytest.mark.skipif(not HAS_PARTITION, reason="treefx.partition is not there yet")
 def test_stats_max_tokens(synth_file, capsys):
     from treefx.partition import err, partition
 
@@ -156,7 +152,6 @@ def test_stats_max_tokens(synth_file, capsys):
     assert rows[-1][6:] == [f"{e_tot:.3f}", f"{e_tot / por_tot:.3f}"]
 
 
-@pytest.mark.skipif(not HAS_PARTITION, reason="treefx.partition is not there yet")
 def test_stats_max_tokens_too_small_names_the_tree(tmp_path):
     path = tmp_path / "t.jsonl"
     path.write_text(

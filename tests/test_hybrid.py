@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from test_compile import VOCAB, check_against_oracle
+from support import VOCAB, check_against_oracle
 from trees import check_forward, odd_forest, odd_tree
 
 import treefx
+from treefx.kernels import recurrence
 from treefx.ops.conv import tree_causal_conv1d
 from treefx.ops.recurrence import tree_nodes, tree_recurrence
-from treefx.kernels import _REGISTRY
 
 transformers = pytest.importorskip("transformers")
 
@@ -93,7 +93,7 @@ def test_tree_nodes_reuses_an_unchanged_row_only(monkeypatch):
 def test_tree_gated_delta_rule_matches_each_sequence_alone(trees):
     """Values and the gradients of every input: siblings share their parent's final state,
     and autograd must sum their gradients into it."""
-    rec = _REGISTRY["qwen3_next_gated_delta_rule"]
+    rec = recurrence("qwen3_next_gated_delta_rule")
     batch = treefx.pack(trees)
     n, heads, dim = batch.num_tokens, 2, 8
     g = torch.Generator().manual_seed(0)
@@ -249,7 +249,7 @@ def test_mamba2_with_a_step_floor_is_exact():
 def test_gated_deltanet_padding_is_neutral():
     from treefx.ops.recurrence import padding_is_neutral
 
-    rec = _REGISTRY["qwen3_next_gated_delta_rule"]
+    rec = recurrence("qwen3_next_gated_delta_rule")
     g = torch.Generator().manual_seed(0)
     b, t, h, d = 1, 5, 2, 8
     seq = {"query": torch.randn(b, t, h, d, generator=g), "key": torch.randn(b, t, h, d, generator=g),
@@ -338,7 +338,7 @@ def _per_node_varlen(rec):
 def test_varlen_path_matches_padded_path(trees):
     import dataclasses
 
-    padded = _REGISTRY["qwen3_next_gated_delta_rule"]
+    padded = recurrence("qwen3_next_gated_delta_rule")
     fast = dataclasses.replace(padded, varlen=_per_node_varlen(padded), varlen_devices=("cpu",))
     batch = treefx.pack(trees)
     n, g = batch.num_tokens, torch.Generator().manual_seed(1)
@@ -358,7 +358,7 @@ def test_varlen_path_matches_padded_path(trees):
 
 
 def test_model_passing_cu_seqlens_is_refused():
-    rec = _REGISTRY["qwen3_next_gated_delta_rule"]
+    rec = recurrence("qwen3_next_gated_delta_rule")
     batch = treefx.pack([SHORT_NODES])
     x = torch.randn(1, batch.num_tokens, 2, 8)
     with pytest.raises(ValueError, match="cu_seqlens"):
@@ -403,8 +403,8 @@ def decayed_sum(x, a, initial_state=None, output_final_state=False):
 def test_traced_recurrence_runs_classic_autograd_functions():
     """The traced op's backward recomputes the forward under plain autograd inside a custom
     op: kernels written as classic autograd.Functions (fla's) must differentiate there too."""
-    from treefx.ops.recurrence import TracedTreeRecurrence, register_site
     from treefx.kernels import Recurrence
+    from treefx.ops.recurrence import TracedTreeRecurrence, register_site
 
     rec = Recurrence(name="decayed_sum_test", fn=decayed_sum, seq_args={"x": 1, "a": 1},
                      neutral={"a": 1.0})

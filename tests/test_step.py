@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from test_compile import VOCAB, grads, hf_model
+from support import VOCAB, grads, hf_model
 from trees import odd_forest
 
 import treefx

@@ -130,10 +130,10 @@ def test_random_draws_cannot_be_compared(caplog):
 
 def test_environment_default(monkeypatch):
     monkeypatch.setenv("TREEFX_VERIFY", "1")
-    assert treefx.compile(model())._verify_pending is True
+    assert treefx.compile(model()).verify_on_first_call is True
     monkeypatch.setenv("TREEFX_VERIFY", "0")
-    assert treefx.compile(model())._verify_pending is False
-    assert treefx.compile(model(), verify=True)._verify_pending is True
+    assert treefx.compile(model()).verify_on_first_call is False
+    assert treefx.compile(model(), verify=True).verify_on_first_call is True
     monkeypatch.setenv("TREEFX_VERIFY", "maybe")
     with pytest.raises(ValueError, match="TREEFX_VERIFY"):
         treefx.compile(model())

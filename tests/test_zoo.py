@@ -9,7 +9,6 @@ import importlib
 import pytest
 import torch
 
-import treefx
 
 transformers = pytest.importorskip("transformers")
 zoo = importlib.import_module("treefx.zoo")
@@ -36,12 +35,6 @@ def _scale_gradients(logits, ids, parent):
 _original = compile_module.tree_token_logprobs
 
 
-def _has_self_check() -> bool:
-    import inspect
-
-    return "verify" in inspect.signature(treefx.compile).parameters
-
-
 @pytest.mark.parametrize("perturb, verify", [(_shift_values, True), (_scale_gradients, False)],
                          ids=["values-self-check", "grads-unchecked"])
 def test_perturbed_treefx_is_reported(monkeypatch, perturb, verify):
@@ -49,8 +42,6 @@ def test_perturbed_treefx_is_reported(monkeypatch, perturb, verify):
     self-check the classifier must call it WRONG, in float32 and in the float64 re-run, with
     the error it made; with the self-check, treefx refuses it and the zoo records the same
     numbers from a run without the check."""
-    if verify and not _has_self_check():
-        pytest.skip("this treefx has no first-call self-check")
     monkeypatch.setattr(compile_module, "tree_token_logprobs", perturb)
     r = zoo.run_model("gpt2", verify=verify)  # (tests/conftest.py turns the default off)
     if verify:

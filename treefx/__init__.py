@@ -18,7 +18,7 @@ from .passes import (
 from .step import TreeStep, step
 from .tree import Tree, bound, por, read_jsonl, write_jsonl
 from .tree_model import TreeModel, TreeOutput, compile, tree_loss, verify
-from .verification import TreeVerificationError, VerificationReport, probe_forest
+from .verification import Tolerance, TreeVerificationError, VerificationReport, probe_forest
 
 # Quiet unless the application configures logging (logger "treefx").
 logging.getLogger("treefx").addHandler(logging.NullHandler())
@@ -32,6 +32,7 @@ __all__ = [
     "TreeModel",
     "TreeOutput",
     "TreeStep",
+    "Tolerance",
     "TreeVerificationError",
     "VerificationReport",
     "Recurrence",

@@ -26,7 +26,7 @@ import torch
 
 from .ops.recurrence import Recurrence
 
-__all__ = ["Recurrence", "register_recurrence", "registered", "capture_patches"]
+__all__ = ["Recurrence", "capture_patches", "recurrence", "register_recurrence", "registered"]
 
 log = logging.getLogger("treefx")
 
@@ -75,6 +75,14 @@ def _fake_call(args, kwargs) -> bool:
 
     return any(isinstance(a, torch.Tensor) and is_fake(a)
                for a in (*args, *kwargs.values()))
+
+
+def recurrence(name: str) -> Recurrence:
+    """The registered recurrence called ``name`` (built-in ones: ``qwen3_next_gated_delta_rule``,
+    ``mamba2_mamba2_chunk_scan``, ...)."""
+    if name not in _REGISTRY:
+        raise KeyError(f"no recurrence {name!r} is registered (registered: {sorted(_REGISTRY)})")
+    return _REGISTRY[name]
 
 
 def registered(target) -> Recurrence | None:

@@ -59,7 +59,9 @@ class TreeModel(torch.nn.Module):
     """A model compiled for trees: ``out = tm(batch)`` for a :class:`TreeBatch`.
 
     Holds the user's model as ``.model`` (same parameters: an optimizer built on the model keeps
-    working, and the model itself keeps working on ordinary batches).
+    working, and the model itself keeps working on ordinary batches). ``verify_on_first_call``:
+    whether the next call first runs the probe check (see :func:`compile`'s ``verify``);
+    ``verification``: its report once it ran (or why it could not).
     """
 
     def __init__(self, model: torch.nn.Module, backend: str = "auto", *, block_size: int = 128,
@@ -96,8 +98,8 @@ class TreeModel(torch.nn.Module):
             lambda tag: make_traced(_tree_forward_template, tag, model=model, opts=opts),
             backend, block_size, kernel_options, interleave_heads,
         )
-        self._verify_pending = verify_default() if verify is None else verify
-        if not isinstance(self._verify_pending, bool):
+        self.verify_on_first_call = verify_default() if verify is None else verify
+        if not isinstance(self.verify_on_first_call, bool):
             raise TypeError(f"verify must be True, False or None, got {verify!r}")
         self.verification = None  # the first call's VerificationReport (or why it was skipped)
 
@@ -118,8 +120,8 @@ class TreeModel(torch.nn.Module):
             raise TypeError(f"expected a treefx.TreeBatch (see treefx.pack), got "
                             f"{type(batch).__name__}")
         check_batch(self.model, batch)
-        if self._verify_pending:
-            self._verify_pending = False
+        if self.verify_on_first_call:
+            self.verify_on_first_call = False
             self._verify_first_call()
         logits, token_logprobs = self.engine(batch.device, batch.input_ids, tree_info(batch),
                                              dynamic=(0, 1))

@@ -1,0 +1,99 @@
+"""Models and checks the tests share: tiny Hugging Face configs, small modules that treefx
+must refuse, and the oracle check (values and gradients through :func:`treefx.verify`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import treefx
+from treefx.verification import Tolerance
+
+transformers = pytest.importorskip("transformers")
+
+
+VOCAB = 64
+
+
+HF_CONFIGS = {
+    "qwen3": dict(model_type="qwen3", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=8),
+    "llama": dict(model_type="llama", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2),
+    # A window of 3 positions: shorter than most sequences here, so it matters.
+    "mistral": dict(model_type="mistral", hidden_size=32, intermediate_size=64,
+                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                    head_dim=8, sliding_window=3),
+    "gpt2": dict(model_type="gpt2", n_embd=32, n_layer=2, n_head=4, n_positions=64,
+                 attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0),
+}
+
+
+def hf_model(name: str, impl: str, dtype=torch.float32) -> torch.nn.Module:
+    cfg = dict(HF_CONFIGS[name])
+    cfg = transformers.AutoConfig.for_model(cfg.pop("model_type"), vocab_size=VOCAB, **cfg)
+    cfg._attn_implementation = impl
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(cfg).to(dtype)
+
+
+def grads(model) -> dict[str, torch.Tensor]:
+    out = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+def check_against_oracle(tm: treefx.TreeModel, trees, *, atol=1e-4, rtol=1e-4):
+    """Log-probs per token and every gradient, with both reductions, equal the per-branch
+    oracle (:func:`treefx.verify`: log-probs within ``atol``, each parameter's gradient
+    within ``rtol`` relative); the logits cover the row and the loss equals the oracle's."""
+    model = tm.model
+    for reduction in ("sum", "mean"):
+        report = treefx.verify(tm, trees, reduction=reduction, params="all",
+                               tolerance=Tolerance(logprob=atol, grad=rtol))
+        assert report.passed, f"{reduction}: {report}"
+        assert report.compared_params == report.total_params > 0
+        batch = treefx.pack(trees, reduction=reduction)
+        out = tm(batch)
+        assert out.logits.shape[:2] == (1, batch.num_tokens)
+        assert torch.all(out.token_logprobs[batch.parent_token < 0] == 0)
+        ref_loss = treefx.reference.sequence_loss(model, trees, reduction=reduction)
+        torch.testing.assert_close(treefx.tree_loss(out, batch), ref_loss, atol=atol, rtol=rtol)
+
+
+class EinsumAttention(torch.nn.Module):
+    """Attention written with einsum: looks like attention, matches no pattern."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(VOCAB, 16)
+        self.mixer = torch.nn.Linear(16, 48)
+        self.head = torch.nn.Linear(16, VOCAB)
+
+    def forward(self, input_ids):
+        x = self.emb(input_ids)
+        q, k, v = self.mixer(x).chunk(3, dim=-1)
+        att = torch.einsum("bqd,bkd->bqk", q, k).softmax(dim=-1)
+        return self.head(torch.einsum("bqk,bkd->bqd", att, v))
+
+
+class Wrapper(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = EinsumAttention()
+
+    def forward(self, input_ids):
+        return self.block(input_ids)
+
+
+class BreaksGraph(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(VOCAB, 8)
+        self.head = torch.nn.Linear(8, VOCAB)
+
+    def forward(self, input_ids):
+        x = self.emb(input_ids)
+        if x.sum().item() > 0:  # data-dependent Python control flow: a graph break
+            x = x * 2
+        return self.head(x)
