@@ -14,11 +14,12 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _run(script: str, *args: str, out) -> dict:
+def _run(module: str, *args: str, out) -> dict:
+    """``python -m benchmarks.<module> --dry-run --out <out> ...`` from the repository root."""
     env = dict(os.environ, PYTHONPATH=ROOT)
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", script),
-                           "--dry-run", "--out", str(out), *args],
-                          capture_output=True, text=True, env=env, timeout=600)
+    proc = subprocess.run([sys.executable, "-m", f"benchmarks.{module}", "--dry-run", "--out",
+                           str(out), *args],
+                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     with open(out) as f:
         return json.load(f)
@@ -26,7 +27,7 @@ def _run(script: str, *args: str, out) -> dict:
 
 @pytest.mark.filterwarnings("ignore")
 def test_e2e_dry_run_checks(tmp_path):
-    res = _run("e2e.py", "--por", "0.75", "--methods", "treefx,treefx_standard,packed,hand",
+    res = _run("e2e", "--por", "0.75", "--methods", "treefx,treefx_standard,packed,hand",
                out=tmp_path / "e2e.json")
     checks = res["dry_run_checks"]["por0.75"]
     for method in ("treefx", "packed", "hand"):
@@ -42,7 +43,7 @@ def test_e2e_dry_run_checks(tmp_path):
 
 @pytest.mark.filterwarnings("ignore")
 def test_attention_dry_run_checks(tmp_path):
-    res = _run("attention.py", "--tokens", "512", "--kv-heads", "2", out=tmp_path / "att.json")
+    res = _run("attention", "--tokens", "512", "--kv-heads", "2", out=tmp_path / "att.json")
     checks = res["sizes"]["512"]["checks"]
     assert checks["pairs_match_dense"] is True
     for key in ("flex_tree", "heads_interleaved", "treefx_op", "treefx_op_interleaved"):
@@ -50,12 +51,11 @@ def test_attention_dry_run_checks(tmp_path):
 
 
 def test_profile_kinds_do_not_count_fused_kernels_as_copies():
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    sys.path.insert(0, ROOT)
     try:
-        import e2e
+        from benchmarks.e2e.profile import kernel_kind as kind
     finally:
         sys.path.pop(0)
-    kind = e2e._kernel_kind
     assert kind("triton_poi_fused__to_copy__unsafe_view_add_cos_mul_permute_10") == \
         "triton pointwise/reduction"
     assert kind("triton_tem_fused_flex_attention_backward_8") == "attention"
