@@ -1,5 +1,5 @@
 """Tree attention alone, forward + backward, against SDPA causal on the same number of attended
-(q, k) pairs, in TFLOP/s (issue 5).
+(q, k) pairs, in TFLOP/s.
 
     python -m benchmarks.attention              # GPU, ~2-3 min
     python -m benchmarks.attention --dry-run    # CPU, tiny, checks

@@ -284,12 +284,16 @@ def odd_forest(seed: int, vocab: int) -> list[treefx.Tree]:
     return [odd_tree(seed, vocab), odd_tree(seed + 1, vocab, masks=False)]
 
 
-def check_forest(vocab: int) -> list[treefx.Tree]:
+def check_forest(vocab: int, small: bool = False) -> list[treefx.Tree]:
     """The exactness checks' forest: two odd trees and a synthetic agent tree (6,098 tokens at
-    vocab 1024): odd shapes and more than one attention block."""
+    vocab 1024): odd shapes and more than one attention block. ``small``: a few hundred tokens
+    (a CPU dry run)."""
     forest = odd_forest(0, vocab)
-    agent = synth.agent_tree(1, vocab_size=vocab, rollouts=3, system_len=(300, 600),
-                             think_len=(50, 400), tool_len=(50, 500))
+    if small:
+        agent = synth.agent_tree(1, vocab_size=vocab, rollouts=2, **scaled_lengths(0.1))
+    else:
+        agent = synth.agent_tree(1, vocab_size=vocab, rollouts=3, system_len=(300, 600),
+                                 think_len=(50, 400), tool_len=(50, 500))
     return [forest[0], forest[1], agent]
 
 

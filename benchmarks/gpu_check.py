@@ -40,6 +40,7 @@ from .timing import median_ms
 # the eager backend checks the script's logic (--dry-run, or no GPU).
 DEV = "cpu"
 BACKEND = "eager"
+DRY_RUN = False
 COMPILE_KW = {"backend": BACKEND}  # every treefx.compile / treefx.step here (--interleave-heads)
 
 SMALL = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
@@ -62,7 +63,8 @@ def hf_model(model_type: str, dtype=torch.float32, seed=0, **cfg):
 
 
 def small_trees(vocab):
-    return check_forest(vocab)
+    """The check forest (:func:`benchmarks.common.check_forest`; a small one in a dry run)."""
+    return check_forest(vocab, small=DRY_RUN)
 
 
 def compare(tree_model, trees, reduction, reference=None):
@@ -419,7 +421,7 @@ def _short_tb(tb: str, label: str) -> str:
 
 
 def main(argv=None):
-    global ERR_DIR
+    global ERR_DIR, DRY_RUN
     p = argparse.ArgumentParser(prog="python -m benchmarks.gpu_check",
                                 description=__doc__.split("\n\n")[0])
     common.add_run_args(p, f"CPU, eager backend, a tiny model; cases {DRY_RUN_CASES} unless "
@@ -434,6 +436,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     cuda = common.use_cuda(args.dry_run)
     configure(cuda)
+    DRY_RUN = args.dry_run
     if args.dry_run:
         SMALL.update(TINY)
     args.cases = args.cases or (DRY_RUN_CASES if args.dry_run else ",".join(CASES))

@@ -1,6 +1,8 @@
-"""The GPU benchmarks' own checks, run on the CPU (``--dry-run``: tiny model and trees, eager
-backends): every method's loss and gradients against the per-sequence reference, the block
-masks against the dense mask. Keeps the harness from drifting while only the GPU times it."""
+"""The GPU benchmarks' own checks, run on the CPU (``python -m benchmarks.<name> --dry-run``:
+tiny model and trees, eager backends): every e2e method's loss and gradients against the
+per-sequence reference, the block masks against the dense mask, and a few of gpu_check's and
+checkpointing's ``treefx.verify`` cases. Keeps the harness from drifting while only the GPU
+times it."""
 
 from __future__ import annotations
 
@@ -48,6 +50,23 @@ def test_attention_dry_run_checks(tmp_path):
     assert checks["pairs_match_dense"] is True
     for key in ("flex_tree", "heads_interleaved", "treefx_op", "treefx_op_interleaved"):
         assert checks[f"{key}_vs_dense_max_abs"] < 1e-5, key
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_gpu_check_dry_run_checks(tmp_path):
+    res = _run("gpu_check", "--cases", "inference,qwen3-bf16", out=tmp_path / "gc.json")
+    for key in ("inference-qwen3-tiny", "inference-qwen3-small-trees"):
+        assert res[key]["passed"] is True, res.get("inference-error", "")[-1500:]
+        assert res[key]["max_abs_logprob_err"] < 1e-5, key
+    assert res["qwen3-bf16-tree-vs-fp32-oracle"]["passed"] is True
+    assert "max_rel_grad_err" in res["qwen3-bf16-perbranch-vs-fp32-oracle"]
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_checkpointing_dry_run_checks(tmp_path):
+    res = _run("checkpointing", "--parts", "verify", out=tmp_path / "ckpt.json")
+    for name in ("ckpt-off", "ckpt-nonreentrant"):
+        assert res["verify"][name].get("passed") is True, res["verify"][name]
 
 
 def test_profile_kinds_do_not_count_fused_kernels_as_copies():
