@@ -75,7 +75,7 @@ def _module_name() -> str:
     main = sys.modules.get("__main__")
     spec = getattr(main, "__spec__", None)
     name = getattr(spec, "name", None) or "?"
-    return name[:-len(".__main__")] if name.endswith(".__main__") else name
+    return name.removesuffix(".__main__")
 
 
 def bump_dynamo_limits(limit: int = 64, accumulated: int | None = 1024) -> None:

@@ -10,8 +10,6 @@ import traceback
 
 import torch
 
-import treefx
-
 from ..common import agent_row, counts_delta, dynamo_counts
 from ..internals import tree_block_mask, tree_block_tensors, tree_mask_mod
 from ..timing import repeat

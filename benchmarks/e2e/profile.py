@@ -8,7 +8,6 @@ import time
 import numpy as np
 import torch
 
-
 _KERNEL_KINDS = (  # (category, name fragments), first match wins
     ("attention", ("flex_attention", "triton_tem", "flash", "fmha", "cudnn", "attention")),
     ("gemm", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "sm90_", "sm80_", "splitk")),
