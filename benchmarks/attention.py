@@ -1,8 +1,8 @@
 """Tree attention alone, forward + backward, against SDPA causal on the same number of attended
-(q, k) pairs, in TFLOP/s (issue 5).
+(q, k) pairs, in TFLOP/s.
 
-    PYTHONPATH=. python benchmarks/attention.py --out attention.json        # GPU, ~2-3 min
-    PYTHONPATH=. python benchmarks/attention.py --dry-run                   # CPU, tiny, checks
+    python -m benchmarks.attention              # GPU, ~2-3 min
+    python -m benchmarks.attention --dry-run    # CPU, tiny, checks
 
 Cases per size N (bf16, 16 heads, head_dim 128, batch 1):
 - flex_tree:        compiled ``flex_attention`` with ``treefx.layout.tree_block_mask`` (the
@@ -19,57 +19,44 @@ FLOP convention: forward F = 4 * pairs * head_dim * heads (QK^T and PV, 2 FLOPs 
 multiply-add, attended pairs only); backward = 2.5 F; forward+backward = 3.5 F
 (--fwd-bwd-factor). Each case reports forward, backward (= fwd+bwd - fwd) and fwd+bwd times
 (CUDA events, median of --reps after --warmup) and TFLOP/s. Ratios between cases do not depend
-on the convention. The block mask is built once, outside the timing (e2e.py times building).
+on the convention. The block mask is built once, outside the timing (``benchmarks.e2e`` times
+building it).
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import math
-import os
-import platform
 import statistics
-import sys
 import time
 import traceback
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import treefx
 
-from timing import timed  # noqa: E402
-
-import treefx  # noqa: E402
-from treefx import synth  # noqa: E402
-from treefx.layout import tree_block_mask  # noqa: E402
-from treefx.ops.attention import (  # noqa: E402
+from . import common
+from .internals import (
+    TreeFlexAttention,
     block_indices,
     dense_tree_mask,
+    heads_to_row,
+    interleaved_block_mask,
+    row_to_heads,
+    tree_block_mask,
     tree_block_tensors,
+    tree_mask_mod,
 )
+from .timing import repeat
 
 BLOCK = 128
-_LENGTHS = dict(system_len=(150, 400), prompt_len=(30, 200), think_len=(40, 300),
-                answer_len=(10, 80), tool_len=(20, 250))
 
 
-def tree_row(n: int, scale: float = 1.0, vocab: int = 32000) -> torch.Tensor:
+def tree_row(n: int, scale: float = 1.0, vocab: int = 32000):
     """``subtree_end`` of a DFS row of agent trees (POR-0.75 shape: 4 rollouts) cut at ``n``
-    tokens (ends clipped to n: still a valid forest layout)."""
-    trees, total, i = [], 0, 0
-    lengths = {k: (max(1, round(lo * 1.8 * scale)), max(1, round(hi * 1.8 * scale)))
-               for k, (lo, hi) in _LENGTHS.items()}
-    while total < n:
-        t = synth.agent_tree(700 + i, vocab_size=vocab, rollouts=4, **lengths)
-        trees.append(t)
-        total += t.num_tokens
-        i += 1
-    se = treefx.pack(trees).subtree_end[:n].clamp(max=n).contiguous()
-    return se, trees
+    tokens (ends clipped to n: still a valid forest layout), and the trees."""
+    return common.agent_row(n, 700, scale, vocab)
 
 
 def pairs_of(se: torch.Tensor) -> int:
@@ -117,15 +104,13 @@ def l_equivalent(pairs: int) -> int:
 
 
 class Timer:
+    """:func:`benchmarks.timing.repeat` on this run's device."""
+
     def __init__(self, cuda: bool):
         self.cuda = cuda
 
     def __call__(self, fn, reps: int, warmup: int) -> list[float]:
-        for _ in range(warmup):
-            fn()
-        if self.cuda:
-            torch.cuda.synchronize()
-        return [timed(fn, self.cuda)[1] for _ in range(reps)]
+        return repeat(fn, reps, self.cuda, warmup)
 
 
 def qkv(length, heads, kv_heads, d, dtype, dev, seed=0, grad=True):
@@ -200,9 +185,10 @@ def sdpa_fn(backend_name, gqa):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m benchmarks.attention",
+                                description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default="attention.json")
+    common.add_run_args(p, "CPU, float32, tiny: flex forward checked against dense SDPA")
     p.add_argument("--tokens", default="16384,65536", help="tree row lengths N")
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--kv-heads", type=int, default=16, help="< heads: GQA (enable_gqa)")
@@ -214,10 +200,8 @@ def main(argv=None):
     p.add_argument("--scale", type=float, default=1.0, help="tree token lengths multiplier")
     p.add_argument("--extras", action="store_true",
                    help="also flex causal at L_eq and TreeFlexAttention (more compilations)")
-    p.add_argument("--dry-run", action="store_true",
-                   help="CPU, float32, tiny: flex forward checked against dense SDPA")
     p.add_argument("--e2e-trees", default="",
-                   help="also: tree attention on e2e.py's trees at these PORs in several block "
+                   help="also: tree attention on benchmarks.e2e's trees at these PORs in several block "
                         "layouts, beside the packed baseline's attention (e.g. 0.75)")
     p.add_argument("--kernel-sweep", action="store_true",
                    help="with --e2e-trees: FlexAttention kernel options (tile sizes, TMA, "
@@ -230,10 +214,8 @@ def main(argv=None):
                         "--kernel-sweep)")
     args = p.parse_args(argv)
 
-    cuda = torch.cuda.is_available() and not args.dry_run
-    for name, val in (("recompile_limit", 64), ("cache_size_limit", 64)):
-        if hasattr(torch._dynamo.config, name):
-            setattr(torch._dynamo.config, name, val)
+    cuda = common.use_cuda(args.dry_run)
+    common.bump_dynamo_limits(accumulated=None)
     if not cuda and not args.dry_run:
         p.error("no CUDA device: use --dry-run on the CPU")
     if args.dry_run:
@@ -258,16 +240,9 @@ def main(argv=None):
     def causal(b, h, q_idx, kv_idx):
         return kv_idx <= q_idx
 
-    try:
-        import triton
-    except ImportError:
-        triton = None
+    common.resolve_out(args, "attention", cuda)
     res = {
-        "meta": {"device": torch.cuda.get_device_name() if cuda else "cpu",
-                 "torch": torch.__version__, "triton": getattr(triton, "__version__", None),
-                 "python": platform.python_version(),
-                 "date": datetime.datetime.now().isoformat(timespec="seconds"),
-                 "command": " ".join([os.path.basename(sys.executable), *sys.argv])},
+        "meta": common.run_meta(cuda),
         "config": vars(args),
         "convention": (f"fwd FLOPs = 4*pairs*head_dim*heads; fwd+bwd = {args.fwd_bwd_factor} x "
                        f"fwd; bwd = {args.fwd_bwd_factor - 1} x fwd; pairs = attended (q,k) "
@@ -278,8 +253,7 @@ def main(argv=None):
     res["e2e_trees"] = {}
     if args.e2e_trees:
         e2e_tree_variants(args, env, timer, res, flex, gqa)
-        with open(args.out, "w") as f:
-            json.dump(res, f, indent=1, default=str)
+        common.save_json(res, args.out)
     for n in [int(x) for x in args.tokens.split(",") if x]:
         se_cpu, trees = tree_row(n, args.scale * (0.1 if args.dry_run else 1.0))
         se = se_cpu.to(env["dev"])
@@ -334,20 +308,16 @@ def main(argv=None):
             r[f"flex_tree_vs_flex_causal_N_{key}"] = r["flex_tree"][key] / r["flex_causal_N"][key]
         if cuda:
             torch.cuda.empty_cache()
-        with open(args.out, "w") as f:
-            json.dump(res, f, indent=1, default=str)
+        common.save_json(res, args.out)
 
     print_table(res)
-    with open(args.out, "w") as f:
-        json.dump(res, f, indent=1, default=str)
+    common.save_json(res, args.out)
     print(f"JSON: {args.out}")
     return res
 
 
 def _block_mask(kv_num, kv_idx, full_num, full_idx, se_pad, n, block):
     from torch.nn.attention.flex_attention import BlockMask
-
-    from treefx.layout import tree_mask_mod
 
     return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=block,
                                     mask_mod=tree_mask_mod(se_pad), seq_lengths=(n, n))
@@ -382,13 +352,10 @@ def e2e_tree_variants(args, env, timer, res, flex, gqa):
     how efficient tree attention is per attended pair, and what its partial blocks cost."""
 
     def save():  # after every case: a run stopped at its time limit keeps what it measured
-        with open(args.out, "w") as f:
-            json.dump(res, f, indent=1, default=str)
-
-    from e2e import make_tree
+        common.save_json(res, args.out)
 
     for por in [float(x) for x in args.e2e_trees.split(",") if x]:
-        tree = make_tree(por, args.scale * (0.03 if args.dry_run else 1.0), 32000)
+        tree = common.make_tree(por, args.scale * (0.03 if args.dry_run else 1.0), 32000)
         batch = treefx.pack(tree)
         se = batch.subtree_end.to(env["dev"])
         n = batch.num_tokens
@@ -532,13 +499,6 @@ def heads_interleaved(se: torch.Tensor, kv_heads: int, block: int = BLOCK):
     the surrounding kernels in ``treefx_op(..., interleave=True)``)."""
     from torch.nn.attention.flex_attention import BlockMask
 
-    from treefx.ops.attention import (
-        TreeFlexAttention,
-        _heads_to_row,
-        _row_to_heads,
-        interleaved_block_mask,
-    )
-
     n = se.numel()
     kv_num, kv_idx, full_num, full_idx, se_pad = tree_block_tensors(se, block)
     nb, hk = kv_num.shape[-1], kv_heads
@@ -555,9 +515,9 @@ def heads_interleaved(se: torch.Tensor, kv_heads: int, block: int = BLOCK):
                                            BLOCK_SIZE=block, seq_lengths=(n, n))
             cache[gq] = interleaved_block_mask(
                 std, hk, length, lambda b, h, qi, ki: mods(b, h, qi, ki, se_pad, pos_pad))
-        o = flex(*(_heads_to_row(x, hk, nb, block) for x in (q, k, v)), block_mask=cache[gq],
+        o = flex(*(heads_to_row(x, hk, nb, block) for x in (q, k, v)), block_mask=cache[gq],
                  enable_gqa=gq > 1)
-        return _row_to_heads(o, hk, nb, block, n)
+        return row_to_heads(o, hk, nb, block, n)
 
     return attn
 
@@ -565,16 +525,14 @@ def heads_interleaved(se: torch.Tensor, kv_heads: int, block: int = BLOCK):
 def interleave_copies(se: torch.Tensor, kv_heads: int, block: int = BLOCK):
     """TIMING ONLY: the row permutation of q, k, v and back, without attention (its cost in
     ``heads_interleaved``)."""
-    from treefx.ops.attention import _heads_to_row, _row_to_heads
-
     n = se.numel()
     nb = -(-n // block)
 
     def attn(q, k, v):
-        rows = [_heads_to_row(x, kv_heads, nb, block) for x in (q, k, v)]
+        rows = [heads_to_row(x, kv_heads, nb, block) for x in (q, k, v)]
         mixed = rows[0] + rows[1].repeat_interleave(rows[0].shape[1] // rows[1].shape[1], 1) \
             + rows[2].repeat_interleave(rows[0].shape[1] // rows[2].shape[1], 1)
-        return _row_to_heads(mixed, kv_heads, nb, block, n)
+        return row_to_heads(mixed, kv_heads, nb, block, n)
 
     return attn
 
@@ -582,8 +540,6 @@ def interleave_copies(se: torch.Tensor, kv_heads: int, block: int = BLOCK):
 def treefx_op(se, n, cuda, gqa, interleave=False):
     """The op treefx's attention pass inserts (TreeFlexAttention; KV heads shared natively, as
     the pass gives them), compiled, with its block tensors built once."""
-    from treefx.ops.attention import TreeFlexAttention
-
     kv_num, kv_idx, full_num, full_idx, se_pad = tree_block_tensors(se, BLOCK)
     pos_pad = torch.zeros_like(se_pad)  # no model mask: positions unused
     op = TreeFlexAttention(block_size=BLOCK, interleave_heads=interleave)

@@ -1,8 +1,8 @@
 """Activation checkpointing under treefx on the GPU: exact through the inductor backend, what
 it saves, and what the first-call verification costs.
 
-    PYTHONPATH=. python benchmarks/checkpointing.py --parts exact,memory --out results.json
-    PYTHONPATH=. python benchmarks/checkpointing.py --dry-run        # CPU, eager, tiny sizes
+    python -m benchmarks.checkpointing --parts exact,memory   # GPU
+    python -m benchmarks.checkpointing --dry-run              # CPU, eager, tiny sizes
 
 Parts (each runs even if another fails; failures are recorded with their traceback):
 - ``exact``: HF Qwen3 (non-reentrant and reentrant gradient checkpointing) and Qwen3-Next
@@ -22,8 +22,6 @@ Parts (each runs even if another fails; failures are recorded with their traceba
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import sys
 import time
@@ -31,32 +29,30 @@ import traceback
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import treefx
+from treefx.models import tiny_decoder
 
-from e2e import make_tree  # noqa: E402
-from timing import timed  # noqa: E402
+from . import common
+from .common import hf_labels_step, make_tree
+from .timing import timed
 
-import treefx  # noqa: E402
-from treefx.models import tiny_decoder  # noqa: E402
-from treefx.verification import Tolerance, tolerance_for  # noqa: E402
+# Set by configure(): CUDA and inductor on the GPU; the CPU and eager in a dry run.
+CUDA = False
+DEV = "cpu"
+BACKEND = "eager"
 
-CUDA = torch.cuda.is_available()
-DEV = "cuda" if CUDA else "cpu"
-BACKEND = "inductor" if CUDA else "eager"
+
+def configure(cuda: bool) -> None:
+    global CUDA, DEV, BACKEND
+    CUDA = cuda
+    DEV = "cuda" if cuda else "cpu"
+    BACKEND = "inductor" if cuda else "eager"
 
 
 def hf_model(model_type, dtype, ckpt: str | None, seed=0, **cfg):
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.for_model(model_type, **cfg)
-    config._attn_implementation = "sdpa"
-    config.use_cache = False
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config).to(DEV, dtype)
-    if ckpt is not None:
-        model.gradient_checkpointing_enable(
-            gradient_checkpointing_kwargs={"use_reentrant": ckpt == "reentrant"})
-    return model.train()
+    """HF model in training mode, with HF gradient checkpointing ``ckpt`` (None: off)."""
+    return common.hf_model(model_type, dev=DEV, dtype=dtype, seed=seed, use_cache=False,
+                           checkpointing=ckpt, train=True, **cfg)
 
 
 def small(dry: bool) -> dict:
@@ -139,7 +135,8 @@ def part_exact(args) -> dict:
         print(f"{name}:", flush=True)
         try:
             model = make()
-            tol = tolerance_for(torch.bfloat16) if "bf16" in name else Tolerance(1e-4, 1e-3)
+            # bf16: verify's default for the model's dtype (its bf16 tolerance)
+            tol = None if "bf16" in name else common.tolerance(1e-4, 1e-3)
             results[name] = verify_case(model, [agent], tol)
         except Exception as e:  # noqa: BLE001 - record and go on
             results[name] = {"error": f"{type(e).__name__}: {e}", "traceback":
@@ -159,11 +156,6 @@ def _selective(cfg, make_contexts, functools):
     m.layers = torch.nn.ModuleList(Checkpointed(layer, use_reentrant=False, context_fn=policy)
                                    for layer in m.layers)
     return m
-
-
-def hf_labels_step(model, batch):
-    return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                 labels=batch["labels"]).loss
 
 
 def part_memory(args) -> dict:
@@ -211,8 +203,8 @@ def part_memory(args) -> dict:
                 shape["vocab_size"], min_tokens=2 * tm.engine.block_size + 1)).to(DEV)
             tm(probe)  # compiles the graph the check runs through, outside its timing
             t0 = time.perf_counter()
-            rep = treefx.verify(tm, params="sample", raise_on_failure=False,
-                                tolerance=tolerance_for(next(model.parameters()).dtype))
+            # the default tolerance for the model's dtype
+            rep = treefx.verify(tm, params="sample", raise_on_failure=False)
             r["verify"] = dict(seconds=time.perf_counter() - t0, passed=rep.passed,
                                logprob_err=rep.max_logprob_error, grad_err=rep.max_grad_error,
                                params=f"{rep.compared_params}/{rep.total_params}",
@@ -271,26 +263,23 @@ def part_verify(args) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.checkpointing",
+                                description=__doc__.split("\n")[0])
+    common.add_run_args(p, "CPU, eager backend, tiny sizes")
     p.add_argument("--parts", default="exact,memory")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--dry-run", action="store_true", help="CPU, eager backend, tiny sizes")
-    p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     if args.dry_run:
         args.layers, args.reps = 2, 1
-    import transformers
-
-    out = {"device": torch.cuda.get_device_name() if CUDA else "cpu",
-           "torch": torch.__version__, "transformers": transformers.__version__,
-           "backend": BACKEND, "argv": sys.argv[1:]}
+    configure(common.use_cuda(args.dry_run))
+    common.resolve_out(args, "checkpointing", CUDA)
+    out = {**common.run_meta(CUDA), "backend": BACKEND, "argv": sys.argv[1:]}
     for part in args.parts.split(","):
         out[part] = {"exact": part_exact, "memory": part_memory,
                      "verify": part_verify}[part](args)
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump(out, f, indent=1, default=str)
+        common.save_json(out, args.out)
+    print(f"JSON: {args.out}")
     return 0
 
 

@@ -1,14 +1,21 @@
-"""GPU exactness of the inductor backend against the per-branch oracle, and a first timing.
+"""GPU exactness of the inductor backend against the per-sequence oracle, and a first timing.
 
-    PYTHONPATH=. python benchmarks/gpu_check.py --out results.json
+    python -m benchmarks.gpu_check                      # GPU, every case, ~4 min
+    python -m benchmarks.gpu_check --cases qwen3-fp32   # some cases
+    python -m benchmarks.gpu_check --dry-run            # CPU: tiny model, eager, a few cases
 
 Cases (each runs even if another fails; failures are recorded with their traceback):
 - qwen3-fp32: HF Qwen3, float32, TF32 off, inductor (FlexAttention + Triton) vs the oracle;
 - qwen3-bf16: the same weights in bf16 through treefx vs the float32 oracle, beside the error
-  of the plain bf16 per-branch run vs the same oracle (the error bf16 training has anyway);
+  of the plain bf16 per-sequence run vs the same oracle (the error bf16 training has anyway);
 - mistral-window: sliding window 64, the lifted mask_mod on long sequences;
 - recompiles: 20 trees of different sizes through one compiled model;
-- timing: one training step on a POR ~0.75 agent tree, treefx vs one sequence at a time.
+- timing: one training step on a POR ~0.75 agent tree, treefx vs one sequence at a time;
+- and the cases of ``CASES`` below (short rows, no-grad inference, hybrids, loss memory, ...).
+
+Tree models are compared with ``treefx.verify`` (log-probs and every gradient, its report's
+fields in the JSON); what is not a tree model (``@treefx.step``, the per-sequence bf16 run)
+with :mod:`benchmarks.common`'s oracle helpers.
 """
 
 from __future__ import annotations
@@ -16,80 +23,57 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import sys
 import time
 import traceback
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import treefx
+from treefx import synth
 
-from timing import timed  # noqa: E402
+from . import common
+from .common import check_forest, odd_forest, tiny_forest
+from .internals import attention_ops, recurrence_registry
+from .timing import median_ms
 
-import treefx  # noqa: E402
-from treefx import synth  # noqa: E402
-
-# A dry run of the script's logic works on the CPU (eager backend); the numbers that count are
-# from CUDA with the inductor backend.
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
-BACKEND = "inductor" if DEV == "cuda" else "eager"
+# Set by configure(): CUDA with the inductor backend for the numbers that count; the CPU with
+# the eager backend checks the script's logic (--dry-run, or no GPU).
+DEV = "cpu"
+BACKEND = "eager"
+DRY_RUN = False
 COMPILE_KW = {"backend": BACKEND}  # every treefx.compile / treefx.step here (--interleave-heads)
-
-
-def hf_model(model_type: str, dtype=torch.float32, seed=0, **cfg):
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.for_model(model_type, **cfg)
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(config).to(DEV, dtype)
-
 
 SMALL = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
              num_attention_heads=8, num_key_value_heads=4, head_dim=32)
+# --dry-run: the same shapes of trees through a tiny model
+TINY = dict(vocab_size=1024, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+DRY_RUN_CASES = "qwen3-fp32,qwen3-bf16,inference,step-fp32"
+
+
+def configure(cuda: bool) -> None:
+    global DEV, BACKEND
+    DEV = "cuda" if cuda else "cpu"
+    BACKEND = "inductor" if cuda else "eager"
+    COMPILE_KW["backend"] = BACKEND
+
+
+def hf_model(model_type: str, dtype=torch.float32, seed=0, **cfg):
+    return common.hf_model(model_type, dev=DEV, dtype=dtype, seed=seed, **cfg)
 
 
 def small_trees(vocab):
-    from trees import odd_forest
-
-    forest = odd_forest(0, vocab)
-    agent = synth.agent_tree(1, vocab_size=vocab, rollouts=3, system_len=(300, 600),
-                             think_len=(50, 400), tool_len=(50, 500))
-    return [forest[0], forest[1], agent]
+    """The check forest (:func:`benchmarks.common.check_forest`; a small one in a dry run)."""
+    return check_forest(vocab, small=DRY_RUN)
 
 
-def grads_of(model):
-    g = {n: p.grad.detach().float().clone() for n, p in model.named_parameters()
-         if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    return g
-
-
-def compare(tree_model, ref_model, trees, reduction):
-    """Max abs log-prob error, loss rel. error, max rel. gradient error (tree vs oracle)."""
-    batch = treefx.pack(trees, reduction=reduction).to(DEV)
-    out = tree_model(batch)
-    loss = treefx.tree_loss(out, batch)
-    loss.backward()
-    g_tree = grads_of(tree_model.model)
-    ref_lp = treefx.reference.sequence_logprobs(ref_model, trees)
-    ref_loss = treefx.reference.sequence_loss(ref_model, trees, reduction=reduction)
-    ref_loss.backward()
-    g_ref = grads_of(ref_model)
-    lp_err = max(
-        (out.token_logprobs[batch.sequence_index(i)[1:]].float() - lp.float()).abs().max().item()
-        for i, lp in enumerate(ref_lp) if lp.numel()
-    )
-    grad_err = max(((g_tree[n] - g).norm() / g.norm().clamp_min(1e-30)).item()
-                   for n, g in g_ref.items())
-    return {
-        "tokens": batch.num_tokens,
-        "max_abs_logprob_err": lp_err,
-        "loss_rel_err": abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()),
-        "max_rel_grad_err": grad_err,
-    }
+def compare(tree_model, trees, reduction, reference=None):
+    """``treefx.verify``: the tree model against the per-sequence oracle (``reference``: run
+    the oracle on that module instead, e.g. the float32 copy of a bf16 model), log-probs and
+    every gradient."""
+    rep = treefx.verify(tree_model, trees, reduction=reduction, reference=reference,
+                        raise_on_failure=False)
+    return common.report_dict(rep)
 
 
 def case_qwen3_fp32(res):
@@ -99,23 +83,8 @@ def case_qwen3_fp32(res):
     tm = treefx.compile(model, **COMPILE_KW)
     trees = small_trees(SMALL["vocab_size"])
     for red in ("sum", "mean"):
-        res[f"qwen3-fp32-{red}"] = compare(tm, model, trees, red)
+        res[f"qwen3-fp32-{red}"] = compare(tm, trees, red)
     res["qwen3-fp32-compilations"] = tm.num_compilations
-
-
-class PerBranch(torch.nn.Module):
-    """The plain model run per sequence, shaped like a TreeModel for compare()."""
-
-    def __init__(self, m):
-        super().__init__()
-        self.model = m
-
-    def forward(self, batch):
-        lps = treefx.reference.sequence_logprobs(self.model, batch.trees)
-        tl = torch.zeros(batch.num_tokens, device=DEV)
-        for i, lp in enumerate(lps):
-            tl = tl.index_put((batch.sequence_index(i)[1:],), lp.float())
-        return treefx.TreeOutput(None, tl)
 
 
 def case_qwen3_bf16(res):
@@ -125,9 +94,9 @@ def case_qwen3_bf16(res):
     low.load_state_dict({k: v.to(torch.bfloat16) for k, v in ref.state_dict().items()})
     trees = small_trees(SMALL["vocab_size"])
     tm = treefx.compile(low, **COMPILE_KW)
-    res["qwen3-bf16-tree-vs-fp32-oracle"] = compare(tm, ref, trees, "mean")
+    res["qwen3-bf16-tree-vs-fp32-oracle"] = compare(tm, trees, "mean", reference=ref)
 
-    res["qwen3-bf16-perbranch-vs-fp32-oracle"] = compare(PerBranch(low), ref, trees, "mean")
+    res["qwen3-bf16-perbranch-vs-fp32-oracle"] = common.oracle_vs_oracle(low, ref, trees, "mean")
 
 
 def case_mistral_window(res):
@@ -135,7 +104,7 @@ def case_mistral_window(res):
     cfg = dict(SMALL, sliding_window=64)
     model = hf_model("mistral", **cfg)
     tm = treefx.compile(model, **COMPILE_KW)
-    res["mistral-window64-fp32"] = compare(tm, model, small_trees(cfg["vocab_size"]), "mean")
+    res["mistral-window64-fp32"] = compare(tm, small_trees(cfg["vocab_size"]), "mean")
 
 
 def case_recompiles(res):
@@ -160,9 +129,7 @@ def case_recompiles_wide(res):
                                                   "num_hidden_layers": 2, "head_dim": 64,
                                                   "num_attention_heads": 16,
                                                   "num_key_value_heads": 8})
-    few = [treefx.Tree.from_sequences([[1, 2, 3, 4, 5], [1, 2, 3, 6], [7]]),
-           treefx.Tree.from_sequences([[9] * 40, [9] * 20 + [8] * 24])]
-    streams = [few] + [[synth.agent_tree(200 + i, vocab_size=SMALL["vocab_size"],
+    streams = [tiny_forest()] + [[synth.agent_tree(200 + i, vocab_size=SMALL["vocab_size"],
                                          rollouts=1 + i % 4)] * (1 + i % 3) for i in range(11)]
     tm = treefx.compile(model, **COMPILE_KW)
     for mode in ("training", "no-grad"):
@@ -181,11 +148,11 @@ def case_recompiles_wide(res):
 
 
 def _time(fn, reps=5):
+    """Median of ``reps`` calls after one untimed call (NaN on the CPU)."""
     fn()
     if DEV != "cuda":
         return float("nan")
-    torch.cuda.synchronize()
-    return statistics.median(timed(fn, True)[1] for _ in range(reps))
+    return median_ms(fn, reps, True)
 
 
 def case_timing(res):
@@ -222,9 +189,7 @@ def case_timing(res):
     }
 
 
-def hf_labels_step(model, batch):
-    return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                 labels=batch["labels"]).loss
+hf_labels_step = common.hf_labels_step
 
 
 def case_step_fp32(res):
@@ -233,17 +198,12 @@ def case_step_fp32(res):
     model = hf_model("qwen3", **SMALL)
     step = treefx.step(hf_labels_step, **COMPILE_KW)
     trees = small_trees(SMALL["vocab_size"])
+    ref = common.oracle(model, trees, reduction="mean")
     batch = treefx.pack(trees).to(DEV)
     loss = step(model, batch)
     loss.backward()
-    g_tree = grads_of(model)
-    ref = treefx.reference.sequence_loss(model, trees, reduction="mean")
-    ref.backward()
-    g_ref = grads_of(model)
     res["step-hf-labels-fp32"] = {
-        "loss_rel_err": abs(loss.item() - ref.item()) / abs(ref.item()),
-        "max_rel_grad_err": max(((g_tree[n] - g).norm() / g.norm().clamp_min(1e-30)).item()
-                                for n, g in g_ref.items()),
+        **common.loss_vs_oracle(model, loss.detach(), ref),
         "loss_rewrite": [r.note for r in step.contexts[0].log if r.pass_name == "loss"],
     }
 
@@ -304,9 +264,7 @@ def hybrid_models(dtype=torch.float32) -> dict:
 
 def _kernels() -> dict:
     """Which recurrences have a variable-length fast path (fla) in this environment."""
-    from treefx.recurrence import _REGISTRY
-
-    return {name: rec.varlen is not None for name, rec in _REGISTRY.items()
+    return {name: rec.varlen is not None for name, rec in recurrence_registry().items()
             if "gated_delta" in name}
 
 
@@ -319,7 +277,7 @@ def case_hybrid_fp32(res):
     trees = small_trees(1024)
     for name, model in hybrid_models().items():
         tm = treefx.compile(model, **COMPILE_KW)
-        res[f"hybrid-{name}-fp32"] = compare(tm, model, trees, "mean")
+        res[f"hybrid-{name}-fp32"] = compare(tm, trees, "mean")
 
 
 def case_hybrid_bf16(res):
@@ -330,20 +288,17 @@ def case_hybrid_bf16(res):
     refs = hybrid_models()
     for name, low in hybrid_models(torch.bfloat16).items():
         tm = treefx.compile(low, **COMPILE_KW)
-        res[f"hybrid-{name}-bf16-tree-vs-fp32-oracle"] = compare(tm, refs[name], trees, "mean")
-        res[f"hybrid-{name}-bf16-perbranch-vs-fp32-oracle"] = compare(
-            PerBranch(low), refs[name], trees, "mean")
+        res[f"hybrid-{name}-bf16-tree-vs-fp32-oracle"] = compare(tm, trees, "mean",
+                                                                 reference=refs[name])
+        res[f"hybrid-{name}-bf16-perbranch-vs-fp32-oracle"] = common.oracle_vs_oracle(
+            low, refs[name], trees, "mean")
 
 
-def _forward_err(tm, model, trees) -> dict:
-    """Forward only, without autograd: max abs log-prob error against the oracle."""
-    batch = treefx.pack(trees).to(DEV)
-    with torch.no_grad():
-        out = tm(batch)
-        ref = treefx.reference.sequence_logprobs(model, trees)
-    err = max((out.token_logprobs[batch.sequence_index(i)[1:]].float() - lp.float())
-              .abs().max().item() for i, lp in enumerate(ref) if lp.numel())
-    return {"tokens": batch.num_tokens, "max_abs_logprob_err": err}
+def _forward_err(tm, trees) -> dict:
+    """Forward only, without autograd (``treefx.verify(grads=False)``): the log-probs against
+    the oracle's."""
+    rep = treefx.verify(tm, trees, grads=False, raise_on_failure=False)
+    return common.report_dict(rep)
 
 
 def case_inference(res):
@@ -351,11 +306,10 @@ def case_inference(res):
     where Inductor may fuse the mask's padded tree tensors into the attention kernel."""
     torch.backends.cuda.matmul.allow_tf32 = False
     model = hf_model("qwen3", **SMALL)
-    few = [treefx.Tree.from_sequences([[1, 2, 3, 4, 5], [1, 2, 3, 6], [7]]),
-           treefx.Tree.from_sequences([[9] * 40, [9] * 20 + [8] * 24])]
-    for label, trees in (("tiny", few), ("small-trees", small_trees(SMALL["vocab_size"]))):
+    for label, trees in (("tiny", tiny_forest()),
+                         ("small-trees", small_trees(SMALL["vocab_size"]))):
         tm = treefx.compile(model, **COMPILE_KW)
-        res[f"inference-qwen3-{label}"] = _forward_err(tm, model, trees)
+        res[f"inference-qwen3-{label}"] = _forward_err(tm, trees)
 
 
 def case_small_sizes(res):
@@ -380,25 +334,23 @@ def case_small_sizes(res):
 
 def case_short_rows(res):
     """Rows of one attention block or less, and exactly one and two blocks, without autograd
-    (Inductor's decoding-kernel choice and its one-block reduction bug) and with it. (The
-    variant-by-variant run that located both bugs: results/gpu_short_rows_h200.json.)"""
+    (Inductor's decoding-kernel choice and its one-block reduction bug) and with it."""
     torch.backends.cuda.matmul.allow_tf32 = False
     model = hf_model("qwen3", **SMALL)
-    few = [treefx.Tree.from_sequences([[1, 2, 3, 4, 5], [1, 2, 3, 6], [7]]),
-           treefx.Tree.from_sequences([[9] * 40, [9] * 20 + [8] * 24])]
+    few = tiny_forest()
     block = [treefx.Tree.from_sequences([[5] * 60 + [6] * 20, [5] * 60 + [7] * 48])]
     two = [treefx.Tree.from_sequences([[3] * 100 + [4] * 60, [3] * 100 + [2] * 96])]
     tm = treefx.compile(model, **COMPILE_KW)
     for label, trees in (("71", few), ("128", block), ("256", two)):
         assert treefx.pack(trees).num_tokens == int(label)
         try:
-            res[f"short-{label}-no-grad"] = _forward_err(tm, model, trees)
+            res[f"short-{label}-no-grad"] = _forward_err(tm, trees)
         except Exception:
             res[f"short-{label}-no-grad-error"] = _short_tb(traceback.format_exc(),
                                                             f"short-{label}-no-grad")
     for label, trees in (("71", few), ("128", block)):
         try:
-            res[f"short-{label}-training"] = compare(tm, model, trees, "mean")
+            res[f"short-{label}-training"] = compare(tm, trees, "mean")
         except Exception:
             res[f"short-{label}-training-error"] = _short_tb(traceback.format_exc(),
                                                              f"short-{label}-training")
@@ -417,7 +369,7 @@ def case_hybrid_forward(res):
         for name, model in hybrid_models(dtype).items():
             tm = treefx.compile(model, **COMPILE_KW)
             key = f"hybrid-{name}-forward-{str(dtype)[6:]}"
-            res[key] = _forward_err(tm, model, trees)
+            res[key] = _forward_err(tm, trees)
             print(f"  {key}: {res[key]}", flush=True)  # a run stopped at its limit keeps it
 
 
@@ -425,15 +377,12 @@ def case_small_trees(res):
     """Trees shorter than one 128-token attention block (and a little longer), inductor."""
     torch.backends.cuda.matmul.allow_tf32 = False
     model = hf_model("qwen3", **SMALL)
-    few = [treefx.Tree.from_sequences([[1, 2, 3, 4, 5], [1, 2, 3, 6], [7]]),
-           treefx.Tree.from_sequences([[9] * 40, [9] * 20 + [8] * 24])]
-    from trees import odd_forest
-
+    few = tiny_forest()
     for label, trees in (("tiny", few), ("odd-forest", odd_forest(3, 1024)),
                          ("block-plus", few + odd_forest(4, 1024))):
         tm = treefx.compile(model, **COMPILE_KW)
         try:
-            res[f"small-{label}"] = compare(tm, model, trees, "mean")
+            res[f"small-{label}"] = compare(tm, trees, "mean")
         except Exception:
             res[f"small-{label}-error"] = _short_tb(traceback.format_exc(), label)
 
@@ -471,34 +420,33 @@ def _short_tb(tb: str, label: str) -> str:
     return tb[:1500] + "\n...\n" + "\n".join(ln[:500] for ln in named) + "\n...\n" + tb[-1500:]
 
 
-def main():
-    global ERR_DIR
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", default="gpu_check.json")
-    p.add_argument("--cases", default=",".join(CASES))
+def main(argv=None):
+    global ERR_DIR, DRY_RUN
+    p = argparse.ArgumentParser(prog="python -m benchmarks.gpu_check",
+                                description=__doc__.split("\n\n")[0])
+    common.add_run_args(p, f"CPU, eager backend, a tiny model; cases {DRY_RUN_CASES} unless "
+                           "--cases")
+    p.add_argument("--cases", default=None, help=f"comma-separated, of {', '.join(CASES)} "
+                                                 "(default: all)")
     p.add_argument("--err-dir", default=None, help="write full tracebacks here")
     p.add_argument("--tma", action="store_true",
                    help="FlexAttention kernel option USE_TMA on (treefx leaves it off)")
     p.add_argument("--interleave-heads", choices=("auto", "on", "off"), default="auto",
                    help="treefx.compile(..., interleave_heads=None/True/False) everywhere")
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    cuda = common.use_cuda(args.dry_run)
+    configure(cuda)
+    DRY_RUN = args.dry_run
+    if args.dry_run:
+        SMALL.update(TINY)
+    args.cases = args.cases or (DRY_RUN_CASES if args.dry_run else ",".join(CASES))
+    common.resolve_out(args, "gpu_check", cuda)
     ERR_DIR = args.err_dir
     COMPILE_KW["interleave_heads"] = {"auto": None, "on": True, "off": False}[
         args.interleave_heads]
     if args.tma:
-        from treefx.ops import attention
-
-        attention._STANDARD_KERNEL["USE_TMA"] = True
-    import transformers
-
-    try:
-        import triton
-    except ImportError:
-        triton = None
-    res = {"device": torch.cuda.get_device_name() if DEV == "cuda" else "cpu", "tma": args.tma,
-           "interleave_heads": args.interleave_heads,
-           "torch": torch.__version__,
-           "triton": getattr(triton, "__version__", None), "transformers": transformers.__version__}
+        attention_ops._STANDARD_KERNEL["USE_TMA"] = True
+    res = {**common.run_meta(cuda), "tma": args.tma, "interleave_heads": args.interleave_heads}
     for name in args.cases.split(","):
         t0 = time.perf_counter()
         try:
@@ -508,13 +456,14 @@ def main():
             res[f"{name}-error"] = _short_tb(traceback.format_exc(), name)
             status = "FAILED"
         print(f"{name}: {status} in {time.perf_counter() - t0:.1f}s", flush=True)
-        with open(args.out, "w") as f:
-            json.dump(res, f, indent=1)
-    print(json.dumps({k: v for k, v in res.items() if not k.endswith("error")}, indent=1))
+        common.save_json(res, args.out)
+    print(json.dumps({k: v for k, v in res.items() if not k.endswith("error")}, indent=1,
+                     default=str))
     for k, v in res.items():
         if k.endswith("error"):
             msgs = [ln for ln in v.splitlines() if "Error" in ln or "error:" in ln]
             print(f"--- {k}\n" + "\n".join(m[:400] for m in msgs[-6:]))
+    return res
 
 
 if __name__ == "__main__":

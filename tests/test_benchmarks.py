@@ -1,6 +1,8 @@
-"""The GPU benchmarks' own checks, run on the CPU (``--dry-run``: tiny model and trees, eager
-backends): every method's loss and gradients against the per-sequence reference, the block
-masks against the dense mask. Keeps the harness from drifting while only the GPU times it."""
+"""The GPU benchmarks' own checks, run on the CPU (``python -m benchmarks.<name> --dry-run``:
+tiny model and trees, eager backends): every e2e method's loss and gradients against the
+per-sequence reference, the block masks against the dense mask, and a few of gpu_check's and
+checkpointing's ``treefx.verify`` cases. Keeps the harness from drifting while only the GPU
+times it."""
 
 from __future__ import annotations
 
@@ -14,11 +16,12 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _run(script: str, *args: str, out) -> dict:
+def _run(module: str, *args: str, out) -> dict:
+    """``python -m benchmarks.<module> --dry-run --out <out> ...`` from the repository root."""
     env = dict(os.environ, PYTHONPATH=ROOT)
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", script),
-                           "--dry-run", "--out", str(out), *args],
-                          capture_output=True, text=True, env=env, timeout=600)
+    proc = subprocess.run([sys.executable, "-m", f"benchmarks.{module}", "--dry-run", "--out",
+                           str(out), *args],
+                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     with open(out) as f:
         return json.load(f)
@@ -26,7 +29,7 @@ def _run(script: str, *args: str, out) -> dict:
 
 @pytest.mark.filterwarnings("ignore")
 def test_e2e_dry_run_checks(tmp_path):
-    res = _run("e2e.py", "--por", "0.75", "--methods", "treefx,treefx_standard,packed,hand",
+    res = _run("e2e", "--por", "0.75", "--methods", "treefx,treefx_standard,packed,hand",
                out=tmp_path / "e2e.json")
     checks = res["dry_run_checks"]["por0.75"]
     for method in ("treefx", "packed", "hand"):
@@ -42,20 +45,36 @@ def test_e2e_dry_run_checks(tmp_path):
 
 @pytest.mark.filterwarnings("ignore")
 def test_attention_dry_run_checks(tmp_path):
-    res = _run("attention.py", "--tokens", "512", "--kv-heads", "2", out=tmp_path / "att.json")
+    res = _run("attention", "--tokens", "512", "--kv-heads", "2", out=tmp_path / "att.json")
     checks = res["sizes"]["512"]["checks"]
     assert checks["pairs_match_dense"] is True
     for key in ("flex_tree", "heads_interleaved", "treefx_op", "treefx_op_interleaved"):
         assert checks[f"{key}_vs_dense_max_abs"] < 1e-5, key
 
 
+@pytest.mark.filterwarnings("ignore")
+def test_gpu_check_dry_run_checks(tmp_path):
+    res = _run("gpu_check", "--cases", "inference,qwen3-bf16", out=tmp_path / "gc.json")
+    for key in ("inference-qwen3-tiny", "inference-qwen3-small-trees"):
+        assert res[key]["passed"] is True, res.get("inference-error", "")[-1500:]
+        assert res[key]["max_abs_logprob_err"] < 1e-5, key
+    assert res["qwen3-bf16-tree-vs-fp32-oracle"]["passed"] is True
+    assert "max_rel_grad_err" in res["qwen3-bf16-perbranch-vs-fp32-oracle"]
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_checkpointing_dry_run_checks(tmp_path):
+    res = _run("checkpointing", "--parts", "verify", out=tmp_path / "ckpt.json")
+    for name in ("ckpt-off", "ckpt-nonreentrant"):
+        assert res["verify"][name].get("passed") is True, res["verify"][name]
+
+
 def test_profile_kinds_do_not_count_fused_kernels_as_copies():
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    sys.path.insert(0, ROOT)
     try:
-        import e2e
+        from benchmarks.e2e.profile import kernel_kind as kind
     finally:
         sys.path.pop(0)
-    kind = e2e._kernel_kind
     assert kind("triton_poi_fused__to_copy__unsafe_view_add_cos_mul_permute_10") == \
         "triton pointwise/reduction"
     assert kind("triton_tem_fused_flex_attention_backward_8") == "attention"

@@ -1,0 +1,91 @@
+"""The dry run's exactness checks (CPU, float32): every method's loss and gradients against
+the per-sequence oracle, and the FlexAttention forward of the packed and tree BlockMasks
+against the dense masks the CPU steps use."""
+
+from __future__ import annotations
+
+import torch
+
+import treefx
+
+from ..common import counts_delta, dynamo_counts, loss_vs_oracle, oracle
+from ..internals import tree_block_mask, tree_block_tensors
+from .body import make_body
+from .env import BLOCK, set_attn
+from .mask_build import same_blocks
+from .methods.hand import HandMask
+from .methods.packed import PackedData
+
+
+def dry_checks(env, model, trees, parts) -> dict:
+    """CPU, float32: every method's loss and gradients against the per-branch oracle; the
+    FlexAttention forward of the packed and tree BlockMasks against the dense masks.
+
+    The methods are whole training steps, most of them not treefx models (packing, the hand
+    step, one by one), so each is compared through its loss and ``.grad``
+    (:func:`benchmarks.common.loss_vs_oracle`) rather than ``treefx.verify``."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    out = {}
+    for label, tree in trees.items():
+        set_attn(model, "sdpa")
+        ref = oracle(model, tree, reduction="mean")
+        entry = {"reference_loss": ref[0]}
+        for name in parts["prepare"]:
+            step = parts["prepare"][name](tree)
+            loss = step()
+            entry[name] = loss_vs_oracle(model, loss, ref)
+        out[label] = entry
+
+    # FlexAttention forward (no backward on the CPU) through the same HF plumbing: the
+    # BlockMask built in the compiled body from block tensors must give the dense-mask result.
+    flex_body = make_body(env, model, "flex")
+    dense_body = make_body(env, model, "dense")
+    hand_mask = parts.get("hand_mask") or HandMask(env)
+    for label, tree in trees.items():
+        batch = treefx.pack(tree, reduction="mean")
+        data = PackedData(tree)
+        ids, pos, ends, _, _ = data.layout()
+        rows = {
+            "tree": (batch.input_ids, batch.position_ids, batch.subtree_end),
+            "packed": (torch.from_numpy(ids)[None], torch.from_numpy(pos)[None],
+                       torch.from_numpy(ends)),
+        }
+        res = {}
+        c0 = dynamo_counts()
+        with torch.no_grad():
+            for kind, (i, p, e) in rows.items():
+                blocks = tree_block_tensors(e, BLOCK)[:4]
+                set_attn(model, "sdpa")
+                h_dense = dense_body(i, p, e, blocks)
+                set_attn(model, "flex_attention")
+                h_flex = flex_body(i, p, e, blocks)
+                res[f"{kind}_flex_vs_dense_max_abs"] = (h_flex - h_dense).abs().max().item()
+                if kind == "tree":
+                    hb = hand_mask(e)
+                    h_hand = flex_body(i, p, e, hb)
+                    res["tree_hand_mask_flex_vs_dense_max_abs"] = (
+                        (h_hand - h_dense).abs().max().item())
+                    bm_hand = BlockMask.from_kv_blocks(*hb, BLOCK_SIZE=BLOCK)
+                    res["hand_blocks_match_tree_block_mask"] = same_blocks(
+                        bm_hand, tree_block_mask(e, BLOCK))
+        set_attn(model, "sdpa")
+        res["dynamo"] = counts_delta(c0, dynamo_counts())
+        out[label]["flex_forward"] = res
+    return out
+
+
+def print_dry_checks(checks: dict) -> None:
+    print("dry-run checks, float32 CPU: loss rel. error / max rel. gradient error vs "
+          "treefx.reference.sequence_loss(mean); FlexAttention forward (BlockMask built in the "
+          "compiled body) vs the dense mask, max abs error of the hidden states")
+    if "error" in checks:
+        print("  FAILED: " + checks["error"].strip().splitlines()[-1][:300])
+        return
+    for label, e in checks.items():
+        parts = [f"{m} {v['loss_rel_err']:.1e}/{v['max_rel_grad_err']:.1e}"
+                 for m, v in e.items() if isinstance(v, dict) and "loss_rel_err" in v]
+        fl = e.get("flex_forward", {})
+        flex = ", ".join(f"{k.replace('_vs_dense_max_abs', '')} {v:.1e}" if isinstance(v, float)
+                         else f"{k} {v}" for k, v in fl.items() if k != "dynamo")
+        print(f"  {label}: " + "; ".join(parts) + f" | flex fwd: {flex}")

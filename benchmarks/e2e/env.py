@@ -1,0 +1,71 @@
+"""The run's device, dtype and backends, and the model it times."""
+
+from __future__ import annotations
+
+import torch
+
+from .. import common
+
+BLOCK = 128  # FlexAttention block size everywhere
+
+
+class Env:
+    """Device, dtype, backends; everything that differs between the GPU run and the dry run."""
+
+    def __init__(self, args):
+        self.dry = args.dry_run
+        self.cuda = common.use_cuda(self.dry)
+        self.dev = "cuda" if self.cuda else "cpu"
+        self.dtype = torch.bfloat16 if self.cuda else torch.float32
+        # torch.compile backend of the baselines; treefx's backend.
+        self.backend = "inductor" if self.cuda else args.cpu_backend
+        self.tree_backend = "inductor" if self.cuda else "eager"
+        # Attention of the packed / hand steps: FlexAttention + BlockMask on the GPU; SDPA with
+        # the same mask as a dense 4-D bool tensor on the CPU (no FlexAttention backward there).
+        self.mask_kind = "flex" if self.cuda else "dense"
+        self.chunk = args.chunk if not self.dry else 128
+
+    def sync(self):
+        if self.cuda:
+            torch.cuda.synchronize()
+
+
+def set_attn(model, impl: str) -> None:
+    """Switch the HF model's attention implementation (the methods share one model)."""
+    if model.config._attn_implementation != impl:
+        model.config._attn_implementation = impl
+
+
+def attn_impl(env: Env) -> str:
+    """The HF attention implementation of the packed and hand steps."""
+    return "flex_attention" if env.mask_kind == "flex" else "sdpa"
+
+
+def build_model(env: Env, hidden: int, args):
+    """HF Qwen3 (or Qwen3-Next: Gated DeltaNet + attention, 3:1) from a config, in training
+    mode: 16 heads, 8 KV heads, head_dim 128, intermediate 3 x hidden on the GPU; a tiny one in
+    the dry run. Returns the model and its config."""
+    if env.dry:
+        cfg = dict(vocab_size=args.vocab, hidden_size=64, intermediate_size=192,
+                   num_hidden_layers=2 if args.arch == "qwen3" else 4, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=16)
+    else:
+        cfg = dict(vocab_size=args.vocab, hidden_size=hidden, intermediate_size=3 * hidden,
+                   num_hidden_layers=args.layers, num_attention_heads=16,
+                   num_key_value_heads=8, head_dim=128)
+    extra = {}
+    if args.arch == "qwen3_next":
+        # Gated DeltaNet + attention, 3 : 1 as in Qwen3-Next, with a dense MLP in every layer.
+        layers = cfg["num_hidden_layers"]
+        kdim = cfg["head_dim"]
+        extra = dict(linear_num_key_heads=max(1, hidden // 128) if not env.dry else 2,
+                     linear_num_value_heads=2 * (max(1, hidden // 128) if not env.dry else 2),
+                     linear_key_head_dim=kdim, linear_value_head_dim=kdim,
+                     linear_conv_kernel_dim=4, num_experts=0,
+                     mlp_only_layers=list(range(layers)),
+                     layer_types=[("full_attention" if i % 4 == 3 else "linear_attention")
+                                  for i in range(layers)])
+    cfg.update(extra)
+    model = common.hf_model(args.arch, dev=env.dev, dtype=env.dtype, seed=0, on_device=True,
+                            use_cache=False, train=True, **cfg)
+    return model, dict(cfg, arch=args.arch)

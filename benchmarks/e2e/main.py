@@ -1,0 +1,129 @@
+"""``python -m benchmarks.e2e``: arguments, trees, then each model size (see the package
+docstring for what it measures)."""
+
+from __future__ import annotations
+
+import argparse
+import time
+import traceback
+
+import torch
+
+from .. import common
+from . import run
+from .dry_checks import print_dry_checks
+from .env import Env
+from .mask_build import mask_build_bench
+from .methods import EXTRA_METHODS, METHODS
+from .report import conventions, print_table, summarize, targets, tree_info
+
+
+def parse_args(argv=None):
+    from . import __doc__ as doc
+
+    p = argparse.ArgumentParser(prog="python -m benchmarks.e2e",
+                                description=doc.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    common.add_run_args(p, "CPU, tiny float32 model and trees, eager backends, exactness checks")
+    p.add_argument("--hidden", default="1024,2048", help="comma-separated hidden sizes")
+    p.add_argument("--por", default="0.3,0.5,0.75,0.85", help="target POR of each tree")
+    p.add_argument("--scale", type=float, default=1.0,
+                   help="multiplies all token lengths (tree size ~ proportional)")
+    p.add_argument("--methods", default=",".join(METHODS),
+                   help=f"subset of {METHODS}, plus opt-in {EXTRA_METHODS}")
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--arch", choices=("qwen3", "qwen3_next"), default="qwen3",
+                   help="qwen3 (attention) or qwen3_next (Gated DeltaNet + attention, 3:1; "
+                        "compare treefx with packed_reset)")
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--chunk", type=int, default=8192, help="cross-entropy chunk (tokens)")
+    p.add_argument("--obo-compile", choices=("dynamic", "none"), default="dynamic",
+                   help="one-by-one: torch.compile(dynamic=True) of model+loss, or eager")
+    p.add_argument("--mask-tokens", type=int, default=65536)
+    p.add_argument("--mask-reps", type=int, default=50)
+    p.add_argument("--stream", type=int, default=20, help="trees in the recompilation check")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile", action="store_true",
+                   help="also profile each measured step: GPU time by kernel kind")
+    p.add_argument("--budget", type=float, default=480.0,
+                   help="seconds; measurements not started by then are skipped (recorded)")
+    p.add_argument("--quick", action="store_true",
+                   help="hidden 1024 only, 1 warm-up + 3 reps, 20 mask reps")
+    p.add_argument("--cpu-backend", default="aot_eager",
+                   help="torch.compile backend for the baselines in --dry-run")
+    args = p.parse_args(argv)
+    args.methods = [m for m in args.methods.split(",") if m]
+    for m in args.methods:
+        if m not in METHODS + EXTRA_METHODS:
+            p.error(f"unknown method {m!r}; choose from {METHODS + EXTRA_METHODS}")
+    args.hiddens = [int(h) for h in args.hidden.split(",") if h]
+    if args.quick:
+        args.hiddens = args.hiddens[:1]
+        args.warmup, args.reps, args.mask_reps = 1, 3, 20
+    if args.dry_run:
+        args.hiddens = args.hiddens[:1]
+        args.warmup, args.reps, args.mask_reps = 1, 2, 5
+        args.vocab = 256
+        args.mask_tokens = min(args.mask_tokens, 2048)
+    if not torch.cuda.is_available() and not args.dry_run:
+        p.error("no CUDA device: use --dry-run on the CPU")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    t_start = run.START = time.perf_counter()
+    deadline = t_start + args.budget
+    env = Env(args)
+    common.resolve_out(args, "e2e", env.cuda)
+    common.bump_dynamo_limits()
+    if env.cuda:
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    res = {"meta": common.run_meta(env.cuda),
+           "config": {k: v for k, v in vars(args).items() if k != "hiddens"},
+           "conventions": conventions(args, env), "trees": {}, "models": {}, "runs": {}}
+    m = res["meta"]
+    print(f"device: {m['device']}; torch {m['torch']}; transformers {m['transformers']}; "
+          f"backend {env.backend}; dtype {env.dtype}", flush=True)
+
+    trees = {}
+    t0 = time.perf_counter()
+    for por in [float(x) for x in args.por.split(",") if x]:
+        label = f"por{por:g}"
+        try:
+            trees[label] = common.make_tree(por, args.scale * (0.03 if args.dry_run else 1.0),
+                                            args.vocab, args.seed)
+            res["trees"][label] = tree_info(trees[label])
+        except Exception:
+            res["trees"][label] = {"error": traceback.format_exc()[-2000:]}
+        print(f"tree {label}: {res['trees'][label]}", flush=True)
+    print(f"trees made in {time.perf_counter() - t0:.1f} s", flush=True)
+    common.save_json(res, args.out)
+
+    try:
+        if args.mask_reps > 0:
+            res["mask_build"] = mask_build_bench(env, args, args.vocab)
+    except Exception:
+        res["mask_build"] = {"error": traceback.format_exc()[-3000:]}
+    common.save_json(res, args.out)
+
+    for i, hidden in enumerate(args.hiddens):
+        try:
+            run.run_hidden(env, args, hidden, trees, res, deadline, i == 0)
+        except Exception:
+            res.setdefault("errors", {})[f"hidden{hidden}"] = traceback.format_exc()[-4000:]
+            print(f"hidden {hidden}: FAILED\n{traceback.format_exc()[-2000:]}", flush=True)
+        common.save_json(res, args.out)
+
+    res["summary"] = summarize(res)
+    res["targets"] = targets(res)
+    res["total_s"] = time.perf_counter() - t_start
+    common.save_json(res, args.out)
+    if env.dry and "dry_run_checks" in res:
+        print_dry_checks(res["dry_run_checks"])
+    print_table(res, res["summary"])
+    print(f"total {res['total_s']:.0f} s; JSON: {args.out}")
+    return res

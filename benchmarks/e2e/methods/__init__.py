@@ -1,0 +1,27 @@
+"""The e2e methods, one module each. A method is ``make(env, model, parts, args)`` returning
+``prepare(tree) -> step``; ``step()`` runs one timed training step (layout, mask, forward,
+loss, backward) and returns the loss. ``parts`` holds what methods share on one model (the
+compiled body, treefx models, masks)."""
+
+from __future__ import annotations
+
+from . import hand, one_by_one, packed, packed_reset, tree, tree_step
+
+METHODS = ("treefx", "packed", "hand", "one_by_one")
+# opt-in with --methods; treefx_standard: treefx.compile(..., interleave_heads=False), the
+# usual [heads, row] layout at the attention sites (treefx's default interleaves in training)
+EXTRA_METHODS = ("treefx_step", "packed_reset", "treefx_standard")
+
+MAKERS = {
+    "treefx": tree.make,
+    "treefx_standard": tree.make_standard,
+    "treefx_step": tree_step.make,
+    "packed": packed.make,
+    "hand": hand.make,
+    "one_by_one": one_by_one.make,
+    "packed_reset": packed_reset.make,
+}
+
+# The parts entry holding each treefx method's compiled object (its num_compilations).
+TREEFX_OBJECTS = {"treefx": "treefx_model", "treefx_standard": "treefx_standard_model",
+                  "treefx_step": "treefx_step_fn"}

@@ -1,0 +1,115 @@
+"""One model size through every chosen method and tree, and the recompilation stream."""
+
+from __future__ import annotations
+
+import time
+import traceback
+
+import torch
+
+import treefx
+
+from ..common import counts_delta, dynamo_counts, save_json, stream_trees
+from .dry_checks import dry_checks
+from .env import build_model, set_attn
+from .measure import cleanup, is_oom, measure
+from .methods import MAKERS, TREEFX_OBJECTS
+from .profile import profile_step
+
+START = time.perf_counter()  # reset by main(); the progress lines print seconds since
+
+
+def run_hidden(env, args, hidden, trees, res, deadline, first_hidden) -> None:
+    """Build the model at ``hidden``, then time each method on each tree (each in its own
+    try/except; an error other than out-of-memory skips the method's later trees), saving
+    the JSON after every measurement."""
+    model, cfg = build_model(env, hidden, args)
+    key = f"hidden{cfg['hidden_size']}"
+    runs = res["runs"].setdefault(key, {})
+    res["models"][key] = dict(cfg, layers=cfg["num_hidden_layers"],
+                              params=sum(p.numel() for p in model.parameters()),
+                              dtype=str(env.dtype))
+    parts: dict = {"prepare": {}}
+    for name in args.methods:
+        parts["prepare"][name] = MAKERS[name](env, model, parts, args)
+    warmup, reps = args.warmup, args.reps
+    for name in args.methods:
+        broken = None
+        for label, tree in trees.items():
+            slot = runs.setdefault(label, {})
+            if time.perf_counter() > deadline:
+                slot[name] = {"skipped": "time budget (--budget) spent"}
+                continue
+            if broken:
+                slot[name] = {"skipped": f"failed on an earlier tree ({broken})"}
+                continue
+            try:
+                step = parts["prepare"][name](tree)
+                r = measure(env, step, warmup, reps)
+                if args.profile and env.cuda:
+                    r["profile"] = profile_step(env, step)
+                    hg = r["profile"]["host_gaps"]
+                    print(f"  GPU idle {hg.get('gap_ms_per_step', 0):.1f} ms/step in "
+                          f"{hg.get('gaps', 0)} gaps; largest: {hg.get('largest_gaps_us', [])[:6]}",
+                          flush=True)
+                if name in TREEFX_OBJECTS:
+                    r["treefx_compilations_total"] = parts[TREEFX_OBJECTS[name]].num_compilations
+                slot[name] = r
+                msg = (f"{r['step_ms']:.1f} ms, first step {r['first_step_s']:.1f} s"
+                       + (f", peak {r['peak_gib']:.1f} GiB" if "peak_gib" in r else ""))
+            except Exception as e:
+                slot[name] = {"error": traceback.format_exc()[-4000:]}
+                msg = "FAILED: " + (str(e).strip().splitlines() or [""])[0][:200]
+                if not is_oom(e):
+                    broken = label
+            cleanup(env, model)
+            print(f"[{time.perf_counter() - START:5.0f}s] [{key}] {name:10s} {label}: {msg}",
+                  flush=True)
+            save_json(res, args.out)
+        if name == "treefx" and first_hidden and args.stream and "treefx_model" in parts:
+            if time.perf_counter() > deadline:
+                res["stream"] = {"skipped": "time budget spent"}
+            else:
+                res["stream"] = stream_check(env, args, model, parts)
+            save_json(res, args.out)
+    if env.dry and args.arch == "qwen3":
+        try:
+            res["dry_run_checks"] = dry_checks(env, model, trees, parts)
+        except Exception:
+            res["dry_run_checks"] = {"error": traceback.format_exc()[-4000:]}
+        save_json(res, args.out)
+    del parts, model
+    cleanup(env)
+    try:
+        torch._dynamo.reset()
+    except Exception:
+        pass
+
+
+def stream_check(env, args, model, parts) -> dict:
+    """After warm-up: a stream of trees of different sizes through the compiled treefx model
+    (forward + backward); how many more compilations they trigger."""
+    tm = parts["treefx_model"]
+    trees = stream_trees(args.stream, args.scale * (0.03 if env.dry else 1.0), args.vocab)
+    c0, n0 = dynamo_counts(), tm.num_compilations
+    sizes, ms = [], []
+    try:
+        for t in trees:
+            set_attn(model, "sdpa")
+            model.zero_grad(set_to_none=True)
+            w0 = time.perf_counter()
+            batch = treefx.pack(t, reduction="mean").to(env.dev)
+            treefx.tree_loss(tm(batch), batch).backward()
+            env.sync()
+            ms.append((time.perf_counter() - w0) * 1e3)
+            sizes.append(batch.num_tokens)
+        out = {"trees": len(trees), "sizes": sizes, "step_wall_ms": ms,
+               "further_compilations": tm.num_compilations - n0,
+               "dynamo": counts_delta(c0, dynamo_counts())}
+    except Exception:
+        out = {"error": traceback.format_exc()[-4000:], "sizes": sizes}
+    cleanup(env, model)
+    print(f"stream of {len(trees)} trees ({min(sizes, default=0)}-{max(sizes, default=0)} "
+          f"tokens): further compilations "
+          f"{out.get('further_compilations', 'FAILED')}", flush=True)
+    return out
