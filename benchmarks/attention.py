@@ -510,7 +510,7 @@ def heads_interleaved(se: torch.Tensor, kv_heads: int, block: int = BLOCK):
         gq = q.shape[1] // hk
         if gq not in cache:
             op = TreeFlexAttention(block_size=block, interleave_heads=True)
-            mods, _ = op._interleaved_mods(hk, gq)
+            mods = op._interleaved_mask_mod(hk, gq)
             std = BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx,
                                            BLOCK_SIZE=block, seq_lengths=(n, n))
             cache[gq] = interleaved_block_mask(

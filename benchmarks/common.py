@@ -308,9 +308,9 @@ def tiny_forest() -> list[treefx.Tree]:
 
 def tolerance(logprob: float, grad: float, **kw):
     """A ``treefx.verify`` tolerance (``treefx.Tolerance``)."""
-    from .internals import verification_tolerance
+    import treefx
 
-    return verification_tolerance()(logprob=logprob, grad=grad, **kw)
+    return treefx.Tolerance(logprob=logprob, grad=grad, **kw)
 
 
 def report_dict(rep) -> dict:

@@ -5,32 +5,21 @@ and to build the hand-written baselines from the same pieces); those live in mod
 package may rename. When they move, this file is the one to change.
 """
 
-from treefx.layout import tree_block_mask, tree_mask_mod  # noqa: F401
-from treefx.ops import attention as attention_ops  # noqa: F401  (kernel options: --tma)
-from treefx.ops.attention import (  # noqa: F401
-    TreeFlexAttention,
+from treefx.mask import (  # noqa: F401
     block_indices,
     dense_tree_mask,
-    interleaved_block_mask,
+    tree_block_mask,
     tree_block_tensors,
+    tree_mask_mod,
 )
+from treefx.ops import attention as attention_ops  # noqa: F401  (kernel options: --tma)
+from treefx.ops.attention import TreeFlexAttention, interleaved_block_mask  # noqa: F401
 from treefx.ops.attention import _heads_to_row as heads_to_row  # noqa: F401
 from treefx.ops.attention import _row_to_heads as row_to_heads  # noqa: F401
 
 
 def recurrence_registry() -> dict:
     """The registered recurrences (name -> Recurrence), to tell which have a varlen fast path."""
-    from treefx.recurrence import _REGISTRY
+    from treefx.kernels import _REGISTRY
 
-    return _REGISTRY
-
-
-def verification_tolerance():
-    """``treefx.Tolerance`` where the package exports it, else its definition."""
-    import treefx
-
-    if hasattr(treefx, "Tolerance"):
-        return treefx.Tolerance
-    from treefx.verification import Tolerance
-
-    return Tolerance
+    return dict(_REGISTRY)

@@ -172,7 +172,7 @@ def test_attention_dropout_in_training_is_refused():
 @pytest.mark.xfail(
     reason="torch's CPU FlexAttention template does not compile a mask buffer of symbolic size "
     "(C++ error: a size symbol 'ks2' not declared; torch 2.13); the same graph compiles and is "
-    "exact on CUDA (benchmarks/gpu_check.py --cases inference)",
+    "exact on CUDA (python -m benchmarks.gpu_check --cases inference)",
     raises=Exception, strict=True,
 )
 def test_inductor_cpu_forward_matches_oracle():
