@@ -24,7 +24,7 @@ from .layout import TreeBatch
 from .ops.attention import check_interleave_heads, check_kernel_options
 from .passes import GraphBreakError, GraphContext, TreeCompileError, run_passes
 from .passes.common import example, graph_code, module_path
-from .reference import vocab_size
+from .reference import output_vocab_size, vocab_size
 
 __all__ = ["TreeEngine", "check_batch", "make_traced", "tree_info"]
 
@@ -131,13 +131,14 @@ def check_batch(model: torch.nn.Module, batch: TreeBatch) -> None:
     if batch.device != dev:
         raise ValueError(f"the batch is on {batch.device} but the model is on {dev}; "
                          f"use batch.to({str(dev)!r})")
-    vocab = vocab_size(model)
-    if vocab is not None:
-        top = batch.max_token_id if batch.max_token_id >= 0 else int(batch.input_ids.max())
-        if top >= vocab:
+    top = batch.max_token_id if batch.max_token_id >= 0 else int(batch.input_ids.max())
+    for vocab, what in ((vocab_size(model), "input vocabulary"),
+                        (output_vocab_size(model), "output vocabulary (its logits)")):
+        if vocab is not None and top >= vocab:
             t = int((batch.input_ids[0] == top).nonzero()[0, 0])
             raise ValueError(f"token id {top} at DFS position {t} is out of range for the "
-                             f"model's vocabulary of {vocab}")
+                             f"model's {what} of {vocab}: the tree loss reads each token's "
+                             "log-probability from the logits")
 
 
 def _context(gm: fx.GraphModule, backend: str, block_size: int,

@@ -13,7 +13,7 @@ import torch
 from .layout import check_num_sequences
 from .tree import Tree
 
-__all__ = ["logits_of", "sequence_logprobs", "sequence_loss", "vocab_size"]
+__all__ = ["logits_of", "output_vocab_size", "sequence_logprobs", "sequence_loss", "vocab_size"]
 
 
 def logits_of(output) -> torch.Tensor:
@@ -97,3 +97,10 @@ def vocab_size(model: torch.nn.Module) -> int | None:
     if emb is None:
         emb = next((m for m in model.modules() if isinstance(m, torch.nn.Embedding)), None)
     return getattr(emb, "num_embeddings", None)
+
+
+def output_vocab_size(model: torch.nn.Module) -> int | None:
+    """The output projection's size (Hugging Face's get_output_embeddings), or None."""
+    get = getattr(model, "get_output_embeddings", None)
+    out = get() if callable(get) else None
+    return getattr(out, "out_features", None)

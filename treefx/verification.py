@@ -31,7 +31,7 @@ from .ops.cross_entropy import weighted_logprob_loss
 from .passes import TreeCompileError
 from .passes.common import module_path
 from .passes.dce import draws_random
-from .reference import vocab_size
+from .reference import output_vocab_size, vocab_size
 from .tree import Tree
 
 __all__ = ["TreeVerificationError", "VerificationUnavailable", "VerificationReport", "Tolerance", "probe_forest",
@@ -212,11 +212,12 @@ def _probe_trees(rng, vocab: int, scale: int) -> list[Tree]:
 
 
 def _vocab_size(model) -> int:
-    v = vocab_size(model)
-    if v is None:
+    """Token ids the probe may use: those the model both embeds and predicts."""
+    sizes = [s for s in (vocab_size(model), output_vocab_size(model)) if s is not None]
+    if not sizes:
         raise ValueError("cannot tell the model's vocabulary size (no input embedding); pass "
                          "trees=")
-    return v
+    return min(sizes)
 
 
 def _select_params(model: torch.nn.Module, params, budget: int = 1 << 26):
