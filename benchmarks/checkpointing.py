@@ -211,7 +211,7 @@ def part_memory(args) -> dict:
                                tokens=rep.num_tokens)
             results[name] = r
             print(f"  {r}", flush=True)
-            del model, step, tm
+            model = step = tm = None  # free the memory before the next variant
         except Exception as e:  # noqa: BLE001
             results[name] = {"error": f"{type(e).__name__}: {e}",
                              "traceback": traceback.format_exc()}

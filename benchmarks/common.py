@@ -18,10 +18,10 @@ import re
 import sys
 from pathlib import Path
 
-import numpy as np
 import torch
 
 import treefx
+from treefx.synth import odd_forest, odd_tree  # noqa: F401  (the checks' trees)
 from treefx import synth
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -242,46 +242,6 @@ def agent_row(n: int, first_seed: int, scale: float = 1.0, vocab: int = 32000):
         i += 1
     se = treefx.pack(trees).subtree_end[:n].clamp(max=n).contiguous()
     return se, trees
-
-
-def _random_sequences(seed: int, vocab: int, n: int = 7, max_len: int = 12) -> list[list[int]]:
-    rng = np.random.default_rng(seed)
-    seqs: list[list[int]] = []
-    for _ in range(n):
-        if seqs and rng.random() < 0.7:
-            base = seqs[rng.integers(len(seqs))]
-            cut = int(rng.integers(0, len(base) + 1))
-            tail = rng.integers(0, vocab, size=int(rng.integers(0, max_len // 2 + 1))).tolist()
-            s = base[:cut] + tail
-        else:
-            s = rng.integers(0, vocab, size=int(rng.integers(1, max_len + 1))).tolist()
-        seqs.append(s or [int(rng.integers(vocab))])
-    return seqs
-
-
-def odd_tree(seed: int, vocab: int, *, masks: bool = True) -> treefx.Tree:
-    """A small random tree with every shape that breaks tree training at once: a sequence that
-    is a prefix of another, a duplicate, a single-token node, a one-token sequence, random
-    weights and (``masks``) loss masks. The same trees as the package's tests use."""
-    rng = np.random.default_rng(seed + 1000)
-    seqs = _random_sequences(seed, vocab)
-    a = seqs[0] + [1, 2, 3]
-    seqs += [
-        a,
-        a[:2],  # a prefix of another sequence (ends inside the tree)
-        list(a),  # a duplicate
-        a + [5],  # a single-token node
-        a + [6],
-        [int(rng.integers(vocab))],  # a one-token sequence: nothing to predict
-    ]
-    weights = rng.uniform(0.1, 1.0, size=len(seqs))
-    loss_masks = [(rng.random(len(s)) < 0.8).astype(int).tolist() for s in seqs] if masks else None
-    return treefx.Tree.from_sequences(seqs, weights=weights, loss_masks=loss_masks)
-
-
-def odd_forest(seed: int, vocab: int) -> list[treefx.Tree]:
-    """Two odd trees, one with loss masks and one without."""
-    return [odd_tree(seed, vocab), odd_tree(seed + 1, vocab, masks=False)]
 
 
 def check_forest(vocab: int, small: bool = False) -> list[treefx.Tree]:
