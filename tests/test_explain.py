@@ -118,7 +118,7 @@ def test_unmatched_attention_report_shows_the_node_that_stops(tmp_path):
     assert isinstance(report.error, treefx.UnmatchedAttentionError)
     assert report.stop_module == "block"
     assert report.stop_node.startswith("att = .softmax(")
-    assert "test_compile.py" in report.stop_source and "softmax" in report.stop_source
+    assert "support.py" in report.stop_source and "softmax" in report.stop_source
     assert report.num_graphs == 1 and report.num_compilations == 0
     text = str(report)
     assert "UnmatchedAttentionError" in text

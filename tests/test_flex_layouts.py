@@ -53,7 +53,7 @@ def test_interleaved_block_mask_is_the_tree_mask_per_head(kv_heads, group, bs):
                    nb * kv_heads)
     assert not (partial & full).any()
     length = nb * kv_heads * bs
-    mask_mod, _ = TreeFlexAttention(block_size=bs, interleave_heads=True)._interleaved_mods(
+    mask_mod = TreeFlexAttention(block_size=bs, interleave_heads=True)._interleaved_mask_mod(
         kv_heads, group)
     qi, ki = torch.arange(length)[:, None], torch.arange(length)[None, :]
     pos = torch.zeros_like(se_pad)

@@ -88,9 +88,11 @@ class TreeEngine:
 
         return compile_graph
 
-    def __call__(self, device: torch.device, *args, dynamic: tuple[int, ...] = ()):
+    def __call__(self, device: torch.device, *args, dynamic: tuple[int, ...] = (),
+                 discover_in: torch.nn.Module | None = None):
         """Run the compiled function on ``args`` (compiling on first use per backend);
-        ``dynamic``: indices of the args whose last dim is the token count N."""
+        ``dynamic``: indices of the args whose last dim is the token count N; ``discover_in``:
+        the model the function calls (its recurrent kernels are recognised: kernels.discover)."""
         backend = self.resolve_backend(device)
         if backend not in self._compiled:
             self._compiled[backend] = torch.compile(
@@ -103,7 +105,7 @@ class TreeEngine:
         try:
             # Registered recurrent kernels appear as single marker nodes (treefx.kernels);
             # the swap is in place on every call so that Dynamo's guards always see it.
-            with capture_patches(), backends.capture_config():
+            with capture_patches(discover_in), backends.capture_config():
                 out = self._compiled[backend](*args)
         except torch._dynamo.exc.BackendCompilerFailed as e:
             inner = getattr(e, "inner_exception", None) or e.__cause__

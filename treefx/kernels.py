@@ -21,12 +21,20 @@ import importlib
 import importlib.util
 import inspect
 import logging
+import sys
 
 import torch
 
 from .ops.recurrence import Recurrence
 
-__all__ = ["Recurrence", "capture_patches", "recurrence", "register_recurrence", "registered"]
+__all__ = [
+    "Recurrence",
+    "capture_patches",
+    "discover",
+    "recurrence",
+    "register_recurrence",
+    "registered",
+]
 
 log = logging.getLogger("treefx")
 
@@ -92,8 +100,12 @@ def registered(target) -> Recurrence | None:
 
 
 @contextlib.contextmanager
-def capture_patches():
-    """Swap every registered kernel for its marker where models look it up."""
+def capture_patches(model: torch.nn.Module | None = None):
+    """Swap every registered kernel for its marker where models look it up (first
+    recognising, in the modules ``model``'s code comes from, kernels of the known families:
+    :func:`discover`)."""
+    if model is not None:
+        discover(model)
     saved = []
     try:
         for mod_name, attr, name in _SITES:
@@ -110,6 +122,35 @@ def capture_patches():
             setattr(mod, attr, value)
 
 
+def discover(model: torch.nn.Module) -> list[Recurrence]:
+    """Register the kernels of the known families (:data:`_FAMILIES`) that the modules of
+    ``model``'s code define or import, by name and signature, wherever they are: a model
+    that copies Gated DeltaNet's or Mamba2's torch kernel into its own file (as Hugging Face
+    does for every new hybrid) is recognised without treefx knowing the model. A function
+    with the family's name but other parameters is left alone (its layer is then refused
+    with an error naming the node). Returns the recurrences found."""
+    found = []
+    sites = {(mod, attr) for mod, attr, _ in _SITES}
+    for mod_name in sorted({type(m).__module__ for m in model.modules()}):
+        mod = sys.modules.get(mod_name)
+        for attr, make in _FAMILIES.items():
+            fn = getattr(mod, attr, None)
+            if not callable(fn) or registered(fn) is not None:
+                continue
+            rec = next((r for r in _REGISTRY.values() if r.fn is fn), None)
+            if rec is not None:  # the same function, imported into another module
+                if (mod_name, attr) not in sites:
+                    _SITES.append((mod_name, attr, rec.name))
+                found.append(rec)
+                continue
+            owner = mod_name.rsplit(".", 1)[-1].removeprefix("modeling_")
+            rec = _register_if_compatible(make(owner, fn), [(mod_name, attr)])
+            if rec is not None:
+                log.info("treefx: recognised %s.%s as recurrence %s", mod_name, attr, rec.name)
+                found.append(rec)
+    return found
+
+
 def _import(path: str):
     try:
         return importlib.import_module(path)
@@ -117,13 +158,14 @@ def _import(path: str):
         return None
 
 
-def _register_if_compatible(rec: Recurrence, sites) -> None:
+def _register_if_compatible(rec: Recurrence, sites) -> Recurrence | None:
     """Built-in registrations skip a kernel whose signature is not the one described (another
     transformers version): its layer then fails the SSM pass's checks with a clear error."""
     try:
-        register_recurrence(rec, sites=sites)
+        return register_recurrence(rec, sites=sites)
     except ValueError as e:
         log.info("treefx: built-in recurrence %s not registered: %s", rec.name, e)
+        return None
 
 
 def _fla_gated_delta_rule(seq: dict, static: dict, initial_state, cu_seqlens):
@@ -141,46 +183,52 @@ def _has_fla() -> bool:
     return importlib.util.find_spec("fla") is not None
 
 
+def _gated_delta_rule(owner: str, fn) -> Recurrence:
+    """Hugging Face's torch Gated DeltaNet kernel (``torch_chunk_gated_delta_rule``)."""
+    return Recurrence(
+        name=f"{owner}_gated_delta_rule",
+        fn=fn,
+        seq_args={"query": 1, "key": 1, "value": 1, "g": 1, "beta": 1},
+        output_like="value",
+        # g is a log decay (0: keep the state), beta the update rate (0: no update).
+        neutral={"g": 0.0, "beta": 0.0},
+        varlen=_fla_gated_delta_rule if _has_fla() else None,
+    )
+
+
+def _mamba2_chunk_scan(owner: str, fn) -> Recurrence:
+    """Hugging Face's torch Mamba2 chunked scan (``mamba2_chunk_scan``)."""
+    return Recurrence(
+        name=f"{owner}_mamba2_chunk_scan",
+        fn=fn,
+        seq_args={"hidden_states": 1, "dt": 1, "B": 1, "C": 1},
+        # dt = -inf: softplus gives a step of 0, so the state neither decays nor takes input
+        # (x·dt = 0, exp(A·dt) = 1); padded x is 0. A model that clamps dt from below makes
+        # this padding non-neutral: measured per kernel (ops.recurrence.padding_is_neutral).
+        neutral={"dt": float("-inf")},
+        initial_state="initial_states",
+        output_final_state="return_final_states",
+        bare_output_without_state=True,
+    )
+
+
+# The kernel families treefx recognises by name wherever a model defines them.
+_FAMILIES = {"torch_chunk_gated_delta_rule": _gated_delta_rule,
+             "mamba2_chunk_scan": _mamba2_chunk_scan}
+
+
 def _register_builtins() -> None:
-    """The torch fallbacks of Hugging Face's hybrid layers: Gated DeltaNet (Qwen3-Next,
-    Qwen3.5) and Mamba2's chunked scan (Mamba2 and the hybrids built on it). Modules that are
+    """The torch fallbacks of Hugging Face's hybrid layers known today, registered at import
+    (others are recognised when a model is compiled: :func:`discover`). Modules that are
     missing, or whose kernel has another signature, are skipped."""
-    for model in ("qwen3_next", "qwen3_5"):
+    for model in ("qwen3_next", "qwen3_5", "mamba2", "bamba", "falcon_h1", "granitemoehybrid",
+                  "nemotron_h", "zamba2"):
         path = f"transformers.models.{model}.modeling_{model}"
-        fn = getattr(_import(path), "torch_chunk_gated_delta_rule", None)
-        if fn is None:
-            continue
-        _register_if_compatible(
-            Recurrence(
-                name=f"{model}_gated_delta_rule",
-                fn=fn,
-                seq_args={"query": 1, "key": 1, "value": 1, "g": 1, "beta": 1},
-                output_like="value",
-                # g is a log decay (0: keep the state), beta the update rate (0: no update).
-                neutral={"g": 0.0, "beta": 0.0},
-                varlen=_fla_gated_delta_rule if _has_fla() else None,
-            ),
-            sites=[(path, "torch_chunk_gated_delta_rule")],
-        )
-    # Mamba2's chunked scan, and the same scan in the Mamba2 hybrids (attention + Mamba2).
-    for model in ("mamba2", "bamba", "falcon_h1", "granitemoehybrid", "nemotron_h", "zamba2"):
-        path = f"transformers.models.{model}.modeling_{model}"
-        fn = getattr(_import(path), "mamba2_chunk_scan", None)
-        if fn is None:
-            continue
-        _register_if_compatible(
-            Recurrence(
-                name=f"{model}_mamba2_chunk_scan",
-                fn=fn,
-                seq_args={"hidden_states": 1, "dt": 1, "B": 1, "C": 1},
-                # dt = -inf: softplus gives a step of 0, so the state neither decays nor
-                # takes input (x·dt = 0, exp(A·dt) = 1); padded x is 0.
-                neutral={"dt": float("-inf")},
-                initial_state="initial_states",
-                output_final_state="return_final_states",
-                bare_output_without_state=True,
-            ),
-            sites=[(path, "mamba2_chunk_scan")],
-        )
+        mod = _import(path)
+        for attr, make in _FAMILIES.items():
+            fn = getattr(mod, attr, None)
+            if fn is not None:
+                _register_if_compatible(make(model, fn), sites=[(path, attr)])
+
 
 _register_builtins()

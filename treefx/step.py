@@ -67,7 +67,8 @@ class TreeStep:
         weights = torch.stack([batch.loss_weights_for("sum"), batch.loss_weights_for("mean")])
         weights = weights.to(torch.promote_types(weights.dtype, torch.float32))
         result, _, _ = self.engine(batch.device, model, batch.input_ids, tree_info(batch),
-                                   weights, *args, dynamic=(1, 2, 3), **kwargs)
+                                   weights, *args, dynamic=(1, 2, 3), discover_in=model,
+                                   **kwargs)
         return result
 
 

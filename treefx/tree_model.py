@@ -124,7 +124,7 @@ class TreeModel(torch.nn.Module):
             self.verify_on_first_call = False
             self._verify_first_call()
         logits, token_logprobs = self.engine(batch.device, batch.input_ids, tree_info(batch),
-                                             dynamic=(0, 1))
+                                             dynamic=(0, 1), discover_in=self.model)
         return TreeOutput(logits, token_logprobs)
 
     def _verify_first_call(self) -> None:
