@@ -144,6 +144,21 @@ def test_hf_gated_deltanet_hybrids_match_oracle(model_type):
     assert all("gated_delta_rule" in n for n in notes[2:]) and len(notes) == 4
 
 
+@pytest.mark.parametrize("model_type", ["olmo_hybrid", "qwen3_5_moe_text"])
+def test_a_kernel_copied_into_a_new_model_is_recognised(model_type):
+    """Hugging Face copies the Gated DeltaNet kernel into each new hybrid's own module; treefx
+    recognises it there by name and signature (treefx.kernels.discover), without a list of
+    models, and the model is exact."""
+    from treefx.zoo import build_model
+
+    model = build_model(model_type)
+    tm = treefx.compile(model, backend="eager")
+    check_against_oracle(tm, [SHORT_NODES, odd_tree(33, 128)])
+    notes = {r.note for r in tm.contexts[0].log if r.pass_name == "ssm"}
+    owner = model_type.removesuffix("_text")
+    assert any(f"{owner}_gated_delta_rule" in n for n in notes), notes
+
+
 class CumsumLinearAttention(torch.nn.Module):
     """A linear attention written with a cumulative op over the tokens: a cumsum is a sum
     along each path on the tree (exact); other cumulative ops are unregistered state."""

@@ -146,7 +146,7 @@ def discover(model: torch.nn.Module) -> list[Recurrence]:
             owner = mod_name.rsplit(".", 1)[-1].removeprefix("modeling_")
             rec = _register_if_compatible(make(owner, fn), [(mod_name, attr)])
             if rec is not None:
-                log.info("treefx: recognised %s.%s as recurrence %s", mod_name, attr, rec.name)
+                log.info("recognised %s.%s as recurrence %s", mod_name, attr, rec.name)
                 found.append(rec)
     return found
 
@@ -164,7 +164,7 @@ def _register_if_compatible(rec: Recurrence, sites) -> Recurrence | None:
     try:
         return register_recurrence(rec, sites=sites)
     except ValueError as e:
-        log.info("treefx: built-in recurrence %s not registered: %s", rec.name, e)
+        log.info("built-in recurrence %s not registered: %s", rec.name, e)
         return None
 
 

@@ -134,7 +134,7 @@ class TreeModel(torch.nn.Module):
             self.verification = verification.verify_compiled(self, grads=torch.is_grad_enabled())
         except verification.VerificationUnavailable as e:
             self.verification = str(e)
-            log.warning("treefx: %s", e)
+            log.warning("%s", e)
 
 
 def verify_default() -> bool:
