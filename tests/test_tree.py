@@ -317,6 +317,13 @@ def test_from_nodes_sequence_ending_at_internal_node():
 # ---------------------------------------------------------------------------- JSONL and equality
 
 
+def test_to_dict_writes_weights_only_when_not_all_one():
+    t = Tree.from_sequences([[1, 2], [1, 3]])
+    assert "weights" not in t.to_dict() and Tree.from_dict(t.to_dict()) == t
+    w = Tree.from_sequences([[1, 2], [1, 3]], weights=[1.0, 2.0])
+    assert w.to_dict()["weights"] == [1.0, 2.0] and Tree.from_dict(w.to_dict()) == w
+
+
 def test_jsonl_round_trip_with_weights_and_masks(tmp_path):
     trees = [
         Tree.from_sequences(

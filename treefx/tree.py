@@ -378,7 +378,11 @@ class Tree:
     # ------------------------------------------------------------------ serialization
 
     def to_dict(self) -> dict:
-        d = {"sequences": self.sequences, "weights": self.weights.tolist()}
+        """``{"sequences": ..., "weights": ...?, "loss_masks": ...?}``: weights only when some
+        differ from the default 1, loss masks only when the tree has them."""
+        d = {"sequences": self.sequences}
+        if not np.all(self.weights == 1.0):
+            d["weights"] = self.weights.tolist()
         if self.loss_masks is not None:
             d["loss_masks"] = [m.astype(np.int64).tolist() for m in self.loss_masks]
         return d

@@ -33,8 +33,9 @@ class TreeOutput:
 
 
 def tree_loss(out: TreeOutput, batch: TreeBatch) -> torch.Tensor:
-    """Σ_t loss_weights[t] · (−token_logprobs[t]): the per-sequence loss of the batch's
-    reduction, averaged with the sequence weights."""
+    """Σ_t loss_weights[t] · (−token_logprobs[t]) = (1/P) Σ_p ω_p · loss_p: each sequence's
+    own loss (the batch's reduction) with its weight, averaged over the batch's P sequences
+    (or the global count given to :func:`treefx.pack`)."""
     return weighted_logprob_loss(out.token_logprobs, batch.loss_weights)
 
 
