@@ -168,3 +168,26 @@ def test_loss_combined_with_computed_values_raises(body, message):
 def test_unprovable_losses_raise(body, message):
     with pytest.raises(treefx.TreeCompileError, match=message):
         _step(body)()
+
+
+def _mixtral_with_router_logits():
+    import transformers
+
+    cfg = transformers.AutoConfig.for_model(
+        "mixtral", vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=4,
+        num_experts_per_tok=2, output_router_logits=True)
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(cfg)
+
+
+def test_moe_with_router_logits_trains_its_cross_entropy_and_refuses_the_aux_loss():
+    """Hugging Face installs its output-capturing hooks (the router logits) on the first
+    forward, under a lock Dynamo cannot trace; treefx installs them before the capture. A
+    step that returns the cross-entropy is exact; one whose loss adds the router's
+    load-balancing term (computed over the DFS row, not per sequence) is refused, naming it."""
+    model = _mixtral_with_router_logits()
+    check_step(treefx.step(make_hand_step("mean"), backend="eager"), model,
+               odd_forest(22, VOCAB), "mean")
+    with pytest.raises(treefx.TreeCompileError, match="another loss is added to it"):
+        treefx.step(hf_labels_step, backend="eager")(model, treefx.pack(odd_forest(22, VOCAB)))

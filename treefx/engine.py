@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import types
 
 import torch
@@ -105,6 +106,8 @@ class TreeEngine:
         try:
             # Registered recurrent kernels appear as single marker nodes (treefx.kernels);
             # the swap is in place on every call so that Dynamo's guards always see it.
+            if discover_in is not None:
+                _install_output_hooks(discover_in)
             with capture_patches(discover_in), backends.capture_config():
                 out = self._compiled[backend](*args)
         except torch._dynamo.exc.BackendCompilerFailed as e:
@@ -120,6 +123,27 @@ class TreeEngine:
                 "limit?). Its output would be silently wrong, so treefx stops here."
             )
         return out
+
+
+def _install_output_hooks(model: torch.nn.Module) -> None:
+    """Hugging Face installs its output-capturing hooks (router logits, hidden states, ...)
+    lazily, on the first forward that asks for such an output, under a threading lock that
+    Dynamo cannot trace. Install them before the capture, for the modules whose config asks
+    for a captured output, as that forward would."""
+    capturing = sys.modules.get("transformers.utils.output_capturing")
+    registry = getattr(capturing, "_CAN_RECORD_REGISTRY", None)
+    install = getattr(capturing, "maybe_install_capturing_hooks", None)
+    if registry is None or install is None:
+        return
+    for module in model.modules():
+        try:
+            flags = registry.get(module)
+        except TypeError:
+            continue
+        config = getattr(module, "config", None)
+        if flags and config is not None and any(getattr(config, f"output_{k}", False)
+                                                for k in flags):
+            install(module)
 
 
 def tree_info(batch: TreeBatch) -> torch.Tensor:

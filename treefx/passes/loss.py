@@ -198,6 +198,14 @@ def _check_result_use(ce: fx.Node) -> None:
                 operands.remove(node)
             elif is_call(user, methods=("float", "to", "clone")):
                 operands.remove(node)
+            elif is_call(user, operator.add, operator.iadd, torch.add, operator.sub,
+                         operator.isub, torch.sub, methods=("add", "add_", "sub", "sub_")):
+                raise _fail(ce, f"another loss is added to it in `{describe(user)}` (an "
+                                "auxiliary loss, e.g. an MoE load-balancing loss with "
+                                "output_router_logits=True?). That term is computed over the "
+                                "tree's DFS row, where each shared token counts once, not per "
+                                "sequence: return the cross-entropy alone and add such terms "
+                                "outside the step")
             else:
                 raise _fail(ce, f"its value feeds `{describe(user)}`")
             if any(isinstance(a, fx.Node) for a in operands):
