@@ -15,12 +15,13 @@ import contextlib
 import logging
 import sys
 import types
+import weakref
 
 import torch
 import torch.fx as fx
 
 from . import backends
-from .kernels import capture_patches
+from .kernels import capture_patches, discover
 from .layout import TreeBatch
 from .ops.attention import check_interleave_heads, check_kernel_options
 from .passes import GraphBreakError, GraphContext, TreeCompileError, run_passes
@@ -65,6 +66,7 @@ class TreeEngine:
         self.contexts: list[GraphContext] = []
         self._runs = 0
         self._compiled: dict[str, object] = {}
+        self._prepared: weakref.WeakSet = weakref.WeakSet()  # models made ready for capture
 
     def resolve_backend(self, device: torch.device) -> str:
         return backends.resolve(self.backend, device)
@@ -93,7 +95,7 @@ class TreeEngine:
                  discover_in: torch.nn.Module | None = None):
         """Run the compiled function on ``args`` (compiling on first use per backend);
         ``dynamic``: indices of the args whose last dim is the token count N; ``discover_in``:
-        the model the function calls (its recurrent kernels are recognised: kernels.discover)."""
+        the model the function calls, made ready for capture once (:func:`prepare_model`)."""
         backend = self.resolve_backend(device)
         if backend not in self._compiled:
             self._compiled[backend] = torch.compile(
@@ -106,9 +108,10 @@ class TreeEngine:
         try:
             # Registered recurrent kernels appear as single marker nodes (treefx.kernels);
             # the swap is in place on every call so that Dynamo's guards always see it.
-            if discover_in is not None:
-                _install_output_hooks(discover_in)
-            with capture_patches(discover_in), backends.capture_config():
+            if discover_in is not None and discover_in not in self._prepared:
+                prepare_model(discover_in)
+                self._prepared.add(discover_in)
+            with capture_patches(), backends.capture_config():
                 out = self._compiled[backend](*args)
         except torch._dynamo.exc.BackendCompilerFailed as e:
             inner = getattr(e, "inner_exception", None) or e.__cause__
@@ -123,6 +126,14 @@ class TreeEngine:
                 "limit?). Its output would be silently wrong, so treefx stops here."
             )
         return out
+
+
+def prepare_model(model: torch.nn.Module) -> None:
+    """What a model needs before its first capture, done once per model (not per step): its
+    recurrent kernels recognised (:func:`treefx.kernels.discover`) and Hugging Face's
+    output-capturing hooks installed (:func:`_install_output_hooks`)."""
+    discover(model)
+    _install_output_hooks(model)
 
 
 def _install_output_hooks(model: torch.nn.Module) -> None:

@@ -100,12 +100,8 @@ def registered(target) -> Recurrence | None:
 
 
 @contextlib.contextmanager
-def capture_patches(model: torch.nn.Module | None = None):
-    """Swap every registered kernel for its marker where models look it up (first
-    recognising, in the modules ``model``'s code comes from, kernels of the known families:
-    :func:`discover`)."""
-    if model is not None:
-        discover(model)
+def capture_patches():
+    """Swap every registered kernel for its marker where models look it up."""
     saved = []
     try:
         for mod_name, attr, name in _SITES:
