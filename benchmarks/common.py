@@ -149,8 +149,10 @@ def save_json(res, path: str | None) -> None:
 
 def hf_model(model_type: str, *, dev: str, dtype=torch.float32, seed: int = 0,
              on_device: bool = False, use_cache: bool | None = None,
-             checkpointing: str | None = None, train: bool = False, **cfg):
-    """A Hugging Face causal LM from a config (random weights, seeded), SDPA attention.
+             checkpointing: str | None = None, train: bool = False, attn: str = "sdpa",
+             **cfg):
+    """A Hugging Face causal LM from a config (random weights, seeded), ``attn`` attention
+    (SDPA by default).
 
     ``on_device``: initialise the weights on ``dev`` (the device's random generator) rather
     than on the CPU and move them. ``checkpointing``: ``"reentrant"`` or ``"nonreentrant"`` HF
@@ -158,7 +160,7 @@ def hf_model(model_type: str, *, dev: str, dtype=torch.float32, seed: int = 0,
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.for_model(model_type, **cfg)
-    config._attn_implementation = "sdpa"
+    config._attn_implementation = attn
     if use_cache is not None:
         config.use_cache = use_cache
     torch.manual_seed(seed)

@@ -387,7 +387,62 @@ def case_small_trees(res):
             res[f"small-{label}-error"] = _short_tb(traceback.format_exc(), label)
 
 
+# Model families with their own attention or state (issue "exact on the model families agent
+# trainers use"): MLA + group-limited MoE, sinks + alternating windows, logit softcapping,
+# Gated DeltaNet + MoE, Mamba2 with a dt floor, Mamba v1, sinks as sigmoid(lse - sink).
+FAMILIES = ("deepseek_v3", "gpt_oss", "gemma2", "qwen3_5_moe", "nemotron_h", "granite_swa",
+            "mamba", "jamba")
+
+
+def _family_trees(model) -> list:
+    """The zoo's probe forest (odd shapes) and a synthetic agent tree of ~1,800 tokens (many
+    attention blocks), both over token ids the model embeds, predicts and treats plainly."""
+    import numpy as np
+
+    from treefx import zoo
+
+    exclude = zoo.special_token_ids(model.config)
+    allowed = np.array([t for t in range(zoo.VOCAB) if t not in exclude])
+    agent = synth.agent_tree(2, vocab_size=10**6, rollouts=2, **common.scaled_lengths(
+        0.1 if DRY_RUN else 0.5))
+    seqs = [allowed[np.asarray(s) % len(allowed)].tolist() for s in agent.sequences]
+    return [*zoo.probe_forest(zoo.VOCAB, exclude), treefx.Tree.from_sequences(seqs)]
+
+
+def case_families(res):
+    """Each family's tiny zoo model (the installed transformers) through the inductor backend:
+    float32 (TF32 off) against the oracle, and bf16 against the float32 oracle beside the plain
+    bf16 per-branch run against the same oracle."""
+    import copy
+
+    from treefx import zoo
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    only = os.environ.get("TREEFX_FAMILIES")
+    for mt in (only.split(",") if only else FAMILIES):
+        t0 = time.perf_counter()
+        try:
+            torch._dynamo.reset()
+            ref = zoo.build_model(mt).to(DEV)
+            trees = _family_trees(ref)
+            res[f"family-{mt}-tokens"] = sum(t.num_tokens for t in trees)
+            res[f"family-{mt}-attn"] = ref.config._attn_implementation
+            tm = treefx.compile(ref, **COMPILE_KW)
+            res[f"family-{mt}-fp32"] = compare(tm, trees, "mean")
+            low = copy.deepcopy(ref).to(torch.bfloat16)
+            tml = treefx.compile(low, **COMPILE_KW)
+            res[f"family-{mt}-bf16-tree-vs-fp32-oracle"] = compare(tml, trees, "mean",
+                                                                  reference=ref)
+            res[f"family-{mt}-bf16-perbranch-vs-fp32-oracle"] = common.oracle_vs_oracle(
+                low, ref, trees, "mean")
+        except Exception:
+            res[f"family-{mt}-error"] = _short_tb(traceback.format_exc(), f"family-{mt}")
+        res[f"family-{mt}-seconds"] = round(time.perf_counter() - t0, 1)
+        print(f"  family {mt}: {time.perf_counter() - t0:.0f} s", flush=True)
+
+
 CASES = {
+    "families": case_families,
     "small-trees": case_small_trees,
     "hybrid-fp32": case_hybrid_fp32,
     "hybrid-bf16": case_hybrid_bf16,

@@ -128,12 +128,3 @@ def test_roberta_positions_from_a_cumsum_are_exact():
     report = treefx.verify(tm, odd_forest(4, VOCAB))
     assert report.passed and report.compared_params == report.total_params
     assert any(r.note == "cumulative sum along each path" for r in tm.contexts[0].log)
-
-
-def test_attention_sinks_over_the_dfs_row_are_refused():
-    """Granite's sliding-window attention with sinks takes a log-sum-exp over the masked
-    scores beside the softmax: over the DFS row it would mix sequences."""
-    model = _hf("granite_swa", hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, intermediate_size=64, bos_token_id=1, eos_token_id=2)
-    with pytest.raises(TokenAxisError, match="logsumexp"):
-        treefx.compile(model, backend="eager")(treefx.pack(odd_tree(5, VOCAB)))

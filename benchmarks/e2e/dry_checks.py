@@ -11,7 +11,7 @@ import treefx
 from ..common import counts_delta, dynamo_counts, loss_vs_oracle, oracle
 from ..internals import tree_block_mask, tree_block_tensors
 from .body import make_body
-from .env import BLOCK, set_attn
+from .env import BLOCK, set_attn, tree_attn_impl
 from .mask_build import same_blocks
 from .methods.hand import HandMask
 from .methods.packed import PackedData
@@ -28,7 +28,7 @@ def dry_checks(env, model, trees, parts) -> dict:
 
     out = {}
     for label, tree in trees.items():
-        set_attn(model, "sdpa")
+        set_attn(model, tree_attn_impl(model))
         ref = oracle(model, tree, reduction="mean")
         entry = {"reference_loss": ref[0]}
         for name in parts["prepare"]:
@@ -56,7 +56,7 @@ def dry_checks(env, model, trees, parts) -> dict:
         with torch.no_grad():
             for kind, (i, p, e) in rows.items():
                 blocks = tree_block_tensors(e, BLOCK)[:4]
-                set_attn(model, "sdpa")
+                set_attn(model, tree_attn_impl(model))
                 h_dense = dense_body(i, p, e, blocks)
                 set_attn(model, "flex_attention")
                 h_flex = flex_body(i, p, e, blocks)
@@ -69,7 +69,7 @@ def dry_checks(env, model, trees, parts) -> dict:
                     bm_hand = BlockMask.from_kv_blocks(*hb, BLOCK_SIZE=BLOCK)
                     res["hand_blocks_match_tree_block_mask"] = same_blocks(
                         bm_hand, tree_block_mask(e, BLOCK))
-        set_attn(model, "sdpa")
+        set_attn(model, tree_attn_impl(model))
         res["dynamo"] = counts_delta(c0, dynamo_counts())
         out[label]["flex_forward"] = res
     return out

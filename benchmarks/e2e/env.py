@@ -36,15 +36,62 @@ def set_attn(model, impl: str) -> None:
         model.config._attn_implementation = impl
 
 
+# Models whose attention Hugging Face runs only in its eager form (sinks, softcapping: its SDPA
+# path would drop them), which treefx then rewrites.
+_EAGER_ONLY = ("gpt_oss", "gemma2")
+
+
+def tree_attn_impl(model) -> str:
+    """The HF attention implementation treefx (and the one-by-one baseline) capture."""
+    return "eager" if model.config.model_type in _EAGER_ONLY else "sdpa"
+
+
 def attn_impl(env: Env) -> str:
     """The HF attention implementation of the packed and hand steps."""
     return "flex_attention" if env.mask_kind == "flex" else "sdpa"
 
 
+# Real models' layer shapes (``--arch``; ``--hidden`` does not apply, ``--layers`` does).
+ARCH_SHAPES = {
+    # DeepSeek-V2-Lite: multi-head latent attention (KV rank 512, 128 + 64 rotary query/key
+    # dims, 128 value dims, 16 heads), MoE of 64 routed experts of width 1408, 6 per token,
+    # 2 shared; the first layer dense (10944).
+    "deepseek_v2": dict(hidden_size=2048, intermediate_size=10944, num_attention_heads=16,
+                        num_key_value_heads=16, q_lora_rank=None, kv_lora_rank=512,
+                        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                        n_routed_experts=64, num_experts_per_tok=6, n_shared_experts=2,
+                        moe_intermediate_size=1408, first_k_dense_replace=1),
+    # gpt-oss-20b: 64 heads of 64, 8 KV heads, a learned sink per head, sliding window 128 in
+    # every other layer, MoE of 32 experts of width 2880, 4 per token.
+    "gpt_oss": dict(hidden_size=2880, intermediate_size=2880, num_attention_heads=64,
+                    num_key_value_heads=8, head_dim=64, num_local_experts=32,
+                    num_experts_per_tok=4, sliding_window=128),
+}
+_ARCH_TINY = {
+    "deepseek_v2": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                        num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=16,
+                        qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
+                        n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+                        moe_intermediate_size=32, first_k_dense_replace=1),
+    "gpt_oss": dict(hidden_size=64, intermediate_size=64, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                    num_experts_per_tok=2, sliding_window=16),
+}
+
+
 def build_model(env: Env, hidden: int, args):
     """HF Qwen3 (or Qwen3-Next: Gated DeltaNet + attention, 3:1) from a config, in training
     mode: 16 heads, 8 KV heads, head_dim 128, intermediate 3 x hidden on the GPU; a tiny one in
-    the dry run. Returns the model and its config."""
+    the dry run. ``--arch deepseek_v2`` / ``gpt_oss``: those models' real layer shapes
+    (:data:`ARCH_SHAPES`). Returns the model and its config."""
+    if args.arch in ARCH_SHAPES:
+        shapes = _ARCH_TINY if env.dry else ARCH_SHAPES
+        cfg = dict(shapes[args.arch], vocab_size=args.vocab,
+                   num_hidden_layers=2 if env.dry else args.layers)
+        attn = "eager" if args.arch in _EAGER_ONLY else "sdpa"
+        model = common.hf_model(args.arch, dev=env.dev, dtype=env.dtype, seed=0,
+                                on_device=True, use_cache=False, train=True, attn=attn, **cfg)
+        return model, dict(cfg, arch=args.arch)
     if env.dry:
         cfg = dict(vocab_size=args.vocab, hidden_size=64, intermediate_size=192,
                    num_hidden_layers=2 if args.arch == "qwen3" else 4, num_attention_heads=4,

@@ -32,9 +32,11 @@ def parse_args(argv=None):
     p.add_argument("--methods", default=",".join(METHODS),
                    help=f"subset of {METHODS}, plus opt-in {EXTRA_METHODS}")
     p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--arch", choices=("qwen3", "qwen3_next"), default="qwen3",
-                   help="qwen3 (attention) or qwen3_next (Gated DeltaNet + attention, 3:1; "
-                        "compare treefx with packed_reset)")
+    p.add_argument("--arch", choices=("qwen3", "qwen3_next", "deepseek_v2", "gpt_oss"),
+                   default="qwen3",
+                   help="qwen3 (attention), qwen3_next (Gated DeltaNet + attention, 3:1; "
+                        "compare treefx with packed_reset), or the layer shapes of "
+                        "DeepSeek-V2-Lite (MLA + MoE) or gpt-oss-20b (sinks, windows, MoE)")
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--reps", type=int, default=5)

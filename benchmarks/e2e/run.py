@@ -11,7 +11,7 @@ import treefx
 
 from ..common import counts_delta, dynamo_counts, save_json, stream_trees
 from .dry_checks import dry_checks
-from .env import build_model, set_attn
+from .env import build_model, set_attn, tree_attn_impl
 from .measure import cleanup, is_oom, measure
 from .methods import MAKERS, TREEFX_OBJECTS
 from .profile import profile_step
@@ -95,7 +95,7 @@ def stream_check(env, args, model, parts) -> dict:
     sizes, ms = [], []
     try:
         for t in trees:
-            set_attn(model, "sdpa")
+            set_attn(model, tree_attn_impl(model))
             model.zero_grad(set_to_none=True)
             w0 = time.perf_counter()
             batch = treefx.pack(t, reduction="mean").to(env.dev)

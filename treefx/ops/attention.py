@@ -27,7 +27,9 @@ from ..mask import tree_visible
 
 __all__ = [
     "tree_attention_dense",
+    "TreeScoredAttention",
     "TreeFlexAttention",
+    "sink_rescale",
     "interleave_block_tensors",
     "interleaved_block_mask",
 ]
@@ -57,16 +59,42 @@ def tree_attention_dense(
     )
 
 
+class TreeScoredAttention:
+    """Dense tree attention for a model that transforms its scores itself before the softmax
+    (a ``tanh`` softcap, a bias, a second mask): ``score_fn(scores, *sides)`` replays the
+    model's own ops from ``q @ k^T`` to its softmax input, ``sides`` being the other tensors
+    those ops read (the model's masks, evaluated at path positions). The tree mask is applied
+    last, to the softmax input, so every key a query does not see gets probability 0 whatever
+    the model did to the scores.
+
+    Called ``(scores, v, tree_mask, *sides)`` with the model's ``q @ k^T``; returns
+    ``(out, lse)``: the attention output in ``v``'s dtype and the natural log-sum-exp of each
+    query's row (float32 or wider), which attention sinks and models that use it read.
+    """
+
+    def __init__(self, score_fn, *, name: str = "tree_scored_attention"):
+        self.score_fn = score_fn
+        self.__name__ = name
+
+    def __call__(self, scores, v, tree_mask, *sides):
+        s = self.score_fn(scores, *sides)
+        s = s.to(torch.promote_types(s.dtype, torch.float32))
+        s = s.masked_fill(~tree_mask, float("-inf"))
+        lse = torch.logsumexp(s, dim=-1)
+        out = torch.matmul(torch.softmax(s, dim=-1).to(v.dtype), v)
+        return out, lse
+
+    def __repr__(self) -> str:
+        return self.__name__
 
 
-
-
-
-
-
-
-
-
+def sink_rescale(out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
+    """Attention with a *sink*: one more logit ``sink`` [B, H, N, 1] in each query's softmax
+    that takes probability but has no value. Its softmax over ``[scores, sink]`` is the
+    softmax over the scores times ``Z / (Z + e^sink) = sigmoid(lse - sink)``, so the sink needs
+    only the plain attention's output and log-sum-exp (in float32)."""
+    w = torch.sigmoid(lse.float() - sink.squeeze(-1).float())
+    return out * w.unsqueeze(-1).to(out.dtype)
 def _identity_score(score, b, h, q_idx, kv_idx):
     return score
 
@@ -181,18 +209,24 @@ class TreeFlexAttention:
     """One attention site rewritten to FlexAttention over the tree.
 
     Called with ``(q, k, v, kv_num, kv_idx, full_num, full_idx, subtree_end_padded,
-    positions_padded, *model_mask_buffers)``. ``model_mask`` (optional) is a mask_mod-like
-    callable ``(b, h, q_pos, kv_pos, *buffers) -> bool`` of path positions (``h`` the query
-    head). Scores are not modified. Module-level callables, tensors as explicit buffers:
-    no per-step state in closures. ``interleave_heads``: True, False, or None for "where the
+    positions_padded, *model_mask_buffers, *score_buffers)``. ``model_mask`` (optional) is a
+    mask_mod-like callable ``(b, h, q_pos, kv_pos, *buffers) -> bool`` of path positions
+    (``h`` the query head). ``score_mod`` (optional) likewise modifies a score:
+    ``(score, b, h, q_pos, kv_pos, *buffers) -> score`` (the model's softcap or bias);
+    ``mask_buffers`` says how many of the extra buffers are the mask's (default: all).
+    ``return_lse``: return ``(out, lse)`` with the natural log-sum-exp of each query's row.
+    Module-level callables, tensors as explicit buffers: no per-step state in closures. ``interleave_heads``: True, False, or None for "where the
     call computes gradients" (see :func:`check_interleave_heads`); ``layouts`` records the
     layouts the site was traced with.
     """
 
     def __init__(self, *, scale=None, block_size=128, model_mask=None,
-                 kernel_options=None, interleave_heads=None,
-                 name="tree_flex_attention"):
+                 kernel_options=None, interleave_heads=None, score_mod=None,
+                 mask_buffers=None, return_lse=False, name="tree_flex_attention"):
         self.scale = scale
+        self.score_mod = score_mod
+        self.mask_buffers = mask_buffers  # how many of the extra buffers the mask reads
+        self.return_lse = return_lse
         self.kernel_options = check_kernel_options(kernel_options)
         self.interleave_heads = check_interleave_heads(interleave_heads, self.kernel_options)
         self.layouts: set[str] = set()  # the layouts this site was traced with
@@ -214,7 +248,9 @@ class TreeFlexAttention:
         interleave = self.interleave_heads
         if interleave is None:  # the backward is what gains; the forward alone does not
             interleave = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-        interleave = interleave and k.shape[1] > 1
+        # A score_mod and the log-sum-exp are per query head in the usual layout.
+        interleave = (interleave and k.shape[1] > 1 and self.score_mod is None
+                      and not self.return_lse)
         self.layouts.add("interleaved" if interleave else "standard")
         from torch.nn.attention.flex_attention import BlockMask
 
@@ -247,18 +283,28 @@ class TreeFlexAttention:
 
         return mask_mod
 
+    def _score(self, score, b, h, q_idx, kv_idx, pos, *bufs):
+        return self.score_mod(score, b, h, pos[q_idx], pos[kv_idx], *bufs)
+
     def _flex(self, q, k, v, block_mask, se_pad, pos_pad, bufs):
         from torch._higher_order_ops.flex_attention import flex_attention as flex_hop
         from torch.nn.attention.flex_attention import _apply_kernel_options
 
-        mask_bufs = (se_pad, pos_pad, *bufs)
+        m = len(bufs) if self.mask_buffers is None else self.mask_buffers
+        mask_bufs = (se_pad, pos_pad, *bufs[:m])
+        if self.score_mod is not None:
+            score_mod, score_bufs = self._score, (pos_pad, *bufs[m:])
+        else:
+            score_mod, score_bufs = _identity_score, ()
         scale = self.scale if self.scale is not None else 1.0 / math.sqrt(q.shape[-1])
-        kernel_options = _apply_kernel_options(q, k, v, False,
+        kernel_options = _apply_kernel_options(q, k, v, self.return_lse,
                                                {**_STANDARD_KERNEL, **self.kernel_options})
-        out, _, *_ = flex_hop(
-            q, k, v, _identity_score, block_mask.as_tuple(), scale, kernel_options,
-            (), mask_bufs,
+        out, lse, *_ = flex_hop(
+            q, k, v, score_mod, block_mask.as_tuple(), scale, kernel_options,
+            score_bufs, mask_bufs,
         )
+        if self.return_lse:
+            return out, lse * math.log(2.0)  # the kernel's log-sum-exp is in base 2
         return out
 
     def __repr__(self) -> str:

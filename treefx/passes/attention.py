@@ -27,7 +27,12 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from ..mask import dense_tree_mask, tree_block_tensors
-from ..ops.attention import TreeFlexAttention, tree_attention_dense
+from ..ops.attention import (
+    TreeFlexAttention,
+    TreeScoredAttention,
+    sink_rescale,
+    tree_attention_dense,
+)
 from .common import (
     GraphContext,
     UnmatchedAttentionError,
@@ -38,7 +43,13 @@ from .common import (
     module_path,
     same_size,
 )
-from .mask_lift import MaskLiftError, implied_by_tree, lift_mask
+from .mask_lift import (
+    LiftedScore,
+    MaskLiftError,
+    implied_by_tree,
+    lift_mask,
+    lift_value,
+)
 
 __all__ = ["attention_pass", "check_no_attention_left"]
 
@@ -68,6 +79,23 @@ class _Site:
     scale: float | None
     enable_gqa: bool
     kind: str
+    scored: _Scored | None = None  # scores the model transforms itself (softcap, sink, ...)
+
+
+@dataclass
+class _Scored:
+    """What a model does to its scores between ``q @ k^T`` and the softmax, and around it.
+
+    ``chain``: the elementwise ops from the matmul ``scores`` to the softmax input, in order,
+    each reading the previous one and ``sides`` (masks, biases: tensors that do not depend on
+    the scores). ``sink``: a [B, H, N, 1] logit concatenated as one more key and dropped
+    after the softmax. ``lse``: the model's own ``logsumexp`` over the same scores (a sink
+    applied as ``sigmoid(lse - sink)``)."""
+
+    scores: fx.Node
+    chain: list[fx.Node]
+    sink: fx.Node | None
+    lse: list[fx.Node]
 
 
 
@@ -141,8 +169,9 @@ def _eager_site(softmax: fx.Node) -> _Site | None:
     this softmax is not followed by a matmul (not attention)."""
     val = example(softmax)
     dim = arg(softmax, 1, "dim", None)
-    # Forward: softmax -> casts / dropout -> matmul(attn, v).
+    # Forward: softmax -> casts / dropout (/ the sink column dropped) -> matmul(attn, v).
     cur = softmax
+    drop_last = False
     while True:
         if len(cur.users) != 1:
             if any(is_call(u, *_MATMUL, methods=("matmul",)) for u in cur.users):
@@ -155,6 +184,9 @@ def _eager_site(softmax: fx.Node) -> _Site | None:
         elif is_call(user, *_DROPOUT):
             _check_dropout(softmax, arg(user, 1, "p", 0.5), arg(user, 2, "training", True))
             cur = user
+        elif _drops_last_column(user) and not drop_last:
+            drop_last = True
+            cur = user
         elif is_call(user, *_MATMUL, methods=("matmul",)) and user.args[0] is cur:
             out, v = user, user.args[1]
             break
@@ -162,6 +194,22 @@ def _eager_site(softmax: fx.Node) -> _Site | None:
             return None
     if val is None or dim is None or dim % val.dim() != val.dim() - 1:
         raise _fail(softmax, f"its softmax runs over dim {dim}, not the key dimension (last)")
+    if drop_last or len(_strip_casts(softmax.args[0]).users) > 1 or _is_max_shift(
+            _strip_casts(softmax.args[0])) is not None:
+        # A sink column, a max subtracted, the scores read elsewhere (a log-sum-exp): the
+        # general form.
+        return _scored_site(softmax, out, v, drop_last)
+    try:
+        return _simple_site(softmax, out, v)
+    except UnmatchedAttentionError as simple:
+        try:
+            return _scored_site(softmax, out, v, drop_last)
+        except UnmatchedAttentionError:
+            raise simple from None
+
+
+def _simple_site(softmax: fx.Node, out: fx.Node, v: fx.Node) -> _Site:
+    """``softmax(scale * q @ k^T (+ mask))``: SDPA's own form."""
     # Backward: softmax input -> mask -> scale -> matmul(q, k^T).
     cur = _strip_casts(softmax.args[0])
     mask = None
@@ -194,6 +242,184 @@ def _eager_site(softmax: fx.Node) -> _Site | None:
     k = _untranspose(kt)
     return _Site(out, softmax, q, k if k is not None else kt, v, mask, scale, False,
                  "eager" if k is not None else "eager-kT")
+
+
+# Elementwise ops a model may apply to its scores before the softmax.
+_POINTWISE = (torch.mul, operator.mul, torch.div, operator.truediv, torch.add, operator.add,
+              torch.sub, operator.sub, torch.neg, operator.neg, torch.tanh, torch.sigmoid,
+              torch.clamp, torch.clip, torch.where, torch.masked_fill, F.tanh, F.sigmoid)
+_POINTWISE_METHODS = ("mul", "div", "add", "sub", "neg", "tanh", "sigmoid", "clamp", "clip",
+                      "clamp_min", "clamp_max", "masked_fill", *_CASTS)
+_MAX = (torch.max, torch.amax)
+
+
+def _drops_last_column(node: fx.Node) -> bool:
+    """``x[..., :-1]`` (any spelling that keeps every other dim whole)."""
+    if not is_call(node, operator.getitem):
+        return False
+    key = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+    val, src = example(node), example(node.args[0])
+    if not key or val is None or src is None or key[-1] != slice(None, -1, None):
+        return False
+    if not all(k is Ellipsis or k == slice(None) for k in key[:-1]):
+        return False
+    return Ellipsis in key or len(key) == src.dim()
+
+
+def _is_max_shift(node) -> fx.Node | None:
+    """``x`` when ``node`` is ``x - x.max(dim=-1, keepdim=True)`` (``.values``, ``[0]`` or
+    ``amax``): a shift a softmax does not see (it subtracts its row's maximum itself)."""
+    if not is_call(node, torch.sub, operator.sub, methods=("sub",)) or len(node.args) < 2:
+        return None
+    x, m = node.args[:2]
+    if m.op == "call_function" and m.target in (getattr, operator.getitem) and (
+            m.args[1] in ("values", 0)):
+        m = m.args[0]
+    if not is_call(m, *_MAX, methods=("max", "amax")) or m.args[0] is not x:
+        return None
+    val = example(x)
+    dim = arg(m, 1, "dim", None)
+    keep = arg(m, 2, "keepdim", False)
+    if val is None or not isinstance(dim, int) or dim % val.dim() != val.dim() - 1 or not keep:
+        return None
+    return x
+
+
+def _score_source(node, memo: dict) -> fx.Node | None:
+    """The matmul a value is computed from through elementwise ops only, or None."""
+    if not isinstance(node, fx.Node):
+        return None
+    if node not in memo:
+        memo[node] = None  # cycles cannot happen in a DAG, but keep the walk bounded
+        if is_call(node, *_MATMUL, methods=("matmul",)):
+            memo[node] = node
+        elif is_call(node, *_POINTWISE, methods=_POINTWISE_METHODS):
+            found = {_score_source(a, memo) for a in node.all_input_nodes} - {None}
+            memo[node] = found.pop() if len(found) == 1 else None
+    return memo[node]
+
+
+def _scored_site(softmax: fx.Node, out: fx.Node, v: fx.Node, drop_last: bool) -> _Site:
+    """The general form: ``softmax(f(q @ k^T, masks...) [, sink])`` with any elementwise
+    ``f`` (a ``tanh`` softcap, a bias, several masks), a subtracted row maximum, a sink
+    column, and the model's own log-sum-exp of the same scores."""
+    between = {softmax}  # nodes from the chain's end to the softmax
+    x = softmax.args[0]
+    while True:
+        between.add(x)
+        if is_call(x, methods=_CASTS):
+            x = x.args[0]
+            continue
+        shifted = _is_max_shift(x)
+        if shifted is None:
+            break
+        between.update({x, *x.all_input_nodes, *x.args[1].all_input_nodes})
+        x = shifted
+    sink = None
+    if is_call(x, torch.cat):
+        parts, dim = arg(x, 0, "tensors"), arg(x, 1, "dim", 0)
+        sv = example(parts[1]) if len(parts) == 2 else None
+        if (sv is None or not isinstance(dim, int) or dim % sv.dim() != sv.dim() - 1
+                or not same_size(sv.shape[-1], 1) or _score_source(parts[1], {}) is not None):
+            raise _fail(softmax, f"its scores are concatenated with `{describe(x)}`; treefx "
+                                 "knows one extra column only (an attention sink)")
+        between.add(x)
+        sink, x = parts[1], parts[0]
+    between.add(x)
+    if (sink is not None) != drop_last:
+        raise _fail(softmax, "it adds a column to the scores (an attention sink?) but does not "
+                             "drop it after the softmax, or drops one it did not add")
+    memo: dict = {}
+    scores = _score_source(x, memo)
+    if scores is None:
+        raise _fail(softmax, f"the softmax input `{describe(x)}` is not computed from one "
+                             "q @ k^T matmul by elementwise ops")
+    chain, cur = [], x
+    while cur is not scores:
+        chain.append(cur)
+        on = [a for a in cur.all_input_nodes if _score_source(a, memo) is scores]
+        if len(on) != 1:
+            raise _fail(softmax, f"`{describe(cur)}` combines the scores with themselves")
+        cur = on[0]
+    chain.reverse()
+    sv = example(scores)
+    for n in chain:
+        nv = example(n)
+        if nv is None or nv.dim() != sv.dim() or not all(
+                same_size(a, b) for a, b in zip(nv.shape, sv.shape)):
+            raise _fail(softmax, f"`{describe(n)}` changes the shape of the scores")
+    for n in chain[:-1] + ([scores] if chain else []):
+        if len(n.users) != 1:
+            raise _fail(softmax, f"the scores `{n.name}` are also used outside the attention")
+    lse = [u for u in x.users if u not in between and is_call(u, torch.logsumexp,
+                                                                methods=("logsumexp",))]
+    for n in lse:
+        if arg(n, 1, "dim", None) not in (-1, sv.dim() - 1) or arg(n, 2, "keepdim", False):
+            raise _fail(n, "its log-sum-exp of the scores is not over the keys (last dim)")
+    for n in between - {softmax}:
+        extra = [u for u in n.users if u not in between and u not in lse]
+        if extra:
+            raise _fail(softmax, f"its scores are also read by `{describe(extra[0])}`")
+    q, kt = scores.args[:2]
+    k = _untranspose(kt)
+    return _Site(out, softmax, q, k if k is not None else kt, v, None, 1.0, False,
+                 "eager-scored" if k is not None else "eager-scored-kT",
+                 scored=_Scored(scores, chain, sink, lse))
+
+
+def _sides(chain: list[fx.Node], scores: fx.Node) -> list[fx.Node]:
+    """The tensors the chain reads besides the scores, in first-use order."""
+    on = {scores, *chain}
+    out: list[fx.Node] = []
+    for n in chain:
+        out.extend(a for a in n.all_input_nodes if a not in on and a not in out)
+    return out
+
+
+def _chain_module(chain: list[fx.Node], scores: fx.Node, sides: list[fx.Node]):
+    """The chain as a function ``(scores, *sides) -> softmax input``, the model's own ops."""
+    g = fx.Graph()
+    env = {scores: g.placeholder("scores")}
+    for i, side in enumerate(sides):
+        env[side] = g.placeholder(f"side_{i}")
+    for n in chain:
+        env[n] = g.node_copy(n, lambda a: env[a])
+    g.output(env[chain[-1]] if chain else env[scores])
+    return fx.GraphModule(torch.nn.Module(), g, class_name="ScoreChain")
+
+
+def _peel_mask(ctx: GraphContext, chain: list[fx.Node]):
+    """(chain without its last op, boolean mask node) when the last op masks the scores
+    (``+ where(allowed, 0, -inf)``, ``masked_fill(blocked, -inf)``, ``where(allowed, s,
+    -inf)``), which a FlexAttention ``mask_mod`` does with block sparsity; else
+    (chain, None)."""
+    if not chain:
+        return chain, None
+    last, prev = chain[-1], (chain[-2] if len(chain) > 1 else None)
+
+    def is_prev(a):
+        return a is prev if prev is not None else (
+            isinstance(a, fx.Node) and is_call(a, *_MATMUL, methods=("matmul",)))
+
+    if is_call(last, torch.add, operator.add, methods=("add",)):
+        a, b = last.args[:2]
+        side = b if is_prev(a) else a if is_prev(b) else None
+        if isinstance(side, fx.Node):
+            return chain[:-1], side
+    elif is_call(last, torch.masked_fill, methods=("masked_fill",)) and is_prev(last.args[0]):
+        if _mask_fill_value(ctx, arg(last, 2, "value")):
+            with ctx.graph.inserting_before(last):
+                return chain[:-1], ctx.graph.call_function(torch.logical_not, (last.args[1],))
+    elif is_call(last, torch.where) and len(last.args) == 3 and is_prev(last.args[1]):
+        if _mask_fill_value(ctx, last.args[2]):
+            return chain[:-1], last.args[0]
+    return chain, None
+
+
+def _mask_fill_value(ctx: GraphContext, x) -> bool:
+    from .mask_lift import _very_negative
+
+    return _very_negative(ctx, ctx.resolve(x) if isinstance(x, fx.Node) else x)
 
 
 def _reaches_matmul(node, depth: int = 6) -> bool:
@@ -306,7 +532,95 @@ def _kv_for_flex(site: _Site, k: fx.Node):
     return k0, v0, True
 
 
+def _rewrite_scored(ctx: GraphContext, site: _Site) -> fx.Node:
+    """The general form: the model's own score ops replayed, the tree mask applied to the
+    softmax input, a sink or the model's log-sum-exp from the attention's log-sum-exp."""
+    g = ctx.graph
+    sc = site.scored
+    note = site.kind + ", the model's score ops replayed"
+    # Before the first reader: the model's log-sum-exp may be read before its attention.
+    order = {n: i for i, n in enumerate(g.nodes)}
+    first = min([site.out, *sc.lse], key=order.__getitem__)
+    late = [a for a in (sc.scores, site.v, sc.sink) if a is not None and order[a] > order[first]]
+    if late:
+        raise _fail(site.anchor, f"its log-sum-exp is read before `{late[0].name}` is computed")
+    with g.inserting_before(first):
+        if ctx.backend == "eager":
+            tree = ctx.shared("dense_tree_mask",
+                              lambda c: c.graph.call_function(dense_tree_mask, (c.subtree_end,)))
+            sides = _sides(sc.chain, sc.scores)
+            fn = TreeScoredAttention(_chain_module(sc.chain, sc.scores, sides),
+                                     name=f"tree_scored_attention_{site.anchor.name}")
+            pair = g.call_function(fn, (sc.scores, site.v, tree, *sides))
+        else:
+            pair, more = _scored_flex(ctx, site)
+            note += more
+        out = g.call_function(operator.getitem, (pair, 0))
+        lse = g.call_function(operator.getitem, (pair, 1))
+        if sc.sink is not None:
+            out = g.call_function(sink_rescale, (out, lse, sc.sink))
+            note += ", sink from the log-sum-exp"
+        for n in sc.lse:
+            n.replace_all_uses_with(g.call_method("to", (lse, example(n).dtype)))
+            note += ", the model's log-sum-exp from the attention's"
+    out.meta.update({k_: v_ for k_, v_ in site.out.meta.items()
+                     if k_ in ("nn_module_stack", "stack_trace", "example_value")})
+    ctx.record("attention", site.anchor, describe(pair), note=note)
+    site.out.replace_all_uses_with(out)
+    return out
+
+
+def _scored_flex(ctx: GraphContext, site: _Site):
+    """FlexAttention for the general form: the score ops as a ``score_mod`` (their masks and
+    biases evaluated at path positions), a final mask as the ``mask_mod``."""
+    g = ctx.graph
+    sc = site.scored
+    chain, mask = _peel_mask(ctx, sc.chain)
+    note = ""
+    lifted, mask_bufs = None, ()
+    if mask is not None:
+        _check_mask_sources(ctx, site, mask)
+        try:
+            lifted, mask_bufs = lift_mask(ctx, mask)
+        except MaskLiftError:
+            chain, lifted = sc.chain, None  # a bias, not a mask: it stays a score op
+        if lifted is not None and implied_by_tree(lifted, mask_bufs):
+            lifted, mask_bufs = None, ()
+            note += ", model mask implied by the tree"
+        elif lifted is not None:
+            note += ", model mask kept (evaluated at path positions)"
+    sides = _sides(chain, sc.scores)
+    lifted_sides, score_bufs = [], []
+    for side in sides:
+        _check_mask_sources(ctx, site, side)
+        try:
+            one, bufs = lift_value(ctx, side)
+        except MaskLiftError as e:
+            raise _fail(site.anchor, f"its scores read `{describe(side)}`, which cannot be "
+                                     f"evaluated per query and key position ({e}); use "
+                                     "backend='eager' for this model") from None
+        lifted_sides.append((one, len(bufs)))
+        score_bufs.extend(bufs)
+    score_mod = LiftedScore(_chain_module(chain, sc.scores, sides), lifted_sides)
+    k = site.k
+    if site.kind.endswith("-kT"):
+        k = g.call_method("transpose", (k, -2, -1))
+    blocks = _block_nodes(ctx, full=lifted is None)
+    fn = TreeFlexAttention(scale=1.0, block_size=ctx.block_size, model_mask=lifted,
+                           score_mod=score_mod, mask_buffers=len(mask_bufs), return_lse=True,
+                           kernel_options=ctx.kernel_options, interleave_heads=False,
+                           name=f"tree_flex_attention_{site.anchor.name}")
+    k, v, shared_kv = _kv_for_flex(site, k)
+    if shared_kv:
+        note += ", KV heads shared by FlexAttention (the model's repeat undone)"
+    bufs = tuple(ctx.local(b) for b in (*mask_bufs, *score_bufs))
+    note += ", score ops as the score_mod"
+    return g.call_function(fn, (site.q, k, v, *blocks, *bufs)), note
+
+
 def _rewrite(ctx: GraphContext, site: _Site) -> fx.Node:
+    if site.scored is not None:
+        return _rewrite_scored(ctx, site)
     g = ctx.graph
     k = site.k
     with g.inserting_before(site.out):

@@ -27,7 +27,7 @@ import torch.fx as fx
 
 from .common import GraphContext, describe, example, is_call
 
-__all__ = ["MaskLiftError", "LiftedMask", "lift_mask"]
+__all__ = ["MaskLiftError", "LiftedMask", "LiftedScore", "lift_mask", "lift_value"]
 
 _SHAPE_METHODS = ("expand", "expand_as", "view", "reshape", "unsqueeze", "contiguous",
                   "squeeze", "broadcast_to")
@@ -138,14 +138,34 @@ class LiftedMask:
             return out
 
         out = grid(self.mask)
+        if not self.boolean:
+            return out
         if out.dtype != torch.bool:
             raise MaskLiftError("the mask is not boolean")
         return ~out if self.negate else out
 
-    # Filled by lift_mask.
+    # Filled by lift_mask / lift_value.
     negate: bool = False  # the subgraph computes where attention is blocked
+    boolean: bool = True  # a mask (lift_mask), or any value (lift_value)
     _dep: set
     _vectors: set
+
+
+class LiftedScore:
+    """``(score, b, h, q_pos, kv_pos, *buffers) -> score``: a model's own score ops (``fn``,
+    reading the score and its side tensors) with each side tensor evaluated at path positions
+    (``sides``: a :class:`LiftedMask` of :func:`lift_value` and how many buffers it reads)."""
+
+    def __init__(self, fn, sides: list[tuple[LiftedMask, int]]):
+        self.fn = fn
+        self.sides = sides
+
+    def __call__(self, score, b, h, q_pos, kv_pos, *buffers):
+        values, i = [], 0
+        for side, n in self.sides:
+            values.append(side.evaluate(b, h, q_pos, kv_pos, *buffers[i:i + n]).reshape(()))
+            i += n
+        return self.fn(score, *values)
 
 
 def _static_one(n) -> bool:
@@ -256,6 +276,30 @@ def lift_mask(ctx: GraphContext, mask: fx.Node) -> tuple[LiftedMask, tuple[fx.No
                                 "values are not only 0 and -inf: it may carry a bias")
         if example(mask) is None or example(mask).dtype != torch.bool:
             raise MaskLiftError("the additive mask's condition is not boolean")
+    lifted, leaves = _snapshot(ctx, mask)
+    lifted.negate = negate
+    return lifted, leaves
+
+
+def lift_value(ctx: GraphContext, node: fx.Node) -> tuple[LiftedMask, tuple[fx.Node, ...]]:
+    """Like :func:`lift_mask` for a tensor of any dtype that a model combines elementwise with
+    its attention scores (an additive mask, a bias): ``(b, h, q_pos, kv_pos, *buffers)`` -> its
+    value there. A tensor that depends on no index (a 0-d constant) is read whole, so it must
+    hold one element."""
+    node = ctx.resolve(node)
+    val = example(node)
+    if not isinstance(val, torch.Tensor):
+        raise MaskLiftError(f"`{describe(node)}` has no recorded value")
+    lifted, leaves = _snapshot(ctx, node)
+    if lifted.mask in lifted.leaves and val.numel() != 1:
+        raise MaskLiftError(f"`{describe(node)}` (shape {tuple(val.shape)}) is read by the "
+                            "scores but is not a function of the query and key positions")
+    lifted.boolean = False
+    return lifted, leaves
+
+
+def _snapshot(ctx: GraphContext, mask: fx.Node) -> tuple[LiftedMask, tuple[fx.Node, ...]]:
+    """The subgraph computing ``mask`` from index sources, copied into a private graph."""
     # Nodes that depend on an index source, and which of them are still 1-D vectors.
     dep: set = set()
     vectors: set = set()
@@ -308,11 +352,12 @@ def lift_mask(ctx: GraphContext, mask: fx.Node) -> tuple[LiftedMask, tuple[fx.No
             copies[n] = private.node_copy(n, arg)
         elif n is positions:
             outer(n)
+    if mask not in copies:  # depends on no index: one buffer, read whole
+        outer(mask)
     lifted = LiftedMask(copies[positions] if positions in copies else None,
                         copies[mask], [copies[n] for n in leaves])
     lifted._dep = {copies[n] for n in dep}
     lifted._vectors = {copies[n] for n in vectors}
-    lifted.negate = negate
     return lifted, tuple(leaves)
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..env import set_attn
+from ..env import set_attn, tree_attn_impl
 
 
 def _obo_loss(model, ids, w):
@@ -55,7 +55,7 @@ def make(env, model, parts, args):
             items.append((torch.from_numpy(s), torch.from_numpy(w).float()))
 
         def step():
-            set_attn(model, "sdpa")
+            set_attn(model, tree_attn_impl(model))
             model.zero_grad(set_to_none=True)
             total = None
             for s, w in items:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import treefx
 
-from ..env import set_attn
+from ..env import set_attn, tree_attn_impl
 
 
 def make(env, model, parts, args=None, key="treefx_model", **options):
@@ -23,7 +23,7 @@ def make_standard(env, model, parts, args=None):
 def tree_step(env, model, tm, trees):
     """One timed step of a compiled TreeModel: layout, forward, tree loss, backward."""
     def step():
-        set_attn(model, "sdpa")
+        set_attn(model, tree_attn_impl(model))
         model.zero_grad(set_to_none=True)
         batch = treefx.pack(trees, reduction="mean").to(env.dev)
         loss = treefx.tree_loss(tm(batch), batch)
