@@ -2,13 +2,15 @@
 (what runs them over the tree is :mod:`treefx.ops.recurrence`).
 
 A hybrid model's linear-attention or SSM layer calls a kernel that runs a recurrence over the
-sequence (Gated DeltaNet's chunked delta rule, Mamba2's chunked scan). Inlined into the graph
-such a kernel is hundreds of ops that nothing can recognise; on a DFS row its state would run
-from one branch into the next sibling. So during capture treefx swaps each registered kernel,
-where the model looks it up, for a *marker*: a function Dynamo keeps as one graph node
-(``allow_in_graph``) that still computes the original kernel when run. The SSM pass then finds
-the markers and rewrites each into a tree recurrence (every tree node is one chunk whose
-initial state is its parent node's final state).
+sequence (Gated DeltaNet's chunked delta rule, Mamba2's chunked scan, Mamba's selective scan).
+Inlined into the graph such a kernel is hundreds of ops that nothing can recognise; on a DFS
+row its state would run from one branch into the next sibling. So during capture treefx swaps
+each registered kernel, where the model looks it up, for a *marker*: a function Dynamo keeps
+as one graph node (``allow_in_graph``) that still computes the original kernel when run. The
+SSM pass then finds the markers and rewrites each into a tree recurrence (every tree node is
+one chunk whose initial state is its parent node's final state). A kernel without an
+initial-state parameter (Hugging Face's Mamba selective scan) is run over the tree by a
+``tree_fn`` that has one.
 
 A :class:`Recurrence` says what the kernel's arguments mean. Register your own with
 :func:`register_recurrence`.
@@ -26,6 +28,7 @@ import sys
 import torch
 
 from .ops.recurrence import Recurrence
+from .ops.selective_scan import selective_scan
 
 __all__ = [
     "Recurrence",
@@ -52,11 +55,26 @@ def register_recurrence(rec: Recurrence, *, sites: list[tuple[str, str]] = ()) -
     if rec.output_like not in rec.seq_args:
         raise ValueError(f"recurrence {rec.name!r}: output_like={rec.output_like!r} is not one "
                          "of its seq_args")
-    missing = [a for a in (*rec.seq_args, rec.initial_state, rec.output_final_state)
-               if a not in rec.signature.parameters]
+    missing = [a for a in rec.seq_args if a not in rec.signature.parameters]
+    if rec.tree_fn is None:
+        missing += [a for a in (rec.initial_state, rec.output_final_state)
+                    if a not in rec.signature.parameters]
     if missing:
         raise ValueError(f"recurrence {rec.name!r}: {rec.fn.__name__} has no parameters "
                          f"{missing}")
+    if rec.tree_fn is not None:
+        # The tree runs tree_fn with fn's arguments (as the model binds them) and the state's.
+        params = inspect.signature(rec.tree_fn).parameters
+        takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
+        needed = [a for a in rec.signature.parameters
+                  if rec.signature.parameters[a].kind not in (inspect.Parameter.VAR_KEYWORD,
+                                                              inspect.Parameter.VAR_POSITIONAL)]
+        unknown = [a for a in (*needed, rec.initial_state, rec.output_final_state)
+                   if a not in params and not (takes_any and a in needed)]
+        if unknown:
+            raise ValueError(f"recurrence {rec.name!r}: its tree_fn "
+                             f"{getattr(rec.tree_fn, '__name__', rec.tree_fn)} has no "
+                             f"parameters {unknown}")
     original = rec.fn
 
     def marker(*args, **kwargs):
@@ -208,9 +226,30 @@ def _mamba2_chunk_scan(owner: str, fn) -> Recurrence:
     )
 
 
+def _mamba_selective_scan(owner: str, fn) -> Recurrence:
+    """Hugging Face's torch Mamba (v1) selective scan (``mamba_selective_scan``, after
+    mamba_ssm's ``selective_scan_fn``). It has no initial state, so the tree runs treefx's own
+    selective scan (:func:`treefx.ops.selective_scan.selective_scan`) with the same arguments."""
+    return Recurrence(
+        name=f"{owner}_mamba_selective_scan",
+        fn=fn,
+        seq_args={"hidden_states": 2, "dt": 2, "B": 2, "C": 2, "z": 2},
+        output_seq_dim=2,
+        output_like="hidden_states",
+        # dt = -inf: after the bias and softplus a step of 0 (exp(A·0) = 1, no input), as for
+        # Mamba2. Without delta_softplus it is not neutral: measured (padding_is_neutral).
+        neutral={"dt": float("-inf")},
+        initial_state="initial_state",
+        output_final_state="return_last_state",
+        bare_output_without_state=True,
+        tree_fn=selective_scan,
+    )
+
+
 # The kernel families treefx recognises by name wherever a model defines them.
 _FAMILIES = {"torch_chunk_gated_delta_rule": _gated_delta_rule,
-             "mamba2_chunk_scan": _mamba2_chunk_scan}
+             "mamba2_chunk_scan": _mamba2_chunk_scan,
+             "mamba_selective_scan": _mamba_selective_scan}
 
 
 def _register_builtins() -> None:
@@ -218,7 +257,7 @@ def _register_builtins() -> None:
     (others are recognised when a model is compiled: :func:`discover`). Modules that are
     missing, or whose kernel has another signature, are skipped."""
     for model in ("qwen3_next", "qwen3_5", "mamba2", "bamba", "falcon_h1", "granitemoehybrid",
-                  "nemotron_h", "zamba2"):
+                  "nemotron_h", "zamba2", "mamba", "falcon_mamba", "jamba", "zamba"):
         path = f"transformers.models.{model}.modeling_{model}"
         mod = _import(path)
         for attr, make in _FAMILIES.items():

@@ -47,7 +47,11 @@ class Recurrence:
       ``cu_seqlens`` (int64, n + 1) where each node starts, ``initial_state`` one state per
       node or None (all zero), ``static`` the other arguments by name. Built in for Gated
       DeltaNet when flash-linear-attention (fla) is installed;
-    - ``varlen_devices``: the device types ``varlen`` runs on (others take the padded path).
+    - ``varlen_devices``: the device types ``varlen`` runs on (others take the padded path);
+    - ``tree_fn``: the function run over the tree in place of ``fn``, for a kernel without an
+      initial-state parameter (Hugging Face's Mamba selective scan starts from zeros). It takes
+      ``fn``'s arguments by the same names, plus ``initial_state`` and ``output_final_state``;
+      the model still calls ``fn`` (whose signature binds the model's arguments).
     """
 
     name: str
@@ -61,8 +65,14 @@ class Recurrence:
     output_like: str = ""  # the seq arg whose shape and dtype the output has (default: first)
     varlen: Callable | None = None
     varlen_devices: tuple[str, ...] = ("cuda",)
+    tree_fn: Callable | None = None
     marker: Callable | None = None
     signature: inspect.Signature | None = None
+
+    @property
+    def run(self) -> Callable:
+        """The function run per tree level (and probed for neutral padding)."""
+        return self.tree_fn or self.fn
 
     def bind(self, args, kwargs) -> dict:
         """All arguments by name (defaults filled in)."""
@@ -140,15 +150,18 @@ def _pad_seq(x: torch.Tensor, dim: int, length: int, value: float) -> torch.Tens
 
 
 def tree_recurrence(rec: Recurrence, parent_token: torch.Tensor, args: tuple, kwargs: dict):
-    """``rec.fn`` over the tree; returns what the kernel returns on the DFS row without a final
-    state, ``(output, None)`` or ``output`` (a tree has a final state per leaf, none for "the
-    row")."""
+    """``rec.fn`` (``rec.tree_fn`` where given) over the tree; returns what the kernel returns
+    on the DFS row without a final state, ``(output, None)`` or ``output`` (a tree has a final
+    state per leaf, none for "the row"). Seq args the model passes as None (an absent gate)
+    stay None."""
     bound = rec.bind(args, kwargs)
     if bound.get(rec.initial_state) is not None:
         raise ValueError(f"{rec.name}: an initial state given by the model (a cache?) cannot be "
                          "combined with tree states")
     starts, lengths, parents, depth = tree_nodes(parent_token)
-    seq = {name: bound[name] for name in rec.seq_args}
+    seq = {name: bound[name] for name in rec.seq_args if bound.get(name) is not None}
+    if not seq or rec.output_like not in seq:
+        raise ValueError(f"{rec.name}: {rec.output_like} (the output's shape) is None")
     for name, t in seq.items():
         if t.shape[0] != 1:
             raise ValueError(f"{rec.name}: {name} has batch {t.shape[0]}; a tree row has batch 1")
@@ -214,14 +227,14 @@ def padding_is_neutral(rec: Recurrence, seq: dict, static: dict) -> bool:
     if key not in _NEUTRAL:
         with torch.no_grad():
             one = {n: t.narrow(rec.seq_args[n], 0, 1) for n, t in seq.items()}
-            _, fin = rec.fn(**one, **static, **{rec.initial_state: None,
-                                                rec.output_final_state: True})
+            _, fin = rec.run(**one, **static, **{rec.initial_state: None,
+                                                 rec.output_final_state: True})
             g = torch.Generator(device=fin.device).manual_seed(0)
             state = torch.randn(fin.shape, generator=g, device=fin.device).to(fin.dtype)
             pad = {n: _pad_seq(t.narrow(rec.seq_args[n], 0, 0), rec.seq_args[n], 2,
                                rec.neutral.get(n, 0.0)) for n, t in seq.items()}
-            _, after = rec.fn(**pad, **static, **{rec.initial_state: state,
-                                                  rec.output_final_state: True})
+            _, after = rec.run(**pad, **static, **{rec.initial_state: state,
+                                                   rec.output_final_state: True})
             scale = float(state.abs().max())
             _NEUTRAL[key] = bool(torch.allclose(after.float(), state.float(), rtol=1e-5,
                                                 atol=1e-6 * scale))
@@ -239,8 +252,8 @@ def _level_padded(rec, seq, static, init, nodes, starts, lengths):
         ])
         for name, t in seq.items()
     }
-    out, fin = rec.fn(**chunk, **static, **{rec.initial_state: init,
-                                           rec.output_final_state: True})
+    out, fin = rec.run(**chunk, **static, **{rec.initial_state: init,
+                                            rec.output_final_state: True})
     return [out[j:j + 1].narrow(rec.output_seq_dim, 0, lengths[i])
             for j, i in enumerate(nodes)], fin
 
