@@ -300,6 +300,14 @@ def max_rel_grad_err(g: dict, g_ref: dict) -> float:
                for n, gr in g_ref.items())
 
 
+def worst_rel_grad(g: dict, g_ref: dict) -> list:
+    """``[parameter, relative error]`` of the parameter whose gradient differs most."""
+    errs = {n: ((g[n].float() - gr.float()).norm() / gr.float().norm().clamp_min(1e-30)).item()
+            for n, gr in g_ref.items()}
+    name = max(errs, key=errs.get)
+    return [name, errs[name]]
+
+
 def oracle(model, trees, reduction: str = "mean"):
     """The per-sequence oracle's loss and gradients on ``model`` (``.grad`` cleared after)."""
     model.zero_grad(set_to_none=True)
@@ -318,7 +326,8 @@ def loss_vs_oracle(model, loss, reference) -> dict:
     g = grads_of(model)
     return {"loss": float(loss),
             "loss_rel_err": abs(float(loss) - ref_loss) / abs(ref_loss),
-            "max_rel_grad_err": max_rel_grad_err(g, g_ref)}
+            "max_rel_grad_err": max_rel_grad_err(g, g_ref),
+            "worst_grad": worst_rel_grad(g, g_ref)}
 
 
 def oracle_vs_oracle(model, reference, trees, reduction: str = "mean") -> dict:
@@ -337,4 +346,5 @@ def oracle_vs_oracle(model, reference, trees, reduction: str = "mean") -> dict:
     g_ref = grads_of(reference)
     return {"tokens": treefx.pack(trees).num_tokens, "max_abs_logprob_err": lp_err,
             "loss_rel_err": abs(loss.item() - ref.item()) / abs(ref.item()),
-            "max_rel_grad_err": max_rel_grad_err(g, g_ref)}
+            "max_rel_grad_err": max_rel_grad_err(g, g_ref),
+            "worst_grad": worst_rel_grad(g, g_ref)}

@@ -424,10 +424,23 @@ def case_families(res):
         try:
             torch._dynamo.reset()
             ref = zoo.build_model(mt).to(DEV)
+            if mt in ("gemma2", "gpt_oss"):
+                # Hugging Face's SDPA path drops softcapping and sinks (transformers 5.17
+                # builds Gemma 2 with it by default): the eager form is the model.
+                ref.set_attn_implementation("eager")
             trees = _family_trees(ref)
             res[f"family-{mt}-tokens"] = sum(t.num_tokens for t in trees)
             res[f"family-{mt}-attn"] = ref.config._attn_implementation
-            tm = treefx.compile(ref, **COMPILE_KW)
+            fp32 = ref
+            if DEV == "cuda" and getattr(ref.config, "_experts_implementation", None) not in (
+                    None, "eager"):
+                # float32 experts on the GPU go through transformers' grouped-matmul fallback,
+                # whose backward torch.compile cannot trace (a Python branch on the group
+                # sizes); its per-expert loop breaks the graph (nonzero): batched matmuls.
+                fp32 = copy.deepcopy(ref)
+                fp32.set_experts_implementation("batched_mm")
+                res[f"family-{mt}-fp32-experts"] = "batched_mm"
+            tm = treefx.compile(fp32, **COMPILE_KW)
             res[f"family-{mt}-fp32"] = compare(tm, trees, "mean")
             low = copy.deepcopy(ref).to(torch.bfloat16)
             tml = treefx.compile(low, **COMPILE_KW)
@@ -441,8 +454,44 @@ def case_families(res):
         print(f"  family {mt}: {time.perf_counter() - t0:.0f} s", flush=True)
 
 
+def case_realistic_bf16(res):
+    """Real layer shapes in bf16 (two layers of DeepSeek-V2-Lite, MLA + MoE, and of
+    gpt-oss-20b, sinks + windows + MoE; ``TREEFX_REALISTIC`` picks): the tree run and the plain
+    per-branch bf16 run, each against a float32 copy of the model run per branch, and the tree
+    run against the bf16 oracle with its floor (what the first-call check compares), on the
+    first-call check's probe forest."""
+    import copy
+
+    from treefx import verification
+
+    from .e2e.env import _ARCH_TINY, ARCH_SHAPES
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    only = os.environ.get("TREEFX_REALISTIC")
+    for arch in (only.split(",") if only else ARCH_SHAPES):
+        t0 = time.perf_counter()
+        try:
+            torch._dynamo.reset()
+            shapes = _ARCH_TINY if DRY_RUN else ARCH_SHAPES
+            cfg = dict(shapes[arch], vocab_size=32000, num_hidden_layers=2)
+            attn = "eager" if arch == "gpt_oss" else "sdpa"
+            ref = common.hf_model(arch, dev=DEV, dtype=torch.float32, attn=attn, **cfg)
+            low = copy.deepcopy(ref).to(torch.bfloat16)
+            trees = verification.probe_forest(cfg["vocab_size"], min_tokens=257)
+            tm = treefx.compile(low, **dict(COMPILE_KW, verify=False))
+            key = f"realistic-{arch}"
+            res[f"{key}-tree-vs-bf16-oracle"] = compare(tm, trees, "mean")
+            res[f"{key}-tree-vs-fp32-oracle"] = compare(tm, trees, "mean", reference=ref)
+            res[f"{key}-perbranch-vs-fp32-oracle"] = common.oracle_vs_oracle(low, ref, trees,
+                                                                           "mean")
+        except Exception:
+            res[f"realistic-{arch}-error"] = _short_tb(traceback.format_exc(), f"real-{arch}")
+        print(f"  realistic {arch}: {time.perf_counter() - t0:.0f} s", flush=True)
+
+
 CASES = {
     "families": case_families,
+    "realistic-bf16": case_realistic_bf16,
     "small-trees": case_small_trees,
     "hybrid-fp32": case_hybrid_fp32,
     "hybrid-bf16": case_hybrid_bf16,

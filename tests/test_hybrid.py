@@ -464,3 +464,27 @@ def test_capture_does_not_run_the_kernel_on_fake_tensors():
     assert out.shape == real.shape and state is None
     with pytest.raises(RuntimeError, match="the kernel ran"):
         rec.marker(real, real)
+
+
+@pytest.mark.parametrize("model_type", ["nemotron_h"])
+def test_traced_recurrence_has_the_kernels_output_dtype(model_type):
+    """Hugging Face's Mamba2 torch kernel computes in float32 and returns float32 for bfloat16
+    inputs. The traced graph must carry that dtype: Inductor, told bfloat16, read the output
+    wrongly (NaN log-probs on the GPU)."""
+    from treefx import zoo
+    from treefx.ops.recurrence import TracedTreeRecurrence
+    from treefx.passes.common import example
+
+    model = zoo.build_model(model_type, torch.bfloat16)
+    tm = treefx.compile(model, backend="aot-eager", verify=False)
+    trees = zoo.probe_forest(zoo.VOCAB, zoo.special_token_ids(model.config))
+    with torch.no_grad():
+        out = tm(treefx.pack(trees))
+    assert torch.isfinite(out.token_logprobs).all()
+    sites = [n for n in tm.contexts[0].gm.graph.nodes
+             if isinstance(n.target, TracedTreeRecurrence)]
+    assert sites
+    for n in sites:
+        val = example(n)
+        val = val[0] if isinstance(val, tuple) else val
+        assert val.dtype == torch.float32, n.name

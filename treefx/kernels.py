@@ -84,7 +84,7 @@ def register_recurrence(rec: Recurrence, *, sites: list[tuple[str, str]] = ()) -
             bound = rec.bind(args, kwargs)
             if not bound.get(rec.output_final_state):
                 like = bound[rec.output_like]
-                out = like.new_empty(like.shape)
+                out = like.new_empty(like.shape, dtype=_output_dtype(rec, bound))
                 return out if rec.bare_output_without_state else (out, None)
         return original(*args, **kwargs)
 
@@ -94,6 +94,53 @@ def register_recurrence(rec: Recurrence, *, sites: list[tuple[str, str]] = ()) -
     _REGISTRY[rec.name] = rec
     _SITES.extend((mod, attr, rec.name) for mod, attr in sites)
     return rec
+
+
+_OUTPUT_DTYPES: dict = {}  # (recurrence, argument dtypes) -> the output's dtype
+
+
+def _output_dtype(rec: Recurrence, bound: dict) -> torch.dtype:
+    """The dtype of the kernel's output for these arguments' dtypes. Hugging Face's torch
+    kernels compute in float32 and some return it for bfloat16 inputs (Mamba2's chunked scan):
+    a traced graph told otherwise would read the output with the wrong dtype. Measured once
+    per dtype combination on two real CPU tokens (the kernel cannot run on the fake tensors
+    of the trace); a kernel that cannot run there (a Triton kernel) is taken to return its
+    ``output_like`` argument's dtype."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    like = bound[rec.output_like]
+    key = (rec.name, tuple((k, v.dtype) for k, v in bound.items()
+                           if isinstance(v, torch.Tensor)))
+    if key not in _OUTPUT_DTYPES:
+        dtype = like.dtype
+        try:
+            with unset_fake_temporarily(), torch.no_grad():
+                small = {k: _tiny(v, rec.seq_args.get(k)) if isinstance(v, torch.Tensor) else v
+                         for k, v in bound.items()}
+                small[rec.output_final_state] = False
+                out = rec.fn(**small)
+                out = out if rec.bare_output_without_state else out[0]
+                dtype = out.dtype
+        except Exception as e:  # noqa: BLE001 - the argument's dtype is the usual answer
+            log.info("recurrence %s: output dtype not measured (%s)", rec.name, e)
+        _OUTPUT_DTYPES[key] = dtype
+    return _OUTPUT_DTYPES[key]
+
+
+def _tiny(t: torch.Tensor, seq_dim: int | None) -> torch.Tensor:
+    """A real CPU tensor like ``t`` with two tokens along ``seq_dim`` and batch 1 (symbolic
+    sizes take their example value)."""
+    shape = []
+    for d, s in enumerate(t.shape):
+        if seq_dim is not None and d == seq_dim % t.dim():
+            shape.append(2)
+        elif d == 0 and seq_dim is not None:
+            shape.append(1)
+        else:
+            shape.append(int(s.node.hint) if isinstance(s, torch.SymInt) else int(s))
+    if t.is_floating_point():
+        return torch.randn(shape, dtype=t.dtype) * 0.1
+    return torch.zeros(shape, dtype=t.dtype)
 
 
 def _fake_call(args, kwargs) -> bool:

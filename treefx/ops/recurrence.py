@@ -285,11 +285,13 @@ def _level_varlen(rec, seq, static, init, nodes, starts, lengths):
 _SITES: dict[str, tuple] = {}  # key -> (recurrence, tensor argument names, static arguments)
 
 
-def register_site(rec: Recurrence, tensor_names: list[str], static: dict) -> str:
-    """Remember one graph site's non-tensor arguments; returns the key the op is called with.
-    Sites with the same recurrence and arguments share a key, so recompiling a model (or
-    compiling many) does not grow the table."""
-    entry = (rec, list(tensor_names), dict(static))
+def register_site(rec: Recurrence, tensor_names: list[str], static: dict,
+                  out_dtype: torch.dtype | None = None) -> str:
+    """Remember one graph site's non-tensor arguments and its output's dtype (None: the
+    ``output_like`` argument's); returns the key the op is called with. Sites with the same
+    recurrence and arguments share a key, so recompiling a model (or compiling many) does not
+    grow the table."""
+    entry = (rec, list(tensor_names), dict(static), out_dtype)
     for key, known in _SITES.items():
         if known[0] is rec and known[1:] == entry[1:]:
             return key
@@ -299,7 +301,7 @@ def register_site(rec: Recurrence, tensor_names: list[str], static: dict) -> str
 
 
 def _run_site(key: str, parent_token: torch.Tensor, tensors) -> torch.Tensor:
-    rec, names, static = _SITES[key]
+    rec, names, static, _ = _SITES[key]
     out = tree_recurrence(rec, parent_token, (), {**dict(zip(names, tensors)), **static})
     return out if rec.bare_output_without_state else out[0]
 
@@ -309,14 +311,24 @@ def _tree_recurrence_op(key: str, parent_token: torch.Tensor,
                         tensors: list[torch.Tensor]) -> torch.Tensor:
     with torch.no_grad():
         # Contiguous, as the fake implementation promises (Inductor checks the strides).
-        return _run_site(key, parent_token, tensors).contiguous()
+        out = _run_site(key, parent_token, tensors).contiguous()
+    want = _out_dtype(key, tensors)
+    if out.dtype != want:
+        raise RuntimeError(f"treefx recurrence {key}: the kernel returned {out.dtype} where "
+                           f"the traced graph expects {want}")
+    return out
+
+
+def _out_dtype(key: str, tensors) -> torch.dtype:
+    rec, names, _, out_dtype = _SITES[key]
+    return out_dtype or tensors[names.index(rec.output_like)].dtype
 
 
 @_tree_recurrence_op.register_fake
 def _(key, parent_token, tensors):
-    rec, names, _ = _SITES[key]
+    rec, names, _, _ = _SITES[key]
     like = tensors[names.index(rec.output_like)]
-    return like.new_empty(like.shape)
+    return like.new_empty(like.shape, dtype=_out_dtype(key, tensors))
 
 
 @torch.library.custom_op("treefx::tree_recurrence_backward", mutates_args=())

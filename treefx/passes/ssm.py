@@ -130,7 +130,10 @@ def ssm_pass(ctx: GraphContext) -> int:
                     bound = rec.bind(node.args, node.kwargs)
                     names = [k for k, v in bound.items() if isinstance(v, fx.Node)]
                     static = {k: v for k, v in bound.items() if not isinstance(v, fx.Node)}
-                    key = register_site(rec, names, static)
+                    out = example(node)
+                    out = out[0] if isinstance(out, (tuple, list)) else out
+                    key = register_site(rec, names, static,
+                                        out.dtype if isinstance(out, torch.Tensor) else None)
                     new = g.call_function(TracedTreeRecurrence(key),
                                           (parent, *[bound[k] for k in names]))
             new.meta.update(node.meta)
