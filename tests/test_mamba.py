@@ -85,7 +85,7 @@ def test_selective_scan_keeps_half_precision_inputs_dtype():
               t.detach().float() for k, t in scan_inputs(dtype=torch.float32).items()}
     out, state = selective_scan(**inputs, delta_softplus=True, return_last_state=True)
     ref, _ = HF_SCAN(**inputs, delta_softplus=True, return_last_state=True)
-    assert out.dtype == torch.bfloat16 and state.dtype == torch.float32
+    assert out.dtype == ref.dtype == torch.float32 and state.dtype == torch.float32
     torch.testing.assert_close(out.float(), ref.float(), atol=0.05, rtol=0.05)
 
 
@@ -252,3 +252,20 @@ def test_traced_hf_mamba_matches_oracle():
     check_against_oracle(tm, [SHORT_NODES, odd_tree(43, VOCAB)])
     ops = [r.after for r in tm.contexts[0].log if "recurrence" in r.note]
     assert len(ops) == 2 and all("tree_recurrence_op_" in op for op in ops)
+
+
+@pytest.mark.parametrize("d_dtype", [torch.float32, torch.bfloat16])
+def test_selective_scan_output_dtype_is_hfs(d_dtype):
+    """bfloat16 inputs with a float32 D (as HF's mixers pass it): HF's kernel returns float32,
+    and the traced graph expects what the model's kernel returns."""
+    from transformers.models.mamba import modeling_mamba
+
+    hf = getattr(modeling_mamba.mamba_selective_scan, "__wrapped__",
+                 modeling_mamba.mamba_selective_scan)
+    g = torch.Generator().manual_seed(0)
+    x, dt, z = (torch.randn(1, 4, 3, generator=g).bfloat16() for _ in range(3))
+    A = -torch.rand(4, 2, generator=g)
+    B, C = (torch.randn(1, 2, 3, generator=g).bfloat16() for _ in range(2))
+    D = torch.ones(4, dtype=d_dtype)
+    want = hf(x, dt, A, B, C, D=D, z=z, delta_softplus=True).dtype
+    assert selective_scan(x, dt, A, B, C, D=D, z=z, delta_softplus=True).dtype == want

@@ -14,7 +14,7 @@ this function in its place over the tree (:class:`~treefx.ops.recurrence.Recurre
 
 The state is a [B, D, N] tensor, accumulated in float32 at least (as Hugging Face's fallback
 and mamba_ssm's kernel do for half-precision inputs; float64 stays float64); the output has
-the input's dtype.
+the input's dtype, widened by ``D`` and ``z`` as Hugging Face's kernel promotes it.
 
 The linear recurrence runs as a log-step (Hillis-Steele) scan: ceil(log2 L) whole-tensor steps,
 not L Python iterations. Its backward is the same scan run backwards (the gradient of a linear
@@ -125,5 +125,10 @@ def selective_scan(hidden_states: torch.Tensor, dt: torch.Tensor, A: torch.Tenso
         y = y + x * D.to(acc)[..., None]
     if z is not None:
         y = y * F.silu(z.to(acc))
+    # The output's dtype as Hugging Face's kernel promotes it: the input's, widened by D and
+    # z (its Mamba mixers pass D in float32, so bfloat16 inputs give a float32 output).
+    for t in (D, z):
+        if t is not None:
+            dtype = torch.promote_types(dtype, t.dtype)
     out = y.to(dtype)
     return (out, last) if return_last_state else out
