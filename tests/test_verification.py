@@ -162,9 +162,9 @@ def test_floor_does_not_hide_a_defect(without_positions_pass):
 
 
 def test_floor_perturbs_the_embeddings_by_one_rounding():
-    """The floor run moves the input embeddings by up to one rounding of their dtype (so
-    that a model which amplifies rounding, an MoE router near a tie, shows it), and leaves no
-    hook behind."""
+    """The floor run moves the outputs of the embeddings (and linear layers) by up to one
+    rounding of their dtype (so that a model which amplifies rounding, an MoE router near a
+    tie, shows it), and leaves no hook behind."""
     from treefx.verification import _rounding_noise
 
     m = model().to(torch.bfloat16)

@@ -81,8 +81,8 @@ _TOLERANCES = {
 
 # The tolerance is at least this many times the oracle's own floor: the per-sequence run
 # compared with itself on sequences extended by random tokens (no loss on them; the same
-# values mathematically, for a causal model, in other kernel shapes), its input embeddings
-# perturbed at the size of one rounding of the model's dtype (:func:`_rounding_noise`).
+# values mathematically, for a causal model, in other kernel shapes), the outputs of its
+# embeddings and linear layers perturbed by one rounding of their dtype (:func:`_rounding_noise`).
 FLOOR_FACTOR = 4.0
 
 
@@ -410,42 +410,40 @@ def verify_compiled(tm, trees=None, *, reduction: str = "mean", grads: bool = Tr
 
 @contextlib.contextmanager
 def _rounding_noise(model: torch.nn.Module, seed: int):
-    """The model's input embeddings perturbed, relatively, by up to one unit roundoff of their
-    dtype: what one rounding more or less does to them. Its effect on the outputs is the
-    spread the model's own rounding has; it matters where that spread is amplified (an MoE
-    router whose top-k flips for near ties moves its gate's gradient by ~10% in bfloat16 at
+    """The outputs of the model's input embeddings and of every ``nn.Linear`` moved,
+    relatively, by up to one unit roundoff of their dtype: one rounding more or less at each
+    layer, as a tree run's other kernels and shapes give it. Its effect on the outputs is the
+    spread the model's own rounding has, where the model amplifies it: an MoE router whose
+    top-k flips at near ties moves its gate's gradient by ~10% in bfloat16 at
     DeepSeek-V2-Lite's shapes, for the plain per-sequence run against float32 as much as for
-    the tree). Extending the sequences alone leaves most tokens' arithmetic as it was. A
-    model without ``get_input_embeddings`` or an ``nn.Embedding`` is left as it is."""
-    emb = None
+    the tree. Extending the sequences alone leaves most tokens' arithmetic as it was."""
+    mods = [m for m in model.modules() if isinstance(m, (torch.nn.Linear, torch.nn.Embedding))]
     getter = getattr(model, "get_input_embeddings", None)
     if callable(getter):
         try:
             emb = getter()
         except (NotImplementedError, AttributeError):
             emb = None
-    if not isinstance(emb, torch.nn.Module):
-        emb = next((m for m in model.modules() if isinstance(m, torch.nn.Embedding)), None)
-    if emb is None:
-        yield
-        return
-    state = {"gen": None}
+        if isinstance(emb, torch.nn.Module) and emb not in mods:
+            mods.append(emb)
+    gens: dict = {}
 
     def hook(module, args, out):
         if not isinstance(out, torch.Tensor) or not out.is_floating_point():
             return None
-        if state["gen"] is None or state["gen"].device != out.device:
-            state["gen"] = torch.Generator(device=out.device).manual_seed(seed + 1)
-        u = torch.rand(out.shape, generator=state["gen"], device=out.device,
-                       dtype=torch.float32) * 2 - 1
+        gen = gens.get(out.device)
+        if gen is None:
+            gen = gens[out.device] = torch.Generator(device=out.device).manual_seed(seed + 1)
+        u = torch.rand(out.shape, generator=gen, device=out.device, dtype=torch.float32)
         eps = torch.finfo(out.dtype).eps / 2
-        return out + (out.float() * u * eps).to(out.dtype)
+        return out + (out.float() * (2 * u - 1) * eps).to(out.dtype)
 
-    handle = emb.register_forward_hook(hook)
+    handles = [m.register_forward_hook(hook) for m in mods]
     try:
         yield
     finally:
-        handle.remove()
+        for h in handles:
+            h.remove()
 
 
 def _extended(trees: list[Tree], vocab: int, seed: int, extra: int = 8) -> list[Tree]:
