@@ -115,3 +115,13 @@ def test_unknown_extra_columns_are_refused():
     tm = treefx.compile(_TwoColumns(), backend="eager", verify=False)
     with pytest.raises(treefx.UnmatchedAttentionError, match="not in a pattern treefx recognises"):
         tm(treefx.pack(odd_forest(1, VOCAB)))
+
+
+def test_sinks_inside_activation_checkpointing_match_oracle():
+    """gpt-oss with HF gradient checkpointing: the sink attention sits inside a checkpointed
+    body, where the row maximum's unused indices are a node of their own."""
+    model = scored_model("gpt_oss")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    tm = treefx.compile(model, backend="eager")
+    check_against_oracle(tm, odd_forest(8, VOCAB))

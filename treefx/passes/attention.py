@@ -357,7 +357,8 @@ def _scored_site(softmax: fx.Node, out: fx.Node, v: fx.Node, drop_last: bool) ->
         if arg(n, 1, "dim", None) not in (-1, sv.dim() - 1) or arg(n, 2, "keepdim", False):
             raise _fail(n, "its log-sum-exp of the scores is not over the keys (last dim)")
     for n in between - {softmax}:
-        extra = [u for u in n.users if u not in between and u not in lse]
+        # (An unused read, the indices of a max inside a checkpointed body, is dead code.)
+        extra = [u for u in n.users if u not in between and u not in lse and u.users]
         if extra:
             raise _fail(softmax, f"its scores are also read by `{describe(extra[0])}`")
     q, kt = scores.args[:2]
