@@ -55,17 +55,31 @@ def test_scored_attention_matches_oracle(name, form):
         assert all(form in n for n in notes), notes
 
 
-@pytest.mark.parametrize("name", ["gemma2", "gpt_oss", "granite_swa"])
-def test_scored_attention_flex_forward_matches_oracle(name):
-    """The inductor backend's form (the score ops as a FlexAttention score_mod, sinks from its
-    log-sum-exp), run eagerly: forward only (no FlexAttention backward on the CPU)."""
+@pytest.mark.parametrize("name,interleave", [("gemma2", None), ("gpt_oss", None),
+                                            ("gpt_oss", True), ("granite_swa", True)])
+def test_scored_attention_flex_forward_matches_oracle(name, interleave):
+    """The inductor backend's form (the score ops as a FlexAttention score_mod, or only a
+    constant scale folded into FlexAttention's; sinks from its log-sum-exp, also with the KV
+    heads interleaved along the row), run eagerly: forward only (no FlexAttention backward on
+    the CPU)."""
+    from treefx.ops.attention import TreeFlexAttention
+
     # gpt-oss's grouped expert matmul has no float64 kernel.
     dtype = torch.float32 if name == "gpt_oss" else torch.float64
-    tm = treefx.compile(scored_model(name, dtype), backend="flex-eager", verify=False)
+    tm = treefx.compile(scored_model(name, dtype), backend="flex-eager", verify=False,
+                        interleave_heads=interleave)
     # The models take their softmax in float32 even for a float64 model.
     check_forward(tm, odd_forest(6, VOCAB), atol=1e-4 if dtype == torch.float32 else 1e-5,
                   pad_to_multiple=16)
-    assert all("score ops as the score_mod" in n for n in attention_notes(tm))
+    notes = attention_notes(tm)
+    if name == "gemma2":  # the tanh needs a score_mod
+        assert all("score ops as the score_mod" in n for n in notes), notes
+    else:  # a scale and a mask: FlexAttention's own scale and mask_mod
+        assert all("scores scaled by FlexAttention" in n for n in notes), notes
+    sites = [n.target for n in tm.contexts[0].gm.graph.nodes
+             if isinstance(n.target, TreeFlexAttention)]
+    want = "interleaved" if interleave and name != "gemma2" else "standard"
+    assert sites and all(s.layouts == {want} for s in sites)
 
 
 def test_softcap_matters():

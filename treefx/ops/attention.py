@@ -248,9 +248,8 @@ class TreeFlexAttention:
         interleave = self.interleave_heads
         if interleave is None:  # the backward is what gains; the forward alone does not
             interleave = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-        # A score_mod and the log-sum-exp are per query head in the usual layout.
-        interleave = (interleave and k.shape[1] > 1 and self.score_mod is None
-                      and not self.return_lse)
+        # A score_mod reads the usual layout's positions and heads.
+        interleave = interleave and k.shape[1] > 1 and self.score_mod is None
         self.layouts.add("interleaved" if interleave else "standard")
         from torch.nn.attention.flex_attention import BlockMask
 
@@ -265,6 +264,10 @@ class TreeFlexAttention:
         block_mask = interleaved_block_mask(std, hk, nb * hk * bs, mask_mod)
         out = self._flex(*(_heads_to_row(x, hk, nb, bs) for x in (q, k, v)), block_mask,
                          se_pad, pos_pad, bufs)
+        if self.return_lse:  # the log-sum-exp back to [B, H, N] like the output
+            out, lse = out
+            return (_row_to_heads(out, hk, nb, bs, n),
+                    _row_to_heads(lse.unsqueeze(-1), hk, nb, bs, n).squeeze(-1))
         return _row_to_heads(out, hk, nb, bs, n)
 
     def _interleaved_mask_mod(self, kv_heads: int, group: int):

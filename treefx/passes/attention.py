@@ -590,6 +590,10 @@ def _scored_flex(ctx: GraphContext, site: _Site):
             note += ", model mask implied by the tree"
         elif lifted is not None:
             note += ", model mask kept (evaluated at path positions)"
+    scale, rest = _constant_scale(chain)
+    if not rest:  # only a constant scale is left: FlexAttention's own, no score_mod
+        chain = []
+        note += ", scores scaled by FlexAttention"
     sides = _sides(chain, sc.scores)
     lifted_sides, score_bufs = [], []
     for side in sides:
@@ -602,21 +606,49 @@ def _scored_flex(ctx: GraphContext, site: _Site):
                                      "backend='eager' for this model") from None
         lifted_sides.append((one, len(bufs)))
         score_bufs.extend(bufs)
-    score_mod = LiftedScore(_chain_module(chain, sc.scores, sides), lifted_sides)
+    score_mod = LiftedScore(_chain_module(chain, sc.scores, sides), lifted_sides) \
+        if chain else None
     k = site.k
     if site.kind.endswith("-kT"):
         k = g.call_method("transpose", (k, -2, -1))
     blocks = _block_nodes(ctx, full=lifted is None)
-    fn = TreeFlexAttention(scale=1.0, block_size=ctx.block_size, model_mask=lifted,
-                           score_mod=score_mod, mask_buffers=len(mask_bufs), return_lse=True,
-                           kernel_options=ctx.kernel_options, interleave_heads=False,
+    fn = TreeFlexAttention(scale=scale if chain == [] else 1.0, block_size=ctx.block_size,
+                           model_mask=lifted, score_mod=score_mod,
+                           mask_buffers=len(mask_bufs), return_lse=True,
+                           kernel_options=ctx.kernel_options,
+                           interleave_heads=ctx.interleave_heads if score_mod is None else False,
                            name=f"tree_flex_attention_{site.anchor.name}")
     k, v, shared_kv = _kv_for_flex(site, k)
     if shared_kv:
         note += ", KV heads shared by FlexAttention (the model's repeat undone)"
     bufs = tuple(ctx.local(b) for b in (*mask_bufs, *score_bufs))
-    note += ", score ops as the score_mod"
+    if score_mod is not None:
+        note += ", score ops as the score_mod"
     return g.call_function(fn, (site.q, k, v, *blocks, *bufs)), note
+
+
+def _constant_scale(chain: list[fx.Node]) -> tuple[float, list[fx.Node]]:
+    """(scale, remaining ops) when the chain starts with multiplications or divisions of the
+    scores by constants (and casts): their product, and the ops after them."""
+    scale, i = 1.0, 0
+    prev = None
+    for n in chain:
+        if is_call(n, methods=_CASTS) and (prev is None or n.args[0] is prev):
+            prev, i = n, i + 1
+            continue
+        if not is_call(n, torch.mul, operator.mul, torch.div, operator.truediv,
+                       methods=("mul", "div")):
+            break
+        a, b = n.args[:2]
+        is_div = n.target in (torch.div, operator.truediv, "div")
+        on_a = isinstance(a, fx.Node) and (a is prev or (prev is None and is_call(
+            a, *_MATMUL, methods=("matmul",))))
+        c = _constant(b) if on_a else (_constant(a) if not is_div else None)
+        if c is None:
+            break
+        scale = scale / c if is_div else scale * c
+        prev, i = n, i + 1
+    return scale, chain[i:]
 
 
 def _rewrite(ctx: GraphContext, site: _Site) -> fx.Node:
