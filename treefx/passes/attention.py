@@ -226,15 +226,12 @@ def _simple_site(softmax: fx.Node, out: fx.Node, v: fx.Node) -> _Site:
         cur = cur.args[1]
     scale = 1.0
     cur = _strip_casts(cur)
-    while is_call(cur, torch.mul, operator.mul, torch.div, operator.truediv,
-                  methods=("mul", "div")):
-        a, b = cur.args[:2]
-        is_div = cur.target in (torch.div, operator.truediv, "div")
-        c, other = (_constant(b), a) if _constant(b) is not None else (_constant(a), b)
-        if c is None or (is_div and other is not a):
+    while is_call(cur, *_SCALINGS, methods=("mul", "div")):
+        step = _scale_step(cur)
+        if step is None:
             raise _fail(softmax, f"its scores are scaled by a computed value ({describe(cur)})")
-        scale = scale / c if is_div else scale * c
-        cur = _strip_casts(other)
+        scale = _apply(scale, step)
+        cur = _strip_casts(step[2])
     if not is_call(cur, *_MATMUL, methods=("matmul",)):
         raise _fail(softmax, f"the softmax input does not come from a q @ k^T matmul "
                              f"(found `{describe(cur)}`)")
@@ -631,24 +628,33 @@ def _constant_scale(chain: list[fx.Node]) -> tuple[float, list[fx.Node]]:
     """(scale, remaining ops) when the chain starts with multiplications or divisions of the
     scores by constants (and casts): their product, and the ops after them."""
     scale, i = 1.0, 0
-    prev = None
-    for n in chain:
-        if is_call(n, methods=_CASTS) and (prev is None or n.args[0] is prev):
-            prev, i = n, i + 1
-            continue
-        if not is_call(n, torch.mul, operator.mul, torch.div, operator.truediv,
-                       methods=("mul", "div")):
-            break
-        a, b = n.args[:2]
-        is_div = n.target in (torch.div, operator.truediv, "div")
-        on_a = isinstance(a, fx.Node) and (a is prev or (prev is None and is_call(
-            a, *_MATMUL, methods=("matmul",))))
-        c = _constant(b) if on_a else (_constant(a) if not is_div else None)
-        if c is None:
-            break
-        scale = scale / c if is_div else scale * c
-        prev, i = n, i + 1
+    for n in chain:  # each op reads the one before it (a chain has one score input per op)
+        if not is_call(n, methods=_CASTS):
+            step = _scale_step(n) if is_call(n, *_SCALINGS, methods=("mul", "div")) else None
+            if step is None:
+                break
+            scale = _apply(scale, step)
+        i += 1
     return scale, chain[i:]
+
+
+_SCALINGS = (torch.mul, operator.mul, torch.div, operator.truediv)
+
+
+def _scale_step(node: fx.Node) -> tuple[float, bool, fx.Node] | None:
+    """(constant, divides, scores) when ``node`` multiplies or divides the scores by a
+    constant (``s * c``, ``c * s``, ``s / c``), else None."""
+    a, b = node.args[:2]
+    is_div = node.target in (torch.div, operator.truediv, "div")
+    c, other = (_constant(b), a) if _constant(b) is not None else (_constant(a), b)
+    if c is None or (is_div and other is not a):
+        return None
+    return c, is_div, other
+
+
+def _apply(scale: float, step: tuple[float, bool, fx.Node]) -> float:
+    c, is_div, _ = step
+    return scale / c if is_div else scale * c
 
 
 def _rewrite(ctx: GraphContext, site: _Site) -> fx.Node:
