@@ -95,7 +95,7 @@ def test_stats_malformed_file_names_the_line(tmp_path, capsys):
     "line, match",
     [
         ('{"sequences": [[1, -2]]}', "line 2: sequence 0, position 1"),
-        ('{"sequences": [[1]], "extra": 1}', "line 2: unknown keys"),
+        ('{"sequences": [[1]], "weight": [1]}', "line 2: tree record key 'weight'"),
         ("[1, 2]", 'line 2: a tree record must be an object'),
     ],
 )

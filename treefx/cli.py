@@ -44,36 +44,45 @@ def _print_table(header, rows):
 
 
 def cmd_stats(args) -> int:
-    header = ["tree", "sequences", "unique", "baseline", "POR", "bound"]
+    """One row per tree, or, when trees carry a task id (metadata "task"), one row per task:
+    its trees added up (a tree without a task id is a row of its own)."""
     if args.max_tokens is not None:
-        from .partition import err, partition
+        from .partition import partition
 
-        header += ["parts", "ERR", "ERR/POR"]
-    rows, tot = [], [0, 0, 0, 0]
+    rows: dict = {}  # row -> [trees, sequences, unique, baseline tokens, parts, parts' tokens]
+    by_task = False
     for i, tree in enumerate(_iter_trees_with_progress(args.file, args.progress)):
-        extra = ()
+        parts = []
         if args.max_tokens is not None:
             try:
                 parts = partition(tree, args.max_tokens)
             except ValueError as e:
                 raise SystemExit(f"treefx: tree {i}: {e}") from None
-            e = err(tree, parts)
-            extra = (str(len(parts)), f"{e:.3f}", f"{e / tree.por:.3f}" if tree.por > 0 else "-")
-            tot[3] += sum(p.num_tokens for p in parts)
-        rows.append(_stats_row(str(i), tree.num_sequences, tree.num_tokens,
-                               tree.num_baseline_tokens, extra))
-        tot[0] += tree.num_sequences
-        tot[1] += tree.num_tokens
-        tot[2] += tree.num_baseline_tokens
+        task = tree.metadata.get("task")
+        by_task |= task is not None
+        counts = rows.setdefault(("task", task) if task is not None else ("tree", i), [0] * 6)
+        for k, v in enumerate((1, tree.num_sequences, tree.num_tokens, tree.num_baseline_tokens,
+                               len(parts), sum(p.num_tokens for p in parts))):
+            counts[k] += v
     if not rows:
         raise SystemExit(f"treefx: {args.file} holds no trees")
-    extra = ()
+    header = (["task", "trees"] if by_task else ["tree"]) + ["sequences", "unique", "baseline",
+                                                               "POR", "bound"]
     if args.max_tokens is not None:
-        e = 1 - tot[3] / tot[2]
-        por = 1 - tot[1] / tot[2]
-        extra = ("", f"{e:.3f}", f"{e / por:.3f}" if por > 0 else "-")
-    rows.append(_stats_row("total", tot[0], tot[1], tot[2], extra))
-    _print_table(header, rows)
+        header += ["parts", "ERR", "ERR/POR"]
+
+    def row(name, c, parts):
+        extra = ()
+        if args.max_tokens is not None:
+            e, por = 1 - c[5] / c[3], 1 - c[2] / c[3]
+            extra = (parts, f"{e:.3f}", f"{e / por:.3f}" if por > 0 else "-")
+        r = _stats_row(name, c[1], c[2], c[3], extra)
+        return r[:1] + [str(c[0])] + r[1:] if by_task else r
+
+    table = [row(str(name) if kind == "task" or not by_task else f"tree {name}", c, str(c[4]))
+             for (kind, name), c in rows.items()]
+    table.append(row("total", [sum(c[k] for c in rows.values()) for k in range(6)], ""))
+    _print_table(header, table)
     return 0
 
 

@@ -6,18 +6,43 @@ it is a prefix of, or equal to, another one, and keeps its own weight and per-to
 
 Nodes are stored parents-first (``parents[i] < i``); the depth-first layout is made by
 :func:`treefx.pack`.
+
+A tree may carry **metadata** (``Tree.metadata``, a read-only mapping): what a trainer knows
+about its sequences besides the tokens. Keys treefx knows, each checked when the tree is built:
+
+- ``"task"``: the task (GRPO group) id, a string or an integer;
+- ``"rollouts"``: per sequence, the rollout (agent trajectory) it is a model call of;
+- ``"rewards"``: per sequence, a finite number (a rollout's reward, on each of its calls);
+- ``"advantages"``: per sequence a finite number, or per token (``len(sequence) − 1`` values,
+  entry k for token k + 1, as :mod:`treefx.rl` takes them);
+- ``"logprobs"``: per sequence, the sampling log-probabilities of its tokens
+  (``len(sequence) − 1`` values, entry k for token k + 1; NaN, or ``null`` in JSON, where there
+  is none, such as prompt tokens), or None for a sequence without any.
+
+Any other key is kept as given (JSON-like values: numbers, strings, lists, objects; lists
+become tuples and objects read-only mappings, so the tree stays unchanged). :meth:`Tree.subtree`
+keeps the per-sequence keys above for the sequences it takes and every other key as it is.
+:func:`read_jsonl` / :func:`write_jsonl` write metadata beside ``"sequences"`` in each record.
 """
 
 from __future__ import annotations
 
+import difflib
 import json
+import math
 import numbers
 import os
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from types import MappingProxyType
 
 import numpy as np
 
 __all__ = ["Tree", "por", "bound", "read_jsonl", "write_jsonl"]
+
+# Record keys that are the tree itself; every other key of a record is metadata.
+STRUCTURE_KEYS = ("sequences", "weights", "loss_masks")
+# Metadata holding one entry per sequence: Tree.subtree keeps the entries of its sequences.
+SEQUENCE_KEYS = ("rollouts", "rewards", "advantages", "logprobs")
 
 
 def _as_token_array(seq, what: str) -> np.ndarray:
@@ -134,12 +159,14 @@ class Tree:
         "sequence_ends",
         "weights",
         "loss_masks",
+        "metadata",
         "_node_start",
         "_sequences",
     )
 
     def __init__(self, segments, parents, sequence_ends, weights, loss_masks, *, _checked=False):
-        # Private: use from_sequences / from_nodes, which validate.
+        # Private: use from_sequences / from_nodes, which validate. Metadata is checked against
+        # the built tree's sequence lengths, then set by _set_metadata.
         if not _checked:
             raise TypeError("build a Tree with Tree.from_sequences or Tree.from_nodes")
         # Own, read-only copies: segments may be views of the caller's arrays.
@@ -158,6 +185,7 @@ class Tree:
         start.flags.writeable = False
         init(self, "_node_start", start)  # position (depth) of each node's first token
         init(self, "_sequences", None)
+        init(self, "metadata", _EMPTY_METADATA)
 
     def __setattr__(self, name, value):
         raise AttributeError(
@@ -170,22 +198,24 @@ class Tree:
 
     def __reduce__(self):
         # Pickle and copy through the constructor (the default slot-by-slot restore would set
-        # attributes); a copy is a Tree of its own, read-only again.
+        # attributes); a copy is a Tree of its own, read-only again. Metadata travels as plain
+        # data (a read-only mapping does not pickle) and is frozen again.
         return (_rebuild_tree, (list(self.segments), self.parents, self.sequence_ends,
                                 self.weights, None if self.loss_masks is None
-                                else list(self.loss_masks)))
+                                else list(self.loss_masks), _thaw(self.metadata, json=False)))
 
     # ------------------------------------------------------------------ construction
 
     @classmethod
-    def from_sequences(cls, sequences, *, weights=None, loss_masks=None) -> Tree:
+    def from_sequences(cls, sequences, *, weights=None, loss_masks=None, metadata=None) -> Tree:
         """Trie-merge token lists into a prefix tree whose nodes are maximal shared segments.
 
         ``sequences``: the token id lists (each model call of a rollout). ``weights``: one
         non-negative weight ω_p per sequence, kept as given (default 1.0; the batch loss divides
         by the sequence count, see :func:`treefx.pack`). ``loss_masks``: one 0/1 list per
-        sequence, as long as the sequence (default all ones). Sequences that are prefixes of, or
-        equal to, others still count as their own paths.
+        sequence, as long as the sequence (default all ones). ``metadata``: a mapping (see the
+        module's docstring), its per-sequence entries in the order of ``sequences``. Sequences
+        that are prefixes of, or equal to, others still count as their own paths.
         """
         if isinstance(sequences, (str, bytes)) or not isinstance(sequences, Iterable):
             raise TypeError("sequences must be a list of token id lists")
@@ -207,18 +237,19 @@ class Tree:
                 for i, (m, s) in enumerate(zip(loss_masks, seqs))
             ]
         segments, parents, ends = _build_trie(seqs)
-        return cls(segments, parents, ends, w, masks, _checked=True)
+        return _set_metadata(cls(segments, parents, ends, w, masks, _checked=True), metadata)
 
     @classmethod
     def from_nodes(
-        cls, segments, parents, *, sequence_ends=None, weights=None, loss_masks=None
+        cls, segments, parents, *, sequence_ends=None, weights=None, loss_masks=None,
+        metadata=None,
     ) -> Tree:
         """A tree given explicitly: ``segments[i]`` holds node i's tokens, ``parents[i]`` its
         parent node (-1 for a root), and every parent comes before its children.
 
         ``sequence_ends`` lists, per sequence, the node it ends in (default: one sequence per
-        leaf, in node order). ``weights`` and ``loss_masks`` are per sequence, as in
-        :meth:`from_sequences`. Every node must lie on at least one sequence.
+        leaf, in node order). ``weights``, ``loss_masks`` and ``metadata`` are per sequence, as
+        in :meth:`from_sequences`. Every node must lie on at least one sequence.
         """
         segs = [_as_token_array(s, f"segment {i}") for i, s in enumerate(segments)]
         if not segs:
@@ -290,7 +321,7 @@ class Tree:
                 for i, (m, n) in enumerate(zip(loss_masks, lens))
             ]
             object.__setattr__(tree, "loss_masks", tuple(_frozen(m, np.float64) for m in masks))
-        return tree
+        return _set_metadata(tree, metadata)
 
     # ------------------------------------------------------------------ views
 
@@ -367,35 +398,64 @@ class Tree:
         return np.ones(int(self.sequence_lengths[i]), dtype=np.float64)
 
     def subtree(self, sequence_ids: Sequence[int]) -> Tree:
-        """The tree of a subset of the sequences (weights and masks kept as they are)."""
+        """The tree of a subset of the sequences (weights and masks kept as they are; metadata:
+        the per-sequence keys for these sequences, every other key as it is)."""
         ids = [int(i) for i in sequence_ids]
         if not ids:
             raise ValueError("subtree needs at least one sequence")
         seqs = [self.sequence(i) for i in ids]
         masks = [self.loss_masks[i] for i in ids] if self.loss_masks is not None else None
-        return Tree.from_sequences(seqs, weights=self.weights[ids], loss_masks=masks)
+        meta = {}
+        for k, v in self.metadata.items():
+            if k in SEQUENCE_KEYS:
+                v = v[ids] if isinstance(v, np.ndarray) else [v[i] for i in ids]
+            meta[k] = v
+        return Tree.from_sequences(seqs, weights=self.weights[ids], loss_masks=masks,
+                                   metadata=meta)
+
+    def with_metadata(self, **changes) -> Tree:
+        """A copy of this tree with its metadata updated: ``changes`` are set (checked as when
+        building), a key given as None is removed. The tokens, weights and masks are the same."""
+        meta = dict(self.metadata)
+        for k, v in changes.items():
+            if v is None:
+                meta.pop(k, None)
+            else:
+                meta[k] = v
+        return _set_metadata(
+            Tree(self.segments, self.parents, self.sequence_ends, self.weights,
+                 self.loss_masks, _checked=True), meta)
 
     # ------------------------------------------------------------------ serialization
 
     def to_dict(self) -> dict:
-        """``{"sequences": ..., "weights": ...?, "loss_masks": ...?}``: weights only when some
-        differ from the default 1, loss masks only when the tree has them."""
+        """``{"sequences": ..., "weights": ...?, "loss_masks": ...?, **metadata}``: weights only
+        when some differ from the default 1, loss masks only when the tree has them, metadata
+        as plain JSON values (a missing log-probability as None)."""
         d = {"sequences": self.sequences}
         if not np.all(self.weights == 1.0):
             d["weights"] = self.weights.tolist()
         if self.loss_masks is not None:
             d["loss_masks"] = [m.astype(np.int64).tolist() for m in self.loss_masks]
+        d.update(_thaw(self.metadata, json=True))
         return d
 
     @classmethod
     def from_dict(cls, d: dict) -> Tree:
+        """A tree from a record of :meth:`to_dict`: every key besides ``sequences``,
+        ``weights`` and ``loss_masks`` is metadata (a key that looks like a misspelling of one
+        of those three is an error: it would be kept and the tree trained without it)."""
         if not isinstance(d, dict) or "sequences" not in d:
             raise ValueError('a tree record must be an object with a "sequences" list')
-        unknown = set(d) - {"sequences", "weights", "loss_masks"}
-        if unknown:
-            raise ValueError(f"unknown keys in tree record: {sorted(unknown)}")
+        meta = {k: v for k, v in d.items() if k not in STRUCTURE_KEYS}
+        for k in meta:
+            close = difflib.get_close_matches(str(k), STRUCTURE_KEYS, n=1, cutoff=0.85)
+            if close:
+                raise ValueError(f"tree record key {k!r} is not {close[0]!r}; did you mean "
+                                 f"{close[0]!r}? (other keys are kept as metadata)")
         return cls.from_sequences(
-            d["sequences"], weights=d.get("weights"), loss_masks=d.get("loss_masks")
+            d["sequences"], weights=d.get("weights"), loss_masks=d.get("loss_masks"),
+            metadata=meta,
         )
 
     def __eq__(self, other) -> bool:
@@ -409,21 +469,195 @@ class Tree:
                 self.loss_masks is None
                 or all(np.array_equal(a, b) for a, b in zip(self.loss_masks, other.loss_masks))
             )
+            and _values_equal(self.metadata, other.metadata)
         )
 
     __hash__ = None
 
     def __repr__(self) -> str:
+        task = f"task={self.metadata['task']!r}, " if "task" in self.metadata else ""
         return (
-            f"Tree(sequences={self.num_sequences}, nodes={self.num_nodes}, "
+            f"Tree({task}sequences={self.num_sequences}, nodes={self.num_nodes}, "
             f"tokens={self.num_tokens}, baseline_tokens={self.num_baseline_tokens}, "
             f"por={self.por:.3f})"
         )
 
 
-def _rebuild_tree(segments, parents, sequence_ends, weights, loss_masks) -> Tree:
+def _rebuild_tree(segments, parents, sequence_ends, weights, loss_masks, metadata=None) -> Tree:
     """Unpickle / copy a Tree (see ``Tree.__reduce__``); its data was validated when built."""
-    return Tree(segments, parents, sequence_ends, weights, loss_masks, _checked=True)
+    tree = Tree(segments, parents, sequence_ends, weights, loss_masks, _checked=True)
+    return _set_metadata(tree, metadata) if metadata else tree
+
+
+# ---------------------------------------------------------------------- metadata
+
+_EMPTY_METADATA = MappingProxyType({})
+
+
+def _set_metadata(tree: Tree, metadata) -> Tree:
+    """Check ``metadata`` against ``tree``'s sequences and attach it, frozen; returns tree."""
+    if metadata is None:
+        return tree
+    if not isinstance(metadata, Mapping):
+        raise TypeError(f"metadata must be a mapping (a dict), got {type(metadata).__name__}")
+    out = {}
+    for key, value in metadata.items():
+        if not isinstance(key, str):
+            raise TypeError(f"metadata keys must be strings, got {key!r}")
+        if key in STRUCTURE_KEYS:
+            raise ValueError(f"metadata key {key!r} is part of the tree itself; pass it as "
+                             f"{key}= when building the tree")
+        check = _METADATA_CHECKS.get(key)
+        out[key] = check(value, tree) if check is not None else _freeze(value, key)
+    object.__setattr__(tree, "metadata", MappingProxyType(out) if out else _EMPTY_METADATA)
+    return tree
+
+
+def _per_sequence(value, tree: Tree, key: str) -> list:
+    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Iterable):
+        raise TypeError(f"metadata {key!r} must be a list with one entry per sequence, got "
+                        f"{type(value).__name__}")
+    items = value.tolist() if isinstance(value, np.ndarray) and value.ndim == 1 else list(value)
+    if len(items) != tree.num_sequences:
+        raise ValueError(f"metadata {key!r} has {len(items)} entries but the tree has "
+                         f"{tree.num_sequences} sequences; give one per sequence")
+    return items
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def _check_task(value, tree: Tree):
+    if isinstance(value, bool) or not isinstance(value, (str, numbers.Integral)):
+        raise TypeError(f"metadata 'task' must be a string or an integer id, got {value!r}")
+    return value if isinstance(value, str) else int(value)
+
+
+def _check_rollouts(value, tree: Tree) -> tuple:
+    items = _per_sequence(value, tree, "rollouts")
+    for i, r in enumerate(items):
+        if isinstance(r, bool) or not isinstance(r, (str, numbers.Integral)):
+            raise TypeError(f"metadata 'rollouts', sequence {i}: rollout id {r!r} is not a "
+                            "string or an integer")
+    return tuple(r if isinstance(r, str) else int(r) for r in items)
+
+
+def _finite_numbers(items, what: str) -> np.ndarray:
+    for j, x in enumerate(items):
+        if not _is_number(x):
+            raise TypeError(f"{what}, entry {j}: {x!r} is not a number")
+        if not math.isfinite(x):
+            raise ValueError(f"{what}, entry {j}: {x} is not finite")
+    return _frozen(np.asarray(items, dtype=np.float64), np.float64)
+
+
+def _token_values(x, length: int, what: str, *, missing_ok: bool) -> np.ndarray:
+    """One value per predicted token of a sequence of ``length`` tokens (``length − 1``)."""
+    if isinstance(x, np.ndarray) and x.ndim == 1 and x.dtype.kind == "f" \
+            and x.size == length - 1 and (missing_ok or np.isfinite(x).all()):
+        return _frozen(x, np.float64)  # the fast path: already the right floats
+    if isinstance(x, np.ndarray):
+        x = x.tolist()
+    if isinstance(x, (str, bytes, Mapping)) or not isinstance(x, Iterable):
+        raise TypeError(f"{what} must be a list of numbers, got {type(x).__name__}")
+    items = list(x)
+    if len(items) != length - 1:
+        raise ValueError(f"{what} has {len(items)} entries but its sequence has {length} "
+                         f"tokens; give {length - 1}, one per predicted token (entry k for "
+                         "token k + 1)")
+    out = np.empty(len(items), dtype=np.float64)
+    for j, v in enumerate(items):
+        if v is None and missing_ok:
+            out[j] = np.nan
+        elif not _is_number(v):
+            raise TypeError(f"{what}, entry {j}: {v!r} is not a number"
+                            + (" (or None where there is none)" if missing_ok else ""))
+        elif not missing_ok and not math.isfinite(v):
+            raise ValueError(f"{what}, entry {j}: {v} is not finite")
+        else:
+            out[j] = v
+    return _frozen(out, np.float64)
+
+
+def _check_rewards(value, tree: Tree) -> np.ndarray:
+    return _finite_numbers(_per_sequence(value, tree, "rewards"), "metadata 'rewards'")
+
+
+def _check_advantages(value, tree: Tree):
+    items = _per_sequence(value, tree, "advantages")
+    if all(_is_number(x) for x in items):
+        return _finite_numbers(items, "metadata 'advantages'")
+    if any(_is_number(x) for x in items):
+        raise TypeError("metadata 'advantages' mixes numbers and lists; give one number per "
+                        "sequence, or one list of per-token values per sequence")
+    lengths = tree.sequence_lengths.tolist()
+    return tuple(_token_values(x, n, f"metadata 'advantages', sequence {i}", missing_ok=False)
+                 for i, (x, n) in enumerate(zip(items, lengths)))
+
+
+def _check_logprobs(value, tree: Tree) -> tuple:
+    items = _per_sequence(value, tree, "logprobs")
+    lengths = tree.sequence_lengths.tolist()
+    return tuple(
+        _frozen(np.full(n - 1, np.nan), np.float64) if x is None else
+        _token_values(x, n, f"metadata 'logprobs', sequence {i}", missing_ok=True)
+        for i, (x, n) in enumerate(zip(items, lengths))
+    )
+
+
+_METADATA_CHECKS = {
+    "task": _check_task,
+    "rollouts": _check_rollouts,
+    "rewards": _check_rewards,
+    "advantages": _check_advantages,
+    "logprobs": _check_logprobs,
+}
+
+
+def _freeze(value, where: str):
+    """A read-only copy of JSON-like data: lists become tuples, dicts read-only mappings."""
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, (str, bytes, numbers.Number)) or value is None:
+        return value
+    if isinstance(value, np.ndarray):
+        return _frozen(value, value.dtype)
+    if isinstance(value, Mapping):
+        return MappingProxyType({str(k): _freeze(v, f"{where}.{k}") for k, v in value.items()})
+    if isinstance(value, (list, tuple)):
+        return tuple(_freeze(v, f"{where}[{i}]") for i, v in enumerate(value))
+    raise TypeError(f"metadata {where!r}: a {type(value).__name__} is not JSON-like data "
+                    "(numbers, strings, lists, dicts)")
+
+
+def _thaw(value, *, json: bool):
+    """Plain data back from frozen metadata (``json``: NaN as None, arrays as lists)."""
+    if isinstance(value, Mapping):
+        return {k: _thaw(v, json=json) for k, v in value.items()}
+    if isinstance(value, tuple):
+        return [_thaw(v, json=json) for v in value]
+    if isinstance(value, np.ndarray):
+        if not json:
+            return value.copy()
+        if value.dtype.kind == "f":
+            return [None if math.isnan(x) else x for x in value.tolist()]
+        return value.tolist()
+    return value
+
+
+def _values_equal(a, b) -> bool:
+    """Metadata equality: arrays elementwise (NaN equal to NaN), containers recursively."""
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        if not (isinstance(a, np.ndarray) and isinstance(b, np.ndarray)) or a.shape != b.shape:
+            return False
+        kind = "fc"
+        return bool(np.array_equal(a, b, equal_nan=a.dtype.kind in kind and b.dtype.kind in kind))
+    if isinstance(a, Mapping) and isinstance(b, Mapping):
+        return a.keys() == b.keys() and all(_values_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return len(a) == len(b) and all(_values_equal(x, y) for x, y in zip(a, b))
+    return a == b
 
 
 def _build_trie(seqs: list[np.ndarray]) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
