@@ -20,6 +20,7 @@ from treefx.ops.attention import _row_to_heads as row_to_heads  # noqa: F401
 
 def recurrence_registry() -> dict:
     """The registered recurrences (name -> Recurrence), to tell which have a varlen fast path."""
-    from treefx.kernels import _REGISTRY
+    from treefx.kernels import _REGISTRY, _ensure_builtins
 
+    _ensure_builtins(force=True)
     return dict(_REGISTRY)

@@ -153,6 +153,7 @@ def _fake_call(args, kwargs) -> bool:
 def recurrence(name: str) -> Recurrence:
     """The registered recurrence called ``name`` (built-in ones: ``qwen3_next_gated_delta_rule``,
     ``mamba2_mamba2_chunk_scan``, ...)."""
+    _ensure_builtins(force=True)
     if name not in _REGISTRY:
         raise KeyError(f"no recurrence {name!r} is registered (registered: {sorted(_REGISTRY)})")
     return _REGISTRY[name]
@@ -167,6 +168,7 @@ def registered(target) -> Recurrence | None:
 @contextlib.contextmanager
 def capture_patches():
     """Swap every registered kernel for its marker where models look it up."""
+    _ensure_builtins()
     saved = []
     try:
         for mod_name, attr, name in _SITES:
@@ -190,6 +192,7 @@ def discover(model: torch.nn.Module) -> list[Recurrence]:
     does for every new hybrid) is recognised without treefx knowing the model. A function
     with the family's name but other parameters is left alone (its layer is then refused
     with an error naming the node). Returns the recurrences found."""
+    _ensure_builtins()
     found = []
     sites = {(mod, attr) for mod, attr, _ in _SITES}
     for mod_name in sorted({type(m).__module__ for m in model.modules()}):
@@ -299,10 +302,13 @@ _FAMILIES = {"torch_chunk_gated_delta_rule": _gated_delta_rule,
              "mamba_selective_scan": _mamba_selective_scan}
 
 
+_BUILTINS_DONE = False
+
+
 def _register_builtins() -> None:
-    """The torch fallbacks of Hugging Face's hybrid layers known today, registered at import
-    (others are recognised when a model is compiled: :func:`discover`). Modules that are
-    missing, or whose kernel has another signature, are skipped."""
+    """The torch fallbacks of Hugging Face's hybrid layers known today (others are recognised
+    when a model is compiled: :func:`discover`). Modules that are missing, or whose kernel has
+    another signature, are skipped."""
     for model in ("qwen3_next", "qwen3_5", "mamba2", "bamba", "falcon_h1", "granitemoehybrid",
                   "nemotron_h", "zamba2", "mamba", "falcon_mamba", "jamba", "zamba"):
         path = f"transformers.models.{model}.modeling_{model}"
@@ -313,4 +319,14 @@ def _register_builtins() -> None:
                 _register_if_compatible(make(model, fn), sites=[(path, attr)])
 
 
-_register_builtins()
+def _ensure_builtins(force: bool = False) -> None:
+    """Register the built-in kernels once, where the registry is first consulted (capture,
+    :func:`discover`, :func:`recurrence`), not at ``import treefx``: importing transformers'
+    modeling modules takes seconds. Until something has imported transformers no model can
+    call one of its kernels, so a capture then leaves them for a later one (``force``: import
+    them now)."""
+    global _BUILTINS_DONE
+    if _BUILTINS_DONE or not (force or "transformers" in sys.modules):
+        return
+    _BUILTINS_DONE = True
+    _register_builtins()

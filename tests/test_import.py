@@ -1,0 +1,50 @@
+"""``import treefx`` stays light: no transformers until something asks for it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+
+def _modules_after(code: str) -> list[str]:
+    """The transformers modules loaded after running ``code`` in a fresh interpreter."""
+    probe = code + "\nimport json, sys\nprint(json.dumps(sorted(m for m in sys.modules " \
+        "if m == 'transformers' or m.startswith('transformers.'))))"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_import_treefx_does_not_import_transformers():
+    # The recurrence registry used to import transformers' modeling modules at import (~4 s);
+    # it registers Hugging Face's kernels on first capture now (treefx.kernels._ensure_builtins).
+    assert _modules_after("import treefx, treefx.cli") == []
+
+
+def test_compiling_a_torch_model_does_not_import_transformers():
+    # A capture with transformers never imported has no Hugging Face kernel to route.
+    code = (
+        "import treefx\n"
+        "from treefx.models import tiny_decoder\n"
+        "tree = treefx.Tree.from_sequences([[1, 2, 3], [1, 2, 4, 5]])\n"
+        "batch = treefx.pack(tree)\n"
+        "treefx.tree_loss(treefx.compile(tiny_decoder(), verify=False)(batch), batch)\n"
+    )
+    assert _modules_after(code) == []
+
+
+def test_hf_kernels_are_registered_once_transformers_is_loaded():
+    code = (
+        "import treefx.kernels as k\n"
+        "before = [n for n in k._REGISTRY if n.startswith('qwen3_next')]\n"
+        "assert before == [], before\n"
+        "import transformers\n"
+        "with k.capture_patches():\n"
+        "    from transformers.models.qwen3_next import modeling_qwen3_next as m\n"
+        "    assert k.registered(m.torch_chunk_gated_delta_rule) is not None\n"
+        "assert k.registered(m.torch_chunk_gated_delta_rule) is None\n"
+        "assert k.recurrence('qwen3_next_gated_delta_rule').fn is m.torch_chunk_gated_delta_rule\n"
+    )
+    assert "transformers.models.qwen3_next.modeling_qwen3_next" in _modules_after(code)
