@@ -109,7 +109,7 @@ def test_the_package_has_no_import_cycles():
 # nothing of the passes; the passes nothing of the engine; the engine nothing of the user API.
 LAYERS = [
     {"treefx._version", "treefx._progress", "treefx.tree", "treefx.mask"},
-    {"treefx.layout", "treefx.reference", "treefx.synth", "treefx.partition"},
+    {"treefx.layout", "treefx.reference", "treefx.synth", "treefx.partition", "treefx.data"},
     {"treefx.ops", "treefx.ops.attention", "treefx.ops.conv", "treefx.ops.cross_entropy",
      "treefx.ops.recurrence", "treefx.ops.scan", "treefx.kernels"},
     {"treefx.passes", "treefx.passes.*"},

@@ -2,7 +2,7 @@
 
 import logging
 
-from . import debug, reference, rl, synth
+from . import data, debug, reference, rl, synth
 from ._version import __version__
 from .debug import explain
 from .kernels import Recurrence, register_recurrence
@@ -42,6 +42,7 @@ __all__ = [
     "UnsupportedSubgraphError",
     "bound",
     "compile",
+    "data",
     "debug",
     "err",
     "explain",

@@ -1,5 +1,6 @@
 """Models for treefx: small pure-torch decoders (gpt-fast style), dense and hybrid."""
 
+from .chat import tiny_chat_tokenizer
 from .dense import Decoder, DecoderConfig
 from .hybrid import HybridDecoder
 
@@ -17,4 +18,5 @@ def tiny_hybrid(layer_types=("gdn", "attention"), **overrides) -> HybridDecoder:
     return HybridDecoder(DecoderConfig(**cfg), layer_types=layer_types)
 
 
-__all__ = ["Decoder", "DecoderConfig", "HybridDecoder", "tiny_decoder", "tiny_hybrid"]
+__all__ = ["Decoder", "DecoderConfig", "HybridDecoder", "tiny_chat_tokenizer", "tiny_decoder",
+           "tiny_hybrid"]
