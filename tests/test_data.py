@@ -415,6 +415,7 @@ def test_readme_grpo_walk_runs_and_is_the_per_call_objective(capsys):
     assert "Tree(task='mul-12-7', sequences=8" in capsys.readouterr().out
     tree, batch, model = ns["tree"], ns["batch"], ns["model"]
     assert tree.metadata["rollouts"] == (0, 0, 1, 1, 2, 2, 3, 3)
+    assert batch.num_sequences == 8 and batch.reduction == "mean"
 
     # The same objective call by call, on the model as it was before the step: GRPO's
     # advantages from the rewards by hand, the ratio 1 (old = the same policy).
@@ -436,3 +437,15 @@ def test_readme_grpo_walk_runs_and_is_the_per_call_objective(capsys):
     for (name, a), b in zip(before.named_parameters(), model.parameters()):
         err = float((a.grad - b.grad).norm() / a.grad.norm().clamp_min(1e-12))
         assert err < 1e-4, name
+
+
+def test_example_grpo_from_rollouts(capsys):
+    import re
+    import runpy
+    from pathlib import Path
+
+    runpy.run_path(str(Path(__file__).resolve().parents[1] / "examples" / "grpo_from_rollouts.py"),
+                   run_name="__main__")
+    out = capsys.readouterr().out
+    assert "GRPO group: 4 rollouts, 8 calls" in out
+    assert float(re.search(r"max relative gradient difference ([\d.e+-]+)", out).group(1)) < 1e-4

@@ -25,7 +25,8 @@ QWEN3_STYLE_TEMPLATE = r"""
     {%- for tool in tools %}
         {{- '\n' + (tool | tojson) }}
     {%- endfor %}
-    {{- '\n</tools>\n\nTo call one, write <tool_call>\n{"name": <name>, "arguments": <object>}\n</tool_call><|im_end|>\n' }}
+    {{- '\n</tools>\n\nTo call one, write <tool_call>\n' }}
+    {{- '{"name": <name>, "arguments": <object>}\n</tool_call><|im_end|>\n' }}
 {%- elif messages[0].role == 'system' %}
     {{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}
 {%- endif %}
@@ -42,7 +43,8 @@ QWEN3_STYLE_TEMPLATE = r"""
     {%- if message.role == 'user' or (message.role == 'system' and not loop.first) %}
         {{- '<|im_start|>' + message.role + '\n' + content + '<|im_end|>\n' }}
     {%- elif message.role == 'assistant' %}
-        {%- set reasoning = message.reasoning_content if message.reasoning_content is string else '' %}
+        {%- set reasoning = message.reasoning_content %}
+        {%- if reasoning is not string %}{%- set reasoning = '' %}{%- endif %}
         {%- if not reasoning and '</think>' in content %}
             {%- set reasoning = content.split('</think>')[0].split('<think>')[-1] %}
             {%- set content = content.split('</think>')[-1].lstrip('\n') %}
