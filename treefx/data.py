@@ -88,8 +88,7 @@ class Call:
             if len(m) != n:
                 raise ValueError(f"loss_mask has {len(m)} entries but the call has {n} tokens "
                                  f"({len(prompt)} prompt + {len(completion)} completion)")
-            bad = [j for j, x in enumerate(m) if x not in (0, 1) or isinstance(x, float)
-                   and not x.is_integer()]
+            bad = [j for j, x in enumerate(m) if isinstance(x, str) or x not in (0, 1)]
             if bad:
                 raise ValueError(f"loss_mask, entry {bad[0]}: {m[bad[0]]!r} is not 0 or 1")
             set_(self, "loss_mask", tuple(int(x) for x in m))
