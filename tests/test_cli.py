@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import argparse
 import json
+import subprocess
+import sys
 
 import pytest
 
 import treefx
-from treefx import read_jsonl, synth
-from treefx.cli import main
+from treefx import read_jsonl, synth, write_jsonl
+from treefx.cli import SYNTH_VOCAB, build_parser, main
 
 
 def _table(out: str):
@@ -35,7 +38,7 @@ def synth_file(tmp_path, capsys):
 
 def test_synth_writes_the_dataset(synth_file):
     trees = list(read_jsonl(synth_file))
-    assert trees == synth.dataset(3, 0, rollouts=4)
+    assert trees == synth.dataset(3, 0, rollouts=4, vocab_size=SYNTH_VOCAB)
 
 
 def test_synth_options(tmp_path, capsys):
@@ -87,16 +90,16 @@ def test_stats_malformed_file_names_the_line(tmp_path, capsys):
     path.write_text('{"sequences": [[1, 2]]}\n\n{"sequences": [[1, 2]\n')
     with pytest.raises(SystemExit) as info:
         main(["stats", str(path)])
-    msg = str(info.value.code)
-    assert "line 3" in msg and str(path) in msg
+    assert info.value.code == 2
+    assert str(info.value) == f"{path}:3: not valid JSON: Expecting ',' delimiter at column 22"
 
 
 @pytest.mark.parametrize(
     "line, match",
     [
-        ('{"sequences": [[1, -2]]}', "line 2: sequence 0, position 1"),
-        ('{"sequences": [[1]], "weight": [1]}', "line 2: tree record key 'weight'"),
-        ("[1, 2]", 'line 2: a tree record must be an object'),
+        ('{"sequences": [[1, -2]]}', ":2: sequence 0, position 1"),
+        ('{"sequences": [[1]], "weight": [1]}', ":2: tree record key 'weight'"),
+        ("[1, 2]", ':2: a tree record must be an object'),
     ],
 )
 def test_stats_bad_record_names_the_line(tmp_path, line, match):
@@ -169,3 +172,170 @@ def test_unknown_command_and_missing_arguments(capsys):
         main(["synth"])  # -o is required
     assert info.value.code == 2
     capsys.readouterr()
+
+
+# ------------------------------------------------------------------ errors: one line, status 2
+
+
+def _error(argv, capsys) -> str:
+    """The one stderr line of a command that fails on what it was given (status 2)."""
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.endswith("\n") and err.count("\n") == 1, err
+    assert f"treefx {argv[0]}: error: " in err if argv[0] in _COMMANDS else "treefx: error: " in err
+    return err.strip()
+
+
+_COMMANDS = ("demo", "stats", "synth", "explain", "check", "draw")
+
+
+@pytest.fixture
+def small_file(tmp_path):
+    path = tmp_path / "small.jsonl"
+    path.write_text(json.dumps({"sequences": [[1, 2, 3], [1, 2, 4]]}) + "\n")
+    return path
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["stats", "{tmp}/missing.jsonl"], "{tmp}/missing.jsonl: no such file"),
+        (["stats", "{tmp}"], "{tmp}: is a folder, not a file"),
+        (["draw", "{tmp}/missing.jsonl", "-o", "{tmp}/t.png"], "missing.jsonl: no such file"),
+        (["check", "treefx.debug.examples:tiny_decoder", "--trees", "{tmp}/missing.jsonl"],
+         "missing.jsonl: no such file"),
+        (["demo", "--steps", "0"], "argument --steps: must be at least 1, got 0"),
+        (["demo", "--steps", "two"], "argument --steps: expected an integer, got 'two'"),
+        (["synth", "-o", "{tmp}/t.jsonl", "-n", "0"], "argument -n: must be at least 1, got 0"),
+        (["synth", "-o", "{tmp}/t.jsonl", "--seed", "-1"], "argument --seed: must be at least 0"),
+        (["synth", "-o", "{tmp}/t.jsonl", "--rollouts", "0"], "argument --rollouts: must be at "
+         "least 1"),
+        (["synth", "-o", "{tmp}/t.jsonl", "--vocab-size", "1"], "argument --vocab-size: must "
+         "be at least 2"),
+        (["synth", "-o", "{tmp}/t.jsonl", "--target-por", "0.99", "-n", "1"],
+         "argument --target-por: target_por=0.99 is out of reach for this shape"),
+        (["synth", "-o", "{tmp}/t.jsonl", "--target-por", "1"],
+         "argument --target-por: a POR is in [0, 1), got 1.0"),
+        (["synth", "-o", "{tmp}/no/such/folder/t.jsonl"], "-o {tmp}/no/such/folder/t.jsonl: "
+         "the folder {tmp}/no/such/folder does not exist"),
+        (["synth", "-o", "{tmp}"], "-o {tmp}: is a folder; give a file name"),
+        (["draw", "{small}", "-o", "{tmp}/t.png", "--max-mask", "0"],
+         "argument --max-mask: must be at least 1, got 0"),
+        (["draw", "{small}", "-o", "{tmp}/t.png", "--max-leaves", "0"],
+         "argument --max-leaves: must be at least 1, got 0"),
+        (["draw", "{small}", "-o", "{tmp}/missing/t.png"], "the folder {tmp}/missing does not"),
+        (["draw", "{small}", "-o", "{tmp}/t.jpg"], "use a .png or .svg file name"),
+        (["draw", "{small}", "-o", "{tmp}/t.png", "--index", "1"], "--index 1 is out of range"),
+        (["explain", "treefx.debug.examples:tiny_decoder", "--html", "{tmp}/missing/e.html"],
+         "--html {tmp}/missing/e.html: the folder {tmp}/missing does not exist"),
+        (["stats", "{small}", "--max-tokens", "0"], "argument --max-tokens: must be at least 1"),
+        (["check", "treefx.debug.examples"], "expected MODULE:FACTORY"),
+        (["synth"], "the following arguments are required: -o/--output"),
+        (["nope"], "argument COMMAND: invalid choice: 'nope'"),
+    ],
+)
+def test_errors_are_one_line_with_status_2(argv, expected, tmp_path, small_file, capsys):
+    def fill(text):
+        return text.format(tmp=tmp_path, small=small_file)
+
+    err = _error([fill(a) for a in argv], capsys)
+    assert fill(expected) in err
+    assert not list(tmp_path.glob("t.*"))  # nothing written on an error
+
+
+def test_malformed_jsonl_names_file_and_line(tmp_path, capsys):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"sequences": [[1, 2]]}\n\n{"sequences": [[1, 2], [3]}\n')
+    err = _error(["stats", str(path)], capsys)
+    assert err == (f"treefx stats: error: {path}:3: not valid JSON: Expecting ',' delimiter "
+                   "at column 27")
+    path.write_bytes(b'{"sequences": [[1, 2]]}\n{"sequences": [[1, 2\xff]]}\n')
+    assert f"{path}:2: not valid JSON" in _error(["draw", str(path), "-o", str(tmp_path / "t.png")],
+                                                 capsys)
+
+
+@pytest.mark.parametrize("command", ["check", "explain"])
+def test_token_ids_outside_the_vocabulary_are_one_line(command, tmp_path, capsys):
+    path = tmp_path / "big_vocab.jsonl"
+    write_jsonl(path, [treefx.Tree.from_sequences([[1, 2, 3], [1, 2, 300, 5]])])
+    argv = [command, "treefx.debug.examples:tiny_decoder", "--trees", str(path)]
+    if command == "explain":
+        argv += ["--html", str(tmp_path / "e.html")]
+    err = _error(argv, capsys)
+    assert err == (f"treefx {command}: error: {path}: tree 0 holds token id 300, outside the "
+                   "model's vocabulary of 256 (ids 0 to 255); write trees for it with treefx "
+                   "synth --vocab-size 256")
+
+
+def test_the_command_line_fails_without_a_traceback(tmp_path):
+    """The installed entry point: one stderr line, status 2, for an error deep in a command."""
+    out = subprocess.run([sys.executable, "-m", "treefx", "synth", "-o", str(tmp_path / "t.jsonl"),
+                          "-n", "1", "--target-por", "0.99"], capture_output=True, text=True)
+    assert out.returncode == 2
+    assert out.stderr.startswith("treefx synth: error: argument --target-por: target_por=0.99 "
+                                 "is out of reach") and out.stderr.count("\n") == 1, out.stderr
+
+
+# ------------------------------------------------------------------ version, help
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0
+    assert capsys.readouterr().out == f"treefx {treefx.__version__}\n"
+
+
+def _subcommands():
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return parser, sub
+
+
+def test_top_level_help_lists_every_command(capsys):
+    parser, sub = _subcommands()
+    assert set(sub.choices) == set(_COMMANDS)
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    for choice in sub._choices_actions:
+        assert choice.help and f"{choice.dest} {choice.help}" in out
+
+
+@pytest.mark.parametrize("command", _COMMANDS)
+def test_every_option_has_help(command, capsys):
+    parser, sub = _subcommands()
+    sub_parser = sub.choices[command]
+    assert sub_parser.description  # its own --help says what it does
+    for action in sub_parser._actions:
+        assert action.help and action.help != argparse.SUPPRESS, (command, action.dest)
+    with pytest.raises(SystemExit) as info:
+        main([command, "--help"])
+    assert info.value.code == 0
+    assert sub_parser.description.split(".")[0] in " ".join(capsys.readouterr().out.split())
+
+
+# ------------------------------------------------------------------ synth fits the example models
+
+
+def test_synth_vocabulary_fits_every_built_in_model():
+    from treefx import zoo
+    from treefx.debug import examples
+    from treefx.models import tiny_decoder
+    from treefx.reference import vocab_size
+
+    assert build_parser().parse_args(["synth", "-o", "x"]).vocab_size == SYNTH_VOCAB
+    assert SYNTH_VOCAB <= min(zoo.VOCAB, examples.VOCAB, vocab_size(tiny_decoder()), 512)  # 512: demo
+
+
+def test_synth_then_check_an_example_model(tmp_path, capsys):
+    """What a new user runs first: synthetic trees with the defaults, checked on an example
+    model (one small tree: the CPU check is quadratic in the tokens)."""
+    path = tmp_path / "trees.jsonl"
+    assert main(["synth", "-o", str(path), "-n", "1", "--rollouts", "1"]) == 0
+    assert max(max(s) for s in next(read_jsonl(path)).sequences) >= 100  # ids span the vocab
+    capsys.readouterr()
+    assert main(["check", "treefx.debug.examples:qwen3_tiny", "--trees", str(path)]) == 0
+    assert "treefx verify passed" in capsys.readouterr().out

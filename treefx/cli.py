@@ -1,5 +1,9 @@
-"""Command line: ``treefx demo``, ``stats FILE.jsonl``, ``synth -o FILE.jsonl``, ``explain MODEL``,
-``check MODEL``, ``draw FILE.jsonl``."""
+"""treefx: train LLMs on prefix trees of agent trajectories, computing every shared prefix once.
+
+Commands: ``treefx demo``, ``stats FILE.jsonl``, ``synth -o FILE.jsonl``, ``explain MODEL``,
+``check MODEL``, ``draw FILE.jsonl``. A problem with what a command is given is one line on
+stderr (``treefx CMD: error: ...``) and exit status 2, as argparse does for its own errors.
+"""
 
 from __future__ import annotations
 
@@ -10,13 +14,83 @@ import sys
 
 from . import synth
 from ._progress import Progress
+from ._version import __version__
+from .debug.pictures import MAX_DEPTH, MAX_LEAVES
 from .tree import Tree, write_jsonl
 
 _BIG_FILE = 1 << 20  # show a progress bar from 1 MiB on
 
+# ``treefx synth``'s default vocabulary: the smallest of the built-in models' (hf:TYPE models
+# of the zoo: 128; treefx.debug.examples and treefx.models.tiny_decoder: 256; the demo: 512),
+# so that synthetic trees run on every one of them as they are (test_cli checks the list).
+SYNTH_VOCAB = 128
+
+
+class CLIError(SystemExit):
+    """What a command was given is wrong: :func:`main` prints ``treefx CMD: error: MESSAGE``
+    (one line) and exits with status 2. ``str()`` is the message."""
+
+    def __init__(self, message: str):
+        super().__init__(2)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse's own errors (a missing argument, a bad value) as one line, status 2."""
+
+    def error(self, message):
+        print(f"{self.prog}: error: {message} (see {self.prog} --help)", file=sys.stderr)
+        raise CLIError(message)
+
+
+def _int_at_least(low: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        return value
+
+    parse.__name__ = "int"  # argparse names the type in its messages
+    return parse
+
+
+def _por(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"a POR is in [0, 1), got {value}")
+    return value
+
+
+def _input_file(path: str) -> str:
+    if not os.path.exists(path):
+        raise CLIError(f"{path}: no such file")
+    if os.path.isdir(path):
+        raise CLIError(f"{path}: is a folder, not a file")
+    return path
+
+
+def _output_file(path: str, option: str) -> str:
+    """Checked before the work: a file name whose folder exists and is not itself a folder."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise CLIError(f"{option} {path}: the folder {os.path.dirname(path) or folder} does "
+                       "not exist")
+    if os.path.isdir(path):
+        raise CLIError(f"{option} {path}: is a folder; give a file name")
+    return path
+
 
 def _iter_trees_with_progress(path: str, show: bool | None):
-    size = os.path.getsize(path)
+    size = os.path.getsize(_input_file(path))
     enabled = (size >= _BIG_FILE and sys.stderr.isatty()) if show is None else show
     with open(path, "rb") as f, Progress(size, f"reading {path}", enabled=enabled) as bar:
         for lineno, line in enumerate(f, 1):
@@ -24,9 +98,45 @@ def _iter_trees_with_progress(path: str, show: bool | None):
             if not line.strip():
                 continue
             try:
-                yield Tree.from_dict(json.loads(line))
+                record = json.loads(line.strip())  # columns count from the line's start
+            except json.JSONDecodeError as e:
+                raise CLIError(f"{path}:{lineno}: not valid JSON: {e.msg} at column "
+                               f"{e.colno}") from None
+            except (ValueError, RecursionError) as e:  # not UTF-8, nested too deep
+                raise CLIError(f"{path}:{lineno}: not valid JSON: {e}") from None
+            try:
+                yield Tree.from_dict(record)
             except (ValueError, TypeError) as e:
-                raise SystemExit(f"treefx: {path}, line {lineno}: {e}") from None
+                raise CLIError(f"{path}:{lineno}: {e}") from None
+
+
+def _read_trees(path: str, limit: int | None = None) -> list[Tree]:
+    """The trees of a file (its first ``limit``), at least one."""
+    trees = []
+    for tree in _iter_trees_with_progress(path, None):
+        if limit is not None and len(trees) == limit:
+            break
+        trees.append(tree)
+    if not trees:
+        raise CLIError(f"{path} holds no trees")
+    return trees
+
+
+def _check_vocabulary(model, trees: list[Tree], path: str) -> None:
+    """Token ids of ``trees`` inside the model's input and output vocabularies, or an error
+    that names the first id outside and what to do."""
+    from .reference import output_vocab_size, vocab_size
+
+    sizes = [v for v in (vocab_size(model), output_vocab_size(model)) if v is not None]
+    if not sizes:
+        return
+    vocab = min(sizes)
+    for i, tree in enumerate(trees):
+        top = max(int(s.max()) for s in tree.segments if len(s))
+        if top >= vocab:
+            raise CLIError(f"{path}: tree {i} holds token id {top}, outside the model's "
+                           f"vocabulary of {vocab} (ids 0 to {vocab - 1}); write trees for it "
+                           f"with treefx synth --vocab-size {vocab}")
 
 
 def _stats_row(name, seqs, unique, baseline, extra=()):
@@ -57,7 +167,7 @@ def cmd_stats(args) -> int:
             try:
                 parts = partition(tree, args.max_tokens)
             except ValueError as e:
-                raise SystemExit(f"treefx: tree {i}: {e}") from None
+                raise CLIError(f"--max-tokens {args.max_tokens}: tree {i}: {e}") from None
         task = tree.metadata.get("task")
         by_task |= task is not None
         counts = rows.setdefault(("task", task) if task is not None else ("tree", i), [0] * 6)
@@ -65,7 +175,7 @@ def cmd_stats(args) -> int:
                                len(parts), sum(p.num_tokens for p in parts))):
             counts[k] += v
     if not rows:
-        raise SystemExit(f"treefx: {args.file} holds no trees")
+        raise CLIError(f"{args.file} holds no trees")
     header = (["task", "trees"] if by_task else ["tree"]) + ["sequences", "unique", "baseline",
                                                                "POR", "bound"]
     if args.max_tokens is not None:
@@ -87,10 +197,15 @@ def cmd_stats(args) -> int:
 
 
 def cmd_synth(args) -> int:
-    trees = synth.dataset(
-        args.n, args.seed, rollouts=args.rollouts, target_por=args.target_por,
-        vocab_size=args.vocab_size, mask_outputs=args.mask_outputs,
-    )
+    _output_file(args.output, "-o")
+    try:
+        trees = synth.dataset(
+            args.n, args.seed, rollouts=args.rollouts, target_por=args.target_por,
+            vocab_size=args.vocab_size, mask_outputs=args.mask_outputs,
+        )
+    except ValueError as e:
+        option = "--target-por" if args.target_por is not None and "target_por" in str(e) else ""
+        raise CLIError(f"argument {option}: {e}" if option else str(e)) from None
     n = write_jsonl(args.output, trees)
     print(f"wrote {n} trees to {args.output}")
     return 0
@@ -108,17 +223,17 @@ def _load_factory(spec: str):
 
     mod_name, sep, attr = spec.partition(":")
     if not sep or not mod_name or not attr:
-        raise SystemExit(f"treefx: expected MODULE:FACTORY (e.g. "
-                         f"treefx.debug.examples:qwen3_tiny), got {spec!r}")
+        raise CLIError(f"expected MODULE:FACTORY (e.g. treefx.debug.examples:qwen3_tiny) "
+                       f"or hf:MODEL_TYPE, got {spec!r}")
     if os.getcwd() not in sys.path and "" not in sys.path:
         sys.path.insert(0, os.getcwd())  # like python -m: modules of the current directory
     try:
         obj = importlib.import_module(mod_name)
     except ImportError as e:
-        raise SystemExit(f"treefx: cannot import {mod_name!r}: {e}") from None
+        raise CLIError(f"cannot import {mod_name!r}: {e}") from None
     for part in attr.split("."):
         if not hasattr(obj, part):
-            raise SystemExit(f"treefx: {mod_name} has no {attr!r}")
+            raise CLIError(f"{mod_name} has no {attr!r}")
         obj = getattr(obj, part)
     return obj
 
@@ -162,14 +277,13 @@ def _load_model(spec: str):
         try:
             return build_model(spec[3:])
         except Exception as e:  # noqa: BLE001 - any config failure is the user's answer
-            raise SystemExit(f"treefx: cannot build a tiny {spec[3:]!r} model: "
-                             f"{type(e).__name__}: {e}") from None
+            raise CLIError(f"cannot build a tiny {spec[3:]!r} model: "
+                           f"{type(e).__name__}: {e}") from None
     factory = _load_factory(spec)
     model = factory() if callable(factory) and not isinstance(factory, torch.nn.Module) \
         else factory
     if not isinstance(model, torch.nn.Module):
-        raise SystemExit(f"treefx: {spec} returned a {type(model).__name__}, not a "
-                         "torch.nn.Module")
+        raise CLIError(f"{spec} returned a {type(model).__name__}, not a torch.nn.Module")
     return model
 
 
@@ -181,13 +295,11 @@ def cmd_explain(args) -> int:
     from .layout import pack
     from .reference import vocab_size
 
+    _output_file(args.html, "--html")
     model = _load_model(args.factory)
     if args.trees:
-        trees = list(_iter_trees_with_progress(args.trees, None))
-        if args.num_trees is not None:
-            trees = trees[:args.num_trees]
-        if not trees:
-            raise SystemExit(f"treefx: {args.trees} holds no trees")
+        trees = _read_trees(args.trees, args.num_trees)
+        _check_vocabulary(model, trees, args.trees)
     else:
         vocab = vocab_size(model) or 256
         trees = [demo_tree(vocab)]
@@ -212,6 +324,8 @@ def cmd_check(args) -> int:
     from .tree_model import verify
     from .verification import VerificationUnavailable
 
+    if args.trees:
+        _input_file(args.trees)  # before building the model
     model = _load_model(args.model)
     dtype = {"float32": torch.float32, "float64": torch.float64,
              "bfloat16": torch.bfloat16}[args.dtype]
@@ -221,13 +335,13 @@ def cmd_check(args) -> int:
         enable = getattr(model, "activation_checkpointing_enable", None) or getattr(
             model, "gradient_checkpointing_enable", None)
         if enable is None:
-            raise SystemExit("treefx: --checkpointing needs a Hugging Face model "
-                             "(gradient_checkpointing_enable)")
+            raise CLIError("--checkpointing needs a Hugging Face model "
+                           "(gradient_checkpointing_enable)")
         enable()
         model.train()
-    trees = list(_iter_trees_with_progress(args.trees, None)) if args.trees else None
-    if trees is not None and not trees:
-        raise SystemExit(f"treefx: {args.trees} holds no trees")
+    trees = _read_trees(args.trees, args.num_trees) if args.trees else None
+    if trees is not None:
+        _check_vocabulary(model, trees, args.trees)
     with _Verbose(args.verbose):
         try:
             tm = tree_compile(model, backend=args.backend, verify=False)
@@ -244,62 +358,88 @@ def cmd_check(args) -> int:
 
 
 def cmd_draw(args) -> int:
-    from .debug import draw
+    from .debug.pictures import draw, picture_part
 
-    trees = list(_iter_trees_with_progress(args.file, None))
-    if not trees:
-        raise SystemExit(f"treefx: {args.file} holds no trees")
+    if os.path.splitext(args.output)[1].lower() not in (".png", ".svg"):
+        raise CLIError(f"-o {args.output}: cannot draw to it; use a .png or .svg file name")
+    _output_file(args.output, "-o")
+    trees = _read_trees(args.file)
     if not -len(trees) <= args.index < len(trees):
-        raise SystemExit(f"treefx: --index {args.index} is out of range; {args.file} holds "
-                         f"{len(trees)} trees")
-    try:
-        draw(trees[args.index], args.output, max_mask=args.max_mask)
-    except ValueError as e:
-        raise SystemExit(f"treefx: {e}") from None
-    print(f"wrote {args.output}")
+        raise CLIError(f"--index {args.index} is out of range; {args.file} holds "
+                       f"{len(trees)} trees")
+    tree = trees[args.index]
+    part = picture_part(tree, max_leaves=args.max_leaves)
+    draw(tree, args.output, max_mask=args.max_mask, max_leaves=args.max_leaves)
+    if part.capped:
+        print(f"wrote {args.output}: {part.note()}; the whole tree is more than "
+              f"{args.max_leaves} leaves across or {MAX_DEPTH} nodes deep (--max-leaves)")
+    else:
+        print(f"wrote {args.output}")
     return 0
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="treefx", description=__doc__)
-    sub = p.add_subparsers(dest="command", required=True)
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="treefx", description=__doc__.split("\n\n")[0],
+                epilog="treefx COMMAND --help: that command's options.")
+    p.add_argument("--version", action="version", version=f"treefx {__version__}",
+                   help="print treefx's version and exit")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    d = sub.add_parser("demo", help="train a small decoder on synthetic agent trees, checking "
-                       "the tree loss against per-sequence training")
-    d.add_argument("--steps", type=int, default=5)
-    d.add_argument("--seed", type=int, default=0)
+    def command(name: str, summary: str, details: str = ""):
+        """A command: ``summary`` in the top-level list, and first in its own --help."""
+        return sub.add_parser(name, help=summary,
+                              description=f"{summary[0].upper()}{summary[1:]}. {details}".strip())
+    seed_help = "random seed (an integer from 0; default %(default)s)"
+
+    d = command("demo", "train a small decoder on synthetic agent trees, checking "
+                "the tree loss against per-sequence training")
+    d.add_argument("--steps", type=_int_at_least(1), default=5,
+                   help="training steps, one synthetic tree each (default %(default)s)")
+    d.add_argument("--seed", type=_int_at_least(0), default=0, help=seed_help)
     d.set_defaults(fn=cmd_demo)
 
-    s = sub.add_parser("stats", help="sequences, unique and baseline tokens, POR per tree")
+    s = command("stats", "sequences, unique and baseline tokens, POR per tree (or "
+                "per task)")
     s.add_argument("file", help="JSON Lines, one tree a line")
-    s.add_argument("--max-tokens", type=int, help="also partition each tree under this budget")
+    s.add_argument("--max-tokens", type=_int_at_least(1),
+                   help="also partition each tree under this token budget (parts, ERR)")
     s.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="progress bar (default: on a terminal, for files from 1 MiB)")
     s.set_defaults(fn=cmd_stats)
 
-    g = sub.add_parser("synth", help="write synthetic agent trees as JSON Lines")
-    g.add_argument("-o", "--output", required=True)
-    g.add_argument("-n", type=int, default=10)
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--rollouts", type=int, default=4)
-    g.add_argument("--target-por", type=float)
-    g.add_argument("--vocab-size", type=int, default=32000)
+    g = command("synth", "write synthetic agent trees as JSON Lines")
+    g.add_argument("-o", "--output", required=True, metavar="FILE.jsonl",
+                   help="file to write (its folder must exist)")
+    g.add_argument("-n", type=_int_at_least(1), default=10,
+                   help="number of trees (default %(default)s)")
+    g.add_argument("--seed", type=_int_at_least(0), default=0,
+                   help="seed of the first tree; tree i has seed + i (default %(default)s)")
+    g.add_argument("--rollouts", type=_int_at_least(1), default=4,
+                   help="rollouts of one prompt per tree, a GRPO group (default %(default)s)")
+    g.add_argument("--target-por", type=_por, metavar="POR",
+                   help="scale the shared prompt until each tree's POR is within 0.01 of this "
+                        "(in [0, 1); an error if the tree's shape cannot reach it)")
+    g.add_argument("--vocab-size", type=_int_at_least(2), default=SYNTH_VOCAB,
+                   help="token ids are below this (default %(default)s: fits every built-in "
+                        "model, hf:TYPE and treefx.debug.examples)")
     g.add_argument("--mask-outputs", action="store_true",
                    help="loss masks cover only what each call generated")
     g.set_defaults(fn=cmd_synth)
 
-    x = sub.add_parser("explain", help="show what treefx does to a model: rewrites, nodes left "
-                       "alone, graph breaks, the graph diff; writes an HTML page")
+    x = command("explain", "show what treefx does to a model: rewrites, nodes left "
+                "alone, graph breaks, the graph diff; writes an HTML page")
     x.add_argument("factory", metavar="MODEL",
                    help="MODULE:FACTORY, a zero-argument callable returning the "
                         "torch.nn.Module (e.g. treefx.debug.examples:qwen3_tiny), or "
                         "hf:MODEL_TYPE (a tiny Hugging Face model, random weights)")
     x.add_argument("--trees", metavar="FILE.jsonl",
                    help="trees to pack (default: a small synthetic agent tree)")
-    x.add_argument("-n", "--num-trees", type=int, help="only the first N trees of --trees")
-    x.add_argument("--html", default="treefx-explain.html", help="page to write "
-                   "(default: %(default)s)")
-    x.add_argument("--backend", default="eager", choices=["eager", "inductor", "auto"])
+    x.add_argument("-n", "--num-trees", type=_int_at_least(1),
+                   help="only the first N trees of --trees")
+    x.add_argument("--html", default="treefx-explain.html", metavar="FILE.html",
+                   help="page to write (default: %(default)s)")
+    x.add_argument("--backend", default="eager", choices=["eager", "inductor", "auto"],
+                   help="backend to compile with (default %(default)s)")
     x.add_argument("--diff", action="store_true", help="also print the unified graph diff")
     x.add_argument("--verify", action=argparse.BooleanOptionalAction, default=None,
                    help="also compare with each sequence run alone (default: on, unless "
@@ -308,37 +448,63 @@ def main(argv=None) -> int:
                    help="log what the passes do (-vv: every node)")
     x.set_defaults(fn=cmd_explain)
 
-    c = sub.add_parser("check", help="compile a model for trees and compare it with the "
-                       "unmodified model on each sequence alone (log-probs and gradients)",
-                       description="Exit status: 0 exact within the dtype's tolerance, 1 "
-                       "different (treefx would train it wrongly), 2 refused by treefx (an "
-                       "error names the node), 3 not comparable (random ops in the graph).")
+    c = command("check", "compile a model for trees and compare it with the unmodified model "
+                "on each sequence alone (log-probs and gradients)",
+                "Exit status: 0 exact within the dtype's tolerance, 1 different (treefx would "
+                "train it wrongly), 2 refused by treefx (an error names the node) or a bad "
+                "argument, 3 not comparable (random ops in the graph).")
     c.add_argument("model", metavar="MODEL",
                    help="hf:MODEL_TYPE (a tiny Hugging Face model of that type, random "
                         "weights, e.g. hf:qwen3) or MODULE:FACTORY (a zero-argument callable "
                         "returning the torch.nn.Module)")
     c.add_argument("--trees", metavar="FILE.jsonl",
                    help="trees to compare on (default: treefx's probe forest)")
-    c.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16"])
+    c.add_argument("-n", "--num-trees", type=_int_at_least(1),
+                   help="only the first N trees of --trees")
+    c.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16"],
+                   help="the model's dtype (default %(default)s)")
     c.add_argument("--device", help="cpu or cuda (default: cuda when available)")
-    c.add_argument("--backend", default="auto", choices=["eager", "inductor", "auto"])
+    c.add_argument("--backend", default="auto", choices=["eager", "inductor", "auto"],
+                   help="backend to compile with (default %(default)s: inductor on CUDA, eager "
+                        "elsewhere)")
     c.add_argument("--params", default="auto", choices=["auto", "all", "sample"],
                    help="parameters whose gradients are compared (default: all up to 100M)")
     c.add_argument("--checkpointing", action="store_true",
                    help="HF gradient checkpointing on, train mode")
-    c.add_argument("-v", "--verbose", action="count", default=0)
+    c.add_argument("-v", "--verbose", action="count", default=0,
+                   help="log what the passes do (-vv: every node)")
     c.set_defaults(fn=cmd_check)
 
-    w = sub.add_parser("draw", help="draw a tree and its attention mask (.png or .svg)")
+    w = command("draw", "draw a tree and its attention mask (.png or .svg)")
     w.add_argument("file", help="JSON Lines, one tree a line")
-    w.add_argument("-o", "--output", required=True, help="tree.png or tree.svg")
-    w.add_argument("--index", type=int, default=0, help="which tree of the file (default 0)")
-    w.add_argument("--max-mask", type=int, default=512,
-                   help="largest mask picture side; bigger masks are OR-pooled over blocks")
+    w.add_argument("-o", "--output", required=True, metavar="FILE",
+                   help="tree.png or tree.svg (its folder must exist)")
+    w.add_argument("--index", type=int, default=0, help="which tree of the file (default 0; "
+                   "negative counts from the end)")
+    w.add_argument("--max-mask", type=_int_at_least(1), default=512,
+                   help="largest mask picture side in pixels; bigger masks are OR-pooled over "
+                        "blocks (default %(default)s)")
+    w.add_argument("--max-leaves", type=_int_at_least(1), default=MAX_LEAVES,
+                   help="a tree more than this many leaves across (or more than "
+                        f"{MAX_DEPTH} nodes deep) is drawn from its first sequences, and the "
+                        "picture says so (default %(default)s)")
     w.set_defaults(fn=cmd_draw)
+    for parser in (d, s, g, x, c, w):
+        parser.set_defaults(parser=parser)
+    return p
 
-    args = p.parse_args(argv)
-    return args.fn(args)
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except CLIError as e:
+        print(f"{args.parser.prog}: error: {e}", file=sys.stderr)
+        raise
+    except OSError as e:  # a file that cannot be read or written
+        what = f"{e.filename}: {e.strerror}" if e.filename and e.strerror else str(e)
+        print(f"{args.parser.prog}: error: {what}", file=sys.stderr)
+        raise CLIError(what) from None
 
 
 if __name__ == "__main__":

@@ -24,16 +24,26 @@ from ..mask import pooled_mask
 from ..tree import Tree
 
 __all__ = [
+    "MAX_DEPTH",
+    "MAX_LEAVES",
+    "PicturePart",
     "TreeLayout",
     "draw",
     "layout_tree",
     "mask_png",
     "mask_svg",
+    "picture_part",
     "png_bytes",
     "pooled_mask",
     "tree_png",
     "tree_svg",
 ]
+
+# What a person can read: at most MAX_LEAVES leaves across (50 pixels each) and MAX_DEPTH nodes
+# deep (56 pixels each). A larger tree is drawn from its first sequences, and the picture says so
+# (an agent tree of 376 sequences was 19,376 pixels wide in full).
+MAX_LEAVES = 40
+MAX_DEPTH = 40
 
 # Colours: shared nodes (several sequences through them) and unique ones; one hue per tree.
 _SHARED = (47, 111, 186)
@@ -195,15 +205,17 @@ def layout_tree(batch) -> TreeLayout:
                       int(depth.max()) + 1 if m else 0)
 
 
-def tree_svg(batch, *, slot: int = 50, layer: int = 58, max_width: int | None = None) -> str:
+def tree_svg(batch, *, slot: int = 50, layer: int = 58, max_width: int | None = None,
+             note: str | None = None) -> str:
     """SVG of the tree(s): one box a node, labelled with its token count and ``×k``, the number
-    of sequences through it (what per-sequence training would compute k times)."""
+    of sequences through it (what per-sequence training would compute k times). ``note``: a
+    line under the title (what part of a larger tree this is)."""
     batch = _as_batch(batch)
     L = layout_tree(batch)
     bw, bh = slot - 8, 34
-    pad, top = 12, 44
+    pad, top = 12, 44 + (16 if note else 0)
     w = int(L.num_slots * slot + 2 * pad)
-    w = max(w, 600)
+    w = max(w, 600, 7 * len(note or "") + 2 * pad)
     h = int(L.num_layers * layer + top + pad)
     trees = len(batch.trees)
     title = (f"{trees} tree{'s' if trees != 1 else ''}, {len(L.parent)} nodes, "
@@ -217,6 +229,9 @@ def tree_svg(batch, *, slot: int = 50, layer: int = 58, max_width: int | None = 
         f'<text x="{pad}" y="32" font-size="11" fill="#555">box: tokens in the node · ×k: '
         f'sequences through it (computed once here, k times one sequence at a time)</text>',
     ]
+    if note:
+        out.append(f'<text x="{pad}" y="48" font-size="12" font-weight="bold" fill="#b03030">'
+                   f'{html.escape(note)}</text>')
 
     def cx(i):
         return pad + L.x[i] * slot + slot / 2
@@ -332,11 +347,12 @@ def _tree_raster(c: _Canvas, L: TreeLayout, x_off: int, y_off: int, slot: int, l
                    (255, 255, 255) if k == 0 else (225, 232, 240), scale)
 
 
-def tree_png(batch, *, mask: bool = True, max_mask: int = 512) -> bytes:
-    """PNG of the tree (and, with ``mask``, its attention mask to the right)."""
+def tree_png(batch, *, mask: bool = True, max_mask: int = 512, note: str | None = None) -> bytes:
+    """PNG of the tree (and, with ``mask``, its attention mask to the right). ``note``: a line
+    under the title (what part of a larger tree this is)."""
     batch = _as_batch(batch)
     L = layout_tree(batch)
-    slot, layer, pad, top = 50, 56, 16, 52
+    slot, layer, pad, top = 50, 56, 16, 52 + (16 if note else 0)
     tw = int(L.num_slots * slot)
     th = int(L.num_layers * layer)
     mimg = None
@@ -345,13 +361,16 @@ def tree_png(batch, *, mask: bool = True, max_mask: int = 512) -> bytes:
         f = max(1, min(8, 384 // max(1, len(mimg))))
         mimg = mimg.repeat(f, 0).repeat(f, 1)
     mw = mimg.shape[1] + 2 * pad if mimg is not None else 0
-    W = max(tw + 2 * pad + mw, 420)
+    title = (f"{len(batch.trees)} TREE(S), {len(L.parent)} NODES, "
+             f"{batch.num_real_tokens} TOKENS, {batch.num_sequences} SEQUENCES")
+    W = max(tw + 2 * pad + mw, 420, _Canvas.text_width(title) + 2 * pad,
+            _Canvas.text_width(note or "") + 2 * pad)
     H = max(th, mimg.shape[0] + 14 if mimg is not None else 0) + top + pad
     c = _Canvas(W, H)
-    c.text(pad, 10, f"{len(batch.trees)} TREE(S), {len(L.parent)} NODES, "
-                    f"{batch.num_real_tokens} TOKENS, {batch.num_sequences} SEQUENCES",
-           (0, 0, 0), 2)
+    c.text(pad, 10, title, (0, 0, 0), 2)
     c.text(pad, 30, "BOX: TOKENS   XK: SEQUENCES THROUGH THE NODE", (85, 85, 85), 1)
+    if note:
+        c.text(pad, 42, note.upper(), (176, 48, 48), 2)
     _tree_raster(c, L, pad, top, slot, layer)
     if mimg is not None:
         x0 = W - mw + pad
@@ -365,18 +384,101 @@ def tree_png(batch, *, mask: bool = True, max_mask: int = 512) -> bytes:
 
 # ---------------------------------------------------------------------------------------- draw
 
-def draw(trees, path: str | os.PathLike, *, max_mask: int = 512) -> str:
+@dataclass
+class PicturePart:
+    """The part of a forest that a picture shows: its first ``sequences`` sequences (all of
+    them unless the whole is too large to read)."""
+
+    trees: list  # the forest drawn (sub-trees of the first sequences when capped)
+    sequences: int
+    total_sequences: int
+    tokens: int
+    total_tokens: int
+
+    @property
+    def capped(self) -> bool:
+        return self.sequences < self.total_sequences
+
+    def note(self) -> str:
+        return (f"showing the first {self.sequences} of {self.total_sequences} sequences "
+                f"({self.tokens} of {self.total_tokens} tokens)")
+
+
+def _extent(trees) -> tuple[int, int]:
+    """(leaf slots across, nodes deep) of the picture of a forest, as :func:`layout_tree`
+    lays it out (half a slot between trees)."""
+    leaves, depth = 0, 0
+    for t in trees:
+        parents = np.asarray(t.parents)
+        inner = np.zeros(len(parents), bool)
+        inner[parents[parents >= 0]] = True
+        leaves += int((~inner).sum())
+        d = np.zeros(len(parents), np.int64)
+        for i, p in enumerate(parents.tolist()):  # parents come before their children
+            if p >= 0:
+                d[i] = d[p] + 1
+        depth = max(depth, int(d.max()) + 1 if len(d) else 0)
+    return math.ceil(leaves + 0.5 * (len(trees) - 1)), depth
+
+
+def picture_part(trees, *, max_leaves: int = MAX_LEAVES, max_depth: int = MAX_DEPTH
+                 ) -> PicturePart:
+    """The first sequences of ``trees`` (a Tree, a list of Trees or a TreeBatch, in order) whose
+    picture is at most ``max_leaves`` leaves across and ``max_depth`` nodes deep: all of them
+    when the whole fits. At least one sequence."""
+    if max_leaves < 1 or max_depth < 1:
+        raise ValueError(f"max_leaves and max_depth must be at least 1, got {max_leaves} and "
+                         f"{max_depth}")
+    forest = list(trees.trees) if isinstance(trees, TreeBatch) else (
+        [trees] if isinstance(trees, Tree) else list(trees))
+    total = sum(t.num_sequences for t in forest)
+    total_tokens = sum(t.num_tokens for t in forest)
+
+    def first(k: int) -> list[Tree]:
+        out = []
+        for t in forest:
+            if k <= 0:
+                break
+            out.append(t if k >= t.num_sequences else t.subtree(range(k)))
+            k -= t.num_sequences
+        return out
+
+    def fits(k: int) -> bool:
+        leaves, depth = _extent(first(k))
+        return leaves <= max_leaves and depth <= max_depth
+
+    if fits(total):
+        return PicturePart(forest, total, total, total_tokens, total_tokens)
+    lo, hi = 1, total  # fits(lo) or lo == 1; not fits(hi). Sequences only add leaves and depth
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    part = first(lo)
+    return PicturePart(part, lo, total, sum(t.num_tokens for t in part), total_tokens)
+
+
+def draw(trees, path: str | os.PathLike, *, max_mask: int = 512, max_leaves: int = MAX_LEAVES,
+         max_depth: int = MAX_DEPTH) -> str:
     """Draw a tree (or a forest, or a packed batch) and its attention mask to ``path``: ``.png``
-    (raster) or ``.svg`` (vector tree, bitmap mask inline). Returns the path."""
-    batch = _as_batch(trees)
+    (raster) or ``.svg`` (vector tree, bitmap mask inline). Returns the path.
+
+    A forest more than ``max_leaves`` leaves across or ``max_depth`` nodes deep is drawn from
+    its first sequences (:func:`picture_part`), tree and mask, and the picture says so."""
     path = os.fspath(path)
     ext = os.path.splitext(path)[1].lower()
+    if ext not in (".png", ".svg"):
+        raise ValueError(f"cannot draw to {path!r}: use a .png or .svg file name")
+    if max_mask < 1:
+        raise ValueError(f"max_mask must be at least 1, got {max_mask}")
+    part = picture_part(trees, max_leaves=max_leaves, max_depth=max_depth)
+    batch = pack(part.trees) if part.capped else _as_batch(trees)
+    note = part.note() if part.capped else None
     if ext == ".png":
-        data = tree_png(batch, max_mask=max_mask)
+        data = tree_png(batch, max_mask=max_mask, note=note)
         with open(path, "wb") as f:
             f.write(data)
-    elif ext == ".svg":
-        t = tree_svg(batch)
+    else:
+        t = tree_svg(batch, note=note)
         m = mask_svg(batch, max_size=max_mask)
         tw, th = _svg_size(t)
         mw, mh = _svg_size(m)
@@ -388,8 +490,6 @@ def draw(trees, path: str | os.PathLike, *, max_mask: int = 512) -> str:
                 f'<g>{_inner(t)}</g><g transform="translate({tw + gap} 0)">{_inner(m)}</g></svg>')
         with open(path, "w", encoding="utf-8") as f:
             f.write(body)
-    else:
-        raise ValueError(f"cannot draw to {path!r}: use a .png or .svg file name")
     return path
 
 
