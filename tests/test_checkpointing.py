@@ -88,7 +88,7 @@ def test_hf_hybrid_gradient_checkpointing_is_exact(use_reentrant):
     model = hf_checkpointed("qwen3_next", use_reentrant)
     tm = treefx.compile(model, backend="eager")
     # Hugging Face's Gated DeltaNet computes in float32 and its chunked kernel rounds
-    # differently at other chunk boundaries: the oracle's own floor (ARCHITECTURE.md).
+    # differently at other chunk boundaries: the oracle's own floor (docs/ARCHITECTURE.md).
     check(tm, odd_forest(2, VOCAB), Tolerance(logprob=1e-4, grad=1e-3))
     (ctx,) = tm.contexts
     assert rewritten_in_bodies(ctx, "ssm") == 2  # the conv and the recurrence, inside a body

@@ -1,4 +1,4 @@
-"""The passes and the order they run in (see ARCHITECTURE.md, "The compiler")."""
+"""The passes and the order they run in (see docs/ARCHITECTURE.md, "The compiler")."""
 
 from __future__ import annotations
 
