@@ -7,10 +7,10 @@ import subprocess
 import sys
 
 
-def _modules_after(code: str) -> list[str]:
-    """The transformers modules loaded after running ``code`` in a fresh interpreter."""
+def _modules_after(code: str, package: str = "transformers") -> list[str]:
+    """The modules of ``package`` loaded after running ``code`` in a fresh interpreter."""
     probe = code + "\nimport json, sys\nprint(json.dumps(sorted(m for m in sys.modules " \
-        "if m == 'transformers' or m.startswith('transformers.'))))"
+        f"if m == {package!r} or m.startswith({package + '.'!r}))))"
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0, out.stderr
@@ -21,6 +21,14 @@ def test_import_treefx_does_not_import_transformers():
     # The recurrence registry used to import transformers' modeling modules at import (~4 s);
     # it registers Hugging Face's kernels on first capture now (treefx.kernels._ensure_builtins).
     assert _modules_after("import treefx, treefx.cli") == []
+
+
+def test_import_treefx_does_not_import_dynamo_or_inductor():
+    # torch._dynamo and torch._inductor take about 2 s to import (a module-level
+    # torch._dynamo.allow_in_graph(...) is enough to load them): the command line's stats,
+    # synth and draw never compile. Load them in the function that compiles.
+    for package in ("torch._dynamo", "torch._inductor"):
+        assert _modules_after("import treefx, treefx.cli", package) == [], package
 
 
 def test_compiling_a_torch_model_does_not_import_transformers():
