@@ -241,6 +241,16 @@ class TreeFlexAttention:
         return tree & self.model_mask(b, h, positions[q_idx], positions[kv_idx], *bufs)
 
     def __call__(self, q, k, v, kv_num, kv_idx, full_num, full_idx, se_pad, pos_pad, *bufs):
+        if not q.dtype == k.dtype == v.dtype:
+            # Scores in a wider dtype than the values (GPT-Neo upcasts q and k): FlexAttention
+            # takes one dtype, so all three go to the widest; the output is the values' dtype,
+            # as ``softmax(...).to(v.dtype) @ v`` gives.
+            wide = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
+            out = self(q.to(wide), k.to(wide), v.to(wide), kv_num, kv_idx, full_num, full_idx,
+                       se_pad, pos_pad, *bufs)
+            if self.return_lse:
+                return out[0].to(v.dtype), out[1]
+            return out.to(v.dtype)
         n = q.shape[-2]
         if q.shape[1] % k.shape[1] or k.shape[1] != v.shape[1]:
             raise ValueError(f"{self.__name__}: {q.shape[1]} query heads cannot share "

@@ -184,6 +184,8 @@ def _eager_site(softmax: fx.Node) -> _Site | None:
         elif is_call(user, *_DROPOUT):
             _check_dropout(softmax, arg(user, 1, "p", 0.5), arg(user, 2, "training", True))
             cur = user
+        elif _same_shape_view(user):
+            cur = user
         elif _drops_last_column(user) and not drop_last:
             drop_last = True
             cur = user
@@ -244,10 +246,24 @@ def _simple_site(softmax: fx.Node, out: fx.Node, v: fx.Node) -> _Site:
 # Elementwise ops a model may apply to its scores before the softmax.
 _POINTWISE = (torch.mul, operator.mul, torch.div, operator.truediv, torch.add, operator.add,
               torch.sub, operator.sub, torch.neg, operator.neg, torch.tanh, torch.sigmoid,
-              torch.clamp, torch.clip, torch.where, torch.masked_fill, F.tanh, F.sigmoid)
+              torch.clamp, torch.clip, torch.where, torch.masked_fill, F.tanh, F.sigmoid,
+              operator.imul, operator.itruediv, operator.iadd, operator.isub)
+# ``x *= c`` on the scores (Falcon): replayed out of place, on the op's own copy of the scores
+# (a chain op has one user, so nothing else sees the update).
+_OUT_OF_PLACE = {operator.imul: operator.mul, operator.itruediv: operator.truediv,
+                 operator.iadd: operator.add, operator.isub: operator.sub}
 _POINTWISE_METHODS = ("mul", "div", "add", "sub", "neg", "tanh", "sigmoid", "clamp", "clip",
                       "clamp_min", "clamp_max", "masked_fill", *_CASTS)
 _MAX = (torch.max, torch.amax)
+
+
+def _same_shape_view(node: fx.Node) -> bool:
+    """``x.view(shape of x)`` (Falcon views its attention weights to the shape they have)."""
+    if not is_call(node, torch.reshape, methods=("view", "reshape")):
+        return False
+    a, b = example(node.args[0]), example(node)
+    return (a is not None and b is not None and a.dim() == b.dim()
+            and all(same_size(x, y) for x, y in zip(a.shape, b.shape)))
 
 
 def _drops_last_column(node: fx.Node) -> bool:
@@ -290,6 +306,8 @@ def _score_source(node, memo: dict) -> fx.Node | None:
         memo[node] = None  # cycles cannot happen in a DAG, but keep the walk bounded
         if is_call(node, *_MATMUL, methods=("matmul",)):
             memo[node] = node
+        elif _same_shape_view(node):
+            memo[node] = _score_source(node.args[0], memo)
         elif is_call(node, *_POINTWISE, methods=_POINTWISE_METHODS):
             found = {_score_source(a, memo) for a in node.all_input_nodes} - {None}
             memo[node] = found.pop() if len(found) == 1 else None
@@ -370,7 +388,8 @@ def _sides(chain: list[fx.Node], scores: fx.Node) -> list[fx.Node]:
     on = {scores, *chain}
     out: list[fx.Node] = []
     for n in chain:
-        out.extend(a for a in n.all_input_nodes if a not in on and a not in out)
+        if not _same_shape_view(n):  # its sizes are not tensors the chain reads
+            out.extend(a for a in n.all_input_nodes if a not in on and a not in out)
     return out
 
 
@@ -381,7 +400,9 @@ def _chain_module(chain: list[fx.Node], scores: fx.Node, sides: list[fx.Node]):
     for i, side in enumerate(sides):
         env[side] = g.placeholder(f"side_{i}")
     for n in chain:
-        env[n] = g.node_copy(n, lambda a: env[a])
+        env[n] = env[n.args[0]] if _same_shape_view(n) else g.node_copy(n, lambda a: env[a])
+        if env[n].op == "call_function" and env[n].target in _OUT_OF_PLACE:
+            env[n].target = _OUT_OF_PLACE[env[n].target]
     g.output(env[chain[-1]] if chain else env[scores])
     return fx.GraphModule(torch.nn.Module(), g, class_name="ScoreChain")
 
@@ -638,14 +659,15 @@ def _constant_scale(chain: list[fx.Node]) -> tuple[float, list[fx.Node]]:
     return scale, chain[i:]
 
 
-_SCALINGS = (torch.mul, operator.mul, torch.div, operator.truediv)
+_SCALINGS = (torch.mul, operator.mul, torch.div, operator.truediv, operator.imul,
+             operator.itruediv)
 
 
 def _scale_step(node: fx.Node) -> tuple[float, bool, fx.Node] | None:
     """(constant, divides, scores) when ``node`` multiplies or divides the scores by a
     constant (``s * c``, ``c * s``, ``s / c``), else None."""
     a, b = node.args[:2]
-    is_div = node.target in (torch.div, operator.truediv, "div")
+    is_div = node.target in (torch.div, operator.truediv, operator.itruediv, "div")
     c, other = (_constant(b), a) if _constant(b) is not None else (_constant(a), b)
     if c is None or (is_div and other is not a):
         return None

@@ -39,7 +39,15 @@ class MaskLiftError(Exception):
     """The mask subgraph is not an elementwise function of index grids."""
 
 
+# Marks a node whose value is a table read at path positions by index grids (the positions
+# pass's gather of a table cut to the token count): a buffer of the mask, even when the model
+# computed it from an ``arange`` of the table's own length (MPT's ALiBi).
+TABLE = "treefx_table"
+
+
 def _is_index_source(ctx: GraphContext, node) -> bool:
+    if node.meta.get(TABLE):
+        return False
     return ctx.is_tree_input(node, "positions") or is_call(node, torch.arange)
 
 
@@ -310,8 +318,9 @@ def _snapshot(ctx: GraphContext, mask: fx.Node) -> tuple[LiftedMask, tuple[fx.No
         if not isinstance(n, fx.Node) or n in seen:
             return
         seen.add(n)
-        for a in n.all_input_nodes:
-            visit(ctx.resolve(a))
+        if not n.meta.get(TABLE):  # a table is read whole, however it was computed
+            for a in n.all_input_nodes:
+                visit(ctx.resolve(a))
         order.append(n)
 
     visit(mask)

@@ -1,0 +1,134 @@
+"""Position-dependent attention a model builds from tables and from the attention mask:
+GPT-Neo's local-attention table and MPT's ALiBi table, each cut to the token count; Falcon's
+ALiBi and Llama 4's chunked attention, both from a ``cumsum`` of the all-ones attention mask.
+The positions pass reads them at path positions (each query at its own prefix length), so the
+attention pass lifts them like any mask or bias built from index grids. Exact against the
+per-branch oracle on the eager backend (values and every gradient) and, forward only, on the
+FlexAttention path run eagerly."""
+
+from __future__ import annotations
+
+import pytest
+import sympy
+import torch
+from support import VOCAB, check_against_oracle
+from trees import check_forward, odd_forest
+
+import treefx
+from treefx.passes.positions import SymFn
+
+transformers = pytest.importorskip("transformers")
+
+# Windows and chunks of 3 and 4 positions: shorter than most of the probe sequences.
+CONFIGS = {
+    # Tables (GPT-Neo, MPT) longer than the trees: Dynamo traces the cut on the whole DFS row.
+    "gpt_neo": dict(hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64,
+                    attention_types=[[["global", "local"], 1]], window_size=3,
+                    max_position_embeddings=256),
+    "mpt": dict(d_model=32, n_heads=4, n_layers=2, expansion_ratio=2, max_seq_len=256),
+    "falcon": dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, alibi=True,
+                   new_decoder_architecture=False, multi_query=False),
+    "llama4_text": dict(hidden_size=32, intermediate_size=64, intermediate_size_mlp=64,
+                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                        head_dim=8, num_local_experts=2, attention_chunk_size=4,
+                        no_rope_layers=[1, 0], moe_layers=[1]),
+}
+# What the passes must have done for each (a note of the positions pass).
+NOTES = {"gpt_neo": "a table cut to the token count", "mpt": "a table cut to the token count",
+         "falcon": "cumsum of the all-ones attention mask",
+         "llama4_text": "cumsum of the all-ones attention mask"}
+
+
+def model_of(name: str, dtype=torch.float32, **overrides) -> torch.nn.Module:
+    cfg = transformers.AutoConfig.for_model(name, vocab_size=VOCAB,
+                                            **{**CONFIGS[name], **overrides})
+    cfg._attn_implementation = "eager"
+    for k in ("attn_pdrop", "resid_pdrop", "embed_dropout", "attention_dropout",
+              "hidden_dropout"):
+        if hasattr(cfg, k):
+            setattr(cfg, k, 0.0)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).to(dtype).eval()
+    with torch.no_grad():  # weights large enough that a bias or a window changes the output
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.2)
+    return model
+
+
+def positions_notes(tm) -> list[str]:
+    return [r.note for c in tm.contexts for r in c.log if r.pass_name == "positions"]
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_matches_oracle(name):
+    tm = treefx.compile(model_of(name), backend="eager")
+    check_against_oracle(tm, odd_forest(3, VOCAB))
+    assert NOTES[name] in positions_notes(tm)
+
+
+@pytest.mark.parametrize("name", ["gpt_neo", "mpt", "llama4_text"])
+def test_flex_forward_matches_oracle(name):
+    """The inductor backend's form, run eagerly (forward only: no FlexAttention backward on
+    the CPU): the window, the bias and the chunks evaluated per query and key position."""
+    tm = treefx.compile(model_of(name, torch.float64), backend="flex-eager", verify=False)
+    check_forward(tm, odd_forest(4, VOCAB), atol=1e-5, pad_to_multiple=16)
+
+
+@pytest.mark.parametrize("name,neutral", [("gpt_neo", dict(window_size=64)),
+                                          ("llama4_text", dict(attention_chunk_size=64))])
+def test_the_window_matters(name, neutral):
+    """Guard against a rewrite that drops the model's own mask: with a window (chunk) longer
+    than every sequence the outputs differ."""
+    trees = odd_forest(5, VOCAB)
+    outs = []
+    for model in (model_of(name), model_of(name, **neutral)):
+        tm = treefx.compile(model, backend="eager", verify=False)
+        with torch.no_grad():
+            outs.append(tm(treefx.pack(trees)).token_logprobs)
+    assert (outs[0] - outs[1]).abs().max() > 1e-2
+
+
+def test_alibi_matters():
+    """Guard: MPT without its ALiBi table (zeros in its place) gives other log-probs."""
+    trees = odd_forest(5, VOCAB)
+    outs = []
+    for alibi in (True, False):
+        model = model_of("mpt")
+        if not alibi:
+            table = model.transformer.build_mpt_alibi_tensor(4, 256)
+            model.transformer.build_mpt_alibi_tensor = lambda *a, **k: torch.zeros_like(table)
+        tm = treefx.compile(model, backend="eager", verify=False)
+        with torch.no_grad():
+            outs.append(tm(treefx.pack(trees)).token_logprobs)
+    assert (outs[0] - outs[1]).abs().max() > 1e-2
+
+
+def test_size_expression_at_prefix_lengths():
+    n = sympy.Symbol("s0", positive=True, integer=True)
+    lengths = torch.tensor([[1], [5], [300]])
+    f = SymFn(sympy.Max(0, 256 - n), n)
+    assert f(lengths).flatten().tolist() == [255, 251, 0]
+    assert SymFn(sympy.Integer(7), n)(lengths).flatten().tolist() == [7, 7, 7]
+
+
+class HalfTable(torch.nn.Module):
+    """Reads the second half of a table cut to the token count: not the ``start(N) + i`` form
+    of a per-token read (N - N // 2 entries), so it must stay refused."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(VOCAB, 8)
+        self.table = torch.nn.Buffer(torch.randn(64, 8))
+        self.head = torch.nn.Linear(8, VOCAB)
+
+    def forward(self, input_ids):
+        n = input_ids.shape[1]
+        x = self.emb(input_ids)
+        x = x + self.table[n // 2: n].mean(0)
+        return self.head(x)
+
+
+def test_other_cuts_stay_refused():
+    tm = treefx.compile(HalfTable(), backend="eager", verify=False)
+    with pytest.raises(treefx.TreeCompileError, match="token"):
+        tm(treefx.pack(odd_forest(0, VOCAB)))
