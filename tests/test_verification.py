@@ -218,9 +218,9 @@ def test_cli_check_passes_and_refuses(capsys):
     assert main(["check", "treefx.debug.examples:qwen3_tiny", "--backend", "eager",
                  "--dtype", "float64"]) == 0
     assert "treefx verify passed" in capsys.readouterr().out
-    # MPT's ALiBi bias, a table cut to the token count: refused with the node named -> 2
-    assert main(["check", "hf:mpt", "--backend", "eager"]) == 2
+    # attention written with einsum matches no pattern: refused with the node named -> 2
+    assert main(["check", "support:EinsumAttention", "--backend", "eager"]) == 2
     out = capsys.readouterr().out
-    assert "refused (TokenAxisError)" in out and "position_bias" in out
+    assert "refused (UnmatchedAttentionError)" in out and "att = .softmax(einsum" in out
     with pytest.raises(SystemExit, match="cannot build a tiny 'no_such_type'"):
         main(["check", "hf:no_such_type"])
