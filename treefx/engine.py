@@ -28,7 +28,7 @@ from .passes import GraphBreakError, GraphContext, TreeCompileError, run_passes
 from .passes.common import example, graph_code, module_path
 from .reference import output_vocab_size, vocab_size
 
-__all__ = ["TreeEngine", "check_batch", "make_traced", "tree_info"]
+__all__ = ["TreeEngine", "check_batch", "make_traced", "tree_info", "unwrap_compiled"]
 
 log = logging.getLogger("treefx")
 
@@ -155,6 +155,19 @@ def _install_output_hooks(model: torch.nn.Module) -> None:
         if flags and config is not None and any(getattr(config, f"output_{k}", False)
                                                 for k in flags):
             install(module)
+
+
+def unwrap_compiled(model):
+    """A model already wrapped in ``torch.compile`` (an ``OptimizedModule``): its original
+    module, ``model._orig_mod`` (same parameters), which treefx captures and compiles itself.
+    The wrapper's own compiled code would run the model untransformed, and its options (mode,
+    backend) do not apply to the tree graph. Anything else is returned as it is."""
+    while isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+        log.info("the model is wrapped in torch.compile: treefx compiles its original module "
+                 "(model._orig_mod, the same parameters) itself; the wrapper's options are not "
+                 "used")
+        model = model._orig_mod
+    return model
 
 
 def tree_info(batch: TreeBatch) -> torch.Tensor:

@@ -16,7 +16,7 @@ import functools
 
 import torch
 
-from .engine import TreeEngine, check_batch, make_traced, tree_info
+from .engine import TreeEngine, check_batch, make_traced, tree_info, unwrap_compiled
 from .layout import TreeBatch
 
 __all__ = ["step", "TreeStep"]
@@ -63,6 +63,7 @@ class TreeStep:
     def __call__(self, model: torch.nn.Module, batch, *args, **kwargs):
         if not isinstance(batch, TreeBatch):
             return self.fn(model, batch, *args, **kwargs)
+        model = unwrap_compiled(model)
         check_batch(model, batch)
         weights = torch.stack([batch.loss_weights_for("sum"), batch.loss_weights_for("mean")])
         weights = weights.to(torch.promote_types(weights.dtype, torch.float32))
@@ -84,7 +85,9 @@ def step(fn=None, *, backend: str = "auto", block_size: int = 128,
     sequence's own masked tokens. The sequences are averaged as :func:`treefx.pack` says
     (``(1/P) Σ_p ω_p · loss_p``, P the batch's sequence count or the global ``num_sequences``
     it was packed with). Pass ``batch["attention_mask"]`` to a Hugging Face model:
-    without it the model infers packed sequences from the positions. ``backend`` and
+    without it the model infers packed sequences from the positions. ``model`` may be a PEFT
+    model (LoRA, ...); one wrapped in ``torch.compile`` reaches ``fn`` as its original module
+    (``model._orig_mod``), which the step's own capture compiles. ``backend`` and
     ``kernel_options`` and ``interleave_heads`` as for :func:`treefx.compile`.
     """
     if fn is None:

@@ -11,9 +11,10 @@ from dataclasses import dataclass
 import torch
 
 from . import verification
-from .engine import TreeEngine, check_batch, make_traced, tree_info
+from .engine import TreeEngine, check_batch, make_traced, tree_info, unwrap_compiled
 from .layout import TreeBatch
 from .ops.cross_entropy import tree_token_logprobs, weighted_logprob_loss
+from .ops.logprobs import token_logprobs_site
 from .passes import GraphContext
 from .reference import logits_of
 
@@ -24,11 +25,11 @@ log = logging.getLogger("treefx")
 
 @dataclass
 class TreeOutput:
-    """``logits`` [1, N, V] in DFS order; ``token_logprobs`` [N] (float32, float64 for a
-    float64 model), entry t is log p(token t | its own sequence's prefix), 0 where t has no
-    predecessor."""
+    """``logits`` [1, N, V] in DFS order (None for a model compiled with ``logits=False``);
+    ``token_logprobs`` [N] (float32, float64 for a float64 model), entry t is
+    log p(token t | its own sequence's prefix), 0 where t has no predecessor."""
 
-    logits: torch.Tensor
+    logits: torch.Tensor | None
     token_logprobs: torch.Tensor
 
 
@@ -53,26 +54,35 @@ def _tree_forward_template(input_ids, tree_info):
     if opts["use_cache"]:  # noqa: F821
         kwargs["use_cache"] = False
     logits = logits_of(model(input_ids, **kwargs))  # noqa: F821
-    return logits, tree_token_logprobs(logits, input_ids, tree_info[1])
+    if opts["logits"]:  # noqa: F821
+        return logits, tree_token_logprobs(logits, input_ids, tree_info[1])
+    # One node the logprobs pass fuses with the output projection: no [N, vocab] logits.
+    return None, token_logprobs_site(logits, input_ids, tree_info[1])
 
 
 class TreeModel(torch.nn.Module):
     """A model compiled for trees: ``out = tm(batch)`` for a :class:`TreeBatch`.
 
     Holds the user's model as ``.model`` (same parameters: an optimizer built on the model keeps
-    working, and the model itself keeps working on ordinary batches). ``verify_on_first_call``:
+    working, and the model itself keeps working on ordinary batches); for a model wrapped in
+    ``torch.compile``, its original module. ``verify_on_first_call``:
     whether the next call first runs the probe check (see :func:`compile`'s ``verify``);
     ``verification``: its report once it ran (or why it could not).
     """
 
     def __init__(self, model: torch.nn.Module, backend: str = "auto", *, block_size: int = 128,
                  pass_position_ids: bool | None = None, kernel_options: dict | None = None,
-                 interleave_heads: bool | None = None, verify: bool | None = None):
+                 interleave_heads: bool | None = None, verify: bool | None = None,
+                 logits: bool = True, forward_signature=None):
         super().__init__()
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"treefx.compile expects a torch.nn.Module, got {type(model).__name__}")
+        if not isinstance(logits, bool):
+            raise TypeError(f"logits must be True or False, got {logits!r}")
+        model = unwrap_compiled(model)
+        _check_peft(model)
         self.model = model
-        params = inspect.signature(model.forward).parameters
+        params = _forward_parameters(model, forward_signature)
         takes_kwargs = any(p.kind is p.VAR_KEYWORD for p in params.values())
 
         def accepts(name):
@@ -91,6 +101,7 @@ class TreeModel(torch.nn.Module):
             else bool(pass_position_ids),
             "attention_mask": accepts("attention_mask"),
             "use_cache": accepts("use_cache"),
+            "logits": logits,
         }
         if opts["position_ids"] and not accepts("position_ids") and not takes_kwargs:
             raise ValueError("pass_position_ids=True but the model's forward has no position_ids")
@@ -103,6 +114,11 @@ class TreeModel(torch.nn.Module):
         if not isinstance(self.verify_on_first_call, bool):
             raise TypeError(f"verify must be True, False or None, got {verify!r}")
         self.verification = None  # the first call's VerificationReport (or why it was skipped)
+
+    @property
+    def returns_logits(self) -> bool:
+        """Whether calls return the logits (``treefx.compile(..., logits=True)``, the default)."""
+        return self.opts["logits"]
 
     @property
     def backend(self) -> str:
@@ -138,6 +154,53 @@ class TreeModel(torch.nn.Module):
             log.warning("%s", e)
 
 
+def _check_peft(model: torch.nn.Module) -> None:
+    """PEFT's prompt-learning methods put virtual tokens before every sequence (or a learned
+    key/value prefix into every layer): not a tree of the batch's tokens. Adapters that change
+    the weights (LoRA and its relatives) need nothing: they are ordinary modules."""
+    config = getattr(model, "active_peft_config", None)
+    if getattr(config, "is_prompt_learning", False):
+        kind = getattr(config, "peft_type", None)
+        raise TypeError(
+            f"treefx.compile: a PEFT {getattr(kind, 'value', kind) or 'prompt-learning'} model "
+            "adds virtual tokens (or a key/value prefix) to every sequence, which treefx does "
+            "not lay out on the tree; use a weight adapter (LoRA, ...) or train this model "
+            "per sequence")
+
+
+def _forward_parameters(model: torch.nn.Module, forward_signature=None) -> dict:
+    """The parameters of the forward treefx calls, by which it decides what to pass besides
+    ``input_ids`` (``attention_mask``, ``position_ids``, ``use_cache``).
+
+    A forward written ``(*args, **kwargs)`` names none: for PEFT's ``PeftModel`` they are its
+    base model's (``get_base_model()``, which it passes them to); for others,
+    ``forward_signature`` (a callable or an ``inspect.Signature``) says what they are."""
+    if forward_signature is not None:
+        sig = forward_signature if isinstance(forward_signature, inspect.Signature) \
+            else inspect.signature(forward_signature)
+        return dict(sig.parameters)
+    target = model
+    while True:
+        params = dict(inspect.signature(target.forward).parameters)
+        named = [p for p in params.values() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+        if named or not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+            return params
+        get_base = getattr(target, "get_base_model", None)  # PEFT's PeftModel
+        base = get_base() if callable(get_base) else None
+        if not isinstance(base, torch.nn.Module) or base is target:
+            break
+        log.info("%s.forward takes (*args, **kwargs): treefx passes the arguments its base "
+                 "model's forward (%s) takes", type(target).__name__, type(base).__name__)
+        target = base
+    raise TypeError(
+        f"treefx.compile: {type(target).__name__}.forward takes only (*args, **kwargs), so "
+        "treefx cannot tell whether it takes attention_mask, position_ids or use_cache (a "
+        "Hugging Face model needs attention_mask, or it reads the tree's positions as packed "
+        "documents). Say which with the forward it passes them to: "
+        "treefx.compile(model, forward_signature=model.<inner>.forward), or give the wrapper "
+        "a forward with named arguments")
+
+
 def verify_default() -> bool:
     """Whether compiled models verify themselves on their first call when ``verify`` is
     not given: yes, unless the environment variable ``TREEFX_VERIFY`` is ``0``."""
@@ -150,8 +213,15 @@ def verify_default() -> bool:
 def compile(model: torch.nn.Module, *, backend: str = "auto", block_size: int = 128,
             pass_position_ids: bool | None = None,
             kernel_options: dict | None = None, interleave_heads: bool | None = None,
-            verify: bool | None = None) -> TreeModel:
+            verify: bool | None = None, logits: bool = True,
+            forward_signature=None) -> TreeModel:
     """Compile ``model`` to run exactly on DFS-packed trees.
+
+    ``model``: a causal LM taking ``input_ids`` [1, N] first and returning logits (a tensor,
+    a tuple starting with them, or an object with ``.logits``): a Hugging Face model, a PEFT
+    model with LoRA-style adapters (``peft.get_peft_model``), or your own module. A model
+    already wrapped in ``torch.compile`` is unwrapped (``model._orig_mod``, the same
+    parameters; logged): treefx compiles it itself, the wrapper's options do not apply.
 
     ``backend``: ``"inductor"`` (CUDA: FlexAttention with the tree block mask and Inductor's
     fused kernels, forward and backward), ``"eager"`` (any device: SDPA with the dense tree
@@ -175,10 +245,21 @@ def compile(model: torch.nn.Module, *, backend: str = "auto", block_size: int = 
     random state are left as they were; skipped with a warning when the graph draws random
     numbers (dropout in training mode). ``None`` (default): on, unless the environment sets
     ``TREEFX_VERIFY=0``.
+    ``logits``: ``False`` returns only ``token_logprobs`` (``out.logits`` is None), computed
+    from the hidden states with the output projection fused into the log-softmax, in chunks of
+    tokens: the [N, vocab] logits are never built, with or without gradients (for old and
+    reference log-probs under ``torch.no_grad()`` and for ``treefx.rl`` objectives). Same
+    values and gradients as the default. A model whose logits are not a plain linear layer's
+    output (a final softcap, an adapter on the output layer) still builds them, with a warning.
+    ``forward_signature``: for a model whose forward is ``(*args, **kwargs)``, the callable
+    (or ``inspect.Signature``) whose parameters it accepts, usually the forward of the module it
+    passes them to: treefx passes ``attention_mask`` (all ones), ``position_ids`` and
+    ``use_cache=False`` by it as for a model with that forward. PEFT's ``PeftModel`` needs
+    none (its base model's forward is used); another such forward without it is an error.
     """
     return TreeModel(model, backend, block_size=block_size, pass_position_ids=pass_position_ids,
                      kernel_options=kernel_options, interleave_heads=interleave_heads,
-                     verify=verify)
+                     verify=verify, logits=logits, forward_signature=forward_signature)
 
 
 def verify(model, trees=None, **options) -> verification.VerificationReport:

@@ -13,6 +13,7 @@ from .common import (
     UnmatchedAttentionError,
 )
 from .dce import eliminate_dead_code
+from .logprobs import logprobs_pass
 from .loss import check_loss_found, loss_pass
 from .positions import positions_pass
 from .ssm import UnmatchedStateError, check_no_state_left, ssm_pass
@@ -41,6 +42,7 @@ PASSES = (
     ("attention", attention_pass),
     ("ssm", ssm_pass),
     ("loss", loss_pass),
+    ("logprobs", logprobs_pass),
 )
 
 

@@ -1,0 +1,168 @@
+"""Per-token log-probabilities on the tree from hidden states and the output projection, the
+[N, vocab] logits never materialized.
+
+``lp_t = z_t[y_t] − lse(z_t)`` with ``z_t = h[p_t] W^T + b``, ``p_t = parent_token[t]``
+(0 where t has no predecessor): what :func:`tree_token_logprobs` reads from materialized
+logits (the reference), computed here in chunks of tokens, each chunk's [C, V] logits dropped
+once its log-sum-exp and its labels' logits are read.
+
+Unlike the fused loss (:mod:`.cross_entropy`), whose upstream gradient is one scalar, the
+gradient of per-token log-probabilities is a vector known only in the backward (an RL
+objective's, per token). So the forward keeps each token's log-sum-exp ([N] floats) and the
+backward recomputes each chunk's logits once: ``d lp_t / d z_t = onehot(y_t) − softmax(z_t)``.
+Tokens whose upstream gradient is 0 (prompts, tool results: everything an objective does not
+train) are skipped in the backward, and the weight's and bias' gradients are computed only
+when they are wanted (a LoRA model's frozen output projection).
+
+``torch.library`` custom ops with a registered backward: opaque to Inductor (which would
+otherwise need the whole [N, V] tensor), traceable by AOTAutograd, any N. Peak memory: one
+chunk's [C, V] in float32 (float64 for float64 inputs) on top of the hidden states.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from . import cross_entropy as _ce
+from .cross_entropy import tree_token_logprobs
+
+__all__ = ["fused_linear_tree_logprobs", "linear_tree_logprobs_reference", "token_logprobs_site"]
+
+
+def _acc(h: torch.Tensor) -> torch.dtype:
+    return torch.promote_types(h.dtype, torch.float32)
+
+
+def _chunk(n_vocab: int) -> int:
+    # Read at call time: the chunk budget is cross_entropy's (one setting for both ops).
+    return max(1, _ce._CHUNK_ELEMENTS // max(n_vocab, 1))
+
+
+def _forward(h, weight, bias, ids, parent):
+    acc = _acc(h)
+    h2 = h.reshape(-1, h.shape[-1])
+    ids = ids.reshape(-1)
+    row = parent.clamp(min=0)
+    n = ids.shape[0]
+    lp = torch.zeros(n, dtype=acc, device=h.device)
+    lse = torch.zeros(n, dtype=acc, device=h.device)
+    step = _chunk(weight.shape[0])
+    for s in range(0, n, step):
+        e = min(s + step, n)
+        logits = F.linear(h2[row[s:e]], weight, bias).to(acc)
+        lse_c = torch.logsumexp(logits, dim=-1)
+        lse[s:e] = lse_c
+        lp[s:e] = logits.gather(1, ids[s:e, None])[:, 0] - lse_c
+    return torch.where(parent >= 0, lp, torch.zeros_like(lp)), lse
+
+
+def _backward(grad, h, weight, bias, ids, parent, lse, need_h: bool, need_weight: bool,
+              need_bias: bool):
+    acc = _acc(h)
+    h2 = h.reshape(-1, h.shape[-1])
+    ids = ids.reshape(-1)
+    g = torch.where(parent >= 0, grad.to(acc), torch.zeros_like(grad, dtype=acc))
+    dh = torch.zeros(h2.shape if need_h else (0,), dtype=acc, device=h.device)
+    dw = torch.zeros(weight.shape if need_weight else (0,), dtype=acc, device=h.device)
+    db = torch.zeros(weight.shape[0] if need_bias else 0, dtype=acc, device=h.device)
+    # Only the tokens an objective trains carry a gradient: the others' logits are not rebuilt.
+    tokens = torch.nonzero(g).reshape(-1)
+    step = _chunk(weight.shape[0])
+    for s in range(0, tokens.shape[0], step):
+        t = tokens[s:s + step]
+        rows = parent[t]
+        hc = h2[rows]
+        logits = F.linear(hc, weight, bias).to(acc)
+        gt = g[t]
+        d = torch.exp(logits - lse[t, None]) * -gt[:, None]
+        d.scatter_add_(1, ids[t, None], gt[:, None])
+        dc = d.to(weight.dtype)
+        if need_h:
+            dh.index_add_(0, rows, (dc @ weight).to(acc))
+        if need_weight:
+            dw += (dc.t() @ hc).to(acc)
+        if need_bias:
+            db += d.sum(0)
+    return (dh.to(h.dtype).reshape(h.shape) if need_h else dh.to(h.dtype),
+            dw.to(weight.dtype), db.to(weight.dtype))
+
+
+@torch.library.custom_op("treefx::linear_tree_logprobs", mutates_args=())
+def _linear_tree_logprobs(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                          ids: torch.Tensor, parent: torch.Tensor
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-probabilities [N], log-sum-exp [N], kept for the backward)."""
+    return _forward(h, weight, bias, ids, parent)
+
+
+@_linear_tree_logprobs.register_fake
+def _(h, weight, bias, ids, parent):
+    n = parent.shape[0]
+    return h.new_empty(n, dtype=_acc(h)), h.new_empty(n, dtype=_acc(h))
+
+
+@torch.library.custom_op("treefx::linear_tree_logprobs_backward", mutates_args=())
+def _linear_tree_logprobs_backward(grad: torch.Tensor, h: torch.Tensor, weight: torch.Tensor,
+                                   bias: torch.Tensor | None, ids: torch.Tensor,
+                                   parent: torch.Tensor, lse: torch.Tensor, need_h: bool,
+                                   need_weight: bool, need_bias: bool
+                                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(d/d h, d/d weight, d/d bias); each empty when not wanted."""
+    return _backward(grad, h, weight, bias, ids, parent, lse, need_h, need_weight, need_bias)
+
+
+@_linear_tree_logprobs_backward.register_fake
+def _(grad, h, weight, bias, ids, parent, lse, need_h, need_weight, need_bias):
+    return (torch.empty_like(h) if need_h else h.new_empty(0),
+            torch.empty_like(weight) if need_weight else weight.new_empty(0),
+            weight.new_empty(weight.shape[0] if need_bias else 0))
+
+
+def _setup(ctx, inputs, output):
+    h, weight, bias, ids, parent = inputs
+    ctx.has_bias = bias is not None
+    ctx.save_for_backward(h, weight, bias, ids, parent, output[1])
+
+
+def _grad(ctx, grad_lp, _grad_lse):
+    h, weight, bias, ids, parent, lse = ctx.saved_tensors
+    need_h, need_weight, need_bias = ctx.needs_input_grad[:3]
+    need_bias = bool(need_bias and ctx.has_bias)
+    dh, dw, db = _linear_tree_logprobs_backward(grad_lp, h, weight, bias, ids, parent, lse,
+                                                need_h, need_weight, need_bias)
+    return (dh if need_h else None, dw if need_weight else None, db if need_bias else None,
+            None, None)
+
+
+_linear_tree_logprobs.register_autograd(_grad, setup_context=_setup)
+
+
+def fused_linear_tree_logprobs(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                               input_ids: torch.Tensor, parent_token: torch.Tensor
+                               ) -> torch.Tensor:
+    """[N]: ``log softmax(h[parent_token[t]] W^T + b)[input_ids[t]]``, 0 where t has no
+    predecessor, from hidden states ``h`` [.., N, D] and the output projection ``weight``
+    [V, D] (``bias`` [V] or None), without materializing the logits; float32 (float64 for
+    float64 inputs). Differentiable in ``h``, ``weight`` and ``bias`` for any upstream
+    gradient [N]."""
+    return _linear_tree_logprobs(h, weight, bias, input_ids, parent_token)[0]
+
+
+def linear_tree_logprobs_reference(h, weight, bias, input_ids, parent_token):
+    """Plain autograd version (materializes the logits): the reference the fused op is tested
+    against."""
+    return tree_token_logprobs(F.linear(h, weight, bias), input_ids, parent_token)
+
+
+def token_logprobs_site(logits: torch.Tensor, input_ids: torch.Tensor,
+                        parent_token: torch.Tensor) -> torch.Tensor:
+    """Where a compiled model asked for log-probabilities only reads them from its logits: one
+    node in the captured graph (Dynamo does not trace into it), which the logprobs pass
+    (:mod:`treefx.passes.logprobs`) replaces by :func:`fused_linear_tree_logprobs` when the
+    logits are the output projection and feed nothing else, else by
+    :func:`tree_token_logprobs` on the logits."""
+    return tree_token_logprobs(logits, input_ids, parent_token)
+
+
+torch._dynamo.allow_in_graph(token_logprobs_site)
