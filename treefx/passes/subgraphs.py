@@ -12,11 +12,13 @@ checkpointed region recomputes nothing of the tree's masks in the backward.
 Every other higher-order op (``scan``, ``map``, ``while_loop``, ``associative_scan``, custom
 autograd functions, a model's own ``flex_attention``) runs its body some other way than once on
 its operands: whatever touches the tokens inside it cannot be rewritten, so one that sees a
-token axis stops compilation (:func:`check_opaque_ops`).
+token axis stops compilation (:func:`check_opaque_ops`), except a custom ``autograd.Function``
+that is elementwise in its forward and its backward (an activation written by hand).
 """
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 
 import torch
@@ -216,6 +218,54 @@ def opaque_ops(ctx: GraphContext):
             yield name, node
 
 
+_POINTWISE_FUNCS = {
+    operator.mul, operator.add, operator.sub, operator.truediv, operator.neg, operator.pow,
+    torch.mul, torch.add, torch.sub, torch.div, torch.neg, torch.pow, torch.tanh, torch.sigmoid,
+    torch.exp, torch.log, torch.erf, torch.sqrt, torch.rsqrt, torch.abs, torch.relu,
+    torch.nn.functional.gelu, torch.nn.functional.silu, torch.nn.functional.relu,
+    torch._C._set_grad_enabled,
+}
+_POINTWISE_METHODS = {"mul", "add", "sub", "div", "neg", "pow", "tanh", "sigmoid", "exp", "log",
+                      "sqrt", "rsqrt", "abs", "relu", "to", "float", "type_as"}
+
+
+def _pointwise_function(ctx: GraphContext, node: fx.Node) -> bool:
+    """A custom ``autograd.Function`` that is elementwise on same-shape tensors (Bloom's GeLU):
+    its forward and backward bodies use elementwise ops only, and every tensor its forward
+    takes and returns has one shape, so its backward's inputs (the output gradients and
+    saved forward values) do too. Such a function treats each token alone, like any
+    elementwise op on the row."""
+    bodies = []
+    for i in (0, 1):
+        attr = node.args[i] if len(node.args) > i else None
+        if not (isinstance(attr, fx.Node) and attr.op == "get_attr"):
+            return False
+        try:
+            bodies.append(_attr(ctx.gm, attr.target).graph)
+        except UnsupportedSubgraphError:
+            return False
+    for g in bodies:
+        for n in g.nodes:
+            if n.op in ("placeholder", "output"):
+                continue
+            if n.op == "call_function" and n.target in _POINTWISE_FUNCS:
+                continue
+            if n.op == "call_method" and n.target in _POINTWISE_METHODS:
+                continue
+            return False
+    fwd = bodies[0]
+    shapes = set()
+    for n in fwd.nodes:
+        if n.op == "output":
+            continue
+        v = example(n)
+        if isinstance(v, torch.Tensor):
+            shapes.add(tuple(str(s) for s in v.shape))
+        elif n.op == "placeholder" and not isinstance(v, (torch.SymInt, int)):
+            return False  # an input without a recorded value
+    return len(shapes) == 1
+
+
 _WHY = {
     "flex_attention": "the model calls flex_attention itself; treefx does not rewrite a "
                       "model's own flex_attention yet",
@@ -225,8 +275,9 @@ _WHY = {
             "through the tree",
     "while_loop": "a while_loop's body runs over the tokens some number of times",
     "map_impl": "a map runs its body over slices of the tokens",
-    "autograd_function_apply": "a custom autograd.Function's forward and backward are opaque "
-                               "to treefx (it cannot tell whether they mix tokens)",
+    "autograd_function_apply": "a custom autograd.Function whose forward and backward are not "
+                               "both elementwise on tensors of one shape is opaque to treefx "
+                               "(it cannot tell whether they mix tokens)",
 }
 
 
@@ -234,6 +285,8 @@ def check_opaque_ops(ctx: GraphContext) -> None:
     """A higher-order op treefx does not see into may only touch values without a token axis."""
     n = ctx.seq_len
     for name, node in opaque_ops(ctx):
+        if name == "autograd_function_apply" and _pointwise_function(ctx, node):
+            continue
         values = [example(a) for a in node.all_input_nodes] + [example(node)]
         flat = []
         for v in values:
