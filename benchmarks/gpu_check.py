@@ -391,7 +391,11 @@ def case_small_trees(res):
 # trainers use"): MLA + group-limited MoE, sinks + alternating windows, logit softcapping,
 # Gated DeltaNet + MoE, Mamba2 with a dt floor, Mamba v1, sinks as sigmoid(lse - sink).
 FAMILIES = ("deepseek_v3", "gpt_oss", "gemma2", "qwen3_5_moe", "nemotron_h", "granite_swa",
-            "mamba", "jamba")
+            "mamba", "jamba", "gpt_neo", "mpt", "falcon", "llama4_text")
+# Config changes on top of the zoo's tiny config: ALiBi on for Falcon; tables (GPT-Neo's local
+# attention, MPT's ALiBi) longer than the agent tree's whole row, which Dynamo traces the cut on.
+FAMILY_CONFIG = {"falcon": dict(alibi=True), "gpt_neo": dict(max_position_embeddings=4096),
+                 "mpt": dict(max_seq_len=4096)}
 
 
 def _family_trees(model) -> list:
@@ -423,7 +427,7 @@ def case_families(res):
         t0 = time.perf_counter()
         try:
             torch._dynamo.reset()
-            ref = zoo.build_model(mt).to(DEV)
+            ref = zoo.build_model(mt, **FAMILY_CONFIG.get(mt, {})).to(DEV)
             if mt in ("gemma2", "gpt_oss"):
                 # Hugging Face's SDPA path drops softcapping and sinks (transformers 5.17
                 # builds Gemma 2 with it by default): the eager form is the model.

@@ -417,12 +417,15 @@ def special_token_ids(cfg) -> set[int]:
 
 
 def build_model(model_type: str, dtype: torch.dtype = torch.float32, *,
-                checkpointing: bool = False) -> torch.nn.Module:
+                checkpointing: bool = False, **overrides) -> torch.nn.Module:
     """The tiny model, seeded, in ``dtype``; eval mode (train mode with gradient checkpointing
-    when ``checkpointing``: the config's dropout is 0, so train mode changes nothing else)."""
+    when ``checkpointing``: the config's dropout is 0, so train mode changes nothing else).
+    ``overrides``: config attributes set on top of the tiny config."""
     from transformers import AutoModelForCausalLM
 
     cfg = tiny_config(model_type)
+    for k, v in overrides.items():
+        setattr(cfg, k, v)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).to(dtype)
     model.eval()
