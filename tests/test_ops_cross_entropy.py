@@ -51,3 +51,27 @@ def test_fused_without_grad_gives_the_value():
         ref = ce.linear_tree_cross_entropy_reference(h, w, None, ids, parent, weights)
     assert not value.requires_grad
     torch.testing.assert_close(value, ref)
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+def test_frozen_projection_is_not_differentiated(bias):
+    """A LoRA model's output projection is frozen: the hidden states' gradient is the
+    reference's, and the projection's [V, D] gradient is neither returned nor computed."""
+    g = torch.Generator().manual_seed(2)
+    h = torch.randn(1, 21, 8, dtype=torch.float64, generator=g, requires_grad=True)
+    w = torch.randn(30, 8, dtype=torch.float64, generator=g)
+    b = torch.randn(30, dtype=torch.float64, generator=g) if bias else None
+    ids, parent = torch.randint(0, 30, (1, 21), generator=g), torch.arange(21) - 1
+    weights = torch.rand(21, dtype=torch.float64, generator=g)
+    fused = ce.fused_linear_tree_cross_entropy(h, w, b, ids, parent, weights)
+    (got,) = torch.autograd.grad(fused, h)
+    ref = ce.linear_tree_cross_entropy_reference(h, w, b, ids, parent, weights)
+    (expected,) = torch.autograd.grad(ref, h)
+    torch.testing.assert_close(fused, ref)
+    torch.testing.assert_close(got, expected)
+    op = torch.ops.treefx.linear_tree_ce_with_grad.default
+    _, _, dw, db = op(h, w, b, ids, parent, weights, False)
+    assert dw.numel() == 0 and db.numel() == 0
+    for want_weight in (False, True):
+        torch.library.opcheck(op, (h, w.requires_grad_(want_weight), b, ids, parent, weights,
+                                   want_weight))

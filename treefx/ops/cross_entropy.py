@@ -103,10 +103,11 @@ def _pointwise_compiled():
     return _COMPILED
 
 
-def _chunks(h, weight, bias, ids, parent, weights, want_grad: bool):
+def _chunks(h, weight, bias, ids, parent, weights, want_grad: bool, want_weight: bool = True):
     """One pass over chunks of tokens: the loss and, if ``want_grad``, its gradients for an
     upstream gradient of 1 (scaled in the backward). Computing them here, while each chunk's
-    logits exist, saves recomputing the logits in the backward."""
+    logits exist, saves recomputing the logits in the backward. ``want_weight=False`` (a frozen
+    projection, as under LoRA): the weight's and bias' gradients are empty, not computed."""
     h2, row, ids, w = _prepare(h, parent, ids, weights)
     n = ids.shape[0]
     acc = _acc(h)
@@ -114,8 +115,9 @@ def _chunks(h, weight, bias, ids, parent, weights, want_grad: bool):
     dh = dw = db = None
     if want_grad:
         dh = torch.zeros(h2.shape, dtype=acc, device=h.device)
-        dw = torch.zeros(weight.shape, dtype=acc, device=h.device)
-        db = torch.zeros(weight.shape[0] if bias is not None else 0, dtype=acc, device=h.device)
+        dw = torch.zeros(weight.shape if want_weight else (0,), dtype=acc, device=h.device)
+        db = torch.zeros(weight.shape[0] if bias is not None and want_weight else 0, dtype=acc,
+                         device=h.device)
     step = _chunk(weight.shape[0])
     pointwise = _pointwise_compiled() if h.is_cuda else _loss_and_dlogits
     for s in range(0, n, step):
@@ -128,6 +130,8 @@ def _chunks(h, weight, bias, ids, parent, weights, want_grad: bool):
             continue
         dc = d.to(weight.dtype)
         dh.index_add_(0, row[s:e], (dc @ weight).to(acc))
+        if not want_weight:
+            continue
         dw += (dc.t() @ hc).to(acc)
         if bias is not None:
             db += d.sum(0)
@@ -152,28 +156,34 @@ def _(h, weight, bias, ids, parent, weights):
 
 @torch.library.custom_op("treefx::linear_tree_ce_with_grad", mutates_args=())
 def _linear_tree_ce_with_grad(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                              ids: torch.Tensor, parent: torch.Tensor, weights: torch.Tensor
+                              ids: torch.Tensor, parent: torch.Tensor, weights: torch.Tensor,
+                              want_weight: bool
                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(loss, d loss/d h, d loss/d weight, d loss/d bias (empty without a bias))."""
-    loss, dh, dw, db = _chunks(h, weight, bias, ids, parent, weights, True)
+    """(loss, d loss/d h, d loss/d weight, d loss/d bias (empty without a bias)); the last two
+    empty without ``want_weight``."""
+    loss, dh, dw, db = _chunks(h, weight, bias, ids, parent, weights, True, want_weight)
     return loss, dh, dw, db
 
 
 @_linear_tree_ce_with_grad.register_fake
-def _(h, weight, bias, ids, parent, weights):
-    return (h.new_empty((), dtype=_acc(h)), torch.empty_like(h), torch.empty_like(weight),
-            weight.new_empty(weight.shape[0] if bias is not None else 0))
+def _(h, weight, bias, ids, parent, weights, want_weight):
+    return (h.new_empty((), dtype=_acc(h)), torch.empty_like(h),
+            torch.empty_like(weight) if want_weight else weight.new_empty(0),
+            weight.new_empty(weight.shape[0] if bias is not None and want_weight else 0))
 
 
 def _setup(ctx, inputs, output):
     ctx.has_bias = inputs[2] is not None
+    ctx.want_weight = inputs[6]
     ctx.save_for_backward(*output[1:])
 
 
 def _backward(ctx, grad_loss, _dh, _dw, _db):
     dh, dw, db = ctx.saved_tensors
+    if not ctx.want_weight:
+        return grad_loss.to(dh.dtype) * dh, None, None, None, None, None, None
     return (grad_loss.to(dh.dtype) * dh, grad_loss.to(dw.dtype) * dw,
-            grad_loss.to(db.dtype) * db if ctx.has_bias else None, None, None, None)
+            grad_loss.to(db.dtype) * db if ctx.has_bias else None, None, None, None, None)
 
 
 _linear_tree_ce_with_grad.register_autograd(_backward, setup_context=_setup)
@@ -190,8 +200,9 @@ def fused_linear_tree_cross_entropy(h: torch.Tensor, weight: torch.Tensor,
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (h, weight, bias))
     if needs_grad:
+        want_weight = weight.requires_grad or bias is not None and bias.requires_grad
         return _linear_tree_ce_with_grad(h, weight, bias, input_ids, parent_token,
-                                         weights.detach())[0]
+                                         weights.detach(), want_weight)[0]
     return _linear_tree_ce(h, weight, bias, input_ids, parent_token, weights.detach())
 
 
