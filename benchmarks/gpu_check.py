@@ -394,7 +394,9 @@ FAMILIES = ("deepseek_v3", "gpt_oss", "gemma2", "qwen3_5_moe", "nemotron_h", "gr
             "mamba", "jamba", "gpt_neo", "mpt", "falcon", "llama4_text")
 # Config changes on top of the zoo's tiny config: ALiBi on for Falcon; tables (GPT-Neo's local
 # attention, MPT's ALiBi) longer than the agent tree's whole row, which Dynamo traces the cut on.
-FAMILY_CONFIG = {"falcon": dict(alibi=True), "gpt_neo": dict(max_position_embeddings=4096),
+# GPT-Neo's tiny heads (4 dims) are below FlexAttention's minimum of 16.
+FAMILY_CONFIG = {"falcon": dict(alibi=True),
+                 "gpt_neo": dict(max_position_embeddings=4096, hidden_size=64, num_heads=4),
                  "mpt": dict(max_seq_len=4096)}
 
 

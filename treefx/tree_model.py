@@ -14,7 +14,7 @@ from . import verification
 from .engine import TreeEngine, check_batch, make_traced, tree_info, unwrap_compiled
 from .layout import TreeBatch
 from .ops.cross_entropy import tree_token_logprobs, weighted_logprob_loss
-from .ops.logprobs import token_logprobs_site
+from .ops.logprobs import register_site, token_logprobs_site
 from .passes import GraphContext
 from .reference import logits_of
 
@@ -79,6 +79,8 @@ class TreeModel(torch.nn.Module):
             raise TypeError(f"treefx.compile expects a torch.nn.Module, got {type(model).__name__}")
         if not isinstance(logits, bool):
             raise TypeError(f"logits must be True or False, got {logits!r}")
+        if not logits:
+            register_site()
         model = unwrap_compiled(model)
         _check_peft(model)
         self.model = model

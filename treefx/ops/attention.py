@@ -297,7 +297,8 @@ class TreeFlexAttention:
         return mask_mod
 
     def _score(self, score, b, h, q_idx, kv_idx, pos, *bufs):
-        return self.score_mod(score, b, h, pos[q_idx], pos[kv_idx], *bufs)
+        return self.score_mod(score, b, h, pos[q_idx], pos[kv_idx], *bufs, q_idx=q_idx,
+                              kv_idx=kv_idx)
 
     def _flex(self, q, k, v, block_mask, se_pad, pos_pad, bufs):
         from torch._higher_order_ops.flex_attention import flex_attention as flex_hop

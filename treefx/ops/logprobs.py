@@ -165,4 +165,14 @@ def token_logprobs_site(logits: torch.Tensor, input_ids: torch.Tensor,
     return tree_token_logprobs(logits, input_ids, parent_token)
 
 
-torch._dynamo.allow_in_graph(token_logprobs_site)
+_registered = False
+
+
+def register_site() -> None:
+    """Let Dynamo put :func:`token_logprobs_site` in the graph as one node. Called when a model
+    is compiled with ``logits=False``, not at import: ``torch._dynamo`` costs ~2 s to import,
+    which ``import treefx`` (stats, synth, draw) does not pay."""
+    global _registered
+    if not _registered:
+        torch._dynamo.allow_in_graph(token_logprobs_site)
+        _registered = True

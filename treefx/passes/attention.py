@@ -19,6 +19,8 @@ row as it is would be silently wrong training.
 
 from __future__ import annotations
 
+import contextlib
+
 import operator
 from dataclasses import dataclass
 
@@ -48,6 +50,7 @@ from .mask_lift import (
     MaskLiftError,
     implied_by_tree,
     lift_mask,
+    dense_side,
     lift_value,
 )
 
@@ -617,7 +620,7 @@ def _scored_flex(ctx: GraphContext, site: _Site):
     for side in sides:
         _check_mask_sources(ctx, site, side)
         try:
-            one, bufs = lift_value(ctx, side)
+            one, bufs = _side_for_flex(ctx, side)
         except MaskLiftError as e:
             raise _fail(site.anchor, f"its scores read `{describe(side)}`, which cannot be "
                                      f"evaluated per query and key position ({e}); use "
@@ -712,29 +715,78 @@ def _rewrite(ctx: GraphContext, site: _Site) -> fx.Node:
                 {"scale": site.scale, "enable_gqa": site.enable_gqa},
             )
         else:
+            score_mod, score_bufs = None, ()
             if mask is not None and lifted is None:
-                raise _fail(site.anchor, f"its model-built attention mask cannot be lifted "
-                                         f"into a FlexAttention mask_mod ({lift_error}); use "
-                                         "backend='eager' for this model")
+                # An additive mask that carries a bias (Falcon adds its ALiBi into it): the
+                # bias at path positions, added to the scores by a score_mod.
+                try:
+                    value, vbufs = _side_for_flex(ctx, mask)
+                except MaskLiftError as e:
+                    raise _fail(site.anchor, f"its model-built attention mask cannot be lifted "
+                                             f"into a FlexAttention mask_mod ({lift_error}) nor "
+                                             f"a score_mod ({e}); use backend='eager' for this "
+                                             "model") from None
+                score_mod = LiftedScore(_add_bias, [(value, len(vbufs))])
+                score_bufs = tuple(ctx.local(b) for b in vbufs)
+                note += ", added to the scores by the score_mod"
             blocks = _block_nodes(ctx, full=lifted is None)
             fn = TreeFlexAttention(scale=site.scale, block_size=ctx.block_size,
                                    model_mask=lifted, kernel_options=ctx.kernel_options,
                                    interleave_heads=ctx.interleave_heads,
+                                   score_mod=score_mod, mask_buffers=len(bufs),
                                    name=f"tree_flex_attention_{site.anchor.name}")
             k, v, shared_kv = _kv_for_flex(site, k)
             if shared_kv:
                 note += ", KV heads shared by FlexAttention (the model's repeat undone)"
             kv = example(k)
-            if ctx.interleave_heads is not False and (kv is None or kv.shape[1] != 1):
+            if ctx.interleave_heads is not False and (kv is None or kv.shape[1] != 1) and (
+                    score_mod is None):
                 note += (", KV heads interleaved along the row"
                          + (" where gradients are computed" if ctx.interleave_heads is None
                             else ""))
-            new = g.call_function(fn, (site.q, k, v, *blocks, *bufs))
+            new = g.call_function(fn, (site.q, k, v, *blocks, *bufs, *score_bufs))
     new.meta.update({k_: v_ for k_, v_ in site.out.meta.items()
                      if k_ in ("nn_module_stack", "stack_trace", "example_value")})
     ctx.record("attention", site.anchor, describe(new), note=note)
     site.out.replace_all_uses_with(new)
     return new
+
+
+def _side_for_flex(ctx: GraphContext, node: fx.Node):
+    """A tensor the scores read, for a score_mod: evaluated per query and key position when
+    it is a function of index grids (:func:`lift_value`), else read from the model's own
+    tensor at the query's and key's rows (:class:`DenseSide`)."""
+    try:
+        one, bufs = lift_value(ctx, node)
+        _try_scalar(one, bufs)
+        return one, bufs
+    except MaskLiftError as first:
+        try:
+            return dense_side(ctx, node), (node,)
+        except MaskLiftError:
+            raise first from None
+
+
+def _try_scalar(lifted, bufs) -> None:
+    """Evaluate a lifted value once for one (b, h, q, kv) on the example values: MaskLiftError
+    when it does not give one scalar (an axis it cannot assign to b, h, q or kv)."""
+    vals = [example(b) for b in bufs]
+    mode = next((getattr(v, "fake_mode", None) for v in vals
+                 if getattr(v, "fake_mode", None) is not None), None)
+    try:
+        with mode if mode is not None else contextlib.nullcontext():
+            zero = torch.zeros((), dtype=torch.int64)
+            out = lifted.evaluate(zero, zero, zero, zero, *vals)
+    except MaskLiftError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any failure means: not evaluable per index
+        raise MaskLiftError(f"{type(e).__name__}: {e}") from None
+    if not isinstance(out, torch.Tensor) or out.numel() != 1:
+        raise MaskLiftError("it does not give one value per query and key")
+
+
+def _add_bias(score, bias):
+    return score + bias
 
 
 def _block_nodes(ctx: GraphContext, *, full: bool):

@@ -27,7 +27,8 @@ import torch.fx as fx
 
 from .common import GraphContext, describe, example, is_call
 
-__all__ = ["MaskLiftError", "LiftedMask", "LiftedScore", "lift_mask", "lift_value"]
+__all__ = ["MaskLiftError", "LiftedMask", "LiftedScore", "DenseSide", "dense_side", "lift_mask",
+           "lift_value"]
 
 _SHAPE_METHODS = ("expand", "expand_as", "view", "reshape", "unsqueeze", "contiguous",
                   "squeeze", "broadcast_to")
@@ -168,12 +169,54 @@ class LiftedScore:
         self.fn = fn
         self.sides = sides
 
-    def __call__(self, score, b, h, q_pos, kv_pos, *buffers):
+    def __call__(self, score, b, h, q_pos, kv_pos, *buffers, q_idx=None, kv_idx=None):
         values, i = [], 0
         for side, n in self.sides:
-            values.append(side.evaluate(b, h, q_pos, kv_pos, *buffers[i:i + n]).reshape(()))
+            if isinstance(side, DenseSide):
+                values.append(side.read(b, h, q_idx, kv_idx, *buffers[i:i + n]))
+            else:
+                values.append(side.evaluate(b, h, q_pos, kv_pos, *buffers[i:i + n]).reshape(()))
             i += n
         return self.fn(score, *values)
+
+
+class DenseSide:
+    """A side tensor of the scores read where the model computed it: its entry at the query's
+    and key's rows of the DFS row (a size-1 dim broadcasts). For a value the lifter cannot
+    evaluate per index (Falcon's ALiBi goes through a [B * H, 1, N] reshape), which the
+    positions pass has already computed at path positions and the token-axis check has
+    cleared, as the eager backend reads it."""
+
+    def __init__(self, shape: tuple[bool, ...]):
+        self.broadcast = shape  # per dim of [B, H, Q, KV] (left-padded to 4): size 1?
+
+    def read(self, b, h, q_idx, kv_idx, buf):
+        buf = buf.reshape((1,) * (4 - buf.dim()) + tuple(buf.shape))
+        idx = []
+        for i, (one, x) in enumerate(zip(self.broadcast, (b, h, q_idx, kv_idx))):
+            if one:
+                idx.append(0)
+            elif i >= 2:  # a padded row past the end reads the last one (masked out anyway)
+                idx.append(torch.clamp(x, max=buf.shape[i] - 1))
+            else:
+                idx.append(x)
+        return buf[tuple(idx)]
+
+
+def dense_side(ctx: GraphContext, node: fx.Node) -> DenseSide:
+    """The :class:`DenseSide` of ``node``: a tensor of at most 4 dims broadcastable to
+    [B, H, N, N], or MaskLiftError."""
+    val = example(node)
+    n = ctx.seq_len
+    if not isinstance(val, torch.Tensor) or val.dim() > 4:
+        raise MaskLiftError(f"`{describe(node)}` is not a tensor of at most 4 dims")
+    shape = (1,) * (4 - val.dim()) + tuple(val.shape)
+    ones = tuple(_static_one(s) for s in shape)
+    for i in (2, 3):
+        if not ones[i] and not (isinstance(shape[i], torch.SymInt) and shape[i] == n):
+            raise MaskLiftError(f"`{describe(node)}` (shape {tuple(val.shape)}) does not run "
+                                "over the queries and keys of the row")
+    return DenseSide(ones)
 
 
 def _static_one(n) -> bool:

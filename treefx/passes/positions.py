@@ -87,7 +87,8 @@ def _rewrite_cumsum_of_ones(ctx: GraphContext, node) -> bool:
         # every sequence and on the tree: a position + 1 is at least 1. Folded to a constant,
         # so its sum over the tokens reads no token.
         if is_call(user, torch.eq, operator.eq, methods=("eq",)) and len(user.args) == 2 and (
-                user.args[0] is new and _is_zero(user.args[1])):
+                new in user.args) and _is_zero(user.args[1] if user.args[0] is new
+                                               else user.args[0]):
             with g.inserting_before(user):
                 false = g.call_function(torch.zeros_like, (src,), {"dtype": torch.bool})
             false.meta["example_value"] = example(user)
@@ -99,9 +100,14 @@ def _rewrite_cumsum_of_ones(ctx: GraphContext, node) -> bool:
 
 
 def _is_zero(x) -> bool:
+    """A constant 0: a number, or a tensor of zeros (through casts)."""
+    while is_call(x, methods=("to", "bool", "long", "int", "float")):
+        x = x.args[0]
     if isinstance(x, (int, float)) and not isinstance(x, bool):
         return x == 0
-    return is_call(x, torch.zeros_like, torch.zeros)
+    if is_call(x, torch.full, torch.full_like, methods=("new_full",)) and len(x.args) > 1:
+        return _is_zero(x.args[1])
+    return is_call(x, torch.zeros_like, torch.zeros, methods=("new_zeros", "zero_"))
 
 
 class SymFn:
