@@ -139,3 +139,28 @@ def test_other_cuts_stay_refused():
     tm = treefx.compile(HalfTable(), backend="eager", verify=False)
     with pytest.raises(treefx.TreeCompileError, match="token"):
         tm(treefx.pack(odd_forest(0, VOCAB)))
+
+
+class LeftPadding(torch.nn.Module):
+    """Counts left padding as Llama 4's chunked mask does, with ``==`` spelled both ways (torch
+    2.11's Dynamo records ``__eq__`` as a method call), and adds the count to the logits."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(VOCAB, 8)
+        self.head = torch.nn.Linear(8, VOCAB)
+
+    def forward(self, input_ids, attention_mask=None):
+        if attention_mask is None:  # the oracle's call
+            attention_mask = torch.ones_like(input_ids)
+        c = attention_mask.cumsum(dim=-1)
+        left = (c == torch.zeros_like(attention_mask)).sum(-1) + c.__eq__(
+            torch.zeros_like(attention_mask)).sum(-1)
+        return self.head(self.emb(input_ids)) + left[:, None, None]
+
+
+def test_left_padding_count_is_folded():
+    tm = treefx.compile(LeftPadding(), backend="eager")
+    check_against_oracle(tm, odd_forest(1, VOCAB))
+    notes = positions_notes(tm)
+    assert notes.count("a position + 1 is never 0") == 2, notes

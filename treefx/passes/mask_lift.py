@@ -191,13 +191,13 @@ class DenseSide:
         self.broadcast = shape  # per dim of [B, H, Q, KV] (left-padded to 4): size 1?
 
     def read(self, b, h, q_idx, kv_idx, buf):
-        buf = buf.reshape((1,) * (4 - buf.dim()) + tuple(buf.shape))
         idx = []
-        for i, (one, x) in enumerate(zip(self.broadcast, (b, h, q_idx, kv_idx))):
+        dims = list(zip(self.broadcast, (b, h, q_idx, kv_idx), (0, 1, 2, 3)))[4 - buf.dim():]
+        for j, (one, x, role) in enumerate(dims):
             if one:
                 idx.append(0)
-            elif i >= 2:  # a padded row past the end reads the last one (masked out anyway)
-                idx.append(torch.clamp(x, max=buf.shape[i] - 1))
+            elif role >= 2:  # a padded row past the end reads the last one (masked out anyway)
+                idx.append(torch.clamp(x, max=buf.shape[j] - 1))
             else:
                 idx.append(x)
         return buf[tuple(idx)]

@@ -86,7 +86,8 @@ def _rewrite_cumsum_of_ones(ctx: GraphContext, node) -> bool:
         # ``cumsum == 0`` (Llama 4 counts left padding with it) is False at every token, in
         # every sequence and on the tree: a position + 1 is at least 1. Folded to a constant,
         # so its sum over the tokens reads no token.
-        if is_call(user, torch.eq, operator.eq, methods=("eq",)) and len(user.args) == 2 and (
+        if is_call(user, torch.eq, operator.eq, methods=("eq", "__eq__")) and len(
+                user.args) == 2 and (
                 new in user.args) and _is_zero(user.args[1] if user.args[0] is new
                                                else user.args[0]):
             with g.inserting_before(user):
