@@ -73,6 +73,26 @@ def _(x, block_size):
     return x.new_empty((num_blocks(x.shape[0], block_size) * block_size,))
 
 
+@torch.library.custom_op("treefx::pad_rows_to_block", mutates_args=())
+def pad_rows_to_block(x: torch.Tensor, block_size: int, dims: list[int]) -> torch.Tensor:
+    """``x`` zero-padded along ``dims`` (token axes of N) to :func:`num_blocks` blocks, like
+    :func:`pad_to_block`: a dense bias a FlexAttention score_mod reads at (q_idx, kv_idx),
+    which the kernel may ask for past N in the row's last, partial block."""
+    pad = [0] * (2 * x.dim())
+    for d in dims:
+        n = x.shape[d]
+        pad[2 * (x.dim() - 1 - d % x.dim()) + 1] = num_blocks(n, block_size) * block_size - n
+    return F.pad(x, pad)
+
+
+@pad_rows_to_block.register_fake
+def _(x, block_size, dims):
+    shape = list(x.shape)
+    for d in dims:
+        shape[d] = num_blocks(shape[d], block_size) * block_size
+    return x.new_empty(shape)
+
+
 def block_indices(m: torch.Tensor):
     """A [q block, kv block] bool matrix as a BlockMask's (num_blocks, indices) pair, each
     with leading [1, 1] dims."""

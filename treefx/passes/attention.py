@@ -19,7 +19,6 @@ row as it is would be silently wrong training.
 
 from __future__ import annotations
 
-import contextlib
 
 import operator
 from dataclasses import dataclass
@@ -44,6 +43,7 @@ from .common import (
     is_call,
     module_path,
     same_size,
+    set_example,
 )
 from .mask_lift import (
     LiftedScore,
@@ -762,21 +762,31 @@ def _side_for_flex(ctx: GraphContext, node: fx.Node):
         return one, bufs
     except MaskLiftError as first:
         try:
-            return dense_side(ctx, node), (node,)
+            side = dense_side(ctx, node)
         except MaskLiftError:
             raise first from None
+        # Padded along its token axes like the positions: FlexAttention's kernel may read
+        # past N in the row's last block (masked out after the score_mod).
+        dims = [d - 4 for d in (2, 3) if not side.broadcast[d]]
+        padded = ctx.graph.call_function(torch.ops.treefx.pad_rows_to_block.default,
+                                         (ctx.local(node), ctx.block_size, dims))
+        set_example(padded)
+        return side, (padded,)
 
 
 def _try_scalar(lifted, bufs) -> None:
     """Evaluate a lifted value once for one (b, h, q, kv) on the example values: MaskLiftError
     when it does not give one scalar (an axis it cannot assign to b, h, q or kv)."""
-    vals = [example(b) for b in bufs]
-    mode = next((getattr(v, "fake_mode", None) for v in vals
-                 if getattr(v, "fake_mode", None) is not None), None)
+    def meta(v):  # the example value's shape, on the meta device (no data, no guards)
+        if not isinstance(v, torch.Tensor):
+            return v
+        shape = [s if isinstance(s, int) else (s.node.hint or 2) for s in v.shape]
+        return torch.empty(shape, dtype=v.dtype, device="meta")
+
     try:
-        with mode if mode is not None else contextlib.nullcontext():
-            zero = torch.zeros((), dtype=torch.int64)
-            out = lifted.evaluate(zero, zero, zero, zero, *vals)
+        vals = [meta(example(b)) for b in bufs]
+        zero = torch.zeros(1, dtype=torch.int64, device="meta")  # one (b, h, q, kv) pair
+        out = lifted.evaluate(zero, zero, zero, zero, *vals)
     except MaskLiftError:
         raise
     except Exception as e:  # noqa: BLE001 - any failure means: not evaluable per index

@@ -189,18 +189,13 @@ class DenseSide:
 
     def __init__(self, shape: tuple[bool, ...]):
         self.broadcast = shape  # per dim of [B, H, Q, KV] (left-padded to 4): size 1?
+        self.__name__ = "dense_side"
 
     def read(self, b, h, q_idx, kv_idx, buf):
-        idx = []
-        dims = list(zip(self.broadcast, (b, h, q_idx, kv_idx), (0, 1, 2, 3)))[4 - buf.dim():]
-        for j, (one, x, role) in enumerate(dims):
-            if one:
-                idx.append(0)
-            elif role >= 2:  # a padded row past the end reads the last one (masked out anyway)
-                idx.append(torch.clamp(x, max=buf.shape[j] - 1))
-            else:
-                idx.append(x)
-        return buf[tuple(idx)]
+        # The buffer is padded along its token axes (treefx::pad_rows_to_block), so a row
+        # of the last block past N reads a zero, masked out after the score_mod.
+        dims = list(zip(self.broadcast, (b, h, q_idx, kv_idx)))[4 - buf.dim():]
+        return buf[tuple(0 if one else x for one, x in dims)]
 
 
 def dense_side(ctx: GraphContext, node: fx.Node) -> DenseSide:

@@ -84,7 +84,7 @@ def _is_treefx(node: fx.Node) -> bool:
     if mod.startswith("treefx"):
         return True
     name = getattr(t, "__name__", "") or str(t)
-    if "treefx" in name:  # torch.ops.treefx.*
+    if "treefx" in name or getattr(t, "namespace", None) == "treefx":  # torch.ops.treefx.*
         return True
     if t is operator.getitem and isinstance(node.args[0], fx.Node):
         return _is_treefx(node.args[0])
