@@ -63,14 +63,24 @@ def _as_is(gm, example_inputs):
 
 
 def inductor_patches() -> dict:
-    """Inductor settings for tree graphs: the mix-order reduction heuristic's size checks off
-    (where this torch has the switch). Those checks guard the token count (a minimum size that
-    depends on the hidden size), so every tree below the threshold compiled a second graph."""
+    """Inductor settings for tree graphs:
+
+    - the mix-order reduction heuristic's size checks off (where this torch has the switch).
+      Those checks guard the token count (a minimum size that depends on the hidden size), so
+      every tree below the threshold compiled a second graph;
+    - ``emulate_precision_casts``: a low-precision intermediate rounds where eager rounds it.
+      Inductor otherwise computes a fused ``bf16 * int`` in float32 and rounds once: Falcon's
+      ALiBi (``slopes.bfloat16() * positions``, in a float32 model) then differs from the
+      per-sequence model at positions past 256 (2.7e-3 in log-prob on the H100), which the
+      first-call check refused."""
     from torch._inductor import config
 
+    patches = {}
     if hasattr(config.triton, "mix_order_reduction_non_strict_mode"):
-        return {"triton.mix_order_reduction_non_strict_mode": True}
-    return {}
+        patches["triton.mix_order_reduction_non_strict_mode"] = True
+    if hasattr(config, "emulate_precision_casts"):
+        patches["emulate_precision_casts"] = True
+    return patches
 
 
 def capture_config():
