@@ -164,3 +164,14 @@ def test_left_padding_count_is_folded():
     check_against_oracle(tm, odd_forest(1, VOCAB))
     notes = positions_notes(tm)
     assert notes.count("a position + 1 is never 0") == 2, notes
+
+
+def test_a_tree_longer_than_the_table_is_a_clear_error():
+    """Every sequence fits GPT-Neo's 48-position table, the tree's row does not: Dynamo traces
+    the cut on the row and fails; the error says why and what to do."""
+    model = model_of("gpt_neo", max_position_embeddings=48)
+    trees = [treefx.Tree.from_sequences([[1 + (i + j) % 60 for j in range(30)] for i in range(4)])]
+    assert max(len(s) for s in trees[0].sequences) <= 48 < trees[0].num_tokens
+    tm = treefx.compile(model, backend="eager", verify=False)
+    with pytest.raises(treefx.TreeCompileError, match=r"row of \d+ tokens.*table's length"):
+        tm(treefx.pack(trees))

@@ -120,6 +120,18 @@ class TreeEngine:
             raise
         except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError) as e:
             raise _graph_break_error(self.make_traced(-1), args, e) from None
+        except torch._dynamo.exc.TorchRuntimeError as e:
+            n = args[dynamic[0]].shape[-1] if dynamic else None
+            lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+            # Dynamo's message names the failing call, then the error: "... got RuntimeError(...)"
+            why = next((ln[ln.index("got ") + 4:] for ln in lines if "got " in ln), lines[0])
+            raise TreeCompileError(
+                f"the model failed while Dynamo traced it on the tree's row of {n} tokens: "
+                f"{why[:400]}. A model that cuts a fixed-length table to the token count "
+                "(an ALiBi or local-attention table, learned positions) takes at most the "
+                "table's length in tokens in one tree batch; pack fewer trees per batch or "
+                "split them (treefx.partition)."
+            ) from e
         if self._runs == runs:
             raise TreeCompileError(
                 "the tree graph did not run: Dynamo fell back to the unmodified code (recompile "
