@@ -159,6 +159,21 @@ def test_a_kernel_copied_into_a_new_model_is_recognised(model_type):
     assert any(f"{owner}_gated_delta_rule" in n for n in notes), notes
 
 
+@pytest.mark.parametrize("model_type", [
+    "kimi_linear", pytest.param("bailing_hybrid", marks=pytest.mark.slow)])
+def test_kimi_delta_attention_is_a_tree_recurrence(model_type):
+    """Kimi Delta Attention (a decay per key channel; Kimi-Linear, Bailing-hybrid) in Gated
+    DeltaNet's signature: recognised by name wherever the model defines it, each node's state
+    from its parent's, exact."""
+    from treefx.zoo import build_model
+
+    model = build_model(model_type)
+    tm = treefx.compile(model, backend="eager")
+    check_against_oracle(tm, [SHORT_NODES, odd_tree(34, 128)])
+    notes = {r.note for c in tm.contexts for r in c.log if r.pass_name == "ssm"}
+    assert any(f"{model_type}_kimi_delta_attention" in n for n in notes), notes
+
+
 class CumsumLinearAttention(torch.nn.Module):
     """A linear attention written with a cumulative op over the tokens: a cumsum is a sum
     along each path on the tree (exact); other cumulative ops are unregistered state."""

@@ -260,6 +260,20 @@ def _gated_delta_rule(owner: str, fn) -> Recurrence:
     )
 
 
+def _kimi_delta_attention(owner: str, fn) -> Recurrence:
+    """Hugging Face's torch Kimi Delta Attention kernel (``chunk_kimi_delta_attention``,
+    Kimi-Linear and Bailing-hybrid): the gated delta rule with a decay per key channel, in
+    Gated DeltaNet's signature (``g`` [B, N, H, K] instead of [B, N, H])."""
+    return Recurrence(
+        name=f"{owner}_kimi_delta_attention",
+        fn=fn,
+        seq_args={"query": 1, "key": 1, "value": 1, "g": 1, "beta": 1},
+        output_like="value",
+        # g is a log decay per channel (0: keep the state), beta the update rate (0: none).
+        neutral={"g": 0.0, "beta": 0.0},
+    )
+
+
 def _mamba2_chunk_scan(owner: str, fn) -> Recurrence:
     """Hugging Face's torch Mamba2 chunked scan (``mamba2_chunk_scan``)."""
     return Recurrence(
@@ -298,6 +312,7 @@ def _mamba_selective_scan(owner: str, fn) -> Recurrence:
 
 # The kernel families treefx recognises by name wherever a model defines them.
 _FAMILIES = {"torch_chunk_gated_delta_rule": _gated_delta_rule,
+             "chunk_kimi_delta_attention": _kimi_delta_attention,
              "mamba2_chunk_scan": _mamba2_chunk_scan,
              "mamba_selective_scan": _mamba_selective_scan}
 
