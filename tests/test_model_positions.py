@@ -175,3 +175,15 @@ def test_a_tree_longer_than_the_table_is_a_clear_error():
     tm = treefx.compile(model, backend="eager", verify=False)
     with pytest.raises(treefx.TreeCompileError, match=r"row of \d+ tokens.*table's length"):
         tm(treefx.pack(trees))
+
+
+@pytest.mark.parametrize("name", ["gpt_neo", "mpt"])
+def test_table_cut_inside_activation_checkpointing(name):
+    """A checkpointed layer takes the table as an operand of its body: the cut is read at path
+    positions there too (the table's taint is its caller's, a buffer), not refused."""
+    model = model_of(name)
+    model.gradient_checkpointing_enable()
+    model.train()
+    tm = treefx.compile(model, backend="eager")
+    check_against_oracle(tm, odd_forest(6, VOCAB))
+    assert sum("table cut" in n for n in positions_notes(tm)) == 2

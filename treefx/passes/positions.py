@@ -239,7 +239,8 @@ def _rewrite_table_cut(ctx: GraphContext, node) -> bool:
             d_out += 1
         else:
             full_key.append(k)
-    if not cuts or DATA in _Taint(ctx).of(table):
+    # (A checkpointed layer takes the table as an operand: its taint is its caller's.)
+    if not cuts or DATA in _Taint(ctx).of(ctx.resolve(table)):
         return False
     r = out.dim()
     pos = ctx.positions
