@@ -247,31 +247,31 @@ def _has_fla() -> bool:
     return importlib.util.find_spec("fla") is not None
 
 
-def _gated_delta_rule(owner: str, fn) -> Recurrence:
-    """Hugging Face's torch Gated DeltaNet kernel (``torch_chunk_gated_delta_rule``)."""
+def _delta_rule(name: str, fn, varlen=None) -> Recurrence:
+    """A delta-rule kernel in Gated DeltaNet's signature: ``(query, key, value, g, beta, ...,
+    initial_state, output_final_state)``, each [B, N, ...]. ``g`` is a log decay (0: keep the
+    state), ``beta`` the update rate (0: no update), so zeros pad a node neutrally."""
     return Recurrence(
-        name=f"{owner}_gated_delta_rule",
+        name=name,
         fn=fn,
         seq_args={"query": 1, "key": 1, "value": 1, "g": 1, "beta": 1},
         output_like="value",
-        # g is a log decay (0: keep the state), beta the update rate (0: no update).
         neutral={"g": 0.0, "beta": 0.0},
-        varlen=_fla_gated_delta_rule if _has_fla() else None,
+        varlen=varlen,
     )
+
+
+def _gated_delta_rule(owner: str, fn) -> Recurrence:
+    """Hugging Face's torch Gated DeltaNet kernel (``torch_chunk_gated_delta_rule``)."""
+    return _delta_rule(f"{owner}_gated_delta_rule", fn,
+                       varlen=_fla_gated_delta_rule if _has_fla() else None)
 
 
 def _kimi_delta_attention(owner: str, fn) -> Recurrence:
     """Hugging Face's torch Kimi Delta Attention kernel (``chunk_kimi_delta_attention``,
-    Kimi-Linear and Bailing-hybrid): the gated delta rule with a decay per key channel, in
-    Gated DeltaNet's signature (``g`` [B, N, H, K] instead of [B, N, H])."""
-    return Recurrence(
-        name=f"{owner}_kimi_delta_attention",
-        fn=fn,
-        seq_args={"query": 1, "key": 1, "value": 1, "g": 1, "beta": 1},
-        output_like="value",
-        # g is a log decay per channel (0: keep the state), beta the update rate (0: none).
-        neutral={"g": 0.0, "beta": 0.0},
-    )
+    Kimi-Linear and Bailing-hybrid): the gated delta rule with a decay per key channel
+    (``g`` [B, N, H, K] instead of [B, N, H])."""
+    return _delta_rule(f"{owner}_kimi_delta_attention", fn)
 
 
 def _mamba2_chunk_scan(owner: str, fn) -> Recurrence:
