@@ -53,8 +53,10 @@ REFUSED = {
                                "`mean` runs over the token axis"),
     "softmax over the tokens": (lambda m, x: x * x.softmax(1), "`softmax` runs over the token"),
     "index by positions": (_positions_shift, "indexes the token axis .* by positions"),
-    "table cut to the tokens": (lambda m, x: x + m.table[:, :x.shape[1], None].float(),
-                                "cuts a table to the token count"),
+    # Read at N + i: what token i sees depends on the sequence's length (not a decoder).
+    "table cut from the token count": (
+        lambda m, x: x + m.table[:, x.shape[1]:2 * x.shape[1], None].float(),
+        "cuts a table to the token count"),
     "python loop over the tokens": (_loop, "specialized to"),
 }
 
@@ -65,6 +67,16 @@ def test_moving_data_along_the_tokens_is_refused(case):
     tm = treefx.compile(TokenModel(mix), backend="eager")
     with pytest.raises((TokenAxisError, SpecializedGraphError), match=message):
         tm(treefx.pack(odd_tree(1, VOCAB)))
+
+
+def test_a_table_cut_to_the_tokens_is_read_at_positions():
+    """``table[:, :N]`` (learned positions sliced by the length) reads entry i at the i-th
+    token of a sequence: on the tree, at each token's position."""
+    tm = treefx.compile(TokenModel(lambda m, x: x + m.table[:, :x.shape[1], None].float()),
+                        backend="eager")
+    check_forward(tm, odd_forest(2, VOCAB), atol=1e-5)
+    notes = [r.note for r in tm.contexts[0].log if r.pass_name == "positions"]
+    assert "a table cut to the token count" in notes
 
 
 def test_per_token_ops_and_routing_pass():
