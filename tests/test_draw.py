@@ -4,11 +4,9 @@ first sequences, within a bounded size, and says so in the picture and on stdout
 from __future__ import annotations
 
 import re
-import struct
-import zlib
 
-import numpy as np
 import pytest
+from pngs import read_png
 
 import treefx
 from treefx.cli import main
@@ -20,21 +18,6 @@ from treefx.debug.pictures import MAX_DEPTH, MAX_LEAVES, picture_part
 MAX_W = MAX_LEAVES * 50 + 512 + 200
 MAX_H = MAX_DEPTH * 56 + 200
 _NOTE_RED = (176, 48, 48)
-
-
-def _read_png(data: bytes) -> np.ndarray:
-    assert data[:8] == b"\x89PNG\r\n\x1a\n"
-    pos, idat = 8, b""
-    while pos < len(data):
-        length, tag = struct.unpack(">I4s", data[pos:pos + 8])
-        body = data[pos + 8:pos + 8 + length]
-        if tag == b"IHDR":
-            w, h = struct.unpack(">II", body[:8])
-        elif tag == b"IDAT":
-            idat += body
-        pos += 12 + length
-    raw = np.frombuffer(zlib.decompress(idat), np.uint8).reshape(h, 1 + 3 * w)
-    return raw[:, 1:].reshape(h, w, 3)
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +40,7 @@ def test_cli_draws_the_first_sequences_of_a_wide_tree(wide_tree, tmp_path, capsy
     assert part.capped and 1 <= part.sequences < wide_tree.num_sequences
     assert (f"wrote {png}: showing the first {part.sequences} of {wide_tree.num_sequences} "
             "sequences") in out
-    img = _read_png(png.read_bytes())
+    img = read_png(png.read_bytes())
     h, w, _ = img.shape
     assert w <= MAX_W and h <= MAX_H, (w, h)
     assert (img.reshape(-1, 3) == _NOTE_RED).all(1).any()  # the note is in the picture
@@ -91,7 +74,7 @@ def test_a_deep_chain_is_cut_by_depth(tmp_path):
     chain = treefx.Tree.from_sequences([list(range(1, k + 1)) for k in range(1, 150)])
     part = picture_part(chain)
     assert part.sequences == MAX_DEPTH and part.capped
-    img = _read_png(open(draw(chain, tmp_path / "chain.png"), "rb").read())
+    img = read_png(open(draw(chain, tmp_path / "chain.png"), "rb").read())
     assert img.shape[0] <= MAX_H
 
 
@@ -103,7 +86,7 @@ def test_a_tree_that_fits_is_drawn_whole(tmp_path, capsys):
     png = tmp_path / "t.png"
     assert main(["draw", str(path), "-o", str(png)]) == 0
     assert capsys.readouterr().out == f"wrote {png}\n"
-    img = _read_png(png.read_bytes())
+    img = read_png(png.read_bytes())
     assert not (img.reshape(-1, 3) == _NOTE_RED).all(1).any()
 
 

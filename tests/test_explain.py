@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import base64
 import re
-import struct
-import zlib
 
 import numpy as np
 import pytest
 import torch
+from pngs import read_png
 from support import BreaksGraph, Wrapper
 from trees import odd_forest, odd_tree
 
@@ -160,27 +159,9 @@ def test_pooled_mask_is_the_or_pooled_dense_mask():
             assert np.array_equal(grid, ref)
 
 
-def _read_png(data: bytes) -> np.ndarray:
-    assert data[:8] == b"\x89PNG\r\n\x1a\n"
-    pos, idat, w, h = 8, b"", 0, 0
-    while pos < len(data):
-        (length,) = struct.unpack(">I", data[pos:pos + 4])
-        tag, body = data[pos + 4:pos + 8], data[pos + 8:pos + 8 + length]
-        assert zlib.crc32(tag + body) & 0xFFFFFFFF == struct.unpack(
-            ">I", data[pos + 8 + length:pos + 12 + length])[0]
-        if tag == b"IHDR":
-            w, h = struct.unpack(">II", body[:8])
-        elif tag == b"IDAT":
-            idat += body
-        pos += 12 + length
-    raw = np.frombuffer(zlib.decompress(idat), np.uint8).reshape(h, 1 + 3 * w)
-    assert not raw[:, 0].any()  # filter type 0 on every row
-    return raw[:, 1:].reshape(h, w, 3)
-
-
 def test_png_writer_round_trips():
     img = np.random.default_rng(0).integers(0, 256, size=(7, 5, 3), dtype=np.uint8)
-    assert np.array_equal(_read_png(png_bytes(img)), img)
+    assert np.array_equal(read_png(png_bytes(img)), img)
 
 
 def test_pictures_of_a_large_tree_stay_small():
@@ -189,7 +170,7 @@ def test_pictures_of_a_large_tree_stay_small():
     assert batch.num_tokens > 2000
     svg = mask_svg(batch)
     png = base64.b64decode(re.search(r"base64,([A-Za-z0-9+/=]+)", svg).group(1))
-    h, w, _ = _read_png(png).shape
+    h, w, _ = read_png(png).shape
     assert h == w <= 512
     t = tree_svg(batch)
     assert t.count("<rect") == tree.num_nodes
@@ -207,7 +188,7 @@ def test_cli_draw(trees_file, tmp_path, capsys):
     png = tmp_path / "tree.png"
     assert main(["draw", str(trees_file), "-o", str(png)]) == 0
     assert f"wrote {png}" in capsys.readouterr().out
-    img = _read_png(png.read_bytes())
+    img = read_png(png.read_bytes())
     assert img.shape[0] > 50 and img.shape[1] > 100 and len(np.unique(img.reshape(-1, 3), 0)) > 3
     svg = tmp_path / "tree.svg"
     assert main(["draw", str(trees_file), "-o", str(svg), "--index", "1"]) == 0
