@@ -20,7 +20,7 @@ import weakref
 import torch
 import torch.fx as fx
 
-from . import backends
+from . import backends, regional
 from .kernels import capture_patches, discover
 from .layout import TreeBatch
 from .ops.attention import check_interleave_heads, check_kernel_options
@@ -56,8 +56,12 @@ class TreeEngine:
     """
 
     def __init__(self, make_traced, backend: str, block_size: int, kernel_options=None,
-                 interleave_heads: bool | None = None):
+                 interleave_heads: bool | None = None, regional: bool | None = None):
         self.make_traced = make_traced
+        if regional not in (None, True, False):
+            raise TypeError(f"regional must be True, False or None, got {regional!r}")
+        self.regional = regional
+        self._regional: dict[tuple, list] = {}  # guard key -> captured regional graphs
         self.backend = backends.check(backend)
         self.block_size = block_size
         self.kernel_options = check_kernel_options(kernel_options)
@@ -92,11 +96,18 @@ class TreeEngine:
         return compile_graph
 
     def __call__(self, device: torch.device, *args, dynamic: tuple[int, ...] = (),
-                 discover_in: torch.nn.Module | None = None):
+                 discover_in: torch.nn.Module | None = None, root=None):
         """Run the compiled function on ``args`` (compiling on first use per backend);
         ``dynamic``: indices of the args whose last dim is the token count N; ``discover_in``:
-        the model the function calls, made ready for capture once (:func:`prepare_model`)."""
+        the model the function calls, made ready for capture once (:func:`prepare_model`);
+        ``root``: what the user holds (the model, or its DDP wrapper), whose call wraps a
+        regional run (:mod:`treefx.regional`)."""
         backend = self.resolve_backend(device)
+        if discover_in is not None and discover_in not in self._prepared:
+            prepare_model(discover_in)
+            self._prepared.add(discover_in)
+        if discover_in is not None and self.uses_regions(discover_in, root):
+            return self._call_regional(backend, args, dynamic, discover_in, root)
         if backend not in self._compiled:
             self._compiled[backend] = torch.compile(
                 self.make_traced(len(self._compiled)), backend=self._dynamo_backend(backend),
@@ -105,14 +116,34 @@ class TreeEngine:
         for i in dynamic:
             torch._dynamo.maybe_mark_dynamic(args[i], args[i].dim() - 1)  # N varies per tree
         runs = self._runs
-        try:
+        with self._errors(args, dynamic):
             # Registered recurrent kernels appear as single marker nodes (treefx.kernels);
             # the swap is in place on every call so that Dynamo's guards always see it.
-            if discover_in is not None and discover_in not in self._prepared:
-                prepare_model(discover_in)
-                self._prepared.add(discover_in)
             with capture_patches(), backends.capture_config():
                 out = self._compiled[backend](*args)
+        if self._runs == runs:
+            raise TreeCompileError(
+                "the tree graph did not run: Dynamo fell back to the unmodified code (recompile "
+                "limit?). Its output would be silently wrong, so treefx stops here."
+            )
+        return out
+
+    def uses_regions(self, model: torch.nn.Module, root=None) -> bool:
+        """Whether calls run regionally: ``regional=True``, or (``None``) a model sharded with
+        FSDP2 or wrapped in DDP. ``regional=False`` with either is an error."""
+        kind = regional.distributed_kind(model, root if root is not model else None)
+        if self.regional is False and kind is not None:
+            raise TreeCompileError(
+                f"regional=False, but the model is wrapped for {kind.upper()}, whose hooks run "
+                "around each module call: treefx runs such a model regionally (leave "
+                "regional=None)")
+        return bool(self.regional) or kind is not None
+
+    @contextlib.contextmanager
+    def _errors(self, args, dynamic):
+        """Dynamo's and the backend's errors as treefx's."""
+        try:
+            yield
         except torch._dynamo.exc.BackendCompilerFailed as e:
             inner = getattr(e, "inner_exception", None) or e.__cause__
             if isinstance(inner, TreeCompileError):
@@ -132,12 +163,91 @@ class TreeEngine:
                 "table's length in tokens in one tree batch; pack fewer trees per batch or "
                 "split them (treefx.partition)."
             ) from e
-        if self._runs == runs:
-            raise TreeCompileError(
-                "the tree graph did not run: Dynamo fell back to the unmodified code (recompile "
-                "limit?). Its output would be silently wrong, so treefx stops here."
-            )
-        return out
+
+    # ------------------------------------------------------------------ regional
+
+    def _call_regional(self, backend, args, dynamic, model, root):
+        key = (backend, torch.is_grad_enabled(),
+               tuple(m.training for m in model.modules()),
+               torch.is_autocast_enabled("cuda") if hasattr(torch, "is_autocast_enabled")
+               else None)
+        graphs = self._regional.setdefault(key, [])
+        graph = next((g for g in graphs if g.accepts(args)), None)
+        if graph is None:
+            if len(graphs) >= 8:
+                raise TreeCompileError(
+                    "regional execution: 8 captures for one model state and none accepts "
+                    f"this batch ({args[dynamic[0]].shape[-1]} tokens); Dynamo's shape "
+                    "guards on the token count keep failing")
+            regional.check_hooks(model, root)
+            graph = self._capture_regional(backend, args, dynamic, model)
+            graphs.append(graph)
+        wrapper = root if root is not None and root is not model else None
+        ids = args[dynamic[0]]
+        if wrapper is not None:  # DDP: its forward calls the inner module, which runs ours
+            def root_call(run):
+                return _call_inner(wrapper, run, ids)
+        elif regional.fsdp_units(model) and regional.fsdp_units(model)[0] is model:
+            def root_call(run):
+                return regional.call_with_forward(model, run, ids)
+        else:
+            def root_call(run):
+                return run()
+        self._runs += 1
+        return graph(model, args, root_call)
+
+    def _capture_regional(self, backend, args, dynamic, model):
+        holder = {}
+
+        def compile_graph(gm: fx.GraphModule, example_inputs):
+            ctx = _context(gm, backend, self.block_size, self.kernel_options,
+                           self.interleave_heads)
+            self.contexts.append(ctx)
+            run_passes(ctx)
+            ctx.done = True
+            self.num_compilations += 1
+            holder["graph"] = regional.build(ctx.gm, example_inputs, backend=backend,
+                                             model=model, call_args=args, token_args=dynamic)
+            log.info("compiled a regional tree graph (%s backend, %d so far)", backend,
+                     self.num_compilations)
+
+            def captured(*_):
+                raise _Captured
+
+            return captured
+
+        fn = torch.compile(self.make_traced(1000 + len(self.contexts)),
+                           backend=compile_graph, fullgraph=True)
+        for i in dynamic:
+            torch._dynamo.maybe_mark_dynamic(args[i], args[i].dim() - 1)
+        with self._errors(args, dynamic), regional.capture_state(model), \
+                capture_patches(), backends.capture_config(), \
+                torch._dynamo.config.patch(optimize_ddp=False):
+            try:
+                fn(*args)
+            except _Captured:
+                pass
+        if "graph" not in holder:
+            raise TreeCompileError("regional execution: the capture did not reach the backend")
+        return holder["graph"]
+
+
+class _Captured(Exception):
+    """Raised by a regional capture's placeholder compiled function: the capture is done."""
+
+
+def _call_inner(wrapper, run, *args):
+    inner = wrapper.module
+    had = "forward" in inner.__dict__
+    old = inner.__dict__.get("forward")
+    inner.forward = run
+    try:
+        return wrapper(*args)
+    finally:
+        if had:
+            inner.forward = old
+        else:
+            del inner.forward
 
 
 def prepare_model(model: torch.nn.Module) -> None:

@@ -18,6 +18,7 @@ import torch
 
 from .engine import TreeEngine, check_batch, make_traced, tree_info, unwrap_compiled
 from .layout import TreeBatch
+from .regional import unwrap_ddp
 
 __all__ = ["step", "TreeStep"]
 
@@ -44,12 +45,13 @@ class TreeStep:
     """A training step compiled for trees (see :func:`step`)."""
 
     def __init__(self, fn, *, backend: str = "auto", block_size: int = 128,
-                 kernel_options: dict | None = None, interleave_heads: bool | None = None):
+                 kernel_options: dict | None = None, interleave_heads: bool | None = None,
+                 regional: bool | None = None):
         functools.update_wrapper(self, fn)
         self.fn = fn
         self.engine = TreeEngine(
             lambda tag: make_traced(_step_template, tag, user_fn=fn), backend, block_size,
-            kernel_options, interleave_heads,
+            kernel_options, interleave_heads, regional,
         )
 
     @property
@@ -63,18 +65,21 @@ class TreeStep:
     def __call__(self, model: torch.nn.Module, batch, *args, **kwargs):
         if not isinstance(batch, TreeBatch):
             return self.fn(model, batch, *args, **kwargs)
-        model = unwrap_compiled(model)
+        held = unwrap_compiled(model)
+        # Under DDP the step runs on the inner module; the wrapper's call wraps the run.
+        model, wrapper = unwrap_ddp(held)
         check_batch(model, batch)
         weights = torch.stack([batch.loss_weights_for("sum"), batch.loss_weights_for("mean")])
         weights = weights.to(torch.promote_types(weights.dtype, torch.float32))
         result, _, _ = self.engine(batch.device, model, batch.input_ids, tree_info(batch),
                                    weights, *args, dynamic=(1, 2, 3), discover_in=model,
-                                   **kwargs)
+                                   root=wrapper or model, **kwargs)
         return result
 
 
 def step(fn=None, *, backend: str = "auto", block_size: int = 128,
-         kernel_options: dict | None = None, interleave_heads: bool | None = None):
+         kernel_options: dict | None = None, interleave_heads: bool | None = None,
+         regional: bool | None = None):
     """Decorate a training step ``fn(model, batch, ...) -> loss`` so that
     ``fn(model, tree_batch)`` returns the per-branch baseline loss, exactly, with its gradients.
 
@@ -88,11 +93,13 @@ def step(fn=None, *, backend: str = "auto", block_size: int = 128,
     without it the model infers packed sequences from the positions. ``model`` may be a PEFT
     model (LoRA, ...); one wrapped in ``torch.compile`` reaches ``fn`` as its original module
     (``model._orig_mod``), which the step's own capture compiles. ``backend`` and
-    ``kernel_options`` and ``interleave_heads`` as for :func:`treefx.compile`.
+    ``kernel_options``, ``interleave_heads`` and ``regional`` as for :func:`treefx.compile`
+    (a model sharded with FSDP2 or wrapped in DDP runs regionally; the step's own code runs
+    in the glue around the blocks, inside the root's call).
     """
     if fn is None:
         return functools.partial(step, backend=backend, block_size=block_size,
                                  kernel_options=kernel_options,
-                                 interleave_heads=interleave_heads)
+                                 interleave_heads=interleave_heads, regional=regional)
     return TreeStep(fn, backend=backend, block_size=block_size, kernel_options=kernel_options,
-                    interleave_heads=interleave_heads)
+                    interleave_heads=interleave_heads, regional=regional)

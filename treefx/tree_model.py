@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import regional as regional_mod
 from . import verification
 from .engine import TreeEngine, check_batch, make_traced, tree_info, unwrap_compiled
 from .layout import TreeBatch
@@ -73,7 +74,7 @@ class TreeModel(torch.nn.Module):
     def __init__(self, model: torch.nn.Module, backend: str = "auto", *, block_size: int = 128,
                  pass_position_ids: bool | None = None, kernel_options: dict | None = None,
                  interleave_heads: bool | None = None, verify: bool | None = None,
-                 logits: bool = True, forward_signature=None):
+                 logits: bool = True, forward_signature=None, regional: bool | None = None):
         super().__init__()
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"treefx.compile expects a torch.nn.Module, got {type(model).__name__}")
@@ -82,8 +83,12 @@ class TreeModel(torch.nn.Module):
         if not logits:
             register_site()
         model = unwrap_compiled(model)
+        model, wrapper = regional_mod.unwrap_ddp(model)
         _check_peft(model)
         self.model = model
+        # What the user holds: the DDP wrapper (not registered as a submodule: it holds
+        # ``model`` itself), whose call wraps every regional run.
+        self._root = [wrapper or model]
         params = _forward_parameters(model, forward_signature)
         takes_kwargs = any(p.kind is p.VAR_KEYWORD for p in params.values())
 
@@ -110,7 +115,7 @@ class TreeModel(torch.nn.Module):
         self.opts = opts
         self.engine = TreeEngine(
             lambda tag: make_traced(_tree_forward_template, tag, model=model, opts=opts),
-            backend, block_size, kernel_options, interleave_heads,
+            backend, block_size, kernel_options, interleave_heads, regional,
         )
         self.verify_on_first_call = verify_default() if verify is None else verify
         if not isinstance(self.verify_on_first_call, bool):
@@ -143,14 +148,23 @@ class TreeModel(torch.nn.Module):
             self.verify_on_first_call = False
             self._verify_first_call()
         logits, token_logprobs = self.engine(batch.device, batch.input_ids, tree_info(batch),
-                                             dynamic=(0, 1), discover_in=self.model)
+                                             dynamic=(0, 1), discover_in=self.model,
+                                             root=self._root[0])
         return TreeOutput(logits, token_logprobs)
 
     def _verify_first_call(self) -> None:
         """The probe check (:mod:`treefx.verification`) through this model's own compiled graph,
         with gradients when the call computes them, before the user's first batch."""
+        grads = torch.is_grad_enabled()
+        kind = regional_mod.distributed_kind(self.model, self._root[0] if self._root[0]
+                                             is not self.model else None)
+        if kind is not None and grads:
+            # Sharded (FSDP) or reduced (DDP) gradients are not this process's own: the probe
+            # compares log-probabilities only (the tests compare the gathered gradients).
+            log.info("first-call check under %s: log-probabilities only", kind.upper())
+            grads = False
         try:
-            self.verification = verification.verify_compiled(self, grads=torch.is_grad_enabled())
+            self.verification = verification.verify_compiled(self, grads=grads)
         except verification.VerificationUnavailable as e:
             self.verification = str(e)
             log.warning("%s", e)
@@ -216,7 +230,7 @@ def compile(model: torch.nn.Module, *, backend: str = "auto", block_size: int = 
             pass_position_ids: bool | None = None,
             kernel_options: dict | None = None, interleave_heads: bool | None = None,
             verify: bool | None = None, logits: bool = True,
-            forward_signature=None) -> TreeModel:
+            forward_signature=None, regional: bool | None = None) -> TreeModel:
     """Compile ``model`` to run exactly on DFS-packed trees.
 
     ``model``: a causal LM taking ``input_ids`` [1, N] first and returning logits (a tensor,
@@ -258,10 +272,18 @@ def compile(model: torch.nn.Module, *, backend: str = "auto", block_size: int = 
     passes them to: treefx passes ``attention_mask`` (all ones), ``position_ids`` and
     ``use_cache=False`` by it as for a model with that forward. PEFT's ``PeftModel`` needs
     none (its base model's forward is used); another such forward without it is an error.
+    ``regional``: run the tree graph block by block (:mod:`treefx.regional`): the passes
+    rewrite the whole captured forward, then it is cut at the decoder layers, each layer type
+    is compiled once (compile time does not grow with depth), and each layer runs through its
+    module's own call, where FSDP2 gathers and frees its parameters and DDP reduces its
+    gradients. ``None`` (default): for a model sharded with ``fully_shard`` or wrapped in
+    ``DistributedDataParallel`` (pass the wrapper; ``.model`` is its inner module);
+    ``True``: always; ``False``: never (an error for such a model).
     """
     return TreeModel(model, backend, block_size=block_size, pass_position_ids=pass_position_ids,
                      kernel_options=kernel_options, interleave_heads=interleave_heads,
-                     verify=verify, logits=logits, forward_signature=forward_signature)
+                     verify=verify, logits=logits, forward_signature=forward_signature,
+                     regional=regional)
 
 
 def verify(model, trees=None, **options) -> verification.VerificationReport:
