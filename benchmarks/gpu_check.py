@@ -495,7 +495,42 @@ def case_realistic_bf16(res):
         print(f"  realistic {arch}: {time.perf_counter() - t0:.0f} s", flush=True)
 
 
+def case_regional(res):
+    """Regional execution (``treefx.compile(..., regional=True)``, the path FSDP2 and DDP
+    models take): the graph cut at the decoder layers, each layer type compiled once, against
+    the oracle (log-probs and every gradient), without and with activation checkpointing, on
+    Qwen3 and the Qwen3-Next hybrid; then trees of other sizes through the same capture."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    trees = small_trees(SMALL["vocab_size"])
+    models = {"qwen3": lambda: hf_model("qwen3", **SMALL),
+              "qwen3_next": lambda: hybrid_models()["qwen3_next"]}
+    for name, make in models.items():
+        for ck in (False, True):
+            model = make()
+            if ck:
+                model.gradient_checkpointing_enable(
+                    gradient_checkpointing_kwargs={"use_reentrant": False})
+                model.train()
+            tm = treefx.compile(model, regional=True, verify=False, **COMPILE_KW)
+            label = f"regional-{name}{'-checkpointing' if ck else ''}"
+            res[label] = compare(tm, trees, "mean")
+            sizes = []
+            for seed in range(4):
+                t = synth.agent_tree(seed=seed, vocab_size=SMALL["vocab_size"],
+                                     system_len=(50 + 300 * seed,) * 2)
+                rep = treefx.verify(tm, [t], raise_on_failure=False)
+                sizes.append({"tokens": t.num_tokens, "passed": rep.passed,
+                              "logprob_err": rep.max_logprob_error,
+                              "grad_err": rep.max_grad_error})
+            res[f"{label}-sizes"] = sizes
+            graphs = [g for gs in tm.engine._regional.values() for g in gs]
+            res[f"{label}-captures"] = {"captures": len(graphs),
+                                        "compiled_pieces": [g.num_compiled for g in graphs],
+                                        "pieces": [len(g.pieces) for g in graphs]}
+
+
 CASES = {
+    "regional": case_regional,
     "families": case_families,
     "realistic-bf16": case_realistic_bf16,
     "small-trees": case_small_trees,

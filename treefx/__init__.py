@@ -2,7 +2,7 @@
 
 import logging
 
-from . import data, debug, reference, rl, synth
+from . import data, debug, distributed, reference, rl, synth
 from ._version import __version__
 from .debug import explain
 from .kernels import Recurrence, register_recurrence
@@ -44,6 +44,7 @@ __all__ = [
     "compile",
     "data",
     "debug",
+    "distributed",
     "err",
     "explain",
     "pack",

@@ -6,6 +6,7 @@ Every subtree is a contiguous range of the row, so a key ``k`` is visible to a q
 
 from __future__ import annotations
 
+import math
 import numbers
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
@@ -32,7 +33,10 @@ class TreeBatch:
     each sequence ends in, ``sequence_tree`` [P] the tree it belongs to.
     ``num_sequences_normalizer``: the sequence count every loss weight is divided by (this
     batch's own count, or the global count given to :func:`pack`); :mod:`treefx.rl` divides
-    by the same number.
+    by the same number. ``loss_scale``: the factor every loss weight is multiplied by (1
+    unless given to :func:`pack`; the data-parallel world size under
+    :func:`treefx.distributed.pack`, since DDP and FSDP average gradients over ranks);
+    :mod:`treefx.rl` multiplies by the same number.
     """
 
     input_ids: torch.Tensor
@@ -52,6 +56,7 @@ class TreeBatch:
     loss_weights_by_reduction: dict = field(repr=False)
     trees: list[Tree] = field(repr=False)
     max_token_id: int = field(default=-1, repr=False)  # from the host: no device sync to check
+    loss_scale: float = 1.0
     _block_masks: dict = field(default_factory=dict, repr=False)
     _parent_list: list | None = field(default=None, repr=False)
     # reduction -> why its weights are unusable in the batch's weight dtype (see pack)
@@ -262,6 +267,15 @@ def check_num_sequences(num_sequences, own: int) -> int:
     return int(num_sequences)
 
 
+def _check_loss_scale(loss_scale) -> float:
+    if not isinstance(loss_scale, numbers.Real) or isinstance(loss_scale, bool):
+        raise TypeError(f"loss_scale must be a positive number, got {loss_scale!r} "
+                        f"({type(loss_scale).__name__})")
+    if not (math.isfinite(loss_scale) and loss_scale > 0):
+        raise ValueError(f"loss_scale must be a finite positive number, got {loss_scale!r}")
+    return float(loss_scale)
+
+
 def _check_pad_token_id(pad_token_id) -> int:
     if not isinstance(pad_token_id, numbers.Integral) or isinstance(pad_token_id, bool):
         raise TypeError(
@@ -281,6 +295,7 @@ def pack(
     pad_to_multiple: int | None = None,
     pad_token_id: int = 0,
     weight_dtype: torch.dtype = torch.float64,
+    loss_scale: float = 1.0,
 ) -> TreeBatch:
     """Lay one tree or a forest of trees out depth-first as one row of tokens.
 
@@ -299,14 +314,20 @@ def pack(
     batch split into micro-batches, or over ranks, passes the global count to every ``pack``:
     the micro-batch losses and gradients then sum to those of the global batch's mean. At least
     this batch's own count (a part of a batch cannot hold more sequences than the whole).
-    With DDP / FSDP, which average gradients over ranks, multiply each rank's loss by the
-    world size. The parts of :func:`treefx.partition` take the whole tree's count.
+    With DDP / FSDP, which average gradients over ranks, each rank's loss is also multiplied
+    by the world size (``loss_scale``; :func:`treefx.distributed.pack` sets both). The parts
+    of :func:`treefx.partition` take the whole tree's count.
     ``pad_to_multiple``: pad the row with inert tokens (weight 0, each sees only itself)
     to a multiple of this, with token id ``pad_token_id`` (a non-negative integer).
     ``loss_weights`` come out in ``weight_dtype``, a floating dtype (float64 by default, so
     weights summed over many sequences stay exact); a weight that it turns into 0 or inf
     (float16 and small weights over a large count, say) raises a ``ValueError``, for the other
     reduction when :meth:`TreeBatch.loss_weights_for` asks for it.
+    ``loss_scale``: a positive factor s every loss weight is multiplied by (so every
+    :mod:`treefx.rl` objective too), ``w_t = s · Σ_p ω_p r_p m_p(t) / P``; 1 by default. With
+    data parallelism, where DDP / FSDP average the ranks' gradients, each rank packs its share
+    with the global P and s = the world size W, so the mean of the W rank losses is the global
+    batch's loss: :func:`treefx.distributed.pack` does both.
     """
     if reduction not in _REDUCTIONS:
         raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
@@ -330,6 +351,7 @@ def pack(
             f"{weight_dtype!r}: loss weights are fractions, an integer dtype would make them 0"
         )
     normalizer = check_num_sequences(num_sequences, sum(t.num_sequences for t in trees))
+    loss_scale = _check_loss_scale(loss_scale)
 
     ids, pos, par, send, tix = [], [], [], [], []
     wts: dict[str, list] = {r: [] for r in _REDUCTIONS}
@@ -359,7 +381,8 @@ def pack(
         parent_tok[first] = np.where(pnode >= 0, offs[np.maximum(pnode, 0)] + lens[pnode] - 1, -1)
         ends = rank[tree.sequence_ends]
         for r in _REDUCTIONS:
-            w = _token_weights(tree, ends, offs, lens, parents, node_of_tok, r, normalizer)
+            w = _token_weights(tree, ends, offs, lens, parents, node_of_tok, r, normalizer,
+                               loss_scale)
             w[depth[node_of_tok] + within == 0] = 0.0  # nothing predicts a sequence's 1st token
             wts[r].append(w)
 
@@ -415,6 +438,7 @@ def pack(
         reduction=reduction,
         num_real_tokens=num_real,
         num_sequences_normalizer=normalizer,
+        loss_scale=loss_scale,
         max_token_id=max(int(np.max(x)) for x in ids),
         trees=trees,
         _weight_errors=errors,
@@ -443,8 +467,9 @@ def _weights_lost(exact: np.ndarray, cast: torch.Tensor, reduction: str) -> str 
 
 
 def _token_weights(tree, ends, offs, lens, parents, node_of_tok, reduction,
-                   normalizer: int) -> np.ndarray:
-    """w_t = sum over sequences p through t of weight_p * r_p * mask_p(t) / normalizer, float64.
+                   normalizer: int, scale: float = 1.0) -> np.ndarray:
+    """w_t = sum over sequences p through t of weight_p * r_p * mask_p(t) / normalizer * scale,
+    float64 (a scale of 1 changes no bit).
 
     Masks default to all ones; then a sequence adds the same amount to every token of its path,
     so the sum runs over nodes (bottom-up), not tokens.
@@ -455,7 +480,7 @@ def _token_weights(tree, ends, offs, lens, parents, node_of_tok, reduction,
         predicted = (seq_len - 1).astype(np.float64)
         r = np.ones_like(predicted) if reduction == "sum" else _safe_inv(predicted)
         node_w = np.zeros(len(lens))
-        np.add.at(node_w, ends, tree.weights * r / normalizer)
+        np.add.at(node_w, ends, tree.weights * r / normalizer * scale)
         for i in range(len(lens) - 1, 0, -1):
             if parents[i] >= 0:
                 node_w[parents[i]] += node_w[i]
@@ -471,7 +496,7 @@ def _token_weights(tree, ends, offs, lens, parents, node_of_tok, reduction,
         m = tree.loss_masks[i].copy()
         m[0] = 0.0  # the first token is never predicted
         r = 1.0 if reduction == "sum" else _safe_inv(np.array([m.sum()]))[0]
-        w[idx] += tree.weights[i] * r / normalizer * m
+        w[idx] += tree.weights[i] * r / normalizer * scale * m
     return w
 
 

@@ -8,9 +8,11 @@ over the batch's sequences the way its SFT loss is (see :func:`treefx.pack`):
 with ``ω_p`` the sequence weight, ``m_p`` its loss mask, ``r_p`` from ``batch.reduction`` and
 P = ``batch.num_sequences_normalizer`` (the batch's sequence count, or the global count given to
 ``pack(..., num_sequences=)``: micro-batches packed with the global count sum to the global
-objective). Token j of sequence p is one token t of the tree, and its log-probability (so its
+objective), times ``s = batch.loss_scale`` (1 unless given to ``pack``; the world size under
+:func:`treefx.distributed.pack`, so that the rank objectives DDP / FSDP average are the global
+batch's). Token j of sequence p is one token t of the tree, and its log-probability (so its
 ratio to an old or reference policy) is the same in every sequence through t. Writing
-``c_p(j) = ω_p · r_p · m_p(j) / P ≥ 0``, each objective collapses to per-token weights:
+``c_p(j) = ω_p · r_p · m_p(j) · s / P ≥ 0``, each objective collapses to per-token weights:
 
 - policy gradient, f = −A_p(j) · log π:     L = −Σ_t log π_t · Σ_{p∋t} c_p(t) A_p(t)
 - PPO-clip, f = −min(ρA, clip(ρ)A):         L = −Σ_t [min(ρ_t, clip ρ_t) · Σ_{p∋t} c_p A_p⁺
@@ -91,8 +93,9 @@ class PathIncidence:
     - ``token`` [T]: the token's index in the DFS row.
     - ``sequence`` [T]: p, numbered over the forest as in :meth:`TreeBatch.sequence_index`.
     - ``position`` [T]: j, the token's offset in its sequence (≥ 1).
-    - ``coef`` [T] float64: c_p(j) = ω_p · r_p · m_p(j) / P (P =
-      ``batch.num_sequences_normalizer``); ``token_sums`` of it is ``batch.loss_weights``.
+    - ``coef`` [T] float64: c_p(j) = ω_p · r_p · m_p(j) · s / P (P =
+      ``batch.num_sequences_normalizer``, s = ``batch.loss_scale``); ``token_sums`` of it is
+      ``batch.loss_weights``.
     - ``sequence_lengths`` [P]: tokens per sequence (L_p; each has L_p − 1 entries here).
     - ``first`` / ``first_trained`` [N]: per token, the first entry through it (among entries
       with ``coef > 0`` for the latter), −1 where there is none.
@@ -176,7 +179,8 @@ def _build_incidence(batch: TreeBatch) -> PathIncidence:
         r = np.ones(num_seq)
     else:  # a sequence with nothing to predict adds nothing
         r = np.divide(1.0, masked_count, out=np.zeros(num_seq), where=masked_count > 0)
-    coef = weights[sequence] * r[sequence] / batch.num_sequences_normalizer * mask
+    coef = weights[sequence] * r[sequence] / batch.num_sequences_normalizer * batch.loss_scale \
+        * mask
 
     n = batch.num_tokens
     first = _first_entry(token, np.ones(len(token), dtype=bool), n)
@@ -330,13 +334,13 @@ def token_sums(batch: TreeBatch, values=None, *, weighted: bool = True,
                dtype: torch.dtype | None = None) -> torch.Tensor:
     """Per tree token t, the sum over the sequences through it:
 
-        out[t] = Σ_{p∋t} c_p(t) · x_p(t)    c_p(j) = ω_p · r_p · m_p(j) / P  (1 if not weighted)
+        out[t] = Σ_{p∋t} c_p(t) · x_p(t)    c_p(j) = ω_p · r_p · m_p(j) · s / P  (1 if not weighted)
 
-    (P = ``batch.num_sequences_normalizer``). ``values`` (x): one value per sequence ([P]
-    tensor or list of P numbers), or a list of P per-token tensors of length
-    len(sequence) − 1 (entry k for token k + 1), all finite; ``None`` means
-    x = 1, so ``token_sums(batch)`` is ``batch.loss_weights`` (in float64). Tokens no sequence
-    predicts (a root's first token, padding) get 0. Differentiable in ``values``.
+    (P = ``batch.num_sequences_normalizer``, s = ``batch.loss_scale``). ``values`` (x): one
+    value per sequence ([P] tensor or list of P numbers), or a list of P per-token tensors of
+    length len(sequence) − 1 (entry k for token k + 1), all finite; ``None`` means x = 1, so
+    ``token_sums(batch)`` is ``batch.loss_weights`` (in float64). Tokens no sequence predicts
+    (a root's first token, padding) get 0. Differentiable in ``values``.
     """
     inc = path_incidence(batch)
     if dtype is None:
@@ -475,7 +479,7 @@ def policy_gradient_loss(token_logprobs, batch: TreeBatch, advantages) -> torch.
     """REINFORCE / GRPO without a ratio:
 
         L = −(1/P) Σ_p ω_p r_p Σ_{j≥1} m_p(j) A_p(j) log π(s_p[j] | s_p[<j])
-          = −Σ_t log π_t · Σ_{p∋t} c_p(t) A_p(t)          c_p = ω_p r_p m_p / P
+          = −Σ_t log π_t · Σ_{p∋t} c_p(t) A_p(t)          c_p = ω_p r_p m_p s / P
 
     ``token_logprobs``: ``out.token_logprobs`` [N] (or the ``TreeOutput``). ``advantages``: per
     sequence ([P], GRPO) or per token (a list of P tensors of length len(sequence) − 1, entry k
@@ -498,8 +502,8 @@ def ppo_clip_loss(token_logprobs, batch: TreeBatch, advantages, old_logprobs, *,
         L = −(1/P) Σ_p ω_p r_p Σ_{j≥1} m_p(j) min(ρ A_p(j), clip(ρ) A_p(j))
           = −Σ_t [min(ρ_t, clip ρ_t) · Σ_{p∋t} c_p A_p⁺  +  max(ρ_t, clip ρ_t) · Σ_{p∋t} c_p A_p⁻]
 
-    exact because ρ_t is the same in every sequence through t and c_p = ω_p r_p m_p / P ≥ 0
-    (P = ``batch.num_sequences_normalizer``).
+    exact because ρ_t is the same in every sequence through t and c_p = ω_p r_p m_p s / P ≥ 0
+    (P = ``batch.num_sequences_normalizer``, s = ``batch.loss_scale``).
 
     ``advantages``: per sequence [P] or per token (list of P tensors, len(sequence) − 1 each),
     all finite. ``old_logprobs``: on the tree ([N], e.g. a no-grad forward's
@@ -550,7 +554,7 @@ def kl_penalty(token_logprobs, batch: TreeBatch, ref_logprobs, *, estimator: str
 
         L = coef · (1/P) Σ_p ω_p r_p Σ_{j≥1} m_p(j) kl(s_p[j]) = coef · Σ_t w_t · kl_t
 
-    with ``w_t = Σ_{p∋t} ω_p r_p m_p(t) / P`` (``batch.loss_weights``, computed here in float64)
+    with ``w_t = Σ_{p∋t} ω_p r_p m_p(t) s / P`` (``batch.loss_weights``, computed here in float64)
     and, for d = log π_ref − log π (Schulman's estimators of KL(π ‖ π_ref)):
     ``"k1"``: −d;  ``"k2"``: d² / 2;  ``"k3"``: exp(d) − d − 1.
 

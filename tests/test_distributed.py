@@ -1,0 +1,170 @@
+"""Several processes: FSDP2 (``fully_shard`` per decoder layer) and DDP with ``treefx.compile``
+and ``@treefx.step``, two CPU processes on the gloo backend, different trees per rank.
+
+The oracle is the unmodified model run on each sequence of the union of all ranks' trees in one
+process, with the global mean over sequences: every rank's gathered gradients
+(``full_tensor()`` under FSDP, the reduced ``.grad`` under DDP) must equal its gradients.
+One spawn runs every case (the processes start once); each test reads its case's result.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import socket
+import traceback
+
+import pytest
+import torch
+
+import treefx
+
+transformers = pytest.importorskip("transformers")
+dist = pytest.importorskip("torch.distributed")
+if not dist.is_available():
+    pytest.skip("torch.distributed is not available", allow_module_level=True)
+
+VOCAB = 64
+WORLD = 2
+HF = {
+    "qwen3": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=8),
+    "qwen3_next": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                       layer_types=["linear_attention", "full_attention"],
+                       linear_num_value_heads=2, linear_num_key_heads=2,
+                       linear_key_head_dim=8, linear_value_head_dim=8,
+                       linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2,
+                       moe_intermediate_size=16, shared_expert_intermediate_size=16,
+                       decoder_sparse_step=1),
+}
+# (case, model, wrapper, how the step runs, activation checkpointing, reduction)
+CASES = [
+    ("fsdp-qwen3-compile", "qwen3", "fsdp", "compile", False, "mean"),
+    ("fsdp-qwen3-step", "qwen3", "fsdp", "step", False, "mean"),
+    ("fsdp-qwen3-checkpointing", "qwen3", "fsdp", "compile", True, "sum"),
+    ("fsdp-qwen3_next-compile", "qwen3_next", "fsdp", "compile", False, "mean"),
+    ("fsdp-qwen3_next-step", "qwen3_next", "fsdp", "step", True, "mean"),
+    ("ddp-qwen3-compile", "qwen3", "ddp", "compile", False, "mean"),
+    ("ddp-qwen3_next-step", "qwen3_next", "ddp", "step", True, "mean"),
+]
+
+
+def _model(name: str, checkpointing: bool):
+    cfg = transformers.AutoConfig.for_model(name, vocab_size=VOCAB, **HF[name])
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).float()
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()  # dropout is 0 in these configs
+    return model
+
+
+def _trees() -> list[treefx.Tree]:
+    from treefx.synth import odd_forest
+
+    return odd_forest(3, VOCAB) + odd_forest(5, VOCAB) + odd_forest(7, VOCAB)[:1]
+
+
+@treefx.step
+def hf_step(model, batch):
+    return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                 labels=batch["labels"]).loss
+
+
+def _case(rank, name, model_name, wrapper, how, checkpointing, reduction):
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+
+    trees = _trees()
+    mine = treefx.distributed.assign(trees, WORLD)[rank]
+    model = _model(model_name, checkpointing)
+    oracle = copy.deepcopy(model)
+    # one process on the union of all ranks' trees, the global mean over sequences
+    treefx.reference.sequence_loss(oracle, trees, reduction=reduction).backward()
+    if wrapper == "fsdp":
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        held, inner = model, model
+    else:
+        held = DistributedDataParallel(model)
+        inner = model
+    batch = treefx.distributed.pack(mine, reduction=reduction)
+    if how == "compile":
+        tm = treefx.compile(held, backend="eager")
+        loss = treefx.tree_loss(tm(batch), batch)
+    else:
+        if reduction != "mean":
+            raise ValueError("the HF step computes the mean")
+        loss = hf_step(held, batch)
+    loss.backward()
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    worst, where = 0.0, None
+    ref = dict(oracle.named_parameters())
+    for n, p in inner.named_parameters():
+        g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        r = ref[n].grad
+        err = float((g - r).abs().max() / r.abs().max().clamp_min(1e-30))
+        if err > worst:
+            worst, where = err, n
+    ref_loss = treefx.reference.sequence_loss(oracle, trees, reduction=reduction)
+    return {"loss": float(total) / WORLD, "ref_loss": float(ref_loss), "grad_err": worst,
+            "worst_param": where, "my_trees": len(mine), "params": len(ref)}
+
+
+def _worker(rank: int, port: int, queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    try:
+        for case in CASES:
+            try:
+                result = _case(rank, *case)
+            except Exception:
+                result = {"error": traceback.format_exc()}
+            queue.put((rank, case[0], result))
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def results():
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, port, queue)) for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    out: dict = {}
+    try:
+        for _ in range(WORLD * len(CASES)):
+            rank, name, result = queue.get(timeout=600)
+            out[(rank, name)] = result
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+    return out
+
+
+@pytest.mark.parametrize("case", [c[0] for c in CASES])
+def test_gradients_equal_one_process_on_all_trees(results, case):
+    for rank in range(WORLD):
+        r = results[(rank, case)]
+        assert "error" not in r, f"rank {rank}:\n{r['error']}"
+        assert r["my_trees"] >= 1
+        assert abs(r["loss"] - r["ref_loss"]) <= 1e-5 * abs(r["ref_loss"]), r
+        assert r["grad_err"] <= 1e-5, r
