@@ -211,8 +211,13 @@ class TreeEngine:
             log.info("compiled a regional tree graph (%s backend, %d so far)", backend,
                      self.num_compilations)
 
+            out = next(n for n in ctx.gm.graph.nodes if n.op == "output").args[0]
+            holder["sentinels"] = [torch.empty(0) for _ in out]
+
             def captured(*_):
-                raise _Captured
+                # Dynamo's own code builds the function's return value from these: which
+                # graph output goes where (and the constants around them) is read from it.
+                return list(holder["sentinels"])
 
             return captured
 
@@ -223,17 +228,12 @@ class TreeEngine:
         with self._errors(args, dynamic), regional.capture_state(model), \
                 capture_patches(), backends.capture_config(), \
                 torch._dynamo.config.patch(optimize_ddp=False):
-            try:
-                fn(*args)
-            except _Captured:
-                pass
+            returned = fn(*args)
         if "graph" not in holder:
             raise TreeCompileError("regional execution: the capture did not reach the backend")
-        return holder["graph"]
-
-
-class _Captured(Exception):
-    """Raised by a regional capture's placeholder compiled function: the capture is done."""
+        graph = holder["graph"]
+        graph.set_return(returned, holder["sentinels"])
+        return graph
 
 
 def _call_inner(wrapper, run, *args):

@@ -251,10 +251,7 @@ def _structure_key(gm: fx.GraphModule, fakes) -> tuple:
             return ("dict", tuple((k, arg(v)) for k, v in a.items()))
         if isinstance(a, slice):
             return ("slice", arg(a.start), arg(a.stop), arg(a.step))
-        if isinstance(a, (int, float, bool, str, type(None), torch.dtype, torch.device,
-                          torch.layout, torch.memory_format)):
-            return (type(a).__name__, repr(a))
-        return ("obj", id(a), repr(type(a)))
+        return _object_key(a)
 
     for i, n in enumerate(gm.graph.nodes):
         index[n] = i
@@ -266,7 +263,7 @@ def _structure_key(gm: fx.GraphModule, fakes) -> tuple:
         elif n.op == "placeholder":
             target = "placeholder"
         elif callable(target):
-            target = ("fn", id(target), getattr(target, "__qualname__", repr(target)))
+            target = _object_key(target)
         rows.append((n.op, target, arg(n.args), arg(n.kwargs)))
     kinds = []
     for f in fakes:
@@ -276,6 +273,36 @@ def _structure_key(gm: fx.GraphModule, fakes) -> tuple:
         else:
             kinds.append(("v", str(f)))
     return (tuple(rows), tuple(kinds))
+
+
+# Per-site state of treefx's own call targets that does not change what they compute: the
+# node name they were made for, and the layouts a site recorded while it was traced.
+_NOT_CONFIG = frozenset({"__name__", "layouts"})
+
+
+def _object_key(a, depth: int = 0):
+    """A key equal for two objects that compute the same thing: values by value, treefx's own
+    callables (an attention site, a recurrence site: one object per layer) by their
+    configuration, recursively; anything else (functions, closures, tensors, modules) by
+    identity."""
+    if isinstance(a, (int, float, bool, str, type(None), torch.dtype, torch.device,
+                      torch.layout, torch.memory_format)):
+        return (type(a).__name__, repr(a))
+    if isinstance(a, (list, tuple)):
+        return (type(a).__name__, tuple(_object_key(x, depth + 1) for x in a))
+    if isinstance(a, dict):
+        return ("dict", tuple((repr(k), _object_key(v, depth + 1)) for k, v in a.items()))
+    if isinstance(a, (set, frozenset)):
+        return ("set", tuple(sorted(repr(_object_key(x, depth + 1)) for x in a)))
+    if isinstance(a, fx.GraphModule):
+        return ("graph", _structure_key(a, ()))
+    cls = type(a)
+    if depth < 6 and cls.__module__.startswith("treefx.") and hasattr(a, "__dict__") \
+            and not isinstance(a, torch.nn.Module):
+        return ("treefx", cls.__module__, cls.__qualname__, tuple(
+            (k, _object_key(v, depth + 1)) for k, v in sorted(vars(a).items())
+            if k not in _NOT_CONFIG))
+    return ("id", id(a), cls.__qualname__)
 
 
 def getattr_path(obj, target: str):
@@ -519,6 +546,8 @@ class RegionalGraph:
     symbols: set = field(default_factory=set)
     guards: list = field(default_factory=list)
     num_compiled: int = 0
+    return_spec: object = None
+    return_leaves: list = field(default_factory=list)
     _ok_sizes: set = field(default_factory=set)
 
     def accepts(self, args) -> bool:
@@ -572,10 +601,29 @@ class RegionalGraph:
                     env[k] = v
                 for k in self.frees[i]:
                     env.pop(k, None)
-            return fx.node.map_aggregate(self.output, lambda k: env[k]
+            outs = fx.node.map_aggregate(self.output, lambda k: env[k]
                                          if isinstance(k, str) else k)
+            leaves = [outs[i] if kind == "out" else i for kind, i in self.return_leaves]
+            return torch.utils._pytree.tree_unflatten(leaves, self.return_spec)
 
         return root_call(run)
+
+    def set_return(self, returned, sentinels) -> None:
+        """How the traced function builds its return value from the graph's outputs (read off
+        the capture's own return value, built by Dynamo from ``sentinels``)."""
+        leaves, self.return_spec = torch.utils._pytree.tree_flatten(returned)
+        where = {id(t): i for i, t in enumerate(sentinels)}
+        self.return_leaves = []
+        for leaf in leaves:
+            if id(leaf) in where:
+                self.return_leaves.append(("out", where[id(leaf)]))
+            elif isinstance(leaf, torch.Tensor):
+                raise TreeCompileError(
+                    "regional execution: the step returns a tensor that is not one of the "
+                    "graph's outputs as they are (a view or an op applied after the graph); "
+                    "return the values the model computes")
+            else:
+                self.return_leaves.append(("const", leaf))
 
 
 def _fetch(model, block, piece: Piece) -> list:
