@@ -1,0 +1,134 @@
+"""Regional execution (``treefx.compile(..., regional=True)``; the path FSDP2 and DDP models
+take, see test_distributed.py): the rewritten graph cut at the decoder layers, each layer type
+compiled once, each layer run through its module's call. In one process, against the oracle,
+and the checks that keep it from being silently wrong."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from support import HF_CONFIGS, VOCAB, check_against_oracle, hf_model
+from test_model_positions import model_of
+from trees import check_forward, odd_forest
+
+import treefx
+from treefx import regional
+
+transformers = pytest.importorskip("transformers")
+
+
+def _graphs(tm):
+    return [g for gs in tm.engine._regional.values() for g in gs]
+
+
+@pytest.mark.parametrize("name,backend,checkpointing", [
+    ("qwen3", "aot-eager", True), ("gpt2", "eager", True), ("mistral", "eager", False)])
+def test_regional_matches_oracle(name, backend, checkpointing):
+    model = hf_model(name, "sdpa")
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+    tm = treefx.compile(model, backend=backend, regional=True, verify=False)
+    check_against_oracle(tm, odd_forest(3, VOCAB))
+    check_forward(tm, odd_forest(11, VOCAB)[:1], atol=1e-4)  # no grad: a capture of its own
+    graphs = _graphs(tm)
+    assert len(graphs) == 2  # with and without autograd
+    graph = graphs[0]
+    layers = HF_CONFIGS[name].get("num_hidden_layers") or HF_CONFIGS[name]["n_layer"]
+    assert sum(p.block is not None for p in graph.pieces) == layers
+
+
+def test_layers_of_one_type_share_one_compiled_piece():
+    cfg = dict(HF_CONFIGS["qwen3"], num_hidden_layers=5)
+    cfg = transformers.AutoConfig.for_model(cfg.pop("model_type"), vocab_size=VOCAB, **cfg)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    tm = treefx.compile(model, backend="aot-eager", regional=True, verify=False)
+    check_against_oracle(tm, odd_forest(5, VOCAB))
+    (graph,) = _graphs(tm)
+    blocks = [p for p in graph.pieces if p.block is not None]
+    assert len(blocks) == 5
+    # the first layer reads the embeddings (other strides), the other four share one
+    assert len({id(p.compiled) for p in blocks}) <= 2
+    assert graph.num_compiled <= 4
+
+
+def test_logits_false_and_no_grad():
+    model = hf_model("qwen3", "sdpa")
+    full = treefx.compile(model, backend="eager", verify=False)
+    tm = treefx.compile(model, backend="eager", regional=True, logits=False, verify=False)
+    batch = treefx.pack(odd_forest(3, VOCAB))
+    with torch.no_grad():
+        out, ref = tm(batch), full(batch)
+    assert out.logits is None
+    torch.testing.assert_close(out.token_logprobs, ref.token_logprobs)
+
+
+def test_step_result_structure_is_kept():
+    @treefx.step(backend="eager", regional=True)
+    def step(model, batch):
+        out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                    labels=batch["labels"])
+        return {"loss": out.loss, "tag": "sft", "n": 3}
+
+    model = hf_model("qwen3", "sdpa")
+    trees = odd_forest(3, VOCAB)
+    result = step(model, treefx.pack(trees, reduction="mean"))
+    assert set(result) == {"loss", "tag", "n"} and result["tag"] == "sft" and result["n"] == 3
+    ref = treefx.reference.sequence_loss(model, trees, reduction="mean")
+    torch.testing.assert_close(result["loss"], ref, atol=1e-5, rtol=1e-5)
+
+
+def test_a_changed_parameter_is_an_error_not_a_misread():
+    """A piece reads each parameter from its module when it runs: one that is not the tensor it
+    was captured as (an FSDP shard, a parameter of another unit) is refused by name."""
+    model = hf_model("qwen3", "sdpa")
+    tm = treefx.compile(model, backend="eager", regional=True, verify=False)
+    batch = treefx.pack(odd_forest(3, VOCAB))
+    tm(batch)
+    model.model.layers[1].mlp.up_proj.weight = torch.nn.Parameter(torch.zeros(2, 2))
+    with pytest.raises(treefx.TreeCompileError, match=r"block model\.layers\.1 reads "
+                                                      r"mlp\.up_proj\.weight"):
+        tm(batch)
+
+
+def test_hooks_on_a_layer_are_refused():
+    model = hf_model("qwen3", "sdpa")
+    model.model.layers[0].register_forward_hook(lambda m, a, o: None)
+    tm = treefx.compile(model, backend="eager", regional=True, verify=False)
+    with pytest.raises(treefx.TreeCompileError, match="forward hooks"):
+        tm(treefx.pack(odd_forest(3, VOCAB)))
+
+
+def test_shape_guards_are_checked_on_every_call():
+    """GPT-Neo cuts its 48-position table to the row: Dynamo guards the row length. A row
+    within the guard reuses the capture; a longer one is captured anew, which fails clearly
+    (the same error as without regions), never run on the old capture."""
+    model = model_of("gpt_neo", max_position_embeddings=48)
+    tm = treefx.compile(model, backend="eager", regional=True, verify=False)
+    small = [treefx.Tree.from_sequences([[1, 2, 3, 4], [1, 2, 5]])]
+    tm(treefx.pack(small))
+    (graph,) = _graphs(tm)
+    assert graph.guards, "the table cut guards the token count"
+    long = [treefx.Tree.from_sequences([[1 + (i + j) % 60 for j in range(30)]
+                                        for i in range(4)])]
+    batch = treefx.pack(long)
+    assert not graph.accepts((batch.input_ids, treefx.engine.tree_info(batch)))
+    with pytest.raises(treefx.TreeCompileError, match=r"row of \d+ tokens.*table's length"):
+        tm(batch)
+
+
+def test_blocks_are_the_decoder_layers():
+    model = hf_model("qwen3", "sdpa")
+    assert list(regional.find_blocks(model)) == ["model.layers.0", "model.layers.1"]
+    gpt2 = hf_model("gpt2", "sdpa")
+    assert list(regional.find_blocks(gpt2)) == ["transformer.h.0", "transformer.h.1"]
+
+
+def test_regional_false_is_the_whole_graph():
+    model = hf_model("qwen3", "sdpa")
+    tm = treefx.compile(model, backend="eager", regional=False, verify=False)
+    tm(treefx.pack(odd_forest(3, VOCAB)))
+    assert not _graphs(tm)
+    with pytest.raises(TypeError, match="regional"):
+        treefx.compile(model, regional="yes")
