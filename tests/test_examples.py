@@ -26,3 +26,23 @@ def test_demo_runs_and_matches(capsys):
     assert len(rows) == 2
     for row in rows:
         assert abs(float(row[2]) - float(row[3])) < 1e-4
+
+
+def test_fsdp_example_runs_in_one_process():
+    """examples/fsdp.py as a group of one (gloo on the CPU): FSDP2, regional execution,
+    treefx.distributed. Two processes: tests/test_distributed.py."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
+               MASTER_ADDR="127.0.0.1")
+    out = subprocess.run([sys.executable, str(ROOT / "examples" / "fsdp.py"), "--steps", "1"],
+                         capture_output=True, text=True, timeout=600, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    loss = float(re.search(r"step 0: loss ([\d.]+) \(global mean", out.stdout).group(1))
+    assert 0 < loss < 20
