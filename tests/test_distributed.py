@@ -16,6 +16,7 @@ import traceback
 
 import pytest
 import torch
+from test_checkpointing import HF  # the tiny Qwen3 and Qwen3-Next configs
 
 import treefx
 
@@ -26,18 +27,6 @@ if not dist.is_available():
 
 VOCAB = 64
 WORLD = 2
-HF = {
-    "qwen3": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=8),
-    "qwen3_next": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                       layer_types=["linear_attention", "full_attention"],
-                       linear_num_value_heads=2, linear_num_key_heads=2,
-                       linear_key_head_dim=8, linear_value_head_dim=8,
-                       linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2,
-                       moe_intermediate_size=16, shared_expert_intermediate_size=16,
-                       decoder_sparse_step=1),
-}
 # (case, model, wrapper, how the step runs, activation checkpointing, reduction)
 CASES = [
     ("fsdp-qwen3-compile", "qwen3", "fsdp", "compile", False, "mean"),

@@ -19,6 +19,7 @@ import traceback
 import numpy as np
 import pytest
 import torch
+from test_normalization import value_and_grads
 from trees import odd_forest, odd_tree
 
 import treefx
@@ -310,16 +311,6 @@ def objectives(tm, batch, advantages):
         "ppo_clip": ppo,
         "kl_k3": kl,
     }
-
-
-def value_and_grads(model, fn):
-    model.zero_grad(set_to_none=True)
-    value = fn()
-    value.backward()
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()
-             if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    return value.detach(), grads
 
 
 def tiny_qwen3():
