@@ -194,7 +194,6 @@ def test_cost_model_from_moe_configs_counts_active_experts():
 def test_cost_model_measure_on_a_tiny_model_cpu():
     from support import hf_model
 
-    torch.set_num_threads(1)
     model = hf_model("qwen3", "sdpa")
     tm = treefx.compile(model, backend="eager", verify=False)
     calls = []
@@ -205,16 +204,13 @@ def test_cost_model_measure_on_a_tiny_model_cpu():
         loss.backward()
         model.zero_grad(set_to_none=True)
 
-    t0 = time.perf_counter()
     cost = CostModel.measure(step_fn, (64, 128, 256), device="cpu", repeats=2,
                              vocab_size=VOCAB)
-    elapsed = time.perf_counter() - t0
     assert len(calls) == 9 * 3  # 3 batches per size, 1 warm-up + 2 timed each
     for v in (cost.per_token, cost.per_pair, cost.per_tree):
         assert math.isfinite(v) and v >= 0
     parts = assign(small_agent_trees(6), 2, cost=cost)
     assert sorted(len(p) for p in parts)[0] >= 1
-    assert elapsed < 60
     # Trees (or lists of trees) as samples; bad arguments.
     trees = small_agent_trees(4)
     CostModel.measure(step_fn, [trees[0], trees[1:3], trees[3], [trees[0], trees[3]]],

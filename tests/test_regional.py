@@ -132,3 +132,24 @@ def test_regional_false_is_the_whole_graph():
     assert not _graphs(tm)
     with pytest.raises(TypeError, match="regional"):
         treefx.compile(model, regional="yes")
+
+
+def test_other_step_arguments_are_guarded():
+    """A step's other arguments are constants of the capture (numbers) or static shapes
+    (tensors): a call with other values is captured anew, never run on the old capture."""
+    @treefx.step(backend="eager", regional=True)
+    def step(model, batch, scale, bias):
+        out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                    labels=batch["labels"])
+        return out.loss * scale, bias * 2
+
+    model = hf_model("qwen3", "sdpa")
+    batch = treefx.pack(odd_forest(3, VOCAB), reduction="mean")
+    with torch.no_grad():
+        a = step(model, batch, 1.0, torch.zeros(3))
+        b = step(model, batch, 2.0, torch.zeros(3))
+        c = step(model, batch, 1.0, torch.ones(5))
+    torch.testing.assert_close(b[0], 2 * a[0])
+    torch.testing.assert_close(c[0], a[0])
+    torch.testing.assert_close(c[1], torch.full((5,), 2.0))
+    assert len(_graphs(step)) == 3

@@ -167,7 +167,7 @@ class TreeEngine:
     # ------------------------------------------------------------------ regional
 
     def _call_regional(self, backend, args, dynamic, model, root):
-        key = (backend, torch.is_grad_enabled(),
+        key = (backend, id(model), torch.is_grad_enabled(),
                tuple(m.training for m in model.modules()),
                torch.is_autocast_enabled("cuda") if hasattr(torch, "is_autocast_enabled")
                else None)

@@ -35,7 +35,9 @@ What keeps it exact: the pieces are the rewritten graph's own nodes, run in the 
 every parameter a piece reads is checked when it runs (a plain tensor of the captured shape and
 dtype, so a shard or a parameter of another FSDP unit is an error, not a silent misread); the
 inputs' dtypes after the hooks are checked against the capture; Dynamo's shape guards on the
-token count are re-evaluated on every call (a tree that violates one is captured anew); a model
+token count are re-evaluated on every call, and the call's other arguments compared with the
+capture's (numbers are constants of the graph, other sizes static): a call that differs is
+captured anew; a model
 whose blocks or root carry forward hooks besides FSDP's is refused (they were traced into the
 graph and would run twice).
 """
@@ -482,6 +484,9 @@ def build(gm: fx.GraphModule, example_inputs, *, backend: str, model: torch.nn.M
         output=fx.map_arg(out_node.args[0], lambda n: n.name), frees=frees,
         token_args=token_args, fake_mode=fake_mode, call_fakes={
             sources[ph].value: fakes[ph] for ph in placeholders if sources[ph].kind == "arg"})
+    graph.num_args = len(call_args)
+    graph.call_consts = {i: a for i, a in enumerate(call_args)
+                         if not isinstance(a, torch.Tensor)}
     graph.symbols, graph.guards = _shape_guards(
         fake_mode, [graph.call_fakes[i] for i in token_args if i in graph.call_fakes]
         + [fakes[ph] for ph in placeholders if sources[ph].kind == "n"])
@@ -543,6 +548,8 @@ class RegionalGraph:
     token_args: tuple
     fake_mode: object
     call_fakes: dict
+    num_args: int = 0
+    call_consts: dict = field(default_factory=dict)
     symbols: set = field(default_factory=set)
     guards: list = field(default_factory=list)
     num_compiled: int = 0
@@ -553,10 +560,22 @@ class RegionalGraph:
     def accepts(self, args) -> bool:
         """Whether these call arguments satisfy the capture's guards (dtypes, devices, ranks,
         and Dynamo's shape guards on the token count)."""
+        if len(args) != self.num_args:
+            return False
         for i, f in self.call_fakes.items():
             a = args[i]
             if not isinstance(a, torch.Tensor) or a.dtype != f.dtype or a.dim() != f.dim() \
-                    or a.device.type != f.device.type:
+                    or a.device.type != f.device.type or a.requires_grad != f.requires_grad:
+                return False
+            # sizes Dynamo kept static (everything but the token count) are baked in
+            if any(isinstance(d, int) and a.shape[k] != d for k, d in enumerate(f.shape)):
+                return False
+        for i, v in self.call_consts.items():  # other arguments are constants of the graph
+            a = args[i]
+            if isinstance(v, (int, float, str, bool, type(None))):
+                if type(a) is not type(v) or a != v:
+                    return False
+            elif a is not v:
                 return False
         n = int(args[self.token_args[0]].shape[-1])
         if n in self._ok_sizes:
