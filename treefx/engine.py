@@ -186,8 +186,9 @@ class TreeEngine:
         ids = args[dynamic[0]]
         if wrapper is not None:  # DDP: its forward calls the inner module, which runs ours
             def root_call(run):
-                return _call_inner(wrapper, run, ids)
-        elif regional.fsdp_units(model) and regional.fsdp_units(model)[0] is model:
+                with regional.forward_replaced(wrapper.module, run):
+                    return wrapper(ids)
+        elif regional.is_fsdp_unit(model):  # FSDP's root hooks wrap the run
             def root_call(run):
                 return regional.call_with_forward(model, run, ids)
         else:
@@ -234,20 +235,6 @@ class TreeEngine:
         graph = holder["graph"]
         graph.set_return(returned, holder["sentinels"])
         return graph
-
-
-def _call_inner(wrapper, run, *args):
-    inner = wrapper.module
-    had = "forward" in inner.__dict__
-    old = inner.__dict__.get("forward")
-    inner.forward = run
-    try:
-        return wrapper(*args)
-    finally:
-        if had:
-            inner.forward = old
-        else:
-            del inner.forward
 
 
 def prepare_model(model: torch.nn.Module) -> None:

@@ -689,19 +689,31 @@ def _call_block(model, block: torch.nn.Module, piece: Piece, ins: list):
     return call_with_forward(block, forward, *ins)
 
 
-def call_with_forward(module: torch.nn.Module, forward, *args):
-    """``nn.Module.__call__(module, *args)`` (its hooks: FSDP's gather and free, DDP's)
-    with ``forward`` in place of the module's own forward for this call."""
+@contextlib.contextmanager
+def forward_replaced(module: torch.nn.Module, forward):
+    """``forward`` in place of ``module``'s own forward, restored after."""
     had = "forward" in module.__dict__
     old = module.__dict__.get("forward")
     module.forward = forward
     try:
-        return torch.nn.Module.__call__(module, *args)
+        yield
     finally:
         if had:
             module.forward = old
         else:
             del module.forward
+
+
+def call_with_forward(module: torch.nn.Module, forward, *args):
+    """``nn.Module.__call__(module, *args)`` (its hooks: FSDP's gather and free, DDP's)
+    with ``forward`` in place of the module's own forward for this call."""
+    with forward_replaced(module, forward):
+        return torch.nn.Module.__call__(module, *args)
+
+
+def is_fsdp_unit(module: torch.nn.Module) -> bool:
+    fsdp = _fsdp_module_type()
+    return fsdp is not None and isinstance(module, fsdp)
 
 
 def check_hooks(model: torch.nn.Module, wrapper=None) -> None:
