@@ -2,11 +2,12 @@
 
 import logging
 
-from . import data, debug, distributed, reference, rl, synth
+from . import data, debug, distributed, parts, reference, rl, synth
 from ._version import __version__
 from .debug import explain
 from .kernels import Recurrence, register_recurrence
 from .layout import TreeBatch, pack
+from .part_run import backward
 from .partition import err, partition, partition_ids
 from .passes import (
     GraphBreakError,
@@ -40,6 +41,7 @@ __all__ = [
     "UnmatchedAttentionError",
     "UnmatchedStateError",
     "UnsupportedSubgraphError",
+    "backward",
     "bound",
     "compile",
     "data",
@@ -49,6 +51,7 @@ __all__ = [
     "explain",
     "pack",
     "partition",
+    "parts",
     "partition_ids",
     "por",
     "probe_forest",

@@ -26,6 +26,7 @@ from .layout import TreeBatch
 from .ops.attention import check_interleave_heads, check_kernel_options
 from .passes import GraphBreakError, GraphContext, TreeCompileError, run_passes
 from .passes.common import example, graph_code, module_path
+from .passes.parts import PartSites, part_outputs
 from .reference import output_vocab_size, vocab_size
 
 __all__ = ["TreeEngine", "check_batch", "make_traced", "tree_info", "unwrap_compiled"]
@@ -113,13 +114,12 @@ class TreeEngine:
                 self.make_traced(len(self._compiled)), backend=self._dynamo_backend(backend),
                 fullgraph=True,
             )
-        for i in dynamic:
-            torch._dynamo.maybe_mark_dynamic(args[i], args[i].dim() - 1)  # N varies per tree
+        _mark_dynamic(args, dynamic)
         runs = self._runs
         with self._errors(args, dynamic):
             # Registered recurrent kernels appear as single marker nodes (treefx.kernels);
             # the swap is in place on every call so that Dynamo's guards always see it.
-            with capture_patches(), backends.capture_config():
+            with capture_patches(), backends.capture_config(), self._shapes():
                 out = self._compiled[backend](*args)
         if self._runs == runs:
             raise TreeCompileError(
@@ -127,6 +127,18 @@ class TreeEngine:
                 "limit?). Its output would be silently wrong, so treefx stops here."
             )
         return out
+
+    # Duck shaping (one symbol for equal sizes at capture) stays on for whole batches; a
+    # part's graph turns it off (see treefx.part_run): its sizes (tokens, context, labels,
+    # states) are unrelated and often equal on the first call.
+    duck_shape = True
+
+    def _shapes(self):
+        if self.duck_shape:
+            return contextlib.nullcontext()
+        import torch.fx.experimental._config as fx_config
+
+        return fx_config.patch(use_duck_shape=False)
 
     def uses_regions(self, model: torch.nn.Module, root=None) -> bool:
         """Whether calls run regionally: ``regional=True``, or (``None``) a model sharded with
@@ -224,8 +236,7 @@ class TreeEngine:
 
         fn = torch.compile(self.make_traced(1000 + len(self.contexts)),
                            backend=compile_graph, fullgraph=True)
-        for i in dynamic:
-            torch._dynamo.maybe_mark_dynamic(args[i], args[i].dim() - 1)
+        _mark_dynamic(args, dynamic)
         with self._errors(args, dynamic), regional.capture_state(model), \
                 capture_patches(), backends.capture_config(), \
                 torch._dynamo.config.patch(optimize_ddp=False):
@@ -235,6 +246,14 @@ class TreeEngine:
         graph = holder["graph"]
         graph.set_return(returned, holder["sentinels"])
         return graph
+
+
+def _mark_dynamic(args, dynamic) -> None:
+    """Sizes that vary per call: ``i`` (the last dim of ``args[i]``, the token count for the
+    first) or ``(i, dim)``."""
+    for i in dynamic:
+        i, dim = i if isinstance(i, tuple) else (i, args[i].dim() - 1)
+        torch._dynamo.maybe_mark_dynamic(args[i], dim)
 
 
 def prepare_model(model: torch.nn.Module) -> None:
@@ -325,13 +344,18 @@ def _context(gm: fx.GraphModule, backend: str, block_size: int,
     with fake.fake_mode if hasattr(fake, "fake_mode") else contextlib.nullcontext():
         pos.meta["example_value"] = fake[0]
         se.meta["example_value"] = fake[2]
-    return GraphContext(
+    ctx = GraphContext(
         gm, backends.lowering(backend),
         input_ids=ids, tree_info=info, positions=pos, subtree_end=se,
         seq_len=example(ids).shape[1], prelude=se, block_size=block_size,
         kernel_options=kernel_options, interleave_heads=interleave_heads,
         code_before=code_before, modules_before=modules_before,
         tree_weights=by_name.get("tree_weights"))
+    marker = next((n for n in g.nodes if n.op == "call_function" and n.target is part_outputs),
+                  None)
+    if marker is not None:  # a part of a tree (treefx.backward)
+        ctx._part = PartSites(marker)
+    return ctx
 
 
 def _row(tree_info: torch.Tensor, i: int) -> torch.Tensor:

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-__all__ = ["tree_nodes", "tree_recurrence", "padding_is_neutral"]
+__all__ = ["tree_nodes", "tree_recurrence", "tree_recurrence_part", "padding_is_neutral"]
 
 
 @dataclass
@@ -154,6 +154,42 @@ def tree_recurrence(rec: Recurrence, parent_token: torch.Tensor, args: tuple, kw
     on the DFS row without a final state, ``(output, None)`` or ``output`` (a tree has a final
     state per leaf, none for "the row"). Seq args the model passes as None (an absent gate)
     stay None."""
+    row, _, _ = _run_tree(rec, parent_token, args, kwargs)
+    return row if rec.bare_output_without_state else (row, None)
+
+
+def tree_recurrence_part(rec: Recurrence, parent_local: torch.Tensor, state_entry: torch.Tensor,
+                         state_exit: torch.Tensor, context_states: torch.Tensor, args: tuple,
+                         kwargs: dict):
+    """The recurrence over one part of a tree (:mod:`treefx.parts`): ``parent_local`` [n]
+    the predecessors inside the part (-1 where it is in an earlier part, or none); a node
+    whose first token's predecessor is in an earlier part starts from row
+    ``state_entry[first token]`` of ``context_states`` [E, *state] (the state after that
+    predecessor), a true root from zeros. Returns (what :func:`tree_recurrence` returns, the
+    states after the tokens ``state_exit`` [X], each the last token of a node: [X, *state])."""
+    entry = state_entry.tolist()
+
+    def root_state(start):
+        e = entry[start]
+        return context_states[e] if e >= 0 else None
+
+    row, final, nodes = _run_tree(rec, parent_local, args, kwargs, root_state)
+    starts, lengths = nodes[0], nodes[1]
+    end_of = {s + ln - 1: i for i, (s, ln) in enumerate(zip(starts, lengths))}
+    exits = []
+    for t in state_exit.tolist():
+        if t not in end_of:
+            raise RuntimeError(f"{rec.name}: token {t} of the part is not the last of a node; "
+                               "its state cannot be handed to a later part")
+        exits.append(final[end_of[t]])
+    out = row if rec.bare_output_without_state else (row, None)
+    return out, torch.stack(exits)
+
+
+def _run_tree(rec: Recurrence, parent_token: torch.Tensor, args: tuple, kwargs: dict,
+              root_state=None):
+    """(output row, final state per node, (starts, lengths, parents, depth)); a root node's
+    initial state is ``root_state(its first token)`` (None: zeros)."""
     bound = rec.bind(args, kwargs)
     if bound.get(rec.initial_state) is not None:
         raise ValueError(f"{rec.name}: an initial state given by the model (a cache?) cannot be "
@@ -183,7 +219,16 @@ def tree_recurrence(rec: Recurrence, parent_token: torch.Tensor, args: tuple, kw
         # Without neutral padding, nodes of one length run together (no padding at all).
         groups = [nodes] if neutral else _by_length(nodes, lengths)
         for group in groups:
-            init = torch.stack([final[parents[i]] for i in group]) if level > 0 else None
+            if level > 0:
+                init = torch.stack([final[parents[i]] for i in group])
+            else:
+                given = [root_state(starts[i]) if root_state is not None else None
+                         for i in group]
+                init = None
+                if any(g is not None for g in given):
+                    like = next(g for g in given if g is not None)
+                    init = torch.stack([g if g is not None else torch.zeros_like(like)
+                                        for g in given])
             if fast:
                 out, fin = _level_varlen(rec, seq, static, init, group, starts, lengths)
             else:
@@ -192,7 +237,7 @@ def tree_recurrence(rec: Recurrence, parent_token: torch.Tensor, args: tuple, kw
                 final[i] = fin[j]
                 outputs[i] = out[j]
     row = torch.cat([outputs[i] for i in range(len(starts))], dim=rec.output_seq_dim)
-    return row if rec.bare_output_without_state else (row, None)
+    return row, final, (starts, lengths, parents, depth)
 
 
 def _by_length(nodes, lengths) -> list[list[int]]:

@@ -14,6 +14,7 @@ from .common import (
 )
 from .dce import eliminate_dead_code
 from .logprobs import logprobs_pass
+from .parts import finish as finish_part
 from .loss import check_loss_found, loss_pass
 from .positions import positions_pass
 from .ssm import UnmatchedStateError, check_no_state_left, ssm_pass
@@ -58,6 +59,8 @@ def run_passes(ctx: GraphContext) -> GraphContext:
         count = sum(fn(c) for c in scopes)
         log.info("pass %s: %d rewrite(s)", name, count)
     check_loss_found(ctx)
+    if ctx.part is not None:
+        finish_part(ctx)
     prune(ctx, eliminate_dead_code)  # what the rewrites replaced must not trip the checks
     for c in scopes:
         check_opaque_ops(c)

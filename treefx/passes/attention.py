@@ -28,6 +28,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from ..mask import dense_tree_mask, tree_block_tensors
+from ..ops.context import TreePartAttention, ones_for_positions
 from ..ops.attention import (
     TreeFlexAttention,
     TreeScoredAttention,
@@ -46,6 +47,7 @@ from .common import (
     set_example,
 )
 from .mask_lift import (
+    _is_all_ones_input,
     LiftedScore,
     MaskLiftError,
     implied_by_tree,
@@ -557,6 +559,10 @@ def _kv_for_flex(site: _Site, k: fx.Node):
 def _rewrite_scored(ctx: GraphContext, site: _Site) -> fx.Node:
     """The general form: the model's own score ops replayed, the tree mask applied to the
     softmax input, a sink or the model's log-sum-exp from the attention's log-sum-exp."""
+    if ctx.part is not None:
+        raise _fail(site.anchor, "treefx.backward (parts) does not yet run attention whose "
+                                 "scores the model transforms itself (a softcap, a sink, a "
+                                 "bias); train this model in whole batches")
     g = ctx.graph
     sc = site.scored
     note = site.kind + ", the model's score ops replayed"
@@ -685,6 +691,8 @@ def _apply(scale: float, step: tuple[float, bool, fx.Node]) -> float:
 def _rewrite(ctx: GraphContext, site: _Site) -> fx.Node:
     if site.scored is not None:
         return _rewrite_scored(ctx, site)
+    if ctx.part is not None:
+        return _rewrite_part(ctx, site)
     g = ctx.graph
     k = site.k
     with g.inserting_before(site.out):
@@ -745,6 +753,64 @@ def _rewrite(ctx: GraphContext, site: _Site) -> fx.Node:
                          + (" where gradients are computed" if ctx.interleave_heads is None
                             else ""))
             new = g.call_function(fn, (site.q, k, v, *blocks, *bufs, *score_bufs))
+    new.meta.update({k_: v_ for k_, v_ in site.out.meta.items()
+                     if k_ in ("nn_module_stack", "stack_trace", "example_value")})
+    ctx.record("attention", site.anchor, describe(new), note=note)
+    site.out.replace_all_uses_with(new)
+    return new
+
+
+def _rewrite_part(ctx: GraphContext, site: _Site) -> fx.Node:
+    """A site in a part's graph (:func:`treefx.backward`): its queries attend over the
+    context's keys and values (from earlier parts) and its own; its own are handed on. The
+    model's mask, if any, is lifted and evaluated at the extended row's positions."""
+    g = ctx.graph
+    part = ctx.part
+    with g.inserting_before(site.out):
+        k = site.k
+        if site.kind == "eager-kT":
+            k = g.call_method("transpose", (k, -2, -1))
+        mask = _mask_value(ctx, site) if site.mask is not None else None
+        note = site.kind + ", keys and values of earlier parts' context"
+        lifted, bufs = None, ()
+        if mask is not None:
+            _check_mask_sources(ctx, site, mask)
+            try:
+                lifted, bufs = lift_mask(ctx, mask)
+            except MaskLiftError as e:
+                raise _fail(site.anchor, "in parts (treefx.backward) the model's own mask is "
+                                         "evaluated for keys of earlier parts, and this one "
+                                         f"cannot be ({e})") from None
+            if implied_by_tree(lifted, bufs):
+                lifted, bufs = None, ()
+                note += ", model mask implied by the tree"
+            else:
+                note += ", model mask kept (evaluated at path positions)"
+                pos = part.ext(ctx, "positions")
+                # The all-ones padding mask treefx gives the model is read at positions of
+                # the extended row, which may pass the part's own length.
+                bufs = tuple(g.call_function(ones_for_positions, (pos, ctx.local(b)))
+                             if _is_all_ones_input(b) else ctx.local(b) for b in bufs)
+        k, v, shared_kv = _kv_for_flex(site, k)
+        kv, vv = example(k), example(v)
+        if kv is None or vv is None or kv.dim() != 4 or not same_size(kv.shape[0], 1):
+            raise _fail(site.anchor, "in parts (treefx.backward) keys must be [1, heads, "
+                                     "tokens, dim]")
+        hk, dk, dv = int(kv.shape[1]), int(kv.shape[3]), int(vv.shape[3])
+        ck = part.context(ctx, k, hk, dk, "attention")
+        cv = part.context(ctx, v, hk, dv, "attention")
+        se, pos = part.ext(ctx, "subtree_end"), part.ext(ctx, "positions")
+        if ctx.backend == "eager":
+            fn = TreePartAttention(scale=site.scale, enable_gqa=site.enable_gqa or shared_kv,
+                                   model_mask=lifted,
+                                   name=f"tree_part_attention_{site.anchor.name}")
+        else:
+            from ..ops.attention import TreePartFlexAttention
+
+            fn = TreePartFlexAttention(scale=site.scale, block_size=ctx.block_size,
+                                       model_mask=lifted, kernel_options=ctx.kernel_options,
+                                       name=f"tree_part_flex_attention_{site.anchor.name}")
+        new = g.call_function(fn, (site.q, k, v, ck, cv, se, pos, *bufs))
     new.meta.update({k_: v_ for k_, v_ in site.out.meta.items()
                      if k_ in ("nn_module_stack", "stack_trace", "example_value")})
     ctx.record("attention", site.anchor, describe(new), note=note)

@@ -217,6 +217,13 @@ class GraphContext:
         # .subgraphs.discover); ``_imports`` maps an outer node to the placeholder made for it.
         self.body = None
         self._imports: dict = {}
+        self._part = None  # root only: the part-mode sites (see .parts), None outside parts
+
+    @property
+    def part(self):
+        """The :class:`.parts.PartSites` of a part's graph (:func:`treefx.backward`), else
+        None."""
+        return self.root._part
 
     # ------------------------------------------------------------------ scopes
 

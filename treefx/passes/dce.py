@@ -84,9 +84,10 @@ def has_effect(node: fx.Node) -> bool:
     if node.is_impure():  # torch's own list, mutable aten schemas, random aten ops
         return True
     name = getattr(target, "__name__", "") or ""
-    if _is_inplace_name(name):
-        return True
     module = getattr(target, "__module__", "") or ""
+    # operator.and_ / or_ / not_ are not in place (its in-place ones are listed above)
+    if _is_inplace_name(name) and module not in ("_operator", "operator"):
+        return True
     if module.startswith(("torch._C._functorch", "torch._functorch", "torch.random")):
         return True
     if module.startswith("torch._C") and name.startswith(_STATE_PREFIXES):

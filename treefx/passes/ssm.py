@@ -21,8 +21,13 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from ..kernels import registered
-from ..ops.conv import tree_causal_conv1d
-from ..ops.recurrence import TracedTreeRecurrence, register_site, tree_recurrence
+from ..ops.conv import tree_causal_conv1d, tree_causal_conv1d_context
+from ..ops.recurrence import (
+    TracedTreeRecurrence,
+    register_site,
+    tree_recurrence,
+    tree_recurrence_part,
+)
 from ..ops.scan import tree_cumsum
 from .common import (
     GraphContext,
@@ -64,6 +69,65 @@ class TreeRecurrenceCall:
     def __repr__(self):
         return self.__name__
 
+
+
+class TreeRecurrencePartCall:
+    """A registered kernel over one part of a tree (eager backend): returns (what the kernel
+    returns, the exit states)."""
+
+    def __init__(self, rec):
+        self.rec = rec
+        self.__name__ = f"tree_recurrence_part_{rec.name}"
+
+    def __call__(self, parent_local, state_entry, state_exit, context_states, *args, **kwargs):
+        return tree_recurrence_part(self.rec, parent_local, state_entry, state_exit,
+                                    context_states, args, kwargs)
+
+    def __repr__(self):
+        return self.__name__
+
+
+def _state_spec(rec, node: fx.Node):
+    """(shape, dtype) of one node's state for the kernel at ``node``, from a run of the
+    kernel on meta tensors of two tokens."""
+    bound = rec.bind(fx.map_arg(node.args, example), fx.map_arg(node.kwargs, example))
+
+    def meta(name, v):
+        if not isinstance(v, torch.Tensor):
+            return v
+        shape = [s if isinstance(s, int) else (s.node.hint or 2) for s in v.shape]
+        if name in rec.seq_args:
+            shape[rec.seq_args[name]] = 2
+        return torch.empty(shape, dtype=v.dtype, device="meta")
+
+    args = {k: meta(k, v) for k, v in bound.items()
+            if k not in (rec.initial_state, rec.output_final_state)}
+    try:
+        _, fin = rec.run(**args, **{rec.initial_state: None, rec.output_final_state: True})
+    except Exception as e:  # noqa: BLE001
+        raise _fail(node, f"in parts (treefx.backward) the state's shape is read from a run "
+                          f"of the kernel on meta tensors, which failed ({type(e).__name__}: "
+                          f"{e})") from None
+    return tuple(int(x) for x in fin.shape[1:]), fin.dtype
+
+
+def _rewrite_part_recurrence(ctx: GraphContext, node: fx.Node, rec) -> fx.Node:
+    part = ctx.part
+    g = ctx.graph
+    if ctx.backend != "eager":
+        raise _fail(node, "in parts (treefx.backward) recurrences run on the eager backend "
+                          "only so far")
+    shape, dtype = _state_spec(rec, node)
+    with g.inserting_before(node):
+        init = part.state_in(ctx, node, shape, dtype)
+        parent = part.parent_local(ctx)
+        pair = g.call_function(TreeRecurrencePartCall(rec),
+                               (parent, part.state_entry, part.state_exit, init, *node.args),
+                               node.kwargs)
+        new = g.call_function(operator.getitem, (pair, 0))
+        exits = g.call_function(operator.getitem, (pair, 1))
+        part.state_out(ctx, exits)
+    return new
 
 
 def _on_sequence(ctx: GraphContext, node, dim: int = -1) -> bool:
@@ -122,7 +186,9 @@ def ssm_pass(ctx: GraphContext) -> int:
         if rec is not None:
             parent = ctx.parent_token()
             with g.inserting_before(node):
-                if ctx.backend == "eager":
+                if ctx.part is not None:
+                    new = _rewrite_part_recurrence(ctx, node, rec)
+                elif ctx.backend == "eager":
                     new = g.call_function(TreeRecurrenceCall(rec), (parent, *node.args),
                                           node.kwargs)
                 else:
@@ -144,6 +210,10 @@ def ssm_pass(ctx: GraphContext) -> int:
         elif is_call(node, torch.cumsum, methods=("cumsum",)) and \
                 _token_scan_dim(ctx, node) is not None:
             dim = _token_scan_dim(ctx, node)
+            if ctx.part is not None:
+                raise _fail(node, "in parts (treefx.backward) a cumulative sum along the "
+                                  "tokens (positions the model counts itself) is not "
+                                  "supported yet; pass position ids (pass_position_ids=True)")
             parent, se = ctx.parent_token(), ctx.subtree_end
             with g.inserting_before(node):
                 new = g.call_function(tree_cumsum, (node.args[0], dim, parent, se),
@@ -157,7 +227,16 @@ def ssm_pass(ctx: GraphContext) -> int:
             cut, x, w, bias = _causal_conv_site(ctx, node)
             parent = ctx.parent_token()
             with g.inserting_before(cut):
-                new = g.call_function(tree_causal_conv1d, (x, w, bias, parent))
+                if ctx.part is not None:
+                    xv = example(x)
+                    if xv.dim() != 3 or not same_size(xv.shape[0], 1):
+                        raise _fail(node, "in parts (treefx.backward) a conv's input must be "
+                                          "[1, channels, tokens]")
+                    cx = ctx.part.channels(ctx, x, int(xv.shape[1]), "causal conv1d")
+                    new = g.call_function(tree_causal_conv1d_context,
+                                          (cx, x, w, bias, ctx.part.ext(ctx, "parent")))
+                else:
+                    new = g.call_function(tree_causal_conv1d, (x, w, bias, parent))
             new.meta.update(cut.meta)
             ctx.record("ssm", node, describe(new), note="causal conv1d")
             cut.replace_all_uses_with(new)

@@ -1,0 +1,268 @@
+"""``treefx.backward``: train on trees larger than one step's memory, in parts, computing every
+token once.
+
+The trees are packed as one row and cut into parts of at most ``max_tokens`` tokens
+(:mod:`treefx.parts`). Each part runs through the model's tree graph in *part mode*: its
+queries attend over the keys and values of its context (the path from the root to its first
+token, computed by earlier parts) and its own, its convolutions read their left inputs there,
+its recurrences start from the states earlier parts handed on; it returns its own keys, values
+and conv inputs (and its exit states) for the parts after it.
+
+Those come in as detached leaves that require grad, so after a part's backward their gradients
+sit in the leaves' ``.grad``; a part's own backward runs once every later part that reads it
+has run its own, with those gradients as the ``grad_tensors`` of its outputs. A part's
+backward therefore runs exactly once, and as early as possible: right after its forward when
+its subtrees end inside it, else once the row has passed the end of its last subtree. Nothing
+is forwarded twice (no no-grad pre-pass, no recomputation but the activation checkpointing a
+model does itself).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, replace
+
+import numpy as np
+import torch
+
+from . import parts as parts_mod
+from .engine import TreeEngine, check_batch, make_traced
+from .layout import TreeBatch, pack
+from .ops.logprobs import register_site, token_logprobs_site
+from .passes.parts import PartLayoutMismatch, part_outputs
+from .reference import logits_of
+from .tree import Tree
+from .tree_model import TreeModel, TreeOutput, tree_loss
+
+__all__ = ["backward"]
+
+log = logging.getLogger("treefx")
+
+_REGISTERED = False
+
+
+def _register() -> None:
+    global _REGISTERED
+    if not _REGISTERED:
+        register_site()
+        torch._dynamo.allow_in_graph(part_outputs)
+        _REGISTERED = True
+
+
+def _part_template(input_ids, tree_info, part_info, ctx_tok, ctx_state, state_entry,
+                   state_exit, labels):
+    # Copied per TreeModel by make_traced, with `model` and `opts` in its globals.
+    torch._check(tree_info.shape[1] == input_ids.shape[1])
+    torch._check(state_entry.shape[0] == input_ids.shape[1])
+    torch._check(ctx_tok.shape[0] == part_info.shape[1])
+    kwargs = {}
+    if opts["position_ids"]:  # noqa: F821
+        kwargs["position_ids"] = tree_info[0:1]
+    if opts["attention_mask"]:  # noqa: F821
+        kwargs["attention_mask"] = torch.ones_like(input_ids)
+    if opts["use_cache"]:  # noqa: F821
+        kwargs["use_cache"] = False
+    logits = logits_of(model(input_ids, **kwargs))  # noqa: F821
+    lp = token_logprobs_site(logits, labels[1], labels[0])
+    own, exits = part_outputs(input_ids, ctx_tok, ctx_state, state_exit, part_info,
+                              state_entry, tree_info)
+    return lp, own, exits
+
+
+class _PartRunner:
+    """A compiled model's part graph: its engine and the context layout its sites need (found
+    on the first capture)."""
+
+    def __init__(self, tm: TreeModel):
+        _register()
+        eng = tm.engine
+        self.engine = TreeEngine(
+            lambda tag: make_traced(_part_template, tag, model=tm.model, opts=tm.opts),
+            eng.backend, eng.block_size, eng.kernel_options, False, False)
+        self.engine.duck_shape = False
+        dtype = next(tm.model.parameters()).dtype
+        self.layout = ((0, dtype), (0, dtype))
+        self.model = tm.model
+
+    def __call__(self, t: dict, ctx_tok, ctx_state):
+        args = (t["input_ids"], t["tree_info"], t["part_info"], ctx_tok, ctx_state,
+                t["state_entry"], t["state_exit"], t["labels"])
+        return self.engine(t["input_ids"].device, *args,
+                           dynamic=(0, 1, 2, (3, 0), (4, 0), 5, 6, 7), discover_in=self.model)
+
+
+def _runner(tm: TreeModel) -> _PartRunner:
+    runner = tm.__dict__.get("_part_runner")
+    if runner is None:
+        runner = _PartRunner(tm)
+        tm.__dict__["_part_runner"] = runner
+    return runner
+
+
+@dataclass(eq=False)
+class _Held:
+    """A part whose forward ran and whose backward has not: its loss and outputs (the graph
+    to differentiate), and the detached leaves later parts read."""
+
+    loss: torch.Tensor
+    own: torch.Tensor
+    exits: torch.Tensor
+    own_leaf: torch.Tensor
+    exits_leaf: torch.Tensor
+
+
+def backward(tm: TreeModel, trees: Tree | Iterable[Tree], *, max_tokens: int,
+             reduction: str = "mean", loss_fn: Callable | None = None,
+             num_sequences: int | None = None, loss_scale: float = 1.0) -> torch.Tensor:
+    """Forward and backward of ``trees`` (one tree or a forest, packed as one batch) in parts
+    of at most ``max_tokens`` tokens, every token computed once; the parameter gradients are
+    added to ``.grad`` (like ``loss.backward()``). Returns the loss, detached: the batch's
+    loss as :func:`treefx.tree_loss` gives it for ``treefx.pack(trees, reduction=...)``.
+
+    ``tm``: a model from :func:`treefx.compile`. ``loss_fn(out, part_batch) -> scalar``:
+    another per-token objective instead of :func:`treefx.tree_loss` (every :mod:`treefx.rl`
+    objective is one); it is called once per part with ``out.token_logprobs`` [N] over the
+    whole batch's row, the part's predicted tokens filled in and 0 elsewhere (``out.logits``
+    is None), and ``part_batch`` the whole batch with its loss weights (and the
+    sequences' coefficients :mod:`treefx.rl` reads) kept only on those tokens. The losses of
+    the parts add up to the batch's loss for any objective that is a sum over tokens of a term
+    of that token's log-probability. ``num_sequences`` and ``loss_scale``: as for
+    :func:`treefx.pack`.
+
+    Parts are planned by :func:`treefx.parts.plan`: a boundary may fall anywhere, inside a
+    node too. Memory: activations are held for the current part (at most ``max_tokens``
+    tokens) and for the parts holding the tokens of nodes on the current root path whose
+    subtrees exceed ``max_tokens`` (at most the longest sequence's tokens), plus the keys,
+    values and conv inputs of those tokens at every layer and the recurrent states at the
+    parts' boundaries. Runs on the compiled model's backend; not yet combined with activation
+    checkpointing, FSDP/DDP or attention the model scores itself (a clear error says so).
+    """
+    if not isinstance(tm, TreeModel):
+        raise TypeError(f"treefx.backward takes a model from treefx.compile, got "
+                        f"{type(tm).__name__}")
+    batch = pack(trees, reduction=reduction, num_sequences=num_sequences,
+                 loss_scale=loss_scale)
+    device = next(tm.model.parameters()).device
+    runner = _runner(tm)
+    plan = parts_mod.plan(batch, max_tokens, block_size=tm.engine.block_size)
+    full = batch.to(device)
+    check_batch(tm.model, full)
+    log.info("treefx.backward: %d tokens in %d part(s) of at most %d", batch.num_tokens,
+             plan.num_parts, plan.max_tokens)
+    held: dict[int, _Held] = {}
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    incidence = _Incidence(full) if loss_fn is not None else None
+    for j, part in enumerate(plan.parts):
+        t = parts_mod.part_tensors(plan, part, device)
+        lp, own, exits = _forward(runner, plan, part, t, held, device)
+        mask = torch.zeros(batch.num_tokens, dtype=torch.bool, device=device)
+        toks = t["label_tokens"]
+        real = toks >= 0
+        mask[toks[real]] = True
+        values = torch.zeros(batch.num_tokens, dtype=lp.dtype, device=device)
+        values = values.index_put((toks[real],), lp[real])
+        part_batch = _part_batch(full, mask, incidence)
+        loss = (loss_fn or tree_loss)(TreeOutput(None, values), part_batch)
+        if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
+            raise TypeError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}")
+        total = total + loss.detach().to(total.dtype)
+        held[j] = _Held(loss, own, exits, own.detach().requires_grad_(),
+                        exits.detach().requires_grad_())
+        for i in parts_mod.ready(plan, sorted(held), part.end):
+            _backward(held.pop(i))
+    if held:  # cannot happen: every part is released at the row's end
+        raise RuntimeError(f"treefx.backward: parts {sorted(held)} never ran their backward")
+    return total.to(lp.dtype)
+
+
+def _forward(runner: _PartRunner, plan, part, t: dict, held: dict, device):
+    while True:
+        (tok_w, tok_dt), (st_w, st_dt) = runner.layout
+        ctx_tok = _gather_tokens(plan, part, held, tok_w, tok_dt, device)
+        ctx_state = _gather_states(plan, part, held, st_w, st_dt, device)
+        try:
+            return runner(t, ctx_tok, ctx_state)
+        except PartLayoutMismatch as e:
+            if runner.layout == (e.tok, e.state):
+                raise
+            runner.layout = (e.tok, e.state)
+            log.info("treefx.backward: the part graph hands on %d columns per token (%s) and "
+                     "%d per state (%s)", e.tok[0], e.tok[1], e.state[0], e.state[1])
+
+
+def _gather_tokens(plan, part, held, width, dtype, device) -> torch.Tensor:
+    """The context rows [A, W]: each context token's own row from the part that computed it
+    (through the autograd graph into that part's leaf), then zero padding."""
+    pieces = []
+    ctx = part.context
+    if len(ctx):
+        owner = plan.part_of_token[ctx]
+        for i in np.unique(owner).tolist():
+            rows = ctx[owner == i] - plan.parts[i].start
+            leaf = held[i].own_leaf
+            pieces.append(leaf[torch.from_numpy(rows).to(device)])
+    pad = part.context_pad - len(ctx)
+    pieces.append(torch.zeros(pad, width, dtype=dtype, device=device, requires_grad=not pieces))
+    return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+
+
+def _gather_states(plan, part, held, width, dtype, device) -> torch.Tensor:
+    """The entries' states [max(E, 2), S], each the exit state of its predecessor's part."""
+    pieces = []
+    for p in part.entries.tolist():
+        i = int(plan.part_of_token[p])
+        row = int(np.searchsorted(plan.parts[i].exits, p))
+        pieces.append(held[i].exits_leaf[row:row + 1])
+    pad = max(0, 2 - len(pieces))
+    if pad or not pieces:
+        pieces.append(torch.zeros(pad, width, dtype=dtype, device=device,
+                                  requires_grad=not pieces))
+    return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+
+
+def _backward(h: _Held) -> None:
+    tensors, grads = [], []
+    if h.loss.requires_grad:
+        tensors.append(h.loss)
+        grads.append(torch.ones_like(h.loss))
+    for out, leaf in ((h.own, h.own_leaf), (h.exits, h.exits_leaf)):
+        if leaf.grad is not None and out.requires_grad:
+            tensors.append(out)
+            grads.append(leaf.grad)
+    if tensors:
+        torch.autograd.backward(tensors, grads)
+
+
+class _Incidence:
+    """The whole batch's path incidence (:func:`treefx.rl.path_incidence`), built once, from
+    which each part's keeps the coefficients of its predicted tokens."""
+
+    def __init__(self, batch: TreeBatch):
+        from . import rl
+
+        self.rl = rl
+        self.inc = rl.path_incidence(batch)
+
+    def masked(self, mask: torch.Tensor):
+        inc = self.inc
+        keep = mask[inc.token.to(mask.device)].to(inc.coef.device)
+        coef = torch.where(keep, inc.coef, torch.zeros_like(inc.coef))
+        token = inc.token.cpu().numpy()
+        first_trained = self.rl._first_entry(token, (coef > 0).cpu().numpy(), inc.num_tokens)
+        return replace(inc, coef=coef, first_trained=torch.as_tensor(
+            first_trained, device=inc.first_trained.device))
+
+
+def _part_batch(full: TreeBatch, mask: torch.Tensor, incidence: _Incidence | None) -> TreeBatch:
+    """``full`` with its loss weights (and, for :mod:`treefx.rl`, its incidence's
+    coefficients) zero outside ``mask``."""
+    def keep(w):
+        return torch.where(mask, w, torch.zeros_like(w))
+
+    part = replace(full, loss_weights=keep(full.loss_weights), _block_masks={},
+                   loss_weights_by_reduction={r: keep(w) for r, w in
+                                              full.loss_weights_by_reduction.items()})
+    if incidence is not None:
+        incidence.rl._INCIDENCE[part] = incidence.masked(mask)
+    return part

@@ -1,0 +1,320 @@
+"""Redundancy-free parts: a packed tree row cut into parts that fit a token budget, each token
+computed once (see :func:`treefx.backward`, which runs them).
+
+A part is a contiguous range ``[start, end)`` of the DFS row; boundaries may fall anywhere,
+inside a node too (a sequence longer than the budget becomes a chain of parts). What a part
+needs from earlier parts is what its tokens read of their **ancestors** there, and every such
+ancestor is an ancestor of the part's first token (a token before ``start`` whose subtree holds
+a later token holds ``start`` too): its *context* is the path from the root to ``start``.
+
+- Context tokens: their keys and values (and conv inputs) at every site, read from the parts
+  that computed them. They sit before the part's own tokens in an *extended row*
+  ``[context (padded to a block multiple); part]`` whose tree tensors (positions, parents,
+  subtree ends) are in that row's coordinates, so the tree mask stays the interval test.
+- Entries: the part's tokens whose predecessor lies in an earlier part; each starts its node
+  from the recurrent state after that predecessor, an *exit* of the earlier part (a token with
+  a successor in a later part).
+- Labels: the log-probability of token t is read from its predecessor's logits, so it belongs
+  to the part of the predecessor: a part predicts every token whose predecessor it holds, its
+  own and the first tokens of later parts.
+
+Planning (:func:`plan`): a node whose subtree fits the budget is a *closed* unit; consecutive
+closed units share a part while they fit. A node whose subtree does not fit puts its own tokens
+in parts of their own (chunks of at most the budget), then its children are planned the same
+way. A part of closed units is finished (forward and backward) as soon as it ran; a part of an
+open node's tokens waits until the node's subtree is done. So, at any time, the parts holding
+activations are the current one (at most ``max_tokens`` tokens) and the parts of the open nodes
+on the current root path, whose tokens are those nodes' own: at most one root-to-leaf path of
+tokens (the longest sequence) besides the current part.
+"""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .layout import TreeBatch
+
+__all__ = ["Part", "PartPlan", "plan"]
+
+
+@dataclass(eq=False)
+class Part:
+    """One part of a :class:`PartPlan` (numpy arrays on the host; indices into the DFS row
+    unless said otherwise).
+
+    ``start``/``end``: its tokens. ``context``: the path from the root to ``start``
+    (ascending), whose keys and values it reads. ``entries``: predecessors in earlier parts
+    of its tokens (ascending), whose exit states start its nodes; ``entry_of_token`` [n]:
+    which entry each token's predecessor is, -1 where it is not in an earlier part. ``exits``:
+    its tokens with a successor in a later part (ascending). ``label_rows`` / ``label_tokens``:
+    the tokens it predicts (the tree tokens whose predecessor it holds) and, for each, the
+    predecessor's row in the part. ``release``: the end of the last subtree that starts in
+    it; its backward waits until every token before that ran. ``context_pad``: the context
+    row length, padded to a multiple of the block size (at least one block)."""
+
+    index: int
+    start: int
+    end: int
+    context: np.ndarray
+    context_pad: int
+    entries: np.ndarray
+    entry_of_token: np.ndarray
+    exits: np.ndarray
+    label_rows: np.ndarray
+    label_tokens: np.ndarray
+    release: int
+    open: bool
+
+    @property
+    def num_tokens(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(eq=False)
+class PartPlan:
+    """The parts of one packed batch, in DFS order. ``max_tokens``: the budget.
+    ``part_of_token`` [N]: which part holds each token."""
+
+    batch: TreeBatch
+    parts: list[Part]
+    max_tokens: int
+    part_of_token: np.ndarray
+
+    @property
+    def num_parts(self) -> int:
+        return len(self.parts)
+
+    def peak_held_tokens(self) -> int:
+        """The most tokens whose activations are held at once when the parts run in order and
+        each part's backward runs as soon as nothing after it reads it (what
+        :func:`treefx.backward` does)."""
+        peak = 0
+        for _, held in schedule(self):
+            peak = max(peak, sum(self.parts[i].num_tokens for i in held))
+        return peak
+
+
+def _check_budget(max_tokens) -> int:
+    if not isinstance(max_tokens, numbers.Integral) or isinstance(max_tokens, bool) \
+            or max_tokens < 1:
+        raise ValueError(f"max_tokens must be a positive integer, got {max_tokens!r}")
+    return int(max_tokens)
+
+
+def _units(node_offset, node_length, node_parent, subtree_end_of_node, max_tokens):
+    """(start, end, open) ranges in DFS order: closed subtrees that fit, open nodes' tokens in
+    chunks of at most ``max_tokens``."""
+    children: list[list[int]] = [[] for _ in range(len(node_offset))]
+    roots = []
+    for i, p in enumerate(node_parent.tolist()):
+        (children[p] if p >= 0 else roots).append(i)
+    units = []
+    stack = roots[::-1]
+    while stack:
+        v = stack.pop()
+        off = int(node_offset[v])
+        size = int(subtree_end_of_node[v]) - off
+        if size <= max_tokens:
+            units.append((off, off + size, False))
+            continue
+        end = off + int(node_length[v])
+        for s in range(off, end, max_tokens):
+            units.append((s, min(s + max_tokens, end), True))
+        stack.extend(children[v][::-1])
+    return units
+
+
+def plan(batch: TreeBatch, max_tokens: int, *, block_size: int = 128) -> PartPlan:
+    """Cut ``batch``'s row into parts of at most ``max_tokens`` tokens (see the module's
+    docstring for how, and for the memory bound this gives). ``block_size``: the context row
+    is padded to a multiple of it (FlexAttention's blocks)."""
+    max_tokens = _check_budget(max_tokens)
+    if not isinstance(batch, TreeBatch):
+        raise TypeError(f"expected a treefx.TreeBatch, got {type(batch).__name__}")
+    parent = batch.parent_token.cpu().numpy()
+    se = batch.subtree_end.cpu().numpy()
+    n_real = batch.num_real_tokens
+    off = batch.node_offset.cpu().numpy()
+    ln = batch.node_length.cpu().numpy()
+    npar = batch.node_parent.cpu().numpy()
+    units = _units(off, ln, npar, se[off], max_tokens)
+    # Padding tokens (each its own root) close the row as closed units of one token each.
+    units += [(t, t + 1, False) for t in range(n_real, batch.num_tokens)]
+
+    ranges: list[tuple[int, int, bool]] = []
+    for s, e, is_open in units:
+        if ranges and not is_open and not ranges[-1][2] and e - ranges[-1][0] <= max_tokens:
+            ranges[-1] = (ranges[-1][0], e, False)
+        else:
+            ranges.append((s, e, is_open))
+    ranges = _no_single_tokens(ranges, max_tokens)
+    n = batch.num_tokens
+    part_of = np.empty(n, dtype=np.int64)
+    for j, (s, e, _) in enumerate(ranges):
+        part_of[s:e] = j
+    # node of each token, for the context paths
+    node_of = np.repeat(np.arange(len(off)), ln)
+    has_succ = np.zeros(n, dtype=bool)
+    later_child = parent >= 0
+    parts = []
+    for j, (s, e, is_open) in enumerate(ranges):
+        ctx = _path_before(s, node_of, off, ln, npar) if s < n_real else np.zeros(0, np.int64)
+        pad = max(block_size, -(-len(ctx) // block_size) * block_size)
+        par = parent[s:e]
+        ext = (par >= 0) & (par < s)
+        entries, inv = np.unique(par[ext], return_inverse=True)
+        entry_of = np.full(e - s, -1, dtype=np.int64)
+        entry_of[ext] = inv
+        # predicted tokens: every token whose predecessor lies in [s, e)
+        pred = np.flatnonzero(later_child & (parent >= s) & (parent < e))
+        rows = parent[pred] - s
+        succ_later = pred[pred >= e]
+        exits = np.unique(parent[succ_later])
+        has_succ[exits] = True
+        parts.append(Part(
+            index=j, start=s, end=e, context=ctx, context_pad=pad, entries=entries,
+            entry_of_token=entry_of, exits=exits, label_rows=rows, label_tokens=pred,
+            release=int(se[s:e].max()), open=is_open))
+    return PartPlan(batch=batch, parts=parts, max_tokens=max_tokens, part_of_token=part_of)
+
+
+def _no_single_tokens(ranges, max_tokens: int):
+    """Parts of one token merged into a neighbour, or given one of its tokens, where the
+    budget allows: a graph compiled for a row of one token is specialized to it (Dynamo
+    guards sizes 0 and 1), so each such part would compile anew. What cannot be fixed this
+    way (budgets below 3) is padded with one inert token (:func:`part_tensors`)."""
+    out = [list(r) for r in ranges]
+    i = 0
+    while i < len(out):
+        s, e, is_open = out[i]
+        if e - s != 1:
+            i += 1
+            continue
+        nxt = out[i + 1] if i + 1 < len(out) else None
+        prv = out[i - 1] if i > 0 else None
+        if nxt is not None and nxt[1] - s <= max_tokens:
+            out[i + 1] = [s, nxt[1], is_open or nxt[2]]
+            del out[i]
+            continue
+        if prv is not None and e - prv[0] <= max_tokens:
+            out[i - 1] = [prv[0], e, is_open or prv[2]]
+            del out[i]
+            continue
+        if nxt is not None and nxt[1] - nxt[0] >= 3:
+            out[i] = [s, e + 1, is_open or nxt[2]]
+            nxt[0] += 1
+        elif prv is not None and prv[1] - prv[0] >= 3:
+            out[i] = [s - 1, e, is_open or prv[2]]
+            prv[1] -= 1
+        i += 1
+    return [tuple(r) for r in out]
+
+
+def _path_before(s: int, node_of, off, ln, npar) -> np.ndarray:
+    """Tokens on the path from the root to token ``s``, ``s`` excluded (ascending)."""
+    v = int(node_of[s])
+    pieces = [np.arange(int(off[v]), s)]
+    p = int(npar[v])
+    while p >= 0:
+        pieces.append(np.arange(int(off[p]), int(off[p]) + int(ln[p])))
+        p = int(npar[p])
+    return np.concatenate(pieces[::-1]).astype(np.int64)
+
+
+def schedule(plan: PartPlan):
+    """(part index, parts holding activations after its forward) in run order: after the
+    forward of part j, every part that is *released* (its subtrees are done: ``release`` at or
+    before the end of part j) and whose readers are all finished runs its backward. Yields
+    after each forward and lists what is held then (before those backwards)."""
+    parts = plan.parts
+    held: list[int] = []
+    for j, part in enumerate(parts):
+        held.append(j)
+        yield j, list(held)
+        held = [i for i in held if i not in set(ready(plan, held, part.end))]
+
+
+def ready(plan: PartPlan, held: list[int], cursor: int) -> list[int]:
+    """The held parts whose backward may run once the row up to ``cursor`` ran, latest
+    first: a part is released at ``cursor`` and every later part that reads it (starts
+    before its release) has run its backward (or runs it in this round, before it)."""
+    parts = plan.parts
+    out: list[int] = []
+    still = set(held)
+    for i in sorted(held, reverse=True):
+        p = parts[i]
+        if p.release > cursor:
+            continue
+        readers = [k for k in still if k > i and parts[k].start < p.release]
+        if readers:
+            continue
+        out.append(i)
+        still.discard(i)
+    return out
+
+
+def part_tensors(plan: PartPlan, part: Part, device) -> dict[str, torch.Tensor]:
+    """The tensors a part's graph takes, in the extended row's coordinates (see the module's
+    docstring): ``input_ids`` [1, n]; ``tree_info`` [3, n] (positions, predecessor, subtree
+    end); ``part_info`` [3, A] (the same for the context row, A = ``part.context_pad``; the
+    padding is seen by no query); ``state_entry`` [n] (row of ``ctx_state`` a token's node
+    starts from, -1: none); ``state_exit`` [X] (rows whose state is handed on; at least 2,
+    repeated); ``labels`` [2, m] (predecessor row, token id; at least 2, padded with row 0)."""
+    b = plan.batch
+    s, e, a = part.start, part.end, part.context_pad
+    pos = b.position_ids[0].cpu().numpy()
+    parent = b.parent_token.cpu().numpy()
+    se = b.subtree_end.cpu().numpy()
+    ids = b.input_ids[0].cpu().numpy()
+    ctx = part.context
+    k = len(ctx)
+    # context token -> its row in the extended row
+    where = {int(t): i for i, t in enumerate(ctx.tolist())}
+
+    def ext(t):
+        if t < 0:
+            return -1
+        if t >= s:
+            return a + t - s
+        return where[int(t)]
+
+    par = parent[s:e]
+    par_ext = np.where(par >= s, a + par - s, -1)
+    for i in np.flatnonzero((par >= 0) & (par < s)).tolist():
+        par_ext[i] = ext(par[i])
+    tree_info = np.stack([pos[s:e], par_ext, a + np.minimum(se[s:e], e) - s])
+    p_pos = np.zeros(a, dtype=np.int64)
+    p_par = np.full(a, -1, dtype=np.int64)
+    p_se = np.zeros(a, dtype=np.int64)
+    if k:
+        p_pos[:k] = pos[ctx]
+        p_par[:k] = [ext(int(x)) for x in parent[ctx].tolist()]
+        p_se[:k] = a + np.clip(se[ctx] - s, 0, e - s)
+    part_info = np.stack([p_pos, p_par, p_se])
+    exits_local = part.exits - s
+    if len(exits_local) < 2:
+        exits_local = np.concatenate([exits_local, np.full(2 - len(exits_local), e - s - 1)])
+    rows, toks = part.label_rows, part.label_tokens
+    if len(rows) < 2:
+        pad = 2 - len(rows)
+        rows = np.concatenate([rows, np.zeros(pad, np.int64)])
+        toks = np.concatenate([toks, np.full(pad, -1)])
+    labels = np.stack([rows, np.where(toks >= 0, ids[np.maximum(toks, 0)], 0)])
+
+    own_ids, entry = ids[s:e], part.entry_of_token
+    if e - s == 1:  # one inert token more: it sees only itself, nothing reads it
+        own_ids = np.append(own_ids, 0)
+        entry = np.append(entry, -1)
+        tree_info = np.concatenate([tree_info, [[0], [-1], [a + 2]]], axis=1)
+
+    def t(x):
+        return torch.from_numpy(np.ascontiguousarray(x, dtype=np.int64))
+
+    host = {"input_ids": t(own_ids)[None], "tree_info": t(tree_info),
+            "part_info": t(part_info), "state_entry": t(entry),
+            "state_exit": t(exits_local), "labels": t(labels), "label_tokens": t(toks)}
+    return {name: x.to(device) for name, x in host.items()}

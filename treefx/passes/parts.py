@@ -1,0 +1,224 @@
+"""Part mode: the graph of one part of a tree (:mod:`treefx.parts`, run by
+:func:`treefx.backward`) reads its context from earlier parts and hands its own on.
+
+The captured function of a part takes, besides the part's tokens, its context row's tree
+tensors (``part_info``), one buffer ``ctx_tok`` [A, W] with every site's keys, values and conv
+inputs of the context tokens side by side, and ``ctx_state`` [E, S] with every recurrence's
+state after each entry's predecessor; it ends in one marker call
+(:func:`part_outputs`) whose results are the part's own [n, W] and its exit states [X, S]. The
+attention and SSM passes give each site its columns (:meth:`PartSites.context`,
+:meth:`PartSites.state`); :func:`finish` replaces the marker by the concatenation of what the
+sites produce. The widths and dtypes are known only once the passes ran: a first capture with
+empty buffers raises :class:`PartLayoutMismatch` naming them, and the caller captures again.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from ..ops.context import columns_to_heads, heads_to_columns
+from .common import GraphContext, TreeCompileError, describe, example, module_path, set_example
+
+__all__ = ["PartLayoutMismatch", "PartSites", "finish", "part_outputs"]
+
+
+def part_outputs(input_ids, ctx_tok, ctx_state, state_exit, part_info, state_entry,
+                 tree_info):
+    """Marker of a part's captured function (one graph node, replaced by :func:`finish`):
+    the part's own [n, W] and exit states [X, S]. It takes every part input, so that Dynamo
+    makes each a graph input."""
+    n = input_ids.shape[-1]
+    return (ctx_tok.new_zeros(n, ctx_tok.shape[1]),
+            ctx_state.new_zeros(state_exit.shape[0], ctx_state.shape[1]))
+
+
+class PartLayoutMismatch(TreeCompileError):
+    """The context buffers a part was called with do not have the widths and dtypes its sites
+    need: ``tok`` and ``state`` are (width, dtype) pairs to capture again with."""
+
+    def __init__(self, tok, state):
+        super().__init__(f"part context layout: tokens {tok}, states {state}")
+        self.tok = tok
+        self.state = state
+
+
+class PartSites:
+    """The part-mode nodes of a captured graph and the columns given out so far."""
+
+    def __init__(self, marker: fx.Node):
+        self.marker = marker
+        (_, self.ctx_tok, self.ctx_state, self.state_exit, self.part_info,
+         self.state_entry, _) = marker.args
+        self.tok: list[tuple[fx.Node, int, torch.dtype]] = []  # own value [n, w], width, dtype
+        self.state: list[tuple[fx.Node, int, torch.dtype]] = []
+        self._cache: dict = {}
+
+    # ------------------------------------------------------------------ layout
+
+    def _buffer_dtype(self, entries, default):
+        dtypes = [d for _, _, d in entries]
+        out = dtypes[0] if dtypes else default
+        for d in dtypes[1:]:
+            out = torch.promote_types(out, d)
+        return out
+
+    def layout(self):
+        tok_dtype = self._buffer_dtype(self.tok, example(self.ctx_tok).dtype)
+        state_dtype = self._buffer_dtype(self.state, example(self.ctx_state).dtype)
+        return ((sum(w for _, w, _ in self.tok), tok_dtype),
+                (sum(w for _, w, _ in self.state), state_dtype))
+
+    # ------------------------------------------------------------------ nodes
+
+    def _check_root(self, ctx: GraphContext, node: fx.Node, what: str) -> None:
+        if ctx.parent is not None:
+            raise TreeCompileError(
+                f"treefx.backward: the {what} at {module_path(node)} (graph node "
+                f"`{describe(node)}`) is inside an activation-checkpointed region (or another "
+                "higher-order op's body); parts cannot hand its keys and values on from there "
+                "yet. Train in parts without activation checkpointing, or in one batch",
+                node=node)
+
+    def ext(self, ctx: GraphContext, key: str) -> fx.Node:
+        """Shared [A + n] node of the extended row: ``"positions"``, ``"parent"`` or
+        ``"subtree_end"`` (rows 0, 1, 2 of ``part_info`` then ``tree_info``)."""
+        row = {"positions": 0, "parent": 1, "subtree_end": 2}[key]
+
+        def make(c: GraphContext):
+            g = c.graph
+            a = g.call_function(operator.getitem, (self.part_info, row))
+            b = g.call_function(operator.getitem, (c.tree_info, row))
+            for x in (a, b):
+                set_example(x)
+            return g.call_function(_extended_row, (a, b))
+
+        return ctx.shared(("part_ext", key), make)
+
+    def parent_local(self, ctx: GraphContext) -> fx.Node:
+        """[n] predecessors inside the part, -1 where it is in an earlier part (or none)."""
+        def make(c: GraphContext):
+            g = c.graph
+            par = c.parent_token()
+            a = g.call_function(_context_length, (self.part_info,))
+            return g.call_function(_local_parent, (par, a))
+
+        return ctx.shared("part_parent_local", make)
+
+    def context(self, ctx: GraphContext, own: fx.Node, heads: int, dim: int,
+                what: str) -> fx.Node:
+        """Register ``own`` [1, heads, n, dim] (keys or values of one site) as the part's
+        columns and return the context tokens' share [1, heads, A, dim] in ``own``'s dtype.
+        Insert where ``own`` is defined and before its reader."""
+        self._check_root(ctx, own, what)
+        g = ctx.graph
+        dtype = example(own).dtype
+        offset = sum(w for _, w, _ in self.tok)
+        cols = g.call_function(heads_to_columns, (own,))
+        self.tok.append((cols, heads * dim, dtype))
+        ctxv = g.call_function(columns_to_heads, (self.ctx_tok, offset, heads, dim, dtype))
+        self._examples(cols, ctxv)
+        return ctxv
+
+    def _examples(self, *nodes) -> None:
+        # Before the capture with the right widths (see finish), the buffer is too narrow to
+        # read a site's columns from: no example values then (nothing is compiled).
+        if example(self.ctx_tok).shape[1] >= sum(w for _, w, _ in self.tok):
+            for x in nodes:
+                set_example(x)
+
+    def channels(self, ctx: GraphContext, own: fx.Node, channels: int, what: str) -> fx.Node:
+        """``own`` [1, C, n] (a conv's inputs) as the part's columns; returns the context
+        tokens' [1, C, A] in its dtype."""
+        self._check_root(ctx, own, what)
+        g = ctx.graph
+        dtype = example(own).dtype
+        offset = sum(w for _, w, _ in self.tok)
+        cols = g.call_function(_channels_to_columns, (own,))
+        self.tok.append((cols, channels, dtype))
+        ctxv = g.call_function(_columns_to_channels, (self.ctx_tok, offset, channels, dtype))
+        self._examples(cols, ctxv)
+        return ctxv
+
+    def state_in(self, ctx: GraphContext, node: fx.Node, shape: tuple, dtype) -> fx.Node:
+        """The entries' states of one recurrence site, [E, *shape] in ``dtype``."""
+        self._check_root(ctx, node, "recurrence")
+        offset = sum(w for _, w, _ in self.state)
+        width = 1
+        for s in shape:
+            width *= int(s)
+        self._pending_state = (width, dtype)
+        return ctx.graph.call_function(_columns_to_state,
+                                       (self.ctx_state, offset, tuple(shape), dtype))
+
+    def state_out(self, ctx: GraphContext, exits: fx.Node) -> None:
+        """Register a recurrence site's exit states [X, *shape] (after :meth:`state_in`)."""
+        width, dtype = self._pending_state
+        cols = ctx.graph.call_function(_state_to_columns, (exits,))
+        self.state.append((cols, width, dtype))
+
+
+def _extended_row(context: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
+    return torch.cat([context, own])
+
+
+def _context_length(part_info: torch.Tensor) -> int:
+    return part_info.shape[1]
+
+
+def _local_parent(parent_ext: torch.Tensor, a) -> torch.Tensor:
+    return torch.where(parent_ext >= a, parent_ext - a, torch.full_like(parent_ext, -1))
+
+
+def _channels_to_columns(x: torch.Tensor) -> torch.Tensor:
+    return x[0].transpose(0, 1)
+
+
+def _columns_to_channels(buf, offset: int, channels: int, dtype) -> torch.Tensor:
+    return buf[:, offset:offset + channels].to(dtype).transpose(0, 1).unsqueeze(0)
+
+
+def _columns_to_state(buf, offset: int, shape: tuple, dtype) -> torch.Tensor:
+    width = 1
+    for s in shape:
+        width *= s
+    return buf[:, offset:offset + width].to(dtype).reshape(buf.shape[0], *shape)
+
+
+def _state_to_columns(states: torch.Tensor) -> torch.Tensor:
+    return states.reshape(states.shape[0], -1)
+
+
+def finish(ctx: GraphContext) -> None:
+    """Replace the marker by the part's own columns and exit states; a
+    :class:`PartLayoutMismatch` when the buffers the part was captured with have other widths
+    or dtypes than its sites need."""
+    part = ctx.part
+    (tok_w, tok_dt), (st_w, st_dt) = part.layout()
+    have_tok, have_st = example(part.ctx_tok), example(part.ctx_state)
+    if (have_tok.shape[1], have_tok.dtype, have_st.shape[1], have_st.dtype) != (
+            tok_w, tok_dt, st_w, st_dt):
+        raise PartLayoutMismatch((tok_w, tok_dt), (st_w, st_dt))
+    g = ctx.graph
+    marker = part.marker
+    with g.inserting_before(marker):
+        ids = marker.args[0]
+        own = g.call_function(_concat_columns, ([c for c, _, _ in part.tok], ids, tok_w, tok_dt))
+        exits = g.call_function(_concat_columns, ([c for c, _, _ in part.state],
+                                                  part.state_exit, st_w, st_dt))
+    for user in list(marker.users):
+        if not (user.op == "call_function" and user.target is operator.getitem):
+            raise TreeCompileError("part mode: the marker's results are read other than by "
+                                   "index")
+        user.replace_all_uses_with(own if user.args[1] == 0 else exits)
+        g.erase_node(user)
+    g.erase_node(marker)
+
+
+def _concat_columns(columns: list, like: torch.Tensor, width: int, dtype) -> torch.Tensor:
+    """The columns side by side in ``dtype``; [rows of ``like``'s last dim, 0] without any."""
+    if not columns:
+        return torch.zeros(like.shape[-1], 0, dtype=dtype, device=like.device)
+    return torch.cat([c.to(dtype) for c in columns], dim=1)
