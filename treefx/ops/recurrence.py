@@ -121,10 +121,12 @@ def tree_nodes(parent_token: torch.Tensor):
     return nodes
 
 
-def _tree_nodes(parent_token: torch.Tensor):
+def _tree_nodes(parent_token: torch.Tensor, ends=None):
     par = parent_token.detach().cpu().numpy().astype(np.int64, copy=False)
     n = par.shape[0]
     children = np.bincount(par[par >= 0], minlength=n)
+    if ends is not None:  # tokens that must end a node (their state is handed on)
+        children[np.asarray(ends, dtype=np.int64)] = 2
     t = np.arange(n)
     # A node starts where the predecessor is not the previous token, and right after a
     # branching token (its first child follows it in DFS order, yet starts a new node).
@@ -168,16 +170,18 @@ def tree_recurrence_part(rec: Recurrence, parent_local: torch.Tensor, state_entr
     predecessor), a true root from zeros. Returns (what :func:`tree_recurrence` returns, the
     states after the tokens ``state_exit`` [X], each the last token of a node: [X, *state])."""
     entry = state_entry.tolist()
+    exit_rows = state_exit.tolist()
 
     def root_state(start):
         e = entry[start]
         return context_states[e] if e >= 0 else None
 
-    row, final, nodes = _run_tree(rec, parent_local, args, kwargs, root_state)
+    nodes = _tree_nodes(parent_local, ends=exit_rows)
+    row, final, nodes = _run_tree(rec, parent_local, args, kwargs, root_state, nodes)
     starts, lengths = nodes[0], nodes[1]
     end_of = {s + ln - 1: i for i, (s, ln) in enumerate(zip(starts, lengths))}
     exits = []
-    for t in state_exit.tolist():
+    for t in exit_rows:
         if t not in end_of:
             raise RuntimeError(f"{rec.name}: token {t} of the part is not the last of a node; "
                                "its state cannot be handed to a later part")
@@ -187,14 +191,14 @@ def tree_recurrence_part(rec: Recurrence, parent_local: torch.Tensor, state_entr
 
 
 def _run_tree(rec: Recurrence, parent_token: torch.Tensor, args: tuple, kwargs: dict,
-              root_state=None):
+              root_state=None, nodes=None):
     """(output row, final state per node, (starts, lengths, parents, depth)); a root node's
     initial state is ``root_state(its first token)`` (None: zeros)."""
     bound = rec.bind(args, kwargs)
     if bound.get(rec.initial_state) is not None:
         raise ValueError(f"{rec.name}: an initial state given by the model (a cache?) cannot be "
                          "combined with tree states")
-    starts, lengths, parents, depth = tree_nodes(parent_token)
+    starts, lengths, parents, depth = nodes if nodes is not None else tree_nodes(parent_token)
     seq = {name: bound[name] for name in rec.seq_args if bound.get(name) is not None}
     if not seq or rec.output_like not in seq:
         raise ValueError(f"{rec.name}: {rec.output_like} (the output's shape) is None")

@@ -443,7 +443,8 @@ def _probe_pairs() -> tuple[torch.Tensor, torch.Tensor]:
 def _is_all_ones_input(node) -> bool:
     """``torch.ones_like(<graph input>)`` (the attention_mask treefx gives the model), through
     casts and copies."""
-    while is_call(node, methods=("to", "bool", "long", "int", "float", "contiguous", "clone")):
+    while is_call(node, methods=("to", "bool", "long", "int", "float", "contiguous", "clone",
+                                 "view", "reshape")):  # a view of all ones is all ones
         node = node.args[0]
     return is_call(node, torch.ones_like) and isinstance(node.args[0], fx.Node) and \
         node.args[0].op == "placeholder"
