@@ -323,3 +323,56 @@ class TreeFlexAttention:
 
     def __repr__(self) -> str:
         return self.__name__
+
+
+class TreePartFlexAttention:
+    """:class:`treefx.ops.context.TreePartAttention` with FlexAttention (inductor backend):
+    the part's queries over ``[context; own]`` keys. The block mask is the tree's over the
+    extended row (:func:`tree_block_tensors` of ``subtree_end_ext``), its query blocks cut to
+    the part's (the context row is a whole number of blocks); the ``mask_mod`` is the same
+    interval test at row ``A + q``, ANDed with the model's mask at path positions."""
+
+    def __init__(self, *, scale=None, block_size=128, model_mask=None, kernel_options=None,
+                 name="tree_part_flex_attention"):
+        self.scale = scale
+        self.block_size = block_size
+        self.model_mask = model_mask
+        self.kernel_options = check_kernel_options(kernel_options)
+        self.__name__ = name
+
+    def _mask_mod(self, b, h, q_idx, kv_idx, subtree_end, positions, offset, *bufs):
+        qe = q_idx + offset[0]
+        tree = (kv_idx <= qe) & (qe < subtree_end[kv_idx])
+        if self.model_mask is None:
+            return tree
+        return tree & self.model_mask(b, h, positions[qe], positions[kv_idx], *bufs)
+
+    def __call__(self, q, k, v, k_context, v_context, se_ext, pos_ext, *bufs):
+        from torch._higher_order_ops.flex_attention import flex_attention as flex_hop
+        from torch.nn.attention.flex_attention import BlockMask, _apply_kernel_options
+
+        from ..mask import pad_to_block, tree_block_tensors
+
+        wide = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
+        a, n, bs = k_context.shape[-2], q.shape[-2], self.block_size
+        keys = torch.cat([k_context.to(wide), k.to(wide)], dim=-2)
+        values = torch.cat([v_context.to(wide), v.to(wide)], dim=-2)
+        kv_num, kv_idx, full_num, full_idx, se_pad = tree_block_tensors(
+            se_ext, bs, full=self.model_mask is None)
+        first = a // bs  # the part's first query block in the extended row
+        block_mask = BlockMask.from_kv_blocks(
+            kv_num[:, :, first:], kv_idx[:, :, first:], full_num[:, :, first:],
+            full_idx[:, :, first:], BLOCK_SIZE=bs, mask_mod=self._mask_mod,
+            seq_lengths=(n, a + n))
+        pos_pad = pad_to_block(pos_ext, bs)
+        offset = torch.full((1,), a, dtype=se_ext.dtype, device=se_ext.device)
+        scale = self.scale if self.scale is not None else 1.0 / math.sqrt(q.shape[-1])
+        qw = q.to(wide)
+        kernel_options = _apply_kernel_options(qw, keys, values, False,
+                                               {**_STANDARD_KERNEL, **self.kernel_options})
+        out, *_ = flex_hop(qw, keys, values, _identity_score, block_mask.as_tuple(), scale,
+                           kernel_options, (), (se_pad, pos_pad, offset, *bufs))
+        return out.to(v.dtype)
+
+    def __repr__(self) -> str:
+        return self.__name__
