@@ -68,8 +68,12 @@ def test_hybrid_conv_and_state_cross_part_boundaries():
 def test_every_token_is_embedded_once_and_gradients_accumulate(monkeypatch):
     model = hf_model("qwen3", "sdpa")
     tm = treefx.compile(model, backend="eager", verify=False)
-    trees = odd_forest(4, VOCAB)
+    # agent trees: no single-token nodes, so no part of one token (those get an inert pad)
+    trees = [treefx.synth.agent_tree(i, vocab_size=VOCAB, rollouts=2, system_len=(6, 12),
+                                     prompt_len=(3, 8), think_len=(3, 9), answer_len=(2, 5),
+                                     tool_len=(3, 9)) for i in range(2)]
     batch = treefx.pack(trees)
+    assert all(p.num_tokens > 1 for p in parts.plan(batch, 24).parts)
     embedded = []
     call = treefx.part_run._PartRunner.__call__
 
@@ -78,7 +82,7 @@ def test_every_token_is_embedded_once_and_gradients_accumulate(monkeypatch):
         return call(self, t, *rest)
 
     monkeypatch.setattr(treefx.part_run._PartRunner, "__call__", counting)
-    treefx.backward(tm, trees, max_tokens=4)
+    treefx.backward(tm, trees, max_tokens=24)
     # Each part's graph embeds its own ids, and nothing else: one lookup per layer input
     gm = tm._part_runner.engine.contexts[-1].gm
     lookups = [n for n in gm.graph.nodes if n.target is torch.nn.functional.embedding]
@@ -89,8 +93,8 @@ def test_every_token_is_embedded_once_and_gradients_accumulate(monkeypatch):
     row = torch.cat([e[0] for e in ids[1:]])
     assert row.shape[0] == batch.num_tokens and torch.equal(row, batch.input_ids[0])
     once = grads(model)
-    treefx.backward(tm, trees, max_tokens=4)
-    treefx.backward(tm, trees, max_tokens=9)
+    treefx.backward(tm, trees, max_tokens=24)
+    treefx.backward(tm, trees, max_tokens=40)
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.grad, 2 * once[n], atol=1e-6, rtol=1e-4)
 
@@ -131,7 +135,7 @@ def test_plan_covers_the_row_and_bounds_memory(seed):
     for a, b in zip(plan.parts, plan.parts[1:]):
         assert a.end == b.start
     for p in plan.parts:
-        assert 2 <= p.num_tokens <= budget or batch.num_tokens < 2
+        assert 1 <= p.num_tokens <= budget  # a part of one token runs padded
         # the context is the path from the root to the part's first token
         path, t = [], parent[p.start]
         while t >= 0:
@@ -154,7 +158,7 @@ def test_plan_covers_the_row_and_bounds_memory(seed):
             done.append(i)
     assert sorted(done) == list(range(plan.num_parts)) and not held
     longest = max(t.sequence_lengths.max() for t in trees)
-    assert plan.peak_held_tokens() <= budget + longest
+    assert plan.peak_held_tokens() <= max(budget, longest + budget // 4) + 2
 
 
 def test_checkpointed_model_is_refused_clearly():

@@ -18,14 +18,18 @@ a later token holds ``start`` too): its *context* is the path from the root to `
   to the part of the predecessor: a part predicts every token whose predecessor it holds, its
   own and the first tokens of later parts.
 
-Planning (:func:`plan`): a node whose subtree fits the budget is a *closed* unit; consecutive
-closed units share a part while they fit. A node whose subtree does not fit puts its own tokens
-in parts of their own (chunks of at most the budget), then its children are planned the same
-way. A part of closed units is finished (forward and backward) as soon as it ran; a part of an
-open node's tokens waits until the node's subtree is done. So, at any time, the parts holding
-activations are the current one (at most ``max_tokens`` tokens) and the parts of the open nodes
-on the current root path, whose tokens are those nodes' own: at most one root-to-leaf path of
-tokens (the longest sequence) besides the current part.
+Planning (:func:`plan`): a part of *closed* units (whole subtrees) is finished, forward and
+backward, as soon as it ran; a part of an *open* node's own tokens (a node whose subtree does
+not fit) is held until the node's subtree is done. So the tokens holding activations at any
+time are the current part's and the open tokens on the current root path. The planner keeps
+their sum within ``max_tokens``: below open tokens ``H``, a subtree that fits in the room
+``max_tokens - H`` is a closed unit (consecutive ones share a part while they fit), a larger
+one puts its own tokens in parts of their own (chunks of at most the room) and its children
+are planned the same way with those tokens added to ``H``. The room never drops below
+``max_tokens / 4``, so parts stay large enough to keep a GPU busy: the bound is ``max_tokens``
+held tokens while the open path stays within three quarters of it, and the open path plus a
+quarter of ``max_tokens`` beyond (a sequence longer than the budget is held whole: its later
+tokens attend to all of it).
 """
 
 from __future__ import annotations
@@ -106,25 +110,35 @@ def _check_budget(max_tokens) -> int:
 
 
 def _units(node_offset, node_length, node_parent, subtree_end_of_node, max_tokens):
-    """(start, end, open) ranges in DFS order: closed subtrees that fit, open nodes' tokens in
-    chunks of at most ``max_tokens``."""
+    """(start, end, open, room) ranges in DFS order: closed subtrees that fit the room left,
+    open nodes' tokens in chunks. ``room`` = ``max_tokens`` minus the open tokens held above
+    the unit (at least a quarter of ``max_tokens``)."""
+    floor = max(1, max_tokens // 4)
     children: list[list[int]] = [[] for _ in range(len(node_offset))]
     roots = []
     for i, p in enumerate(node_parent.tolist()):
         (children[p] if p >= 0 else roots).append(i)
     units = []
-    stack = roots[::-1]
+    stack = [(v, 0) for v in roots[::-1]]
     while stack:
-        v = stack.pop()
+        v, held = stack.pop()
         off = int(node_offset[v])
+        room = max(max_tokens - held, floor)
         size = int(subtree_end_of_node[v]) - off
-        if size <= max_tokens:
-            units.append((off, off + size, False))
+        if size <= room:
+            units.append((off, off + size, False, room))
             continue
-        end = off + int(node_length[v])
-        for s in range(off, end, max_tokens):
-            units.append((s, min(s + max_tokens, end), True))
-        stack.extend(children[v][::-1])
+        s, end = off, off + int(node_length[v])
+        while s < end:  # the node's own tokens, held while its subtree runs
+            room = max(max_tokens - held, floor)
+            take = min(room, end - s)
+            if end - s - take == 1 and take > 2:
+                take -= 1  # no chunk of one token left over (see _no_single_tokens)
+            e = s + take
+            units.append((s, e, True, room))
+            held += e - s
+            s = e
+        stack.extend((c, held) for c in children[v][::-1])
     return units
 
 
@@ -143,15 +157,16 @@ def plan(batch: TreeBatch, max_tokens: int, *, block_size: int = 128) -> PartPla
     npar = batch.node_parent.cpu().numpy()
     units = _units(off, ln, npar, se[off], max_tokens)
     # Padding tokens (each its own root) close the row as closed units of one token each.
-    units += [(t, t + 1, False) for t in range(n_real, batch.num_tokens)]
+    units += [(t, t + 1, False, max_tokens) for t in range(n_real, batch.num_tokens)]
 
-    ranges: list[tuple[int, int, bool]] = []
-    for s, e, is_open in units:
-        if ranges and not is_open and not ranges[-1][2] and e - ranges[-1][0] <= max_tokens:
-            ranges[-1] = (ranges[-1][0], e, False)
+    ranges: list[tuple[int, int, bool, int]] = []
+    for s, e, is_open, room in units:
+        if ranges and not is_open and not ranges[-1][2] and \
+                e - ranges[-1][0] <= min(ranges[-1][3], room):
+            ranges[-1] = (ranges[-1][0], e, False, min(ranges[-1][3], room))
         else:
-            ranges.append((s, e, is_open))
-    ranges = _no_single_tokens(ranges, max_tokens)
+            ranges.append((s, e, is_open, room))
+    ranges = _no_single_tokens(ranges)
     n = batch.num_tokens
     part_of = np.empty(n, dtype=np.int64)
     for j, (s, e, _) in enumerate(ranges):
@@ -182,36 +197,31 @@ def plan(batch: TreeBatch, max_tokens: int, *, block_size: int = 128) -> PartPla
     return PartPlan(batch=batch, parts=parts, max_tokens=max_tokens, part_of_token=part_of)
 
 
-def _no_single_tokens(ranges, max_tokens: int):
-    """Parts of one token merged into a neighbour, or given one of its tokens, where the
-    budget allows: a graph compiled for a row of one token is specialized to it (Dynamo
-    guards sizes 0 and 1), so each such part would compile anew. What cannot be fixed this
-    way (budgets below 3) is padded with one inert token (:func:`part_tensors`)."""
+def _no_single_tokens(ranges):
+    """Closed parts of one token merged into an adjacent closed part that has room (both
+    finish right after their forward, so the memory bound holds). A graph compiled for a row
+    of one token is specialized to it (Dynamo guards sizes 0 and 1), so every such part would
+    compile anew; the rest (an open node's single token, which must stay on its own to be
+    released with its subtree) is padded with one inert token (:func:`part_tensors`)."""
     out = [list(r) for r in ranges]
     i = 0
     while i < len(out):
-        s, e, is_open = out[i]
-        if e - s != 1:
+        s, e, is_open, room = out[i]
+        if e - s != 1 or is_open:
             i += 1
             continue
         nxt = out[i + 1] if i + 1 < len(out) else None
         prv = out[i - 1] if i > 0 else None
-        if nxt is not None and nxt[1] - s <= max_tokens:
-            out[i + 1] = [s, nxt[1], is_open or nxt[2]]
+        if nxt is not None and not nxt[2] and nxt[1] - s <= min(room, nxt[3]):
+            out[i + 1] = [s, nxt[1], False, min(room, nxt[3])]
             del out[i]
             continue
-        if prv is not None and e - prv[0] <= max_tokens:
-            out[i - 1] = [prv[0], e, is_open or prv[2]]
+        if prv is not None and not prv[2] and e - prv[0] <= min(room, prv[3]):
+            out[i - 1] = [prv[0], e, False, min(room, prv[3])]
             del out[i]
             continue
-        if nxt is not None and nxt[1] - nxt[0] >= 3:
-            out[i] = [s, e + 1, is_open or nxt[2]]
-            nxt[0] += 1
-        elif prv is not None and prv[1] - prv[0] >= 3:
-            out[i] = [s - 1, e, is_open or prv[2]]
-            prv[1] -= 1
         i += 1
-    return [tuple(r) for r in out]
+    return [tuple(r[:3]) for r in out]
 
 
 def _path_before(s: int, node_of, off, ln, npar) -> np.ndarray:

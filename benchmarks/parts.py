@@ -1,0 +1,203 @@
+"""Trees larger than the token budget: ``treefx.backward`` (redundancy-free parts) against the
+whole tree in one step, the current ``treefx.partition`` (parts of whole sequences, shared
+prefixes recomputed) and one step per sequence.
+
+    python -m benchmarks.parts                       # GPU: 8B-shaped layers, bf16
+    python -m benchmarks.parts --dry-run             # CPU: a tiny model, eager backend
+
+Model: Hugging Face Qwen3 with 8B-shaped layers (hidden 4096, 32 heads, 8 KV heads, head_dim
+128, intermediate 12288, vocab 151,936), ``--layers`` of them, bf16 weights, compiled once
+with ``treefx.compile(model, logits=False)``. Tree: a synthetic agent tree (POR about 0.75) of
+at least 4x ``--budget`` tokens. Per method: the median step time over ``--reps`` (after one
+warm-up step that compiles), the peak memory (``max_memory_allocated``, weights and gradients
+included), the tokens computed, the loss, and the gradients' largest difference from the whole
+step (relative to each parameter's largest gradient). Before that, an exactness check in
+float32 against the per-branch oracle (a tiny Qwen3 and Mistral with a window, on the same
+backend).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+import treefx
+from benchmarks import common
+
+SHAPE_8B = dict(hidden_size=4096, intermediate_size=12288, num_attention_heads=32,
+                num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                tie_word_embeddings=False)
+TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, vocab_size=1024, tie_word_embeddings=False)
+
+
+def _sync(dev):
+    if dev == "cuda":
+        torch.cuda.synchronize()
+
+
+def _timed(dev, fn, reps: int):
+    fn()  # warm-up: compiles
+    _sync(dev)
+    if dev == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        out = fn()
+        _sync(dev)
+        times.append(time.perf_counter() - t0)
+    peak = torch.cuda.max_memory_allocated() / 2**30 if dev == "cuda" else None
+    return out, {"step_s": statistics.median(times), "times_s": times, "peak_gib": peak}
+
+
+def _grads(model):
+    out = {n: p.grad.detach().float().clone() for n, p in model.named_parameters()
+           if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+def _grad_diff(a, b) -> float:
+    return max(float((a[k] - b[k]).abs().max() / b[k].abs().max().clamp(min=1e-30))
+               for k in b)
+
+
+def exactness(dev: str, backend: str) -> list[dict]:
+    """float32: treefx.backward against the oracle, tiny Qwen3 and Mistral (window 3)."""
+    rows = []
+    trees = treefx.synth.odd_forest(0, 1024) + [treefx.synth.agent_tree(
+        1, vocab_size=1024, rollouts=2, **common.scaled_lengths(0.2))]
+    for model_type, extra in (("qwen3", {}), ("mistral", {"sliding_window": 24})):
+        model = common.hf_model(model_type, dev=dev, num_hidden_layers=2, **TINY, **extra)
+        ref = treefx.reference.sequence_loss(model, trees, reduction="mean")
+        ref.backward()
+        g_ref = _grads(model)
+        tm = treefx.compile(model, backend=backend, verify=False, logits=False)
+        n = treefx.pack(trees).num_tokens
+        for budget in (64, 300, n):
+            loss = treefx.backward(tm, trees, max_tokens=budget)
+            rows.append({"model": model_type, "budget": budget, "tokens": n,
+                         "loss_err": abs(float(loss) - float(ref)),
+                         "grad_rel_err": _grad_diff(_grads(model), g_ref)})
+            print(f"exactness {model_type:8s} budget {budget:5d}: loss err "
+                  f"{rows[-1]['loss_err']:.2e}, grad rel err {rows[-1]['grad_rel_err']:.2e}",
+                  flush=True)
+    return rows
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--budget", type=int, default=8192, help="max_tokens per part")
+    p.add_argument("--scale", type=float, default=2.0, help="agent tree length multiplier")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--methods", default="whole,parts,budget_step,partition,sequences")
+    p.add_argument("--no-exactness", action="store_true")
+    common.add_run_args(p, "CPU, a tiny model, the eager backend")
+    args = p.parse_args(argv)
+    cuda = common.use_cuda(args.dry_run)
+    dev = "cuda" if cuda else "cpu"
+    backend = "inductor" if cuda else "eager"
+    common.bump_dynamo_limits()
+    res = {"meta": common.run_meta(cuda), "args": vars(args)}
+    if not args.no_exactness:
+        res["exactness"] = exactness(dev, backend)
+    shape, dtype = (SHAPE_8B, torch.bfloat16) if cuda else (TINY, torch.float32)
+    budget = args.budget if cuda else 320
+    scale = args.scale if cuda else 0.08
+    vocab = shape["vocab_size"]
+    tree = common.make_tree(0.75, scale, vocab, seed=3)
+    res["tree"] = {"tokens": tree.num_tokens, "sequences": tree.num_sequences,
+                   "sequence_tokens": tree.num_baseline_tokens,
+                   "longest_sequence": int(tree.sequence_lengths.max()), "budget": budget}
+    print(f"tree: {tree.num_tokens} tokens ({tree.num_tokens / budget:.1f}x the budget "
+          f"{budget}), {tree.num_sequences} sequences, {tree.num_baseline_tokens} sequence "
+          f"tokens, longest {int(tree.sequence_lengths.max())}", flush=True)
+    model = common.hf_model("qwen3", dev=dev, dtype=dtype, on_device=cuda,
+                            num_hidden_layers=args.layers, **shape)
+    tm = treefx.compile(model, backend=backend, verify=False, logits=False)
+    batch = treefx.pack(tree, reduction="mean").to(dev)
+    plan = treefx.parts.plan(treefx.pack(tree, reduction="mean"), budget)
+    res["plan"] = {"parts": plan.num_parts, "sizes": [q.num_tokens for q in plan.parts],
+                   "peak_held_tokens": plan.peak_held_tokens()}
+    print(f"plan: {plan.num_parts} parts, peak held {plan.peak_held_tokens()} tokens",
+          flush=True)
+    methods = args.methods.split(",")
+    out, grads = {}, {}
+
+    def whole():
+        o = tm(batch)
+        loss = treefx.tree_loss(o, batch)
+        loss.backward()
+        return loss.detach()
+
+    def in_parts():
+        return treefx.backward(tm, tree, max_tokens=budget)
+
+    groups = treefx.partition_ids(tree, max(budget, int(tree.sequence_lengths.max())))
+    part_trees = [tree.subtree(g) for g in groups]
+    part_batches = [treefx.pack(t, reduction="mean", num_sequences=tree.num_sequences).to(dev)
+                    for t in part_trees]
+    largest = max(range(len(part_batches)), key=lambda i: part_batches[i].num_tokens)
+
+    def run_batches(batches):
+        total = 0.0
+        for b in batches:
+            loss = treefx.tree_loss(tm(b), b)
+            loss.backward()
+            total += float(loss)
+        return total
+
+    def budget_step():
+        return run_batches([part_batches[largest]])
+
+    seq_trees = [treefx.Tree.from_sequences([tree.sequence(i)])
+                 for i in range(tree.num_sequences)]
+    seq_batches = [treefx.pack(t, reduction="mean", num_sequences=tree.num_sequences).to(dev)
+                   for t in seq_trees]
+    fns = {"whole": whole, "parts": in_parts, "budget_step": budget_step,
+           "partition": lambda: run_batches(part_batches),
+           "sequences": lambda: run_batches(seq_batches)}
+    tokens = {"whole": tree.num_tokens, "parts": tree.num_tokens,
+              "budget_step": part_batches[largest].num_tokens,
+              "partition": sum(b.num_tokens for b in part_batches),
+              "sequences": tree.num_baseline_tokens}
+    for name in methods:
+        model.zero_grad(set_to_none=True)
+        try:
+            loss, stats = _timed(dev, fns[name], args.reps)
+        except torch.OutOfMemoryError as e:
+            out[name] = {"error": f"out of memory: {str(e)[:200]}"}
+            print(f"{name}: out of memory", flush=True)
+            model.zero_grad(set_to_none=True)
+            torch.cuda.empty_cache()
+            continue
+        g = _grads(model)  # accumulated over warm-up + reps
+        grads[name] = {k: v / (args.reps + 1) for k, v in g.items()}
+        stats.update(loss=float(loss), tokens=tokens[name])
+        out[name] = stats
+        peak = f"{stats['peak_gib']:.1f} GiB" if stats["peak_gib"] is not None else "-"
+        print(f"{name:12s} {stats['step_s'] * 1e3:9.1f} ms  peak {peak:>9s}  tokens "
+              f"{tokens[name]:7d}  loss {stats['loss']:.5f}", flush=True)
+    if "whole" in grads:
+        for name in grads:
+            if name not in ("whole", "budget_step"):
+                out[name]["grad_rel_diff_vs_whole"] = _grad_diff(grads[name], grads["whole"])
+                print(f"{name}: gradients vs whole step, largest relative difference "
+                      f"{out[name]['grad_rel_diff_vs_whole']:.2e}", flush=True)
+    res["methods"] = out
+    if "parts" in out and "whole" in out and "step_s" in out.get("whole", {}):
+        res["parts_vs_whole_time"] = out["parts"]["step_s"] / out["whole"]["step_s"]
+    if "parts" in out and "budget_step" in out and cuda:
+        res["parts_vs_budget_step_memory"] = out["parts"]["peak_gib"] / \
+            out["budget_step"]["peak_gib"]
+    print({k: v for k, v in res.items() if k.startswith("parts_vs")}, flush=True)
+    common.save_json(res, common.resolve_out(args, "parts", cuda))
+
+
+if __name__ == "__main__":
+    main()
