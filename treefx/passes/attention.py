@@ -31,6 +31,7 @@ from ..mask import dense_tree_mask, tree_block_tensors
 from ..ops.context import TreePartAttention, ones_for_positions
 from ..ops.attention import (
     TreeFlexAttention,
+    TreePartFlexAttention,
     TreeScoredAttention,
     sink_rescale,
     tree_attention_dense,
@@ -805,8 +806,6 @@ def _rewrite_part(ctx: GraphContext, site: _Site) -> fx.Node:
                                    model_mask=lifted,
                                    name=f"tree_part_attention_{site.anchor.name}")
         else:
-            from ..ops.attention import TreePartFlexAttention
-
             fn = TreePartFlexAttention(scale=site.scale, block_size=ctx.block_size,
                                        model_mask=lifted, kernel_options=ctx.kernel_options,
                                        name=f"tree_part_flex_attention_{site.anchor.name}")
@@ -904,7 +903,7 @@ def check_no_attention_left(ctx: GraphContext) -> None:
         if node.op == "call_function" and node.target in _OTHER_ATTENTION + _SDPA:
             raise _fail(node, "this attention op is not one treefx can rewrite")
         if node.op == "call_function" and "flex_attention" in str(node.target) and not isinstance(
-            node.target, TreeFlexAttention
+            node.target, (TreeFlexAttention, TreePartFlexAttention)
         ):
             raise _fail(node, "the model calls flex_attention itself; treefx does not rewrite "
                               "a model's own flex_attention yet")
