@@ -39,24 +39,33 @@ def _sync(dev):
         torch.cuda.synchronize()
 
 
-def _timed(dev, fn, reps: int):
+def _timed(dev, fn, reps: int, model):
+    """Median time of ``reps`` steps after one warm-up (compiles); each step starts without
+    gradients (so each allocates its own, like a training step after optimizer.zero_grad):
+    ``peak_gib`` is the peak allocated during a step, weights, gradients and all, and
+    ``step_gib`` that minus what was allocated before it."""
     fn()  # warm-up: compiles
-    _sync(dev)
-    if dev == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    times = []
+    times, peaks, base = [], [], 0
     for _ in range(reps):
+        model.zero_grad(set_to_none=True)
+        _sync(dev)
+        if dev == "cuda":
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
         out = fn()
         _sync(dev)
         times.append(time.perf_counter() - t0)
-    peak = torch.cuda.max_memory_allocated() / 2**30 if dev == "cuda" else None
-    return out, {"step_s": statistics.median(times), "times_s": times, "peak_gib": peak}
+        if dev == "cuda":
+            peaks.append(torch.cuda.max_memory_allocated())
+    peak = max(peaks) / 2**30 if peaks else None
+    return out, {"step_s": statistics.median(times), "times_s": times, "peak_gib": peak,
+                 "step_gib": (max(peaks) - base) / 2**30 if peaks else None}
 
 
-def _grads(model):
-    out = {n: p.grad.detach().float().clone() for n, p in model.named_parameters()
-           if p.grad is not None}
+def _grads(model, device=None):
+    out = {n: p.grad.detach().float().to(device or p.grad.device, copy=True)
+           for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
     return out
 
@@ -149,7 +158,7 @@ def main(argv=None):
         for b in batches:
             loss = treefx.tree_loss(tm(b), b)
             loss.backward()
-            total += float(loss)
+            total += float(loss.detach())
         return total
 
     def budget_step():
@@ -169,32 +178,39 @@ def main(argv=None):
     for name in methods:
         model.zero_grad(set_to_none=True)
         try:
-            loss, stats = _timed(dev, fns[name], args.reps)
+            loss, stats = _timed(dev, fns[name], args.reps, model)
         except torch.OutOfMemoryError as e:
             out[name] = {"error": f"out of memory: {str(e)[:200]}"}
             print(f"{name}: out of memory", flush=True)
             model.zero_grad(set_to_none=True)
             torch.cuda.empty_cache()
             continue
-        g = _grads(model)  # accumulated over warm-up + reps
-        grads[name] = {k: v / (args.reps + 1) for k, v in g.items()}
+        g = _grads(model, "cpu")  # the last step's
+        if name == "whole":
+            grads["whole"] = g
+        elif "whole" in grads and name != "budget_step":
+            stats["grad_rel_diff_vs_whole"] = _grad_diff(g, grads["whole"])
+        del g
+        if dev == "cuda":
+            torch.cuda.empty_cache()
         stats.update(loss=float(loss), tokens=tokens[name])
         out[name] = stats
         peak = f"{stats['peak_gib']:.1f} GiB" if stats["peak_gib"] is not None else "-"
-        print(f"{name:12s} {stats['step_s'] * 1e3:9.1f} ms  peak {peak:>9s}  tokens "
+        print(f"{name:12s} {stats['step_s'] * 1e3:9.1f} ms  peak {peak:>9s}  step "
+              f"{stats['step_gib'] or 0:.1f} GiB  tokens "
               f"{tokens[name]:7d}  loss {stats['loss']:.5f}", flush=True)
-    if "whole" in grads:
-        for name in grads:
-            if name not in ("whole", "budget_step"):
-                out[name]["grad_rel_diff_vs_whole"] = _grad_diff(grads[name], grads["whole"])
-                print(f"{name}: gradients vs whole step, largest relative difference "
-                      f"{out[name]['grad_rel_diff_vs_whole']:.2e}", flush=True)
+    for name, st in out.items():
+        if "grad_rel_diff_vs_whole" in st:
+            print(f"{name}: gradients vs whole step (bf16), largest relative difference "
+                  f"{st['grad_rel_diff_vs_whole']:.2e}", flush=True)
     res["methods"] = out
     if "parts" in out and "whole" in out and "step_s" in out.get("whole", {}):
         res["parts_vs_whole_time"] = out["parts"]["step_s"] / out["whole"]["step_s"]
     if "parts" in out and "budget_step" in out and cuda:
         res["parts_vs_budget_step_memory"] = out["parts"]["peak_gib"] / \
             out["budget_step"]["peak_gib"]
+        res["parts_vs_budget_step_step_memory"] = out["parts"]["step_gib"] / \
+            out["budget_step"]["step_gib"]
     print({k: v for k, v in res.items() if k.startswith("parts_vs")}, flush=True)
     common.save_json(res, common.resolve_out(args, "parts", cuda))
 

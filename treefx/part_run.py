@@ -28,7 +28,7 @@ import torch
 
 from . import parts as parts_mod
 from .engine import TreeEngine, check_batch, make_traced
-from .layout import TreeBatch, pack
+from .layout import TreeBatch, move_tensors, pack
 from .ops.logprobs import register_site, token_logprobs_site
 from .passes.parts import PartLayoutMismatch, part_outputs
 from .reference import logits_of
@@ -154,14 +154,13 @@ def backward(tm: TreeModel, trees: Tree | Iterable[Tree], *, max_tokens: int,
     total = torch.zeros((), dtype=torch.float64, device=device)
     incidence = _Incidence(full) if loss_fn is not None else None
     for j, part in enumerate(plan.parts):
-        t = parts_mod.part_tensors(plan, part, device)
+        t = _to_device(plan, part, device)
         lp, own, exits = _forward(runner, plan, part, t, held, device)
-        mask = torch.zeros(batch.num_tokens, dtype=torch.bool, device=device)
         toks = t["label_tokens"]
-        real = toks >= 0
-        mask[toks[real]] = True
+        mask = torch.zeros(batch.num_tokens, dtype=torch.bool, device=device)
+        mask[toks] = True
         values = torch.zeros(batch.num_tokens, dtype=lp.dtype, device=device)
-        values = values.index_put((toks[real],), lp[real])
+        values = values.index_put((toks,), lp[:len(part.label_tokens)])
         part_batch = _part_batch(full, mask, incidence)
         loss = (loss_fn or tree_loss)(TreeOutput(None, values), part_batch)
         if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
@@ -176,10 +175,25 @@ def backward(tm: TreeModel, trees: Tree | Iterable[Tree], *, max_tokens: int,
     return total.to(lp.dtype)
 
 
+def _to_device(plan, part, device) -> dict:
+    """The part's tensors and the indices its context is gathered with, moved in one pinned,
+    non-blocking copy per dtype: a plain copy from pageable memory would wait for the GPU to
+    finish the previous part, so the host could not prepare this one meanwhile."""
+    t = parts_mod.part_tensors(plan, part)
+    ctx = part.context
+    if len(ctx):
+        owner = plan.part_of_token[ctx]
+        for i in np.unique(owner).tolist():
+            t[f"rows_{i}"] = torch.from_numpy(ctx[owner == i] - plan.parts[i].start)
+    names = list(t)
+    moved = move_tensors([t[k] for k in names], torch.device(device))
+    return dict(zip(names, moved))
+
+
 def _forward(runner: _PartRunner, plan, part, t: dict, held: dict, device):
     while True:
         (tok_w, tok_dt), (st_w, st_dt) = runner.layout
-        ctx_tok = _gather_tokens(plan, part, held, tok_w, tok_dt, device)
+        ctx_tok = _gather_tokens(part, t, held, tok_w, tok_dt, device)
         ctx_state = _gather_states(plan, part, held, st_w, st_dt, device)
         try:
             return runner(t, ctx_tok, ctx_state)
@@ -191,18 +205,11 @@ def _forward(runner: _PartRunner, plan, part, t: dict, held: dict, device):
                      "%d per state (%s)", e.tok[0], e.tok[1], e.state[0], e.state[1])
 
 
-def _gather_tokens(plan, part, held, width, dtype, device) -> torch.Tensor:
+def _gather_tokens(part, t: dict, held, width, dtype, device) -> torch.Tensor:
     """The context rows [A, W]: each context token's own row from the part that computed it
     (through the autograd graph into that part's leaf), then zero padding."""
-    pieces = []
-    ctx = part.context
-    if len(ctx):
-        owner = plan.part_of_token[ctx]
-        for i in np.unique(owner).tolist():
-            rows = ctx[owner == i] - plan.parts[i].start
-            leaf = held[i].own_leaf
-            pieces.append(leaf[torch.from_numpy(rows).to(device)])
-    pad = part.context_pad - len(ctx)
+    pieces = [held[int(k[5:])].own_leaf[rows] for k, rows in t.items() if k.startswith("rows_")]
+    pad = part.context_pad - len(part.context)
     pieces.append(torch.zeros(pad, width, dtype=dtype, device=device, requires_grad=not pieces))
     return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
 

@@ -267,13 +267,15 @@ def ready(plan: PartPlan, held: list[int], cursor: int) -> list[int]:
     return out
 
 
-def part_tensors(plan: PartPlan, part: Part, device) -> dict[str, torch.Tensor]:
+def part_tensors(plan: PartPlan, part: Part, device=None) -> dict[str, torch.Tensor]:
     """The tensors a part's graph takes, in the extended row's coordinates (see the module's
     docstring): ``input_ids`` [1, n]; ``tree_info`` [3, n] (positions, predecessor, subtree
     end); ``part_info`` [3, A] (the same for the context row, A = ``part.context_pad``; the
     padding is seen by no query); ``state_entry`` [n] (row of ``ctx_state`` a token's node
     starts from, -1: none); ``state_exit`` [X] (rows whose state is handed on; at least 2,
-    repeated); ``labels`` [2, m] (predecessor row, token id; at least 2, padded with row 0)."""
+    repeated); ``labels`` [2, m] (predecessor row, token id; at least 2, padded with row 0);
+    ``label_tokens`` (the predicted tokens, the first entries of ``labels``). On the host
+    when ``device`` is None."""
     b = plan.batch
     s, e, a = part.start, part.end, part.context_pad
     pos = b.position_ids[0].cpu().numpy()
@@ -326,5 +328,8 @@ def part_tensors(plan: PartPlan, part: Part, device) -> dict[str, torch.Tensor]:
 
     host = {"input_ids": t(own_ids)[None], "tree_info": t(tree_info),
             "part_info": t(part_info), "state_entry": t(entry),
-            "state_exit": t(exits_local), "labels": t(labels), "label_tokens": t(toks)}
+            "state_exit": t(exits_local), "labels": t(labels),
+            "label_tokens": t(part.label_tokens)}
+    if device is None:
+        return host
     return {name: x.to(device) for name, x in host.items()}
