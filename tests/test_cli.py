@@ -130,9 +130,10 @@ def test_stats_max_tokens(synth_file, capsys):
     assert any(t.num_tokens > budget for t in trees)  # something gets split
     main(["stats", str(synth_file), "--max-tokens", str(budget)])
     header, rows, seps, lines = _table(capsys.readouterr().out)
-    assert header == ["tree", "sequences", "unique", "baseline", "POR", "bound",
-                      "parts", "ERR", "ERR/POR"]
+    assert header[:9] == ["tree", "sequences", "unique", "baseline", "POR", "bound",
+                          "parts", "ERR", "ERR/POR"]
     total_part_tokens = 0
+    held = 0
     for i, (row, t) in enumerate(zip(rows, trees)):
         parts = partition(t, budget)
         assert all(p.num_tokens <= budget for p in parts)
@@ -142,8 +143,11 @@ def test_stats_max_tokens(synth_file, capsys):
         assert e == pytest.approx(1 - sum(p.num_tokens for p in parts) / t.num_baseline_tokens)
         assert e <= t.por + 1e-12
         total_part_tokens += sum(p.num_tokens for p in parts)
+        rf = treefx.parts.plan(treefx.pack(t), budget)  # redundancy-free: ERR = POR
+        held = max(held, rf.peak_held_tokens())
         assert row == _expected_row(str(i), t.num_sequences, t.num_tokens, t.num_baseline_tokens) + [
-            str(len(parts)), f"{e:.3f}", f"{e / t.por:.3f}"
+            str(len(parts)), f"{e:.3f}", f"{e / t.por:.3f}", str(rf.num_parts), f"{t.por:.3f}",
+            str(rf.peak_held_tokens())
         ]
     baseline = sum(t.num_baseline_tokens for t in trees)
     e_tot = 1 - total_part_tokens / baseline
@@ -152,16 +156,19 @@ def test_stats_max_tokens(synth_file, capsys):
     assert rows[-1][:6] == _expected_row(
         "total", sum(t.num_sequences for t in trees), sum(t.num_tokens for t in trees), baseline
     )
-    assert rows[-1][6:] == [f"{e_tot:.3f}", f"{e_tot / por_tot:.3f}"]
+    assert rows[-1][6:] == [f"{e_tot:.3f}", f"{e_tot / por_tot:.3f}", f"{por_tot:.3f}", str(held)]
 
 
-def test_stats_max_tokens_too_small_names_the_tree(tmp_path):
+def test_stats_max_tokens_below_a_sequence_plans_redundancy_free_parts_only(tmp_path, capsys):
     path = tmp_path / "t.jsonl"
     path.write_text(
         json.dumps({"sequences": [[1, 2]]}) + "\n" + json.dumps({"sequences": [[1, 2, 3, 4]]}) + "\n"
     )
-    with pytest.raises(SystemExit, match="tree 1: "):
-        main(["stats", str(path), "--max-tokens", "3"])
+    main(["stats", str(path), "--max-tokens", "3"])
+    _, rows, _, _ = _table(capsys.readouterr().out)
+    # tree 1's sequence of 4 tokens fits no part of whole sequences; its redundancy-free
+    # parts hold the whole sequence (its later tokens attend to all of it)
+    assert rows[1][6:] == ["-", "-", "-", "3", "0.000", "4"]
 
 
 def test_unknown_command_and_missing_arguments(capsys):

@@ -155,43 +155,68 @@ def _print_table(header, rows):
 
 def cmd_stats(args) -> int:
     """One row per tree, or, when trees carry a task id (metadata "task"), one row per task:
-    its trees added up (a tree without a task id is a row of its own)."""
+    its trees added up (a tree without a task id is a row of its own). With ``--max-tokens``,
+    both ways of training a tree over the budget: parts of whole sequences
+    (:func:`treefx.partition`, shared prefixes recomputed: ERR below POR; "-" when a
+    sequence alone is over the budget) and redundancy-free parts (:func:`treefx.backward`:
+    every token once, ERR = POR), with the most tokens those hold activations for at once."""
     if args.max_tokens is not None:
+        from .layout import pack
         from .partition import partition
+        from .parts import plan
 
-    rows: dict = {}  # row -> [trees, sequences, unique, baseline tokens, parts, parts' tokens]
+    # row -> [trees, sequences, unique, baseline tokens, parts, parts' tokens, rf parts,
+    #         rf held tokens (max)]; parts' entries None when a tree cannot be partitioned
+    rows: dict = {}
     by_task = False
     for i, tree in enumerate(_iter_trees_with_progress(args.file, args.progress)):
-        parts = []
+        whole, rf = None, None
         if args.max_tokens is not None:
             try:
-                parts = partition(tree, args.max_tokens)
-            except ValueError as e:
-                raise CLIError(f"--max-tokens {args.max_tokens}: tree {i}: {e}") from None
+                whole = partition(tree, args.max_tokens)
+            except ValueError:
+                whole = None  # a sequence over the budget: not as whole sequences
+            rf = plan(pack(tree), args.max_tokens)
         task = tree.metadata.get("task")
         by_task |= task is not None
-        counts = rows.setdefault(("task", task) if task is not None else ("tree", i), [0] * 6)
-        for k, v in enumerate((1, tree.num_sequences, tree.num_tokens, tree.num_baseline_tokens,
-                               len(parts), sum(p.num_tokens for p in parts))):
+        counts = rows.setdefault(("task", task) if task is not None else ("tree", i),
+                                 [0] * 6 + [0, 0])
+        for k, v in enumerate((1, tree.num_sequences, tree.num_tokens, tree.num_baseline_tokens)):
             counts[k] += v
+        if args.max_tokens is not None:
+            for k, v in ((4, None if whole is None else len(whole)),
+                         (5, None if whole is None else sum(p.num_tokens for p in whole))):
+                counts[k] = None if v is None or counts[k] is None else counts[k] + v
+            counts[6] += rf.num_parts
+            counts[7] = max(counts[7], rf.peak_held_tokens())
     if not rows:
         raise CLIError(f"{args.file} holds no trees")
     header = (["task", "trees"] if by_task else ["tree"]) + ["sequences", "unique", "baseline",
                                                                "POR", "bound"]
     if args.max_tokens is not None:
-        header += ["parts", "ERR", "ERR/POR"]
+        header += ["parts", "ERR", "ERR/POR", "rf parts", "rf ERR", "rf held"]
 
-    def row(name, c, parts):
+    def row(name, c, show_parts):
         extra = ()
         if args.max_tokens is not None:
-            e, por = 1 - c[5] / c[3], 1 - c[2] / c[3]
-            extra = (parts, f"{e:.3f}", f"{e / por:.3f}" if por > 0 else "-")
+            por = 1 - c[2] / c[3]
+            if c[4] is None:
+                extra = ("-", "-", "-")
+            else:
+                e = 1 - c[5] / c[3]
+                extra = (str(c[4]) if show_parts else "", f"{e:.3f}",
+                         f"{e / por:.3f}" if por > 0 else "-")
+            extra += (str(c[6]) if show_parts else "", f"{por:.3f}", str(c[7]))
         r = _stats_row(name, c[1], c[2], c[3], extra)
         return r[:1] + [str(c[0])] + r[1:] if by_task else r
 
-    table = [row(str(name) if kind == "task" or not by_task else f"tree {name}", c, str(c[4]))
+    table = [row(str(name) if kind == "task" or not by_task else f"tree {name}", c, True)
              for (kind, name), c in rows.items()]
-    table.append(row("total", [sum(c[k] for c in rows.values()) for k in range(6)], ""))
+    total = [sum(c[k] for c in rows.values()) for k in range(4)]
+    total += [None if any(c[k] is None for c in rows.values()) else
+              sum(c[k] for c in rows.values()) for k in (4, 5)]
+    total += [sum(c[6] for c in rows.values()), max(c[7] for c in rows.values())]
+    table.append(row("total", total, False))
     _print_table(header, table)
     return 0
 
@@ -402,7 +427,10 @@ def build_parser() -> argparse.ArgumentParser:
                 "per task)")
     s.add_argument("file", help="JSON Lines, one tree a line")
     s.add_argument("--max-tokens", type=_int_at_least(1),
-                   help="also partition each tree under this token budget (parts, ERR)")
+                   help="also plan each tree under this token budget: parts of whole "
+                        "sequences (treefx.partition: parts, ERR) and redundancy-free parts "
+                        "(treefx.backward: rf parts, rf ERR = POR, rf held = most tokens "
+                        "holding activations at once)")
     s.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="progress bar (default: on a terminal, for files from 1 MiB)")
     s.set_defaults(fn=cmd_stats)
