@@ -177,3 +177,17 @@ def test_bad_arguments():
         treefx.backward(tm, odd_forest(3, VOCAB), max_tokens=0)
     with pytest.raises(TypeError, match="treefx.compile"):
         treefx.backward(model, odd_forest(3, VOCAB), max_tokens=8)
+
+
+@pytest.mark.parametrize("name", [pytest.param("qwen3", marks=pytest.mark.slow), "mistral"])
+def test_flex_attention_part_sites_match_the_oracle(name, monkeypatch):
+    """The inductor backend's part graph (FlexAttention over [context; part], the window as
+    its mask_mod), run op by op on the CPU: FlexAttention's eager form differentiates there,
+    Inductor's kernels need a GPU (benchmarks/parts.py checks those)."""
+    monkeypatch.setattr(treefx.backends, "compile_graph", lambda backend, gm, ex: gm.forward)
+    model = hf_model(name, "sdpa")
+    tm = treefx.compile(model, backend="inductor", verify=False)
+    _check(tm, odd_forest(3, VOCAB), 7)
+    sites = [r.after for r in tm._part_runner.engine.contexts[-1].log
+             if r.pass_name == "attention"]
+    assert sites and all("tree_part_flex_attention" in s for s in sites)
