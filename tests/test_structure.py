@@ -109,13 +109,14 @@ def test_the_package_has_no_import_cycles():
 # nothing of the passes; the passes nothing of the engine; the engine nothing of the user API.
 LAYERS = [
     {"treefx._version", "treefx._progress", "treefx.tree", "treefx.mask"},
-    {"treefx.layout", "treefx.reference", "treefx.synth", "treefx.partition", "treefx.data"},
+    {"treefx.layout", "treefx.reference", "treefx.synth", "treefx.partition", "treefx.data",
+     "treefx.parts"},
     {"treefx.ops", "treefx.ops.attention", "treefx.ops.conv", "treefx.ops.cross_entropy",
-     "treefx.ops.recurrence", "treefx.ops.scan", "treefx.kernels"},
+     "treefx.ops.recurrence", "treefx.ops.scan", "treefx.ops.context", "treefx.kernels"},
     {"treefx.passes", "treefx.passes.*"},
     {"treefx.backends", "treefx.verification"},
     {"treefx.engine"},
-    {"treefx.tree_model", "treefx.step", "treefx.rl"},
+    {"treefx.tree_model", "treefx.step", "treefx.rl", "treefx.part_run"},
 ]
 
 
