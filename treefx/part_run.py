@@ -31,9 +31,8 @@ from .engine import TreeEngine, check_batch, make_traced
 from .layout import TreeBatch, move_tensors, pack
 from .ops.logprobs import register_site, token_logprobs_site
 from .passes.parts import PartLayoutMismatch, part_outputs
-from .reference import logits_of
 from .tree import Tree
-from .tree_model import TreeModel, TreeOutput, tree_loss
+from .tree_model import TreeModel, TreeOutput, model_logits, tree_loss
 
 __all__ = ["backward"]
 
@@ -56,14 +55,7 @@ def _part_template(input_ids, tree_info, part_info, ctx_tok, ctx_state, state_en
     torch._check(tree_info.shape[1] == input_ids.shape[1])
     torch._check(state_entry.shape[0] == input_ids.shape[1])
     torch._check(ctx_tok.shape[0] == part_info.shape[1])
-    kwargs = {}
-    if opts["position_ids"]:  # noqa: F821
-        kwargs["position_ids"] = tree_info[0:1]
-    if opts["attention_mask"]:  # noqa: F821
-        kwargs["attention_mask"] = torch.ones_like(input_ids)
-    if opts["use_cache"]:  # noqa: F821
-        kwargs["use_cache"] = False
-    logits = logits_of(model(input_ids, **kwargs))  # noqa: F821
+    logits = model_logits(model, opts, input_ids, tree_info)  # noqa: F821
     lp = token_logprobs_site(logits, labels[1], labels[0])
     own, exits = part_outputs(input_ids, ctx_tok, ctx_state, state_exit, part_info,
                               state_entry, tree_info)

@@ -41,20 +41,26 @@ def tree_loss(out: TreeOutput, batch: TreeBatch) -> torch.Tensor:
     return weighted_logprob_loss(out.token_logprobs, batch.loss_weights)
 
 
-def _tree_forward_template(input_ids, tree_info):
-    # Copied per TreeModel by make_traced, with `model` and `opts` in its globals.
-    torch._check(tree_info.shape[1] == input_ids.shape[1])
+def model_logits(model, opts: dict, input_ids, tree_info):
+    """The model's logits on the row, called with the arguments ``opts`` says its forward
+    takes (traced inside the captured function)."""
     kwargs = {}
-    if opts["position_ids"]:  # noqa: F821
+    if opts["position_ids"]:
         kwargs["position_ids"] = tree_info[0:1]
-    if opts["attention_mask"]:  # noqa: F821
+    if opts["attention_mask"]:
         # An explicit all-ones mask: Hugging Face then builds its causal (+ window) mask from
         # index grids, which the positions pass turns into path positions, instead of
         # inferring packed documents from the jumping position_ids.
         kwargs["attention_mask"] = torch.ones_like(input_ids)
-    if opts["use_cache"]:  # noqa: F821
+    if opts["use_cache"]:
         kwargs["use_cache"] = False
-    logits = logits_of(model(input_ids, **kwargs))  # noqa: F821
+    return logits_of(model(input_ids, **kwargs))
+
+
+def _tree_forward_template(input_ids, tree_info):
+    # Copied per TreeModel by make_traced, with `model` and `opts` in its globals.
+    torch._check(tree_info.shape[1] == input_ids.shape[1])
+    logits = model_logits(model, opts, input_ids, tree_info)  # noqa: F821
     if opts["logits"]:  # noqa: F821
         return logits, tree_token_logprobs(logits, input_ids, tree_info[1])
     # One node the logprobs pass fuses with the output projection: no [N, vocab] logits.
