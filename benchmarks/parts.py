@@ -12,8 +12,8 @@ at least 4x ``--budget`` tokens. Per method: the median step time over ``--reps`
 warm-up step that compiles), the peak memory (``max_memory_allocated``, weights and gradients
 included), the tokens computed, the loss, and the gradients' largest difference from the whole
 step (relative to each parameter's largest gradient). Before that, an exactness check in
-float32 against the per-branch oracle (a tiny Qwen3 and Mistral with a window, on the same
-backend).
+float32 against the per-branch oracle (a tiny Qwen3, Mistral with a window and Qwen3-Next, on
+the same backend).
 """
 
 from __future__ import annotations
@@ -76,12 +76,19 @@ def _grad_diff(a, b) -> float:
 
 
 def exactness(dev: str, backend: str) -> list[dict]:
-    """float32: treefx.backward against the oracle, tiny Qwen3 and Mistral (window 3)."""
+    """float32: treefx.backward against the oracle, tiny Qwen3, Mistral (a window of 24) and
+    Qwen3-Next (conv and Gated DeltaNet state across parts)."""
     rows = []
     trees = treefx.synth.odd_forest(0, 1024) + [treefx.synth.agent_tree(
         1, vocab_size=1024, rollouts=2, **common.scaled_lengths(0.2))]
-    for model_type, extra in (("qwen3", {}), ("mistral", {"sliding_window": 24})):
-        model = common.hf_model(model_type, dev=dev, num_hidden_layers=2, **TINY, **extra)
+    hybrid = dict(num_hidden_layers=4, num_experts=0, mlp_only_layers=[0, 1, 2, 3],
+                  linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
+                  linear_value_head_dim=16, linear_conv_kernel_dim=4,
+                  layer_types=["linear_attention", "full_attention"] * 2)
+    for model_type, extra in (("qwen3", {"num_hidden_layers": 2}),
+                              ("mistral", {"num_hidden_layers": 2, "sliding_window": 24}),
+                              ("qwen3_next", hybrid)):
+        model = common.hf_model(model_type, dev=dev, **TINY, **extra)
         ref = treefx.reference.sequence_loss(model, trees, reduction="mean")
         ref.backward()
         g_ref = _grads(model)
@@ -115,6 +122,9 @@ def main(argv=None):
     res = {"meta": common.run_meta(cuda), "args": vars(args)}
     if not args.no_exactness:
         res["exactness"] = exactness(dev, backend)
+    if not [m for m in args.methods.split(",") if m]:  # the exactness check only
+        common.save_json(res, common.resolve_out(args, "parts", cuda))
+        return
     shape, dtype = (SHAPE_8B, torch.bfloat16) if cuda else (TINY, torch.float32)
     budget = args.budget if cuda else 320
     scale = args.scale if cuda else 0.08

@@ -65,6 +65,16 @@ def test_hybrid_conv_and_state_cross_part_boundaries():
     assert len(notes) == 4  # 2 convs, 2 recurrences: all in part mode
 
 
+@pytest.mark.slow
+def test_hybrid_through_aot_autograd():
+    """The inductor lowering's part graph (FlexAttention, the recurrence as one custom op
+    with its own backward) traced by AOTAutograd, kernels run eagerly."""
+    tm = treefx.compile(_hybrid(), backend="aot-eager", verify=False)
+    _check(tm, odd_forest(3, VOCAB), 7)
+    sites = [r.after for r in tm._part_runner.engine.contexts[-1].log if r.pass_name == "ssm"]
+    assert sum("tree_recurrence_part_op" in s for s in sites) == 2
+
+
 def test_every_token_is_embedded_once_and_gradients_accumulate(monkeypatch):
     model = hf_model("qwen3", "sdpa")
     tm = treefx.compile(model, backend="eager", verify=False)

@@ -434,3 +434,104 @@ class TracedTreeRecurrence:
 
     def __repr__(self):
         return self.__name__
+
+
+# ------------------------------------------------------------- traceable form, one part of a tree
+#
+# The same for a part of a tree (treefx.backward): the part's nodes start from the context
+# states of their entries, and the states after its exit tokens are a second output.
+
+
+def _run_part_site(key, parent_local, state_entry, state_exit, context_states, tensors):
+    rec, names, static, _ = _SITES[key]
+    out, exits = tree_recurrence_part(rec, parent_local, state_entry, state_exit,
+                                      context_states, (), {**dict(zip(names, tensors)),
+                                                           **static})
+    return (out if rec.bare_output_without_state else out[0]), exits
+
+
+@torch.library.custom_op("treefx::tree_recurrence_part", mutates_args=())
+def _tree_recurrence_part_op(key: str, parent_local: torch.Tensor, state_entry: torch.Tensor,
+                             state_exit: torch.Tensor, context_states: torch.Tensor,
+                             tensors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    with torch.no_grad():
+        out, exits = _run_part_site(key, parent_local, state_entry, state_exit,
+                                    context_states, tensors)
+    return out.contiguous(), exits.to(context_states.dtype).contiguous()
+
+
+@_tree_recurrence_part_op.register_fake
+def _(key, parent_local, state_entry, state_exit, context_states, tensors):
+    rec, names, _, _ = _SITES[key]
+    like = tensors[names.index(rec.output_like)]
+    return (like.new_empty(like.shape, dtype=_out_dtype(key, tensors)),
+            context_states.new_empty((state_exit.shape[0], *context_states.shape[1:])))
+
+
+@torch.library.custom_op("treefx::tree_recurrence_part_backward", mutates_args=())
+def _tree_recurrence_part_backward(key: str, parent_local: torch.Tensor,
+                                   state_entry: torch.Tensor, state_exit: torch.Tensor,
+                                   context_states: torch.Tensor, tensors: list[torch.Tensor],
+                                   grad_out: torch.Tensor, grad_exits: torch.Tensor
+                                   ) -> list[torch.Tensor]:
+    """Gradients of the context states and of every tensor (zeros for the non-float ones)."""
+    floats = [i for i, t in enumerate(tensors) if t.is_floating_point()]
+    readmit = torch._C._SetExcludeDispatchKeyGuard(torch._C.DispatchKey.AutogradFunctionality,
+                                                   False)
+    with readmit, torch.enable_grad():
+        full = list(tensors)
+        for i in floats:
+            full[i] = tensors[i].detach().requires_grad_()
+        states = context_states.detach().requires_grad_()
+        out, exits = _run_part_site(key, parent_local, state_entry, state_exit, states, full)
+        wrt = [states] + [full[i] for i in floats]
+        got = torch.autograd.grad([out, exits], wrt, [grad_out, grad_exits.to(exits.dtype)],
+                                  allow_unused=True)
+    d_states = got[0] if got[0] is not None else torch.zeros_like(context_states)
+    grads = dict(zip(floats, got[1:]))
+    return [d_states.contiguous()] + [
+        grads[i].contiguous() if grads.get(i) is not None else t.new_zeros(t.shape)
+        for i, t in enumerate(tensors)]
+
+
+@_tree_recurrence_part_backward.register_fake
+def _(key, parent_local, state_entry, state_exit, context_states, tensors, grad_out,
+      grad_exits):
+    return [context_states.new_empty(context_states.shape)] + [t.new_empty(t.shape)
+                                                               for t in tensors]
+
+
+def _part_setup(ctx, inputs, output):
+    key, parent_local, state_entry, state_exit, context_states, tensors = inputs
+    ctx.key = key
+    ctx.n = len(tensors)
+    ctx.save_for_backward(parent_local, state_entry, state_exit, context_states, *tensors)
+
+
+def _part_backward(ctx, grad_out, grad_exits):
+    parent_local, state_entry, state_exit, context_states, *tensors = ctx.saved_tensors
+    grads = _tree_recurrence_part_backward(
+        ctx.key, parent_local, state_entry, state_exit, context_states, tensors,
+        grad_out.contiguous(), grad_exits.contiguous())
+    return (None, None, None, None, grads[0],
+            [g if t.is_floating_point() else None for g, t in zip(grads[1:], tensors)])
+
+
+_tree_recurrence_part_op.register_autograd(_part_backward, setup_context=_part_setup)
+
+
+class TracedTreeRecurrencePart:
+    """A part graph's call of the custom op: (what the kernel returns, the exit states)."""
+
+    def __init__(self, key: str):
+        self.key = key
+        self.rec = _SITES[key][0]
+        self.__name__ = f"tree_recurrence_part_op_{self.rec.name}"
+
+    def __call__(self, parent_local, state_entry, state_exit, context_states, *tensors):
+        out, exits = _tree_recurrence_part_op(self.key, parent_local, state_entry, state_exit,
+                                              context_states, list(tensors))
+        return (out if self.rec.bare_output_without_state else (out, None)), exits
+
+    def __repr__(self):
+        return self.__name__

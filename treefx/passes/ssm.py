@@ -24,6 +24,7 @@ from ..kernels import registered
 from ..ops.conv import tree_causal_conv1d, tree_causal_conv1d_context
 from ..ops.recurrence import (
     TracedTreeRecurrence,
+    TracedTreeRecurrencePart,
     register_site,
     tree_recurrence,
     tree_recurrence_part,
@@ -114,16 +115,24 @@ def _state_spec(rec, node: fx.Node):
 def _rewrite_part_recurrence(ctx: GraphContext, node: fx.Node, rec) -> fx.Node:
     part = ctx.part
     g = ctx.graph
-    if ctx.backend != "eager":
-        raise _fail(node, "in parts (treefx.backward) recurrences run on the eager backend "
-                          "only so far")
     shape, dtype = _state_spec(rec, node)
     with g.inserting_before(node):
         init = part.state_in(ctx, node, shape, dtype)
         parent = part.parent_local(ctx)
-        pair = g.call_function(TreeRecurrencePartCall(rec),
-                               (parent, part.state_entry, part.state_exit, init, *node.args),
-                               node.kwargs)
+        head = (parent, part.state_entry, part.state_exit, init)
+        if ctx.backend == "eager":
+            pair = g.call_function(TreeRecurrencePartCall(rec), (*head, *node.args),
+                                   node.kwargs)
+        else:  # one opaque op under AOTAutograd, as for whole trees
+            bound = rec.bind(node.args, node.kwargs)
+            names = [k for k, v in bound.items() if isinstance(v, fx.Node)]
+            static = {k: v for k, v in bound.items() if not isinstance(v, fx.Node)}
+            out = example(node)
+            out = out[0] if isinstance(out, (tuple, list)) else out
+            key = register_site(rec, names, static,
+                                out.dtype if isinstance(out, torch.Tensor) else None)
+            pair = g.call_function(TracedTreeRecurrencePart(key),
+                                   (*head, *[bound[k] for k in names]))
         new = g.call_function(operator.getitem, (pair, 0))
         exits = g.call_function(operator.getitem, (pair, 1))
         part.state_out(ctx, exits)
