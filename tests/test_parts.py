@@ -201,3 +201,18 @@ def test_flex_attention_part_sites_match_the_oracle(name, monkeypatch):
     sites = [r.after for r in tm._part_runner.engine.contexts[-1].log
              if r.pass_name == "attention"]
     assert sites and all("tree_part_flex_attention" in s for s in sites)
+
+
+def test_first_call_checks_the_part_graph(monkeypatch):
+    """With verification on (the default), the first treefx.backward of a model runs the
+    probe forest in parts against the oracle: a part graph that reads its context wrongly
+    is refused before any training."""
+    import treefx.passes.parts as part_mode
+
+    def zeros(buf, offset, heads, dim, dtype):  # every context key and value read as 0
+        return torch.zeros(1, heads, buf.shape[0], dim, dtype=dtype, device=buf.device)
+
+    monkeypatch.setattr(part_mode, "columns_to_heads", zeros)
+    tm = treefx.compile(hf_model("qwen3", "sdpa"), backend="eager", verify=True)
+    with pytest.raises(treefx.TreeVerificationError, match="differs from each sequence"):
+        treefx.backward(tm, odd_forest(3, VOCAB), max_tokens=7)

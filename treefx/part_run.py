@@ -30,6 +30,7 @@ from . import parts as parts_mod
 from .engine import TreeEngine, check_batch, make_traced
 from .layout import TreeBatch, move_tensors, pack
 from .ops.logprobs import register_site, token_logprobs_site
+from .passes import TreeCompileError
 from .passes.parts import PartLayoutMismatch, part_outputs
 from .tree import Tree
 from .tree_model import TreeModel, TreeOutput, model_logits, tree_loss
@@ -76,6 +77,10 @@ class _PartRunner:
         dtype = next(tm.model.parameters()).dtype
         self.layout = ((0, dtype), (0, dtype))
         self.model = tm.model
+        # the first call checks the part graph against the oracle, as treefx.compile's
+        # first call checks the whole-tree graph (verify=, TREEFX_VERIFY)
+        self.verify = tm.verify_requested
+        self.verification = None
 
     def __call__(self, t: dict, ctx_tok, ctx_state):
         args = (t["input_ids"], t["tree_info"], t["part_info"], ctx_tok, ctx_state,
@@ -128,15 +133,31 @@ def backward(tm: TreeModel, trees: Tree | Iterable[Tree], *, max_tokens: int,
     subtrees exceed ``max_tokens`` (at most the longest sequence's tokens), plus the keys,
     values and conv inputs of those tokens at every layer and the recurrent states at the
     parts' boundaries. Runs on the compiled model's backend; not yet combined with activation
-    checkpointing, FSDP/DDP or attention the model scores itself (a clear error says so).
+    checkpointing, FSDP/DDP, ``@treefx.step`` or attention the model scores itself (a
+    softcap, a sink, a bias): a clear error says so.
+
+    The first call for a model checks the part graph on a small probe forest cut into parts
+    against each sequence run alone (log-probabilities and gradients), unless the model was
+    compiled with ``verify=False`` (or ``TREEFX_VERIFY=0``); the report is
+    ``tm._part_runner.verification``.
     """
     if not isinstance(tm, TreeModel):
         raise TypeError(f"treefx.backward takes a model from treefx.compile, got "
                         f"{type(tm).__name__}")
+    from . import regional
+
+    if regional.distributed_kind(tm.model, tm._root[0] if tm._root[0] is not tm.model
+                                 else None) is not None:
+        raise TreeCompileError(
+            "treefx.backward does not run a model sharded with FSDP2 or wrapped in DDP yet: "
+            "train its trees in whole batches (treefx.distributed), or in parts on one GPU")
+    runner = _runner(tm)
+    if runner.verify:
+        runner.verify = False
+        _verify_first_call(tm, runner)
     batch = pack(trees, reduction=reduction, num_sequences=num_sequences,
                  loss_scale=loss_scale)
     device = next(tm.model.parameters()).device
-    runner = _runner(tm)
     plan = parts_mod.plan(batch, max_tokens, block_size=tm.engine.block_size)
     full = batch.to(device)
     check_batch(tm.model, full)
@@ -180,6 +201,40 @@ def _to_device(plan, part, device) -> dict:
     names = list(t)
     moved = move_tensors([t[k] for k in names], torch.device(device))
     return dict(zip(names, moved))
+
+
+def _verify_first_call(tm: TreeModel, runner: _PartRunner) -> None:
+    """The probe check (:func:`treefx.verification.verify_compiled`) with the tree side run in
+    parts: the probe forest cut at a third of its tokens (boundaries inside nodes, context and
+    state crossing them), log-probabilities and gradients against each sequence alone. The
+    model's ``.grad``, buffers and random state are left as they were."""
+    from . import verification
+    from .verification import VerificationUnavailable, graph_draws_random
+
+    def tree_run(batch, chosen):
+        lps = []
+
+        def record(out, b):
+            lps.append(out.token_logprobs.detach())
+            return tree_loss(out, b)
+
+        for _, p in chosen:
+            p.grad = None
+        with torch.enable_grad():
+            backward(tm, batch.trees, max_tokens=max(3, batch.num_tokens // 3),
+                     reduction=batch.reduction, loss_fn=record)
+        where = graph_draws_random(runner.engine)
+        if where is not None:
+            raise VerificationUnavailable(
+                f"cannot verify treefx.backward's part graph: it draws random numbers at "
+                f"{where} (dropout in training mode?)")
+        return sum(lps), [p.grad for _, p in chosen]
+
+    try:
+        runner.verification = verification.verify_compiled(tm, tree_run=tree_run)
+    except VerificationUnavailable as e:
+        runner.verification = str(e)
+        log.warning("%s", e)
 
 
 def _forward(runner: _PartRunner, plan, part, t: dict, held: dict, device):

@@ -126,6 +126,9 @@ class TreeModel(torch.nn.Module):
         self.verify_on_first_call = verify_default() if verify is None else verify
         if not isinstance(self.verify_on_first_call, bool):
             raise TypeError(f"verify must be True, False or None, got {verify!r}")
+        # whether first calls check themselves (treefx.backward's part graph checks itself on
+        # its own first call, whatever ran before)
+        self.verify_requested = self.verify_on_first_call
         self.verification = None  # the first call's VerificationReport (or why it was skipped)
 
     @property

@@ -308,7 +308,7 @@ def graph_draws_random(tree_model) -> str | None:
 def verify_compiled(tm, trees=None, *, reduction: str = "mean", grads: bool = True,
                     params="auto", tolerance: Tolerance | None = None, seed: int = 0,
                     reference: torch.nn.Module | None = None,
-                    raise_on_failure: bool = True) -> VerificationReport:
+                    raise_on_failure: bool = True, tree_run=None) -> VerificationReport:
     """Compare a tree-compiled model with the unmodified model run on each sequence alone
     (``treefx.verify`` compiles a module first).
 
@@ -319,7 +319,9 @@ def verify_compiled(tm, trees=None, *, reduction: str = "mean", grads: bool = Tr
     names; ``"auto"``: all up to 100M parameters, else a sample). ``tolerance``: default by
     the parameters' dtype (:func:`tolerance_for`). ``reference``: the module the oracle runs
     (default: the same one), e.g. a float32 copy of a bf16 model; its parameters are matched
-    by name.
+    by name. ``tree_run(batch, params) -> (token_logprobs, gradients)``: how the tree side
+    runs, for another entry point than ``tm(batch)`` (:func:`treefx.backward`'s parts); it
+    may write ``.grad`` (restored after).
 
     Returns a :class:`VerificationReport`; raises :class:`TreeVerificationError` naming the
     worst token and parameter when over tolerance (unless ``raise_on_failure=False``). The
@@ -354,15 +356,20 @@ def verify_compiled(tm, trees=None, *, reduction: str = "mean", grads: bool = Tr
         ref_chosen = [(n, by_name[n]) for n, _ in chosen]
     with _model_state_kept(net, chosen), _model_state_kept(oracle, ref_chosen), \
             torch.set_grad_enabled(grads):
-        out = tm(batch)
+        if tree_run is not None:
+            tree_lp, g_tree = tree_run(batch, chosen)
+        else:
+            out = tm(batch)
+            tree_lp = out.token_logprobs
         where = graph_draws_random(tm)
         if where is not None:
             raise VerificationUnavailable(
                 f"cannot verify: the compiled graph draws random numbers at {where} (dropout "
                 "in training mode?), so the tree and the per-sequence runs cannot agree; "
                 "verify with model.eval() or dropout set to 0")
-        g_tree = _grads(lambda: weighted_logprob_loss(out.token_logprobs, batch.loss_weights),
-                        chosen, net) if chosen else []
+        if tree_run is None:
+            g_tree = _grads(lambda: weighted_logprob_loss(tree_lp, batch.loss_weights),
+                            chosen, net) if chosen else []
         with torch.no_grad():
             ref_lp = oracle_mod.sequence_logprobs(oracle, trees)
         g_ref = []
@@ -377,7 +384,7 @@ def verify_compiled(tm, trees=None, *, reduction: str = "mean", grads: bool = Tr
             g_ext = _grads(lambda: oracle_mod.sequence_loss(oracle, extended,
                                                             reduction=reduction),
                            ref_chosen, oracle) if chosen else []
-    lp = out.token_logprobs.detach()
+    lp = tree_lp.detach()
     worst, worst_at = 0.0, None
     for i, ref in enumerate(ref_lp):
         idx = batch.sequence_index(i)[1:]
