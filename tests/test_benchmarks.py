@@ -27,6 +27,7 @@ def _run(module: str, *args: str, out) -> dict:
         return json.load(f)
 
 
+@pytest.mark.slow  # 50 s; the other benchmarks' dry runs stay in CI
 @pytest.mark.filterwarnings("ignore")
 def test_e2e_dry_run_checks(tmp_path):
     res = _run("e2e", "--por", "0.75", "--methods", "treefx,treefx_standard,packed,hand",
@@ -62,6 +63,7 @@ def test_gpu_check_dry_run_checks(tmp_path):
     assert "max_rel_grad_err" in res["qwen3-bf16-perbranch-vs-fp32-oracle"]
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore")
 def test_checkpointing_dry_run_checks(tmp_path):
     res = _run("checkpointing", "--parts", "verify", out=tmp_path / "ckpt.json")

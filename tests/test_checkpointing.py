@@ -83,7 +83,8 @@ def test_hf_gradient_checkpointing_is_exact(name, impl, use_reentrant):
     assert rewritten_in_bodies(ctx, "attention") == 2
 
 
-@pytest.mark.parametrize("use_reentrant", [False, True], ids=["nonreentrant", "reentrant"])
+@pytest.mark.parametrize("use_reentrant", [False, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["nonreentrant", "reentrant"])
 def test_hf_hybrid_gradient_checkpointing_is_exact(use_reentrant):
     model = hf_checkpointed("qwen3_next", use_reentrant)
     tm = treefx.compile(model, backend="eager")

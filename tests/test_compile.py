@@ -43,8 +43,9 @@ def test_hf_models_match_oracle(name, impl):
     assert all(".attn" in r.module or "self_attn" in r.module for r in rewritten)
 
 
-@pytest.mark.parametrize("impl", ["sdpa", "eager"])
-@pytest.mark.parametrize("give_positions", [True, False])
+@pytest.mark.parametrize("impl,give_positions", [
+    ("sdpa", True), ("eager", True), ("eager", False),
+    pytest.param("sdpa", False, marks=pytest.mark.slow)])
 def test_pure_torch_decoder(impl, give_positions):
     torch.manual_seed(0)
     model = tiny_decoder(vocab_size=VOCAB, attn_impl=impl)

@@ -220,7 +220,8 @@ def test_repeated_heads_source(fn, found):
     assert (_repeated_heads_source(out) is x) is found
 
 
-@pytest.mark.parametrize("backend", ["aot-eager", "flex-eager"])
+@pytest.mark.parametrize("backend", [pytest.param("aot-eager", marks=pytest.mark.slow),
+                                     "flex-eager"])
 def test_default_interleaves_where_gradients_flow(backend):
     """``interleave_heads=None`` (the default): interleaved in a graph that computes gradients
     (the backward is what gains), the usual layout without autograd; exact either way."""

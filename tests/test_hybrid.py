@@ -144,7 +144,8 @@ def test_hf_gated_deltanet_hybrids_match_oracle(model_type):
     assert all("gated_delta_rule" in n for n in notes[2:]) and len(notes) == 4
 
 
-@pytest.mark.parametrize("model_type", ["olmo_hybrid", "qwen3_5_moe_text"])
+@pytest.mark.parametrize("model_type", ["olmo_hybrid",
+                                        pytest.param("qwen3_5_moe_text", marks=pytest.mark.slow)])
 def test_a_kernel_copied_into_a_new_model_is_recognised(model_type):
     """Hugging Face copies the Gated DeltaNet kernel into each new hybrid's own module; treefx
     recognises it there by name and signature (treefx.kernels.discover), without a list of

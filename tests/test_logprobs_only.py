@@ -96,7 +96,8 @@ def _param_grads(model, loss):
 
 
 @pytest.mark.parametrize("name,backend", [("qwen3", "eager"), ("gpt2", "eager"),
-                                          ("qwen3", "aot-eager")])
+                                          pytest.param("qwen3", "aot-eager",
+                                                       marks=pytest.mark.slow)])
 def test_logprobs_only_equal_the_full_logits_path(name, backend):
     """Values with and without autograd, and every parameter's gradient under an arbitrary
     per-token upstream gradient (what an RL objective gives), equal the default compiled

@@ -84,7 +84,8 @@ def test_peft_lora_logprobs_only_and_first_call_check():
 
 
 @pytest.mark.parametrize("which,backend", [("hf_labels", "eager"), ("hand_written", "eager"),
-                                           ("hf_labels", "aot-eager")])
+                                           pytest.param("hf_labels", "aot-eager",
+                                                        marks=pytest.mark.slow)])
 def test_peft_lora_step(which, backend):
     """The fused loss skips the frozen output projection's gradient (AOTAutograd traces it as
     Inductor would)."""
