@@ -44,6 +44,7 @@ def test_e2e_dry_run_checks(tmp_path):
         assert "step_ms" in run[method], (method, run[method].get("error", "")[-1500:])
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore")
 def test_attention_dry_run_checks(tmp_path):
     res = _run("attention", "--tokens", "512", "--kv-heads", "2", out=tmp_path / "att.json")

@@ -255,7 +255,7 @@ def test_interleave_heads_refuses_rows_guaranteed_safe():
                     kernel_options={"ROWS_GUARANTEED_SAFE": True})
 
 
-@pytest.mark.parametrize("grad", [False, True])
+@pytest.mark.parametrize("grad", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_one_graph_for_rows_of_one_block_and_more(grad):
     """Rows shorter than a block, of exactly one block and of several share one graph (traced
     by AOTAutograd: the usual layout without autograd, the interleaved one with it). Without
