@@ -420,20 +420,26 @@ def _backward(ctx, grad):
 _tree_recurrence_op.register_autograd(_backward, setup_context=_setup)
 
 
-class TracedTreeRecurrence:
-    """A graph node's call of the custom op, returning what the kernel returns."""
+class _TracedSite:
+    """A graph node's call of a recurrence custom op for the site ``key``."""
+
+    _prefix = "tree_recurrence_op"
 
     def __init__(self, key: str):
         self.key = key
         self.rec = _SITES[key][0]
-        self.__name__ = f"tree_recurrence_op_{self.rec.name}"
+        self.__name__ = f"{self._prefix}_{self.rec.name}"
+
+    def __repr__(self):
+        return self.__name__
+
+
+class TracedTreeRecurrence(_TracedSite):
+    """The custom op over a whole tree, returning what the kernel returns."""
 
     def __call__(self, parent_token, *tensors):
         out = _tree_recurrence_op(self.key, parent_token, list(tensors))
         return out if self.rec.bare_output_without_state else (out, None)
-
-    def __repr__(self):
-        return self.__name__
 
 
 # ------------------------------------------------------------- traceable form, one part of a tree
@@ -520,18 +526,12 @@ def _part_backward(ctx, grad_out, grad_exits):
 _tree_recurrence_part_op.register_autograd(_part_backward, setup_context=_part_setup)
 
 
-class TracedTreeRecurrencePart:
-    """A part graph's call of the custom op: (what the kernel returns, the exit states)."""
+class TracedTreeRecurrencePart(_TracedSite):
+    """The custom op over a part of a tree: (what the kernel returns, the exit states)."""
 
-    def __init__(self, key: str):
-        self.key = key
-        self.rec = _SITES[key][0]
-        self.__name__ = f"tree_recurrence_part_op_{self.rec.name}"
+    _prefix = "tree_recurrence_part_op"
 
     def __call__(self, parent_local, state_entry, state_exit, context_states, *tensors):
         out, exits = _tree_recurrence_part_op(self.key, parent_local, state_entry, state_exit,
                                               context_states, list(tensors))
         return (out if self.rec.bare_output_without_state else (out, None)), exits
-
-    def __repr__(self):
-        return self.__name__

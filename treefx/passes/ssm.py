@@ -112,6 +112,19 @@ def _state_spec(rec, node: fx.Node):
     return tuple(int(x) for x in fin.shape[1:]), fin.dtype
 
 
+def _traced_site(rec, node: fx.Node):
+    """(site key, the tensor arguments in order) for the custom op that runs a registered
+    kernel under AOTAutograd: the non-tensor arguments and the output's dtype are kept with
+    the key (:func:`treefx.ops.recurrence.register_site`)."""
+    bound = rec.bind(node.args, node.kwargs)
+    names = [k for k, v in bound.items() if isinstance(v, fx.Node)]
+    static = {k: v for k, v in bound.items() if not isinstance(v, fx.Node)}
+    out = example(node)
+    out = out[0] if isinstance(out, (tuple, list)) else out
+    key = register_site(rec, names, static, out.dtype if isinstance(out, torch.Tensor) else None)
+    return key, [bound[k] for k in names]
+
+
 def _rewrite_part_recurrence(ctx: GraphContext, node: fx.Node, rec) -> fx.Node:
     part = ctx.part
     g = ctx.graph
@@ -124,15 +137,8 @@ def _rewrite_part_recurrence(ctx: GraphContext, node: fx.Node, rec) -> fx.Node:
             pair = g.call_function(TreeRecurrencePartCall(rec), (*head, *node.args),
                                    node.kwargs)
         else:  # one opaque op under AOTAutograd, as for whole trees
-            bound = rec.bind(node.args, node.kwargs)
-            names = [k for k, v in bound.items() if isinstance(v, fx.Node)]
-            static = {k: v for k, v in bound.items() if not isinstance(v, fx.Node)}
-            out = example(node)
-            out = out[0] if isinstance(out, (tuple, list)) else out
-            key = register_site(rec, names, static,
-                                out.dtype if isinstance(out, torch.Tensor) else None)
-            pair = g.call_function(TracedTreeRecurrencePart(key),
-                                   (*head, *[bound[k] for k in names]))
+            key, tensors = _traced_site(rec, node)
+            pair = g.call_function(TracedTreeRecurrencePart(key), (*head, *tensors))
         new = g.call_function(operator.getitem, (pair, 0))
         exits = g.call_function(operator.getitem, (pair, 1))
         part.state_out(ctx, exits)
@@ -202,15 +208,8 @@ def ssm_pass(ctx: GraphContext) -> int:
                                           node.kwargs)
                 else:
                     # Traced by AOTAutograd: one opaque op (the tree's structure is data).
-                    bound = rec.bind(node.args, node.kwargs)
-                    names = [k for k, v in bound.items() if isinstance(v, fx.Node)]
-                    static = {k: v for k, v in bound.items() if not isinstance(v, fx.Node)}
-                    out = example(node)
-                    out = out[0] if isinstance(out, (tuple, list)) else out
-                    key = register_site(rec, names, static,
-                                        out.dtype if isinstance(out, torch.Tensor) else None)
-                    new = g.call_function(TracedTreeRecurrence(key),
-                                          (parent, *[bound[k] for k in names]))
+                    key, tensors = _traced_site(rec, node)
+                    new = g.call_function(TracedTreeRecurrence(key), (parent, *tensors))
             new.meta.update(node.meta)
             ctx.record("ssm", node, describe(new), note=f"recurrence {rec.name}")
             node.replace_all_uses_with(new)
