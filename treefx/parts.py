@@ -245,7 +245,8 @@ def schedule(plan: PartPlan):
     for j, part in enumerate(parts):
         held.append(j)
         yield j, list(held)
-        held = [i for i in held if i not in set(ready(plan, held, part.end))]
+        done = set(ready(plan, held, part.end))
+        held = [i for i in held if i not in done]
 
 
 def ready(plan: PartPlan, held: list[int], cursor: int) -> list[int]:
@@ -284,27 +285,17 @@ def part_tensors(plan: PartPlan, part: Part, device=None) -> dict[str, torch.Ten
     ids = b.input_ids[0].cpu().numpy()
     ctx = part.context
     k = len(ctx)
-    # context token -> its row in the extended row
-    where = {int(t): i for i, t in enumerate(ctx.tolist())}
-
-    def ext(t):
-        if t < 0:
-            return -1
-        if t >= s:
-            return a + t - s
-        return where[int(t)]
-
     par = parent[s:e]
-    par_ext = np.where(par >= s, a + par - s, -1)
-    for i in np.flatnonzero((par >= 0) & (par < s)).tolist():
-        par_ext[i] = ext(par[i])
+    # a predecessor before the part lies on the context path (ascending): its row there
+    par_ext = np.where(par >= s, a + par - s,
+                       np.where(par >= 0, np.searchsorted(ctx, par), -1))
     tree_info = np.stack([pos[s:e], par_ext, a + np.minimum(se[s:e], e) - s])
     p_pos = np.zeros(a, dtype=np.int64)
     p_par = np.full(a, -1, dtype=np.int64)
     p_se = np.zeros(a, dtype=np.int64)
     if k:
         p_pos[:k] = pos[ctx]
-        p_par[:k] = [ext(int(x)) for x in parent[ctx].tolist()]
+        p_par[:k] = np.arange(-1, k - 1)  # a path: each token's predecessor is the one before
         p_se[:k] = a + np.clip(se[ctx] - s, 0, e - s)
     part_info = np.stack([p_pos, p_par, p_se])
     exits_local = part.exits - s

@@ -383,9 +383,16 @@ def _(key, parent_token, tensors):
 @torch.library.custom_op("treefx::tree_recurrence_backward", mutates_args=())
 def _tree_recurrence_backward(key: str, parent_token: torch.Tensor, tensors: list[torch.Tensor],
                               grad: torch.Tensor) -> list[torch.Tensor]:
-    # Recompute the forward under autograd and differentiate it. A custom op's body runs below
-    # the autograd dispatch key; re-admitting it lets plain autograd record the kernel's torch
-    # ops and classic autograd.Functions (fla's kernels) alike.
+    return _recomputed_grads(lambda xs: [_run_site(key, parent_token, xs)], tensors, [grad])
+
+
+def _recomputed_grads(run, tensors: list[torch.Tensor], grads: list[torch.Tensor]
+                      ) -> list[torch.Tensor]:
+    """The gradients of ``run(tensors)`` (a list of outputs) for the upstream ``grads``, one
+    per tensor (zeros for integer tensors and unused ones): the forward recomputed under
+    autograd and differentiated. A custom op's body runs below the autograd dispatch key;
+    re-admitting it lets plain autograd record the kernel's torch ops and classic
+    autograd.Functions (fla's kernels) alike."""
     floats = [i for i, t in enumerate(tensors) if t.is_floating_point()]
     readmit = torch._C._SetExcludeDispatchKeyGuard(torch._C.DispatchKey.AutogradFunctionality,
                                                    False)
@@ -393,10 +400,12 @@ def _tree_recurrence_backward(key: str, parent_token: torch.Tensor, tensors: lis
         full = list(tensors)
         for i in floats:
             full[i] = tensors[i].detach().requires_grad_()
-        out = _run_site(key, parent_token, full)
-        got = torch.autograd.grad(out, [full[i] for i in floats], grad, allow_unused=True)
-    grads = dict(zip(floats, got))
-    return [grads[i].contiguous() if grads.get(i) is not None else t.new_zeros(t.shape)
+        outs = run(full)
+        got = torch.autograd.grad(outs, [full[i] for i in floats],
+                                  [g.to(o.dtype) for g, o in zip(grads, outs)],
+                                  allow_unused=True)
+    by_index = dict(zip(floats, got))
+    return [by_index[i].contiguous() if by_index.get(i) is not None else t.new_zeros(t.shape)
             for i, t in enumerate(tensors)]
 
 
@@ -481,23 +490,10 @@ def _tree_recurrence_part_backward(key: str, parent_local: torch.Tensor,
                                    grad_out: torch.Tensor, grad_exits: torch.Tensor
                                    ) -> list[torch.Tensor]:
     """Gradients of the context states and of every tensor (zeros for the non-float ones)."""
-    floats = [i for i, t in enumerate(tensors) if t.is_floating_point()]
-    readmit = torch._C._SetExcludeDispatchKeyGuard(torch._C.DispatchKey.AutogradFunctionality,
-                                                   False)
-    with readmit, torch.enable_grad():
-        full = list(tensors)
-        for i in floats:
-            full[i] = tensors[i].detach().requires_grad_()
-        states = context_states.detach().requires_grad_()
-        out, exits = _run_part_site(key, parent_local, state_entry, state_exit, states, full)
-        wrt = [states] + [full[i] for i in floats]
-        got = torch.autograd.grad([out, exits], wrt, [grad_out, grad_exits.to(exits.dtype)],
-                                  allow_unused=True)
-    d_states = got[0] if got[0] is not None else torch.zeros_like(context_states)
-    grads = dict(zip(floats, got[1:]))
-    return [d_states.contiguous()] + [
-        grads[i].contiguous() if grads.get(i) is not None else t.new_zeros(t.shape)
-        for i, t in enumerate(tensors)]
+    def run(xs):
+        return list(_run_part_site(key, parent_local, state_entry, state_exit, xs[0], xs[1:]))
+
+    return _recomputed_grads(run, [context_states, *tensors], [grad_out, grad_exits])
 
 
 @_tree_recurrence_part_backward.register_fake
