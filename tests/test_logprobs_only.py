@@ -12,6 +12,7 @@ from trees import odd_forest
 
 import treefx
 from treefx.ops import cross_entropy as ce
+from treefx.ops import logprobs as lp_ops
 from treefx.ops.logprobs import fused_linear_tree_logprobs, linear_tree_logprobs_reference
 
 transformers = pytest.importorskip("transformers")
@@ -32,9 +33,15 @@ def _inputs(n, dim, vocab, dtype, bias, seed=0):
                          ids=["fp64", "fp32", "bf16"])
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
 @pytest.mark.parametrize("n", [1, 37], ids=["N1", "N37"])
-def test_fused_logprobs_match_reference(monkeypatch, dtype, bias, n):
+@pytest.mark.parametrize("block", [None, 8], ids=["one-block", "blocks-of-8"])
+def test_fused_logprobs_match_reference(monkeypatch, dtype, bias, n, block):
+    """Forward in chunks of 10 tokens; backward over vocabulary slices (about 25 rows for the
+    ~24 trained tokens), in one block of tokens (each slice of the weight's gradient written
+    once) or in blocks of 8 (summed in float32 over blocks)."""
     vocab, dim = 53, 12
     monkeypatch.setattr(ce, "_CHUNK_ELEMENTS", 10 * vocab)  # chunks of 10 tokens
+    if block is not None:
+        monkeypatch.setattr(lp_ops, "_TOKEN_BLOCK", block)
     h, w, b, ids, parent = _inputs(n, dim, vocab, dtype, bias)
     upstream = torch.randn(n, dtype=torch.promote_types(dtype, torch.float32))
     upstream[::3] = 0  # tokens no objective trains: skipped in the backward
