@@ -133,7 +133,7 @@ def test_rl_objective_in_parts_equals_the_whole_batch():
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_plan_covers_the_row_and_bounds_memory(seed):
+def test_plan_covers_the_row_and_bounds_memory(seed, monkeypatch):
     rng = np.random.default_rng(seed)
     trees = odd_forest(seed, VOCAB) + [odd_tree(seed + 50, VOCAB)]
     batch = treefx.pack(trees)
@@ -169,6 +169,17 @@ def test_plan_covers_the_row_and_bounds_memory(seed):
     assert sorted(done) == list(range(plan.num_parts)) and not held
     longest = max(t.sequence_lengths.max() for t in trees)
     assert plan.peak_held_tokens() <= max(budget, longest + budget // 4) + 2
+    # the planner's closed form of what is held (used to merge parts) is the schedule's
+    starts, ends, release = (np.array([getattr(q, a) for q in plan.parts])
+                             for a in ("start", "end", "release"))
+    held_model = parts._held_tokens(starts, ends, release)
+    held_run = [sum(plan.parts[i].num_tokens for i in h) for _, h in parts.schedule(plan)]
+    assert held_model.tolist() == held_run
+    # merging parts never raises the peak past the budget or the unmerged plan's peak
+    monkeypatch.setattr(parts, "_fewer_parts", lambda ranges, *_: ranges)
+    unmerged = parts.plan(batch, budget, block_size=8)
+    assert plan.num_parts <= unmerged.num_parts
+    assert plan.peak_held_tokens() <= max(budget, unmerged.peak_held_tokens())
 
 
 def test_checkpointed_model_is_refused_clearly():

@@ -166,7 +166,7 @@ def plan(batch: TreeBatch, max_tokens: int, *, block_size: int = 128) -> PartPla
             ranges[-1] = (ranges[-1][0], e, False, min(ranges[-1][3], room))
         else:
             ranges.append((s, e, is_open, room))
-    ranges = _no_single_tokens(ranges)
+    ranges = _fewer_parts(_no_single_tokens(ranges), se, max_tokens)
     n = batch.num_tokens
     part_of = np.empty(n, dtype=np.int64)
     for j, (s, e, _) in enumerate(ranges):
@@ -222,6 +222,53 @@ def _no_single_tokens(ranges):
             continue
         i += 1
     return [tuple(r[:3]) for r in out]
+
+
+def _held_tokens(starts: np.ndarray, ends: np.ndarray, release: np.ndarray) -> np.ndarray:
+    """Tokens holding activations during each part's forward when parts run as
+    :func:`schedule` runs them: part i is freed after the first part that ends at or past its
+    release and those of its readers (later parts starting before its release), so it is
+    held during part j > i while that point lies after j's start."""
+    n = len(starts)
+    free = release.copy()
+    for i in range(n - 1, -1, -1):
+        k = int(np.searchsorted(starts, release[i]))
+        if k > i + 1:
+            free[i] = max(release[i], free[i + 1:k].max())
+    last = np.searchsorted(starts, free)  # held during parts i .. last-1
+    diff = np.zeros(n + 1, dtype=np.int64)
+    np.add.at(diff, np.arange(n), ends - starts)
+    np.add.at(diff, np.maximum(last, np.arange(n) + 1), -(ends - starts))
+    return np.cumsum(diff)[:n]
+
+
+def _fewer_parts(ranges, subtree_end, max_tokens: int):
+    """Adjacent parts merged, left to right, while the merged part fits ``max_tokens`` and the
+    most tokens held at once (:func:`_held_tokens`) stays within ``max_tokens`` (or within
+    what the unmerged plan already needs, when a sequence longer than the budget is held).
+    Each part pays work of the size of the weights (their gradients, summed into ``.grad``;
+    the output projection's and embedding's gradients), so fewer parts are faster; an open
+    node's tokens share a part with what precedes them where that part may be held longer."""
+    if len(ranges) < 2:
+        return ranges
+    starts = np.array([r[0] for r in ranges], dtype=np.int64)
+    ends = np.array([r[1] for r in ranges], dtype=np.int64)
+    release = np.array([subtree_end[s:e].max() for s, e, _ in ranges], dtype=np.int64)
+    bound = max(max_tokens, int(_held_tokens(starts, ends, release).max()))
+    i = 0
+    while i + 1 < len(starts):
+        if ends[i + 1] - starts[i] <= max_tokens:
+            st = np.delete(starts, i + 1)
+            en = np.delete(ends, i)
+            rel = np.delete(release, i + 1)
+            rel[i] = max(release[i], release[i + 1])
+            if _held_tokens(st, en, rel).max() <= bound:
+                starts, ends, release = st, en, rel
+                ranges = ranges[:i] + [(ranges[i][0], ranges[i + 1][1],
+                                        ranges[i][2] or ranges[i + 1][2])] + ranges[i + 2:]
+                continue
+        i += 1
+    return ranges
 
 
 def _path_before(s: int, node_of, off, ln, npar) -> np.ndarray:
