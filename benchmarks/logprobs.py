@@ -97,6 +97,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", default="883,8192,35530")
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--profile", type=int, default=0,
+                   help="also print the top kernels of the new backward at this many tokens")
     common.add_run_args(p, "CPU, tiny shapes")
     args = p.parse_args(argv)
     cuda = common.use_cuda(args.dry_run)
@@ -106,7 +108,32 @@ def main(argv=None):
     res = {"meta": common.run_meta(cuda), "args": vars(args), "hidden": hidden, "vocab": vocab,
            "cases": [run_case(n, hidden, vocab, dev, torch.bfloat16, args.reps)
                      for n in tokens]}
+    if args.profile and cuda:
+        res["profile"] = profile_backward(args.profile, hidden, vocab)
     common.save_json(res, common.resolve_out(args, "logprobs", cuda))
+
+
+def profile_backward(n: int, hidden: int, vocab: int) -> list:
+    from torch.profiler import ProfilerActivity, profile
+
+    h = torch.randn(n, hidden, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(vocab, hidden, device="cuda", dtype=torch.bfloat16) / hidden ** 0.5
+    ids = torch.randint(0, vocab, (n,), device="cuda")
+    parent = torch.arange(n, device="cuda") - 1
+    up = torch.randn(n, device="cuda")
+    _, lse = torch.ops.treefx.linear_tree_logprobs(h, w, None, ids, parent)
+    for _ in range(2):
+        lp_ops._backward(up, h, w, None, ids, parent, lse, True, True, False)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        lp_ops._backward(up, h, w, None, ids, parent, lse, True, True, False)
+        torch.cuda.synchronize()
+    ev = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    top = [(e.key[:80], e.count, round(e.self_device_time_total / 1e3, 2))
+           for e in sorted(ev, key=lambda e: -e.self_device_time_total)[:15]]
+    for row in top:
+        print("profile", n, row, flush=True)
+    return top
 
 
 if __name__ == "__main__":

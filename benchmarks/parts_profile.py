@@ -1,5 +1,6 @@
 """Where a ``treefx.backward`` step spends its time beyond the whole-tree step: the same model
-and tree as :mod:`benchmarks.parts`, one profiled step (CUDA kernels and host), summarized.
+and tree as :mod:`benchmarks.parts`, one profiled step of each (CUDA kernels and host),
+summarized.
 
     python -m benchmarks.parts_profile [--budget 8192] [--scale 2.0] [--layers 4]
 """
@@ -29,29 +30,42 @@ def main(argv=None):
     model = common.hf_model("qwen3", dev="cuda", dtype=torch.bfloat16, on_device=True,
                             num_hidden_layers=args.layers, **SHAPE_8B)
     tm = treefx.compile(model, backend="inductor", verify=False, logits=False)
-    for _ in range(2):
+    batch = treefx.pack(tree, reduction="mean").to("cuda")
+
+    def whole():
+        treefx.tree_loss(tm(batch), batch).backward()
+
+    def parts():
         treefx.backward(tm, tree, max_tokens=args.budget)
-    torch.cuda.synchronize()
-    res = {"meta": common.run_meta(True), "args": vars(args)}
-    t0 = time.perf_counter()
-    treefx.backward(tm, tree, max_tokens=args.budget)
-    host_done = time.perf_counter() - t0
-    torch.cuda.synchronize()
-    res["step_s"] = time.perf_counter() - t0
-    res["host_returned_s"] = host_done
+
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        treefx.backward(tm, tree, max_tokens=args.budget)
+    res = {"meta": common.run_meta(True), "args": vars(args)}
+    for name, step in (("parts", parts), ("whole", whole)):
+        for _ in range(2):
+            step()
+            model.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
-    events = prof.key_averages()
-    cuda_total = sum(e.self_device_time_total for e in events) / 1e6
-    res["gpu_busy_s"] = cuda_total
-    top = sorted(events, key=lambda e: -e.self_device_time_total)[:25]
-    res["top_kernels"] = [(e.key[:90], e.count, round(e.self_device_time_total / 1e3, 2))
-                          for e in top]
-    cpu = sorted(events, key=lambda e: -e.cpu_time_total)[:25]
-    res["top_host"] = [(e.key[:90], e.count, round(e.cpu_time_total / 1e3, 2)) for e in cpu]
+        t0 = time.perf_counter()
+        step()
+        host_done = time.perf_counter() - t0
+        torch.cuda.synchronize()
+        r = {"step_s": time.perf_counter() - t0, "host_returned_s": host_done}
+        model.zero_grad(set_to_none=True)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            step()
+            torch.cuda.synchronize()
+        model.zero_grad(set_to_none=True)
+        events = prof.key_averages()
+        # kernels only (device time of CPU-side ops would count each kernel twice)
+        kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+        r["gpu_busy_s"] = sum(e.self_device_time_total for e in kernels) / 1e6
+        top = sorted(kernels, key=lambda e: -e.self_device_time_total)[:30]
+        r["top_kernels"] = [(e.key[:90], e.count, round(e.self_device_time_total / 1e3, 2))
+                            for e in top]
+        cpu = sorted(events, key=lambda e: -e.cpu_time_total)[:25]
+        r["top_host"] = [(e.key[:90], e.count, round(e.cpu_time_total / 1e3, 2)) for e in cpu]
+        res[name] = r
     print(json.dumps(res, indent=1, default=str))
     common.save_json(res, args.out or common.default_out("parts_profile", True))
 

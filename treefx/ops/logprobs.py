@@ -68,6 +68,22 @@ def _forward(h, weight, bias, ids, parent):
 _TOKEN_BLOCK = 1 << 14
 
 
+_MM_OUT_DTYPE = [True]  # torch.mm(..., out_dtype=) works here (CUDA, torch >= 2.8)
+
+
+def _mm_acc(a: torch.Tensor, b: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
+    """``a @ b`` in ``acc``: on the GPU a bf16/fp16 product comes out of the matrix multiply in
+    float32 (its sums are not rounded to the inputs' dtype first); elsewhere the product is
+    rounded to the inputs' dtype, then widened."""
+    if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16) and acc == torch.float32 \
+            and _MM_OUT_DTYPE[0]:
+        try:
+            return torch.mm(a, b, out_dtype=acc)
+        except (TypeError, RuntimeError, NotImplementedError):
+            _MM_OUT_DTYPE[0] = False
+    return (a @ b).to(acc)
+
+
 def _slice_grad(logits, lse, g, label, hit, acc: torch.dtype, out: torch.dtype):
     """d lp / d z · g on one [T, Vs] slice of the logits: ``g · (onehot(y) − softmax(z))``,
     the onehot where the label ``label`` (relative to the slice) lies in it (``hit``);
@@ -122,12 +138,12 @@ def _backward(grad, h, weight, bias, ids, parent, lse, need_h: bool, need_weight
                            acc if need_bias else weight.dtype)
             dc = d.to(weight.dtype)
             if need_h:
-                dh_t += (dc @ w_s).to(acc)
+                dh_t += _mm_acc(dc, w_s, acc)
             if need_weight:
                 if len(blocks) == 1:
                     torch.mm(dc.t(), hc, out=dw[v0:v1])
                 else:
-                    dw[v0:v1] += (dc.t() @ hc).to(acc)
+                    dw[v0:v1] += _mm_acc(dc.t(), hc, acc)
             if need_bias:
                 db[v0:v1] += d.sum(0)
         if need_h:
