@@ -171,7 +171,7 @@ def backward(tm: TreeModel, trees: Tree | Iterable[Tree], *, max_tokens: int,
         lp, own, exits = _forward(runner, plan, part, t, held, device)
         toks = t["label_tokens"]
         mask = torch.zeros(batch.num_tokens, dtype=torch.bool, device=device)
-        mask[toks] = True
+        mask.index_fill_(0, toks, True)  # `mask[toks] = True` copies True from the host: a sync
         values = torch.zeros(batch.num_tokens, dtype=lp.dtype, device=device)
         values = values.index_put((toks,), lp[:len(part.label_tokens)])
         part_batch = _part_batch(full, mask, incidence)
