@@ -8,7 +8,10 @@ prefixes recomputed) and one step per sequence.
 Model: Hugging Face Qwen3 with 8B-shaped layers (hidden 4096, 32 heads, 8 KV heads, head_dim
 128, intermediate 12288, vocab 151,936), ``--layers`` of them, bf16 weights, compiled once
 with ``treefx.compile(model, logits=False)``. Tree: a synthetic agent tree (POR about 0.75) of
-at least 4x ``--budget`` tokens. Per method: the median step time over ``--reps`` (after one
+at least 4x ``--budget`` tokens. ``budget_step``: the largest part of ``partition``, one
+step from no gradients; ``budget_step_acc``: the same into allocated gradients (a
+micro-batch of gradient accumulation, which ``treefx.backward``'s later parts are). Per
+method: the median step time over ``--reps`` (after one
 warm-up step that compiles), the peak memory (``max_memory_allocated``, weights and gradients
 included), the tokens computed, the loss, and the gradients' largest difference from the whole
 step (relative to each parameter's largest gradient). Before that, an exactness check in
@@ -39,15 +42,16 @@ def _sync(dev):
         torch.cuda.synchronize()
 
 
-def _timed(dev, fn, reps: int, model):
+def _timed(dev, fn, reps: int, model, accumulate: bool = False):
     """Median time of ``reps`` steps after one warm-up (compiles); each step starts without
-    gradients (so each allocates its own, like a training step after optimizer.zero_grad):
-    ``peak_gib`` is the peak allocated during a step, weights, gradients and all, and
-    ``step_gib`` that minus what was allocated before it."""
+    gradients (so each allocates its own, like a training step after optimizer.zero_grad), or
+    with ``accumulate`` from zero gradients already allocated (a micro-batch of gradient
+    accumulation): ``peak_gib`` is the peak allocated during a step, weights, gradients and
+    all, and ``step_gib`` that minus what was allocated before it."""
     fn()  # warm-up: compiles
     times, peaks, base = [], [], 0
     for _ in range(reps):
-        model.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=not accumulate)
         _sync(dev)
         if dev == "cuda":
             base = torch.cuda.memory_allocated()
@@ -111,7 +115,8 @@ def main(argv=None):
     p.add_argument("--scale", type=float, default=2.0, help="agent tree length multiplier")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--methods", default="whole,parts,budget_step,partition,sequences")
+    p.add_argument("--methods",
+                   default="whole,parts,budget_step,budget_step_acc,partition,sequences")
     p.add_argument("--no-exactness", action="store_true")
     common.add_run_args(p, "CPU, a tiny model, the eager backend")
     args = p.parse_args(argv)
@@ -179,16 +184,19 @@ def main(argv=None):
     seq_batches = [treefx.pack(t, reduction="mean", num_sequences=tree.num_sequences).to(dev)
                    for t in seq_trees]
     fns = {"whole": whole, "parts": in_parts, "budget_step": budget_step,
+           "budget_step_acc": budget_step,
            "partition": lambda: run_batches(part_batches),
            "sequences": lambda: run_batches(seq_batches)}
     tokens = {"whole": tree.num_tokens, "parts": tree.num_tokens,
               "budget_step": part_batches[largest].num_tokens,
+              "budget_step_acc": part_batches[largest].num_tokens,
               "partition": sum(b.num_tokens for b in part_batches),
               "sequences": tree.num_baseline_tokens}
     for name in methods:
         model.zero_grad(set_to_none=True)
         try:
-            loss, stats = _timed(dev, fns[name], args.reps, model)
+            loss, stats = _timed(dev, fns[name], args.reps, model,
+                                 accumulate=name.endswith("_acc"))
         except torch.OutOfMemoryError as e:
             out[name] = {"error": f"out of memory: {str(e)[:200]}"}
             print(f"{name}: out of memory", flush=True)
@@ -198,7 +206,7 @@ def main(argv=None):
         g = _grads(model, "cpu")  # the last step's
         if name == "whole":
             grads["whole"] = g
-        elif "whole" in grads and name != "budget_step":
+        elif "whole" in grads and not name.startswith("budget_step"):
             stats["grad_rel_diff_vs_whole"] = _grad_diff(g, grads["whole"])
         del g
         if dev == "cuda":
@@ -221,6 +229,9 @@ def main(argv=None):
             out["budget_step"]["peak_gib"]
         res["parts_vs_budget_step_step_memory"] = out["parts"]["step_gib"] / \
             out["budget_step"]["step_gib"]
+    if "parts" in out and "budget_step_acc" in out and cuda:
+        res["parts_vs_budget_step_acc_memory"] = out["parts"]["peak_gib"] / \
+            out["budget_step_acc"]["peak_gib"]
     print({k: v for k, v in res.items() if k.startswith("parts_vs")}, flush=True)
     common.save_json(res, common.resolve_out(args, "parts", cuda))
 
