@@ -4,6 +4,7 @@ prefixes recomputed) and one step per sequence.
 
     python -m benchmarks.parts                       # GPU: 8B-shaped layers, bf16
     python -m benchmarks.parts --dry-run             # CPU: a tiny model, eager backend
+    python -m benchmarks.parts --checkpointing --budget 16384   # every layer checkpointed
 
 Model: Hugging Face Qwen3 with 8B-shaped layers (hidden 4096, 32 heads, 8 KV heads, head_dim
 128, intermediate 12288, vocab 151,936), ``--layers`` of them, bf16 weights, compiled once
@@ -16,7 +17,8 @@ warm-up step that compiles), the peak memory (``max_memory_allocated``, weights 
 included), the tokens computed, the loss, and the gradients' largest difference from the whole
 step (relative to each parameter's largest gradient). Before that, an exactness check in
 float32 against the per-branch oracle (a tiny Qwen3, Mistral with a window and Qwen3-Next, on
-the same backend).
+the same backend). ``--checkpointing``: Hugging Face gradient checkpointing (non-reentrant) on
+every layer of every model, the exactness check's included.
 """
 
 from __future__ import annotations
@@ -79,9 +81,16 @@ def _grad_diff(a, b) -> float:
                for k in b)
 
 
-def exactness(dev: str, backend: str) -> list[dict]:
-    """float32: treefx.backward against the oracle, tiny Qwen3, Mistral (a window of 24) and
-    Qwen3-Next (conv and Gated DeltaNet state across parts)."""
+def _ckpt(on: bool) -> dict:
+    # Hugging Face checkpoints only in training mode (these configs have no dropout)
+    return {"checkpointing": "nonreentrant", "train": True} if on else {}
+
+
+def exactness(dev: str, backend: str, checkpointing: bool = False,
+              models=("qwen3", "mistral", "qwen3_next", "gemma2", "gpt_oss")) -> list[dict]:
+    """float32: treefx.backward against the oracle, tiny Qwen3, Mistral (a window of 24),
+    Qwen3-Next (conv and Gated DeltaNet state across parts), Gemma 2 (a softcap of 0.5 and a
+    window) and gpt-oss (sinks, alternating windows)."""
     rows = []
     trees = treefx.synth.odd_forest(0, 1024) + [treefx.synth.agent_tree(
         1, vocab_size=1024, rollouts=2, **common.scaled_lengths(0.2))]
@@ -89,10 +98,17 @@ def exactness(dev: str, backend: str) -> list[dict]:
                   linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
                   linear_value_head_dim=16, linear_conv_kernel_dim=4,
                   layer_types=["linear_attention", "full_attention"] * 2)
-    for model_type, extra in (("qwen3", {"num_hidden_layers": 2}),
-                              ("mistral", {"num_hidden_layers": 2, "sliding_window": 24}),
-                              ("qwen3_next", hybrid)):
-        model = common.hf_model(model_type, dev=dev, **TINY, **extra)
+    scored = dict(num_hidden_layers=2, sliding_window=24, attn="eager")
+    cases = {"qwen3": {"num_hidden_layers": 2},
+             "mistral": {"num_hidden_layers": 2, "sliding_window": 24},
+             "qwen3_next": hybrid,
+             # scores the model transforms itself: a softcap and a window; sinks and
+             # alternating windows
+             "gemma2": dict(scored, attn_logit_softcapping=0.5, final_logit_softcapping=None),
+             "gpt_oss": dict(scored, num_local_experts=4, num_experts_per_tok=2)}
+    for model_type in models:
+        model = common.hf_model(model_type, dev=dev, **_ckpt(checkpointing), **TINY,
+                                **cases[model_type])
         ref = treefx.reference.sequence_loss(model, trees, reduction="mean")
         ref.backward()
         g_ref = _grads(model)
@@ -101,9 +117,9 @@ def exactness(dev: str, backend: str) -> list[dict]:
         for budget in (64, 300, n):
             loss = treefx.backward(tm, trees, max_tokens=budget)
             rows.append({"model": model_type, "budget": budget, "tokens": n,
-                         "loss_err": abs(float(loss) - float(ref)),
+                         "loss_err": abs(float(loss) - float(ref.detach())),
                          "grad_rel_err": _grad_diff(_grads(model), g_ref)})
-            print(f"exactness {model_type:8s} budget {budget:5d}: loss err "
+            print(f"exactness {model_type:10s} budget {budget:5d}: loss err "
                   f"{rows[-1]['loss_err']:.2e}, grad rel err {rows[-1]['grad_rel_err']:.2e}",
                   flush=True)
     return rows
@@ -118,6 +134,9 @@ def main(argv=None):
     p.add_argument("--methods",
                    default="whole,parts,budget_step,budget_step_acc,partition,sequences")
     p.add_argument("--no-exactness", action="store_true")
+    p.add_argument("--exactness-models", default="qwen3,mistral,qwen3_next,gemma2,gpt_oss")
+    p.add_argument("--checkpointing", action="store_true",
+                   help="activation checkpointing on every layer (non-reentrant)")
     common.add_run_args(p, "CPU, a tiny model, the eager backend")
     args = p.parse_args(argv)
     cuda = common.use_cuda(args.dry_run)
@@ -126,7 +145,8 @@ def main(argv=None):
     common.bump_dynamo_limits()
     res = {"meta": common.run_meta(cuda), "args": vars(args)}
     if not args.no_exactness:
-        res["exactness"] = exactness(dev, backend)
+        res["exactness"] = exactness(dev, backend, args.checkpointing,
+                                     args.exactness_models.split(","))
     if not [m for m in args.methods.split(",") if m]:  # the exactness check only
         common.save_json(res, common.resolve_out(args, "parts", cuda))
         return
@@ -142,7 +162,7 @@ def main(argv=None):
           f"{budget}), {tree.num_sequences} sequences, {tree.num_baseline_tokens} sequence "
           f"tokens, longest {int(tree.sequence_lengths.max())}", flush=True)
     model = common.hf_model("qwen3", dev=dev, dtype=dtype, on_device=cuda,
-                            num_hidden_layers=args.layers, **shape)
+                            num_hidden_layers=args.layers, **_ckpt(args.checkpointing), **shape)
     tm = treefx.compile(model, backend=backend, verify=False, logits=False)
     batch = treefx.pack(tree, reduction="mean").to(dev)
     plan = treefx.parts.plan(treefx.pack(tree, reduction="mean"), budget)

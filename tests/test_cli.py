@@ -166,9 +166,10 @@ def test_stats_max_tokens_below_a_sequence_plans_redundancy_free_parts_only(tmp_
     )
     main(["stats", str(path), "--max-tokens", "3"])
     _, rows, _, _ = _table(capsys.readouterr().out)
-    # tree 1's sequence of 4 tokens fits no part of whole sequences; its redundancy-free
-    # parts hold the whole sequence (its later tokens attend to all of it)
-    assert rows[1][6:] == ["-", "-", "-", "3", "0.000", "4"]
+    # tree 1's sequence of 4 tokens fits no part of whole sequences; it takes the fewest
+    # redundancy-free parts of at most 3 tokens (2), and the last part holds the whole
+    # sequence (its later tokens attend to all of it)
+    assert rows[1][6:] == ["-", "-", "-", "2", "0.000", "4"]
 
 
 def test_unknown_command_and_missing_arguments(capsys):

@@ -182,13 +182,49 @@ def test_plan_covers_the_row_and_bounds_memory(seed, monkeypatch):
     assert plan.peak_held_tokens() <= max(budget, unmerged.peak_held_tokens())
 
 
-def test_checkpointed_model_is_refused_clearly():
-    model = hf_model("qwen3", "sdpa")
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+@pytest.mark.parametrize("name,reentrant,budgets", [
+    ("qwen3", False, (3, 1000)),
+    ("qwen3", True, (7,)),
+    ("qwen3_next", False, (13,)),   # conv inputs and GDN states leave checkpointed layers
+])
+def test_activation_checkpointing_in_parts_matches_the_oracle(name, reentrant, budgets):
+    """Hugging Face gradient checkpointing (either form): each layer is a checkpointed body;
+    its keys, values, conv inputs and exit states leave the body as extra outputs for later
+    parts, and the context enters it as extra operands, so a part's backward recomputes its
+    layers and nothing else."""
+    model = _hybrid() if name == "qwen3_next" else hf_model(name, "sdpa")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
     model.train()
     tm = treefx.compile(model, backend="eager", verify=False)
-    with pytest.raises(treefx.TreeCompileError, match="activation-checkpointed"):
-        treefx.backward(tm, odd_forest(3, VOCAB), max_tokens=5)
+    trees = [odd_tree(5, VOCAB), *odd_forest(4, VOCAB)] if name == "qwen3_next" else \
+        odd_forest(3, VOCAB)
+    for b in budgets:
+        model.zero_grad(set_to_none=True)
+        _check(tm, trees, b)
+    ctx = tm._part_runner.engine.contexts[-1]
+    bodies = [c for c in ctx.scopes() if c.parent is not None]
+    assert len(bodies) == model.config.num_hidden_layers  # every layer checkpointed
+    assert all(r.pass_name != "attention" or "context" in r.note for r in ctx.log)
+
+
+@pytest.mark.parametrize("name,form", [("gemma2", "score_mod"), ("gpt_oss", "sink"),
+                                       ("granite_swa", "log-sum-exp")])
+def test_scored_attention_in_parts_matches_the_oracle(name, form):
+    """Scores the model transforms itself, across part boundaries: Gemma 2's softcap and
+    window (a score_mod and a mask_mod at the extended row's positions), gpt-oss's sinks
+    and Granite-SWA's ``sigmoid(lse - sink)`` (both from the part's log-sum-exp over
+    [context; part])."""
+    from test_scored_attention import scored_model
+
+    tm = treefx.compile(scored_model(name), backend="eager", verify=False)
+    _check(tm, odd_forest(3, VOCAB), 3)
+    notes = [r.note for r in tm._part_runner.engine.contexts[-1].log
+             if r.pass_name == "attention" and "not attention" not in r.note]
+    assert len(notes) == 2 and all("context" in n and "scored" in n for n in notes), notes
+    if form != "score_mod":
+        assert all(form in n for n in notes), notes
+    else:
+        assert all("score_mod" in n for n in notes), notes
 
 
 def test_bad_arguments():

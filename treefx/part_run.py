@@ -132,9 +132,12 @@ def backward(tm: TreeModel, trees: Tree | Iterable[Tree], *, max_tokens: int,
     tokens) and for the parts holding the tokens of nodes on the current root path whose
     subtrees exceed ``max_tokens`` (at most the longest sequence's tokens), plus the keys,
     values and conv inputs of those tokens at every layer and the recurrent states at the
-    parts' boundaries. Runs on the compiled model's backend; not yet combined with activation
-    checkpointing, FSDP/DDP, ``@treefx.step`` or attention the model scores itself (a
-    softcap, a sink, a bias): a clear error says so.
+    parts' boundaries (with activation checkpointing, a held part keeps its checkpointed
+    layers' inputs instead of their activations, and its backward recomputes them). Runs on
+    the compiled model's backend; not yet combined with FSDP/DDP or ``@treefx.step``: a
+    clear error says so. Attention the model scores itself (a softcap, a sink, a bias of
+    positions) is exact in parts; a bias the passes can read only at the part's own rows
+    (not a function of positions) is refused.
 
     The first call for a model checks the part graph on a small probe forest cut into parts
     against each sequence run alone (log-probabilities and gradients), unless the model was

@@ -330,13 +330,25 @@ class TreePartFlexAttention:
     the part's queries over ``[context; own]`` keys. The block mask is the tree's over the
     extended row (:func:`tree_block_tensors` of ``subtree_end_ext``), its query blocks cut to
     the part's (the context row is a whole number of blocks); the ``mask_mod`` is the same
-    interval test at row ``A + q``, ANDed with the model's mask at path positions."""
+    interval test at row ``A + q``, ANDed with the model's mask at path positions.
+
+    Called ``(q, k, v, k_context, v_context, subtree_end_ext, positions_ext,
+    *mask_buffers, *score_buffers)``. ``score_mod`` (optional): the model's own score ops as
+    in :class:`TreeFlexAttention`, evaluated at the path positions of the extended row;
+    ``mask_buffers``: how many of the extra buffers the mask reads (default: all);
+    ``return_lse``: return ``(out, lse)``, the natural log-sum-exp of each query's row (a
+    sink and a model that reads it need it). Its eager form (FlexAttention's dense math,
+    differentiable on the CPU too) is the eager backend's for scored sites."""
 
     def __init__(self, *, scale=None, block_size=128, model_mask=None, kernel_options=None,
+                 score_mod=None, mask_buffers=None, return_lse=False,
                  name="tree_part_flex_attention"):
         self.scale = scale
         self.block_size = block_size
         self.model_mask = model_mask
+        self.score_mod = score_mod
+        self.mask_buffers = mask_buffers
+        self.return_lse = return_lse
         self.kernel_options = check_kernel_options(kernel_options)
         self.__name__ = name
 
@@ -346,6 +358,10 @@ class TreePartFlexAttention:
         if self.model_mask is None:
             return tree
         return tree & self.model_mask(b, h, positions[qe], positions[kv_idx], *bufs)
+
+    def _score(self, score, b, h, q_idx, kv_idx, positions, offset, *bufs):
+        return self.score_mod(score, b, h, positions[q_idx + offset[0]], positions[kv_idx],
+                              *bufs)
 
     def __call__(self, q, k, v, k_context, v_context, se_ext, pos_ext, *bufs):
         from torch._higher_order_ops.flex_attention import flex_attention as flex_hop
@@ -366,12 +382,19 @@ class TreePartFlexAttention:
             seq_lengths=(n, a + n))
         pos_pad = pad_to_block(pos_ext, bs)
         offset = torch.full((1,), a, dtype=se_ext.dtype, device=se_ext.device)
+        m = len(bufs) if self.mask_buffers is None else self.mask_buffers
+        if self.score_mod is not None:
+            score_mod, score_bufs = self._score, (pos_pad, offset, *bufs[m:])
+        else:
+            score_mod, score_bufs = _identity_score, ()
         scale = self.scale if self.scale is not None else 1.0 / math.sqrt(q.shape[-1])
         qw = q.to(wide)
-        kernel_options = _apply_kernel_options(qw, keys, values, False,
+        kernel_options = _apply_kernel_options(qw, keys, values, self.return_lse,
                                                {**_STANDARD_KERNEL, **self.kernel_options})
-        out, *_ = flex_hop(qw, keys, values, _identity_score, block_mask.as_tuple(), scale,
-                           kernel_options, (), (se_pad, pos_pad, offset, *bufs))
+        out, lse, *_ = flex_hop(qw, keys, values, score_mod, block_mask.as_tuple(), scale,
+                                kernel_options, score_bufs, (se_pad, pos_pad, offset, *bufs[:m]))
+        if self.return_lse:
+            return out.to(v.dtype), lse * math.log(2.0)  # the kernel's is in base 2
         return out.to(v.dtype)
 
     def __repr__(self) -> str:

@@ -560,10 +560,6 @@ def _kv_for_flex(site: _Site, k: fx.Node):
 def _rewrite_scored(ctx: GraphContext, site: _Site) -> fx.Node:
     """The general form: the model's own score ops replayed, the tree mask applied to the
     softmax input, a sink or the model's log-sum-exp from the attention's log-sum-exp."""
-    if ctx.part is not None:
-        raise _fail(site.anchor, "treefx.backward (parts) does not yet run attention whose "
-                                 "scores the model transforms itself (a softcap, a sink, a "
-                                 "bias); train this model in whole batches")
     g = ctx.graph
     sc = site.scored
     note = site.kind + ", the model's score ops replayed"
@@ -574,7 +570,10 @@ def _rewrite_scored(ctx: GraphContext, site: _Site) -> fx.Node:
     if late:
         raise _fail(site.anchor, f"its log-sum-exp is read before `{late[0].name}` is computed")
     with g.inserting_before(first):
-        if ctx.backend == "eager":
+        if ctx.part is not None:
+            pair, more = _scored_part(ctx, site)
+            note += more
+        elif ctx.backend == "eager":
             tree = ctx.shared("dense_tree_mask",
                               lambda c: c.graph.call_function(dense_tree_mask, (c.subtree_end,)))
             sides = _sides(sc.chain, sc.scores)
@@ -603,6 +602,65 @@ def _scored_flex(ctx: GraphContext, site: _Site):
     """FlexAttention for the general form: the score ops as a ``score_mod`` (their masks and
     biases evaluated at path positions), a final mask as the ``mask_mod``."""
     g = ctx.graph
+    mods = _score_mods(ctx, site)
+    k = site.k
+    if site.kind.endswith("-kT"):
+        k = g.call_method("transpose", (k, -2, -1))
+    blocks = _block_nodes(ctx, full=mods.mask is None)
+    fn = TreeFlexAttention(scale=mods.scale, block_size=ctx.block_size,
+                           model_mask=mods.mask, score_mod=mods.score_mod,
+                           mask_buffers=len(mods.mask_bufs), return_lse=True,
+                           kernel_options=ctx.kernel_options,
+                           interleave_heads=ctx.interleave_heads if mods.score_mod is None
+                           else False,
+                           name=f"tree_flex_attention_{site.anchor.name}")
+    k, v, shared_kv = _kv_for_flex(site, k)
+    note = mods.note
+    if shared_kv:
+        note += ", KV heads shared by FlexAttention (the model's repeat undone)"
+    bufs = tuple(ctx.local(b) for b in (*mods.mask_bufs, *mods.score_bufs))
+    return g.call_function(fn, (site.q, k, v, *blocks, *bufs)), note
+
+
+def _scored_part(ctx: GraphContext, site: _Site):
+    """The general form in a part's graph (:func:`treefx.backward`): FlexAttention over
+    ``[context; part]`` keys (its dense eager form on the eager backend), the score ops as a
+    ``score_mod`` and a final mask as the ``mask_mod``, both evaluated at the extended row's
+    path positions, so a softcap, a bias or a window reads the context's keys as the
+    sequence would."""
+    g = ctx.graph
+    part = ctx.part
+    mods = _score_mods(ctx, site, in_part=True)
+    k = site.k
+    if site.kind.endswith("-kT"):
+        k = g.call_method("transpose", (k, -2, -1))
+    k, v, shared_kv = _kv_for_flex(site, k)
+    ck, cv = _part_context(ctx, site, k, v)
+    se, pos = part.ext(ctx, "subtree_end"), part.ext(ctx, "positions")
+    fn = TreePartFlexAttention(scale=mods.scale, block_size=ctx.block_size,
+                               model_mask=mods.mask, kernel_options=ctx.kernel_options,
+                               score_mod=mods.score_mod, mask_buffers=len(mods.mask_bufs),
+                               return_lse=True,
+                               name=f"tree_part_flex_attention_{site.anchor.name}")
+    bufs = _part_buffers(ctx, (*mods.mask_bufs, *mods.score_bufs))
+    note = mods.note + ", keys and values of earlier parts' context"
+    return g.call_function(fn, (site.q, k, v, ck, cv, se, pos, *bufs)), note
+
+
+@dataclass
+class _ScoreMods:
+    """A scored site's FlexAttention pieces: the scale, the mask_mod and score_mod (lifted
+    to path positions) and the buffers each reads."""
+
+    scale: float
+    mask: object
+    mask_bufs: tuple
+    score_mod: object
+    score_bufs: tuple
+    note: str
+
+
+def _score_mods(ctx: GraphContext, site: _Site, in_part: bool = False) -> _ScoreMods:
     sc = site.scored
     chain, mask = _peel_mask(ctx, sc.chain)
     note = ""
@@ -627,32 +685,27 @@ def _scored_flex(ctx: GraphContext, site: _Site):
     for side in sides:
         _check_mask_sources(ctx, site, side)
         try:
-            one, bufs = _side_for_flex(ctx, side)
+            if in_part:  # a function of positions: read where the model computed it, a
+                # side has no entries for the context's keys
+                one, bufs = lift_value(ctx, side)
+                _try_scalar(one, bufs)
+            else:
+                one, bufs = _side_for_flex(ctx, side)
         except MaskLiftError as e:
+            where = ("in parts (treefx.backward) at the positions of earlier parts' keys"
+                     if in_part else "per query and key position")
             raise _fail(site.anchor, f"its scores read `{describe(side)}`, which cannot be "
-                                     f"evaluated per query and key position ({e}); use "
-                                     "backend='eager' for this model") from None
+                                     f"evaluated {where} ({e}); use "
+                                     + ("whole batches" if in_part else "backend='eager'")
+                                     + " for this model") from None
         lifted_sides.append((one, len(bufs)))
         score_bufs.extend(bufs)
     score_mod = LiftedScore(_chain_module(chain, sc.scores, sides), lifted_sides) \
         if chain else None
-    k = site.k
-    if site.kind.endswith("-kT"):
-        k = g.call_method("transpose", (k, -2, -1))
-    blocks = _block_nodes(ctx, full=lifted is None)
-    fn = TreeFlexAttention(scale=scale if chain == [] else 1.0, block_size=ctx.block_size,
-                           model_mask=lifted, score_mod=score_mod,
-                           mask_buffers=len(mask_bufs), return_lse=True,
-                           kernel_options=ctx.kernel_options,
-                           interleave_heads=ctx.interleave_heads if score_mod is None else False,
-                           name=f"tree_flex_attention_{site.anchor.name}")
-    k, v, shared_kv = _kv_for_flex(site, k)
-    if shared_kv:
-        note += ", KV heads shared by FlexAttention (the model's repeat undone)"
-    bufs = tuple(ctx.local(b) for b in (*mask_bufs, *score_bufs))
     if score_mod is not None:
         note += ", score ops as the score_mod"
-    return g.call_function(fn, (site.q, k, v, *blocks, *bufs)), note
+    return _ScoreMods(scale if chain == [] else 1.0, lifted, tuple(mask_bufs), score_mod,
+                      tuple(score_bufs), note)
 
 
 def _constant_scale(chain: list[fx.Node]) -> tuple[float, list[fx.Node]]:
@@ -787,19 +840,9 @@ def _rewrite_part(ctx: GraphContext, site: _Site) -> fx.Node:
                 note += ", model mask implied by the tree"
             else:
                 note += ", model mask kept (evaluated at path positions)"
-                pos = part.ext(ctx, "positions")
-                # The all-ones padding mask treefx gives the model is read at positions of
-                # the extended row, which may pass the part's own length.
-                bufs = tuple(g.call_function(ones_for_positions, (pos, ctx.local(b)))
-                             if _is_all_ones_input(b) else ctx.local(b) for b in bufs)
+                bufs = _part_buffers(ctx, bufs)
         k, v, shared_kv = _kv_for_flex(site, k)
-        kv, vv = example(k), example(v)
-        if kv is None or vv is None or kv.dim() != 4 or not same_size(kv.shape[0], 1):
-            raise _fail(site.anchor, "in parts (treefx.backward) keys must be [1, heads, "
-                                     "tokens, dim]")
-        hk, dk, dv = int(kv.shape[1]), int(kv.shape[3]), int(vv.shape[3])
-        ck = part.context(ctx, k, hk, dk, "attention")
-        cv = part.context(ctx, v, hk, dv, "attention")
+        ck, cv = _part_context(ctx, site, k, v)
         se, pos = part.ext(ctx, "subtree_end"), part.ext(ctx, "positions")
         if ctx.backend == "eager":
             fn = TreePartAttention(scale=site.scale, enable_gqa=site.enable_gqa or shared_kv,
@@ -815,6 +858,26 @@ def _rewrite_part(ctx: GraphContext, site: _Site) -> fx.Node:
     ctx.record("attention", site.anchor, describe(new), note=note)
     site.out.replace_all_uses_with(new)
     return new
+
+
+def _part_context(ctx: GraphContext, site: _Site, k: fx.Node, v: fx.Node):
+    """The context's keys and values of a part's site [1, heads, A, dim] (``k`` and ``v``
+    the part's own, registered to be handed on)."""
+    kv, vv = example(k), example(v)
+    if kv is None or vv is None or kv.dim() != 4 or not same_size(kv.shape[0], 1):
+        raise _fail(site.anchor, "in parts (treefx.backward) keys must be [1, heads, "
+                                 "tokens, dim]")
+    hk, dk, dv = int(kv.shape[1]), int(kv.shape[3]), int(vv.shape[3])
+    return ctx.part.context(ctx, k, hk, dk), ctx.part.context(ctx, v, hk, dv)
+
+
+def _part_buffers(ctx: GraphContext, bufs) -> tuple:
+    """A part's mask and score buffers in ``ctx``'s graph. The all-ones padding mask treefx
+    gives the model is read at positions of the extended row, which may pass the part's own
+    length: it becomes all ones of that length."""
+    pos = ctx.part.ext(ctx, "positions")
+    return tuple(ctx.graph.call_function(ones_for_positions, (pos, ctx.local(b)))
+                 if _is_all_ones_input(b) else ctx.local(b) for b in bufs)
 
 
 def _side_for_flex(ctx: GraphContext, node: fx.Node):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 import re
 from dataclasses import dataclass
 
@@ -267,6 +268,38 @@ class GraphContext:
             body.kind.set_operands(site, [*body.kind.operands(site), outer])
         return self._imports[outer]
 
+    def export(self, node: fx.Node) -> fx.Node:
+        """``node`` (of this graph) as a node of the root graph: in a body, an extra output of
+        the body, read from its call (and so on outwards). Only a body with one call site can
+        hand a value out (the call must say which run of the body it comes from)."""
+        if self.parent is None:
+            return node
+        body = self.body
+        if len(body.sites) != 1 or len(body.group) != 1:
+            raise TreeCompileError(
+                f"the {body.op} body {self.name} is called {len(body.sites)} time(s) with "
+                f"{len(body.group)} branch(es); treefx hands a value out of a body only when "
+                "it has one call and one branch", node=node)
+        out = next(n for n in reversed(self.graph.nodes) if n.op == "output")
+        site = body.sites[0]
+        values = out.args[0]
+        before = site.meta.get("example_value")
+        if not isinstance(values, (tuple, list)) or not isinstance(before, (tuple, list)):
+            raise TreeCompileError(
+                f"the {body.op} body {self.name} returns no tuple; treefx cannot add an "
+                "output to it", node=node)
+        with self.graph.inserting_before(out):
+            # a fresh tensor: a higher-order op may not return a view of its inputs
+            value = self.graph.call_method("clone", (node,))
+        set_example(value)
+        out.args = (type(values)([*values, value]),)
+        site.meta["example_value"] = type(before)([*before, example(value)])
+        g = self.parent.graph
+        with g.inserting_after(site):
+            read = g.call_function(operator.getitem, (site, len(values)))
+        set_example(read)
+        return self.parent.export(read)
+
     def resolve(self, node):
         """The node a body placeholder stands for, through every enclosing graph (the
         placeholder itself when its callers do not all pass the same node)."""
@@ -338,8 +371,6 @@ class GraphContext:
 
     def parent_token(self) -> fx.Node:
         """The [N] ``parent_token`` row of ``tree_info``, one node for all passes."""
-        import operator
-
         return self.shared("parent_token", lambda c: c.graph.call_function(
             operator.getitem, (c.tree_info, 1)))
 

@@ -20,7 +20,7 @@ import torch
 import torch.fx as fx
 
 from ..ops.context import columns_to_heads, heads_to_columns
-from .common import GraphContext, TreeCompileError, describe, example, module_path, set_example
+from .common import GraphContext, TreeCompileError, example, set_example
 
 __all__ = ["PartLayoutMismatch", "PartSites", "finish", "part_outputs"]
 
@@ -73,14 +73,26 @@ class PartSites:
 
     # ------------------------------------------------------------------ nodes
 
-    def _check_root(self, ctx: GraphContext, node: fx.Node, what: str) -> None:
-        if ctx.parent is not None:
-            raise TreeCompileError(
-                f"treefx.backward: the {what} at {module_path(node)} (graph node "
-                f"`{describe(node)}`) is inside an activation-checkpointed region (or another "
-                "higher-order op's body); parts cannot hand its keys and values on from there "
-                "yet. Train in parts without activation checkpointing, or in one batch",
-                node=node)
+    def _read(self, ctx: GraphContext, fn, args: tuple, wide: bool) -> fx.Node:
+        """``fn(*args)`` on one of the part's buffers, built in the root graph (where the
+        buffers are) and imported into ``ctx``'s graph (as an operand of the body it runs in,
+        an activation-checkpointed layer). ``wide``: the buffer holds the columns read (not
+        so on the first capture, before the widths are known: no example value then)."""
+        root = ctx.root
+        if root is ctx:
+            node = ctx.graph.call_function(fn, args)
+        else:
+            key = ("part_read", fn, args)
+            node = self._cache.get(key)
+            if node is None:
+                successor = root.prelude.next
+                with root.graph.inserting_before(successor):
+                    node = root.graph.call_function(fn, args)
+                root.prelude = successor.prev
+                self._cache[key] = node
+        if wide:
+            set_example(node)
+        return ctx.local(node)
 
     def ext(self, ctx: GraphContext, key: str) -> fx.Node:
         """Shared [A + n] node of the extended row: ``"positions"``, ``"parent"`` or
@@ -107,57 +119,78 @@ class PartSites:
 
         return ctx.shared("part_parent_local", make)
 
-    def context(self, ctx: GraphContext, own: fx.Node, heads: int, dim: int,
-                what: str) -> fx.Node:
+    def context(self, ctx: GraphContext, own: fx.Node, heads: int, dim: int) -> fx.Node:
         """Register ``own`` [1, heads, n, dim] (keys or values of one site) as the part's
         columns and return the context tokens' share [1, heads, A, dim] in ``own``'s dtype.
-        Insert where ``own`` is defined and before its reader."""
-        self._check_root(ctx, own, what)
+        Insert where ``own`` is defined and before its reader. Inside a body (an
+        activation-checkpointed layer) the columns leave it as an extra output and the
+        context enters it as an extra operand."""
         g = ctx.graph
         dtype = example(own).dtype
         offset = sum(w for _, w, _ in self.tok)
         cols = g.call_function(heads_to_columns, (own,))
         self.tok.append((cols, heads * dim, dtype))
-        ctxv = g.call_function(columns_to_heads, (self.ctx_tok, offset, heads, dim, dtype))
-        self._examples(cols, ctxv)
+        ctxv = self._read(ctx, columns_to_heads, (self.ctx_tok, offset, heads, dim, dtype),
+                          self._wide())
+        self._examples(cols)
+        self.tok[-1] = (self._export(ctx, cols), heads * dim, dtype)
         return ctxv
 
-    def _examples(self, *nodes) -> None:
-        # Before the capture with the right widths (see finish), the buffer is too narrow to
+    def _wide(self, state: bool = False) -> bool:
+        # Before the capture with the right widths (see finish), a buffer is too narrow to
         # read a site's columns from: no example values then (nothing is compiled).
-        if example(self.ctx_tok).shape[1] >= sum(w for _, w, _ in self.tok):
+        buf, entries = (self.ctx_state, self.state) if state else (self.ctx_tok, self.tok)
+        return example(buf).shape[1] >= sum(w for _, w, _ in entries)
+
+    def _examples(self, *nodes) -> None:
+        if self._wide():
             for x in nodes:
                 set_example(x)
 
-    def channels(self, ctx: GraphContext, own: fx.Node, channels: int, what: str) -> fx.Node:
+    def _export(self, ctx: GraphContext, node: fx.Node) -> fx.Node:
+        if ctx.parent is None:
+            return node
+        if example(node) is None:  # the first capture (widths unknown): only the widths count
+            set_example(node)
+        return ctx.export(node)
+
+    def channels(self, ctx: GraphContext, own: fx.Node, channels: int) -> fx.Node:
         """``own`` [1, C, n] (a conv's inputs) as the part's columns; returns the context
         tokens' [1, C, A] in its dtype."""
-        self._check_root(ctx, own, what)
         g = ctx.graph
         dtype = example(own).dtype
         offset = sum(w for _, w, _ in self.tok)
         cols = g.call_function(_channels_to_columns, (own,))
         self.tok.append((cols, channels, dtype))
-        ctxv = g.call_function(_columns_to_channels, (self.ctx_tok, offset, channels, dtype))
-        self._examples(cols, ctxv)
+        ctxv = self._read(ctx, _columns_to_channels, (self.ctx_tok, offset, channels, dtype),
+                          self._wide())
+        self._examples(cols)
+        self.tok[-1] = (self._export(ctx, cols), channels, dtype)
         return ctxv
 
-    def state_in(self, ctx: GraphContext, node: fx.Node, shape: tuple, dtype) -> fx.Node:
+    def state_in(self, ctx: GraphContext, shape: tuple, dtype) -> fx.Node:
         """The entries' states of one recurrence site, [E, *shape] in ``dtype``."""
-        self._check_root(ctx, node, "recurrence")
         offset = sum(w for _, w, _ in self.state)
         width = 1
         for s in shape:
             width *= int(s)
         self._pending_state = (width, dtype)
-        return ctx.graph.call_function(_columns_to_state,
-                                       (self.ctx_state, offset, tuple(shape), dtype))
+        fits = example(self.ctx_state).shape[1] >= offset + width
+        return self._read(ctx, _columns_to_state,
+                          (self.ctx_state, offset, tuple(int(s) for s in shape), dtype), fits)
 
     def state_out(self, ctx: GraphContext, exits: fx.Node) -> None:
         """Register a recurrence site's exit states [X, *shape] (after :meth:`state_in`)."""
         width, dtype = self._pending_state
         cols = ctx.graph.call_function(_state_to_columns, (exits,))
-        self.state.append((cols, width, dtype))
+        rows = example(self.state_exit)
+        mode = getattr(rows, "fake_mode", None)
+        if ctx.parent is not None and mode is not None:
+            # [X, width]: the op's own example would run the recurrence on fake tensors
+            with mode:
+                cols.meta["example_value"] = torch.empty(rows.shape[0], width, dtype=dtype,
+                                                         device=rows.device)
+        self.state.append((self._export(ctx, cols), width, dtype))
 
 
 def _extended_row(context: torch.Tensor, own: torch.Tensor) -> torch.Tensor:

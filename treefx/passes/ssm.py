@@ -130,9 +130,9 @@ def _rewrite_part_recurrence(ctx: GraphContext, node: fx.Node, rec) -> fx.Node:
     g = ctx.graph
     shape, dtype = _state_spec(rec, node)
     with g.inserting_before(node):
-        init = part.state_in(ctx, node, shape, dtype)
+        init = part.state_in(ctx, shape, dtype)
         parent = part.parent_local(ctx)
-        head = (parent, part.state_entry, part.state_exit, init)
+        head = (parent, ctx.local(part.state_entry), ctx.local(part.state_exit), init)
         if ctx.backend == "eager":
             pair = g.call_function(TreeRecurrencePartCall(rec), (*head, *node.args),
                                    node.kwargs)
@@ -240,7 +240,7 @@ def ssm_pass(ctx: GraphContext) -> int:
                     if xv.dim() != 3 or not same_size(xv.shape[0], 1):
                         raise _fail(node, "in parts (treefx.backward) a conv's input must be "
                                           "[1, channels, tokens]")
-                    cx = ctx.part.channels(ctx, x, int(xv.shape[1]), "causal conv1d")
+                    cx = ctx.part.channels(ctx, x, int(xv.shape[1]))
                     new = g.call_function(tree_causal_conv1d_context,
                                           (cx, x, w, bias, ctx.part.ext(ctx, "parent")))
                 else:
