@@ -227,6 +227,44 @@ def test_scored_attention_in_parts_matches_the_oracle(name, form):
         assert all("score_mod" in n for n in notes), notes
 
 
+def test_a_packed_batch_keeps_its_normalization():
+    """A batch packed with a global count and a scale (as treefx.distributed.pack packs a
+    rank's share) trains in parts to the same loss and gradients as those trees given with
+    the same options."""
+    model = hf_model("qwen3", "sdpa")
+    tm = treefx.compile(model, backend="eager", verify=False)
+    trees = odd_forest(3, VOCAB)
+    opts = dict(reduction="sum", num_sequences=40, loss_scale=2.0)
+    loss = treefx.backward(tm, trees, max_tokens=5, **opts)
+    ref = grads(model)
+    got_loss = treefx.backward(tm, treefx.pack(trees, **opts), max_tokens=5)
+    got = grads(model)
+    assert float(got_loss) == pytest.approx(float(loss), rel=1e-6)
+    own = sum(t.num_sequences for t in trees)
+    ref_loss = treefx.reference.sequence_loss(model, trees, reduction="sum").detach()
+    model.zero_grad(set_to_none=True)
+    assert float(loss) == pytest.approx(float(ref_loss) * own * 2.0 / 40, rel=1e-5)
+    for name, g in ref.items():
+        torch.testing.assert_close(got[name], g, rtol=1e-6, atol=1e-7)
+
+
+def test_ddp_model_is_refused_clearly(tmp_path):
+    """Ranks cut their trees into their own numbers of parts, so their collectives would not
+    pair up: a DDP (or FSDP2) model is refused, not run (a group of one process, gloo)."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)
+    try:
+        tm = treefx.compile(DistributedDataParallel(hf_model("qwen3", "sdpa")),
+                            backend="eager", verify=False)
+        with pytest.raises(treefx.TreeCompileError, match="wrapped in DDP.*collectives"):
+            treefx.backward(tm, odd_forest(3, VOCAB), max_tokens=5)
+    finally:
+        dist.destroy_process_group()
+
+
 def test_bad_arguments():
     model = hf_model("qwen3", "sdpa")
     tm = treefx.compile(model, backend="eager", verify=False)
@@ -234,6 +272,11 @@ def test_bad_arguments():
         treefx.backward(tm, odd_forest(3, VOCAB), max_tokens=0)
     with pytest.raises(TypeError, match="treefx.compile"):
         treefx.backward(model, odd_forest(3, VOCAB), max_tokens=8)
+    with pytest.raises(TypeError, match="loss_fn"):  # a @treefx.step function
+        treefx.backward(treefx.step(lambda m, b: m(**b).loss), odd_forest(3, VOCAB),
+                        max_tokens=8)
+    with pytest.raises(TypeError, match="carries its own reduction"):
+        treefx.backward(tm, treefx.pack(odd_forest(3, VOCAB)), max_tokens=8, reduction="sum")
 
 
 @pytest.mark.parametrize("name", [pytest.param("qwen3", marks=pytest.mark.slow), "mistral"])

@@ -109,23 +109,30 @@ class _Held:
     exits_leaf: torch.Tensor
 
 
-def backward(tm: TreeModel, trees: Tree | Iterable[Tree], *, max_tokens: int,
-             reduction: str = "mean", loss_fn: Callable | None = None,
-             num_sequences: int | None = None, loss_scale: float = 1.0) -> torch.Tensor:
+def backward(tm: TreeModel, trees: Tree | Iterable[Tree] | TreeBatch, *, max_tokens: int,
+             reduction: str | None = None, loss_fn: Callable | None = None,
+             num_sequences: int | None = None, loss_scale: float | None = None
+             ) -> torch.Tensor:
     """Forward and backward of ``trees`` (one tree or a forest, packed as one batch) in parts
     of at most ``max_tokens`` tokens, every token computed once; the parameter gradients are
     added to ``.grad`` (like ``loss.backward()``). Returns the loss, detached: the batch's
     loss as :func:`treefx.tree_loss` gives it for ``treefx.pack(trees, reduction=...)``.
 
-    ``tm``: a model from :func:`treefx.compile`. ``loss_fn(out, part_batch) -> scalar``:
+    ``tm``: a model from :func:`treefx.compile`. ``trees``: trees, packed here with
+    ``reduction`` (default ``"mean"``), ``num_sequences`` and ``loss_scale`` as
+    :func:`treefx.pack` takes them; or a batch already packed (by :func:`treefx.pack`, or
+    :func:`treefx.distributed.pack` for a rank's share of a global batch), which carries
+    those itself. ``loss_fn(out, part_batch) -> scalar``:
     another per-token objective instead of :func:`treefx.tree_loss` (every :mod:`treefx.rl`
     objective is one); it is called once per part with ``out.token_logprobs`` [N] over the
     whole batch's row, the part's predicted tokens filled in and 0 elsewhere (``out.logits``
     is None), and ``part_batch`` the whole batch with its loss weights (and the
     sequences' coefficients :mod:`treefx.rl` reads) kept only on those tokens. The losses of
     the parts add up to the batch's loss for any objective that is a sum over tokens of a term
-    of that token's log-probability. ``num_sequences`` and ``loss_scale``: as for
-    :func:`treefx.pack`.
+    of that token's log-probability.
+
+    A model sharded with FSDP2 or wrapped in DDP is refused (not yet): each rank would cut
+    its trees into its own number of parts, and the ranks' collectives would not match.
 
     Parts are planned by :func:`treefx.parts.plan`: a boundary may fall anywhere, inside a
     node too. Memory: activations are held for the current part (at most ``max_tokens``
@@ -134,10 +141,10 @@ def backward(tm: TreeModel, trees: Tree | Iterable[Tree], *, max_tokens: int,
     values and conv inputs of those tokens at every layer and the recurrent states at the
     parts' boundaries (with activation checkpointing, a held part keeps its checkpointed
     layers' inputs instead of their activations, and its backward recomputes them). Runs on
-    the compiled model's backend; not yet combined with FSDP/DDP or ``@treefx.step``: a
-    clear error says so. Attention the model scores itself (a softcap, a sink, a bias of
-    positions) is exact in parts; a bias the passes can read only at the part's own rows
-    (not a function of positions) is refused.
+    the compiled model's backend; takes no ``@treefx.step`` function yet (a clear error:
+    write its loss as ``loss_fn``). Attention the model scores itself (a softcap, a sink, a
+    bias of positions) is exact in parts; a bias the passes can read only at the part's own
+    rows (not a function of positions) is refused.
 
     The first call for a model checks the part graph on a small probe forest cut into parts
     against each sequence run alone (log-probabilities and gradients), unless the model was
@@ -145,21 +152,42 @@ def backward(tm: TreeModel, trees: Tree | Iterable[Tree], *, max_tokens: int,
     ``tm._part_runner.verification``.
     """
     if not isinstance(tm, TreeModel):
+        from .step import TreeStep
+
+        if isinstance(tm, TreeStep):
+            raise TypeError("treefx.backward runs a model from treefx.compile, not a "
+                            "@treefx.step function (not yet): compile the model and give the "
+                            "step's per-token loss as loss_fn(out, part_batch)")
         raise TypeError(f"treefx.backward takes a model from treefx.compile, got "
                         f"{type(tm).__name__}")
+
     from . import regional
 
-    if regional.distributed_kind(tm.model, tm._root[0] if tm._root[0] is not tm.model
-                                 else None) is not None:
+    kind = regional.distributed_kind(tm.model, tm._root[0] if tm._root[0] is not tm.model
+                                     else None)
+    if kind is not None:
+        # Each rank's trees cut into its own number of parts, forwards and backwards in its
+        # own order: FSDP's gathers and reduce-scatters (and DDP's buffer broadcasts) would
+        # pair different layers' collectives across ranks.
+        how = "sharded with FSDP2" if kind == "fsdp" else "wrapped in DDP"
         raise TreeCompileError(
-            "treefx.backward does not run a model sharded with FSDP2 or wrapped in DDP yet: "
-            "train its trees in whole batches (treefx.distributed), or in parts on one GPU")
+            f"treefx.backward does not run a model {how} yet: each rank would run its own "
+            "number of parts, and the collectives of different ranks would not match. Train "
+            "its trees in whole batches (treefx.distributed), or in parts on one GPU")
     runner = _runner(tm)
     if runner.verify:
         runner.verify = False
         _verify_first_call(tm, runner)
-    batch = pack(trees, reduction=reduction, num_sequences=num_sequences,
-                 loss_scale=loss_scale)
+    if isinstance(trees, TreeBatch):
+        given = [k for k, v in (("reduction", reduction), ("num_sequences", num_sequences),
+                                ("loss_scale", loss_scale)) if v is not None]
+        if given:
+            raise TypeError(f"treefx.backward: a packed batch carries its own {given[0]}; "
+                            "pack it with that, or pass the trees")
+        batch = trees.to("cpu")
+    else:
+        batch = pack(trees, reduction=reduction or "mean", num_sequences=num_sequences,
+                     loss_scale=1.0 if loss_scale is None else loss_scale)
     device = next(tm.model.parameters()).device
     plan = parts_mod.plan(batch, max_tokens, block_size=tm.engine.block_size)
     full = batch.to(device)
