@@ -54,6 +54,7 @@ def test_attention_dry_run_checks(tmp_path):
         assert checks[f"{key}_vs_dense_max_abs"] < 1e-5, key
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore")
 def test_gpu_check_dry_run_checks(tmp_path):
     res = _run("gpu_check", "--cases", "inference,qwen3-bf16", out=tmp_path / "gc.json")

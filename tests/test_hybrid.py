@@ -161,7 +161,8 @@ def test_a_kernel_copied_into_a_new_model_is_recognised(model_type):
 
 
 @pytest.mark.parametrize("model_type", [
-    "kimi_linear", pytest.param("bailing_hybrid", marks=pytest.mark.slow)])
+    pytest.param("kimi_linear", marks=pytest.mark.slow),
+    pytest.param("bailing_hybrid", marks=pytest.mark.slow)])
 def test_kimi_delta_attention_is_a_tree_recurrence(model_type):
     """Kimi Delta Attention (a decay per key channel; Kimi-Linear, Bailing-hybrid) in Gated
     DeltaNet's signature: recognised by name wherever the model defines it, each node's state

@@ -224,7 +224,8 @@ def _model(model_type: str):
 
 
 @pytest.mark.parametrize("model_type, scans", [
-    ("mamba", 2), ("falcon_mamba", 2), ("jamba", 1), ("zamba", 2 * 2)])
+    ("mamba", 2), ("falcon_mamba", 2), ("jamba", 1),
+    pytest.param("zamba", 2 * 2, marks=pytest.mark.slow)])
 def test_hf_mamba_family_matches_oracle(model_type, scans):
     """Hugging Face's Mamba-v1 models: the selective scan (treefx's, from each node's parent
     state) and the causal conv1d run through the tree; Jamba's attention and experts and

@@ -23,7 +23,7 @@ def _graphs(tm):
 
 @pytest.mark.parametrize("name,backend,checkpointing", [
     pytest.param("qwen3", "aot-eager", True, marks=pytest.mark.slow),
-    ("gpt2", "eager", True), ("mistral", "eager", False)])
+    pytest.param("gpt2", "eager", True, marks=pytest.mark.slow), ("mistral", "eager", False)])
 def test_regional_matches_oracle(name, backend, checkpointing):
     model = hf_model(name, "sdpa")
     if checkpointing:
@@ -135,6 +135,7 @@ def test_regional_false_is_the_whole_graph():
         treefx.compile(model, regional="yes")
 
 
+@pytest.mark.slow
 def test_other_step_arguments_are_guarded():
     """A step's other arguments are constants of the capture (numbers) or static shapes
     (tensors): a call with other values is captured anew, never run on the old capture."""

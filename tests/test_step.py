@@ -42,7 +42,7 @@ def check_step(step_fn, model, trees, reduction, *, rtol=1e-4):
         assert err <= rtol, f"gradient of {name} off by {err:.2e} (relative)"
 
 
-@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+@pytest.mark.parametrize("impl", ["sdpa", pytest.param("eager", marks=pytest.mark.slow)])
 def test_hf_model_with_labels(impl):
     model = hf_model("qwen3", impl)
     step = treefx.step(hf_labels_step, backend="eager")

@@ -42,8 +42,8 @@ def _lora_grads_only(g: dict) -> None:
     assert all(v.abs().max() > 0 for v in g.values())
 
 
-@pytest.mark.parametrize("task_type", ["CAUSAL_LM", None], ids=["PeftModelForCausalLM",
-                                                               "PeftModel"])
+@pytest.mark.parametrize("task_type", ["CAUSAL_LM", pytest.param(None, marks=pytest.mark.slow)],
+                         ids=["PeftModelForCausalLM", "PeftModel"])
 def test_peft_lora_matches_oracle(task_type):
     """``PeftModelForCausalLM`` names its arguments; ``PeftModel`` (no task type) takes
     ``(*args, **kwargs)`` and passes them to its base model, whose forward treefx reads."""
@@ -133,6 +133,7 @@ def test_torch_compiled_model_is_unwrapped(caplog):
         assert (g_tree[name] - g).norm() / g.norm().clamp_min(1e-12) <= 1e-4, name
 
 
+@pytest.mark.slow
 def test_torch_compiled_peft_model():
     model = lora_qwen3()
     tm = treefx.compile(torch.compile(model, backend=_never_called), backend="eager")
