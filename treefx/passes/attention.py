@@ -685,12 +685,9 @@ def _score_mods(ctx: GraphContext, site: _Site, in_part: bool = False) -> _Score
     for side in sides:
         _check_mask_sources(ctx, site, side)
         try:
-            if in_part:  # a function of positions: read where the model computed it, a
-                # side has no entries for the context's keys
-                one, bufs = lift_value(ctx, side)
-                _try_scalar(one, bufs)
-            else:
-                one, bufs = _side_for_flex(ctx, side)
+            # in parts, a function of positions only: read where the model computed it, a
+            # side has no entries for the context's keys
+            one, bufs = _side_for_flex(ctx, side, dense=not in_part)
         except MaskLiftError as e:
             where = ("in parts (treefx.backward) at the positions of earlier parts' keys"
                      if in_part else "per query and key position")
@@ -880,15 +877,17 @@ def _part_buffers(ctx: GraphContext, bufs) -> tuple:
                  if _is_all_ones_input(b) else ctx.local(b) for b in bufs)
 
 
-def _side_for_flex(ctx: GraphContext, node: fx.Node):
+def _side_for_flex(ctx: GraphContext, node: fx.Node, dense: bool = True):
     """A tensor the scores read, for a score_mod: evaluated per query and key position when
-    it is a function of index grids (:func:`lift_value`), else read from the model's own
-    tensor at the query's and key's rows (:class:`DenseSide`)."""
+    it is a function of index grids (:func:`lift_value`), else (with ``dense``) read from the
+    model's own tensor at the query's and key's rows (:class:`DenseSide`)."""
     try:
         one, bufs = lift_value(ctx, node)
         _try_scalar(one, bufs)
         return one, bufs
     except MaskLiftError as first:
+        if not dense:
+            raise
         try:
             side = dense_side(ctx, node)
         except MaskLiftError:

@@ -374,17 +374,18 @@ class GraphContext:
         return self.shared("parent_token", lambda c: c.graph.call_function(
             operator.getitem, (c.tree_info, 1)))
 
-    def shared(self, key, make):
+    def shared(self, key, make, example: bool = True):
         """A node built once (before the model's first op of the root graph) by
         ``make(root_context)`` and reused by every site; bodies import it as an operand, so a
-        checkpointed region does not rebuild the tree's masks in its recomputation."""
+        checkpointed region does not rebuild the tree's masks in its recomputation.
+        ``example``: record its example value (off for one that cannot be computed yet)."""
         root = self.root
         if key not in root._cache:
             successor = root.prelude.next
             with root.graph.inserting_before(successor):
                 node = make(root)
             root.prelude = successor.prev
-            if isinstance(node, fx.Node) and "example_value" not in node.meta:
+            if example and isinstance(node, fx.Node) and "example_value" not in node.meta:
                 set_example(node)
             root._cache[key] = node
         value = root._cache[key]

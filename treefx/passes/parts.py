@@ -54,7 +54,6 @@ class PartSites:
          self.state_entry, _) = marker.args
         self.tok: list[tuple[fx.Node, int, torch.dtype]] = []  # own value [n, w], width, dtype
         self.state: list[tuple[fx.Node, int, torch.dtype]] = []
-        self._cache: dict = {}
 
     # ------------------------------------------------------------------ layout
 
@@ -74,25 +73,12 @@ class PartSites:
     # ------------------------------------------------------------------ nodes
 
     def _read(self, ctx: GraphContext, fn, args: tuple, wide: bool) -> fx.Node:
-        """``fn(*args)`` on one of the part's buffers, built in the root graph (where the
+        """``fn(*args)`` on one of the part's buffers, built once in the root graph (where the
         buffers are) and imported into ``ctx``'s graph (as an operand of the body it runs in,
         an activation-checkpointed layer). ``wide``: the buffer holds the columns read (not
         so on the first capture, before the widths are known: no example value then)."""
-        root = ctx.root
-        if root is ctx:
-            node = ctx.graph.call_function(fn, args)
-        else:
-            key = ("part_read", fn, args)
-            node = self._cache.get(key)
-            if node is None:
-                successor = root.prelude.next
-                with root.graph.inserting_before(successor):
-                    node = root.graph.call_function(fn, args)
-                root.prelude = successor.prev
-                self._cache[key] = node
-        if wide:
-            set_example(node)
-        return ctx.local(node)
+        return ctx.shared(("part_read", fn, args), lambda c: c.graph.call_function(fn, args),
+                          example=wide)
 
     def ext(self, ctx: GraphContext, key: str) -> fx.Node:
         """Shared [A + n] node of the extended row: ``"positions"``, ``"parent"`` or
@@ -125,48 +111,35 @@ class PartSites:
         Insert where ``own`` is defined and before its reader. Inside a body (an
         activation-checkpointed layer) the columns leave it as an extra output and the
         context enters it as an extra operand."""
-        g = ctx.graph
-        dtype = example(own).dtype
-        offset = sum(w for _, w, _ in self.tok)
-        cols = g.call_function(heads_to_columns, (own,))
-        self.tok.append((cols, heads * dim, dtype))
-        ctxv = self._read(ctx, columns_to_heads, (self.ctx_tok, offset, heads, dim, dtype),
-                          self._wide())
-        self._examples(cols)
-        self.tok[-1] = (self._export(ctx, cols), heads * dim, dtype)
-        return ctxv
-
-    def _wide(self, state: bool = False) -> bool:
-        # Before the capture with the right widths (see finish), a buffer is too narrow to
-        # read a site's columns from: no example values then (nothing is compiled).
-        buf, entries = (self.ctx_state, self.state) if state else (self.ctx_tok, self.tok)
-        return example(buf).shape[1] >= sum(w for _, w, _ in entries)
-
-    def _examples(self, *nodes) -> None:
-        if self._wide():
-            for x in nodes:
-                set_example(x)
-
-    def _export(self, ctx: GraphContext, node: fx.Node) -> fx.Node:
-        if ctx.parent is None:
-            return node
-        if example(node) is None:  # the first capture (widths unknown): only the widths count
-            set_example(node)
-        return ctx.export(node)
+        return self._columns(ctx, own, heads_to_columns, columns_to_heads, (heads, dim),
+                             heads * dim)
 
     def channels(self, ctx: GraphContext, own: fx.Node, channels: int) -> fx.Node:
         """``own`` [1, C, n] (a conv's inputs) as the part's columns; returns the context
         tokens' [1, C, A] in its dtype."""
-        g = ctx.graph
+        return self._columns(ctx, own, _channels_to_columns, _columns_to_channels, (channels,),
+                             channels)
+
+    def _columns(self, ctx: GraphContext, own: fx.Node, to_columns, from_columns,
+                 sizes: tuple, width: int) -> fx.Node:
+        """``own`` as ``width`` columns of the part's own [n, W] (handed out of a body through
+        :meth:`GraphContext.export`), and the context's share read back from ``ctx_tok`` by
+        ``from_columns(buf, offset, *sizes, dtype)``."""
         dtype = example(own).dtype
         offset = sum(w for _, w, _ in self.tok)
-        cols = g.call_function(_channels_to_columns, (own,))
-        self.tok.append((cols, channels, dtype))
-        ctxv = self._read(ctx, _columns_to_channels, (self.ctx_tok, offset, channels, dtype),
-                          self._wide())
-        self._examples(cols)
-        self.tok[-1] = (self._export(ctx, cols), channels, dtype)
+        cols = ctx.graph.call_function(to_columns, (own,))
+        self.tok.append((cols, width, dtype))
+        wide = self._wide()
+        ctxv = self._read(ctx, from_columns, (self.ctx_tok, offset, *sizes, dtype), wide)
+        if wide:
+            set_example(cols)
+        self.tok[-1] = (ctx.export(cols), width, dtype)
         return ctxv
+
+    def _wide(self) -> bool:
+        # Before the capture with the right widths (see finish), the buffer is too narrow to
+        # read a site's columns from: no example values then (nothing is compiled).
+        return example(self.ctx_tok).shape[1] >= sum(w for _, w, _ in self.tok)
 
     def state_in(self, ctx: GraphContext, shape: tuple, dtype) -> fx.Node:
         """The entries' states of one recurrence site, [E, *shape] in ``dtype``."""
@@ -190,7 +163,7 @@ class PartSites:
             with mode:
                 cols.meta["example_value"] = torch.empty(rows.shape[0], width, dtype=dtype,
                                                          device=rows.device)
-        self.state.append((self._export(ctx, cols), width, dtype))
+        self.state.append((ctx.export(cols), width, dtype))
 
 
 def _extended_row(context: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
