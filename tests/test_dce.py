@@ -44,6 +44,52 @@ def test_inplace_fill_of_a_new_tensor_is_kept():
     torch.testing.assert_close(out, key(x))
 
 
+def test_writes_into_a_buffer_nobody_reads_go_with_it():
+    """A cache the model fills with a final state (Qwen3-Next's recurrent state under
+    use_cache, which a tree recurrence does not produce): a fresh buffer whose every use,
+    through views, is an in-place write changes nothing the graph returns."""
+
+    def step(x):
+        state = x * 2
+        cache = torch.zeros_like(state)
+        cache.copy_(state)
+        cache[0].fill_(1.0)
+        return x + 1
+
+    x = torch.randn(3, 4)
+    g = graph_of(step, x)
+    eliminate_dead_code(g)
+    assert targets(g) == ["add"], targets(g)
+
+
+def test_a_buffer_read_after_its_writes_is_kept():
+    """The same writes, but the buffer (or a view of it, or what copy_ returns) is read."""
+
+    def through_view(x):
+        cache = torch.zeros_like(x)
+        cache.copy_(x * 2)
+        return cache[0] + 1
+
+    def through_result(x):
+        cache = x.new_zeros(x.shape)
+        return cache.copy_(x * 2).sum()
+
+    def as_a_source(x):
+        cache = torch.zeros_like(x)
+        cache.copy_(x * 2)
+        out = torch.ones_like(x)
+        out.copy_(cache)
+        return out
+
+    x = torch.randn(3, 4)
+    for fn in (through_view, through_result, as_a_source):
+        g = graph_of(fn, x)
+        eliminate_dead_code(g)
+        assert "copy_" in targets(g), fn.__name__
+        (out,) = fx.GraphModule(torch.nn.Module(), g)(x)
+        torch.testing.assert_close(out, fn(x))
+
+
 def test_scatter_into_a_mask_is_kept():
     """Group-limited MoE routers mask groups with scatter_ into a zeros tensor."""
 

@@ -273,9 +273,14 @@ def test_bad_arguments():
         treefx.backward(tm, odd_forest(3, VOCAB), max_tokens=0)
     with pytest.raises(TypeError, match="treefx.compile"):
         treefx.backward(model, odd_forest(3, VOCAB), max_tokens=8)
-    with pytest.raises(TypeError, match="loss_fn"):  # a @treefx.step function
-        treefx.backward(treefx.step(lambda m, b: m(**b).loss), odd_forest(3, VOCAB),
-                        max_tokens=8)
+    step = treefx.step(lambda m, b: m(**b).loss)
+    with pytest.raises(TypeError, match="needs the model it trains as model="):
+        treefx.backward(step, odd_forest(3, VOCAB), max_tokens=8)
+    with pytest.raises(TypeError, match="computes its own loss"):
+        treefx.backward(step, odd_forest(3, VOCAB), max_tokens=8, model=model,
+                        reduction="sum")
+    with pytest.raises(TypeError, match="model= goes with a @treefx.step"):
+        treefx.backward(tm, odd_forest(3, VOCAB), max_tokens=8, model=model)
     with pytest.raises(TypeError, match="carries its own reduction"):
         treefx.backward(tm, treefx.pack(odd_forest(3, VOCAB)), max_tokens=8, reduction="sum")
 
@@ -307,3 +312,49 @@ def test_first_call_checks_the_part_graph(monkeypatch):
     tm = treefx.compile(hf_model("qwen3", "sdpa"), backend="eager", verify=True)
     with pytest.raises(treefx.TreeVerificationError, match="differs from each sequence"):
         treefx.backward(tm, odd_forest(3, VOCAB), max_tokens=7)
+
+
+def _hf_labels_step(model, batch):
+    return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                 labels=batch["labels"]).loss
+
+
+def _hand_sum_step(model, batch):
+    logits = model(batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    ce = torch.nn.functional.cross_entropy(
+        logits[:, :-1].flatten(0, 1), batch["labels"][:, 1:].flatten(), reduction="sum")
+    return 0.5 * ce
+
+
+@pytest.mark.parametrize("name,fn,reduction,scale,budgets", [
+    ("qwen3", _hf_labels_step, "mean", 1.0, (3, 7, 1000)),  # HF's loss: fused projection
+    ("qwen3_next", _hand_sum_step, "sum", 0.5, (5,)),       # hand-written, conv + GDN states
+])
+def test_step_in_parts_matches_the_oracle(name, fn, reduction, scale, budgets):
+    """A @treefx.step function trains in parts: the step runs per part, its cross-entropy
+    reads the part's predicted tokens (the first tokens of later parts included) with their
+    weights, and the loss and every gradient are the per-sequence oracle's (the step's own
+    reduction and constant factor kept)."""
+    model = _hybrid() if name == "qwen3_next" else hf_model(name, "sdpa")
+    step = treefx.step(fn, backend="eager")
+    trees = odd_forest(3, VOCAB)
+    ref = treefx.reference.sequence_loss(model, trees, reduction=reduction) * scale
+    ref.backward()
+    want = grads(model)
+    for b in budgets:
+        loss = treefx.backward(step, trees, model=model, max_tokens=b)
+        got = grads(model)
+        torch.testing.assert_close(loss, ref.detach().to(loss.dtype), atol=1e-5, rtol=1e-5)
+        for pname, g in want.items():
+            err = float((got[pname] - g).abs().max() / g.abs().max().clamp(min=1e-12))
+            assert err <= 1e-4, f"{pname}: relative gradient error {err:.2e} (budget {b})"
+    (runner,) = step._part_runners.values()
+    notes = [r.note for r in runner.engine.contexts[-1].log if r.pass_name == "loss"]
+    assert len(notes) == 1
+
+
+def test_step_in_parts_refuses_a_result_that_is_not_the_loss():
+    model = hf_model("qwen3", "sdpa")
+    step = treefx.step(lambda m, b: (_hf_labels_step(m, b), 1.0), backend="eager")
+    with pytest.raises(TypeError, match="must return its loss alone"):
+        treefx.backward(step, odd_forest(3, VOCAB), model=model, max_tokens=7)

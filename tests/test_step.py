@@ -191,3 +191,20 @@ def test_moe_with_router_logits_trains_its_cross_entropy_and_refuses_the_aux_los
                odd_forest(22, VOCAB), "mean")
     with pytest.raises(treefx.TreeCompileError, match="another loss is added to it"):
         treefx.step(hf_labels_step, backend="eager")(model, treefx.pack(odd_forest(22, VOCAB)))
+
+
+def test_hybrid_step_with_the_models_default_cache():
+    """Qwen3-Next builds a cache when called without use_cache=False and writes each
+    recurrence's final state into it (a tree recurrence has none) and pads a short row's conv
+    state: the step runs the model with use_cache off (and restores its config), exactly."""
+    transformers = pytest.importorskip("transformers")
+    from test_hybrid import _gdn_config
+
+    cfg = _gdn_config("qwen3_next")
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    assert model.config.use_cache is True
+    check_step(treefx.step(make_hand_step("sum"), backend="eager"), model,
+               odd_forest(23, VOCAB), "sum")
+    assert model.config.use_cache is True

@@ -325,7 +325,7 @@ def _context(gm: fx.GraphModule, backend: str, block_size: int,
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     by_name = {}
     for n in placeholders:
-        for key in ("input_ids", "tree_info", "tree_weights"):
+        for key in ("input_ids", "tree_info", "tree_weights", "labels"):
             if n.name == f"l_{key}_":
                 by_name[key] = n
     if not {"input_ids", "tree_info"} <= set(by_name):
@@ -344,16 +344,17 @@ def _context(gm: fx.GraphModule, backend: str, block_size: int,
     with fake.fake_mode if hasattr(fake, "fake_mode") else contextlib.nullcontext():
         pos.meta["example_value"] = fake[0]
         se.meta["example_value"] = fake[2]
+    marker = next((n for n in g.nodes if n.op == "call_function" and n.target is part_outputs),
+                  None)  # a part of a tree (treefx.backward)
     ctx = GraphContext(
         gm, backends.lowering(backend),
         input_ids=ids, tree_info=info, positions=pos, subtree_end=se,
         seq_len=example(ids).shape[1], prelude=se, block_size=block_size,
         kernel_options=kernel_options, interleave_heads=interleave_heads,
         code_before=code_before, modules_before=modules_before,
-        tree_weights=by_name.get("tree_weights"))
-    marker = next((n for n in g.nodes if n.op == "call_function" and n.target is part_outputs),
-                  None)
-    if marker is not None:  # a part of a tree (treefx.backward)
+        tree_weights=by_name.get("tree_weights"),
+        part_labels=by_name.get("labels") if marker is not None else None)
+    if marker is not None:
         ctx._part = PartSites(marker)
     return ctx
 

@@ -19,7 +19,9 @@ model does itself).
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
@@ -32,6 +34,7 @@ from .layout import TreeBatch, move_tensors, pack
 from .ops.logprobs import register_site, token_logprobs_site
 from .passes import TreeCompileError
 from .passes.parts import PartLayoutMismatch, part_outputs
+from .step import TreeStep, no_cache
 from .tree import Tree
 from .tree_model import TreeModel, TreeOutput, model_logits, tree_loss
 
@@ -63,37 +66,84 @@ def _part_template(input_ids, tree_info, part_info, ctx_tok, ctx_state, state_en
     return lp, own, exits
 
 
-class _PartRunner:
-    """A compiled model's part graph: its engine and the context layout its sites need (found
-    on the first capture)."""
+def _part_step_template(model, input_ids, tree_info, part_info, ctx_tok, ctx_state,
+                        state_entry, state_exit, labels, tree_weights):
+    # Copied per TreeStep and model by make_traced, with the user's function as `user_fn`.
+    # The loss pass reads the part's predicted tokens from `labels` and their weights from
+    # `tree_weights` [2, m] ("sum", "mean"); the labels the step sees only mark the tokens
+    # with a predecessor (the pass checks the cross-entropy's shape, not their values).
+    torch._check(tree_info.shape[1] == input_ids.shape[1])
+    torch._check(state_entry.shape[0] == input_ids.shape[1])
+    torch._check(ctx_tok.shape[0] == part_info.shape[1])
+    torch._check(tree_weights.shape[1] == labels.shape[1])
+    ids = input_ids[0]
+    marked = torch.where(tree_info[1] >= 0, ids, torch.full_like(ids, -100))[None]
+    batch = {"input_ids": input_ids, "labels": marked, "position_ids": tree_info[0:1],
+             "attention_mask": torch.ones_like(input_ids)}
+    result = user_fn(model, batch)  # noqa: F821
+    own, exits = part_outputs(input_ids, ctx_tok, ctx_state, state_exit, part_info,
+                              state_entry, tree_info)
+    # Small views of the label inputs keep them graph inputs whatever the step reads.
+    return result, own, exits, labels[:, :1], tree_weights[:, :1]
 
-    def __init__(self, tm: TreeModel):
+
+class _PartRunner:
+    """A part graph (of a compiled model, or of a ``@treefx.step`` function for one model):
+    its engine and the context layout its sites need (found on the first capture)."""
+
+    def __init__(self, model: torch.nn.Module, engine: TreeEngine, make, *, step: bool,
+                 verify: bool):
         _register()
-        eng = tm.engine
-        self.engine = TreeEngine(
-            lambda tag: make_traced(_part_template, tag, model=tm.model, opts=tm.opts),
-            eng.backend, eng.block_size, eng.kernel_options, False, False)
+        self.engine = TreeEngine(make, engine.backend, engine.block_size,
+                                 engine.kernel_options, False, False)
         self.engine.duck_shape = False
-        dtype = next(tm.model.parameters()).dtype
+        dtype = next(model.parameters()).dtype
         self.layout = ((0, dtype), (0, dtype))
-        self.model = tm.model
+        self.model = model
+        self.step = step
         # the first call checks the part graph against the oracle, as treefx.compile's
         # first call checks the whole-tree graph (verify=, TREEFX_VERIFY)
-        self.verify = tm.verify_requested
+        self.verify = verify
         self.verification = None
+        self.settled = False  # a part ran with `layout`
 
     def __call__(self, t: dict, ctx_tok, ctx_state):
         args = (t["input_ids"], t["tree_info"], t["part_info"], ctx_tok, ctx_state,
                 t["state_entry"], t["state_exit"], t["labels"])
-        return self.engine(t["input_ids"].device, *args,
-                           dynamic=(0, 1, 2, (3, 0), (4, 0), 5, 6, 7), discover_in=self.model)
+        dynamic = (0, 1, 2, (3, 0), (4, 0), 5, 6, 7)
+        if self.step:  # the model first, the label weights last
+            args = (self.model, *args, t["tree_weights"])
+            dynamic = tuple((d[0] + 1, d[1]) if isinstance(d, tuple) else d + 1
+                            for d in dynamic) + (9,)
+        with no_cache(self.model) if self.step else contextlib.nullcontext():
+            out = self.engine(t["input_ids"].device, *args, dynamic=dynamic,
+                              discover_in=self.model)
+        self.settled = True
+        return out[:3]
 
 
 def _runner(tm: TreeModel) -> _PartRunner:
     runner = tm.__dict__.get("_part_runner")
     if runner is None:
-        runner = _PartRunner(tm)
+        runner = _PartRunner(
+            tm.model, tm.engine,
+            lambda tag: make_traced(_part_template, tag, model=tm.model, opts=tm.opts),
+            step=False, verify=tm.verify_requested)
         tm.__dict__["_part_runner"] = runner
+    return runner
+
+
+def _step_runner(step, model: torch.nn.Module) -> _PartRunner:
+    """The part graph of ``step`` for ``model`` (one per model: its sites' layout is the
+    model's)."""
+    runners = step.__dict__.setdefault("_part_runners", weakref.WeakKeyDictionary())
+    runner = runners.get(model)
+    if runner is None:
+        runner = _PartRunner(
+            model, step.engine,
+            lambda tag: make_traced(_part_step_template, tag, user_fn=step.fn),
+            step=True, verify=False)
+        runners[model] = runner
     return runner
 
 
@@ -111,8 +161,8 @@ class _Held:
 
 def backward(tm: TreeModel, trees: Tree | Iterable[Tree] | TreeBatch, *, max_tokens: int,
              reduction: str | None = None, loss_fn: Callable | None = None,
-             num_sequences: int | None = None, loss_scale: float | None = None
-             ) -> torch.Tensor:
+             num_sequences: int | None = None, loss_scale: float | None = None,
+             model: torch.nn.Module | None = None) -> torch.Tensor:
     """Forward and backward of ``trees`` (one tree or a forest, packed as one batch) in parts
     of at most ``max_tokens`` tokens, every token computed once; the parameter gradients are
     added to ``.grad`` (like ``loss.backward()``). Returns the loss, detached: the batch's
@@ -131,6 +181,13 @@ def backward(tm: TreeModel, trees: Tree | Iterable[Tree] | TreeBatch, *, max_tok
     the parts add up to the batch's loss for any objective that is a sum over tokens of a term
     of that token's log-probability.
 
+    ``tm`` may instead be a ``@treefx.step`` function, with the model it trains as ``model=``
+    (``treefx.backward(train_step, trees, model=model, max_tokens=...)``): the step runs once
+    per part, its cross-entropy rewritten to the part's predicted tokens, and the returned
+    loss is what ``train_step(model, treefx.pack(trees))`` returns (the step's own reduction,
+    so ``reduction`` and ``loss_fn`` are not taken; the step takes no extra arguments and
+    returns the loss alone, as a scalar).
+
     A model sharded with FSDP2 or wrapped in DDP is refused (not yet): each rank would cut
     its trees into its own number of parts, and the ranks' collectives would not match.
 
@@ -141,30 +198,38 @@ def backward(tm: TreeModel, trees: Tree | Iterable[Tree] | TreeBatch, *, max_tok
     values and conv inputs of those tokens at every layer and the recurrent states at the
     parts' boundaries (with activation checkpointing, a held part keeps its checkpointed
     layers' inputs instead of their activations, and its backward recomputes them). Runs on
-    the compiled model's backend; takes no ``@treefx.step`` function yet (a clear error:
-    write its loss as ``loss_fn``). Attention the model scores itself (a softcap, a sink, a
+    the compiled model's backend. Attention the model scores itself (a softcap, a sink, a
     bias of positions) is exact in parts; a bias the passes can read only at the part's own
     rows (not a function of positions) is refused.
 
-    The first call for a model checks the part graph on a small probe forest cut into parts
-    against each sequence run alone (log-probabilities and gradients), unless the model was
-    compiled with ``verify=False`` (or ``TREEFX_VERIFY=0``); the report is
-    ``tm._part_runner.verification``.
+    The first call for a compiled model checks the part graph on a small probe forest cut
+    into parts against each sequence run alone (log-probabilities and gradients), unless the
+    model was compiled with ``verify=False`` (or ``TREEFX_VERIFY=0``); the report is
+    ``tm._part_runner.verification``. (A step is not checked: its loss is the user's code.)
     """
-    if not isinstance(tm, TreeModel):
-        from .step import TreeStep
-
-        if isinstance(tm, TreeStep):
-            raise TypeError("treefx.backward runs a model from treefx.compile, not a "
-                            "@treefx.step function (not yet): compile the model and give the "
-                            "step's per-token loss as loss_fn(out, part_batch)")
-        raise TypeError(f"treefx.backward takes a model from treefx.compile, got "
-                        f"{type(tm).__name__}")
-
     from . import regional
+    from .engine import unwrap_compiled
 
-    kind = regional.distributed_kind(tm.model, tm._root[0] if tm._root[0] is not tm.model
-                                     else None)
+    step = None
+    if isinstance(tm, TreeStep):
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError("treefx.backward(step, trees, model=..., max_tokens=...): a "
+                            "@treefx.step function needs the model it trains as model=")
+        if loss_fn is not None or reduction is not None:
+            raise TypeError("treefx.backward: a @treefx.step function computes its own loss "
+                            "and reduction; loss_fn= and reduction= are for a compiled model")
+        step, root = tm, unwrap_compiled(model)
+        target = regional.unwrap_ddp(root)[0]
+    elif isinstance(tm, TreeModel):
+        if model is not None:
+            raise TypeError("treefx.backward: model= goes with a @treefx.step function; a "
+                            "model from treefx.compile is the first argument itself")
+        target, root = tm.model, tm._root[0]
+    else:
+        raise TypeError(f"treefx.backward takes a model from treefx.compile or a @treefx.step "
+                        f"function, got {type(tm).__name__}")
+
+    kind = regional.distributed_kind(target, root if root is not target else None)
     if kind is not None:
         # Each rank's trees cut into its own number of parts, forwards and backwards in its
         # own order: FSDP's gathers and reduce-scatters (and DDP's buffer broadcasts) would
@@ -174,7 +239,7 @@ def backward(tm: TreeModel, trees: Tree | Iterable[Tree] | TreeBatch, *, max_tok
             f"treefx.backward does not run a model {how} yet: each rank would run its own "
             "number of parts, and the collectives of different ranks would not match. Train "
             "its trees in whole batches (treefx.distributed), or in parts on one GPU")
-    runner = _runner(tm)
+    runner = _runner(tm) if step is None else _step_runner(step, target)
     if runner.verify:
         runner.verify = False
         _verify_first_call(tm, runner)
@@ -188,27 +253,38 @@ def backward(tm: TreeModel, trees: Tree | Iterable[Tree] | TreeBatch, *, max_tok
     else:
         batch = pack(trees, reduction=reduction or "mean", num_sequences=num_sequences,
                      loss_scale=1.0 if loss_scale is None else loss_scale)
-    device = next(tm.model.parameters()).device
-    plan = parts_mod.plan(batch, max_tokens, block_size=tm.engine.block_size)
+    device = next(target.parameters()).device
+    plan = parts_mod.plan(batch, max_tokens, block_size=runner.engine.block_size)
     full = batch.to(device)
-    check_batch(tm.model, full)
+    check_batch(target, full)
     log.info("treefx.backward: %d tokens in %d part(s) of at most %d", batch.num_tokens,
              plan.num_parts, plan.max_tokens)
+    weights = None
+    if step is not None:  # each predicted token's weight for the step's "sum" and "mean"
+        weights = torch.stack([batch.loss_weights_for("sum"), batch.loss_weights_for("mean")])
+        weights = weights.to(torch.promote_types(weights.dtype, torch.float32))
     held: dict[int, _Held] = {}
     total = torch.zeros((), dtype=torch.float64, device=device)
     incidence = _Incidence(full) if loss_fn is not None else None
     for j, part in enumerate(plan.parts):
-        t = _to_device(plan, part, device)
+        t = _to_device(plan, part, device, weights)
         lp, own, exits = _forward(runner, plan, part, t, held, device)
-        toks = t["label_tokens"]
-        mask = torch.zeros(batch.num_tokens, dtype=torch.bool, device=device)
-        mask.index_fill_(0, toks, True)  # `mask[toks] = True` copies True from the host: a sync
-        values = torch.zeros(batch.num_tokens, dtype=lp.dtype, device=device)
-        values = values.index_put((toks,), lp[:len(part.label_tokens)])
-        part_batch = _part_batch(full, mask, incidence)
-        loss = (loss_fn or tree_loss)(TreeOutput(None, values), part_batch)
-        if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
-            raise TypeError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}")
+        if step is not None:
+            loss = lp
+            if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
+                raise TypeError(f"treefx.backward: the @treefx.step function must return its "
+                                f"loss alone, a scalar tensor; got {type(loss).__name__}")
+        else:
+            toks = t["label_tokens"]
+            mask = torch.zeros(batch.num_tokens, dtype=torch.bool, device=device)
+            mask.index_fill_(0, toks, True)  # `mask[toks] = True` copies from the host: a sync
+            values = torch.zeros(batch.num_tokens, dtype=lp.dtype, device=device)
+            values = values.index_put((toks,), lp[:len(part.label_tokens)])
+            part_batch = _part_batch(full, mask, incidence)
+            loss = (loss_fn or tree_loss)(TreeOutput(None, values), part_batch)
+            if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
+                raise TypeError(f"loss_fn must return a scalar tensor, got "
+                                f"{type(loss).__name__}")
         total = total + loss.detach().to(total.dtype)
         held[j] = _Held(loss, own, exits, own.detach().requires_grad_(),
                         exits.detach().requires_grad_())
@@ -219,11 +295,19 @@ def backward(tm: TreeModel, trees: Tree | Iterable[Tree] | TreeBatch, *, max_tok
     return total.to(lp.dtype)
 
 
-def _to_device(plan, part, device) -> dict:
+def _to_device(plan, part, device, weights: torch.Tensor | None = None) -> dict:
     """The part's tensors and the indices its context is gathered with, moved in one pinned,
     non-blocking copy per dtype: a plain copy from pageable memory would wait for the GPU to
-    finish the previous part, so the host could not prepare this one meanwhile."""
-    t = parts_mod.part_tensors(plan, part)
+    finish the previous part, so the host could not prepare this one meanwhile. ``weights``
+    [2, N] (on the host): the predicted tokens' columns of it become ``tree_weights``, zero
+    where ``labels`` is padded."""
+    # A step's shift (`logits[:, :-1]`) has one row for a part of two tokens, which Dynamo
+    # specializes (a row of one is contiguous either way): a step's parts have at least three.
+    t = parts_mod.part_tensors(plan, part, min_tokens=2 if weights is None else 3)
+    if weights is not None:
+        w = weights.new_zeros(2, t["labels"].shape[1])
+        w[:, :len(part.label_tokens)] = weights[:, torch.from_numpy(part.label_tokens)]
+        t["tree_weights"] = w
     ctx = part.context
     if len(ctx):
         owner = plan.part_of_token[ctx]
@@ -278,6 +362,13 @@ def _forward(runner: _PartRunner, plan, part, t: dict, held: dict, device):
         except PartLayoutMismatch as e:
             if runner.layout == (e.tok, e.state):
                 raise
+            if runner.settled:
+                raise TreeCompileError(
+                    f"the part graph for a part of {part.num_tokens} token(s) hands on "
+                    f"{e.tok[0]} columns per token and {e.state[0]} per state, the earlier "
+                    f"parts' {runner.layout[0][0]} and {runner.layout[1][0]}: the model's code "
+                    "takes another branch for this token count (a cache it fills, a short-row "
+                    "special case?), so its sites differ between parts") from e
             runner.layout = (e.tok, e.state)
             log.info("treefx.backward: the part graph hands on %d columns per token (%s) and "
                      "%d per state (%s)", e.tok[0], e.tok[1], e.state[0], e.state[1])

@@ -315,7 +315,8 @@ def ready(plan: PartPlan, held: list[int], cursor: int) -> list[int]:
     return out
 
 
-def part_tensors(plan: PartPlan, part: Part, device=None) -> dict[str, torch.Tensor]:
+def part_tensors(plan: PartPlan, part: Part, device=None, *, min_tokens: int = 2
+                 ) -> dict[str, torch.Tensor]:
     """The tensors a part's graph takes, in the extended row's coordinates (see the module's
     docstring): ``input_ids`` [1, n]; ``tree_info`` [3, n] (positions, predecessor, subtree
     end); ``part_info`` [3, A] (the same for the context row, A = ``part.context_pad``; the
@@ -323,7 +324,9 @@ def part_tensors(plan: PartPlan, part: Part, device=None) -> dict[str, torch.Ten
     starts from, -1: none); ``state_exit`` [X] (rows whose state is handed on; at least 2,
     repeated); ``labels`` [2, m] (predecessor row, token id; at least 2, padded with row 0);
     ``label_tokens`` (the predicted tokens, the first entries of ``labels``). On the host
-    when ``device`` is None."""
+    when ``device`` is None. A part of fewer than ``min_tokens`` tokens (at least 2: Dynamo
+    specializes a graph to a row of one token) gets inert tokens after its own, each its own
+    root that nothing reads."""
     b = plan.batch
     s, e, a = part.start, part.end, part.context_pad
     pos = b.position_ids[0].cpu().numpy()
@@ -356,10 +359,14 @@ def part_tensors(plan: PartPlan, part: Part, device=None) -> dict[str, torch.Ten
     labels = np.stack([rows, np.where(toks >= 0, ids[np.maximum(toks, 0)], 0)])
 
     own_ids, entry = ids[s:e], part.entry_of_token
-    if e - s == 1:  # one inert token more: it sees only itself, nothing reads it
-        own_ids = np.append(own_ids, 0)
-        entry = np.append(entry, -1)
-        tree_info = np.concatenate([tree_info, [[0], [-1], [a + 2]]], axis=1)
+    extra = max(2, min_tokens) - (e - s)
+    if extra > 0:  # inert tokens: each sees only itself, nothing reads them
+        own_ids = np.append(own_ids, np.zeros(extra, np.int64))
+        entry = np.append(entry, np.full(extra, -1))
+        rows = a + (e - s) + np.arange(extra)
+        tree_info = np.concatenate(
+            [tree_info, np.stack([np.zeros(extra, np.int64), np.full(extra, -1), rows + 1])],
+            axis=1)
 
     def t(x):
         return torch.from_numpy(np.ascontiguousarray(x, dtype=np.int64))

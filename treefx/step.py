@@ -12,6 +12,7 @@ same gradients. Called with anything else it is the plain function.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -20,7 +21,7 @@ from .engine import TreeEngine, check_batch, make_traced, tree_info, unwrap_comp
 from .layout import TreeBatch
 from .regional import unwrap_ddp
 
-__all__ = ["step", "TreeStep"]
+__all__ = ["step", "TreeStep", "no_cache"]
 
 
 def _step_template(model, input_ids, tree_info, tree_weights, *args, **kwargs):
@@ -39,6 +40,26 @@ def _step_template(model, input_ids, tree_info, tree_weights, *args, **kwargs):
     result = user_fn(model, batch, *args, **kwargs)  # noqa: F821
     # Small views of the tree inputs keep them graph inputs even when the step reads neither.
     return result, tree_info[:, :1], tree_weights[:, :1]
+
+
+@contextlib.contextmanager
+def no_cache(model: torch.nn.Module):
+    """The model's configs with ``use_cache=False`` while a tree step runs (restored after):
+    a key/value or state cache of the DFS row means nothing on a tree, and filling one makes
+    a model branch on the token count (Qwen3-Next pads a short row's conv state)."""
+    changed, seen = [], set()
+    for module in model.modules():
+        cfg = getattr(module, "config", None)
+        if cfg is not None and id(cfg) not in seen:
+            seen.add(id(cfg))
+            if getattr(cfg, "use_cache", None) is True:
+                cfg.use_cache = False
+                changed.append(cfg)
+    try:
+        yield
+    finally:
+        for cfg in changed:
+            cfg.use_cache = True
 
 
 class TreeStep:
@@ -71,9 +92,10 @@ class TreeStep:
         check_batch(model, batch)
         weights = torch.stack([batch.loss_weights_for("sum"), batch.loss_weights_for("mean")])
         weights = weights.to(torch.promote_types(weights.dtype, torch.float32))
-        result, _, _ = self.engine(batch.device, model, batch.input_ids, tree_info(batch),
-                                   weights, *args, dynamic=(1, 2, 3), discover_in=model,
-                                   root=wrapper or model, **kwargs)
+        with no_cache(model):
+            result, _, _ = self.engine(batch.device, model, batch.input_ids, tree_info(batch),
+                                       weights, *args, dynamic=(1, 2, 3), discover_in=model,
+                                       root=wrapper or model, **kwargs)
         return result
 
 
@@ -95,7 +117,8 @@ def step(fn=None, *, backend: str = "auto", block_size: int = 128,
     (``model._orig_mod``), which the step's own capture compiles. ``backend`` and
     ``kernel_options``, ``interleave_heads`` and ``regional`` as for :func:`treefx.compile`
     (a model sharded with FSDP2 or wrapped in DDP runs regionally; the step's own code runs
-    in the glue around the blocks, inside the root's call).
+    in the glue around the blocks, inside the root's call). The model runs without a cache:
+    its configs' ``use_cache`` is False during the step.
     """
     if fn is None:
         return functools.partial(step, backend=backend, block_size=block_size,

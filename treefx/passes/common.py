@@ -189,7 +189,8 @@ class GraphContext:
 
     def __init__(self, gm: fx.GraphModule, backend: str, *, input_ids: fx.Node,
                  tree_info: fx.Node, positions: fx.Node, subtree_end: fx.Node, seq_len,
-                 prelude: fx.Node, tree_weights: fx.Node | None = None, block_size: int = 128,
+                 prelude: fx.Node, tree_weights: fx.Node | None = None,
+                 part_labels: fx.Node | None = None, block_size: int = 128,
                  kernel_options: dict | None = None, interleave_heads: bool | None = None,
                  code_before: str = "", modules_before: dict | None = None,
                  parent: GraphContext | None = None, name: str = ""):
@@ -212,7 +213,7 @@ class GraphContext:
         self.log: list[Rewrite] = parent.log if parent is not None else []
         self._root_nodes = {"input_ids": input_ids, "tree_info": tree_info,
                             "positions": positions, "subtree_end": subtree_end,
-                            "tree_weights": tree_weights}
+                            "tree_weights": tree_weights, "part_labels": part_labels}
         self._cache: dict = {}
         # Bodies: how this graph's placeholders map to its callers' operands (set by
         # .subgraphs.discover); ``_imports`` maps an outer node to the placeholder made for it.
@@ -337,6 +338,12 @@ class GraphContext:
     @property
     def tree_weights(self) -> fx.Node | None:
         return self._tree_node("tree_weights")
+
+    @property
+    def part_labels(self) -> fx.Node | None:
+        """A part's predicted tokens [2, m] (predecessor row in the part, token id), None
+        outside parts (see :func:`treefx.parts.part_tensors`)."""
+        return self._tree_node("part_labels")
 
     @property
     def is_step(self) -> bool:

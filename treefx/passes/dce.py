@@ -7,6 +7,8 @@ functorch nesting calls around an ``associative_scan``. Removing those changes w
 computes. The passes only need to drop what their rewrites orphaned, so a node goes only when
 nothing reads it and it provably has no effect: not in-place, not random (removing a draw
 would shift every later one), not a higher-order op, not a call into torch's global state.
+In-place writes go only with the buffer they fill, when the graph made that buffer itself and
+nothing but such writes ever touches it.
 """
 
 from __future__ import annotations
@@ -99,11 +101,69 @@ def has_effect(node: fx.Node) -> bool:
     return False
 
 
+# Allocations of a fresh tensor: nothing outside the graph can alias it.
+_FRESH_FUNCS = {torch.zeros, torch.ones, torch.empty, torch.full, torch.zeros_like,
+                torch.ones_like, torch.empty_like, torch.full_like}
+_FRESH_METHODS = {"new_zeros", "new_ones", "new_empty", "new_full", "clone"}
+# Views that alias their input (writes through them land in it).
+_VIEW_METHODS = {"view", "reshape", "select", "narrow", "unsqueeze", "squeeze", "transpose",
+                 "permute", "expand", "flatten", "unflatten", "__getitem__"}
+
+
+def _write_only(node: fx.Node, seen: set) -> bool:
+    """Whether every use of ``node`` (a fresh buffer or a view of one) only writes into it:
+    in-place calls on it whose results nobody reads, and views used the same way."""
+    for user in node.users:
+        if user in seen:
+            continue
+        seen.add(user)
+        first = user.args[0] if user.args else None
+        if first is not node:
+            return False  # read as an operand (the source of a copy, say)
+        if user.op == "call_method" and _is_inplace_name(user.target) or \
+                user.op == "call_function" and user.target is operator.setitem:
+            if any(isinstance(a, fx.Node) and a is node for a in user.args[1:]) or \
+                    "out" in user.kwargs or draws_random(user):
+                return False
+            # `buf.copy_(x)` returns buf itself: its readers read the buffer
+            if not _write_only(user, seen):
+                return False
+        elif user.op == "call_method" and user.target in _VIEW_METHODS or \
+                user.op == "call_function" and user.target is operator.getitem:
+            if not _write_only(user, seen):
+                return False
+        else:
+            return False
+    return True
+
+
+def _dead_buffers(graph: fx.Graph) -> set:
+    """Writes into buffers nobody reads: a fresh tensor made in the graph (``zeros_like``,
+    ``new_empty``, ``clone``, ...) whose every use, through views, is an in-place write (a
+    cache a model fills with a recurrence's final state, which a tree's row does not have).
+    Removing them with the buffer changes nothing the graph computes."""
+    dead: set = set()
+    for node in graph.nodes:
+        fresh = node.op == "call_function" and node.target in _FRESH_FUNCS or \
+            node.op == "call_method" and node.target in _FRESH_METHODS
+        if not fresh or not node.users or "out" in node.kwargs:
+            continue
+        seen: set = set()
+        if _write_only(node, seen):
+            dead |= seen | {node}
+    return dead
+
+
 def eliminate_dead_code(graph: fx.Graph) -> int:
-    """Remove unread nodes without effects (see :func:`has_effect`); returns how many."""
+    """Remove unread nodes without effects (see :func:`has_effect`) and writes into fresh
+    buffers nobody reads (:func:`_dead_buffers`); returns how many."""
     removed = 0
-    for node in reversed(list(graph.nodes)):
-        if not node.users and not has_effect(node):
-            graph.erase_node(node)
-            removed += 1
-    return removed
+    while True:
+        dead = _dead_buffers(graph)
+        before = removed
+        for node in reversed(list(graph.nodes)):
+            if not node.users and (node in dead or not has_effect(node)):
+                graph.erase_node(node)
+                removed += 1
+        if not dead or removed == before:
+            return removed

@@ -11,6 +11,10 @@ shift by one becomes a gather at ``parent_token`` and the reduction becomes the 
 weights: ``Σ_t w_t · ℓ_t`` with w for the reduction the step asked for ("mean": each sequence's
 mean over its own masked tokens; "sum": its sum), averaged over the sequences with their
 weights. Anything the pass cannot prove equivalent raises an error naming the node.
+
+In a part of a tree (:func:`treefx.backward`), the part predicts the tokens whose predecessor
+it holds, its own and the first tokens of later parts: the gather reads the rows and ids of
+the part's ``labels`` input and the weights are those tokens' (``tree_weights`` [2, m]).
 """
 
 from __future__ import annotations
@@ -226,7 +230,13 @@ def loss_pass(ctx: GraphContext) -> int:
         _match_target(ctx, ce, shift)
         _check_result_use(ce)
         with g.inserting_before(ce):
-            parent = ctx.parent_token()
+            if ctx.part is not None:
+                # A part predicts the tokens whose predecessor it holds: label row, token id
+                # and weight for each (its own tokens and the first ones of later parts).
+                parent, ids = (ctx.shared(("part_label", i), lambda c, i=i: c.graph.call_function(
+                    operator.getitem, (c.part_labels, i))) for i in (0, 1))
+            else:
+                parent, ids = ctx.parent_token(), ctx.input_ids
             weights = ctx.shared(("weights", red), lambda c: c.graph.call_function(
                 operator.getitem, (c.tree_weights, 0 if red == "sum" else 1)))
             proj = _projection_only_for(logits, ce)
@@ -234,10 +244,9 @@ def loss_pass(ctx: GraphContext) -> int:
                 # The logits exist only for this loss: fuse the projection, never build them.
                 h, weight, bias = proj
                 new = g.call_function(fused_linear_tree_cross_entropy,
-                                      (h, weight, bias, ctx.input_ids, parent, weights))
+                                      (h, weight, bias, ids, parent, weights))
             else:
-                new = g.call_function(tree_cross_entropy,
-                                      (logits, ctx.input_ids, parent, weights))
+                new = g.call_function(tree_cross_entropy, (logits, ids, parent, weights))
         new.meta["example_value"] = ce.meta.get("example_value")
         ctx.record("loss", ce, describe(new), note=f"reduction={red}" + (
             ", fused with the output projection" if proj is not None else ""))
