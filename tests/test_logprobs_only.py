@@ -34,10 +34,12 @@ def _inputs(n, dim, vocab, dtype, bias, seed=0):
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
 @pytest.mark.parametrize("n", [1, 37], ids=["N1", "N37"])
 @pytest.mark.parametrize("block", [None, 8], ids=["one-block", "blocks-of-8"])
-def test_fused_logprobs_match_reference(monkeypatch, dtype, bias, n, block):
+@pytest.mark.parametrize("all_rows", [False, True], ids=["trained-rows", "all-rows"])
+def test_fused_logprobs_match_reference(monkeypatch, dtype, bias, n, block, all_rows):
     """Forward in chunks of 10 tokens; backward over vocabulary slices (about 25 rows for the
     ~24 trained tokens), in one block of tokens (each slice of the weight's gradient written
-    once) or in blocks of 8 (summed in float32 over blocks)."""
+    once) or in blocks of 8 (summed in float32 over blocks); over the trained rows (found with
+    nonzero) or every row (``all_rows``, as parts take it: the untrained add zero)."""
     vocab, dim = 53, 12
     monkeypatch.setattr(ce, "_CHUNK_ELEMENTS", 10 * vocab)  # chunks of 10 tokens
     if block is not None:
@@ -47,7 +49,7 @@ def test_fused_logprobs_match_reference(monkeypatch, dtype, bias, n, block):
     upstream[::3] = 0  # tokens no objective trains: skipped in the backward
     params = [t for t in (h, w, b) if t is not None]
 
-    lp = fused_linear_tree_logprobs(h, w, b, ids, parent)
+    lp = fused_linear_tree_logprobs(h, w, b, ids, parent, all_rows)
     got = torch.autograd.grad((lp * upstream).sum(), params)
     ref_lp = linear_tree_logprobs_reference(h, w, b, ids, parent)
     ref = torch.autograd.grad((ref_lp * upstream).sum(), params)

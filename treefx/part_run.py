@@ -259,29 +259,38 @@ def backward(tm: TreeModel, trees: Tree | Iterable[Tree] | TreeBatch, *, max_tok
     check_batch(target, full)
     log.info("treefx.backward: %d tokens in %d part(s) of at most %d", batch.num_tokens,
              plan.num_parts, plan.max_tokens)
-    weights = None
-    if step is not None:  # each predicted token's weight for the step's "sum" and "mean"
+    # Each part predicts the tokens whose predecessor it holds; for treefx.backward's own loss
+    # and a step's only the trained ones (weight nonzero), whose weights come with the part:
+    # no [N] scatter, and the log-prob backward needs no host synchronization to find them.
+    if step is not None:  # the step's "sum" and "mean" weights
         weights = torch.stack([batch.loss_weights_for("sum"), batch.loss_weights_for("mean")])
         weights = weights.to(torch.promote_types(weights.dtype, torch.float32))
+    elif loss_fn is None:
+        weights = batch.loss_weights[None]
+    else:
+        weights = None
     held: dict[int, _Held] = {}
     total = torch.zeros((), dtype=torch.float64, device=device)
     incidence = _Incidence(full) if loss_fn is not None else None
     for j, part in enumerate(plan.parts):
-        t = _to_device(plan, part, device, weights)
+        t = _to_device(plan, part, device, weights, min_tokens=3 if step is not None else 2)
         lp, own, exits = _forward(runner, plan, part, t, held, device)
         if step is not None:
             loss = lp
             if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
                 raise TypeError(f"treefx.backward: the @treefx.step function must return its "
                                 f"loss alone, a scalar tensor; got {type(loss).__name__}")
+        elif loss_fn is None:  # treefx.tree_loss over the part's trained tokens
+            w = t["tree_weights"][0]
+            loss = -(w.to(lp.dtype) * lp[:w.shape[0]]).sum()
         else:
             toks = t["label_tokens"]
             mask = torch.zeros(batch.num_tokens, dtype=torch.bool, device=device)
             mask.index_fill_(0, toks, True)  # `mask[toks] = True` copies from the host: a sync
             values = torch.zeros(batch.num_tokens, dtype=lp.dtype, device=device)
-            values = values.index_put((toks,), lp[:len(part.label_tokens)])
+            values = values.index_put((toks,), lp[:toks.shape[0]])
             part_batch = _part_batch(full, mask, incidence)
-            loss = (loss_fn or tree_loss)(TreeOutput(None, values), part_batch)
+            loss = loss_fn(TreeOutput(None, values), part_batch)
             if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
                 raise TypeError(f"loss_fn must return a scalar tensor, got "
                                 f"{type(loss).__name__}")
@@ -295,18 +304,24 @@ def backward(tm: TreeModel, trees: Tree | Iterable[Tree] | TreeBatch, *, max_tok
     return total.to(lp.dtype)
 
 
-def _to_device(plan, part, device, weights: torch.Tensor | None = None) -> dict:
+def _to_device(plan, part, device, weights: torch.Tensor | None = None, *,
+               min_tokens: int = 2) -> dict:
     """The part's tensors and the indices its context is gathered with, moved in one pinned,
     non-blocking copy per dtype: a plain copy from pageable memory would wait for the GPU to
     finish the previous part, so the host could not prepare this one meanwhile. ``weights``
-    [2, N] (on the host): the predicted tokens' columns of it become ``tree_weights``, zero
-    where ``labels`` is padded."""
-    # A step's shift (`logits[:, :-1]`) has one row for a part of two tokens, which Dynamo
-    # specializes (a row of one is contiguous either way): a step's parts have at least three.
-    t = parts_mod.part_tensors(plan, part, min_tokens=2 if weights is None else 3)
+    [R, N] (on the host): the part predicts only the tokens with a nonzero weight in some
+    row, and their columns become ``tree_weights`` [R, m] (zero where ``labels`` is
+    padded). ``min_tokens``: see :func:`treefx.parts.part_tensors`."""
+    keep = None
     if weights is not None:
-        w = weights.new_zeros(2, t["labels"].shape[1])
-        w[:, :len(part.label_tokens)] = weights[:, torch.from_numpy(part.label_tokens)]
+        mine = weights[:, torch.from_numpy(part.label_tokens)]
+        keep = (mine != 0).any(0)
+        mine = mine[:, keep]
+        keep = keep.numpy()
+    t = parts_mod.part_tensors(plan, part, min_tokens=min_tokens, keep_labels=keep)
+    if weights is not None:
+        w = weights.new_zeros(weights.shape[0], t["labels"].shape[1])
+        w[:, :mine.shape[1]] = mine
         t["tree_weights"] = w
     ctx = part.context
     if len(ctx):

@@ -315,8 +315,8 @@ def ready(plan: PartPlan, held: list[int], cursor: int) -> list[int]:
     return out
 
 
-def part_tensors(plan: PartPlan, part: Part, device=None, *, min_tokens: int = 2
-                 ) -> dict[str, torch.Tensor]:
+def part_tensors(plan: PartPlan, part: Part, device=None, *, min_tokens: int = 2,
+                 keep_labels: np.ndarray | None = None) -> dict[str, torch.Tensor]:
     """The tensors a part's graph takes, in the extended row's coordinates (see the module's
     docstring): ``input_ids`` [1, n]; ``tree_info`` [3, n] (positions, predecessor, subtree
     end); ``part_info`` [3, A] (the same for the context row, A = ``part.context_pad``; the
@@ -326,7 +326,8 @@ def part_tensors(plan: PartPlan, part: Part, device=None, *, min_tokens: int = 2
     ``label_tokens`` (the predicted tokens, the first entries of ``labels``). On the host
     when ``device`` is None. A part of fewer than ``min_tokens`` tokens (at least 2: Dynamo
     specializes a graph to a row of one token) gets inert tokens after its own, each its own
-    root that nothing reads."""
+    root that nothing reads. ``keep_labels`` (a mask over ``part.label_tokens``): predict
+    only those (the trained ones, for a loss that reads no others)."""
     b = plan.batch
     s, e, a = part.start, part.end, part.context_pad
     pos = b.position_ids[0].cpu().numpy()
@@ -352,6 +353,9 @@ def part_tensors(plan: PartPlan, part: Part, device=None, *, min_tokens: int = 2
     if len(exits_local) < 2:
         exits_local = np.concatenate([exits_local, np.full(2 - len(exits_local), e - s - 1)])
     rows, toks = part.label_rows, part.label_tokens
+    if keep_labels is not None:
+        rows, toks = rows[keep_labels], toks[keep_labels]
+    predicted = toks
     if len(rows) < 2:
         pad = 2 - len(rows)
         rows = np.concatenate([rows, np.zeros(pad, np.int64)])
@@ -374,7 +378,7 @@ def part_tensors(plan: PartPlan, part: Part, device=None, *, min_tokens: int = 2
     host = {"input_ids": t(own_ids)[None], "tree_info": t(tree_info),
             "part_info": t(part_info), "state_entry": t(entry),
             "state_exit": t(exits_local), "labels": t(labels),
-            "label_tokens": t(part.label_tokens)}
+            "label_tokens": t(predicted)}
     if device is None:
         return host
     return {name: x.to(device) for name, x in host.items()}

@@ -111,15 +111,18 @@ def _slice_grad_fn(cuda: bool):
 
 
 def _backward(grad, h, weight, bias, ids, parent, lse, need_h: bool, need_weight: bool,
-              need_bias: bool):
+              need_bias: bool, all_rows: bool = False):
     acc = _acc(h)
     h2 = h.reshape(-1, h.shape[-1])
     ids = ids.reshape(-1)
     g = torch.where(parent >= 0, grad.to(acc), torch.zeros_like(grad, dtype=acc))
     dh = torch.zeros(h2.shape if need_h else (0,), dtype=acc, device=h.device)
     db = torch.zeros(weight.shape[0] if need_bias else 0, dtype=acc, device=h.device)
-    # Only the tokens an objective trains carry a gradient: the others' logits are not rebuilt.
-    tokens = torch.nonzero(g).reshape(-1)
+    # Only the tokens an objective trains carry a gradient: the others' logits are not rebuilt
+    # (``all_rows``: the caller kept trained rows only; every row is taken, without the
+    # host synchronization of finding the nonzero ones).
+    tokens = torch.arange(g.shape[0], device=g.device) if all_rows else \
+        torch.nonzero(g).reshape(-1)
     n_tok, n_vocab = tokens.shape[0], weight.shape[0]
     blocks = list(range(0, n_tok, _TOKEN_BLOCK))
     slice_grad = _slice_grad_fn(h.is_cuda)
@@ -128,7 +131,7 @@ def _backward(grad, h, weight, bias, ids, parent, lse, need_h: bool, need_weight
                      dtype=weight.dtype if len(blocks) <= 1 else acc, device=h.device)
     for b0 in blocks:
         t = tokens[b0:b0 + _TOKEN_BLOCK]
-        rows = parent[t]
+        rows = parent[t].clamp(min=0)  # a row without predecessor (all_rows) has g = 0
         hc = h2[rows]
         gt, yt, lse_t = g[t], ids[t], lse[t]
         dh_t = torch.zeros(hc.shape if need_h else (0,), dtype=acc, device=h.device)
@@ -160,14 +163,14 @@ def _backward(grad, h, weight, bias, ids, parent, lse, need_h: bool, need_weight
 
 @torch.library.custom_op("treefx::linear_tree_logprobs", mutates_args=())
 def _linear_tree_logprobs(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                          ids: torch.Tensor, parent: torch.Tensor
+                          ids: torch.Tensor, parent: torch.Tensor, all_rows: bool = False
                           ) -> tuple[torch.Tensor, torch.Tensor]:
     """(log-probabilities [N], log-sum-exp [N], kept for the backward)."""
     return _forward(h, weight, bias, ids, parent)
 
 
 @_linear_tree_logprobs.register_fake
-def _(h, weight, bias, ids, parent):
+def _(h, weight, bias, ids, parent, all_rows=False):
     n = parent.shape[0]
     return h.new_empty(n, dtype=_acc(h)), h.new_empty(n, dtype=_acc(h))
 
@@ -176,22 +179,24 @@ def _(h, weight, bias, ids, parent):
 def _linear_tree_logprobs_backward(grad: torch.Tensor, h: torch.Tensor, weight: torch.Tensor,
                                    bias: torch.Tensor | None, ids: torch.Tensor,
                                    parent: torch.Tensor, lse: torch.Tensor, need_h: bool,
-                                   need_weight: bool, need_bias: bool
+                                   need_weight: bool, need_bias: bool, all_rows: bool = False
                                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(d/d h, d/d weight, d/d bias); each empty when not wanted."""
-    return _backward(grad, h, weight, bias, ids, parent, lse, need_h, need_weight, need_bias)
+    return _backward(grad, h, weight, bias, ids, parent, lse, need_h, need_weight, need_bias,
+                     all_rows)
 
 
 @_linear_tree_logprobs_backward.register_fake
-def _(grad, h, weight, bias, ids, parent, lse, need_h, need_weight, need_bias):
+def _(grad, h, weight, bias, ids, parent, lse, need_h, need_weight, need_bias, all_rows=False):
     return (torch.empty_like(h) if need_h else h.new_empty(0),
             torch.empty_like(weight) if need_weight else weight.new_empty(0),
             weight.new_empty(weight.shape[0] if need_bias else 0))
 
 
 def _setup(ctx, inputs, output):
-    h, weight, bias, ids, parent = inputs
+    h, weight, bias, ids, parent, all_rows = inputs
     ctx.has_bias = bias is not None
+    ctx.all_rows = all_rows
     ctx.save_for_backward(h, weight, bias, ids, parent, output[1])
 
 
@@ -200,23 +205,25 @@ def _grad(ctx, grad_lp, _grad_lse):
     need_h, need_weight, need_bias = ctx.needs_input_grad[:3]
     need_bias = bool(need_bias and ctx.has_bias)
     dh, dw, db = _linear_tree_logprobs_backward(grad_lp, h, weight, bias, ids, parent, lse,
-                                                need_h, need_weight, need_bias)
+                                                need_h, need_weight, need_bias, ctx.all_rows)
     return (dh if need_h else None, dw if need_weight else None, db if need_bias else None,
-            None, None)
+            None, None, None)
 
 
 _linear_tree_logprobs.register_autograd(_grad, setup_context=_setup)
 
 
 def fused_linear_tree_logprobs(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                               input_ids: torch.Tensor, parent_token: torch.Tensor
-                               ) -> torch.Tensor:
+                               input_ids: torch.Tensor, parent_token: torch.Tensor,
+                               all_rows: bool = False) -> torch.Tensor:
     """[N]: ``log softmax(h[parent_token[t]] W^T + b)[input_ids[t]]``, 0 where t has no
     predecessor, from hidden states ``h`` [.., N, D] and the output projection ``weight``
     [V, D] (``bias`` [V] or None), without materializing the logits; float32 (float64 for
     float64 inputs). Differentiable in ``h``, ``weight`` and ``bias`` for any upstream
-    gradient [N]."""
-    return _linear_tree_logprobs(h, weight, bias, input_ids, parent_token)[0]
+    gradient [N]. ``all_rows``: the backward takes every row (else only those with a nonzero
+    upstream gradient, found with a host synchronization), for a caller that keeps trained
+    rows only (the parts of :func:`treefx.backward`)."""
+    return _linear_tree_logprobs(h, weight, bias, input_ids, parent_token, all_rows)[0]
 
 
 def linear_tree_logprobs_reference(h, weight, bias, input_ids, parent_token):

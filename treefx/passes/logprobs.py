@@ -41,7 +41,10 @@ def logprobs_pass(ctx: GraphContext) -> int:
         with g.inserting_before(site):
             if proj is not None:
                 h, weight, bias = proj
-                new = g.call_function(fused_linear_tree_logprobs, (h, weight, bias, ids, parent))
+                # a part's labels are mostly trained tokens (only those for treefx.backward's
+                # own loss): its backward takes every row, without a host synchronization
+                new = g.call_function(fused_linear_tree_logprobs,
+                                      (h, weight, bias, ids, parent, ctx.part is not None))
                 note = "fused with the output projection: the logits are not built"
             else:
                 new = g.call_function(tree_token_logprobs, (logits, ids, parent))
