@@ -5,6 +5,7 @@ prefixes recomputed) and one step per sequence.
     python -m benchmarks.parts                       # GPU: 8B-shaped layers, bf16
     python -m benchmarks.parts --dry-run             # CPU: a tiny model, eager backend
     python -m benchmarks.parts --checkpointing --budget 16384   # every layer checkpointed
+    python -m benchmarks.parts --step --methods ""   # exactness through a @treefx.step
 
 Model: Hugging Face Qwen3 with 8B-shaped layers (hidden 4096, 32 heads, 8 KV heads, head_dim
 128, intermediate 12288, vocab 151,936), ``--layers`` of them, bf16 weights, compiled once
@@ -24,6 +25,7 @@ every layer of every model, the exactness check's included.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 
@@ -86,11 +88,18 @@ def _ckpt(on: bool) -> dict:
     return {"checkpointing": "nonreentrant", "train": True} if on else {}
 
 
+def _labels_step(model, batch):
+    return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                 labels=batch["labels"]).loss
+
+
 def exactness(dev: str, backend: str, checkpointing: bool = False,
-              models=("qwen3", "mistral", "qwen3_next", "gemma2", "gpt_oss")) -> list[dict]:
+              models=("qwen3", "mistral", "qwen3_next", "gemma2", "gpt_oss"),
+              step: bool = False) -> list[dict]:
     """float32: treefx.backward against the oracle, tiny Qwen3, Mistral (a window of 24),
     Qwen3-Next (conv and Gated DeltaNet state across parts), Gemma 2 (a softcap of 0.5 and a
-    window) and gpt-oss (sinks, alternating windows)."""
+    window) and gpt-oss (sinks, alternating windows). ``step``: through a ``@treefx.step``
+    function (Hugging Face's loss with ``labels=``) instead of the compiled model."""
     rows = []
     trees = treefx.synth.odd_forest(0, 1024) + [treefx.synth.agent_tree(
         1, vocab_size=1024, rollouts=2, **common.scaled_lengths(0.2))]
@@ -112,14 +121,20 @@ def exactness(dev: str, backend: str, checkpointing: bool = False,
         ref = treefx.reference.sequence_loss(model, trees, reduction="mean")
         ref.backward()
         g_ref = _grads(model)
-        tm = treefx.compile(model, backend=backend, verify=False, logits=False)
+        if step:
+            fn = treefx.step(_labels_step, backend=backend)
+            run = functools.partial(treefx.backward, fn, model=model)
+        else:
+            tm = treefx.compile(model, backend=backend, verify=False, logits=False)
+            run = functools.partial(treefx.backward, tm)
         n = treefx.pack(trees).num_tokens
         for budget in (64, 300, n):
-            loss = treefx.backward(tm, trees, max_tokens=budget)
-            rows.append({"model": model_type, "budget": budget, "tokens": n,
+            loss = run(trees, max_tokens=budget)
+            rows.append({"model": model_type, "step": step, "budget": budget, "tokens": n,
                          "loss_err": abs(float(loss) - float(ref.detach())),
                          "grad_rel_err": _grad_diff(_grads(model), g_ref)})
-            print(f"exactness {model_type:10s} budget {budget:5d}: loss err "
+            print(f"exactness {model_type:10s}{' step' if step else ''} budget {budget:5d}: "
+                  f"loss err "
                   f"{rows[-1]['loss_err']:.2e}, grad rel err {rows[-1]['grad_rel_err']:.2e}",
                   flush=True)
     return rows
@@ -135,6 +150,8 @@ def main(argv=None):
                    default="whole,parts,budget_step,budget_step_acc,partition,sequences")
     p.add_argument("--no-exactness", action="store_true")
     p.add_argument("--exactness-models", default="qwen3,mistral,qwen3_next,gemma2,gpt_oss")
+    p.add_argument("--step", action="store_true",
+                   help="the exactness check through a @treefx.step function (HF labels=)")
     p.add_argument("--checkpointing", action="store_true",
                    help="activation checkpointing on every layer (non-reentrant)")
     common.add_run_args(p, "CPU, a tiny model, the eager backend")
@@ -146,7 +163,7 @@ def main(argv=None):
     res = {"meta": common.run_meta(cuda), "args": vars(args)}
     if not args.no_exactness:
         res["exactness"] = exactness(dev, backend, args.checkpointing,
-                                     args.exactness_models.split(","))
+                                     args.exactness_models.split(","), args.step)
     if not [m for m in args.methods.split(",") if m]:  # the exactness check only
         common.save_json(res, common.resolve_out(args, "parts", cuda))
         return
