@@ -95,7 +95,7 @@ class _PartRunner:
                  verify: bool):
         _register()
         self.engine = TreeEngine(make, engine.backend, engine.block_size,
-                                 engine.kernel_options, engine.interleave_heads, False)
+                                 engine.kernel_options, False, False)
         self.engine.duck_shape = False
         dtype = next(model.parameters()).dtype
         self.layout = ((0, dtype), (0, dtype))
