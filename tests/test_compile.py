@@ -220,6 +220,33 @@ def test_mask_from_position_ids_is_refused():
         tm(treefx.pack(odd_tree(12, VOCAB)))
 
 
+class MaskFromHiddenStates(torch.nn.Module):
+    """Keeps, per query, the keys an indexer scores positive (a sparse-attention mask computed
+    from the hidden states, which depend on the positions through a position embedding)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(VOCAB, 16)
+        self.pos = torch.nn.Embedding(64, 16)
+        self.qkv = torch.nn.Linear(16, 48)
+        self.head = torch.nn.Linear(16, VOCAB)
+
+    def forward(self, input_ids, position_ids):
+        x = self.emb(input_ids) + self.pos(position_ids)
+        q, k, v = (t[:, None] for t in self.qkv(x).chunk(3, dim=-1))
+        n = x.shape[1]
+        causal = torch.arange(n)[:, None] >= torch.arange(n)[None, :]
+        mask = causal & (x @ x.transpose(1, 2) > 0)[:, None] | torch.eye(n, dtype=torch.bool)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.head(out[:, 0])
+
+
+def test_mask_from_hidden_states_is_refused_as_such():
+    tm = treefx.compile(MaskFromHiddenStates(), backend="eager")
+    with pytest.raises(treefx.UnmatchedAttentionError, match="from the tokens' hidden states"):
+        tm(treefx.pack(odd_tree(12, VOCAB)))
+
+
 def test_inductor_graphs_get_treefx_config_patches(monkeypatch):
     """Tree graphs go to Inductor with treefx's config patches (the mix-order reduction size
     checks off: they guarded a minimum token count and recompiled every smaller tree; eager's

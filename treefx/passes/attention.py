@@ -488,6 +488,13 @@ def _check_mask_sources(ctx: GraphContext, site: _Site, mask: fx.Node) -> None:
             continue
         seen.add(n)
         if ctx.is_tree_input(n, "tree_info") or ctx.is_tree_input(n, "tree_weights"):
+            from .tokens import DATA, _Taint
+
+            if DATA in _Taint(ctx).of(mask):
+                raise _fail(site.anchor, "its attention mask is computed from the tokens' hidden "
+                                         "states (a learned or sparse-attention mask: keys chosen "
+                                         "by top-k of an indexer's scores, a dynamic mask), which "
+                                         "treefx cannot evaluate per sequence yet")
             raise _fail(site.anchor, "its attention mask is computed from the positions in a way "
                                      "other than index grids (packed-sequence detection from "
                                      "position_ids?), which cannot be evaluated per sequence; "
