@@ -7,10 +7,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from support import VOCAB, grads, hf_model
 
 import treefx
 from treefx import parts
+from treefx.ops.context import part_embedding
 from treefx.synth import odd_forest, odd_tree
 
 transformers = pytest.importorskip("transformers")
@@ -93,10 +95,13 @@ def test_every_token_is_embedded_once_and_gradients_accumulate(monkeypatch):
 
     monkeypatch.setattr(treefx.part_run._PartRunner, "__call__", counting)
     treefx.backward(tm, trees, max_tokens=24)
-    # Each part's graph embeds its own ids, and nothing else: one lookup per layer input
+    # Each part's graph embeds its own ids, and nothing else: one lookup, whose gradient goes
+    # to the part's rows (added into .grad at its ids, not a dense gradient per part)
     gm = tm._part_runner.engine.contexts[-1].gm
-    lookups = [n for n in gm.graph.nodes if n.target is torch.nn.functional.embedding]
+    lookups = [n for n in gm.graph.nodes
+               if n.target in (torch.nn.functional.embedding, part_embedding)]
     assert len(lookups) == 1 and lookups[0].args[0].name == "l_input_ids_"
+    assert lookups[0].target is part_embedding
     # ... and the parts' ids are the row's, each token once (the first call per layout is the
     # capture that finds the context widths: dropped)
     ids = [e for e in embedded if e.shape[1] > 0]
@@ -359,3 +364,23 @@ def test_step_in_parts_refuses_a_result_that_is_not_the_loss():
     step = treefx.step(lambda m, b: (_hf_labels_step(m, b), 1.0), backend="eager")
     with pytest.raises(TypeError, match="must return its loss alone"):
         treefx.backward(step, odd_forest(3, VOCAB), model=model, max_tokens=7)
+
+
+def test_part_embedding_gradient_rows_equal_the_dense_gradient():
+    """The part's rows of the embedding gradient, summed per id and added at its ids, equal
+    F.embedding's dense gradient (duplicates summed, the padding id's row left out)."""
+    from treefx.part_run import _add_embedding_grad
+
+    torch.manual_seed(0)
+    weight = torch.randn(11, 6, requires_grad=True)
+    ids = torch.tensor([[3, 5, 3, 0, 7, 5, 3]])
+    upstream = torch.randn(1, 7, 6)
+    (F.embedding(ids, weight, padding_idx=0) * upstream).sum().backward()
+    want = weight.grad.clone()
+    weight.grad = torch.ones_like(weight)  # added to, like AccumulateGrad
+    sink = torch.zeros(7, 6, requires_grad=True)
+    (part_embedding(ids, weight, sink, 0) * upstream).sum().backward()
+    assert weight.grad.eq(1).all()  # no gradient to the weight itself
+    rows, inverse = ids[0].unique(return_inverse=True)
+    _add_embedding_grad(weight, sink.grad, rows, inverse)
+    torch.testing.assert_close(weight.grad, want + 1)

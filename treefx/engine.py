@@ -81,6 +81,9 @@ class TreeEngine:
             ctx = _context(gm, backend, self.block_size, self.kernel_options,
                            self.interleave_heads)
             self.contexts.append(ctx)  # before the passes: a failed graph can be reported
+            # the parameters among the real inputs, by position (nothing else kept alive)
+            ctx.example_inputs = [x if isinstance(x, torch.nn.Parameter) else None
+                                  for x in example_inputs]
             run_passes(ctx)
             ctx.done = True
             self.num_compilations += 1

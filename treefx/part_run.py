@@ -54,7 +54,7 @@ def _register() -> None:
 
 
 def _part_template(input_ids, tree_info, part_info, ctx_tok, ctx_state, state_entry,
-                   state_exit, labels):
+                   state_exit, labels, emb_sink):
     # Copied per TreeModel by make_traced, with `model` and `opts` in its globals.
     torch._check(tree_info.shape[1] == input_ids.shape[1])
     torch._check(state_entry.shape[0] == input_ids.shape[1])
@@ -62,12 +62,12 @@ def _part_template(input_ids, tree_info, part_info, ctx_tok, ctx_state, state_en
     logits = model_logits(model, opts, input_ids, tree_info)  # noqa: F821
     lp = token_logprobs_site(logits, labels[1], labels[0])
     own, exits = part_outputs(input_ids, ctx_tok, ctx_state, state_exit, part_info,
-                              state_entry, tree_info)
+                              state_entry, tree_info, emb_sink)
     return lp, own, exits
 
 
 def _part_step_template(model, input_ids, tree_info, part_info, ctx_tok, ctx_state,
-                        state_entry, state_exit, labels, tree_weights):
+                        state_entry, state_exit, labels, tree_weights, emb_sink):
     # Copied per TreeStep and model by make_traced, with the user's function as `user_fn`.
     # The loss pass reads the part's predicted tokens from `labels` and their weights from
     # `tree_weights` [2, m] ("sum", "mean"); the labels the step sees only mark the tokens
@@ -82,7 +82,7 @@ def _part_step_template(model, input_ids, tree_info, part_info, ctx_tok, ctx_sta
              "attention_mask": torch.ones_like(input_ids)}
     result = user_fn(model, batch)  # noqa: F821
     own, exits = part_outputs(input_ids, ctx_tok, ctx_state, state_exit, part_info,
-                              state_entry, tree_info)
+                              state_entry, tree_info, emb_sink)
     # Small views of the label inputs keep them graph inputs whatever the step reads.
     return result, own, exits, labels[:, :1], tree_weights[:, :1]
 
@@ -106,8 +106,22 @@ class _PartRunner:
         self.verify = verify
         self.verification = None
         self.settled = False  # a part ran with `layout`
+        self.embedding = None  # (parameter, padding_idx) whose part rows get the gradient
 
-    def __call__(self, t: dict, ctx_tok, ctx_state):
+    def sink(self, t: dict) -> torch.Tensor:
+        """Zero rows [n, D] that receive the part's rows of the input embedding's gradient
+        (:func:`treefx.passes.parts.route_embedding`; D and dtype the embedding's, [n, 1] for
+        a model without one)."""
+        emb = self.model.get_input_embeddings() if hasattr(
+            self.model, "get_input_embeddings") else None
+        w = getattr(emb, "weight", None)
+        width, dtype = (w.shape[1], w.dtype) if isinstance(w, torch.Tensor) and w.dim() == 2 \
+            else (1, torch.float32)
+        ids = t["input_ids"]
+        return torch.zeros(ids.shape[1], width, dtype=dtype, device=ids.device,
+                           requires_grad=True)
+
+    def __call__(self, t: dict, ctx_tok, ctx_state, sink):
         args = (t["input_ids"], t["tree_info"], t["part_info"], ctx_tok, ctx_state,
                 t["state_entry"], t["state_exit"], t["labels"])
         dynamic = (0, 1, 2, (3, 0), (4, 0), 5, 6, 7)
@@ -115,10 +129,15 @@ class _PartRunner:
             args = (self.model, *args, t["tree_weights"])
             dynamic = tuple((d[0] + 1, d[1]) if isinstance(d, tuple) else d + 1
                             for d in dynamic) + (9,)
+        dynamic += ((len(args), 0),)
+        args += (sink,)
         with no_cache(self.model) if self.step else contextlib.nullcontext():
             out = self.engine(t["input_ids"].device, *args, dynamic=dynamic,
                               discover_in=self.model)
         self.settled = True
+        if self.embedding is None:
+            self.embedding = next((c._cache["part_embedding"] for c in self.engine.contexts
+                                   if "part_embedding" in c._cache), None)
         return out[:3]
 
 
@@ -157,6 +176,9 @@ class _Held:
     exits: torch.Tensor
     own_leaf: torch.Tensor
     exits_leaf: torch.Tensor
+    sink: torch.Tensor  # the part's rows of the input embedding's gradient
+    emb_rows: torch.Tensor  # the part's distinct ids, and each token's among them
+    emb_inverse: torch.Tensor
 
 
 def backward(tm: TreeModel, trees: Tree | Iterable[Tree] | TreeBatch, *, max_tokens: int,
@@ -296,9 +318,10 @@ def backward(tm: TreeModel, trees: Tree | Iterable[Tree] | TreeBatch, *, max_tok
                                 f"{type(loss).__name__}")
         total = total + loss.detach().to(total.dtype)
         held[j] = _Held(loss, own, exits, own.detach().requires_grad_(),
-                        exits.detach().requires_grad_())
+                        exits.detach().requires_grad_(), t["emb_sink"], t["emb_rows"],
+                        t["emb_inverse"])
         for i in parts_mod.ready(plan, sorted(held), part.end):
-            _backward(held.pop(i))
+            _backward(held.pop(i), runner.embedding)
     if held:  # cannot happen: every part is released at the row's end
         raise RuntimeError(f"treefx.backward: parts {sorted(held)} never ran their backward")
     return total.to(lp.dtype)
@@ -323,6 +346,8 @@ def _to_device(plan, part, device, weights: torch.Tensor | None = None, *,
         w = weights.new_zeros(weights.shape[0], t["labels"].shape[1])
         w[:, :mine.shape[1]] = mine
         t["tree_weights"] = w
+    rows, inverse = np.unique(t["input_ids"][0].numpy(), return_inverse=True)
+    t["emb_rows"], t["emb_inverse"] = torch.from_numpy(rows), torch.from_numpy(inverse)
     ctx = part.context
     if len(ctx):
         owner = plan.part_of_token[ctx]
@@ -372,8 +397,9 @@ def _forward(runner: _PartRunner, plan, part, t: dict, held: dict, device):
         (tok_w, tok_dt), (st_w, st_dt) = runner.layout
         ctx_tok = _gather_tokens(part, t, held, tok_w, tok_dt, device)
         ctx_state = _gather_states(plan, part, held, st_w, st_dt, device)
+        t["emb_sink"] = runner.sink(t)
         try:
-            return runner(t, ctx_tok, ctx_state)
+            return runner(t, ctx_tok, ctx_state, t["emb_sink"])
         except PartLayoutMismatch as e:
             if runner.layout == (e.tok, e.state):
                 raise
@@ -412,7 +438,7 @@ def _gather_states(plan, part, held, width, dtype, device) -> torch.Tensor:
     return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
 
 
-def _backward(h: _Held) -> None:
+def _backward(h: _Held, embedding) -> None:
     tensors, grads = [], []
     if h.loss.requires_grad:
         tensors.append(h.loss)
@@ -423,6 +449,21 @@ def _backward(h: _Held) -> None:
             grads.append(leaf.grad)
     if tensors:
         torch.autograd.backward(tensors, grads)
+    if h.sink.grad is not None:
+        _add_embedding_grad(embedding[0], h.sink.grad, h.emb_rows, h.emb_inverse)
+
+
+def _add_embedding_grad(weight: torch.nn.Parameter, g: torch.Tensor, rows: torch.Tensor,
+                        inverse: torch.Tensor) -> None:
+    """A part's gradient rows [n, D] of the input embedding added into ``weight.grad`` at its
+    distinct ids ``rows`` (``inverse``: each token's among them): summed per id in float32,
+    rounded once, added like ``AccumulateGrad`` adds a dense gradient, at those rows only."""
+    acc = torch.zeros(rows.shape[0], g.shape[1], device=g.device,
+                      dtype=torch.promote_types(g.dtype, torch.float32))
+    acc.index_add_(0, inverse, g.to(acc.dtype))
+    if weight.grad is None:
+        weight.grad = torch.zeros_like(weight)
+    weight.grad.index_add_(0, rows, acc.to(weight.grad.dtype))
 
 
 class _Incidence:

@@ -19,14 +19,14 @@ import operator
 import torch
 import torch.fx as fx
 
-from ..ops.context import columns_to_heads, heads_to_columns
-from .common import GraphContext, TreeCompileError, example, set_example
+from ..ops.context import columns_to_heads, heads_to_columns, part_embedding
+from .common import GraphContext, TreeCompileError, arg, describe, example, is_call, set_example
 
 __all__ = ["PartLayoutMismatch", "PartSites", "finish", "part_outputs"]
 
 
 def part_outputs(input_ids, ctx_tok, ctx_state, state_exit, part_info, state_entry,
-                 tree_info):
+                 tree_info, emb_sink):
     """Marker of a part's captured function (one graph node, replaced by :func:`finish`):
     the part's own [n, W] and exit states [X, S]. It takes every part input, so that Dynamo
     makes each a graph input."""
@@ -51,7 +51,7 @@ class PartSites:
     def __init__(self, marker: fx.Node):
         self.marker = marker
         (_, self.ctx_tok, self.ctx_state, self.state_exit, self.part_info,
-         self.state_entry, _) = marker.args
+         self.state_entry, _, self.emb_sink) = marker.args
         self.tok: list[tuple[fx.Node, int, torch.dtype]] = []  # own value [n, w], width, dtype
         self.state: list[tuple[fx.Node, int, torch.dtype]] = []
 
@@ -197,10 +197,54 @@ def _state_to_columns(states: torch.Tensor) -> torch.Tensor:
     return states.reshape(states.shape[0], -1)
 
 
+_EMBEDDINGS = (torch.nn.functional.embedding, torch.embedding)
+
+
+def route_embedding(ctx: GraphContext) -> None:
+    """The lookup of the part's ids in the model's input embedding (one ``F.embedding`` of
+    ``input_ids`` by a parameter that trains, in the root graph, without ``max_norm``,
+    ``scale_grad_by_freq`` or ``sparse``) becomes :func:`~treefx.ops.context.part_embedding`:
+    its gradient goes to the part's ``emb_sink`` rows, which the driver adds into the
+    parameter's ``.grad`` at the part's ids, instead of a dense [vocab, D] gradient per part
+    (and an ``AccumulateGrad`` pass over it). Recorded as ``ctx._cache["part_embedding"]``:
+    (the parameter, padding_idx). Anything else is left as it is."""
+    part = ctx.part
+    ids = [n for n in ctx.graph.nodes if is_call(n, *_EMBEDDINGS)
+           and ctx.is_tree_input(arg(n, 0, "input", None), "input_ids")]
+    if len(ids) != 1:
+        return
+    node = ids[0]
+    weight = arg(node, 1, "weight", None)
+    pad = arg(node, 2, "padding_idx", None)
+    if arg(node, 3, "max_norm", None) is not None or arg(node, 5, "scale_grad_by_freq", False) \
+            or arg(node, 6, "sparse", False) or not isinstance(pad, (int, type(None))):
+        return
+    if not (isinstance(weight, fx.Node) and weight.op == "placeholder"):
+        return
+    placeholders = [n for n in ctx.graph.nodes if n.op == "placeholder"]
+    inputs = getattr(ctx, "example_inputs", None) or ()
+    i = placeholders.index(weight)
+    real = inputs[i] if i < len(inputs) else None
+    w, sink = example(weight), example(part.emb_sink)
+    if not (isinstance(real, torch.nn.Parameter) and real.requires_grad and w is not None
+            and w.dim() == 2 and sink.shape[1] == w.shape[1] and sink.dtype == w.dtype):
+        return
+    if pad is not None and pad < 0:
+        pad += w.shape[0]
+    with ctx.graph.inserting_before(node):
+        new = ctx.graph.call_function(part_embedding, (node.args[0], weight, part.emb_sink,
+                                                       -1 if pad is None else int(pad)))
+    new.meta.update(node.meta)
+    ctx.record("parts", node, describe(new), note="the gradient to the part's rows only")
+    node.replace_all_uses_with(new)
+    ctx.graph.erase_node(node)
+    ctx._cache["part_embedding"] = (real, -1 if pad is None else int(pad))
+
+
 def finish(ctx: GraphContext) -> None:
     """Replace the marker by the part's own columns and exit states; a
     :class:`PartLayoutMismatch` when the buffers the part was captured with have other widths
-    or dtypes than its sites need."""
+    or dtypes than its sites need. Then :func:`route_embedding`."""
     part = ctx.part
     (tok_w, tok_dt), (st_w, st_dt) = part.layout()
     have_tok, have_st = example(part.ctx_tok), example(part.ctx_state)
@@ -221,6 +265,7 @@ def finish(ctx: GraphContext) -> None:
         user.replace_all_uses_with(own if user.args[1] == 0 else exits)
         g.erase_node(user)
     g.erase_node(marker)
+    route_embedding(ctx)
 
 
 def _concat_columns(columns: list, like: torch.Tensor, width: int, dtype) -> torch.Tensor:
