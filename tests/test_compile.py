@@ -331,3 +331,44 @@ def test_kernel_options_refused(bad, err, match):
         treefx.compile(tiny_decoder(vocab_size=VOCAB), kernel_options=bad)
     with pytest.raises(err, match=match):
         treefx.step(lambda m, b: m(**b).loss, kernel_options=bad)
+
+
+@torch.library.custom_op("treefx_test::grouped_by_data", mutates_args=())
+def _grouped_by_data(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+@_grouped_by_data.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+def _grouped_backward(ctx, g):
+    # like transformers' grouped-matmul fallback: a Python branch on a size from the data
+    if torch.nonzero(g > 0).shape[0] == 0:
+        return g * 0
+    return g * 2
+
+
+_grouped_by_data.register_autograd(_grouped_backward)
+
+
+class GroupedByData(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(VOCAB, 16)
+        self.head = torch.nn.Linear(16, VOCAB)
+
+    def forward(self, input_ids):
+        return self.head(_grouped_by_data(self.emb(input_ids)))
+
+
+def test_a_branch_on_data_in_a_backward_is_a_clear_error():
+    """AOTAutograd cannot trace a custom op's backward that branches on a size computed from
+    the data (HF's float32 MoE experts on the GPU): a TreeCompileError naming the line and
+    the way out, not Dynamo's internal error."""
+    tm = treefx.compile(GroupedByData(), backend="aot-eager", verify=False)
+    batch = treefx.pack(odd_tree(3, VOCAB))
+    with pytest.raises(treefx.TreeCompileError, match=r"branches on a value computed from "
+                       r"the data \(test_compile.py:\d+ .*batched_mm"):
+        treefx.tree_loss(tm(batch), batch).backward()

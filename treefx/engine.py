@@ -163,6 +163,16 @@ class TreeEngine:
             inner = getattr(e, "inner_exception", None) or e.__cause__
             if isinstance(inner, TreeCompileError):
                 raise inner from None
+            from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+            if isinstance(inner, GuardOnDataDependentSymNode):
+                raise TreeCompileError(
+                    f"compiling the tree graph failed: code it runs branches on a value "
+                    f"computed from the data ({_user_frame(inner)}), which torch.compile "
+                    "cannot trace, in the forward or in a custom op's backward. Hugging Face's "
+                    "grouped-matmul fallback for MoE experts (float32 on the GPU) does this: "
+                    "model.set_experts_implementation('batched_mm'), or train in bf16, or "
+                    "use backend='eager'") from e
             raise
         except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError) as e:
             raise _graph_break_error(self.make_traced(-1), args, e) from None
@@ -360,6 +370,18 @@ def _context(gm: fx.GraphModule, backend: str, block_size: int,
     if marker is not None:
         ctx._part = PartSites(marker)
     return ctx
+
+
+def _user_frame(err: BaseException) -> str:
+    """``file:line`` of the innermost frame of ``err`` outside torch (the model's code)."""
+    import traceback
+
+    frames = [f for f in traceback.extract_tb(err.__traceback__)
+              if "/torch/" not in f.filename]
+    if not frames:
+        return "no frame outside torch"
+    f = frames[-1]
+    return f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno}  {(f.line or '').strip()}"
 
 
 def _row(tree_info: torch.Tensor, i: int) -> torch.Tensor:
