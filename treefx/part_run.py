@@ -34,7 +34,7 @@ from .layout import TreeBatch, move_tensors, pack
 from .ops.logprobs import register_site, token_logprobs_site
 from .passes import TreeCompileError
 from .passes.parts import PartLayoutMismatch, part_outputs
-from .step import TreeStep, no_cache
+from .step import TreeStep, no_cache, step_batch, step_weights
 from .tree import Tree
 from .tree_model import TreeModel, TreeOutput, model_logits, tree_loss
 
@@ -76,11 +76,7 @@ def _part_step_template(model, input_ids, tree_info, part_info, ctx_tok, ctx_sta
     torch._check(state_entry.shape[0] == input_ids.shape[1])
     torch._check(ctx_tok.shape[0] == part_info.shape[1])
     torch._check(tree_weights.shape[1] == labels.shape[1])
-    ids = input_ids[0]
-    marked = torch.where(tree_info[1] >= 0, ids, torch.full_like(ids, -100))[None]
-    batch = {"input_ids": input_ids, "labels": marked, "position_ids": tree_info[0:1],
-             "attention_mask": torch.ones_like(input_ids)}
-    result = user_fn(model, batch)  # noqa: F821
+    result = user_fn(model, step_batch(input_ids, tree_info, tree_info[1] >= 0))  # noqa: F821
     own, exits = part_outputs(input_ids, ctx_tok, ctx_state, state_exit, part_info,
                               state_entry, tree_info, emb_sink)
     # Small views of the label inputs keep them graph inputs whatever the step reads.
@@ -106,17 +102,18 @@ class _PartRunner:
         self.verify = verify
         self.verification = None
         self.settled = False  # a part ran with `layout`
+        emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+        w = getattr(emb, "weight", None)
+        # the sink's width and dtype: the input embedding's ([n, 1] for a model without one)
+        self.sink_layout = (w.shape[1], w.dtype) if isinstance(w, torch.Tensor) and \
+            w.dim() == 2 else (1, torch.float32)
         self.embedding = None  # (parameter, padding_idx) whose part rows get the gradient
 
     def sink(self, t: dict) -> torch.Tensor:
         """Zero rows [n, D] that receive the part's rows of the input embedding's gradient
         (:func:`treefx.passes.parts.route_embedding`; D and dtype the embedding's, [n, 1] for
         a model without one)."""
-        emb = self.model.get_input_embeddings() if hasattr(
-            self.model, "get_input_embeddings") else None
-        w = getattr(emb, "weight", None)
-        width, dtype = (w.shape[1], w.dtype) if isinstance(w, torch.Tensor) and w.dim() == 2 \
-            else (1, torch.float32)
+        width, dtype = self.sink_layout
         ids = t["input_ids"]
         return torch.zeros(ids.shape[1], width, dtype=dtype, device=ids.device,
                            requires_grad=True)
@@ -285,8 +282,7 @@ def backward(tm: TreeModel, trees: Tree | Iterable[Tree] | TreeBatch, *, max_tok
     # and a step's only the trained ones (weight nonzero), whose weights come with the part:
     # no [N] scatter, and the log-prob backward needs no host synchronization to find them.
     if step is not None:  # the step's "sum" and "mean" weights
-        weights = torch.stack([batch.loss_weights_for("sum"), batch.loss_weights_for("mean")])
-        weights = weights.to(torch.promote_types(weights.dtype, torch.float32))
+        weights = step_weights(batch)
     elif loss_fn is None:
         weights = batch.loss_weights[None]
     else:
@@ -299,9 +295,6 @@ def backward(tm: TreeModel, trees: Tree | Iterable[Tree] | TreeBatch, *, max_tok
         lp, own, exits = _forward(runner, plan, part, t, held, device)
         if step is not None:
             loss = lp
-            if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
-                raise TypeError(f"treefx.backward: the @treefx.step function must return its "
-                                f"loss alone, a scalar tensor; got {type(loss).__name__}")
         elif loss_fn is None:  # treefx.tree_loss over the part's trained tokens
             w = t["tree_weights"][0]
             loss = -(w.to(lp.dtype) * lp[:w.shape[0]]).sum()
@@ -313,9 +306,10 @@ def backward(tm: TreeModel, trees: Tree | Iterable[Tree] | TreeBatch, *, max_tok
             values = values.index_put((toks,), lp[:toks.shape[0]])
             part_batch = _part_batch(full, mask, incidence)
             loss = loss_fn(TreeOutput(None, values), part_batch)
-            if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
-                raise TypeError(f"loss_fn must return a scalar tensor, got "
-                                f"{type(loss).__name__}")
+        if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
+            what = ("the @treefx.step function must return its loss alone, a scalar tensor"
+                    if step is not None else "loss_fn must return a scalar tensor")
+            raise TypeError(f"treefx.backward: {what}; got {type(loss).__name__}")
         total = total + loss.detach().to(total.dtype)
         held[j] = _Held(loss, own, exits, own.detach().requires_grad_(),
                         exits.detach().requires_grad_(), t["emb_sink"], t["emb_rows"],

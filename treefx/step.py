@@ -21,25 +21,35 @@ from .engine import TreeEngine, check_batch, make_traced, tree_info, unwrap_comp
 from .layout import TreeBatch
 from .regional import unwrap_ddp
 
-__all__ = ["step", "TreeStep", "no_cache"]
+__all__ = ["step", "TreeStep", "no_cache", "step_batch", "step_weights"]
 
 
 def _step_template(model, input_ids, tree_info, tree_weights, *args, **kwargs):
     # Copied per TreeStep by _make_traced, with the user's function in its globals as `user_fn`.
     torch._check(tree_info.shape[1] == input_ids.shape[1])
     torch._check(tree_weights.shape[1] == input_ids.shape[1])
-    parent = tree_info[1]
-    trained = (parent >= 0) & (tree_weights[0] > 0)
-    labels = torch.where(trained, input_ids[0], torch.full_like(input_ids[0], -100))[None]
-    batch = {
-        "input_ids": input_ids,
-        "labels": labels,
-        "position_ids": tree_info[0:1],
-        "attention_mask": torch.ones_like(input_ids),
-    }
+    batch = step_batch(input_ids, tree_info, (tree_info[1] >= 0) & (tree_weights[0] > 0))
     result = user_fn(model, batch, *args, **kwargs)  # noqa: F821
     # Small views of the tree inputs keep them graph inputs even when the step reads neither.
     return result, tree_info[:, :1], tree_weights[:, :1]
+
+
+def step_batch(input_ids, tree_info, trained) -> dict:
+    """The Hugging Face-style batch a step is called with on a tree row: the ids, labels
+    (the ids where ``trained``, -100 elsewhere), the positions and an all-ones attention
+    mask (without it a model infers packed sequences from the positions)."""
+    ids = input_ids[0]
+    return {"input_ids": input_ids,
+            "labels": torch.where(trained, ids, torch.full_like(ids, -100))[None],
+            "position_ids": tree_info[0:1],
+            "attention_mask": torch.ones_like(input_ids)}
+
+
+def step_weights(batch: TreeBatch) -> torch.Tensor:
+    """[2, N]: the batch's loss weights for a step whose cross-entropy sums ("sum", row 0)
+    or averages ("mean", row 1) each sequence's tokens; at least float32."""
+    weights = torch.stack([batch.loss_weights_for("sum"), batch.loss_weights_for("mean")])
+    return weights.to(torch.promote_types(weights.dtype, torch.float32))
 
 
 @contextlib.contextmanager
@@ -90,11 +100,9 @@ class TreeStep:
         # Under DDP the step runs on the inner module; the wrapper's call wraps the run.
         model, wrapper = unwrap_ddp(held)
         check_batch(model, batch)
-        weights = torch.stack([batch.loss_weights_for("sum"), batch.loss_weights_for("mean")])
-        weights = weights.to(torch.promote_types(weights.dtype, torch.float32))
         with no_cache(model):
             result, _, _ = self.engine(batch.device, model, batch.input_ids, tree_info(batch),
-                                       weights, *args, dynamic=(1, 2, 3), discover_in=model,
+                                       step_weights(batch), *args, dynamic=(1, 2, 3), discover_in=model,
                                        root=wrapper or model, **kwargs)
         return result
 
