@@ -64,6 +64,27 @@ def test_fused_logprobs_match_reference(monkeypatch, dtype, bias, n, block, all_
         assert err <= tol, f"d/d {name} off by {err:.2e} (relative)"
 
 
+@pytest.mark.parametrize("block", [None, 8], ids=["one-block", "blocks-of-8"])
+def test_fused_logprobs_add_the_weight_gradient_into_a_buffer(monkeypatch, block):
+    """``grad_into`` (a part's ``.grad`` of the output projection): the weight's gradient is
+    added into it, in one or several token blocks, and autograd gets none for the weight."""
+    monkeypatch.setattr(ce, "_CHUNK_ELEMENTS", 10 * 53)
+    if block is not None:
+        monkeypatch.setattr(lp_ops, "_TOKEN_BLOCK", block)
+    h, w, b, ids, parent = _inputs(37, 12, 53, torch.float64, True)
+    before = torch.randn_like(w)
+    into = before.clone()
+    upstream = torch.randn(37, dtype=torch.float64)
+    lp = fused_linear_tree_logprobs(h, w, b, ids, parent, True, grad_into=into)
+    (lp * upstream).sum().backward()
+    assert w.grad is None
+    ref_w, ref_b, ref_h = torch.autograd.grad(
+        (linear_tree_logprobs_reference(h, w, b, ids, parent) * upstream).sum(), (w, b, h))
+    torch.testing.assert_close(into - before, ref_w, atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(b.grad, ref_b, atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(h.grad, ref_h, atol=1e-10, rtol=1e-10)
+
+
 def test_frozen_projection_gets_no_gradient():
     """A LoRA model's output projection is frozen: only the hidden states get a gradient."""
     h, w, _, ids, parent = _inputs(20, 8, 31, torch.float64, False)

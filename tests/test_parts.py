@@ -384,3 +384,88 @@ def test_part_embedding_gradient_rows_equal_the_dense_gradient():
     rows, inverse = ids[0].unique(return_inverse=True)
     _add_embedding_grad(weight, sink.grad, rows, inverse)
     torch.testing.assert_close(weight.grad, want + 1)
+
+
+def _routed(tm):
+    """The linear layers and fused log-prob sites of the last part graph (its bodies too)
+    that add their weight's gradient into ``.grad`` themselves."""
+    from treefx.ops.grad_into import linear_grad_into
+    from treefx.ops.logprobs import fused_linear_tree_logprobs
+
+    ctx = tm._part_runner.engine.contexts[-1]
+    nodes = [n for c in ctx.scopes() for n in c.graph.nodes]
+    return (sum(n.target is linear_grad_into for n in nodes),
+            sum(n.target is fused_linear_tree_logprobs and n.kwargs.get("grad_into") is not None
+                for n in nodes))
+
+
+def test_weight_gradients_are_added_into_grad_by_the_parts_backward():
+    """Every linear layer's weight and the output projection add their gradients into the
+    parameter's ``.grad`` in a part's backward (autograd gets no per-part gradient of them to
+    add): the same ``.grad`` tensors, holding what was there plus the oracle's gradient."""
+    model = hf_model("qwen3", "sdpa")
+    tm = treefx.compile(model, backend="eager", verify=False)
+    trees = odd_forest(3, VOCAB)
+    _, ref = _oracle(model, trees)
+    gen = torch.Generator().manual_seed(1)
+    before = {n: torch.randn(p.shape, generator=gen) for n, p in model.named_parameters()}
+    for n, p in model.named_parameters():
+        p.grad = before[n].clone()
+    held = {n: p.grad for n, p in model.named_parameters()}
+    treefx.backward(tm, trees, max_tokens=5)
+    linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+    assert _routed(tm) == (linears - 1, 1)  # the output projection is the fused site
+    for n, p in model.named_parameters():
+        assert p.grad is held[n], n
+        torch.testing.assert_close(p.grad - before[n], ref[n], atol=1e-6, rtol=1e-4)
+
+
+def test_a_weight_with_a_gradient_hook_gets_its_gradient_through_autograd():
+    """A hook on a parameter (``register_hook``) sees its gradient: treefx adds neither its
+    part rows (the input embedding) nor a linear layer's product into ``.grad`` past it."""
+    model = hf_model("qwen3", "sdpa")
+    seen: dict[str, list] = {}
+    names = ("model.layers.0.self_attn.q_proj.weight", "model.embed_tokens.weight")
+    params = dict(model.named_parameters())
+    for n in names:
+        params[n].register_hook(lambda g, n=n: seen.setdefault(n, []).append(g.clone()))
+    tm = treefx.compile(model, backend="eager", verify=False)
+    trees = odd_forest(3, VOCAB)
+    ref_loss, ref = _oracle(model, trees)
+    seen.clear()
+    loss = treefx.backward(tm, trees, max_tokens=5)
+    torch.testing.assert_close(loss, ref_loss.to(loss.dtype), atol=1e-5, rtol=1e-5)
+    got = grads(model)
+    for n in ref:
+        torch.testing.assert_close(got[n], ref[n], atol=1e-6, rtol=1e-4)
+    for n in names:
+        assert len(seen[n]) > 1  # once per part that reads it
+        torch.testing.assert_close(sum(seen[n]), ref[n], atol=1e-6, rtol=1e-4)
+    linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+    assert _routed(tm)[0] == linears - 2
+
+
+def test_freezing_a_weight_between_calls_captures_the_part_graph_again():
+    model = hf_model("qwen3", "sdpa")
+    tm = treefx.compile(model, backend="eager", verify=False)
+    trees = odd_forest(3, VOCAB)
+    _check(tm, trees, 5)
+    first = tm._part_runner.engine
+    model.model.layers[0].mlp.up_proj.weight.requires_grad_(False)
+    _check(tm, trees, 5)  # the frozen weight gets no .grad, as in the oracle
+    assert tm._part_runner.engine is not first
+    assert model.model.layers[0].mlp.up_proj.weight.grad is None
+
+
+@pytest.mark.slow
+def test_checkpointed_layers_add_their_weight_gradients_into_grad_under_aot_autograd():
+    """Under AOTAutograd an activation-checkpointed layer's linear layers add into ``.grad``
+    too (the ``.grad`` enters the body as an operand; eagerly run bodies are left alone: the
+    checkpoint checks its operands are unchanged when it recomputes)."""
+    model = hf_model("qwen3", "sdpa")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    tm = treefx.compile(model, backend="aot-eager", verify=False)
+    _check(tm, odd_forest(3, VOCAB), 5)
+    linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+    assert _routed(tm) == (linears - 1, 1)

@@ -69,6 +69,9 @@ class TreeEngine:
         self.interleave_heads = check_interleave_heads(interleave_heads, self.kernel_options)
         self.num_compilations = 0
         self.contexts: list[GraphContext] = []
+        # the parameters whose .grad a part's graph is given, in the order of its `grads`
+        # input (set by treefx.backward's runner; see treefx.passes.parts.route_gradients)
+        self.grad_params: tuple = ()
         self._runs = 0
         self._compiled: dict[str, object] = {}
         self._prepared: weakref.WeakSet = weakref.WeakSet()  # models made ready for capture
@@ -84,6 +87,7 @@ class TreeEngine:
             # the parameters among the real inputs, by position (nothing else kept alive)
             ctx.example_inputs = [x if isinstance(x, torch.nn.Parameter) else None
                                   for x in example_inputs]
+            ctx.grad_params = self.grad_params
             run_passes(ctx)
             ctx.done = True
             self.num_compilations += 1

@@ -33,7 +33,7 @@ from .engine import TreeEngine, check_batch, make_traced
 from .layout import TreeBatch, move_tensors, pack
 from .ops.logprobs import register_site, token_logprobs_site
 from .passes import TreeCompileError
-from .passes.parts import PartLayoutMismatch, part_outputs
+from .passes.parts import PartLayoutMismatch, has_grad_hooks, part_outputs
 from .step import TreeStep, no_cache, step_batch, step_weights
 from .tree import Tree
 from .tree_model import TreeModel, TreeOutput, model_logits, tree_loss
@@ -54,7 +54,7 @@ def _register() -> None:
 
 
 def _part_template(input_ids, tree_info, part_info, ctx_tok, ctx_state, state_entry,
-                   state_exit, labels, emb_sink):
+                   state_exit, labels, emb_sink, grads):
     # Copied per TreeModel by make_traced, with `model` and `opts` in its globals.
     torch._check(tree_info.shape[1] == input_ids.shape[1])
     torch._check(state_entry.shape[0] == input_ids.shape[1])
@@ -62,12 +62,12 @@ def _part_template(input_ids, tree_info, part_info, ctx_tok, ctx_state, state_en
     logits = model_logits(model, opts, input_ids, tree_info)  # noqa: F821
     lp = token_logprobs_site(logits, labels[1], labels[0])
     own, exits = part_outputs(input_ids, ctx_tok, ctx_state, state_exit, part_info,
-                              state_entry, tree_info, emb_sink)
+                              state_entry, tree_info, emb_sink, grads)
     return lp, own, exits
 
 
 def _part_step_template(model, input_ids, tree_info, part_info, ctx_tok, ctx_state,
-                        state_entry, state_exit, labels, tree_weights, emb_sink):
+                        state_entry, state_exit, labels, tree_weights, emb_sink, grads):
     # Copied per TreeStep and model by make_traced, with the user's function as `user_fn`.
     # The loss pass reads the part's predicted tokens from `labels` and their weights from
     # `tree_weights` [2, m] ("sum", "mean"); the labels the step sees only mark the tokens
@@ -78,7 +78,7 @@ def _part_step_template(model, input_ids, tree_info, part_info, ctx_tok, ctx_sta
     torch._check(tree_weights.shape[1] == labels.shape[1])
     result = user_fn(model, step_batch(input_ids, tree_info, tree_info[1] >= 0))  # noqa: F821
     own, exits = part_outputs(input_ids, ctx_tok, ctx_state, state_exit, part_info,
-                              state_entry, tree_info, emb_sink)
+                              state_entry, tree_info, emb_sink, grads)
     # Small views of the label inputs keep them graph inputs whatever the step reads.
     return result, own, exits, labels[:, :1], tree_weights[:, :1]
 
@@ -90,9 +90,9 @@ class _PartRunner:
     def __init__(self, model: torch.nn.Module, engine: TreeEngine, make, *, step: bool,
                  verify: bool):
         _register()
-        self.engine = TreeEngine(make, engine.backend, engine.block_size,
-                                 engine.kernel_options, False, False)
-        self.engine.duck_shape = False
+        self._make = make
+        self._settings = (engine.backend, engine.block_size, engine.kernel_options)
+        self._new_engine()
         dtype = next(model.parameters()).dtype
         self.layout = ((0, dtype), (0, dtype))
         self.model = model
@@ -108,6 +108,51 @@ class _PartRunner:
         self.sink_layout = (w.shape[1], w.dtype) if isinstance(w, torch.Tensor) and \
             w.dim() == 2 else (1, torch.float32)
         self.embedding = None  # (parameter, padding_idx) whose part rows get the gradient
+        # the parameters offered to the graph to add their gradients into .grad directly
+        # (grad_params), as found when the graph was captured with them (grad_key)
+        self.grad_key = None
+
+    def _new_engine(self) -> None:
+        backend, block_size, kernel_options = self._settings
+        self.engine = TreeEngine(self._make, backend, block_size, kernel_options, False, False)
+        self.engine.duck_shape = False
+
+    def prepare_grads(self) -> list[torch.nn.Parameter]:
+        """Before a call's parts: the parameters whose gradients the part graph adds into
+        ``.grad`` directly (:func:`treefx.passes.parts.route_gradients`), each given a zero
+        ``.grad`` where it has none; returns those it gave one. The first call offers every
+        matrix that trains (without gradient hooks) and keeps those the graph takes
+        (:meth:`drop_grads`); when that set of candidates changes (a parameter frozen, a hook
+        added), the graph is captured again."""
+        candidates = [p for p in self.model.parameters() if _grad_candidate(p)]
+        key = tuple(map(id, candidates))
+        if self.grad_key is not None and key != self.grad_key:
+            log.info("treefx.backward: the trainable parameters changed; capturing the part "
+                     "graph again")
+            self._new_engine()
+            self.settled = False
+            self.embedding = None
+            self.grad_key = None
+        if self.grad_key is None:
+            self.grad_key = key
+            self.engine.grad_params = tuple(candidates)
+        created = []
+        for p in self.engine.grad_params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+                created.append(p)
+        return created
+
+    def drop_grads(self, keep, created) -> None:
+        """Only ``grad_params[k]`` for ``k`` in ``keep`` are added into directly; the zero
+        ``.grad`` given to the others (``created``) is taken back."""
+        params = self.engine.grad_params
+        kept = tuple(params[k] for k in keep)
+        kept_ids, created_ids = set(map(id, kept)), set(map(id, created))
+        for p in params:
+            if id(p) not in kept_ids and id(p) in created_ids:
+                p.grad = None
+        self.engine.grad_params = kept
 
     def sink(self, t: dict) -> torch.Tensor:
         """Zero rows [n, D] that receive the part's rows of the input embedding's gradient
@@ -119,6 +164,7 @@ class _PartRunner:
                            requires_grad=True)
 
     def __call__(self, t: dict, ctx_tok, ctx_state, sink):
+        grads = [_own_version(p.grad) for p in self.engine.grad_params]
         args = (t["input_ids"], t["tree_info"], t["part_info"], ctx_tok, ctx_state,
                 t["state_entry"], t["state_exit"], t["labels"])
         dynamic = (0, 1, 2, (3, 0), (4, 0), 5, 6, 7)
@@ -127,7 +173,7 @@ class _PartRunner:
             dynamic = tuple((d[0] + 1, d[1]) if isinstance(d, tuple) else d + 1
                             for d in dynamic) + (9,)
         dynamic += ((len(args), 0),)
-        args += (sink,)
+        args += (sink, grads)
         with no_cache(self.model) if self.step else contextlib.nullcontext():
             out = self.engine(t["input_ids"].device, *args, dynamic=dynamic,
                               discover_in=self.model)
@@ -136,6 +182,27 @@ class _PartRunner:
             self.embedding = next((c._cache["part_embedding"] for c in self.engine.contexts
                                    if "part_embedding" in c._cache), None)
         return out[:3]
+
+
+def _own_version(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s memory as a new tensor with a version counter of its own (not a view, which
+    shares its base's). A part's graph adds into ``.grad`` in its backward; AOTAutograd saves
+    that input for the backward and checks, when it runs, that its version is the one saved.
+    Parts run their backwards out of order, so an earlier part's backward may already have
+    added into ``.grad`` in between: one alias per part keeps each check to its own writes."""
+    out = torch.empty(0, dtype=t.dtype, device=t.device)
+    with torch.no_grad():
+        return out.set_(t.untyped_storage(), t.storage_offset(), t.shape, t.stride())
+
+
+def _grad_candidate(p: torch.nn.Parameter) -> bool:
+    """A matrix that trains, has no gradient hook, and whose ``.grad`` (if any) is a dense,
+    contiguous tensor of its own dtype: its gradient may be added into ``.grad`` directly."""
+    g = p.grad
+    return p.requires_grad and p.dim() == 2 and p.dtype.is_floating_point and \
+        not has_grad_hooks(p) and (g is None or (
+            g.layout == torch.strided and g.dtype == p.dtype and g.shape == p.shape
+            and g.is_contiguous()))
 
 
 def _runner(tm: TreeModel) -> _PartRunner:
@@ -288,11 +355,13 @@ def backward(tm: TreeModel, trees: Tree | Iterable[Tree] | TreeBatch, *, max_tok
     else:
         weights = None
     held: dict[int, _Held] = {}
+    # the weights whose gradients the part graphs add into .grad directly have one from here
+    created = runner.prepare_grads()
     total = torch.zeros((), dtype=torch.float64, device=device)
     incidence = _Incidence(full) if loss_fn is not None else None
     for j, part in enumerate(plan.parts):
         t = _to_device(plan, part, device, weights, min_tokens=3 if step is not None else 2)
-        lp, own, exits = _forward(runner, plan, part, t, held, device)
+        lp, own, exits = _forward(runner, plan, part, t, held, device, created)
         if step is not None:
             loss = lp
         elif loss_fn is None:  # treefx.tree_loss over the part's trained tokens
@@ -386,7 +455,7 @@ def _verify_first_call(tm: TreeModel, runner: _PartRunner) -> None:
         log.warning("%s", e)
 
 
-def _forward(runner: _PartRunner, plan, part, t: dict, held: dict, device):
+def _forward(runner: _PartRunner, plan, part, t: dict, held: dict, device, created=()):
     while True:
         (tok_w, tok_dt), (st_w, st_dt) = runner.layout
         ctx_tok = _gather_tokens(part, t, held, tok_w, tok_dt, device)
@@ -395,18 +464,24 @@ def _forward(runner: _PartRunner, plan, part, t: dict, held: dict, device):
         try:
             return runner(t, ctx_tok, ctx_state, t["emb_sink"])
         except PartLayoutMismatch as e:
-            if runner.layout == (e.tok, e.state):
+            every = tuple(range(len(runner.engine.grad_params)))
+            if runner.layout == (e.tok, e.state) and e.grads == every:
                 raise
             if runner.settled:
                 raise TreeCompileError(
                     f"the part graph for a part of {part.num_tokens} token(s) hands on "
                     f"{e.tok[0]} columns per token and {e.state[0]} per state, the earlier "
-                    f"parts' {runner.layout[0][0]} and {runner.layout[1][0]}: the model's code "
-                    "takes another branch for this token count (a cache it fills, a short-row "
-                    "special case?), so its sites differ between parts") from e
+                    f"parts' {runner.layout[0][0]} and {runner.layout[1][0]}, and adds "
+                    f"{len(e.grads)} of {len(every)} weights' gradients into .grad: the "
+                    "model's code takes another branch for this token count (a cache it "
+                    "fills, a short-row special case?), so its sites differ between parts"
+                ) from e
             runner.layout = (e.tok, e.state)
+            if e.grads != every:
+                runner.drop_grads(e.grads, created)
             log.info("treefx.backward: the part graph hands on %d columns per token (%s) and "
-                     "%d per state (%s)", e.tok[0], e.tok[1], e.state[0], e.state[1])
+                     "%d per state (%s), and adds %d weights' gradients into .grad", e.tok[0],
+                     e.tok[1], e.state[0], e.state[1], len(e.grads))
 
 
 def _gather_tokens(part, t: dict, held, width, dtype, device) -> torch.Tensor:

@@ -111,7 +111,9 @@ def _slice_grad_fn(cuda: bool):
 
 
 def _backward(grad, h, weight, bias, ids, parent, lse, need_h: bool, need_weight: bool,
-              need_bias: bool, all_rows: bool = False):
+              need_bias: bool, all_rows: bool = False, grad_into: torch.Tensor | None = None):
+    """(d/d h, d/d weight, d/d bias); with ``grad_into`` (the weight's ``.grad``) the weight's
+    gradient is added into it instead (the returned one is empty)."""
     acc = _acc(h)
     h2 = h.reshape(-1, h.shape[-1])
     ids = ids.reshape(-1)
@@ -126,8 +128,10 @@ def _backward(grad, h, weight, bias, ids, parent, lse, need_h: bool, need_weight
     n_tok, n_vocab = tokens.shape[0], weight.shape[0]
     blocks = list(range(0, n_tok, _TOKEN_BLOCK))
     slice_grad = _slice_grad_fn(h.is_cuda)
-    # one block: each weight slice's gradient is written straight into the result
-    dw = torch.zeros(weight.shape if need_weight else (0,),
+    # one block: each weight slice's gradient is written straight into the result (or added
+    # straight into ``grad_into``); several: summed over blocks in ``acc``, then rounded once
+    into = grad_into is not None and need_weight and len(blocks) <= 1
+    dw = torch.zeros(weight.shape if need_weight and not into else (0,),
                      dtype=weight.dtype if len(blocks) <= 1 else acc, device=h.device)
     for b0 in blocks:
         t = tokens[b0:b0 + _TOKEN_BLOCK]
@@ -149,7 +153,9 @@ def _backward(grad, h, weight, bias, ids, parent, lse, need_h: bool, need_weight
             if need_h:
                 dh_t += _mm_acc(dc, w_s, acc)
             if need_weight:
-                if len(blocks) == 1:
+                if into:
+                    grad_into[v0:v1].addmm_(dc.t(), hc)
+                elif len(blocks) == 1:
                     torch.mm(dc.t(), hc, out=dw[v0:v1])
                 else:
                     dw[v0:v1] += _mm_acc(dc.t(), hc, acc)
@@ -157,20 +163,24 @@ def _backward(grad, h, weight, bias, ids, parent, lse, need_h: bool, need_weight
                 db[v0:v1] += d.sum(0)
         if need_h:
             dh.index_add_(0, rows, dh_t)
+    if grad_into is not None and need_weight and not into:
+        grad_into.add_(dw)
+        dw = dw.new_zeros(0)
     return (dh.to(h.dtype).reshape(h.shape) if need_h else dh.to(h.dtype),
             dw.to(weight.dtype), db.to(weight.dtype))
 
 
 @torch.library.custom_op("treefx::linear_tree_logprobs", mutates_args=())
 def _linear_tree_logprobs(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                          ids: torch.Tensor, parent: torch.Tensor, all_rows: bool = False
+                          ids: torch.Tensor, parent: torch.Tensor, all_rows: bool = False,
+                          grad_into: torch.Tensor | None = None
                           ) -> tuple[torch.Tensor, torch.Tensor]:
     """(log-probabilities [N], log-sum-exp [N], kept for the backward)."""
     return _forward(h, weight, bias, ids, parent)
 
 
 @_linear_tree_logprobs.register_fake
-def _(h, weight, bias, ids, parent, all_rows=False):
+def _(h, weight, bias, ids, parent, all_rows=False, grad_into=None):
     n = parent.shape[0]
     return h.new_empty(n, dtype=_acc(h)), h.new_empty(n, dtype=_acc(h))
 
@@ -193,21 +203,49 @@ def _(grad, h, weight, bias, ids, parent, lse, need_h, need_weight, need_bias, a
             weight.new_empty(weight.shape[0] if need_bias else 0))
 
 
+@torch.library.custom_op("treefx::linear_tree_logprobs_backward_into",
+                         mutates_args=("grad_into",))
+def _linear_tree_logprobs_backward_into(grad: torch.Tensor, h: torch.Tensor,
+                                        weight: torch.Tensor, bias: torch.Tensor | None,
+                                        ids: torch.Tensor, parent: torch.Tensor,
+                                        lse: torch.Tensor, need_h: bool, need_bias: bool,
+                                        all_rows: bool, grad_into: torch.Tensor
+                                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d/d h, d/d bias), the weight's gradient added into ``grad_into``."""
+    dh, _, db = _backward(grad, h, weight, bias, ids, parent, lse, need_h, True, need_bias,
+                          all_rows, grad_into)
+    return dh, db
+
+
+@_linear_tree_logprobs_backward_into.register_fake
+def _(grad, h, weight, bias, ids, parent, lse, need_h, need_bias, all_rows, grad_into):
+    return (torch.empty_like(h) if need_h else h.new_empty(0),
+            weight.new_empty(weight.shape[0] if need_bias else 0))
+
+
 def _setup(ctx, inputs, output):
-    h, weight, bias, ids, parent, all_rows = inputs
+    h, weight, bias, ids, parent, all_rows, grad_into = inputs
     ctx.has_bias = bias is not None
     ctx.all_rows = all_rows
     ctx.save_for_backward(h, weight, bias, ids, parent, output[1])
+    ctx.grad_into = grad_into  # written in place (not saved: its version changes)
 
 
 def _grad(ctx, grad_lp, _grad_lse):
     h, weight, bias, ids, parent, lse = ctx.saved_tensors
+    grad_into = ctx.grad_into
     need_h, need_weight, need_bias = ctx.needs_input_grad[:3]
     need_bias = bool(need_bias and ctx.has_bias)
-    dh, dw, db = _linear_tree_logprobs_backward(grad_lp, h, weight, bias, ids, parent, lse,
-                                                need_h, need_weight, need_bias, ctx.all_rows)
+    if grad_into is not None and need_weight:
+        dh, db = _linear_tree_logprobs_backward_into(grad_lp, h, weight, bias, ids, parent, lse,
+                                                     need_h, need_bias, ctx.all_rows, grad_into)
+        dw, need_weight = None, False
+    else:
+        dh, dw, db = _linear_tree_logprobs_backward(grad_lp, h, weight, bias, ids, parent, lse,
+                                                    need_h, need_weight, need_bias,
+                                                    ctx.all_rows)
     return (dh if need_h else None, dw if need_weight else None, db if need_bias else None,
-            None, None, None)
+            None, None, None, None)
 
 
 _linear_tree_logprobs.register_autograd(_grad, setup_context=_setup)
@@ -215,15 +253,19 @@ _linear_tree_logprobs.register_autograd(_grad, setup_context=_setup)
 
 def fused_linear_tree_logprobs(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                                input_ids: torch.Tensor, parent_token: torch.Tensor,
-                               all_rows: bool = False) -> torch.Tensor:
+                               all_rows: bool = False,
+                               grad_into: torch.Tensor | None = None) -> torch.Tensor:
     """[N]: ``log softmax(h[parent_token[t]] W^T + b)[input_ids[t]]``, 0 where t has no
     predecessor, from hidden states ``h`` [.., N, D] and the output projection ``weight``
     [V, D] (``bias`` [V] or None), without materializing the logits; float32 (float64 for
     float64 inputs). Differentiable in ``h``, ``weight`` and ``bias`` for any upstream
     gradient [N]. ``all_rows``: the backward takes every row (else only those with a nonzero
     upstream gradient, found with a host synchronization), for a caller that keeps trained
-    rows only (the parts of :func:`treefx.backward`)."""
-    return _linear_tree_logprobs(h, weight, bias, input_ids, parent_token, all_rows)[0]
+    rows only (the parts of :func:`treefx.backward`). ``grad_into``: a tensor like ``weight``
+    (its ``.grad``) into which the backward adds the weight's gradient, which autograd then
+    does not get (:mod:`treefx.ops.grad_into`)."""
+    return _linear_tree_logprobs(h, weight, bias, input_ids, parent_token, all_rows,
+                                 grad_into)[0]
 
 
 def linear_tree_logprobs_reference(h, weight, bias, input_ids, parent_token):

@@ -20,16 +20,19 @@ import torch
 import torch.fx as fx
 
 from ..ops.context import columns_to_heads, heads_to_columns, part_embedding
+from ..ops.grad_into import linear_grad_into
+from ..ops.logprobs import fused_linear_tree_logprobs
 from .common import GraphContext, TreeCompileError, arg, describe, example, is_call, set_example
 
-__all__ = ["PartLayoutMismatch", "PartSites", "finish", "part_outputs"]
+__all__ = ["PartLayoutMismatch", "PartSites", "finish", "has_grad_hooks", "part_outputs"]
 
 
 def part_outputs(input_ids, ctx_tok, ctx_state, state_exit, part_info, state_entry,
-                 tree_info, emb_sink):
+                 tree_info, emb_sink, grads):
     """Marker of a part's captured function (one graph node, replaced by :func:`finish`):
     the part's own [n, W] and exit states [X, S]. It takes every part input, so that Dynamo
-    makes each a graph input."""
+    makes each a graph input (``grads``: the ``.grad`` of the parameters the part may add
+    their gradients into directly, see :func:`route_gradients`)."""
     n = input_ids.shape[-1]
     return (ctx_tok.new_zeros(n, ctx_tok.shape[1]),
             ctx_state.new_zeros(state_exit.shape[0], ctx_state.shape[1]))
@@ -37,12 +40,16 @@ def part_outputs(input_ids, ctx_tok, ctx_state, state_exit, part_info, state_ent
 
 class PartLayoutMismatch(TreeCompileError):
     """The context buffers a part was called with do not have the widths and dtypes its sites
-    need: ``tok`` and ``state`` are (width, dtype) pairs to capture again with."""
+    need, or it was given ``.grad`` buffers it does not add into: ``tok`` and ``state`` are
+    (width, dtype) pairs, ``grads`` the positions among the given buffers that it does add
+    into, to capture again with."""
 
-    def __init__(self, tok, state):
-        super().__init__(f"part context layout: tokens {tok}, states {state}")
+    def __init__(self, tok, state, grads=()):
+        super().__init__(f"part context layout: tokens {tok}, states {state}, gradient "
+                         f"buffers {list(grads)}")
         self.tok = tok
         self.state = state
+        self.grads = tuple(grads)
 
 
 class PartSites:
@@ -51,7 +58,8 @@ class PartSites:
     def __init__(self, marker: fx.Node):
         self.marker = marker
         (_, self.ctx_tok, self.ctx_state, self.state_exit, self.part_info,
-         self.state_entry, _, self.emb_sink) = marker.args
+         self.state_entry, _, self.emb_sink, grads) = marker.args
+        self.grads: list[fx.Node] = list(grads)
         self.tok: list[tuple[fx.Node, int, torch.dtype]] = []  # own value [n, w], width, dtype
         self.state: list[tuple[fx.Node, int, torch.dtype]] = []
 
@@ -219,14 +227,9 @@ def route_embedding(ctx: GraphContext) -> None:
     if arg(node, 3, "max_norm", None) is not None or arg(node, 5, "scale_grad_by_freq", False) \
             or arg(node, 6, "sparse", False) or not isinstance(pad, (int, type(None))):
         return
-    if not (isinstance(weight, fx.Node) and weight.op == "placeholder"):
-        return
-    placeholders = [n for n in ctx.graph.nodes if n.op == "placeholder"]
-    inputs = getattr(ctx, "example_inputs", None) or ()
-    i = placeholders.index(weight)
-    real = inputs[i] if i < len(inputs) else None
+    real = _real_parameter(ctx, weight)
     w, sink = example(weight), example(part.emb_sink)
-    if not (isinstance(real, torch.nn.Parameter) and real.requires_grad and w is not None
+    if not (real is not None and not has_grad_hooks(real) and w is not None
             and w.dim() == 2 and sink.shape[1] == w.shape[1] and sink.dtype == w.dtype):
         return
     if pad is not None and pad < 0:
@@ -244,13 +247,16 @@ def route_embedding(ctx: GraphContext) -> None:
 def finish(ctx: GraphContext) -> None:
     """Replace the marker by the part's own columns and exit states; a
     :class:`PartLayoutMismatch` when the buffers the part was captured with have other widths
-    or dtypes than its sites need. Then :func:`route_embedding`."""
+    or dtypes than its sites need, or ``.grad`` buffers it would not add into. Then
+    :func:`route_embedding` and :func:`route_gradients`."""
     part = ctx.part
     (tok_w, tok_dt), (st_w, st_dt) = part.layout()
     have_tok, have_st = example(part.ctx_tok), example(part.ctx_state)
+    routes = _gradient_routes(ctx)
+    used = sorted({k for _, _, k in routes})
     if (have_tok.shape[1], have_tok.dtype, have_st.shape[1], have_st.dtype) != (
-            tok_w, tok_dt, st_w, st_dt):
-        raise PartLayoutMismatch((tok_w, tok_dt), (st_w, st_dt))
+            tok_w, tok_dt, st_w, st_dt) or used != list(range(len(part.grads))):
+        raise PartLayoutMismatch((tok_w, tok_dt), (st_w, st_dt), used)
     g = ctx.graph
     marker = part.marker
     with g.inserting_before(marker):
@@ -266,6 +272,96 @@ def finish(ctx: GraphContext) -> None:
         g.erase_node(user)
     g.erase_node(marker)
     route_embedding(ctx)
+    route_gradients(ctx, routes)
+
+
+def has_grad_hooks(p: torch.Tensor) -> bool:
+    """Whether ``p`` has a gradient hook (``register_hook``, ``register_post_accumulate_grad_
+    hook``): its gradient must then reach it through autograd, never be added into ``.grad``
+    by treefx."""
+    return bool(getattr(p, "_backward_hooks", None)) or \
+        bool(getattr(p, "_post_accumulate_grad_hooks", None))
+
+
+def _real_parameter(ctx: GraphContext, node) -> torch.nn.Parameter | None:
+    """The trainable parameter a root placeholder stands for (among the capture's real
+    inputs, which the engine keeps for parameters only), else None."""
+    if not (isinstance(node, fx.Node) and node.op == "placeholder"):
+        return None
+    root = ctx.root
+    placeholders = [n for n in root.graph.nodes if n.op == "placeholder"]
+    inputs = getattr(root, "example_inputs", None) or ()
+    if node not in placeholders:
+        return None
+    i = placeholders.index(node)
+    real = inputs[i] if i < len(inputs) else None
+    return real if isinstance(real, torch.nn.Parameter) and real.requires_grad else None
+
+
+def _gradient_routes(ctx: GraphContext) -> list[tuple[GraphContext, fx.Node, int]]:
+    """(graph, node, k): each linear layer (``F.linear``) and fused log-probability site whose
+    weight is a trainable parameter given as ``grad_params[k]``, whose ``.grad`` the part was
+    called with (the marker's ``grads[k]``), of that weight's shape and dtype, with the input
+    in that dtype. None in a graph with an autocast region (a custom op runs outside it)."""
+    part = ctx.part
+    params = list(getattr(ctx.root, "grad_params", ()) or ())
+    if not part.grads or len(params) != len(part.grads):
+        return []
+    scopes = list(ctx.scopes())
+    if any("autocast" in str(n.target) for c in scopes for n in c.graph.nodes
+           if n.op == "call_function"):
+        return []
+    if ctx.backend not in ("inductor", "aot-eager"):
+        # run eagerly, an activation-checkpointed body checks that its operands (a .grad
+        # among them) are unchanged when it recomputes; AOTAutograd inlines it
+        scopes = [ctx]
+    routes = []
+    for c in scopes:
+        for node in c.graph.nodes:
+            if is_call(node, torch.nn.functional.linear, torch._C._nn.linear):
+                x, weight = arg(node, 0, "input"), arg(node, 1, "weight")
+            elif is_call(node, fused_linear_tree_logprobs) and \
+                    node.kwargs.get("grad_into") is None:
+                x, weight = arg(node, 0, "h"), arg(node, 1, "weight")
+            else:
+                continue
+            p = _real_parameter(ctx, c.resolve(weight))
+            k = next((i for i, q in enumerate(params) if q is p), None) if p is not None \
+                else None
+            if k is None:
+                continue
+            w, xv, buf = example(weight), example(x), example(part.grads[k])
+            if w is None or xv is None or buf is None or w.dim() != 2 or \
+                    tuple(buf.shape) != tuple(w.shape) or buf.dtype != w.dtype or \
+                    xv.dtype != w.dtype:
+                continue
+            routes.append((c, node, k))
+    return routes
+
+
+def route_gradients(ctx: GraphContext, routes) -> None:
+    """Each linear layer and fused log-probability site of ``routes``
+    (:func:`_gradient_routes`) adds its weight's gradient straight into the parameter's
+    ``.grad`` (:mod:`treefx.ops.grad_into`): a part's backward then hands autograd no [out,
+    in] gradient per weight for ``AccumulateGrad`` to add (a pass over every weight's gradient
+    per part). Uses of the weight by other ops keep autograd's way; both add into the same
+    ``.grad``."""
+    part = ctx.part
+    for c, node, k in routes:
+        acc = c.local(part.grads[k])
+        g = c.graph
+        if node.target is fused_linear_tree_logprobs:
+            node.kwargs = {**node.kwargs, "grad_into": acc}
+            ctx.record("parts", node, describe(node), note="the weight's gradient into .grad")
+            continue
+        x, weight = arg(node, 0, "input"), arg(node, 1, "weight")
+        bias = arg(node, 2, "bias", None)
+        with g.inserting_before(node):
+            new = g.call_function(linear_grad_into, (x, weight, bias, acc))
+        new.meta.update(node.meta)
+        ctx.record("parts", node, describe(new), note="the weight's gradient into .grad")
+        node.replace_all_uses_with(new)
+        g.erase_node(node)
 
 
 def _concat_columns(columns: list, like: torch.Tensor, width: int, dtype) -> torch.Tensor:
