@@ -274,6 +274,12 @@ def backward(tm: TreeModel, trees: Tree | Iterable[Tree] | TreeBatch, *, max_tok
     so ``reduction`` and ``loss_fn`` are not taken; the step takes no extra arguments and
     returns the loss alone, as a scalar).
 
+    Gradients: each linear layer whose weight trains, and the output projection, add their
+    weight's gradient straight into ``.grad`` in a part's backward (no per-part gradient for
+    autograd to add); such a weight without a ``.grad`` gets a zero one when the call starts.
+    A parameter with a gradient hook (``register_hook``, ``register_post_accumulate_grad_hook``)
+    gets its gradient through autograd, once per part that reads it, as usual.
+
     A model sharded with FSDP2 or wrapped in DDP is refused (not yet): each rank would cut
     its trees into its own number of parts, and the ranks' collectives would not match.
 
