@@ -469,3 +469,23 @@ def test_checkpointed_layers_add_their_weight_gradients_into_grad_under_aot_auto
     _check(tm, odd_forest(3, VOCAB), 5)
     linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
     assert _routed(tm) == (linears - 1, 1)
+
+
+def test_parts_under_autocast_leave_the_weight_gradients_to_autograd():
+    """Under the caller's ``torch.autocast`` the linear layers compute in bf16 as the whole
+    tree's do; a custom op would run them in float32, so none adds into ``.grad`` itself."""
+    model = hf_model("qwen3", "sdpa")
+    tm = treefx.compile(model, backend="eager", verify=False)
+    trees = odd_forest(3, VOCAB)
+    batch = treefx.pack(trees, reduction="mean")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        whole = treefx.tree_loss(tm(batch), batch)
+        whole.backward()
+        ref = grads(model)
+        loss = treefx.backward(tm, trees, max_tokens=5)
+    assert _routed(tm) == (0, 0)
+    got = grads(model)
+    torch.testing.assert_close(loss, whole.detach().to(loss.dtype), atol=2e-2, rtol=2e-2)
+    for n, g in ref.items():
+        err = float((got[n] - g).norm() / g.norm().clamp(min=1e-12))
+        assert err <= 5e-2, f"{n}: {err:.2e}"

@@ -302,14 +302,15 @@ def _gradient_routes(ctx: GraphContext) -> list[tuple[GraphContext, fx.Node, int
     """(graph, node, k): each linear layer (``F.linear``) and fused log-probability site whose
     weight is a trainable parameter given as ``grad_params[k]``, whose ``.grad`` the part was
     called with (the marker's ``grads[k]``), of that weight's shape and dtype, with the input
-    in that dtype. None in a graph with an autocast region (a custom op runs outside it)."""
+    in that dtype. None under autocast, or in a graph with an autocast region (a custom op
+    runs outside it)."""
     part = ctx.part
     params = list(getattr(ctx.root, "grad_params", ()) or ())
     if not part.grads or len(params) != len(part.grads):
         return []
     scopes = list(ctx.scopes())
-    if any("autocast" in str(n.target) for c in scopes for n in c.graph.nodes
-           if n.op == "call_function"):
+    if _autocast_on() or any("autocast" in str(n.target).lower() for c in scopes
+                             for n in c.graph.nodes if n.op == "call_function"):
         return []
     if ctx.backend not in ("inductor", "aot-eager"):
         # run eagerly, an activation-checkpointed body checks that its operands (a .grad
@@ -337,6 +338,12 @@ def _gradient_routes(ctx: GraphContext) -> list[tuple[GraphContext, fx.Node, int
                 continue
             routes.append((c, node, k))
     return routes
+
+
+def _autocast_on() -> bool:
+    """Whether the capture runs under autocast (the caller's ``torch.autocast``): its linear
+    layers then compute in the autocast dtype, which a custom op would not."""
+    return any(torch.is_autocast_enabled(d) for d in ("cpu", "cuda"))
 
 
 def route_gradients(ctx: GraphContext, routes) -> None:
