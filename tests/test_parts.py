@@ -477,15 +477,13 @@ def test_parts_under_autocast_leave_the_weight_gradients_to_autograd():
     model = hf_model("qwen3", "sdpa")
     tm = treefx.compile(model, backend="eager", verify=False)
     trees = odd_forest(3, VOCAB)
-    batch = treefx.pack(trees, reduction="mean")
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        whole = treefx.tree_loss(tm(batch), batch)
-        whole.backward()
-        ref = grads(model)
+        ref_loss, ref = _oracle(model, trees)  # each sequence alone, under the same autocast
         loss = treefx.backward(tm, trees, max_tokens=5)
     assert _routed(tm) == (0, 0)
     got = grads(model)
-    torch.testing.assert_close(loss, whole.detach().to(loss.dtype), atol=2e-2, rtol=2e-2)
+    assert set(got) == set(ref)
+    torch.testing.assert_close(loss, ref_loss.to(loss.dtype), atol=2e-2, rtol=2e-2)
     for n, g in ref.items():
         err = float((got[n] - g).norm() / g.norm().clamp(min=1e-12))
         assert err <= 5e-2, f"{n}: {err:.2e}"

@@ -289,12 +289,14 @@ def _real_parameter(ctx: GraphContext, node) -> torch.nn.Parameter | None:
     if not (isinstance(node, fx.Node) and node.op == "placeholder"):
         return None
     root = ctx.root
-    placeholders = [n for n in root.graph.nodes if n.op == "placeholder"]
+    index = root._cache.get("placeholder_index")
+    if index is None:  # built once: asked for every linear layer of the graph
+        index = {n: i for i, n in enumerate(n for n in root.graph.nodes
+                                            if n.op == "placeholder")}
+        root._cache["placeholder_index"] = index
     inputs = getattr(root, "example_inputs", None) or ()
-    if node not in placeholders:
-        return None
-    i = placeholders.index(node)
-    real = inputs[i] if i < len(inputs) else None
+    i = index.get(node)
+    real = inputs[i] if i is not None and i < len(inputs) else None
     return real if isinstance(real, torch.nn.Parameter) and real.requires_grad else None
 
 
