@@ -13,6 +13,7 @@ from .common import (
     UnmatchedAttentionError,
 )
 from .dce import eliminate_dead_code
+from .heads import merged_heads_pass
 from .logprobs import logprobs_pass
 from .parts import finish as finish_part
 from .loss import check_loss_found, loss_pass
@@ -37,9 +38,11 @@ __all__ = [
 log = logging.getLogger("treefx")
 
 # Positions first: the attention pass then finds the model's masks already evaluated at path
-# positions, and keeps them (ANDed with the tree) instead of dropping them.
+# positions, and keeps them (ANDed with the tree) instead of dropping them. Attention over
+# merged batch·head rows is put in the [B, H, N, D] form the attention pass matches.
 PASSES = (
     ("positions", positions_pass),
+    ("heads", merged_heads_pass),
     ("attention", attention_pass),
     ("ssm", ssm_pass),
     ("loss", loss_pass),

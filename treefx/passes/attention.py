@@ -263,6 +263,18 @@ _POINTWISE_METHODS = ("mul", "div", "add", "sub", "neg", "tanh", "sigmoid", "cla
 _MAX = (torch.max, torch.amax)
 
 
+def is_pointwise(node) -> bool:
+    """An elementwise op a score chain may apply: those above, or the binary maximum
+    (``torch.max(scores, floor)``, XGLM's clamp of its masked scores)."""
+    if is_call(node, *_POINTWISE, methods=_POINTWISE_METHODS):
+        return True
+    if is_call(node, torch.maximum, methods=("maximum",)):
+        return True
+    other = arg(node, 1, "other")
+    return is_call(node, torch.max, methods=("max",)) and isinstance(
+        example(other), torch.Tensor)
+
+
 def _same_shape_view(node: fx.Node) -> bool:
     """``x.view(shape of x)`` (Falcon views its attention weights to the shape they have)."""
     if not is_call(node, torch.reshape, methods=("view", "reshape")):
@@ -314,7 +326,7 @@ def _score_source(node, memo: dict) -> fx.Node | None:
             memo[node] = node
         elif _same_shape_view(node):
             memo[node] = _score_source(node.args[0], memo)
-        elif is_call(node, *_POINTWISE, methods=_POINTWISE_METHODS):
+        elif is_pointwise(node):
             found = {_score_source(a, memo) for a in node.all_input_nodes} - {None}
             memo[node] = found.pop() if len(found) == 1 else None
     return memo[node]
