@@ -21,6 +21,7 @@ import torch
 import torch.fx as fx
 
 from . import backends, regional
+from .attn_impl import eager_attention
 from .kernels import capture_patches, discover
 from .layout import TreeBatch
 from .ops.attention import check_interleave_heads, check_kernel_options
@@ -126,7 +127,8 @@ class TreeEngine:
         with self._errors(args, dynamic):
             # Registered recurrent kernels appear as single marker nodes (treefx.kernels);
             # the swap is in place on every call so that Dynamo's guards always see it.
-            with capture_patches(), backends.capture_config(), self._shapes():
+            with capture_patches(), backends.capture_config(), self._shapes(), \
+                    eager_attention(discover_in):
                 out = self._compiled[backend](*args)
         if self._runs == runs:
             raise TreeCompileError(
@@ -255,7 +257,7 @@ class TreeEngine:
                            backend=compile_graph, fullgraph=True)
         _mark_dynamic(args, dynamic)
         with self._errors(args, dynamic), regional.capture_state(model), \
-                capture_patches(), backends.capture_config(), \
+                capture_patches(), backends.capture_config(), eager_attention(model), \
                 torch._dynamo.config.patch(optimize_ddp=False):
             returned = fn(*args)
         if "graph" not in holder:

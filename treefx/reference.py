@@ -10,6 +10,7 @@ from collections.abc import Iterable
 
 import torch
 
+from .attn_impl import oracle_attention
 from .layout import check_num_sequences
 from .tree import Tree
 
@@ -49,13 +50,15 @@ def _device(model: torch.nn.Module) -> torch.device:
 def sequence_logprobs(model: torch.nn.Module, tree) -> list[torch.Tensor]:
     """Per sequence (over all trees given, in order): log p(token j | tokens < j) for j >= 1,
     a tensor of length ``len(sequence) - 1`` in float32 (float64 for a float64 model), from the
-    model run on that sequence alone. Differentiable."""
+    model run on that sequence alone (a flex-attention model on the CPU through its eager
+    attention: :func:`treefx.attn_impl.oracle_attention`). Differentiable."""
     dev = _device(model)
     out = []
     for t in _trees(tree):
         for i in range(t.num_sequences):
             ids = torch.as_tensor(t.sequence(i), device=dev)[None]
-            logits = logits_of(model(ids))[0, :-1]
+            with oracle_attention(model):
+                logits = logits_of(model(ids))[0, :-1]
             logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
             out.append(torch.log_softmax(logits, dim=-1).gather(-1, ids[0, 1:, None])[:, 0])
     return out
