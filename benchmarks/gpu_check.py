@@ -389,15 +389,20 @@ def case_small_trees(res):
 
 # Model families with their own attention or state (issue "exact on the model families agent
 # trainers use"): MLA + group-limited MoE, sinks + alternating windows, logit softcapping,
-# Gated DeltaNet + MoE, Mamba2 with a dt floor, Mamba v1, sinks as sigmoid(lse - sink).
+# Gated DeltaNet + MoE, Mamba2 with a dt floor, Mamba v1, sinks as sigmoid(lse - sink),
+# ALiBi and local attention from tables and the mask, attention over merged batch·head rows;
+# "<type>-flex": the model built with attn_implementation="flex_attention" (its oracle is the
+# model itself, through Hugging Face's FlexAttention kernel on the GPU).
 FAMILIES = ("deepseek_v3", "gpt_oss", "gemma2", "qwen3_5_moe", "nemotron_h", "granite_swa",
-            "mamba", "jamba", "gpt_neo", "mpt", "falcon", "llama4_text")
+            "mamba", "jamba", "gpt_neo", "mpt", "falcon", "llama4_text", "bloom", "xglm", "mvp",
+            "qwen3-flex", "mistral-flex", "gemma2-flex")
 # Config changes on top of the zoo's tiny config: ALiBi on for Falcon; tables (GPT-Neo's local
 # attention, MPT's ALiBi) longer than the agent tree's whole row, which Dynamo traces the cut on.
 # GPT-Neo's tiny heads (4 dims) are below FlexAttention's minimum of 16.
 FAMILY_CONFIG = {"falcon": dict(alibi=True),
                  "gpt_neo": dict(max_position_embeddings=4096, hidden_size=64, num_heads=4),
-                 "mpt": dict(max_seq_len=4096)}
+                 "mpt": dict(max_seq_len=4096), "xglm": dict(max_position_embeddings=4096),
+                 "mvp": dict(max_position_embeddings=4096)}
 
 
 def _family_trees(model) -> list:
@@ -429,8 +434,11 @@ def case_families(res):
         t0 = time.perf_counter()
         try:
             torch._dynamo.reset()
-            ref = zoo.build_model(mt, **FAMILY_CONFIG.get(mt, {})).to(DEV)
-            if mt in ("gemma2", "gpt_oss"):
+            base, _, impl = mt.partition("-")
+            ref = zoo.build_model(base, **FAMILY_CONFIG.get(base, {})).to(DEV)
+            if impl:
+                ref.set_attn_implementation("flex_attention")
+            elif mt in ("gemma2", "gpt_oss"):
                 # Hugging Face's SDPA path drops softcapping and sinks (transformers 5.17
                 # builds Gemma 2 with it by default): the eager form is the model.
                 ref.set_attn_implementation("eager")

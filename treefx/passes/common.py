@@ -404,7 +404,14 @@ class GraphContext:
 def set_example(node: fx.Node) -> None:
     """Record a fake example value for a node treefx added (and for its inputs that lack
     one), by running its target on its inputs' example values. A placeholder made for a body
-    carries its operand's example value, so nodes passed into bodies need one."""
+    carries its operand's example value, so nodes passed into bodies need one.
+
+    Run as Dynamo runs ops when it traces (with the Python dispatcher, so composite ops such
+    as ``matmul`` decompose in Python with size-oblivious checks): torch 2.11's C++
+    ``matmul`` of 4-D tensors otherwise guards the token count to its example value, which
+    specializes the whole graph."""
+    from torch._dispatch.python import enable_python_dispatcher
+
     if not isinstance(node, fx.Node) or example(node) is not None:
         return
     for a in node.all_input_nodes:
@@ -416,7 +423,7 @@ def set_example(node: fx.Node) -> None:
                  if getattr(v, "fake_mode", None) is not None), None)
     if mode is None:
         return
-    with mode:
+    with mode, enable_python_dispatcher():
         if node.op == "call_function":
             node.meta["example_value"] = node.target(*args, **kwargs)
         elif node.op == "call_method":
