@@ -18,7 +18,7 @@ from treefx.zoo import build_model
 transformers = pytest.importorskip("transformers")
 
 
-@pytest.mark.parametrize("name", ["qwen3", "mistral"])
+@pytest.mark.parametrize("name", [pytest.param("qwen3", marks=pytest.mark.slow), "mistral"])
 def test_hf_flex_attention_model_matches_oracle(name):
     """Mistral's window of 3 positions crosses the nodes of the odd forest."""
     model = hf_model(name, "flex_attention")

@@ -30,7 +30,8 @@ def zoo_model(name: str, dtype=torch.float32):
 
 
 @pytest.mark.parametrize("name", [
-    "bloom", "xglm",
+    "bloom",
+    pytest.param("xglm", marks=pytest.mark.slow),
     pytest.param("mvp", marks=pytest.mark.slow),
     pytest.param("trocr", marks=pytest.mark.slow),
     pytest.param("gpt_neox_japanese", marks=pytest.mark.slow),
