@@ -22,7 +22,7 @@ import torch.fx as fx
 
 from . import backends, regional
 from .attn_impl import eager_attention
-from .kernels import capture_patches, discover
+from .kernels import UnsupportedLayerError, capture_patches, discover
 from .layout import TreeBatch
 from .ops.attention import check_interleave_heads, check_kernel_options
 from .passes import GraphBreakError, GraphContext, TreeCompileError, run_passes
@@ -279,7 +279,10 @@ def prepare_model(model: torch.nn.Module) -> None:
     """What a model needs before its first capture, done once per model (not per step): its
     recurrent kernels recognised (:func:`treefx.kernels.discover`) and Hugging Face's
     output-capturing hooks installed (:func:`_install_output_hooks`)."""
-    discover(model)
+    try:
+        discover(model)
+    except UnsupportedLayerError as e:
+        raise TreeCompileError(str(e)) from None
     _install_output_hooks(model)
 
 

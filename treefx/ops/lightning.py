@@ -23,12 +23,14 @@ def lightning_attention(query, key, value, g, initial_state=None, output_final_s
     """The recurrence above in chunks: within a chunk, with G the cumulative log decay,
     ``o_i = exp(G_i) q_i S_0 + Σ_{j≤i} exp(G_i − G_j) (q_i·k_j) v_j`` and
     ``S = exp(G_L) S_0 + Σ_j exp(G_L − G_j) k_jᵀ v_j``. Returns ``(output [B, N, H, Dv],
-    final_state or None)``; computes in the inputs' dtype."""
+    final_state or None)``; the products in the inputs' dtype, the decays (a cumulative sum
+    and its exponentials) in float32 at least, as MiniMax builds its decay tables."""
     b, n, h, dk = query.shape
     dv = value.shape[-1]
     dtype = query.dtype
     q, k, v = (x.transpose(1, 2) for x in (query, key, value))  # [B, H, N, D]
-    gl = g.transpose(1, 2).to(dtype)  # [B, H, N]
+    wide = torch.promote_types(dtype, torch.float32)
+    gl = g.transpose(1, 2).to(wide)  # [B, H, N]
     state = (torch.zeros(b, h, dk, dv, dtype=dtype, device=query.device)
              if initial_state is None else initial_state.to(dtype))
     outs = []
@@ -40,12 +42,12 @@ def lightning_attention(query, key, value, g, initial_state=None, output_final_s
         if causal is None or causal.shape[0] != e - s:
             causal = torch.ones(e - s, e - s, dtype=torch.bool, device=query.device).tril()
         diff = (cum[..., :, None] - cum[..., None, :]).masked_fill(~causal, float("-inf"))
-        intra = ((qc @ kc.transpose(-1, -2)) * diff.exp()) @ vc
-        inter = (qc * cum.exp()[..., None]) @ state
+        intra = ((qc @ kc.transpose(-1, -2)) * diff.exp().to(dtype)) @ vc
+        inter = (qc * cum.exp().to(dtype)[..., None]) @ state
         outs.append(intra + inter)
         last = cum[..., -1:]  # G_L
-        state = state * last.exp()[..., None] + (
-            kc * (last - cum).exp()[..., None]).transpose(-1, -2) @ vc
+        state = state * last.exp().to(dtype)[..., None] + (
+            kc * (last - cum).exp().to(dtype)[..., None]).transpose(-1, -2) @ vc
     out = torch.cat(outs, dim=2).transpose(1, 2) if outs else value.new_zeros(b, 0, h, dv)
     return out, (state if output_final_state else None)
 
