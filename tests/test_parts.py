@@ -12,6 +12,7 @@ from support import VOCAB, grads, hf_model
 
 import treefx
 from treefx import parts
+from treefx.ops.attention import TreePartFlexAttention
 from treefx.ops.context import part_embedding
 from treefx.synth import odd_forest, odd_tree
 
@@ -302,6 +303,10 @@ def test_flex_attention_part_sites_match_the_oracle(name, monkeypatch):
     sites = [r.after for r in tm._part_runner.engine.contexts[-1].log
              if r.pass_name == "attention"]
     assert sites and all("tree_part_flex_attention" in s for s in sites)
+    # in training the KV heads are interleaved along the query and key rows, as whole trees
+    ops = [n.target for n in tm._part_runner.engine.contexts[-1].graph.nodes
+           if isinstance(n.target, TreePartFlexAttention)]
+    assert ops and all(op.layouts == {"interleaved"} for op in ops)
 
 
 def test_first_call_checks_the_part_graph(monkeypatch):

@@ -91,7 +91,8 @@ class _PartRunner:
                  verify: bool):
         _register()
         self._make = make
-        self._settings = (engine.backend, engine.block_size, engine.kernel_options)
+        self._settings = (engine.backend, engine.block_size, engine.kernel_options,
+                          engine.interleave_heads)
         self._new_engine()
         dtype = next(model.parameters()).dtype
         self.layout = ((0, dtype), (0, dtype))
@@ -113,8 +114,9 @@ class _PartRunner:
         self.grad_key = None
 
     def _new_engine(self) -> None:
-        backend, block_size, kernel_options = self._settings
-        self.engine = TreeEngine(self._make, backend, block_size, kernel_options, False, False)
+        backend, block_size, kernel_options, interleave_heads = self._settings
+        self.engine = TreeEngine(self._make, backend, block_size, kernel_options,
+                                 interleave_heads, False)
         self.engine.duck_shape = False
 
     def prepare_grads(self) -> list[torch.nn.Parameter]:

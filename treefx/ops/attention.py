@@ -159,7 +159,8 @@ def interleave_block_tensors(num: torch.Tensor, idx: torch.Tensor, kv_heads: int
 def interleaved_block_mask(std, kv_heads: int, length, mask_mod):
     """The BlockMask of the interleaved row from the usual row's ``std`` (both sides spread
     with :func:`interleave_block_tensors`; no transposition at the interleaved size, whose
-    dense intermediate would grow with the square of the KV heads)."""
+    dense intermediate would grow with the square of the KV heads). ``length``: the
+    interleaved row's, or (queries, keys) where they differ (a part over its context)."""
     from torch.nn.attention.flex_attention import BlockMask
 
     parts = {}
@@ -167,8 +168,9 @@ def interleaved_block_mask(std, kv_heads: int, length, mask_mod):
         num, idx = getattr(std, f"{side}_num_blocks"), getattr(std, f"{side}_indices")
         parts[f"{side}_num_blocks"], parts[f"{side}_indices"] = (
             (None, None) if num is None else interleave_block_tensors(num, idx, kv_heads))
-    return BlockMask(seq_lengths=(length, length), BLOCK_SIZE=std.BLOCK_SIZE,
-                     mask_mod=mask_mod, **parts)
+    lengths = tuple(length) if isinstance(length, tuple) else (length, length)
+    return BlockMask(seq_lengths=lengths, BLOCK_SIZE=std.BLOCK_SIZE, mask_mod=mask_mod,
+                     **parts)
 
 
 def _heads_to_row(x: torch.Tensor, kv_heads: int, nb: int, block: int) -> torch.Tensor:
@@ -338,10 +340,13 @@ class TreePartFlexAttention:
     ``mask_buffers``: how many of the extra buffers the mask reads (default: all);
     ``return_lse``: return ``(out, lse)``, the natural log-sum-exp of each query's row (a
     sink and a model that reads it need it). Its eager form (FlexAttention's dense math,
-    differentiable on the CPU too) is the eager backend's for scored sites."""
+    differentiable on the CPU too) is the eager backend's for scored sites.
+    ``interleave_heads`` as in :class:`TreeFlexAttention`: the part's query row and the
+    extended key row each with the KV heads interleaved at block granularity (not with a
+    ``score_mod``); ``layouts`` records the layouts the site was traced with."""
 
     def __init__(self, *, scale=None, block_size=128, model_mask=None, kernel_options=None,
-                 score_mod=None, mask_buffers=None, return_lse=False,
+                 score_mod=None, mask_buffers=None, return_lse=False, interleave_heads=None,
                  name="tree_part_flex_attention"):
         self.scale = scale
         self.block_size = block_size
@@ -350,6 +355,8 @@ class TreePartFlexAttention:
         self.mask_buffers = mask_buffers
         self.return_lse = return_lse
         self.kernel_options = check_kernel_options(kernel_options)
+        self.interleave_heads = check_interleave_heads(interleave_heads, self.kernel_options)
+        self.layouts: set[str] = set()
         self.__name__ = name
 
     def _mask_mod(self, b, h, q_idx, kv_idx, subtree_end, positions, offset, *bufs):
@@ -362,6 +369,21 @@ class TreePartFlexAttention:
     def _score(self, score, b, h, q_idx, kv_idx, positions, offset, *bufs):
         return self.score_mod(score, b, h, positions[q_idx + offset[0]], positions[kv_idx],
                               *bufs)
+
+    def _interleaved_mask_mod(self, kv_heads: int, group: int):
+        """The mask_mod on the interleaved rows (queries and keys alike: block ``b`` of KV
+        head ``g`` at row block ``b * kv_heads + g``), calling :meth:`_mask_mod` with the rows
+        and the query head of the usual layout."""
+        bs = self.block_size
+
+        def unmix(idx):
+            return (idx // bs) % kv_heads, (idx // (bs * kv_heads)) * bs + idx % bs
+
+        def mask_mod(b, h, q_idx, kv_idx, *bufs):
+            (gq, qp), (gk, kp) = unmix(q_idx), unmix(kv_idx)
+            return (gq == gk) & self._mask_mod(b, gq * group + h, qp, kp, *bufs)
+
+        return mask_mod
 
     def __call__(self, q, k, v, k_context, v_context, se_ext, pos_ext, *bufs):
         from torch._higher_order_ops.flex_attention import flex_attention as flex_hop
@@ -389,10 +411,28 @@ class TreePartFlexAttention:
             score_mod, score_bufs = _identity_score, ()
         scale = self.scale if self.scale is not None else 1.0 / math.sqrt(q.shape[-1])
         qw = q.to(wide)
+        mask_bufs = (se_pad, pos_pad, offset, *bufs[:m])
+        hk = keys.shape[1]
+        interleave = self.interleave_heads
+        if interleave is None:  # the backward is what gains (see TreeFlexAttention)
+            interleave = torch.is_grad_enabled() and any(
+                t.requires_grad for t in (q, k, v, k_context, v_context))
+        interleave = interleave and hk > 1 and self.score_mod is None
+        self.layouts.add("interleaved" if interleave else "standard")
+        if interleave:
+            nbq, nbk = kv_num.shape[-1] - first, kv_num.shape[-1]
+            block_mask = interleaved_block_mask(
+                block_mask, hk, (nbq * hk * bs, nbk * hk * bs),
+                self._interleaved_mask_mod(hk, q.shape[1] // hk))
+            qw = _heads_to_row(qw, hk, nbq, bs)
+            keys, values = (_heads_to_row(x, hk, nbk, bs) for x in (keys, values))
         kernel_options = _apply_kernel_options(qw, keys, values, self.return_lse,
                                                {**_STANDARD_KERNEL, **self.kernel_options})
         out, lse, *_ = flex_hop(qw, keys, values, score_mod, block_mask.as_tuple(), scale,
-                                kernel_options, score_bufs, (se_pad, pos_pad, offset, *bufs[:m]))
+                                kernel_options, score_bufs, mask_bufs)
+        if interleave:
+            out = _row_to_heads(out, hk, nbq, bs, n)
+            lse = _row_to_heads(lse.unsqueeze(-1), hk, nbq, bs, n).squeeze(-1)
         if self.return_lse:
             return out.to(v.dtype), lse * math.log(2.0)  # the kernel's is in base 2
         return out.to(v.dtype)

@@ -660,6 +660,8 @@ def _scored_part(ctx: GraphContext, site: _Site):
                                model_mask=mods.mask, kernel_options=ctx.kernel_options,
                                score_mod=mods.score_mod, mask_buffers=len(mods.mask_bufs),
                                return_lse=True,
+                               interleave_heads=ctx.interleave_heads if mods.score_mod is None
+                               else False,
                                name=f"tree_part_flex_attention_{site.anchor.name}")
     bufs = _part_buffers(ctx, (*mods.mask_bufs, *mods.score_bufs))
     note = mods.note + ", keys and values of earlier parts' context"
@@ -867,6 +869,7 @@ def _rewrite_part(ctx: GraphContext, site: _Site) -> fx.Node:
         else:
             fn = TreePartFlexAttention(scale=site.scale, block_size=ctx.block_size,
                                        model_mask=lifted, kernel_options=ctx.kernel_options,
+                                       interleave_heads=ctx.interleave_heads,
                                        name=f"tree_part_flex_attention_{site.anchor.name}")
         new = g.call_function(fn, (site.q, k, v, ck, cv, se, pos, *bufs))
     new.meta.update({k_: v_ for k_, v_ in site.out.meta.items()
