@@ -54,13 +54,13 @@ def sequence_logprobs(model: torch.nn.Module, tree) -> list[torch.Tensor]:
     attention: :func:`treefx.attn_impl.oracle_attention`). Differentiable."""
     dev = _device(model)
     out = []
-    for t in _trees(tree):
-        for i in range(t.num_sequences):
-            ids = torch.as_tensor(t.sequence(i), device=dev)[None]
-            with oracle_attention(model):
+    with oracle_attention(model):
+        for t in _trees(tree):
+            for i in range(t.num_sequences):
+                ids = torch.as_tensor(t.sequence(i), device=dev)[None]
                 logits = logits_of(model(ids))[0, :-1]
-            logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-            out.append(torch.log_softmax(logits, dim=-1).gather(-1, ids[0, 1:, None])[:, 0])
+                logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+                out.append(torch.log_softmax(logits, dim=-1).gather(-1, ids[0, 1:, None])[:, 0])
     return out
 
 

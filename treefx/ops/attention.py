@@ -432,7 +432,8 @@ class TreePartFlexAttention:
                                 kernel_options, score_bufs, mask_bufs)
         if interleave:
             out = _row_to_heads(out, hk, nbq, bs, n)
-            lse = _row_to_heads(lse.unsqueeze(-1), hk, nbq, bs, n).squeeze(-1)
+            if self.return_lse:
+                lse = _row_to_heads(lse.unsqueeze(-1), hk, nbq, bs, n).squeeze(-1)
         if self.return_lse:
             return out.to(v.dtype), lse * math.log(2.0)  # the kernel's is in base 2
         return out.to(v.dtype)

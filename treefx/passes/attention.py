@@ -660,8 +660,7 @@ def _scored_part(ctx: GraphContext, site: _Site):
                                model_mask=mods.mask, kernel_options=ctx.kernel_options,
                                score_mod=mods.score_mod, mask_buffers=len(mods.mask_bufs),
                                return_lse=True,
-                               interleave_heads=ctx.interleave_heads if mods.score_mod is None
-                               else False,
+                               interleave_heads=ctx.interleave_heads,
                                name=f"tree_part_flex_attention_{site.anchor.name}")
     bufs = _part_buffers(ctx, (*mods.mask_bufs, *mods.score_bufs))
     note = mods.note + ", keys and values of earlier parts' context"

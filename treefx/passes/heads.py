@@ -88,8 +88,8 @@ def _heads(split: tuple[fx.Node, bool]) -> int | None:
 class _Lifter:
     """Builds the [B, H, ...] region next to the old one."""
 
-    def __init__(self, ctx: GraphContext, heads: int, merged):
-        self.ctx, self.g, self.heads, self.merged = ctx, ctx.graph, heads, merged
+    def __init__(self, graph: fx.Graph, heads: int, merged):
+        self.g, self.heads, self.merged = graph, heads, merged
         self.new: dict[fx.Node, fx.Node] = {}  # region node -> its [B, H, ...] equivalent
         self.created: list[fx.Node] = []
 
@@ -210,7 +210,7 @@ def _lift(ctx: GraphContext, start: fx.Node) -> fx.Node | None:
     except _NotMerged as why:
         ctx.keep("heads", start, f"not rewritten: {why}")
         return None
-    lift = _Lifter(ctx, heads, _shape(start)[0])
+    lift = _Lifter(ctx.graph, heads, _shape(start)[0])
     with ctx.graph.inserting_before(end):
         try:
             for n in chain:
@@ -239,8 +239,7 @@ def _lift(ctx: GraphContext, start: fx.Node) -> fx.Node | None:
 
 
 def _lift_node(lift: _Lifter, n: fx.Node, region: dict, qa, kb) -> fx.Node:
-    if n.op == "call_function" and n.target in _BMM or n.op == "call_method" and n.target in (
-            "bmm", "baddbmm"):
+    if is_call(n, *_BMM, methods=("bmm", "baddbmm")):
         s = lift.call(torch.matmul, lift.split(qa), lift.split(kb))
         if not is_call(n, torch.baddbmm, methods=("baddbmm",)):
             return s
