@@ -390,12 +390,13 @@ def case_small_trees(res):
 # Model families with their own attention or state (issue "exact on the model families agent
 # trainers use"): MLA + group-limited MoE, sinks + alternating windows, logit softcapping,
 # Gated DeltaNet + MoE, Mamba2 with a dt floor, Mamba v1, sinks as sigmoid(lse - sink),
-# ALiBi and local attention from tables and the mask, attention over merged batch·head rows;
+# ALiBi and local attention from tables and the mask, attention over merged batch·head rows,
+# DeepSeek Sparse Attention's indexer (a top-k of keys per query);
 # "<type>-flex": the model built with attn_implementation="flex_attention" (its oracle is the
 # model itself, through Hugging Face's FlexAttention kernel on the GPU).
 FAMILIES = ("deepseek_v3", "gpt_oss", "gemma2", "qwen3_5_moe", "nemotron_h", "granite_swa",
             "mamba", "jamba", "gpt_neo", "mpt", "falcon", "llama4_text", "bloom", "xglm", "mvp",
-            "qwen3-flex", "mistral-flex", "gemma2-flex", "minimax")
+            "qwen3-flex", "mistral-flex", "gemma2-flex", "minimax", "deepseek_v32", "glm_moe_dsa")
 # Config changes on top of the zoo's tiny config: ALiBi on for Falcon; tables (GPT-Neo's local
 # attention, MPT's ALiBi) longer than the agent tree's whole row, which Dynamo traces the cut on.
 # GPT-Neo's tiny heads (4 dims) are below FlexAttention's minimum of 16.

@@ -98,8 +98,8 @@ _rule(HIDDEN, "hidden_size", "n_embd", "d_model", "embed_dim", "emb_dim", "model
       "adapter_out_dim", "adapter_input_size")
 _rule(HEADS, "num_attention_heads", "n_head", "n_heads", "decoder_attention_heads",
       "attention_heads", "num_decoder_attention_heads", "encoder_attention_heads",
-      "num_encoder_attention_heads", "swa_num_attention_heads", "index_n_heads",
-      "indexer_n_heads", "num_attention_heads_per_layer")
+      "num_encoder_attention_heads", "swa_num_attention_heads",
+      "num_attention_heads_per_layer")
 _rule(HEAD_DIM, "head_dim", "kv_channels", "attention_head_dim", "attention_head_size",
       "d_head", "dim_head", "swa_head_dim", "index_head_dim", "indexer_head_dim",
       "linear_head_dim", "v_head_dim")
@@ -122,8 +122,12 @@ _rule(32, "kv_lora_rank", "q_lora_rank", "o_lora_rank")
 _rule(HEAD_DIM // 2, "qk_rope_head_dim", "qk_nope_head_dim", "rotary_dim")
 _rule(HEAD_DIM, "qk_head_dim")
 # Sparse attention indexers (DeepSeek V3.2, GLM DSA, ...): a top-k smaller than the sequences,
-# so the selection matters.
+# so the selection matters, and 16 heads (real ones have 32-64). A key's index score is a sum
+# of relu'd per-head scores: with 4 heads all four are zero for one key in 16, such keys tie
+# at 0, and the top-k breaks a tie as its implementation does (torch's CPU topk differs with
+# the row's length: the model alone is then not consistent with its own longer sequences).
 _rule(4, "index_topk")
+_rule(16, "index_n_heads", "indexer_n_heads")
 # State-space and linear-attention mixers: expand * hidden = heads * head_dim = 8 * 16.
 _rule(16, "mamba_d_state", "state_size", "ssm_state_size", "mamba_d_head", "mamba_head_dim",
       "mamba_headdim", "linear_key_head_dim", "linear_value_head_dim")

@@ -18,6 +18,7 @@ from .logprobs import logprobs_pass
 from .parts import finish as finish_part
 from .loss import check_loss_found, loss_pass
 from .positions import positions_pass
+from .selection import check_key_selections, key_selection_pass
 from .ssm import UnmatchedStateError, check_no_state_left, ssm_pass
 from .subgraphs import UnsupportedSubgraphError, check_opaque_ops, discover, prune
 from .tokens import SpecializedGraphError, TokenAxisError, check_token_axis
@@ -38,10 +39,12 @@ __all__ = [
 log = logging.getLogger("treefx")
 
 # Positions first: the attention pass then finds the model's masks already evaluated at path
-# positions, and keeps them (ANDed with the tree) instead of dropping them. Attention over
-# merged batch·head rows is put in the [B, H, N, D] form the attention pass matches.
+# positions, and keeps them (ANDed with the tree) instead of dropping them. A top-k over a
+# score row's keys (a sparse-attention indexer) gets the tree mask in its own mask. Attention
+# over merged batch·head rows is put in the [B, H, N, D] form the attention pass matches.
 PASSES = (
     ("positions", positions_pass),
+    ("selection", key_selection_pass),
     ("heads", merged_heads_pass),
     ("attention", attention_pass),
     ("ssm", ssm_pass),
@@ -69,6 +72,7 @@ def run_passes(ctx: GraphContext) -> GraphContext:
         check_opaque_ops(c)
         check_no_attention_left(c)
         check_token_axis(c)
+        check_key_selections(c)
         check_no_state_left(c)
     for c in scopes:
         c.graph.lint()

@@ -37,6 +37,7 @@ from ..ops.attention import (
     tree_attention_dense,
 )
 from .common import (
+    KEY_SELECTION,
     GraphContext,
     UnmatchedAttentionError,
     arg,
@@ -496,8 +497,8 @@ def _check_mask_sources(ctx: GraphContext, site: _Site, mask: fx.Node) -> None:
     stack, seen = [ctx.resolve(mask)], set()
     while stack:
         n = stack.pop()
-        if n in seen or ctx.is_tree_input(n, "positions"):
-            continue
+        if n in seen or ctx.is_tree_input(n, "positions") or n.meta.get(KEY_SELECTION):
+            continue  # (a key selection: the keys an indexer picked, per sequence)
         seen.add(n)
         if ctx.is_tree_input(n, "tree_info") or ctx.is_tree_input(n, "tree_weights"):
             from .tokens import DATA, _Taint
@@ -807,7 +808,9 @@ def _rewrite(ctx: GraphContext, site: _Site) -> fx.Node:
                                              "model") from None
                 score_mod = LiftedScore(_add_bias, [(value, len(vbufs))])
                 score_bufs = tuple(ctx.local(b) for b in vbufs)
-                note += ", added to the scores by the score_mod"
+                note += (", applied to the scores by the score_mod"
+                         if example(mask).dtype == torch.bool
+                         else ", added to the scores by the score_mod")
             blocks = _block_nodes(ctx, full=lifted is None)
             fn = TreeFlexAttention(scale=site.scale, block_size=ctx.block_size,
                                    model_mask=lifted, kernel_options=ctx.kernel_options,
@@ -944,6 +947,8 @@ def _try_scalar(lifted, bufs) -> None:
 
 
 def _add_bias(score, bias):
+    if bias.dtype == torch.bool:  # a boolean mask the lifter could not evaluate per index
+        return torch.where(bias, score, float("-inf"))
     return score + bias
 
 

@@ -28,6 +28,12 @@ __all__ = [
 ]
 
 
+# Marks the nodes of a key selection the selection pass rewrote (a top-k over the keys of a
+# score row, the reads of its indices, their scatter into a mask): the token-axis check and
+# the attention pass's mask check leave them to that pass (see .selection).
+KEY_SELECTION = "treefx_key_selection"
+
+
 class TreeCompileError(RuntimeError):
     """treefx cannot turn this model into an exact tree computation.
 

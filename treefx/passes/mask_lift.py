@@ -25,7 +25,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from .common import GraphContext, describe, example, is_call
+from .common import KEY_SELECTION, GraphContext, describe, example, is_call
 
 __all__ = ["MaskLiftError", "LiftedMask", "LiftedScore", "DenseSide", "dense_side", "lift_mask",
            "lift_value"]
@@ -356,6 +356,9 @@ def _snapshot(ctx: GraphContext, mask: fx.Node) -> tuple[LiftedMask, tuple[fx.No
         if not isinstance(n, fx.Node) or n in seen:
             return
         seen.add(n)
+        if n.meta.get(KEY_SELECTION):
+            raise MaskLiftError(f"`{describe(n)}` holds the keys an indexer selected, which "
+                                "are data, not a function of positions")
         if not n.meta.get(TABLE):  # a table is read whole, however it was computed
             for a in n.all_input_nodes:
                 visit(ctx.resolve(a))

@@ -37,6 +37,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from .common import (
+    KEY_SELECTION,
     GraphContext,
     UnmatchedStateError,
     describe,
@@ -104,7 +105,8 @@ class _Taint:
         if node in self.memo:
             return self.memo[node]
         ctx = self.ctx.root
-        outer = ctx.resolve(node) if node.op == "placeholder" else node
+        # A body's placeholder resolves through the body's context (the root's cannot see it).
+        outer = self.ctx.resolve(node) if node.op == "placeholder" else node
         if outer is not node:
             out = self.of(outer)
         elif node.op == "placeholder":
@@ -355,6 +357,8 @@ def check_token_axis(ctx: GraphContext) -> None:
     for node in ctx.graph.nodes:
         if node.op in ("placeholder", "output", "get_attr") or _is_treefx(node):
             continue
+        if node.meta.get(KEY_SELECTION):
+            continue  # a top-k over a score row's keys, made per sequence (.selection)
         if node.op == "call_function" and isinstance(node.target, torch._ops.HigherOrderOperator):
             continue  # bodies are checked on their own; opaque ones by check_opaque_ops
         for val in _tensors(example(node)):

@@ -1,0 +1,235 @@
+"""Key selection pass: a top-k over the keys of a [.., N, N] score row, made per sequence.
+
+DeepSeek Sparse Attention (Hugging Face's DeepSeek-V3.2, GLM-MoE-DSA, dots3, AXK2) scores
+every key for every query with a small *indexer*, masks the scores with the model's causal
+mask, keeps each query's ``index_topk`` best keys (``topk`` over the keys) and lets the
+attention see only those::
+
+    index_scores = index_scores.masked_fill(~causal, -inf)     # or + an additive mask
+    idx = index_scores.topk(min(k, N), dim=-1).indices
+    selected = idx.new_ones(B, N, N, dtype=bool).scatter(-1, idx, False)   # True: not kept
+    attn_mask = causal & ~selected[:, None]
+
+On the tree's DFS row, after the positions pass, ``causal`` is ``kv_pos <= q_pos`` in path
+positions, which lets a query see the tokens of *other* branches that sit at smaller path
+positions: their keys would compete in the top-k with the query's own ancestors. This pass
+ANDs the tree mask into the mask of the top-k's input (``dense_tree_mask``), so each query's
+row holds exactly its ancestors, with the scores the sequence alone gives them, and every
+other key at the masked value. The top-k then picks the same ancestors as the sequence's
+own top-k picks among its earlier tokens; when a query has fewer than ``k`` ancestors, the
+rest of its ``k`` are masked keys in both runs (later tokens of the sequence there, other
+branches' tokens here), and the attention masks them out: the tree attention ANDs the tree
+mask into every mask it is given.
+
+That last step is what makes the selection safe, so it is checked on the final graph
+(:func:`check_key_selections`): the selection may only be scattered into a [.., N, N] mask
+that reaches tree attention through elementwise and shape ops. Used any other way (its
+values, the indices gathering keys), compilation stops naming the node.
+
+Ties: a top-k whose ``k``-th and ``k+1``-th scores are equal picks between them as its
+implementation decides (torch's CPU ``topk`` does not prefer the earlier key). The sequence
+alone and the tree row hold the tied keys at different offsets, so the two may pick
+differently, as the same model run on two devices may. Scores that tie exactly are rare
+with real weights (an indexer score is a sum over 32-64 heads).
+
+The indexer's dense [N, N] scores are the model's own code: on the tree they cover the
+whole row, so their memory grows with the square of the tree's tokens (the sequences alone
+need the sum of their squares).
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from ..mask import dense_tree_mask
+from ..ops.attention import (TreeFlexAttention, TreePartFlexAttention, TreeScoredAttention,
+                             tree_attention_dense)
+from ..ops.context import TreePartAttention
+from .common import KEY_SELECTION, GraphContext, arg, describe, example, is_call, same_size, set_example
+from .tokens import DATA, TokenAxisError, _Taint, _fail
+
+__all__ = ["KEY_SELECTION", "key_selection_pass", "check_key_selections"]
+
+
+_CASTS = ("to", "long", "int", "type", "type_as")
+_FRESH = (torch.ones, torch.zeros, torch.full, torch.ones_like, torch.zeros_like,
+          torch.full_like, torch.empty, torch.empty_like)
+_FRESH_METHODS = ("new_ones", "new_zeros", "new_full", "new_empty")
+
+
+def _pairwise(ctx: GraphContext, val) -> bool:
+    """A tensor whose last two axes are the row's queries and keys ([.., N, N])."""
+    n = ctx.seq_len
+    return (isinstance(val, torch.Tensor) and val.dim() >= 2
+            and same_size(val.shape[-1], n) and same_size(val.shape[-2], n))
+
+
+def _peel(ctx: GraphContext, x: fx.Node):
+    """``(scores, how, mask)`` when ``x`` masks a score row with the model's mask:
+    ``masked_fill(s, blocked, -big)`` ("blocked"), ``where(allowed, s, -big)`` ("allowed")
+    or ``s + additive`` ("additive"); else None."""
+    from .mask_lift import _very_negative
+
+    def negative(v):
+        return _very_negative(ctx, ctx.resolve(v) if isinstance(v, fx.Node) else v)
+
+    if is_call(x, torch.masked_fill, methods=("masked_fill",)) and negative(arg(x, 2, "value")):
+        return x.args[0], "blocked", x.args[1]
+    if is_call(x, torch.where) and len(x.args) == 3 and negative(x.args[2]):
+        return x.args[1], "allowed", x.args[0]
+    if is_call(x, torch.add, operator.add, methods=("add",)) and len(x.args) >= 2:
+        a, b = x.args[:2]
+        for s, m in ((a, b), (b, a)):
+            mv = example(m) if isinstance(m, fx.Node) else None
+            if isinstance(mv, torch.Tensor) and mv.is_floating_point() and _pairwise(ctx, mv):
+                return s, "additive", m
+    return None
+
+
+def _refuse(node: fx.Node, why: str) -> TokenAxisError:
+    return _fail(node, f"a top-k over the keys of a [.., N, N] score row {why}")
+
+
+def key_selection_pass(ctx: GraphContext) -> int:
+    """Put the tree mask into the mask of every top-k over the keys of a score row; returns
+    how many."""
+    count = 0
+    for node in list(ctx.graph.nodes):
+        if not is_call(node, torch.topk, methods=("topk",)):
+            continue
+        x = node.args[0]
+        val = example(x) if isinstance(x, fx.Node) else None
+        if not _pairwise(ctx, val):
+            continue  # not over a score row: the token-axis check judges it
+        dim = arg(node, 2, "dim", -1)
+        if not isinstance(dim, int) or dim % val.dim() != val.dim() - 1:
+            continue  # over the queries: the token-axis check refuses it
+        if ctx.part is not None:
+            raise _refuse(node, "is not supported in parts (treefx.backward with max_tokens): "
+                                "the selection would need the earlier parts' index keys; "
+                                "train this model on whole batches")
+        if arg(node, 3, "largest", True) is not True:
+            raise _refuse(node, "picks the smallest scores; treefx supports the largest")
+        peeled = _peel(ctx, x)
+        if peeled is None:
+            raise _refuse(node, "reads scores that the model does not mask with its attention "
+                                "mask; on the DFS row other sequences' keys would compete")
+        scores, how, mask = peeled
+        if DATA in _Taint(ctx).of(mask):
+            raise _refuse(node, f"masks its scores with `{describe(mask)}`, which depends on "
+                                "the tokens' hidden states, not only on positions")
+        _check_uses(ctx, node)
+        g = ctx.graph
+        with g.inserting_before(x):
+            tree = ctx.shared("dense_tree_mask",
+                              lambda c: c.graph.call_function(dense_tree_mask, (c.subtree_end,)))
+            if how == "allowed":
+                new = g.call_function(torch.logical_and, (mask, tree))
+            elif how == "blocked":
+                new = g.call_function(torch.logical_or,
+                                      (mask, g.call_function(torch.logical_not, (tree,))))
+            else:
+                low = torch.finfo(example(mask).dtype).min
+                new = g.call_function(torch.masked_fill,
+                                      (mask, g.call_function(torch.logical_not, (tree,)), low))
+            set_example(new)
+        x.replace_input_with(mask, new)
+        ctx.record("selection", node, describe(x),
+                   note=f"the top-k's {how} mask ANDed with the tree: each query's row holds "
+                        "its ancestors only")
+        count += 1
+    return count
+
+
+def _check_uses(ctx: GraphContext, topk: fx.Node) -> None:
+    """The selection's indices only: read through casts into a scatter along the keys of a
+    fresh [.., N, N] tensor. Marks those nodes."""
+    topk.meta[KEY_SELECTION] = True
+    stack = list(topk.users)
+    while stack:
+        u = stack.pop()
+        if u.op == "call_function" and u.target is operator.getitem and u.args[0] is topk:
+            if u.args[1] != 1 and u.users:  # (an unread getitem is dead code)
+                raise _refuse(u, "has its values read; treefx supports the indices scattered "
+                                 "into an attention mask (the values of a query with fewer "
+                                 "ancestors than k differ from the sequence's)")
+        elif is_call(u, methods=("indices",)) or is_call(u, methods=_CASTS):
+            pass
+        elif is_call(u, methods=_FRESH_METHODS) and u.args[0] not in u.args[1:]:
+            continue  # ``idx.new_ones(...)``: its dtype and device only
+        elif (is_call(u, torch.scatter, methods=("scatter",)) and len(u.args) >= 3
+              and u.args[2] in u.all_input_nodes and _is_key_scatter(ctx, u)):
+            u.meta[KEY_SELECTION] = True
+            continue  # its users are checked on the final graph
+        else:
+            raise _refuse(u, f"has its indices used by `{describe(u)}`; treefx supports them "
+                             "scattered along the keys into a fresh [.., N, N] attention mask")
+        u.meta[KEY_SELECTION] = True
+        stack.extend(u.users)
+
+
+def _is_key_scatter(ctx: GraphContext, node: fx.Node) -> bool:
+    dim = arg(node, 1, "dim", None)
+    base = node.args[0]
+    val = example(base) if isinstance(base, fx.Node) else None
+    return (isinstance(dim, int) and _pairwise(ctx, val) and dim % val.dim() == val.dim() - 1
+            and is_call(base, *_FRESH, methods=_FRESH_METHODS))
+
+
+# ---------------------------------------------------------------------------- final check
+
+# What may carry a selection to the tree attention: elementwise logic, masking and shape ops.
+_CARRY_METHODS = ("unsqueeze", "view", "reshape", "expand", "expand_as", "contiguous",
+                  "logical_not", "logical_and", "logical_or", "bitwise_not", "bitwise_and",
+                  "bitwise_or", "masked_fill", "to", "bool", "float", "type_as", "__invert__",
+                  "__and__", "__or__", "add")
+_CARRY_FUNCS = (operator.invert, operator.and_, operator.or_, operator.iand, operator.ior,
+                operator.add, torch.logical_not, torch.logical_and, torch.logical_or,
+                torch.bitwise_not, torch.bitwise_and, torch.bitwise_or, torch.masked_fill,
+                torch.where, torch.unsqueeze, torch.reshape, torch.add)
+
+
+def _is_view_index(node: fx.Node) -> bool:
+    """``x[:, None]``, ``x[..., 0, :]``: indexing by slices, None, Ellipsis and integers."""
+    if not (node.op == "call_function" and node.target is operator.getitem):
+        return False
+    key = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+    return all(k is None or k is Ellipsis or isinstance(k, (slice, int)) for k in key)
+
+
+def _is_tree_attention(node: fx.Node) -> bool:
+    t = node.target
+    return node.op == "call_function" and (
+        t is tree_attention_dense or isinstance(t, (TreeFlexAttention, TreePartFlexAttention,
+                                                    TreeScoredAttention, TreePartAttention))
+        or t is torch.ops.treefx.pad_rows_to_block.default)
+
+
+def check_key_selections(ctx: GraphContext) -> None:
+    """After all passes: every selection reaches tree attention only (which ANDs the tree
+    mask into it), through elementwise and shape ops."""
+    for node in ctx.graph.nodes:
+        if not (node.meta.get(KEY_SELECTION) and is_call(node, torch.scatter,
+                                                         methods=("scatter",))):
+            continue
+        stack, seen = [node], set()
+        while stack:
+            n = stack.pop()
+            if n in seen:
+                continue
+            seen.add(n)
+            for u in n.users:
+                if _is_tree_attention(u):
+                    if u.target is torch.ops.treefx.pad_rows_to_block.default:
+                        stack.append(u)  # a score_mod's buffer, read by a tree attention
+                    continue
+                if is_call(u, *_CARRY_FUNCS, methods=_CARRY_METHODS) or _is_view_index(u):
+                    stack.append(u)
+                    continue
+                raise _fail(u, "the keys an indexer selected (a top-k over a score row) reach "
+                               f"`{describe(u)}`, not only a tree attention's mask; on the "
+                               "tree that is correct only inside attention, which masks the "
+                               "keys of other branches")
