@@ -109,7 +109,8 @@ def block_indices(m: torch.Tensor):
     return num[None, None], idx[None, None]
 
 
-def tree_block_tensors(subtree_end: torch.Tensor, block_size: int = 128, *, full: bool = True):
+def tree_block_tensors(subtree_end: torch.Tensor, block_size: int = 128, *, full: bool = True,
+                       positions: torch.Tensor | None = None, window: int | None = None):
     """The block sparsity of the tree mask as the tensors of a FlexAttention ``BlockMask``:
     (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices), each with leading
     [1, 1] dims, and ``subtree_end`` zero-padded to the same blocks (for the ``mask_mod``).
@@ -120,6 +121,13 @@ def tree_block_tensors(subtree_end: torch.Tensor, block_size: int = 128, *, full
     blocks are partial; blocks after the query block are empty. With ``full=False`` every
     visible block is partial (needed when another mask is ANDed in by the ``mask_mod``).
     Per-block work only: O(N + (N / block_size)^2), no N x N tensor.
+
+    ``window`` (with ``positions``, the path positions [N]): the mask ANDed in by the
+    ``mask_mod`` admits no pair farther apart than ``window`` path positions (a sliding
+    window; see :func:`treefx.passes.mask_lift.window_of`). A key block strictly before the
+    query block is then kept only if ``max(positions[K]) >= min(positions[Q]) - window``: the
+    nearest pair it could hold is within the window. Blocks dropped this way hold no pair the
+    window admits; the kept ones stay partial (the ``mask_mod`` applies the window).
     """
     n = subtree_end.shape[0]
     nb = num_blocks(n, block_size)
@@ -135,10 +143,18 @@ def tree_block_tensors(subtree_end: torch.Tensor, block_size: int = 128, *, full
     # [q block, kv block]; rows of padding only (the spare block) list nothing.
     before = (b[None, :] < b[:, None]) & (q0 < n)[:, None]
     full_m = before & (min_se[None, :] >= q1[:, None])
+    visible = before & (max_se[None, :] > q0[:, None])
+    if window is not None:
+        if positions is None:
+            raise ValueError("a window needs the path positions")
+        # Zero padding in the last query block only lowers its min: a block is kept, never lost.
+        pos = pad_to_block(positions, block_size).view(nb, block_size)
+        visible = visible & (pos.amax(dim=1)[None, :] >= pos.amin(dim=1)[:, None] - window)
+        full = False  # a full block skips the mask_mod, which is what applies the window
     if not full:
         full_m = torch.zeros_like(full_m)
     diagonal = (b[None, :] == b[:, None]) & (q0 < n)[:, None]
-    partial = (before & (max_se[None, :] > q0[:, None]) & ~full_m) | diagonal
+    partial = (visible & ~full_m) | diagonal
 
     return (*block_indices(partial), *block_indices(full_m), se)
 

@@ -54,6 +54,7 @@ from .mask_lift import (
     MaskLiftError,
     implied_by_tree,
     lift_mask,
+    window_of,
     dense_side,
     lift_value,
 )
@@ -626,7 +627,8 @@ def _scored_flex(ctx: GraphContext, site: _Site):
     k = site.k
     if site.kind.endswith("-kT"):
         k = g.call_method("transpose", (k, -2, -1))
-    blocks = _block_nodes(ctx, full=mods.mask is None)
+    window = window_of(mods.mask) if mods.mask is not None else None
+    blocks = _block_nodes(ctx, full=mods.mask is None, window=window)
     fn = TreeFlexAttention(scale=mods.scale, block_size=ctx.block_size,
                            model_mask=mods.mask, score_mod=mods.score_mod,
                            mask_buffers=len(mods.mask_bufs), return_lse=True,
@@ -635,7 +637,8 @@ def _scored_flex(ctx: GraphContext, site: _Site):
                            else False,
                            name=f"tree_flex_attention_{site.anchor.name}")
     k, v, shared_kv = _kv_for_flex(site, k)
-    note = mods.note
+    note = mods.note + (f", key blocks beyond its window ({window}) left out"
+                        if window is not None else "")
     if shared_kv:
         note += ", KV heads shared by FlexAttention (the model's repeat undone)"
     bufs = tuple(ctx.local(b) for b in (*mods.mask_bufs, *mods.score_bufs))
@@ -811,7 +814,10 @@ def _rewrite(ctx: GraphContext, site: _Site) -> fx.Node:
                 note += (", applied to the scores by the score_mod"
                          if example(mask).dtype == torch.bool
                          else ", added to the scores by the score_mod")
-            blocks = _block_nodes(ctx, full=lifted is None)
+            window = window_of(lifted) if lifted is not None else None
+            if window is not None:
+                note += f", key blocks beyond its window ({window}) left out"
+            blocks = _block_nodes(ctx, full=lifted is None, window=window)
             fn = TreeFlexAttention(scale=site.scale, block_size=ctx.block_size,
                                    model_mask=lifted, kernel_options=ctx.kernel_options,
                                    interleave_heads=ctx.interleave_heads,
@@ -952,11 +958,16 @@ def _add_bias(score, bias):
     return score + bias
 
 
-def _block_nodes(ctx: GraphContext, *, full: bool):
-    """Shared nodes: the tree's block-mask tensors and the padded tree tensors."""
+def _block_nodes(ctx: GraphContext, *, full: bool, window: int | None = None):
+    """Shared nodes: the tree's block-mask tensors and the padded tree tensors. ``window``:
+    the model's mask admits no pair farther apart (:func:`window_of`), so key blocks beyond
+    it are left out."""
     def make(c: GraphContext):
         g = c.graph
-        t = g.call_function(tree_block_tensors, (c.subtree_end, c.block_size), {"full": full})
+        kwargs = {"full": full}
+        if window is not None:
+            kwargs.update(positions=c.positions, window=window)
+        t = g.call_function(tree_block_tensors, (c.subtree_end, c.block_size), kwargs)
         parts = [g.call_function(operator.getitem, (t, i)) for i in range(5)]
         # parts[4]: subtree_end padded to the block tensors' blocks; the positions likewise.
         # (torch.ops.treefx.pad_to_block is registered by importing ..mask)
@@ -964,7 +975,7 @@ def _block_nodes(ctx: GraphContext, *, full: bool):
                               (c.positions, c.block_size))
         return (*parts, pos)
 
-    return ctx.shared(("blocks", full), make)
+    return ctx.shared(("blocks", full, window), make)
 
 
 def attention_pass(ctx: GraphContext) -> int:

@@ -28,7 +28,7 @@ import torch.fx as fx
 from .common import KEY_SELECTION, GraphContext, describe, example, is_call
 
 __all__ = ["MaskLiftError", "LiftedMask", "LiftedScore", "DenseSide", "dense_side", "lift_mask",
-           "lift_value"]
+           "lift_value", "window_of"]
 
 _SHAPE_METHODS = ("expand", "expand_as", "view", "reshape", "unsqueeze", "contiguous",
                   "squeeze", "broadcast_to")
@@ -476,3 +476,137 @@ def implied_by_tree(lifted: LiftedMask, leaves: tuple[fx.Node, ...]) -> bool:
     except Exception:  # noqa: BLE001 - a mask the probe cannot evaluate is simply kept
         return False
     return bool(out.all())
+
+
+# ---------------------------------------------------------------------------- windows
+
+_COMPARISONS = {operator.gt: ">", operator.ge: ">=", operator.lt: "<", operator.le: "<=",
+                torch.gt: ">", torch.ge: ">=", torch.lt: "<", torch.le: "<=",
+                "gt": ">", "ge": ">=", "lt": "<", "le": "<=", "__gt__": ">", "__ge__": ">=",
+                "__lt__": "<", "__le__": "<="}
+_ANDS = (operator.and_, torch.logical_and, torch.bitwise_and)
+_AND_METHODS = ("logical_and", "bitwise_and", "__and__")
+_SAME_VALUE_METHODS = ("expand", "expand_as", "view", "reshape", "contiguous", "unsqueeze",
+                       "broadcast_to")
+
+
+def _target_key(node: fx.Node):
+    return node.target if node.op in ("call_function", "call_method") else None
+
+
+def _same_bool(node: fx.Node) -> bool:
+    """A shape op, or a ``to`` that moves a tensor without changing its dtype from bool."""
+    if is_call(node, methods=_SAME_VALUE_METHODS) or is_call(node, *_SHAPE_FUNCS):
+        return True
+    if is_call(node, methods=("to",)):
+        return all(not isinstance(a, torch.dtype) or a is torch.bool
+                   for a in (*node.args[1:], *node.kwargs.values()))
+    return False
+
+
+def _conjuncts(mask: fx.Node) -> list[fx.Node]:
+    """The terms of the AND that ``mask`` is (itself when it is no AND)."""
+    out, stack = [], [mask]
+    while stack:
+        n = stack.pop()
+        if isinstance(n, fx.Node) and (is_call(n, *_ANDS, methods=_AND_METHODS)):
+            stack.extend(n.args[:2])
+        elif isinstance(n, fx.Node) and _same_bool(n) and isinstance(n.args[0], fx.Node):
+            stack.append(n.args[0])
+        else:
+            out.append(n)
+    return out
+
+
+def _affine(node, lifted: LiftedMask):
+    """``node`` as ``(a_q, a_kv, c)``: ``a_q * q_pos + a_kv * kv_pos + c`` with integers, or
+    None."""
+    if isinstance(node, bool) or node is None:
+        return None
+    if isinstance(node, int):
+        return (0, 0, node)
+    if not isinstance(node, fx.Node):
+        return None
+    if node is lifted.positions:
+        return None  # a position without a broadcast: its role is not known
+    if is_call(node, operator.getitem) and node.args[0] in lifted._vectors \
+            and node not in lifted._vectors and _is_pure_view_key(node.args[1]):
+        coef = _vector_affine(node.args[0], lifted)
+        role = _axis_role(node)
+        if coef is None or role not in ("q", "kv"):
+            return None
+        a, c = coef
+        return (a, 0, c) if role == "q" else (0, a, c)
+    if _same_bool(node) and not is_call(node, methods=("to",)):
+        return _affine(node.args[0], lifted)
+    if is_call(node, methods=("to",)) and not any(
+            isinstance(a, torch.dtype) for a in (*node.args[1:], *node.kwargs.values())):
+        return _affine(node.args[0], lifted)
+    if is_call(node, operator.add, torch.add, operator.sub, torch.sub, methods=("add", "sub")):
+        x, y = _affine(node.args[0], lifted), _affine(node.args[1], lifted)
+        if x is None or y is None:
+            return None
+        sign = -1 if node.target in (operator.sub, torch.sub, "sub") else 1
+        return tuple(a + sign * b for a, b in zip(x, y))
+    if is_call(node, operator.neg, torch.neg, methods=("neg",)):
+        x = _affine(node.args[0], lifted)
+        return None if x is None else tuple(-a for a in x)
+    if is_call(node, operator.mul, torch.mul, methods=("mul",)):
+        x, y = _affine(node.args[0], lifted), _affine(node.args[1], lifted)
+        if x is None or y is None:
+            return None
+        if x[:2] == (0, 0):
+            return tuple(x[2] * b for b in y)
+        if y[:2] == (0, 0):
+            return tuple(a * y[2] for a in x)
+    return None
+
+
+def _vector_affine(node, lifted: LiftedMask):
+    """A 1-D index vector as ``(a, c)``: ``a * position + c``, or None."""
+    if node is lifted.positions:
+        return (1, 0)
+    if not isinstance(node, fx.Node):
+        return None
+    if is_call(node, operator.add, torch.add, operator.sub, torch.sub, methods=("add", "sub")):
+        x, y = node.args[:2]
+        sign = -1 if node.target in (operator.sub, torch.sub, "sub") else 1
+        if isinstance(y, int) and not isinstance(y, bool):
+            inner = _vector_affine(x, lifted)
+            return None if inner is None else (inner[0], inner[1] + sign * y)
+        if isinstance(x, int) and not isinstance(x, bool) and sign == 1:
+            return _vector_affine(y, lifted)
+    if is_call(node, methods=("to", "contiguous")) and not any(
+            isinstance(a, torch.dtype) for a in (*node.args[1:], *node.kwargs.values())):
+        return _vector_affine(node.args[0], lifted)
+    return None
+
+
+def window_of(lifted: LiftedMask) -> int | None:
+    """The largest ``q_pos - kv_pos`` the lifted mask admits, when one of its conjuncts bounds
+    it (a sliding window: ``kv > q - W`` and its rearrangements), else None.
+
+    Read from the mask's structure, not probed: the mask is an AND of its conjuncts, so a
+    conjunct that is False at every distance beyond D makes the mask False there, whatever the
+    other conjuncts and buffers are. The tree's block mask may then drop every key block whose
+    tokens are all farther than D from the query block's (:func:`treefx.mask.tree_block_tensors`).
+    """
+    if lifted.negate or not lifted.boolean:
+        return None
+    best = None
+    for term in _conjuncts(lifted.mask):
+        op = _COMPARISONS.get(_target_key(term)) if isinstance(term, fx.Node) else None
+        if op is None or len(term.args) < 2:
+            continue
+        left, right = _affine(term.args[0], lifted), _affine(term.args[1], lifted)
+        if left is None or right is None:
+            continue
+        a_q, a_kv, c = (x - y for x, y in zip(left, right))
+        if op in ("<", "<="):  # e < 0  <=>  -e > 0
+            a_q, a_kv, c, op = -a_q, -a_kv, -c, ">" if op == "<" else ">="
+        # a_kv * (kv - q) + c (op) 0 with a_kv > 0:  q - kv (<, <=) c / a_kv
+        if a_kv <= 0 or a_q != -a_kv:
+            continue
+        d = -((-c) // a_kv) - 1 if op == ">" else c // a_kv  # ceil(c/a) - 1, floor(c/a)
+        best = d if best is None else min(best, d)
+    return best
