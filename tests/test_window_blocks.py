@@ -115,3 +115,41 @@ def test_window_read_from_the_mask(form, window):
     check_forward(tm, long_trees(64), atol=1e-9, pad_to_multiple=16)
     notes = [r.note for c in tm.contexts for r in c.log if r.pass_name == "attention"]
     assert any(f"beyond its window ({window})" in n for n in notes) == (window is not None)
+
+
+class AdditiveWindow(torch.nn.Module):
+    """Eager attention with the additive mask written as transformers 5.17 writes it
+    (``torch.where(mask, torch.tensor(0.0), min)``): lifted as a mask, not kept as a bias,
+    so its window leaves blocks out and the causal part is implied by the tree."""
+
+    def __init__(self, window):
+        super().__init__()
+        self.window = window
+        self.emb = torch.nn.Embedding(64, 32)
+        self.qkv = torch.nn.ModuleList(torch.nn.Linear(32, 96) for _ in range(2))
+        self.head = torch.nn.Linear(32, 64)
+
+    def forward(self, input_ids):
+        x = self.emb(input_ids)
+        n = x.shape[1]
+        pos = torch.arange(n, device=x.device)
+        causal = pos[None, :] <= pos[:, None]
+        masks = (causal & (pos[None, :] > pos[:, None] - self.window), causal)
+        for qkv, allowed in zip(self.qkv, masks):
+            add = torch.where(allowed, torch.tensor(0.0, dtype=x.dtype, device=x.device),
+                              torch.finfo(x.dtype).min)
+            q, k, v = (t.view(1, n, 4, 8).transpose(1, 2) for t in qkv(x).chunk(3, -1))
+            w = torch.softmax(q @ k.transpose(-1, -2) * 8 ** -0.5 + add, dim=-1)
+            x = x + (w @ v).transpose(1, 2).reshape(1, n, 32)
+        return self.head(x)
+
+
+def test_additive_mask_with_a_tensor_zero_is_lifted():
+    torch.manual_seed(0)
+    model = AdditiveWindow(5).double()
+    tm = treefx.compile(model, backend="flex-eager", verify=False, block_size=16)
+    check_forward(tm, long_trees(64), atol=1e-9, pad_to_multiple=16)
+    notes = [r.note for c in tm.contexts for r in c.log if r.pass_name == "attention"]
+    assert len(notes) == 2
+    assert "beyond its window (4)" in notes[0] and "score_mod" not in notes[0], notes
+    assert "implied by the tree" in notes[1] and "score_mod" not in notes[1], notes

@@ -412,9 +412,19 @@ def _snapshot(ctx: GraphContext, mask: fx.Node) -> tuple[LiftedMask, tuple[fx.No
 
 
 def _is_zero(ctx: GraphContext, x) -> bool:
+    """A constant zero: ``0``, ``torch.zeros(())``, ``torch.tensor(0.0)`` (Hugging Face's
+    eager mask in transformers 5.17), ``full(..., 0)``, through casts."""
     if isinstance(x, (int, float)) and not isinstance(x, bool):
         return x == 0
-    return is_call(x, torch.zeros_like, torch.zeros)
+    if is_call(x, torch.zeros_like, torch.zeros, methods=("new_zeros",)):
+        return True
+    if is_call(x, torch.full, torch.full_like, methods=("new_full",)) and len(x.args) > 1:
+        return _is_zero(ctx, x.args[1])
+    if is_call(x, torch.tensor, torch.scalar_tensor) and x.args:
+        return _is_zero(ctx, x.args[0])
+    if is_call(x, methods=("to", "type", "type_as", "float", "half", "bfloat16")):
+        return _is_zero(ctx, ctx.resolve(x.args[0]))
+    return False
 
 
 def _very_negative(ctx: GraphContext, x) -> bool:
