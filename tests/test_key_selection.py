@@ -186,3 +186,21 @@ def test_flex_form_matches_oracle(how):
     check_forward(tm, odd_forest(4, VOCAB), atol=1e-9, pad_to_multiple=16)
     notes = [r.note for c in tm.contexts for r in c.log if r.pass_name == "attention"]
     assert len(notes) == 2 and all("score_mod" in n for n in notes), notes
+
+
+@pytest.mark.slow
+def test_a_layer_reusing_the_previous_selection_matches_oracle_and_checkpointing_refuses():
+    """GLM-MoE-DSA's "shared" indexer layers reuse the previous layer's top-k: exact; under
+    activation checkpointing the indices would leave the checkpointed layer's graph, which
+    treefx does not follow: a clear error."""
+    from treefx.zoo import all_model_types, build_model
+
+    if "glm_moe_dsa" not in all_model_types():
+        pytest.skip("glm_moe_dsa is not in this transformers")
+    model = build_model("glm_moe_dsa", indexer_types=["full", "shared"])
+    tm = treefx.compile(model, backend="eager", verify=False)
+    check_against_oracle(tm, odd_forest(3, model.config.vocab_size))
+    model = build_model("glm_moe_dsa", indexer_types=["full", "shared"], checkpointing=True)
+    tm = treefx.compile(model, backend="eager", verify=False)
+    with pytest.raises(treefx.TreeCompileError, match="handed out of the region"):
+        tm(treefx.pack(odd_forest(1, model.config.vocab_size)))

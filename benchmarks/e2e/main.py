@@ -18,6 +18,15 @@ from .methods import EXTRA_METHODS, METHODS
 from .report import conventions, print_table, summarize, targets, tree_info
 
 
+def _windows(args) -> tuple[int, ...]:
+    """The sliding windows of ``--arch``'s layers (their attended pairs go in the tree info
+    for the FLOP bound)."""
+    from .env import _ARCH_TINY, ARCH_SHAPES
+
+    shapes = (_ARCH_TINY if args.dry_run else ARCH_SHAPES).get(args.arch, {})
+    return (shapes["sliding_window"],) if shapes.get("sliding_window") else ()
+
+
 def parse_args(argv=None):
     from . import __doc__ as doc
 
@@ -98,7 +107,7 @@ def main(argv=None):
         try:
             trees[label] = common.make_tree(por, args.scale * (0.03 if args.dry_run else 1.0),
                                             args.vocab, args.seed)
-            res["trees"][label] = tree_info(trees[label])
+            res["trees"][label] = tree_info(trees[label], windows=_windows(args))
         except Exception:
             res["trees"][label] = {"error": traceback.format_exc()[-2000:]}
         print(f"tree {label}: {res['trees'][label]}", flush=True)

@@ -164,6 +164,11 @@ def _check_uses(ctx: GraphContext, topk: fx.Node) -> None:
               and u.args[2] in u.all_input_nodes and _is_key_scatter(ctx, u)):
             u.meta[KEY_SELECTION] = True
             continue  # its users are checked on the final graph
+        elif u.op == "output":
+            raise _refuse(u, "has its indices handed out of the region it is computed in (an "
+                             "activation-checkpointed layer whose top-k a later layer reuses, "
+                             "as GLM-MoE-DSA's shared indexer layers do); treefx follows a "
+                             "selection within one graph: train without checkpointing")
         else:
             raise _refuse(u, f"has its indices used by `{describe(u)}`; treefx supports them "
                              "scattered along the keys into a fresh [.., N, N] attention mask")
