@@ -206,11 +206,12 @@ def _is_view_index(node: fx.Node) -> bool:
 
 
 def _is_tree_attention(node: fx.Node) -> bool:
+    """A tree attention op: its first three operands are the queries (or scores), keys and
+    values; the others its masks, score sides and buffers, which it ANDs with the tree."""
     t = node.target
     return node.op == "call_function" and (
         t is tree_attention_dense or isinstance(t, (TreeFlexAttention, TreePartFlexAttention,
-                                                    TreeScoredAttention, TreePartAttention))
-        or t is torch.ops.treefx.pad_rows_to_block.default)
+                                                    TreeScoredAttention, TreePartAttention)))
 
 
 def check_key_selections(ctx: GraphContext) -> None:
@@ -227,10 +228,11 @@ def check_key_selections(ctx: GraphContext) -> None:
                 continue
             seen.add(n)
             for u in n.users:
-                if _is_tree_attention(u):
-                    if u.target is torch.ops.treefx.pad_rows_to_block.default:
-                        stack.append(u)  # a score_mod's buffer, read by a tree attention
+                if u.target is torch.ops.treefx.pad_rows_to_block.default:
+                    stack.append(u)  # a score_mod's buffer, read by a tree attention
                     continue
+                if _is_tree_attention(u) and n not in u.args[:3] and n not in u.kwargs.values():
+                    continue  # a mask, bias or score side: not the queries, keys or values
                 if is_call(u, *_CARRY_FUNCS, methods=_CARRY_METHODS) or _is_view_index(u):
                     stack.append(u)
                     continue
