@@ -309,6 +309,21 @@ def test_flex_attention_part_sites_match_the_oracle(name, monkeypatch):
     assert ops and all(op.layouts == {"interleaved"} for op in ops)
 
 
+def test_flex_part_sites_leave_blocks_beyond_the_window_out(monkeypatch):
+    """Mistral's window of 3 with blocks of 16 over trees of long sequences: the part sites
+    list only the key blocks (of the context and of the part) within the window, and the
+    gradients still match the oracle."""
+    from test_window_blocks import long_trees
+
+    monkeypatch.setattr(treefx.backends, "compile_graph", lambda backend, gm, ex: gm.forward)
+    tm = treefx.compile(hf_model("mistral", "sdpa"), backend="inductor", verify=False,
+                        block_size=16)
+    _check(tm, long_trees(VOCAB), 48)
+    notes = [r.note for r in tm._part_runner.engine.contexts[-1].log
+             if r.pass_name == "attention"]
+    assert notes and all("beyond its window (2)" in n for n in notes), notes
+
+
 def test_first_call_checks_the_part_graph(monkeypatch):
     """With verification on (the default), the first treefx.backward of a model runs the
     probe forest in parts against the oracle: a part graph that reads its context wrongly

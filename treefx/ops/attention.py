@@ -343,12 +343,15 @@ class TreePartFlexAttention:
     differentiable on the CPU too) is the eager backend's for scored sites.
     ``interleave_heads`` as in :class:`TreeFlexAttention`: the part's query row and the
     extended key row each with the KV heads interleaved at block granularity (not with a
-    ``score_mod``); ``layouts`` records the layouts the site was traced with."""
+    ``score_mod``); ``layouts`` records the layouts the site was traced with. ``window``: the
+    model mask admits no pair farther apart in path positions, so key blocks beyond it are
+    left out (:func:`treefx.mask.tree_block_tensors`)."""
 
     def __init__(self, *, scale=None, block_size=128, model_mask=None, kernel_options=None,
                  score_mod=None, mask_buffers=None, return_lse=False, interleave_heads=None,
-                 name="tree_part_flex_attention"):
+                 window=None, name="tree_part_flex_attention"):
         self.scale = scale
+        self.window = window  # the model mask admits no pair farther apart (a sliding window)
         self.block_size = block_size
         self.model_mask = model_mask
         self.score_mod = score_mod
@@ -396,7 +399,8 @@ class TreePartFlexAttention:
         keys = torch.cat([k_context.to(wide), k.to(wide)], dim=-2)
         values = torch.cat([v_context.to(wide), v.to(wide)], dim=-2)
         kv_num, kv_idx, full_num, full_idx, se_pad = tree_block_tensors(
-            se_ext, bs, full=self.model_mask is None)
+            se_ext, bs, full=self.model_mask is None,
+            **({} if self.window is None else {"positions": pos_ext, "window": self.window}))
         first = a // bs  # the part's first query block in the extended row
         block_mask = BlockMask.from_kv_blocks(
             kv_num[:, :, first:], kv_idx[:, :, first:], full_num[:, :, first:],

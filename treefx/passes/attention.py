@@ -660,11 +660,12 @@ def _scored_part(ctx: GraphContext, site: _Site):
     k, v, shared_kv = _kv_for_flex(site, k)
     ck, cv = _part_context(ctx, site, k, v)
     se, pos = part.ext(ctx, "subtree_end"), part.ext(ctx, "positions")
+    window = window_of(mods.mask) if mods.mask is not None else None
     fn = TreePartFlexAttention(scale=mods.scale, block_size=ctx.block_size,
                                model_mask=mods.mask, kernel_options=ctx.kernel_options,
                                score_mod=mods.score_mod, mask_buffers=len(mods.mask_bufs),
                                return_lse=True,
-                               interleave_heads=ctx.interleave_heads,
+                               interleave_heads=ctx.interleave_heads, window=window,
                                name=f"tree_part_flex_attention_{site.anchor.name}")
     bufs = _part_buffers(ctx, (*mods.mask_bufs, *mods.score_bufs))
     note = mods.note + ", keys and values of earlier parts' context"
@@ -875,9 +876,12 @@ def _rewrite_part(ctx: GraphContext, site: _Site) -> fx.Node:
                                    model_mask=lifted,
                                    name=f"tree_part_attention_{site.anchor.name}")
         else:
+            window = window_of(lifted) if lifted is not None else None
+            if window is not None:
+                note += f", key blocks beyond its window ({window}) left out"
             fn = TreePartFlexAttention(scale=site.scale, block_size=ctx.block_size,
                                        model_mask=lifted, kernel_options=ctx.kernel_options,
-                                       interleave_heads=ctx.interleave_heads,
+                                       interleave_heads=ctx.interleave_heads, window=window,
                                        name=f"tree_part_flex_attention_{site.anchor.name}")
         new = g.call_function(fn, (site.q, k, v, ck, cv, se, pos, *bufs))
     new.meta.update({k_: v_ for k_, v_ in site.out.meta.items()
