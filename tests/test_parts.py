@@ -309,6 +309,20 @@ def test_flex_attention_part_sites_match_the_oracle(name, monkeypatch):
     assert ops and all(op.layouts == {"interleaved"} for op in ops)
 
 
+def test_flex_part_sink_sites_keep_the_usual_layout(monkeypatch):
+    """gpt-oss's sinks in parts, the inductor backend's part graph run op by op: the sites
+    that return their log-sum-exp keep the usual layout (the interleaved one failed in
+    Inductor's backward on the H100), and match the oracle."""
+    from test_scored_attention import scored_model
+
+    monkeypatch.setattr(treefx.backends, "compile_graph", lambda backend, gm, ex: gm.forward)
+    tm = treefx.compile(scored_model("gpt_oss"), backend="inductor", verify=False)
+    _check(tm, odd_forest(3, VOCAB), 7)
+    ops = [n.target for n in tm._part_runner.engine.contexts[-1].graph.nodes
+           if isinstance(n.target, TreePartFlexAttention)]
+    assert ops and all(op.return_lse and op.layouts == {"standard"} for op in ops)
+
+
 def test_flex_part_sites_leave_blocks_beyond_the_window_out(monkeypatch):
     """Mistral's window of 3 with blocks of 16 over trees of long sequences: the part sites
     list only the key blocks (of the context and of the part) within the window, and the

@@ -421,7 +421,11 @@ class TreePartFlexAttention:
         if interleave is None:  # the backward is what gains (see TreeFlexAttention)
             interleave = torch.is_grad_enabled() and any(
                 t.requires_grad for t in (q, k, v, k_context, v_context))
-        interleave = interleave and hk > 1 and self.score_mod is None
+        # A site returning its log-sum-exp (a sink) keeps the usual layout in parts: on the
+        # H100 (torch 2.11) Inductor's backward of the interleaved part with the log-sum-exp
+        # laid back failed a stride assertion (gpt-oss in parts, 2026-11-24); the usual
+        # layout is exact there (BENCHMARKS.md, "Sliding windows in the block mask").
+        interleave = interleave and hk > 1 and self.score_mod is None and not self.return_lse
         self.layouts.add("interleaved" if interleave else "standard")
         if interleave:
             nbq, nbk = kv_num.shape[-1] - first, kv_num.shape[-1]
