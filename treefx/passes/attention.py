@@ -54,6 +54,7 @@ from .mask_lift import (
     MaskLiftError,
     implied_by_tree,
     lift_mask,
+    mask_applications,
     window_of,
     dense_side,
     lift_value,
@@ -430,8 +431,8 @@ def _chain_module(chain: list[fx.Node], scores: fx.Node, sides: list[fx.Node]):
 def _peel_mask(ctx: GraphContext, chain: list[fx.Node]):
     """(chain without its last op, boolean mask node) when the last op masks the scores
     (``+ where(allowed, 0, -inf)``, ``masked_fill(blocked, -inf)``, ``where(allowed, s,
-    -inf)``), which a FlexAttention ``mask_mod`` does with block sparsity; else
-    (chain, None)."""
+    -inf)``: :func:`mask_applications`), which a FlexAttention ``mask_mod`` does with block
+    sparsity; else (chain, None)."""
     if not chain:
         return chain, None
     last, prev = chain[-1], (chain[-2] if len(chain) > 1 else None)
@@ -440,25 +441,14 @@ def _peel_mask(ctx: GraphContext, chain: list[fx.Node]):
         return a is prev if prev is not None else (
             isinstance(a, fx.Node) and is_call(a, *_MATMUL, methods=("matmul",)))
 
-    if is_call(last, torch.add, operator.add, methods=("add",)):
-        a, b = last.args[:2]
-        side = b if is_prev(a) else a if is_prev(b) else None
-        if isinstance(side, fx.Node):
-            return chain[:-1], side
-    elif is_call(last, torch.masked_fill, methods=("masked_fill",)) and is_prev(last.args[0]):
-        if _mask_fill_value(ctx, arg(last, 2, "value")):
+    for scores, how, mask in mask_applications(ctx, last):
+        if not is_prev(scores) or how == "additive" and not isinstance(mask, fx.Node):
+            continue
+        if how == "blocked":
             with ctx.graph.inserting_before(last):
-                return chain[:-1], ctx.graph.call_function(torch.logical_not, (last.args[1],))
-    elif is_call(last, torch.where) and len(last.args) == 3 and is_prev(last.args[1]):
-        if _mask_fill_value(ctx, last.args[2]):
-            return chain[:-1], last.args[0]
+                return chain[:-1], ctx.graph.call_function(torch.logical_not, (mask,))
+        return chain[:-1], mask
     return chain, None
-
-
-def _mask_fill_value(ctx: GraphContext, x) -> bool:
-    from .mask_lift import _very_negative
-
-    return _very_negative(ctx, ctx.resolve(x) if isinstance(x, fx.Node) else x)
 
 
 def _reaches_matmul(node, depth: int = 6) -> bool:
@@ -627,8 +617,7 @@ def _scored_flex(ctx: GraphContext, site: _Site):
     k = site.k
     if site.kind.endswith("-kT"):
         k = g.call_method("transpose", (k, -2, -1))
-    window = window_of(mods.mask) if mods.mask is not None else None
-    blocks = _block_nodes(ctx, full=mods.mask is None, window=window)
+    blocks = _block_nodes(ctx, full=mods.mask is None, window=mods.window)
     fn = TreeFlexAttention(scale=mods.scale, block_size=ctx.block_size,
                            model_mask=mods.mask, score_mod=mods.score_mod,
                            mask_buffers=len(mods.mask_bufs), return_lse=True,
@@ -637,8 +626,7 @@ def _scored_flex(ctx: GraphContext, site: _Site):
                            else False,
                            name=f"tree_flex_attention_{site.anchor.name}")
     k, v, shared_kv = _kv_for_flex(site, k)
-    note = mods.note + (f", key blocks beyond its window ({window}) left out"
-                        if window is not None else "")
+    note = mods.note
     if shared_kv:
         note += ", KV heads shared by FlexAttention (the model's repeat undone)"
     bufs = tuple(ctx.local(b) for b in (*mods.mask_bufs, *mods.score_bufs))
@@ -660,12 +648,11 @@ def _scored_part(ctx: GraphContext, site: _Site):
     k, v, shared_kv = _kv_for_flex(site, k)
     ck, cv = _part_context(ctx, site, k, v)
     se, pos = part.ext(ctx, "subtree_end"), part.ext(ctx, "positions")
-    window = window_of(mods.mask) if mods.mask is not None else None
     fn = TreePartFlexAttention(scale=mods.scale, block_size=ctx.block_size,
                                model_mask=mods.mask, kernel_options=ctx.kernel_options,
                                score_mod=mods.score_mod, mask_buffers=len(mods.mask_bufs),
                                return_lse=True,
-                               interleave_heads=ctx.interleave_heads, window=window,
+                               interleave_heads=ctx.interleave_heads, window=mods.window,
                                name=f"tree_part_flex_attention_{site.anchor.name}")
     bufs = _part_buffers(ctx, (*mods.mask_bufs, *mods.score_bufs))
     note = mods.note + ", keys and values of earlier parts' context"
@@ -675,7 +662,7 @@ def _scored_part(ctx: GraphContext, site: _Site):
 @dataclass
 class _ScoreMods:
     """A scored site's FlexAttention pieces: the scale, the mask_mod and score_mod (lifted
-    to path positions) and the buffers each reads."""
+    to path positions) and the buffers each reads; the mask's window, if it has one."""
 
     scale: float
     mask: object
@@ -683,6 +670,7 @@ class _ScoreMods:
     score_mod: object
     score_bufs: tuple
     note: str
+    window: int | None = None  # the mask's window (:func:`window_of`)
 
 
 def _score_mods(ctx: GraphContext, site: _Site, in_part: bool = False) -> _ScoreMods:
@@ -726,8 +714,16 @@ def _score_mods(ctx: GraphContext, site: _Site, in_part: bool = False) -> _Score
         if chain else None
     if score_mod is not None:
         note += ", score ops as the score_mod"
+    window, more = _window(lifted)
     return _ScoreMods(scale if chain == [] else 1.0, lifted, tuple(mask_bufs), score_mod,
-                      tuple(score_bufs), note)
+                      tuple(score_bufs), note + more, window)
+
+
+def _window(lifted) -> tuple[int | None, str]:
+    """The lifted mask's window (:func:`window_of`: key blocks beyond it are left out) and
+    the note that says so."""
+    window = window_of(lifted)
+    return window, "" if window is None else f", key blocks beyond its window ({window}) left out"
 
 
 def _constant_scale(chain: list[fx.Node]) -> tuple[float, list[fx.Node]]:
@@ -815,9 +811,8 @@ def _rewrite(ctx: GraphContext, site: _Site) -> fx.Node:
                 note += (", applied to the scores by the score_mod"
                          if example(mask).dtype == torch.bool
                          else ", added to the scores by the score_mod")
-            window = window_of(lifted) if lifted is not None else None
-            if window is not None:
-                note += f", key blocks beyond its window ({window}) left out"
+            window, more = _window(lifted)
+            note += more
             blocks = _block_nodes(ctx, full=lifted is None, window=window)
             fn = TreeFlexAttention(scale=site.scale, block_size=ctx.block_size,
                                    model_mask=lifted, kernel_options=ctx.kernel_options,
@@ -876,9 +871,8 @@ def _rewrite_part(ctx: GraphContext, site: _Site) -> fx.Node:
                                    model_mask=lifted,
                                    name=f"tree_part_attention_{site.anchor.name}")
         else:
-            window = window_of(lifted) if lifted is not None else None
-            if window is not None:
-                note += f", key blocks beyond its window ({window}) left out"
+            window, more = _window(lifted)
+            note += more
             fn = TreePartFlexAttention(scale=site.scale, block_size=ctx.block_size,
                                        model_mask=lifted, kernel_options=ctx.kernel_options,
                                        interleave_heads=ctx.interleave_heads, window=window,

@@ -411,35 +411,59 @@ def _snapshot(ctx: GraphContext, mask: fx.Node) -> tuple[LiftedMask, tuple[fx.No
     return lifted, tuple(leaves)
 
 
-def _is_zero(ctx: GraphContext, x) -> bool:
-    """A constant zero: ``0``, ``torch.zeros(())``, ``torch.tensor(0.0)`` (Hugging Face's
-    eager mask in transformers 5.17), ``full(..., 0)``, through casts."""
+_CAST_METHODS = ("to", "type", "type_as", "float", "half", "bfloat16")
+
+
+def _constant(ctx: GraphContext, x):
+    """The number a node holds everywhere, through casts: ``c``, ``torch.zeros(...)``,
+    ``torch.full(..., c)``, ``torch.tensor(c)`` (transformers 5.17's eager mask writes its 0
+    this way); None when it is not a constant."""
     if isinstance(x, (int, float)) and not isinstance(x, bool):
-        return x == 0
+        return x
     if is_call(x, torch.zeros_like, torch.zeros, methods=("new_zeros",)):
-        return True
+        return 0
     if is_call(x, torch.full, torch.full_like, methods=("new_full",)) and len(x.args) > 1:
-        return _is_zero(ctx, x.args[1])
+        return _constant(ctx, x.args[1])
+    if is_call(x, torch.full) and "fill_value" in x.kwargs:
+        return _constant(ctx, x.kwargs["fill_value"])
     if is_call(x, torch.tensor, torch.scalar_tensor) and x.args:
-        return _is_zero(ctx, x.args[0])
-    if is_call(x, methods=("to", "type", "type_as", "float", "half", "bfloat16")):
-        return _is_zero(ctx, ctx.resolve(x.args[0]))
-    return False
+        return _constant(ctx, x.args[0])
+    if is_call(x, methods=_CAST_METHODS):
+        return _constant(ctx, ctx.resolve(x.args[0]))
+    return None
+
+
+def _is_zero(ctx: GraphContext, x) -> bool:
+    """A constant zero (see :func:`_constant`)."""
+    return _constant(ctx, x) == 0
 
 
 def _very_negative(ctx: GraphContext, x) -> bool:
     """A constant at or below -1e4 (-inf, the dtype's min): adding it masks a score out."""
-    if isinstance(x, (int, float)) and not isinstance(x, bool):
-        return x <= -1e4
-    if is_call(x, torch.full, torch.full_like, methods=("new_full",)) and len(x.args) > 1:
-        return _very_negative(ctx, x.args[1])
-    if is_call(x, torch.full) and "fill_value" in x.kwargs:
-        return _very_negative(ctx, x.kwargs["fill_value"])
-    if is_call(x, torch.tensor, torch.scalar_tensor) and x.args:
-        return _very_negative(ctx, x.args[0])
-    if is_call(x, methods=("to", "type", "type_as", "float", "half", "bfloat16")):
-        return _very_negative(ctx, ctx.resolve(x.args[0]))
-    return False
+    c = _constant(ctx, x)
+    return c is not None and c <= -1e4
+
+
+def mask_applications(ctx: GraphContext, node) -> list[tuple[fx.Node, str, fx.Node]]:
+    """The ways ``node`` may apply a mask to a score tensor, as ``(scores, how, mask)``:
+    ``masked_fill(s, blocked, -big)`` ("blocked"), ``where(allowed, s, -big)`` ("allowed"),
+    ``s + m`` ("additive", either operand may be the scores); [] for anything else. The caller
+    knows which operand is its scores."""
+    if not isinstance(node, fx.Node):
+        return []
+
+    def negative(v):
+        return _very_negative(ctx, ctx.resolve(v) if isinstance(v, fx.Node) else v)
+
+    if is_call(node, torch.masked_fill, methods=("masked_fill",)) and len(node.args) >= 2:
+        value = node.args[2] if len(node.args) > 2 else node.kwargs.get("value")
+        return [(node.args[0], "blocked", node.args[1])] if negative(value) else []
+    if is_call(node, torch.where) and len(node.args) == 3:
+        return [(node.args[1], "allowed", node.args[0])] if negative(node.args[2]) else []
+    if is_call(node, torch.add, operator.add, methods=("add",)) and len(node.args) >= 2:
+        a, b = node.args[:2]
+        return [(a, "additive", b), (b, "additive", a)]
+    return []
 
 
 def _probe_pairs() -> tuple[torch.Tensor, torch.Tensor]:
@@ -504,14 +528,21 @@ def _target_key(node: fx.Node):
     return node.target if node.op in ("call_function", "call_method") else None
 
 
-def _same_bool(node: fx.Node) -> bool:
-    """A shape op, or a ``to`` that moves a tensor without changing its dtype from bool."""
+def _dtypes(node: fx.Node) -> list:
+    """The dtypes a ``to`` names (none: a device move)."""
+    return [a for a in (*node.args[1:], *node.kwargs.values()) if isinstance(a, torch.dtype)]
+
+
+def _same_value(node: fx.Node, dtype=None) -> bool:
+    """A shape op, or a ``to`` that moves a tensor without casting it (to ``dtype`` at most)."""
     if is_call(node, methods=_SAME_VALUE_METHODS) or is_call(node, *_SHAPE_FUNCS):
         return True
-    if is_call(node, methods=("to",)):
-        return all(not isinstance(a, torch.dtype) or a is torch.bool
-                   for a in (*node.args[1:], *node.kwargs.values()))
-    return False
+    return is_call(node, methods=("to",)) and all(d is dtype for d in _dtypes(node))
+
+
+def _same_bool(node: fx.Node) -> bool:
+    """A shape op, or a ``to`` that moves a tensor without changing its dtype from bool."""
+    return _same_value(node, torch.bool)
 
 
 def _conjuncts(mask: fx.Node) -> list[fx.Node]:
@@ -547,10 +578,7 @@ def _affine(node, lifted: LiftedMask):
             return None
         a, c = coef
         return (a, 0, c) if role == "q" else (0, a, c)
-    if _same_bool(node) and not is_call(node, methods=("to",)):
-        return _affine(node.args[0], lifted)
-    if is_call(node, methods=("to",)) and not any(
-            isinstance(a, torch.dtype) for a in (*node.args[1:], *node.kwargs.values())):
+    if _same_value(node):
         return _affine(node.args[0], lifted)
     if is_call(node, operator.add, torch.add, operator.sub, torch.sub, methods=("add", "sub")):
         x, y = _affine(node.args[0], lifted), _affine(node.args[1], lifted)
@@ -586,13 +614,12 @@ def _vector_affine(node, lifted: LiftedMask):
             return None if inner is None else (inner[0], inner[1] + sign * y)
         if isinstance(x, int) and not isinstance(x, bool) and sign == 1:
             return _vector_affine(y, lifted)
-    if is_call(node, methods=("to", "contiguous")) and not any(
-            isinstance(a, torch.dtype) for a in (*node.args[1:], *node.kwargs.values())):
+    if _same_value(node):
         return _vector_affine(node.args[0], lifted)
     return None
 
 
-def window_of(lifted: LiftedMask) -> int | None:
+def window_of(lifted: LiftedMask | None) -> int | None:
     """The largest ``q_pos - kv_pos`` the lifted mask admits, when one of its conjuncts bounds
     it (a sliding window: ``kv > q - W`` and its rearrangements), else None.
 
@@ -601,7 +628,7 @@ def window_of(lifted: LiftedMask) -> int | None:
     other conjuncts and buffers are. The tree's block mask may then drop every key block whose
     tokens are all farther than D from the query block's (:func:`treefx.mask.tree_block_tensors`).
     """
-    if lifted.negate or not lifted.boolean:
+    if lifted is None or lifted.negate or not lifted.boolean:
         return None
     best = None
     for term in _conjuncts(lifted.mask):

@@ -48,7 +48,9 @@ from ..mask import dense_tree_mask
 from ..ops.attention import (TreeFlexAttention, TreePartFlexAttention, TreeScoredAttention,
                              tree_attention_dense)
 from ..ops.context import TreePartAttention
-from .common import KEY_SELECTION, GraphContext, arg, describe, example, is_call, same_size, set_example
+from .common import (KEY_SELECTION, GraphContext, arg, describe, example, is_call, same_size,
+                     set_example)
+from .mask_lift import mask_applications
 from .tokens import DATA, TokenAxisError, _Taint, _fail
 
 __all__ = ["KEY_SELECTION", "key_selection_pass", "check_key_selections"]
@@ -68,24 +70,13 @@ def _pairwise(ctx: GraphContext, val) -> bool:
 
 
 def _peel(ctx: GraphContext, x: fx.Node):
-    """``(scores, how, mask)`` when ``x`` masks a score row with the model's mask:
-    ``masked_fill(s, blocked, -big)`` ("blocked"), ``where(allowed, s, -big)`` ("allowed")
-    or ``s + additive`` ("additive"); else None."""
-    from .mask_lift import _very_negative
-
-    def negative(v):
-        return _very_negative(ctx, ctx.resolve(v) if isinstance(v, fx.Node) else v)
-
-    if is_call(x, torch.masked_fill, methods=("masked_fill",)) and negative(arg(x, 2, "value")):
-        return x.args[0], "blocked", x.args[1]
-    if is_call(x, torch.where) and len(x.args) == 3 and negative(x.args[2]):
-        return x.args[1], "allowed", x.args[0]
-    if is_call(x, torch.add, operator.add, methods=("add",)) and len(x.args) >= 2:
-        a, b = x.args[:2]
-        for s, m in ((a, b), (b, a)):
-            mv = example(m) if isinstance(m, fx.Node) else None
-            if isinstance(mv, torch.Tensor) and mv.is_floating_point() and _pairwise(ctx, mv):
-                return s, "additive", m
+    """``(scores, how, mask)`` when ``x`` masks a score row with the model's mask
+    (:func:`mask_applications`; an additive mask is a float [.., N, N] tensor); else None."""
+    for scores, how, mask in mask_applications(ctx, x):
+        mv = example(mask) if isinstance(mask, fx.Node) else None
+        if how != "additive" or (isinstance(mv, torch.Tensor) and mv.is_floating_point()
+                                 and _pairwise(ctx, mv)):
+            return scores, how, mask
     return None
 
 
