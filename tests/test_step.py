@@ -208,3 +208,21 @@ def test_hybrid_step_with_the_models_default_cache():
     check_step(treefx.step(make_hand_step("sum"), backend="eager"), model,
                odd_forest(23, VOCAB), "sum")
     assert model.config.use_cache is True
+
+
+def hf_step_without_mask(model, batch):
+    return model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
+
+
+@pytest.mark.parametrize("regional", [False, True])
+def test_hf_model_called_without_attention_mask(regional):
+    """A step that passes no attention_mask, as a per-sequence step needs none: transformers
+    >= 5.24 then infers packed sequences from the positions (a diff over the tokens), which on
+    the tree would cut each branch off its prefix. Each sequence alone finds one sequence, and
+    so does the tree step: exact, and HF's function is restored after the call."""
+    masking_utils = pytest.importorskip("transformers.masking_utils")
+    before = getattr(masking_utils, "find_packed_sequence_indices", None)
+    model = hf_model("qwen3", "sdpa")
+    step = treefx.step(hf_step_without_mask, backend="eager", regional=regional)
+    check_step(step, model, odd_forest(24, VOCAB), "mean")
+    assert getattr(masking_utils, "find_packed_sequence_indices", None) is before

@@ -22,6 +22,7 @@ import torch.fx as fx
 
 from . import backends, regional
 from .attn_impl import eager_attention
+from .hf_packing import one_sequence_per_path
 from .kernels import UnsupportedLayerError, capture_patches, discover
 from .layout import TreeBatch
 from .ops.attention import check_interleave_heads, check_kernel_options
@@ -128,7 +129,7 @@ class TreeEngine:
             # Registered recurrent kernels appear as single marker nodes (treefx.kernels);
             # the swap is in place on every call so that Dynamo's guards always see it.
             with capture_patches(), backends.capture_config(), self._shapes(), \
-                    eager_attention(discover_in):
+                    eager_attention(discover_in), one_sequence_per_path():
                 out = self._compiled[backend](*args)
         if self._runs == runs:
             raise TreeCompileError(
@@ -258,7 +259,7 @@ class TreeEngine:
         _mark_dynamic(args, dynamic)
         with self._errors(args, dynamic), regional.capture_state(model), \
                 capture_patches(), backends.capture_config(), eager_attention(model), \
-                torch._dynamo.config.patch(optimize_ddp=False):
+                one_sequence_per_path(), torch._dynamo.config.patch(optimize_ddp=False):
             returned = fn(*args)
         if "graph" not in holder:
             raise TreeCompileError("regional execution: the capture did not reach the backend")

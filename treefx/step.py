@@ -119,8 +119,10 @@ def step(fn=None, *, backend: str = "auto", block_size: int = 128,
     count for each sequence comes from the tree's loss masks, and "mean" is over each
     sequence's own masked tokens. The sequences are averaged as :func:`treefx.pack` says
     (``(1/P) Σ_p ω_p · loss_p``, P the batch's sequence count or the global ``num_sequences``
-    it was packed with). Pass ``batch["attention_mask"]`` to a Hugging Face model:
-    without it the model infers packed sequences from the positions. ``model`` may be a PEFT
+    it was packed with). ``batch["attention_mask"]`` (all ones) may be passed to a Hugging
+    Face model or left out, as in a per-sequence step (Hugging Face's packed-sequence inference
+    from the positions finds one sequence per path, as each sequence alone does:
+    :mod:`treefx.hf_packing`). ``model`` may be a PEFT
     model (LoRA, ...); one wrapped in ``torch.compile`` reaches ``fn`` as its original module
     (``model._orig_mod``), which the step's own capture compiles. ``backend`` and
     ``kernel_options``, ``interleave_heads`` and ``regional`` as for :func:`treefx.compile`
