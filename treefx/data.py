@@ -1,4 +1,6 @@
-"""Trees from an agent's model calls: chat messages through a tokenizer's chat template, or the
+"""Build trees from an agent's model calls, given as chat messages or as token ids.
+
+Trees from an agent's model calls: chat messages through a tokenizer's chat template, or the
 token ids an inference engine returned.
 
 One task's model calls (the turns of an agent, the rollouts of a GRPO group) become one
@@ -44,7 +46,9 @@ _GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 @dataclass(frozen=True)
 class Call:
-    """One model call: the ``prompt_ids`` the model was given and the ``completion_ids`` it
+    """One model call as token ids, the way an inference engine returns it.
+
+    One model call: the ``prompt_ids`` the model was given and the ``completion_ids`` it
     sampled (both non-empty lists of token ids).
 
     ``logprobs``: the sampling log-probability of each completion token (as many as
@@ -321,7 +325,9 @@ def chat_call(messages, tokenizer, *, tools=None, train_on: str = "last",
 def from_chats(calls, tokenizer, *, tools=None, train_on: str = "last",
                end_of_turn: str | None = None, chat_template: str | None = None,
                weights=None, metadata=None, **template_kwargs) -> Tree:
-    """A tree of chat-format model calls: each call through :func:`chat_call` (its keyword
+    """Build one tree from chat-format model calls through a tokenizer's chat template.
+
+    A tree of chat-format model calls: each call through :func:`chat_call` (its keyword
     arguments are this function's), then :func:`from_ids`. ``calls``: per call, its messages
     (a list of message dicts, or a dict with ``"messages"`` and its own ``"tools"``).
     ``weights``: one per call; ``metadata``: the tree's (task id, rewards, ...)."""
@@ -342,7 +348,9 @@ def from_chats(calls, tokenizer, *, tools=None, train_on: str = "last",
 
 
 def group(rollouts: Sequence[Tree], *, rewards=None, task=None) -> Tree:
-    """The rollouts of one task (a GRPO group), each a tree of its model calls
+    """Join the rollouts of one task (a GRPO group) into one tree, with their rewards.
+
+    The rollouts of one task (a GRPO group), each a tree of its model calls
     (:func:`from_chats` / :func:`from_ids`), as one tree: their sequences in order, with
     metadata ``"rollouts"`` (which rollout each call is from), ``"rewards"`` (``rewards[g]`` on
     every call of rollout g; or the rollouts' own ``"rewards"`` metadata), ``"task"`` (``task``,

@@ -1,4 +1,6 @@
-"""Data parallelism on trees: balance trees over ranks, and pack each rank's share so that the
+"""Data parallelism on trees: balance trees over ranks, normalize the loss over all of them.
+
+Data parallelism on trees: balance trees over ranks, and pack each rank's share so that the
 ranks' losses and gradients, averaged the way DDP and FSDP average them, are the global batch's.
 
 **Normalization.** The loss of a global batch of P sequences (over all ranks) is the mean over
@@ -67,7 +69,9 @@ log = logging.getLogger("treefx")
 
 
 def attended_pairs(tree: Tree) -> int:
-    """The (query, key) pairs tree attention computes for ``tree``: Σ over its unique tokens of
+    """The number of (query, key) pairs tree attention computes for a tree.
+
+    The (query, key) pairs tree attention computes for ``tree``: Σ over its unique tokens of
     (the token's position in its own sequence + 1), since a query sees every token of its path
     up to itself (what ``batch.dense_mask()`` allows; padding excluded). A node of length ℓ
     whose first token is at position d adds ℓ·d + ℓ(ℓ+1)/2."""
@@ -98,7 +102,9 @@ _UNGATED_MLP = frozenset({
 
 @dataclass(frozen=True)
 class CostModel:
-    """Cost of one tree in a training step: ``per_token · N + per_pair · A + per_tree``, with N
+    """The cost of one tree in a training step, for balancing trees over ranks.
+
+    Cost of one tree in a training step: ``per_token · N + per_pair · A + per_tree``, with N
     the tree's unique tokens and A its attended pairs (:func:`attended_pairs`). Units are
     whatever the coefficients are in (FLOPs from :meth:`from_config`, seconds from
     :meth:`measure`); for balancing only their ratios matter. All coefficients finite and
@@ -317,7 +323,9 @@ DEFAULT_COST = CostModel(per_token=45_408_583_680.0, per_pair=2_064_384.0)
 
 def assign(trees, world_size: int, *, cost: CostModel | Callable[[Tree], float] | None = None,
            ) -> list[list[Tree]]:
-    """Split ``trees`` over ``world_size`` ranks so that their step times are close: LPT
+    """Split trees over ranks so that the ranks' step times are close.
+
+    Split ``trees`` over ``world_size`` ranks so that their step times are close: LPT
     (longest processing time first) — trees by decreasing cost, each onto the rank with the
     least cost so far (ties: the rank with fewer trees, then the lower rank; equal costs keep
     input order), so the slowest rank is within 4/3 of the best possible split. Returns one
@@ -375,7 +383,9 @@ _SET_HERE = ("num_sequences", "loss_scale")
 
 
 def pack(my_trees, group=None, reduction: str = "mean", **pack_kwargs) -> TreeBatch:
-    """This rank's trees packed for data-parallel training: ``treefx.pack(my_trees,
+    """Pack this rank's trees with the loss normalized over all ranks' sequences.
+
+    This rank's trees packed for data-parallel training: ``treefx.pack(my_trees,
     reduction=, num_sequences=P, loss_scale=W, **pack_kwargs)`` with P the **global** sequence
     count (an all-reduce SUM of every rank's count over ``group``) and W the group's size.
 

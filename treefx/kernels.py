@@ -51,7 +51,9 @@ _LAYER_SITES: list[tuple[type, object]] = []
 
 
 def register_recurrence(rec: Recurrence, *, sites: list[tuple[str, str]] = ()) -> Recurrence:
-    """Register a recurrent kernel. ``sites``: (module path, attribute) pairs where models look
+    """Register a recurrent kernel.
+
+    ``sites``: (module path, attribute) pairs where models look
     the kernel up, patched with the marker during capture (e.g. the module of your layer and
     the name it calls)."""
     rec.signature = inspect.signature(rec.fn)

@@ -173,7 +173,9 @@ def tree_block_mask(subtree_end: torch.Tensor, block_size: int = 128):
 
 
 def pooled_mask(subtree_end, max_size: int = 512) -> tuple[np.ndarray, int]:
-    """The tree mask (rows: queries, columns: keys) OR-pooled over ``block`` x ``block`` cells so
+    """The tree mask pooled into blocks, small enough to draw.
+
+    The tree mask (rows: queries, columns: keys) OR-pooled over ``block`` x ``block`` cells so
     that it is at most ``max_size`` on a side: ``(grid [B, B] bool, block)``. A cell is True iff
     some query of its row block sees some key of its column block. O(N + B²), no N x N tensor."""
     se = np.asarray(subtree_end.cpu() if hasattr(subtree_end, "cpu") else subtree_end,

@@ -251,7 +251,9 @@ def backward(tm: TreeModel, trees: Tree | Iterable[Tree] | TreeBatch, *, max_tok
              reduction: str | None = None, loss_fn: Callable | None = None,
              num_sequences: int | None = None, loss_scale: float | None = None,
              model: torch.nn.Module | None = None) -> torch.Tensor:
-    """Forward and backward of ``trees`` (one tree or a forest, packed as one batch) in parts
+    """Train on trees larger than memory: forward and backward in parts, each token computed once.
+
+    Forward and backward of ``trees`` (one tree or a forest, packed as one batch) in parts
     of at most ``max_tokens`` tokens, every token computed once; the parameter gradients are
     added to ``.grad`` (like ``loss.backward()``). Returns the loss, detached: the batch's
     loss as :func:`treefx.tree_loss` gives it for ``treefx.pack(trees, reduction=...)``.

@@ -38,7 +38,9 @@ ProgressArg = bool | Callable[[int, int], None]
 def partition(
     tree: Tree, max_tokens: int, *, method: str = "greedy", progress: ProgressArg = False
 ) -> list[Tree]:
-    """The parts of ``tree`` (``tree.subtree`` of each group of :func:`partition_ids`), each with
+    """Split a tree into parts of whole sequences that each fit a token budget.
+
+    The parts of ``tree`` (``tree.subtree`` of each group of :func:`partition_ids`), each with
     at most ``max_tokens`` unique tokens.
 
     Every sequence lands in exactly one part with its weight and loss mask unchanged, so the
@@ -62,7 +64,9 @@ def partition(
 def partition_ids(
     tree: Tree, max_tokens: int, *, method: str = "greedy", progress: ProgressArg = False
 ) -> list[list[int]]:
-    """Sequence indices of each part (sequence ``i`` is ``tree.sequences[i]``), see
+    """Which sequences go into each part when a tree is split under a token budget.
+
+    Sequence indices of each part (sequence ``i`` is ``tree.sequences[i]``), see
     :func:`partition`.
 
     Groups hold increasing indices and come ordered by their first index. A tree that fits

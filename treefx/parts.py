@@ -1,4 +1,6 @@
-"""Redundancy-free parts: a packed tree row cut into parts that fit a token budget, each token
+"""Cut a packed tree row into parts that fit a token budget, each token computed once.
+
+Redundancy-free parts: a packed tree row cut into parts that fit a token budget, each token
 computed once (see :func:`treefx.backward`, which runs them).
 
 A part is a contiguous range ``[start, end)`` of the DFS row; boundaries may fall anywhere,
@@ -47,7 +49,9 @@ __all__ = ["Part", "PartPlan", "plan"]
 
 @dataclass(eq=False)
 class Part:
-    """One part of a :class:`PartPlan` (numpy arrays on the host; indices into the DFS row
+    """One part of a plan: a range of the DFS row and what it reads from earlier parts.
+
+    One part of a :class:`PartPlan` (numpy arrays on the host; indices into the DFS row
     unless said otherwise).
 
     ``start``/``end``: its tokens. ``context``: the path from the root to ``start``
@@ -80,7 +84,9 @@ class Part:
 
 @dataclass(eq=False)
 class PartPlan:
-    """The parts of one packed batch, in DFS order. ``max_tokens``: the budget.
+    """The parts of one packed batch, in DFS order.
+
+    ``max_tokens``: the budget.
     ``part_of_token`` [N]: which part holds each token."""
 
     batch: TreeBatch
@@ -143,7 +149,9 @@ def _units(node_offset, node_length, node_parent, subtree_end_of_node, max_token
 
 
 def plan(batch: TreeBatch, max_tokens: int, *, block_size: int = 128) -> PartPlan:
-    """Cut ``batch``'s row into parts of at most ``max_tokens`` tokens (see the module's
+    """Plan the parts of a packed batch under a token budget.
+
+    Cut ``batch``'s row into parts of at most ``max_tokens`` tokens (see the module's
     docstring for how, and for the memory bound this gives). ``block_size``: the context row
     is padded to a multiple of it (FlexAttention's blocks)."""
     max_tokens = _check_budget(max_tokens)

@@ -18,7 +18,9 @@ __all__ = ["logits_of", "output_vocab_size", "sequence_logprobs", "sequence_loss
 
 
 def logits_of(output) -> torch.Tensor:
-    """Logits from a model's output: a tensor, a tuple whose first entry is one, or an object
+    """The logits in a model's output, whatever form the output takes.
+
+    Logits from a model's output: a tensor, a tuple whose first entry is one, or an object
     with ``.logits`` (Hugging Face)."""
     if isinstance(output, torch.Tensor):
         return output
@@ -48,7 +50,9 @@ def _device(model: torch.nn.Module) -> torch.device:
 
 
 def sequence_logprobs(model: torch.nn.Module, tree) -> list[torch.Tensor]:
-    """Per sequence (over all trees given, in order): log p(token j | tokens < j) for j >= 1,
+    """Each sequence's token log-probabilities, from the unmodified model run on it alone.
+
+    Per sequence (over all trees given, in order): log p(token j | tokens < j) for j >= 1,
     a tensor of length ``len(sequence) - 1`` in float32 (float64 for a float64 model), from the
     model run on that sequence alone (a flex-attention model on the CPU through its eager
     attention: :func:`treefx.attn_impl.oracle_attention`). Differentiable."""
@@ -66,7 +70,9 @@ def sequence_logprobs(model: torch.nn.Module, tree) -> list[torch.Tensor]:
 
 def sequence_loss(model: torch.nn.Module, tree, *, reduction: str = "sum",
                   num_sequences: int | None = None) -> torch.Tensor:
-    """The baseline loss, the mean over all sequences of all trees given:
+    """The per-sequence baseline loss: the unmodified model run on each sequence alone.
+
+    The baseline loss, the mean over all sequences of all trees given:
 
         L = (1/P) · Σ_p ω_p · r_p · Σ_{j≥1} m_p(j) · (−log p(s_p[j] | s_p[<j]))
 
@@ -93,7 +99,9 @@ def sequence_loss(model: torch.nn.Module, tree, *, reduction: str = "sum",
 
 
 def vocab_size(model: torch.nn.Module) -> int | None:
-    """The token embedding's size: Hugging Face's get_input_embeddings, else the first
+    """The size of a model's token embedding, or None.
+
+    The token embedding's size: Hugging Face's get_input_embeddings, else the first
     nn.Embedding of the model (None if it has none)."""
     get = getattr(model, "get_input_embeddings", None)
     emb = get() if callable(get) else None

@@ -86,7 +86,9 @@ DEFAULT_RTOL = 1e-3
 
 @dataclass(frozen=True, eq=False)
 class PathIncidence:
-    """Every sequence's path through the tree, flattened: one entry per predicted baseline
+    """Where each predicted token of each sequence lies in the tree, over all sequences.
+
+    Every sequence's path through the tree, flattened: one entry per predicted baseline
     token (sequence p, position j ≥ 1), ordered by sequence, then position. T entries in all
     (the batch's baseline tokens minus one per sequence).
 
@@ -128,7 +130,9 @@ _INCIDENCE: weakref.WeakKeyDictionary[TreeBatch, PathIncidence] = weakref.WeakKe
 
 
 def path_incidence(batch: TreeBatch) -> PathIncidence:
-    """The flat incidence of all sequences' paths (see :class:`PathIncidence`), built once per
+    """Build where each sequence's predicted tokens lie in the tree, once per batch.
+
+    The flat incidence of all sequences' paths (see :class:`PathIncidence`), built once per
     batch (a loop over sequences walking node paths, the rest vectorized) and cached."""
     if not isinstance(batch, TreeBatch):
         raise TypeError(f"expected a treefx.TreeBatch (see treefx.pack), got "
@@ -332,7 +336,9 @@ def _scatter(inc: PathIncidence, flat: torch.Tensor) -> torch.Tensor:
 
 def token_sums(batch: TreeBatch, values=None, *, weighted: bool = True,
                dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Per tree token t, the sum over the sequences through it:
+    """Sum per-sequence values over the sequences through each tree token.
+
+    Per tree token t, the sum over the sequences through it:
 
         out[t] = Σ_{p∋t} c_p(t) · x_p(t)    c_p(j) = ω_p · r_p · m_p(j) · s / P  (1 if not weighted)
 
@@ -357,7 +363,9 @@ def token_sums(batch: TreeBatch, values=None, *, weighted: bool = True,
 def to_tree(batch: TreeBatch, values, *, fill: float = 0.0, trained_only: bool = True,
             atol: float = DEFAULT_ATOL, rtol: float = DEFAULT_RTOL, name: str = "values",
             dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Per-sequence data that is a function of the context (old or reference log-probabilities,
+    """Put per-sequence, per-token values (old or reference log-probs) onto the tree's tokens.
+
+    Per-sequence data that is a function of the context (old or reference log-probabilities,
     a value model's outputs) as one [N] tensor on the tree, like ``out.token_logprobs``.
 
     ``values``: a list of P per-token tensors, sequence p's of length len(sequence p) − 1 (entry
@@ -476,7 +484,9 @@ def _check_eps(value, name: str) -> float:
 
 
 def policy_gradient_loss(token_logprobs, batch: TreeBatch, advantages) -> torch.Tensor:
-    """REINFORCE / GRPO without a ratio:
+    """The policy-gradient loss (REINFORCE, or GRPO without a ratio) on a tree.
+
+    REINFORCE / GRPO without a ratio:
 
         L = −(1/P) Σ_p ω_p r_p Σ_{j≥1} m_p(j) A_p(j) log π(s_p[j] | s_p[<j])
           = −Σ_t log π_t · Σ_{p∋t} c_p(t) A_p(t)          c_p = ω_p r_p m_p s / P
@@ -496,7 +506,9 @@ def policy_gradient_loss(token_logprobs, batch: TreeBatch, advantages) -> torch.
 def ppo_clip_loss(token_logprobs, batch: TreeBatch, advantages, old_logprobs, *,
                   clip_eps: float = 0.2, clip_eps_high: float | None = None,
                   return_stats: bool = False):
-    """PPO's clipped surrogate, per token ``−min(ρA, clip(ρ, 1−ε, 1+ε_high)·A)`` with
+    """PPO's clipped surrogate loss (PPO, GRPO) on a tree, exact per sequence.
+
+    PPO's clipped surrogate, per token ``−min(ρA, clip(ρ, 1−ε, 1+ε_high)·A)`` with
     ``ρ = exp(log π − log π_old)``, summed like the SFT loss:
 
         L = −(1/P) Σ_p ω_p r_p Σ_{j≥1} m_p(j) min(ρ A_p(j), clip(ρ) A_p(j))
@@ -550,7 +562,9 @@ def ppo_clip_loss(token_logprobs, batch: TreeBatch, advantages, old_logprobs, *,
 
 def kl_penalty(token_logprobs, batch: TreeBatch, ref_logprobs, *, estimator: str = "k1",
                coef: float = 1.0) -> torch.Tensor:
-    """A KL penalty to a reference policy, weighted like the loss:
+    """The KL penalty to a reference policy (k1, k2 or k3 estimator) on a tree.
+
+    A KL penalty to a reference policy, weighted like the loss:
 
         L = coef · (1/P) Σ_p ω_p r_p Σ_{j≥1} m_p(j) kl(s_p[j]) = coef · Σ_t w_t · kl_t
 
@@ -589,7 +603,9 @@ _METADATA_HINTS = {
 
 
 def from_metadata(batch: TreeBatch, key: str):
-    """Per-sequence metadata of the batch's trees (``tree.metadata[key]``), in the batch's
+    """Read per-sequence metadata of a batch's trees (rewards, advantages, log-probs) as tensors.
+
+    Per-sequence metadata of the batch's trees (``tree.metadata[key]``), in the batch's
     sequence order and the forms the objectives take: one number per sequence (rewards,
     GRPO advantages) as a [P] float64 tensor; per-token values (sampling ``"logprobs"``,
     per-token advantages: ``len(sequence) − 1`` each, entry k for token k + 1) as a list of P
@@ -637,7 +653,9 @@ def from_metadata(batch: TreeBatch, key: str):
 
 
 def grpo_advantages(trees, *, eps: float = 1e-6, scale: bool = True) -> torch.Tensor:
-    """GRPO's group-normalized advantages from the trees' metadata, one per sequence: for a
+    """GRPO's group-normalized advantages, one per sequence, from the trees' rewards.
+
+    GRPO's group-normalized advantages from the trees' metadata, one per sequence: for a
     sequence of rollout g, ``A = (R_g − mean R) / (std R + eps)`` over the rollouts of its group
     (``scale=False``: ``R_g − mean R``, Dr. GRPO), as a [P] float64 tensor in the order of the
     trees' sequences.

@@ -110,7 +110,9 @@ class TreeStep:
 def step(fn=None, *, backend: str = "auto", block_size: int = 128,
          kernel_options: dict | None = None, interleave_heads: bool | None = None,
          regional: bool | None = None):
-    """Decorate a training step ``fn(model, batch, ...) -> loss`` so that
+    """Make an ordinary training step compute the per-sequence loss on a tree, exactly.
+
+    Decorate a training step ``fn(model, batch, ...) -> loss`` so that
     ``fn(model, tree_batch)`` returns the per-branch baseline loss, exactly, with its gradients.
 
     The step computes ``F.cross_entropy`` of shifted logits and labels (reduction "mean" or

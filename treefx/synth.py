@@ -139,7 +139,9 @@ def _rollout_tree(seed, *, prefix_scale, vocab_size, system_len, prompt_len, rol
 
 
 def dataset(n: int, seed: int = 0, **kwargs) -> list[Tree]:
-    """``n`` agent trees with seeds ``seed, seed + 1, ...`` (same keyword arguments as
+    """A list of synthetic agent trees with consecutive seeds.
+
+    ``n`` agent trees with seeds ``seed, seed + 1, ...`` (same keyword arguments as
     :func:`agent_tree`)."""
     if n < 1:
         raise ValueError(f"n must be at least 1, got {n}")
@@ -150,7 +152,9 @@ def dataset(n: int, seed: int = 0, **kwargs) -> list[Tree]:
 
 
 def random_sequences(seed: int, vocab: int = 64, n: int = 7, max_len: int = 12) -> list[list[int]]:
-    """``n`` random token lists, most of them branching off an earlier one."""
+    """Random token lists that share prefixes, for tests.
+
+    ``n`` random token lists, most of them branching off an earlier one."""
     rng = np.random.default_rng(seed)
     seqs: list[list[int]] = []
     for _ in range(n):
@@ -166,7 +170,9 @@ def random_sequences(seed: int, vocab: int = 64, n: int = 7, max_len: int = 12) 
 
 
 def odd_tree(seed: int, vocab: int = 64, *, masks: bool = True) -> Tree:
-    """A small random tree with every shape that breaks tree training at once: a sequence that
+    """A small random tree with every shape that breaks tree training, for tests.
+
+    A small random tree with every shape that breaks tree training at once: a sequence that
     is a prefix of another, a duplicate, a single-token node, a one-token sequence, random
     weights and (``masks``) loss masks. For checks against the per-sequence oracle."""
     rng = np.random.default_rng(seed + 1000)

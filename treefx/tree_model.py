@@ -26,7 +26,9 @@ log = logging.getLogger("treefx")
 
 @dataclass
 class TreeOutput:
-    """``logits`` [1, N, V] in DFS order (None for a model compiled with ``logits=False``);
+    """What a tree-compiled model returns: its logits and each token's log-probability.
+
+    ``logits`` [1, N, V] in DFS order (None for a model compiled with ``logits=False``);
     ``token_logprobs`` [N] (float32, float64 for a float64 model), entry t is
     log p(token t | its own sequence's prefix), 0 where t has no predecessor."""
 
@@ -35,7 +37,9 @@ class TreeOutput:
 
 
 def tree_loss(out: TreeOutput, batch: TreeBatch) -> torch.Tensor:
-    """Σ_t loss_weights[t] · (−token_logprobs[t]) = (1/P) Σ_p ω_p · loss_p: each sequence's
+    """The tree's training loss: the mean of the per-sequence losses, from a tree model's output.
+
+    Σ_t loss_weights[t] · (−token_logprobs[t]) = (1/P) Σ_p ω_p · loss_p: each sequence's
     own loss (the batch's reduction) with its weight, averaged over the batch's P sequences
     (or the global count given to :func:`treefx.pack`)."""
     return weighted_logprob_loss(out.token_logprobs, batch.loss_weights)
@@ -296,7 +300,8 @@ def compile(model: torch.nn.Module, *, backend: str = "auto", block_size: int = 
 
 
 def verify(model, trees=None, **options) -> verification.VerificationReport:
-    """Compare a tree-compiled model with the unmodified model run on each sequence alone;
+    """Compare a tree-compiled model with the unmodified model run on each sequence alone.
+
     ``model``: a :class:`TreeModel` (its compiled graph is what gets checked) or a module
     (compiled here with ``treefx.compile`` options from ``options``, its own first-call
     check off). The other options are :func:`treefx.verification.verify_compiled`'s."""

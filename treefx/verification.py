@@ -55,7 +55,9 @@ class VerificationUnavailable(TreeVerificationError):
 
 @dataclass(frozen=True)
 class Tolerance:
-    """``logprob``: max absolute log-probability error; ``grad``: max relative gradient error
+    """How far a tree-compiled model may be from the per-sequence oracle and still pass.
+
+    ``logprob``: max absolute log-probability error; ``grad``: max relative gradient error
     per parameter, ``|g_tree - g_ref| / max(|g_ref|, floor · |G_ref|)`` with ``|G_ref|`` the
     norm of all the compared gradients together (so a parameter the probe barely reaches is
     not judged on rounding noise)."""
@@ -93,7 +95,9 @@ def tolerance_for(dtype: torch.dtype) -> Tolerance:
 
 @dataclass
 class VerificationReport:
-    """What :func:`verify` compared and found. ``worst_token``: (sequence, position in it,
+    """What :func:`verify` compared and found.
+
+    ``worst_token``: (sequence, position in it,
     DFS index) of the largest log-probability error; ``grad_errors``: relative error per
     compared parameter (empty without autograd)."""
 
@@ -157,7 +161,9 @@ class VerificationReport:
 
 
 def probe_forest(vocab_size: int, *, min_tokens: int = 0, seed: int = 0) -> list[Tree]:
-    """Two trees with every shape that breaks tree training: a shared prefix with branches, a
+    """The small forest the first-call check runs: every tree shape that breaks tree training.
+
+    Two trees with every shape that breaks tree training: a shared prefix with branches, a
     single-token node, a sequence that ends inside another (a prefix of it), a duplicate
     sequence, a one-token sequence, random weights and loss masks on one tree and none on the
     other. Segments are scaled so that the forest has at least ``min_tokens`` tokens (more

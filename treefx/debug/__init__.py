@@ -1,4 +1,6 @@
-"""See what treefx does to a model: ``explain(model, batch)`` reports every rewrite, every
+"""See what treefx does to a model: reports, graph diffs and pictures of trees.
+
+See what treefx does to a model: ``explain(model, batch)`` reports every rewrite, every
 node left alone and why, graph breaks or the node that stops compilation, with a graph-code diff
 and an HTML page; ``draw(trees, "tree.png")`` pictures a tree and its attention mask."""
 

@@ -1,4 +1,6 @@
-"""Small model factories for ``treefx explain MODULE:FACTORY``: Hugging Face decoders built from
+"""Small Hugging Face models with random weights, for trying treefx without a download.
+
+Small model factories for ``treefx explain MODULE:FACTORY``: Hugging Face decoders built from
 small configs with random weights (no download), vocabulary 256.
 
     treefx explain treefx.debug.examples:qwen3_tiny
@@ -32,7 +34,9 @@ def qwen3_tiny() -> torch.nn.Module:
 
 
 def qwen3_tiny_eager() -> torch.nn.Module:
-    """:func:`qwen3_tiny` with Hugging Face's eager attention (matmul, softmax, matmul)."""
+    """A tiny Qwen3 with Hugging Face's eager attention.
+
+    :func:`qwen3_tiny` with Hugging Face's eager attention (matmul, softmax, matmul)."""
     return _hf("qwen3", "eager", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                num_attention_heads=4, num_key_value_heads=2, head_dim=16)
 
@@ -52,7 +56,9 @@ def tiny_decoder() -> torch.nn.Module:
 
 
 def demo_tree(vocab_size: int = VOCAB, seed: int = 1):
-    """A small synthetic agent tree (two rollouts of a prompt, branching tool calls, a few
+    """A small synthetic agent tree for demos.
+
+    A small synthetic agent tree (two rollouts of a prompt, branching tool calls, a few
     hundred tokens) with token ids below ``vocab_size``: what ``treefx explain`` runs when it is
     given no trees."""
     from ..synth import agent_tree

@@ -82,7 +82,9 @@ class GraphReport:
 
 @dataclass
 class ExplainReport:
-    """What :func:`explain` found. ``print(report)`` gives a short table; :meth:`diff` the
+    """What :func:`explain` found.
+
+    ``print(report)`` gives a short table; :meth:`diff` the
     graph code diff; :meth:`to_html` one self-contained page with pictures."""
 
     model_name: str
@@ -246,7 +248,9 @@ class ExplainReport:
 
 def explain(model: torch.nn.Module, batch, *, backend: str = "eager", verify: bool | None = None,
             **compile_kwargs) -> ExplainReport:
-    """Capture and transform ``model`` for ``batch`` (a TreeBatch, a Tree or a list of Trees)
+    """Report what treefx's passes do to a model: every rewrite, every node left alone and why.
+
+    Capture and transform ``model`` for ``batch`` (a TreeBatch, a Tree or a list of Trees)
     with one no-grad forward through ``treefx.compile(model, backend=backend)``, and report
     what the passes did. A :class:`~treefx.TreeCompileError` (graph breaks, an attention treefx
     cannot rewrite) is recorded in the report, not raised. ``verify``: when the model compiled,

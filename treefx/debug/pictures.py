@@ -107,7 +107,9 @@ def _mask_rgb(batch: TreeBatch, max_size: int = 512) -> tuple[np.ndarray, int]:
 
 
 def mask_png(batch, max_size: int = 512, min_size: int = 256) -> bytes:
-    """PNG of the tree mask: one pixel per token (upscaled to at least ``min_size`` pixels for
+    """A PNG picture of a tree's attention mask.
+
+    PNG of the tree mask: one pixel per token (upscaled to at least ``min_size`` pixels for
     small batches) or per OR-pooled block of tokens (at most ``max_size``)."""
     img, _ = _mask_rgb(_as_batch(batch), max_size)
     if len(img):
@@ -117,7 +119,9 @@ def mask_png(batch, max_size: int = 512, min_size: int = 256) -> bytes:
 
 
 def mask_svg(batch, size: int = 360, max_size: int = 512) -> str:
-    """SVG of the tree mask (queries as rows, keys as columns) with axis labels; the bitmap is
+    """A self-contained SVG picture of a tree's attention mask.
+
+    SVG of the tree mask (queries as rows, keys as columns) with axis labels; the bitmap is
     an inline base64 PNG, so the SVG is self-contained."""
     batch = _as_batch(batch)
     img, block = _mask_rgb(batch, max_size)
@@ -207,7 +211,9 @@ def layout_tree(batch) -> TreeLayout:
 
 def tree_svg(batch, *, slot: int = 50, layer: int = 58, max_width: int | None = None,
              note: str | None = None) -> str:
-    """SVG of the tree(s): one box a node, labelled with its token count and ``×k``, the number
+    """An SVG picture of a tree or a forest.
+
+    SVG of the tree(s): one box a node, labelled with its token count and ``×k``, the number
     of sequences through it (what per-sequence training would compute k times). ``note``: a
     line under the title (what part of a larger tree this is)."""
     batch = _as_batch(batch)
@@ -348,7 +354,9 @@ def _tree_raster(c: _Canvas, L: TreeLayout, x_off: int, y_off: int, slot: int, l
 
 
 def tree_png(batch, *, mask: bool = True, max_mask: int = 512, note: str | None = None) -> bytes:
-    """PNG of the tree (and, with ``mask``, its attention mask to the right). ``note``: a line
+    """PNG of the tree (and, with ``mask``, its attention mask to the right).
+
+    ``note``: a line
     under the title (what part of a larger tree this is)."""
     batch = _as_batch(batch)
     L = layout_tree(batch)
@@ -459,7 +467,9 @@ def picture_part(trees, *, max_leaves: int = MAX_LEAVES, max_depth: int = MAX_DE
 
 def draw(trees, path: str | os.PathLike, *, max_mask: int = 512, max_leaves: int = MAX_LEAVES,
          max_depth: int = MAX_DEPTH) -> str:
-    """Draw a tree (or a forest, or a packed batch) and its attention mask to ``path``: ``.png``
+    """Draw a tree and its attention mask to a PNG or SVG file.
+
+    Draw a tree (or a forest, or a packed batch) and its attention mask to ``path``: ``.png``
     (raster) or ``.svg`` (vector tree, bitmap mask inline). Returns the path.
 
     A forest more than ``max_leaves`` leaves across or ``max_depth`` nodes deep is drawn from

@@ -102,7 +102,9 @@ _DEFAULT_CORPUS = (
 
 def tiny_chat_tokenizer(corpus: Iterable[str] | None = None, *, vocab_size: int = 400,
                         generation_markers: bool = True, split_words: bool = True):
-    """A ``transformers.PreTrainedTokenizerFast`` with a byte-level BPE trained on ``corpus``
+    """A small chat tokenizer built offline: a byte-level BPE with a Qwen3-style chat template.
+
+    A ``transformers.PreTrainedTokenizerFast`` with a byte-level BPE trained on ``corpus``
     (default: a few built-in lines) and :data:`QWEN3_STYLE_TEMPLATE` as its chat template.
 
     ``generation_markers=False`` removes ``{% generation %}`` from the template (what

@@ -26,6 +26,8 @@ ATTN_IMPLS = ("sdpa", "eager")
 
 @dataclass
 class DecoderConfig:
+    """The shape of a :class:`Decoder`: vocabulary, width, layers, heads, attention."""
+
     vocab_size: int = 256
     dim: int = 64
     n_layers: int = 2
@@ -166,6 +168,8 @@ class Block(nn.Module):
 
 
 class Decoder(nn.Module):
+    """treefx's small Llama-style decoder in pure torch (see the module's docstring)."""
+
     def __init__(self, config: DecoderConfig) -> None:
         super().__init__()
         self.config = config

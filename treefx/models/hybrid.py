@@ -88,7 +88,9 @@ class GatedDeltaNetBlock(nn.Module):
 
 
 class HybridDecoder(Decoder):
-    """The dense :class:`Decoder` with its layers following ``layer_types``: "gdn" (Gated
+    """A small pure-torch hybrid decoder: Gated DeltaNet and attention layers.
+
+    The dense :class:`Decoder` with its layers following ``layer_types``: "gdn" (Gated
     DeltaNet) or "attention" (RoPE, GQA, SDPA)."""
 
     def __init__(self, config: DecoderConfig, layer_types=("gdn", "attention"),

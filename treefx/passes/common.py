@@ -51,17 +51,23 @@ class TreeCompileError(RuntimeError):
 
 
 class UnmatchedAttentionError(TreeCompileError):
-    """An attention- or state-like op that no pass can rewrite: running it over the DFS row
+    """An attention- or state-like op that treefx cannot rewrite for the tree.
+
+    An attention- or state-like op that no pass can rewrite: running it over the DFS row
     as it is would silently mix sequences."""
 
 
 class UnmatchedStateError(UnmatchedAttentionError):
-    """A conv, recurrence or other op along the sequence that no pass can route through the
+    """An op along the sequence (a conv, a recurrence) that treefx cannot route through the tree.
+
+    A conv, recurrence or other op along the sequence that no pass can route through the
     tree."""
 
 
 class GraphBreakError(TreeCompileError):
-    """The model could not be captured as one graph. ``breaks``: Dynamo's reasons, one per
+    """The model could not be captured as one graph.
+
+    ``breaks``: Dynamo's reasons, one per
     break, each with its ``file:line`` where known."""
 
     def __init__(self, message: str, *, breaks: list[str] = ()):
