@@ -180,9 +180,11 @@ def test_attention_dropout_in_training_is_refused():
     "exact on CUDA (python -m benchmarks.gpu_check --cases inference)",
     raises=Exception, strict=True,
 )
-def test_inductor_cpu_forward_matches_oracle():
+def test_inductor_cpu_forward_matches_oracle(monkeypatch):
     """Inductor's generated FlexAttention kernel with the lifted sliding-window mask_mod
-    (forward: the CPU has no FlexAttention backward). Minutes on 2 cores."""
+    (forward: the CPU has no FlexAttention backward). Minutes on 2 cores. treefx refuses the
+    inductor backend on the CPU unless TREEFX_INDUCTOR_ON_CPU=1 (test_inductor_needs_cuda)."""
+    monkeypatch.setenv("TREEFX_INDUCTOR_ON_CPU", "1")
     model = hf_model("mistral", "sdpa")
     tm = treefx.compile(model, backend="inductor")
     trees = odd_forest(11, VOCAB)
@@ -261,6 +263,7 @@ def test_inductor_graphs_get_treefx_config_patches(monkeypatch):
         return gm.forward
 
     monkeypatch.setattr(cfx, "compile_fx", fake_compile_fx)
+    monkeypatch.setenv("TREEFX_INDUCTOR_ON_CPU", "1")
     tm = treefx.compile(tiny_decoder(vocab_size=VOCAB), backend="inductor")
     with torch.no_grad():
         tm(treefx.pack(odd_tree(3, VOCAB)))
@@ -372,3 +375,48 @@ def test_a_branch_on_data_in_a_backward_is_a_clear_error():
     with pytest.raises(treefx.TreeCompileError, match=r"branches on a value computed from "
                        r"the data \(test_compile.py:\d+ .*batched_mm"):
         treefx.tree_loss(tm(batch), batch).backward()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
+def test_inductor_needs_cuda(monkeypatch):
+    """backend="inductor" without CUDA: one sentence when compiling (not thousands of lines of
+    Inductor's C++ errors at the first call); a step, at its call with a CPU batch. "auto"
+    picks eager on the CPU."""
+    monkeypatch.delenv("TREEFX_INDUCTOR_ON_CPU", raising=False)
+    model = tiny_decoder(vocab_size=VOCAB)
+    message = (r"^backend='inductor' needs CUDA, which is not available here "
+               r"\(torch.cuda.is_available\(\) is False\); use backend='auto' \(inductor on "
+               r"CUDA, eager elsewhere\) or backend='eager'$")
+    with pytest.raises(ValueError, match=message):
+        treefx.compile(model, backend="inductor")
+
+    @treefx.step(backend="inductor")
+    def train_step(model, batch):
+        return model(batch["input_ids"]).sum()
+
+    with pytest.raises(ValueError, match=message):
+        train_step(model, treefx.pack(odd_tree(3, VOCAB)))
+    assert treefx.compile(model).engine.resolve_backend(torch.device("cpu")) == "eager"
+
+
+def test_inductor_for_a_cpu_batch_is_refused(monkeypatch):
+    """With CUDA present (or the tests' TREEFX_INDUCTOR_ON_CPU switch off), the inductor
+    backend refuses a batch on the CPU at the call."""
+    monkeypatch.delenv("TREEFX_INDUCTOR_ON_CPU", raising=False)
+    engine = treefx.step(lambda model, batch: None, backend="inductor").engine
+    with pytest.raises(ValueError, match="backend='inductor'"):
+        engine.resolve_backend(torch.device("cpu"))
+    monkeypatch.setenv("TREEFX_INDUCTOR_ON_CPU", "1")  # treefx's own tests of that path
+    assert engine.resolve_backend(torch.device("cpu")) == "inductor"
+
+
+def test_tree_loss_of_another_batch_names_the_cause():
+    tm = treefx.compile(tiny_decoder(vocab_size=VOCAB), backend="eager", verify=False)
+    batch, other = treefx.pack(odd_tree(3, VOCAB)), treefx.pack(odd_tree(4, VOCAB))
+    assert batch.num_tokens != other.num_tokens
+    with torch.no_grad():
+        out = tm(batch)
+    with pytest.raises(ValueError, match=rf"^tree_loss\(out, batch\): out has {batch.num_tokens} "
+                       rf"tokens but the batch has {other.num_tokens}: out came from another "
+                       r"batch; pass the batch the model ran on$"):
+        treefx.tree_loss(out, other)

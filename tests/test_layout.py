@@ -639,3 +639,13 @@ def test_weights_that_a_narrow_dtype_cannot_hold_raise():
     # in any dtype: flushing it is no error.
     tiny = Tree.from_sequences([[4, 5], [4, 6]], weights=[1.0, 1e-300])
     assert pack(tiny, weight_dtype=torch.float32).loss_weights.tolist() == [0, 0.5, 0]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the error is for machines without CUDA")
+def test_to_cuda_without_cuda_says_so():
+    batch = pack(Tree.from_sequences([[1, 2, 3], [1, 4]]))
+    with pytest.raises(RuntimeError, match=r"^batch.to\('cuda'\): CUDA is not available here "
+                                           r"\(torch.cuda.is_available\(\) is False\)"):
+        batch.to("cuda")
+    with pytest.raises(RuntimeError, match=r"^batch.to\('cuda:0'\): CUDA is not available"):
+        batch.to(torch.device("cuda", 0))

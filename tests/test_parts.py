@@ -297,6 +297,7 @@ def test_flex_attention_part_sites_match_the_oracle(name, monkeypatch):
     its mask_mod), run op by op on the CPU: FlexAttention's eager form differentiates there,
     Inductor's kernels need a GPU (benchmarks/parts.py checks those)."""
     monkeypatch.setattr(treefx.backends, "compile_graph", lambda backend, gm, ex: gm.forward)
+    monkeypatch.setenv("TREEFX_INDUCTOR_ON_CPU", "1")  # the inductor backend's graph on the CPU
     model = hf_model(name, "sdpa")
     tm = treefx.compile(model, backend="inductor", verify=False)
     _check(tm, odd_forest(3, VOCAB), 7)
@@ -316,6 +317,7 @@ def test_flex_part_sink_sites_keep_the_usual_layout(monkeypatch):
     from test_scored_attention import scored_model
 
     monkeypatch.setattr(treefx.backends, "compile_graph", lambda backend, gm, ex: gm.forward)
+    monkeypatch.setenv("TREEFX_INDUCTOR_ON_CPU", "1")  # the inductor backend's graph on the CPU
     tm = treefx.compile(scored_model("gpt_oss"), backend="inductor", verify=False)
     _check(tm, odd_forest(3, VOCAB), 7)
     ops = [n.target for n in tm._part_runner.engine.contexts[-1].graph.nodes
@@ -330,6 +332,7 @@ def test_flex_part_sites_leave_blocks_beyond_the_window_out(monkeypatch):
     from test_window_blocks import long_trees
 
     monkeypatch.setattr(treefx.backends, "compile_graph", lambda backend, gm, ex: gm.forward)
+    monkeypatch.setenv("TREEFX_INDUCTOR_ON_CPU", "1")  # the inductor backend's graph on the CPU
     tm = treefx.compile(hf_model("mistral", "sdpa"), backend="inductor", verify=False,
                         block_size=16)
     _check(tm, long_trees(VOCAB), 48)

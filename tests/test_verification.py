@@ -224,3 +224,71 @@ def test_cli_check_passes_and_refuses(capsys):
     assert "refused (UnmatchedAttentionError)" in out and "att = .softmax(einsum" in out
     with pytest.raises(SystemExit, match="cannot build a tiny 'no_such_type'"):
         main(["check", "hf:no_such_type"])
+
+
+# ------------------------------------------------------------------ the probe's vocabulary
+
+
+class TokenTable(torch.nn.Module):
+    """A token embedding that is not an ``nn.Embedding``: a table indexed by the ids."""
+
+    def __init__(self, vocab: int, dim: int):
+        super().__init__()
+        self.table = torch.nn.Parameter(torch.randn(vocab, dim) * 0.1)
+
+    def forward(self, ids):
+        return self.table[ids]
+
+
+class CustomEmbedding(torch.nn.Module):
+    """Tokens through a :class:`TokenTable` of ``VOCAB`` rows, positions through an
+    ``nn.Embedding`` of 4 · VOCAB rows: the model's only ``nn.Embedding`` is not its token
+    embedding, and it declares no vocabulary (no config, no get_input_embeddings)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.tokens = TokenTable(VOCAB, 16)
+        self.pos = torch.nn.Embedding(4 * VOCAB, 16)
+        self.qkv = torch.nn.Linear(16, 48)
+        self.head = torch.nn.Linear(16, VOCAB)
+
+    def forward(self, input_ids, position_ids=None):
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
+        x = self.tokens(input_ids) + self.pos(position_ids)
+        q, k, v = (t[:, None] for t in self.qkv(x).chunk(3, dim=-1))
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.head(x + out[:, 0])
+
+
+def test_probe_vocabulary_of_a_custom_token_embedding():
+    """The probe's ids stay inside the vocabulary of a model whose token embedding is a custom
+    module (they came from its position nn.Embedding, 4x larger: an IndexError in the model):
+    the width of its logits, or the largest id of the user's batch."""
+    from treefx.verification import probe_vocab_size
+
+    m = CustomEmbedding()
+    assert probe_vocab_size(m) == VOCAB  # its logits' width
+    report = treefx.verify(m, backend="eager")
+    assert report.passed
+    tm = treefx.compile(CustomEmbedding(), backend="eager", verify=True)
+    tm(treefx.pack(odd_forest(1, VOCAB)))  # the first-call probe
+    assert tm.verification.passed
+
+
+class NeedsPositions(CustomEmbedding):
+    """Its forward requires position_ids, so it cannot be run on bare ids to measure it."""
+
+    def forward(self, input_ids, position_ids):
+        return super().forward(input_ids, position_ids)
+
+
+def test_probe_vocabulary_unknown_says_why_and_what_to_do():
+    from treefx.verification import VocabularyUnknown, probe_vocab_size
+
+    with pytest.raises(VocabularyUnknown, match=r"cannot tell which token ids NeedsPositions "
+                       r"takes .* declares no vocabulary .*running it on two tokens of id 0 "
+                       r"failed \(TypeError: .*position_ids.*; pass trees= .*config.vocab_size"):
+        treefx.verify(NeedsPositions(), backend="eager")
+    assert probe_vocab_size(NeedsPositions(), largest_id=9) == 10  # the ids of a batch it takes

@@ -6,16 +6,23 @@ compiles forward and backward with Inductor (CUDA); ``"auto"`` picks per batch: 
 CUDA, eager elsewhere. ``"flex-eager"`` and ``"aot-eager"`` are for tests on the CPU: the
 inductor backend's graph (tree FlexAttention, traced recurrences) run eagerly, or traced by
 AOTAutograd and run eagerly.
+
+``"inductor"`` without CUDA, or for a batch on the CPU, is refused (a ``ValueError``, one
+sentence): torch's CPU FlexAttention has no backward, and its template does not compile tree
+graphs (torch 2.13). The environment variable ``TREEFX_INDUCTOR_ON_CPU=1`` lets it through, for
+treefx's own tests of that path (``tests/test_compile.py``, ``tests/test_parts.py``).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 import torch.fx as fx
 
-__all__ = ["BACKENDS", "capture_config", "check", "compile_graph", "lowering", "resolve"]
+__all__ = ["BACKENDS", "capture_config", "check", "check_available", "compile_graph", "lowering",
+           "resolve"]
 
 log = logging.getLogger("treefx")
 
@@ -29,11 +36,35 @@ def check(backend: str) -> str:
     return backend
 
 
+def inductor_on_cpu() -> bool:
+    """Whether ``TREEFX_INDUCTOR_ON_CPU=1`` lets the inductor backend run on the CPU (for
+    treefx's tests of that path; not a way to train)."""
+    return os.environ.get("TREEFX_INDUCTOR_ON_CPU", "").strip().lower() in ("1", "true", "yes",
+                                                                           "on")
+
+
+def check_available(backend: str) -> str:
+    """``backend``, or a ``ValueError`` when it cannot run on this machine: ``"inductor"``
+    needs CUDA (``"auto"`` picks eager without it)."""
+    if backend == "inductor" and not torch.cuda.is_available() and not inductor_on_cpu():
+        raise ValueError("backend='inductor' needs CUDA, which is not available here "
+                         "(torch.cuda.is_available() is False); use backend='auto' (inductor on "
+                         "CUDA, eager elsewhere) or backend='eager'")
+    return backend
+
+
 def resolve(backend: str, device: torch.device) -> str:
-    """The backend a batch on ``device`` runs with."""
+    """The backend a batch on ``device`` runs with; ``"inductor"`` for a batch on the CPU is a
+    ``ValueError``."""
     if backend != "auto":
         if backend == "inductor" and device.type == "cpu":
-            log.warning("inductor backend on the CPU: FlexAttention has no CPU backward")
+            if not inductor_on_cpu():
+                check_available(backend)  # without CUDA: say that first
+                raise ValueError("backend='inductor' runs on CUDA, but the batch is on the "
+                                 "CPU; move the model and the batch to the GPU "
+                                 "(batch.to('cuda')), or use backend='auto' or 'eager'")
+            log.warning("inductor backend on the CPU (TREEFX_INDUCTOR_ON_CPU=1): FlexAttention "
+                        "has no CPU backward")
         return backend
     return "inductor" if device.type == "cuda" else "eager"
 

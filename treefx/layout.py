@@ -165,11 +165,16 @@ class TreeBatch:
         """The batch on ``device``. From the CPU to a GPU its tensors travel as one pinned
         buffer per dtype, copied without blocking the host: a training loop can prepare the
         next batch while the GPU runs (the copies stay ordered before any kernel on the
-        current stream that reads them)."""
+        current stream that reads them). A CUDA device without CUDA is a ``RuntimeError``."""
+        device = torch.device(device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError(f"batch.to({str(device)!r}): CUDA is not available here "
+                               "(torch.cuda.is_available() is False); keep the batch on the CPU "
+                               "with the model")
         reductions = list(self.loss_weights_by_reduction)
         tensors = [self.loss_weights_by_reduction[r] for r in reductions]
         tensors += [getattr(self, f) for f in self._TENSOR_FIELDS]
-        moved = move_tensors(tensors, torch.device(device), non_blocking)
+        moved = move_tensors(tensors, device, non_blocking)
         k = len(reductions)
         return replace(self, _block_masks={}, _parent_list=self._parent_list,
                        loss_weights_by_reduction=dict(zip(reductions, moved[:k])),

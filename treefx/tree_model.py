@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import backends
 from . import regional as regional_mod
 from . import verification
 from .engine import TreeEngine, check_batch, make_traced, tree_info, unwrap_compiled
@@ -41,7 +42,12 @@ def tree_loss(out: TreeOutput, batch: TreeBatch) -> torch.Tensor:
 
     Σ_t loss_weights[t] · (−token_logprobs[t]) = (1/P) Σ_p ω_p · loss_p: each sequence's
     own loss (the batch's reduction) with its weight, averaged over the batch's P sequences
-    (or the global count given to :func:`treefx.pack`)."""
+    (or the global count given to :func:`treefx.pack`). ``out`` is the model's output on
+    ``batch`` (a ``ValueError`` when their token counts differ)."""
+    n, m = out.token_logprobs.shape[-1], batch.loss_weights.shape[-1]
+    if n != m:
+        raise ValueError(f"tree_loss(out, batch): out has {n} tokens but the batch has {m}: out "
+                         "came from another batch; pass the batch the model ran on")
     return weighted_logprob_loss(out.token_logprobs, batch.loss_weights)
 
 
@@ -90,6 +96,7 @@ class TreeModel(torch.nn.Module):
             raise TypeError(f"treefx.compile expects a torch.nn.Module, got {type(model).__name__}")
         if not isinstance(logits, bool):
             raise TypeError(f"logits must be True or False, got {logits!r}")
+        backends.check_available(backends.check(backend))  # inductor without CUDA: refused
         if not logits:
             register_site()
         model = unwrap_compiled(model)
@@ -134,6 +141,9 @@ class TreeModel(torch.nn.Module):
         # its own first call, whatever ran before)
         self.verify_requested = self.verify_on_first_call
         self.verification = None  # the first call's VerificationReport (or why it was skipped)
+        # the largest token id of the batches it was called with (the first-call probe's
+        # vocabulary where the model does not declare one: treefx.verification.probe_vocab_size)
+        self.largest_token_id: int | None = None
 
     @property
     def returns_logits(self) -> bool:
@@ -157,6 +167,8 @@ class TreeModel(torch.nn.Module):
             raise TypeError(f"expected a treefx.TreeBatch (see treefx.pack), got "
                             f"{type(batch).__name__}")
         check_batch(self.model, batch)
+        if batch.max_token_id >= 0 or self.verify_on_first_call:  # (no device sync otherwise)
+            self.note_token_ids(batch)
         if self.verify_on_first_call:
             self.verify_on_first_call = False
             self._verify_first_call()
@@ -164,6 +176,16 @@ class TreeModel(torch.nn.Module):
                                              dynamic=(0, 1), discover_in=self.model,
                                              root=self._root[0])
         return TreeOutput(logits, token_logprobs)
+
+    def note_token_ids(self, batch) -> None:
+        """Remember the largest token id of ``batch`` (a TreeBatch, a Tree or Trees)."""
+        if isinstance(batch, TreeBatch):
+            top = batch.max_token_id if batch.max_token_id >= 0 else int(batch.input_ids.max())
+        else:
+            trees = [batch] if hasattr(batch, "segments") else list(batch)
+            top = max((int(s.max()) for t in trees for s in t.segments if len(s)), default=-1)
+        if top >= 0:
+            self.largest_token_id = max(top, self.largest_token_id or 0)
 
     def _verify_first_call(self) -> None:
         """The probe check (:mod:`treefx.verification`) through this model's own compiled graph,
@@ -253,8 +275,9 @@ def compile(model: torch.nn.Module, *, backend: str = "auto", block_size: int = 
     parameters; logged): treefx compiles it itself, the wrapper's options do not apply.
 
     ``backend``: ``"inductor"`` (CUDA: FlexAttention with the tree block mask and Inductor's
-    fused kernels, forward and backward), ``"eager"`` (any device: SDPA with the dense tree
-    mask; the reference), or ``"auto"`` (inductor on CUDA, eager otherwise, chosen per batch).
+    fused kernels, forward and backward; a ``ValueError`` here without CUDA, and at a call
+    with a batch on the CPU), ``"eager"`` (any device: SDPA with the dense tree mask; the
+    reference), or ``"auto"`` (inductor on CUDA, eager otherwise, chosen per batch).
     ``pass_position_ids``: give the model the tree positions (0-based offsets in each sequence)
     as ``position_ids``. Default: only when its forward requires them; otherwise the model
     computes its own positions with its own code and the passes evaluate that code per path

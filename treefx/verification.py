@@ -31,11 +31,12 @@ from .ops.cross_entropy import weighted_logprob_loss
 from .passes import TreeCompileError
 from .passes.common import module_path
 from .passes.dce import draws_random
-from .reference import output_vocab_size, vocab_size
 from .tree import Tree
 
-__all__ = ["TreeVerificationError", "VerificationUnavailable", "VerificationReport", "Tolerance", "probe_forest",
-           "verify_compiled", "tolerance_for"]
+__all__ = ["TreeVerificationError", "VerificationUnavailable", "VerificationReport", "Tolerance",
+           "VocabularyUnknown", "oracle_floor_gradients", "probe_forest", "probe_vocab_size",
+           "verify_compiled",
+           "tolerance_for"]
 
 log = logging.getLogger("treefx")
 
@@ -218,13 +219,87 @@ def _probe_trees(rng, vocab: int, scale: int) -> list[Tree]:
 # ---------------------------------------------------------------------------- verify
 
 
-def _vocab_size(model) -> int:
-    """Token ids the probe may use: those the model both embeds and predicts."""
-    sizes = [s for s in (vocab_size(model), output_vocab_size(model)) if s is not None]
-    if not sizes:
-        raise ValueError("cannot tell the model's vocabulary size (no input embedding); pass "
-                         "trees=")
-    return min(sizes)
+class VocabularyUnknown(ValueError):
+    """The probe cannot tell which token ids a model takes. ``reason``: why, in words."""
+
+    def __init__(self, model: torch.nn.Module, reason: str):
+        self.reason = reason
+        super().__init__(
+            f"cannot tell which token ids {type(model).__name__} takes for the probe forest: "
+            f"{reason}; pass trees= of its token ids (or vocab_size=) to treefx.verify, or give "
+            "the model a config with vocab_size (model.config.vocab_size)")
+
+
+def declared_vocab_sizes(model: torch.nn.Module) -> list[int]:
+    """The vocabulary sizes a model declares: ``model.config.vocab_size``, its input
+    embedding's ``num_embeddings`` (``get_input_embeddings()``) and its output layer's
+    ``out_features`` (``get_output_embeddings()``), those it has."""
+    sizes = []
+    size = getattr(getattr(model, "config", None), "vocab_size", None)
+    if isinstance(size, int) and not isinstance(size, bool) and size > 0:
+        sizes.append(size)
+    for getter, attr in (("get_input_embeddings", "num_embeddings"),
+                         ("get_output_embeddings", "out_features")):
+        get = getattr(model, getter, None)
+        try:
+            module = get() if callable(get) else None
+        except (NotImplementedError, AttributeError):
+            module = None
+        size = getattr(module, attr, None)
+        if isinstance(size, int) and size > 0:
+            sizes.append(size)
+    return sizes
+
+
+def _measured_vocab_size(model: torch.nn.Module) -> tuple[int | None, str]:
+    """The model run once on two tokens of id 0 (no grad, its state kept): the width of its
+    logits, and of the ``nn.Embedding`` the ids go into if one does; ``(None, why)`` if it
+    cannot run so."""
+    first = next(model.parameters(), None)
+    device = first.device if first is not None else torch.device("cpu")
+    ids = torch.zeros(1, 2, dtype=torch.long, device=device)
+    fed = []
+
+    def record(module, args):
+        if args and args[0] is ids:
+            fed.append(module.num_embeddings)
+
+    handles = [m.register_forward_pre_hook(record) for m in model.modules()
+               if isinstance(m, torch.nn.Embedding)]
+    try:
+        with _model_state_kept(model, []), torch.no_grad(), oracle_mod.oracle_attention(model):
+            logits = oracle_mod.logits_of(model(ids))
+    except Exception as e:  # noqa: BLE001 - any failure: the size is not known
+        first_line = (str(e).strip().splitlines() or [""])[0][:200]
+        return None, f"running it on two tokens of id 0 failed ({type(e).__name__}: {first_line})"
+    finally:
+        for h in handles:
+            h.remove()
+    if logits.dim() < 2 or tuple(logits.shape[-3:-1]) not in ((1, 2), (2,)):
+        return None, (f"its output on two tokens has shape {tuple(logits.shape)}, not "
+                      "[1, 2, vocabulary]")
+    return min([int(logits.shape[-1]), *fed]), ""
+
+
+def probe_vocab_size(model: torch.nn.Module, largest_id: int | None = None) -> int:
+    """Token ids the probe forest may use are below this: the smallest vocabulary the model
+    declares (:func:`declared_vocab_sizes`); else the width of its logits (and of the
+    ``nn.Embedding`` its ids go into), the model run once on two tokens; else ``largest_id +
+    1``, the largest id of a batch the model takes. A :class:`VocabularyUnknown` when none
+    tells. (The first ``nn.Embedding`` of a model need not be its token embedding: a model
+    whose token embedding is a custom module may have one for positions.)"""
+    sizes = declared_vocab_sizes(model)
+    if sizes:
+        return min(sizes)
+    measured, why = _measured_vocab_size(model)
+    if measured is not None and measured >= 2:
+        return measured
+    if largest_id is not None and largest_id >= 1:
+        return largest_id + 1
+    if measured is not None:
+        why = f"its logits have {measured} entries"
+    raise VocabularyUnknown(model, f"it declares no vocabulary (config.vocab_size, "
+                                   f"get_input_embeddings(), get_output_embeddings()) and {why}")
 
 
 def _select_params(model: torch.nn.Module, params, budget: int = 1 << 26):
@@ -314,7 +389,8 @@ def graph_draws_random(tree_model) -> str | None:
 def verify_compiled(tm, trees=None, *, reduction: str = "mean", grads: bool = True,
                     params="auto", tolerance: Tolerance | None = None, seed: int = 0,
                     reference: torch.nn.Module | None = None,
-                    raise_on_failure: bool = True, tree_run=None) -> VerificationReport:
+                    raise_on_failure: bool = True, tree_run=None,
+                    vocab_size: int | None = None) -> VerificationReport:
     """Compare a tree-compiled model with the unmodified model run on each sequence alone
     (``treefx.verify`` compiles a module first).
 
@@ -327,7 +403,8 @@ def verify_compiled(tm, trees=None, *, reduction: str = "mean", grads: bool = Tr
     (default: the same one), e.g. a float32 copy of a bf16 model; its parameters are matched
     by name. ``tree_run(batch, params) -> (token_logprobs, gradients)``: how the tree side
     runs, for another entry point than ``tm(batch)`` (:func:`treefx.backward`'s parts); it
-    may write ``.grad`` (restored after).
+    may write ``.grad`` (restored after). ``vocab_size``: the probe's token ids are below it
+    (default :func:`probe_vocab_size`, with the largest id of a batch ``tm`` ran on).
 
     Returns a :class:`VerificationReport`; raises :class:`TreeVerificationError` naming the
     worst token and parameter when over tolerance (unless ``raise_on_failure=False``). The
@@ -339,11 +416,16 @@ def verify_compiled(tm, trees=None, *, reduction: str = "mean", grads: bool = Tr
     if first is None:
         raise ValueError("the model has no parameters")
     device, dtype = first.device, first.dtype
+    if isinstance(trees, Tree):
+        trees = [trees]
+    if vocab_size is None:
+        largest = [getattr(tm, "largest_token_id", None)]
+        largest += [int(s.max()) for t in trees or () for s in t.segments if len(s)]
+        vocab_size = probe_vocab_size(net, max((x for x in largest if x is not None),
+                                               default=None))
     if trees is None:
         blocks = tm.engine.block_size if device.type == "cuda" else 0
-        trees = probe_forest(_vocab_size(net), min_tokens=2 * blocks + 1, seed=seed)
-    elif isinstance(trees, Tree):
-        trees = [trees]
+        trees = probe_forest(vocab_size, min_tokens=2 * blocks + 1, seed=seed)
     tol = tolerance or tolerance_for(dtype)
     batch = pack(trees, reduction=reduction)
     if device.type != "cpu":
@@ -383,7 +465,7 @@ def verify_compiled(tm, trees=None, *, reduction: str = "mean", grads: bool = Tr
             g_ref = _grads(lambda: oracle_mod.sequence_loss(oracle, trees, reduction=reduction),
                            ref_chosen, oracle)
         # The oracle's own floor: the same computation in other shapes, rounded differently.
-        extended = _extended(trees, _vocab_size(net), seed)
+        extended = _extended(trees, vocab_size, seed)
         with _rounding_noise(oracle, seed), torch.no_grad():
             ext_lp = oracle_mod.sequence_logprobs(oracle, extended)
         with _rounding_noise(oracle, seed):
