@@ -400,18 +400,18 @@ def test_group_and_advantage_errors(tok):
 
 
 def readme_walk() -> str:
-    """The README's "From agent rollouts to a GRPO update" code block, as written."""
+    """The user guide's "From agent rollouts to a GRPO update" code block, as written."""
     from pathlib import Path
 
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
-    section = text.split("### From agent rollouts to a GRPO update", 1)[1]
+    text = (Path(__file__).resolve().parents[1] / "docs" / "guide.md").read_text(encoding="utf-8")
+    section = text.split("\n## From agent rollouts to a GRPO update\n", 1)[1]
     return section.split("```python\n", 1)[1].split("```", 1)[0]
 
 
 def test_readme_grpo_walk_runs_and_is_the_per_call_objective(capsys):
     torch.manual_seed(0)
     ns: dict = {"__name__": "readme_walk"}
-    exec(compile(readme_walk(), "README.md (GRPO walk)", "exec"), ns)
+    exec(compile(readme_walk(), "docs/guide.md (GRPO walk)", "exec"), ns)
     assert "Tree(task='mul-12-7', sequences=8" in capsys.readouterr().out
     tree, batch, model = ns["tree"], ns["batch"], ns["model"]
     assert tree.metadata["rollouts"] == (0, 0, 1, 1, 2, 2, 3, 3)
