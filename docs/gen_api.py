@@ -90,9 +90,21 @@ def signature(obj) -> str:
         sig = inspect.signature(obj)
     except (TypeError, ValueError):
         return "(...)"
-    sig = sig.replace(parameters=[p for p in sig.parameters.values()
-                                  if not p.name.startswith("_")])
+    params = [p.replace(annotation=_unquoted(p.annotation)) for p in sig.parameters.values()
+              if not p.name.startswith("_")]
+    sig = sig.replace(parameters=params, return_annotation=_unquoted(sig.return_annotation))
     return _ADDRESS.sub("", str(sig))
+
+
+class _Unquoted(str):
+    """An annotation kept as a string (``from __future__ import annotations``), shown as written."""
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
+def _unquoted(annotation):
+    return _Unquoted(annotation) if isinstance(annotation, str) else annotation
 
 
 def _anchor(qualname: str) -> str:

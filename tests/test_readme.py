@@ -143,3 +143,14 @@ def test_links_between_the_pages_resolve():
 def test_the_heading_slugs():
     text = "# A\n## Options of `treefx.compile`\n```\n# not a heading\n```\n<a id=\"x-y\"></a>\n"
     assert anchors(text) == {"a", "options-of-treefxcompile", "x-y"}
+
+
+def test_ci_runs_the_readme_test_command():
+    """``.ci/run`` runs exactly the README's command that installs and runs the tests."""
+    text = README.read_text(encoding="utf-8")
+    commands = [code.strip() for _, info, code in fenced_blocks(text)
+                if not info and "pytest" in code]
+    assert len(commands) == 1, commands
+    ci = [ln.strip() for ln in (ROOT / ".ci" / "run").read_text(encoding="utf-8").splitlines()
+          if ln.strip() and not ln.startswith("#") and not ln.startswith(("set ", "cd "))]
+    assert ci[-1] == commands[0]
