@@ -27,6 +27,10 @@ if not dist.is_available():
 
 VOCAB = 64
 WORLD = 2
+# gradients: max |g - g_ref| / max |g_ref| per parameter within GRAD_TOL, or within
+# FLOOR_FACTOR times the oracle's own floor for that parameter where that is larger
+GRAD_TOL = 1e-5
+FLOOR_FACTOR = treefx.verification.FLOOR_FACTOR
 # (case, model, wrapper, how the step runs, activation checkpointing, reduction)
 CASES = [
     ("fsdp-qwen3-compile", "qwen3", "fsdp", "compile", False, "mean"),
@@ -91,16 +95,24 @@ def _case(rank, name, model_name, wrapper, how, checkpointing, reduction):
     loss.backward()
     total = loss.detach().clone()
     dist.all_reduce(total)
-    worst, where = 0.0, None
     ref = dict(oracle.named_parameters())
+    # The oracle's own floor per parameter: its gradients computed another way (other
+    # shapes, one rounding more or less). Hugging Face's Gated DeltaNet runs in float32 with
+    # cancellation on A_log and dt_bias: a fixed 1e-5 there is below that floor on some CPUs.
+    spread = treefx.verification.oracle_floor_gradients(oracle, trees, reduction=reduction)
+
+    def rel(a, r):
+        return float((a - r).abs().max() / r.abs().max().clamp_min(1e-30))
+
+    worst, where = 0.0, None  # error / tolerance, worst over the parameters
     for n, p in inner.named_parameters():
         g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
         r = ref[n].grad
-        err = float((g - r).abs().max() / r.abs().max().clamp_min(1e-30))
-        if err > worst:
-            worst, where = err, n
+        tol = max(GRAD_TOL, FLOOR_FACTOR * rel(spread[n], r))
+        if rel(g, r) / tol > worst:
+            worst, where = rel(g, r) / tol, (n, rel(g, r), tol)
     ref_loss = treefx.reference.sequence_loss(oracle, trees, reduction=reduction)
-    return {"loss": float(total) / WORLD, "ref_loss": float(ref_loss), "grad_err": worst,
+    return {"loss": float(total) / WORLD, "ref_loss": float(ref_loss), "grad_err_over_tol": worst,
             "worst_param": where, "my_trees": len(mine), "params": len(ref)}
 
 
@@ -166,4 +178,4 @@ def test_gradients_equal_one_process_on_all_trees(results, case):
         assert "error" not in r, f"rank {rank}:\n{r['error']}"
         assert r["my_trees"] >= 1
         assert abs(r["loss"] - r["ref_loss"]) <= 1e-5 * abs(r["ref_loss"]), r
-        assert r["grad_err"] <= 1e-5, r
+        assert r["grad_err_over_tol"] <= 1.0, r  # (name, relative error, tolerance)

@@ -357,7 +357,7 @@ def _check_block_mask(batch: TreeBatch, block: int):
     bm = batch.block_mask(block)
     assert batch.block_mask(block) is bm  # cached
     dense = batch.dense_mask()
-    mod = create_mask(bm.mask_mod, 1, 1, n, n)[0, 0]
+    mod = create_mask(bm.mask_mod, 1, 1, n, n, device=dense.device)[0, 0]
     assert torch.equal(mod, dense)  # the mask_mod is the tree mask everywhere
     kv_num, kv_idx = bm.kv_num_blocks[0, 0], bm.kv_indices[0, 0]
     full_num, full_idx = bm.full_kv_num_blocks[0, 0], bm.full_kv_indices[0, 0]

@@ -271,7 +271,7 @@ def _measured_vocab_size(model: torch.nn.Module) -> tuple[int | None, str]:
             logits = oracle_mod.logits_of(model(ids))
     except Exception as e:  # noqa: BLE001 - any failure: the size is not known
         first_line = (str(e).strip().splitlines() or [""])[0][:200]
-        return None, f"running it on two tokens of id 0 failed ({type(e).__name__}: {first_line})"
+        return None, f"running it on two tokens of id 0 failed: {type(e).__name__}: {first_line}"
     finally:
         for h in handles:
             h.remove()
@@ -298,8 +298,8 @@ def probe_vocab_size(model: torch.nn.Module, largest_id: int | None = None) -> i
         return largest_id + 1
     if measured is not None:
         why = f"its logits have {measured} entries"
-    raise VocabularyUnknown(model, f"it declares no vocabulary (config.vocab_size, "
-                                   f"get_input_embeddings(), get_output_embeddings()) and {why}")
+    raise VocabularyUnknown(model, "it declares no vocabulary (no config.vocab_size, "
+                                   f"get_input_embeddings() or get_output_embeddings()), and {why}")
 
 
 def _select_params(model: torch.nn.Module, params, budget: int = 1 << 26):
@@ -551,6 +551,31 @@ def _extended(trees: list[Tree], vocab: int, seed: int, extra: int = 8) -> list[
         masks = [list(t.loss_mask(i)) + [0] * extra for i in range(t.num_sequences)]
         out.append(Tree.from_sequences(seqs, weights=t.weights, loss_masks=masks))
     return out
+
+
+def oracle_floor_gradients(model: torch.nn.Module, trees, *, reduction: str = "mean",
+                           num_sequences: int | None = None, seed: int = 0
+                           ) -> dict[str, torch.Tensor]:
+    """The per-sequence gradients once more, computed another way, to measure the oracle's own
+    floating-point floor. Each sequence gets random tokens appended with no loss on them (for a
+    causal model the same loss and gradients, in other kernel shapes) and every embedding and
+    linear output is moved by up to one rounding of its dtype. The difference between these
+    and the oracle's gradients is what rounding alone gives; a tolerance below it fails on
+    some CPUs whatever treefx does (Hugging Face's Gated DeltaNet, which computes in float32
+    with cancellation on ``A_log`` and ``dt_bias``). Returns ``{name: gradient}`` of the
+    trainable parameters (zeros where the loss does not reach one); ``.grad`` is left as it
+    was."""
+    trees = [trees] if isinstance(trees, Tree) else list(trees)
+    vocab = probe_vocab_size(model, max(int(seg.max()) for t in trees for seg in t.segments
+                                        if len(seg)))
+    extended = _extended(trees, vocab, seed)
+    chosen = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    with _model_state_kept(model, chosen), _rounding_noise(model, seed):
+        got = _grads(lambda: oracle_mod.sequence_loss(model, extended, reduction=reduction,
+                                                      num_sequences=num_sequences),
+                     chosen, model)
+    return {n: torch.zeros_like(p) if g is None else g.detach()
+            for (n, p), g in zip(chosen, got)}
 
 
 def _grad_errors(chosen, g_tree, g_ref, tol: Tolerance) -> dict[str, float]:
