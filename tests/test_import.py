@@ -56,3 +56,9 @@ def test_hf_kernels_are_registered_once_transformers_is_loaded():
         "assert k.recurrence('qwen3_next_gated_delta_rule').fn is m.torch_chunk_gated_delta_rule\n"
     )
     assert "transformers.models.qwen3_next.modeling_qwen3_next" in _modules_after(code)
+
+
+def test_import_treefx_does_not_import_sympy():
+    # sympy takes about 0.4 s to import; the passes that read symbolic sizes import it when
+    # they run (a capture has loaded it through torch's symbolic shapes by then).
+    assert _modules_after("import treefx, treefx.cli", "sympy") == []

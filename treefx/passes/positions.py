@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import operator
 
-import sympy
 import torch
 import torch.fx as fx
 
@@ -124,6 +123,7 @@ class SymFn:
         return self._eval(self.expr, n) + torch.zeros_like(n)
 
     def _eval(self, e, n):
+        import sympy  # lazily: 0.4 s of `import treefx` otherwise
         if e == self.symbol:
             return n
         if e.is_Integer:
@@ -158,6 +158,7 @@ class SymFn:
 
 def _size_expr(x):
     """A size or slice bound as a sympy expression (None for an absent bound)."""
+    import sympy  # lazily: 0.4 s of `import treefx` otherwise
     if x is None:
         return None
     if isinstance(x, fx.Node):
@@ -193,6 +194,7 @@ def _rewrite_table_cut(ctx: GraphContext, node) -> bool:
     tokens after it), so the table is read at ``start(pos_q + 1) + pos``: a gather at path
     positions, which the attention pass then lifts like any mask or bias built from index
     grids. Cuts it cannot prove to be that form are left to the token-axis check (refused)."""
+    import sympy  # lazily: 0.4 s of `import treefx` otherwise
     from .mask_lift import TABLE
     from .tokens import DATA, _Taint
 

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import operator
 
-import sympy
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
@@ -153,6 +152,7 @@ class _Taint:
 
 def _ratio(size, n_expr):
     """size / N as a sympy number, or None when size does not depend on N."""
+    import sympy  # lazily: 0.4 s of `import treefx` otherwise
     expr = size.node.expr if isinstance(size, torch.SymInt) else sympy.Integer(int(size))
     if not expr.free_symbols & n_expr.free_symbols:
         return None
@@ -176,6 +176,7 @@ def _token_dims(val, n_expr) -> tuple[list[int], list[int]]:
 
 def _in_n(size, n_expr) -> str:
     """A size as an expression of N (the token count) for messages."""
+    import sympy  # lazily: 0.4 s of `import treefx` otherwise
     if not isinstance(size, torch.SymInt):
         return str(size)
     return str(size.node.expr.subs(n_expr, sympy.Symbol("N")))
@@ -347,6 +348,7 @@ def _cuts_table_to_tokens(node: fx.Node, src: torch.Tensor, n_expr) -> bool:
 
 def check_token_axis(ctx: GraphContext) -> None:
     """Apply the rules above to every node of ``ctx``'s graph (run it on every scope)."""
+    import sympy  # lazily: 0.4 s of `import treefx` otherwise
     n = ctx.seq_len
     n_expr = n.node.expr if isinstance(n, torch.SymInt) else sympy.Integer(int(n))
     if not n_expr.free_symbols:  # Dynamo replaced the token count's symbol by a number
