@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 import treefx
 from treefx import read_jsonl, synth, write_jsonl
@@ -347,3 +348,183 @@ def test_synth_then_check_an_example_model(tmp_path, capsys):
     capsys.readouterr()
     assert main(["check", "treefx.debug.examples:qwen3_tiny", "--trees", str(path)]) == 0
     assert "treefx verify passed" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------ issue 32: a newcomer's mistakes
+
+_NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+
+
+@pytest.mark.parametrize("command", ["check", "explain"])
+@pytest.mark.parametrize(
+    "options, expected",
+    [
+        pytest.param(["--device", "cuda"], "--device cuda: CUDA is not available "
+                     "(torch.cuda.is_available() is False); use --device cpu", marks=_NO_CUDA),
+        (["--device", "tpu"], "--device tpu: unknown device; use cpu or cuda"),
+        (["--device", "meta"], "--device meta: treefx runs on cpu or cuda, not meta"),
+        (["--device", "cpu", "--backend", "inductor"], "--backend inductor needs CUDA, but "),
+        pytest.param(["--backend", "inductor"], "--backend inductor needs CUDA, but CUDA is not "
+                     "available here; use --backend auto (inductor on CUDA, eager elsewhere) or "
+                     "--backend eager", marks=_NO_CUDA),
+        (["-n", "5"], "-n 5 needs --trees: it takes the first N trees of that file"),
+    ],
+)
+def test_device_and_backend_mistakes_are_one_line(command, options, expected, tmp_path, capsys):
+    """Checked before the model is built (hf:qwen3 would take seconds)."""
+    argv = [command, "hf:qwen3", *options]
+    if command == "explain":
+        argv += ["--html", str(tmp_path / "e.html")]
+    assert expected in _error(argv, capsys)
+    assert not (tmp_path / "e.html").exists()
+
+
+_FACTORIES = '''
+import torch
+
+
+def needs_args(n_layers, dim=4):
+    return torch.nn.Linear(dim, dim)
+
+
+def raises():
+    raise RuntimeError("no weights at /nowhere/model.bin\\nsecond line")
+
+
+def no_embedding():
+    return torch.nn.Sequential(torch.nn.Linear(8, 8))
+
+
+def no_parameters():
+    return torch.nn.Identity()
+
+
+def not_a_module():
+    return 7
+
+
+class NeedsPositions(torch.nn.Module):
+    """Requires position_ids: the per-sequence check calls model(input_ids) alone."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(16, 8)
+        self.head = torch.nn.Linear(8, 16)
+
+    def get_input_embeddings(self):
+        return self.emb
+
+    def forward(self, input_ids, position_ids):
+        return self.head(self.emb(input_ids))
+'''
+
+
+@pytest.fixture
+def factories(tmp_path, monkeypatch):
+    """A module of model factories a user might write, importable as ``cli_factories``."""
+    (tmp_path / "cli_factories.py").write_text(_FACTORIES)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "cli_factories", raising=False)
+    return "cli_factories"
+
+
+@pytest.mark.parametrize("command", ["check", "explain"])
+@pytest.mark.parametrize(
+    "factory, expected",
+    [
+        ("needs_args", "factory cli_factories:needs_args failed: it needs arguments (n_layers), "
+         "but MODEL is called with none; write a function without arguments that calls it and "
+         "returns the model"),
+        ("raises", "factory cli_factories:raises failed: RuntimeError: no weights at "
+         "/nowhere/model.bin"),
+        ("no_embedding", "cli_factories:no_embedding: cannot tell which token ids the model "
+         "takes: it declares no vocabulary (no config.vocab_size, get_input_embeddings() or "
+         "get_output_embeddings()), and running it on two tokens of id 0 failed: RuntimeError: "),
+        ("no_parameters", "cli_factories:no_parameters: the model has no parameters"),
+        ("not_a_module", "factory cli_factories:not_a_module returned a int, not a "
+         "torch.nn.Module"),
+    ],
+)
+def test_model_mistakes_are_one_line_with_status_2(command, factory, expected, factories,
+                                                   tmp_path, capsys):
+    """Not a traceback with exit status 1, which check keeps for "different"; in CLI terms."""
+    argv = [command, f"{factories}:{factory}", "--device", "cpu"]
+    if command == "explain":
+        argv += ["--html", str(tmp_path / "e.html")]
+    err = _error(argv, capsys)
+    assert expected in err
+    assert "trees=" not in err and "Traceback" not in err
+    if factory == "no_embedding":
+        assert err.endswith("; pass --trees with trees of its token ids")
+
+
+@pytest.mark.parametrize(
+    "spec, expected",
+    [
+        ("hf:doesnotexist", "cannot build a tiny 'doesnotexist' model: not a causal-LM model type "
+         "of transformers "),
+        ("hf:lama", "the closest: llama, "),
+    ],
+)
+def test_unknown_hf_model_type_names_the_closest(spec, expected, capsys):
+    pytest.importorskip("transformers")
+    err = _error(["check", spec], capsys)
+    assert expected in err and err.endswith("docs/zoo.md lists every type with how treefx did "
+                                            "on it")
+    assert len(err) < 400  # not every config type of transformers
+
+
+def test_synth_vocab_size_is_bounded_at_parse_time(tmp_path, capsys):
+    err = _error(["synth", "-o", str(tmp_path / "t.jsonl"), "--vocab-size",
+                  "100000000000000000000"], capsys)
+    assert err.startswith("treefx synth: error: argument --vocab-size: must be at most "
+                          f"{2**63} (token ids are int64), got 100000000000000000000")
+    assert main(["synth", "-o", str(tmp_path / "t.jsonl"), "-n", "1", "--vocab-size",
+                 str(2**63)]) == 0  # the largest that fits
+    assert max(max(s) for s in next(read_jsonl(tmp_path / "t.jsonl")).sequences) < 2**63
+
+
+def test_synth_streams_each_tree_to_the_file(tmp_path, capsys, monkeypatch):
+    """Each tree is on disk before the next is made (never all of them in memory), with a
+    progress bar on stderr when asked for (by default: on a terminal)."""
+    path = tmp_path / "t.jsonl"
+    lines_when_made = []
+    make = synth.agent_tree
+
+    def watched(seed, **kw):  # the real generator, watched from outside
+        lines_when_made.append(path.read_text().count("\n") if path.exists() else None)
+        return make(seed, **kw)
+
+    monkeypatch.setattr(synth, "agent_tree", watched)
+    assert main(["synth", "-o", str(path), "-n", "4", "--rollouts", "1", "--progress"]) == 0
+    assert lines_when_made == [None, 1, 2, 3]  # tree 0 before the file exists: its errors
+    captured = capsys.readouterr()
+    assert captured.out == f"wrote 4 trees to {path}\n"
+    assert f"writing {path}" in captured.err and "100.0% 4/4 trees" in captured.err
+    monkeypatch.setattr(synth, "agent_tree", make)
+    assert list(read_jsonl(path)) == synth.dataset(4, 0, rollouts=1, vocab_size=SYNTH_VOCAB)
+
+
+def test_check_and_explain_document_the_same_exit_statuses(capsys):
+    from treefx.cli import EXIT_STATUSES
+
+    for command in ("check", "explain"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        out = " ".join(capsys.readouterr().out.split())
+        assert "Exit status: 0 exact" in out and "1 different (treefx would train it wrongly)" \
+            in out and "2 refused by treefx" in out and "3 not comparable" in out, command
+    parser, sub = _subcommands()
+    for command in ("check", "explain"):  # the same default backend too
+        backend = next(a for a in sub.choices[command]._actions if a.dest == "backend")
+        assert backend.default == "auto"
+    assert "1 different" in EXIT_STATUSES
+
+
+def test_a_model_that_fails_in_the_check_is_one_line(factories, capsys):
+    """The check runs each sequence alone as model(input_ids); a model that cannot run so
+    fails there: one line naming the error (-v: its traceback too), exit status 2."""
+    err = _error(["check", f"{factories}:NeedsPositions"], capsys)
+    assert err.startswith("treefx check: error: cli_factories:NeedsPositions: running the model "
+                          "failed: TypeError: ")
+    assert "'position_ids'" in err and err.endswith("(-v prints the traceback)")

@@ -17,6 +17,7 @@ import treefx
 from treefx.cli import main
 from treefx.debug import draw, explain, mask_svg, pooled_mask, tree_svg
 from treefx.debug.pictures import png_bytes
+from treefx.models import tiny_decoder
 
 transformers = pytest.importorskip("transformers")
 
@@ -66,8 +67,9 @@ def test_report_names_every_attention_module_and_the_positions(hf_report):
 def test_diff_shows_the_removed_and_the_added_call(hf_report):
     name, report = hf_report
     diff = report.diff().splitlines()
-    assert diff[0].startswith("--- graph 0: captured")
-    assert diff[1].startswith("+++ graph 0: after the treefx passes")
+    assert diff[0].startswith("--- graph 1 of 1 (the trees, forward): captured")
+    assert diff[1].startswith("+++ graph 1 of 1 (the trees, forward): after the treefx "
+                               "passes")
     removed = [ln for ln in diff if ln.startswith("-") and not ln.startswith("---")]
     added = [ln for ln in diff if ln.startswith("+") and not ln.startswith("+++")]
     if name == "qwen3":
@@ -222,7 +224,7 @@ def test_cli_explain_trees_file(trees_file, tmp_path, capsys):
     out = capsys.readouterr().out
     tree = next(treefx.read_jsonl(trees_file))
     assert f"1 tree, {tree.num_tokens} tokens" in out
-    assert "+++ graph 0: after the treefx passes" in out  # --diff
+    assert "+++ graph 1 of 1 (the trees, forward): after the treefx passes" in out  # --diff
     assert page.exists()
 
 
@@ -233,3 +235,31 @@ def test_cli_explain_bad_factory():
         main(["explain", "treefx.debug.examples:nope"])
     with pytest.raises(SystemExit, match="cannot import"):
         main(["explain", "no_such_module_xyz:f"])
+
+
+def test_two_graphs_are_labelled(tmp_path):
+    """With the probe check on, the report holds two graphs (the trees' forward, the probe's
+    forward and backward): each listing says which graph it is."""
+    torch.manual_seed(0)
+    report = explain(tiny_decoder(vocab_size=VOCAB), odd_tree(2, VOCAB),
+                     verify=True)
+    assert report.num_graphs == 2 and report.verification.passed
+    titles = ["graph 1 of 2 (the trees, forward)",
+              "graph 2 of 2 (the check's probe forest, forward and backward)"]
+    assert [report.graph_title(g) for g in report.graphs] == titles
+    lines = str(report).splitlines()
+    rewritten = lines[lines.index("rewritten") + 1:lines.index("left alone")]
+    assert [ln.strip() for ln in rewritten if ln.strip().startswith("graph ")] == titles
+    assert all(f"--- {t}: captured" in report.diff() for t in titles)
+    report.to_html(tmp_path / "p.html")
+    page = (tmp_path / "p.html").read_text(encoding="utf-8")
+    assert all(t.replace("'", "&#x27;") in page for t in titles)
+
+
+def test_cli_explain_exit_status_as_check(tmp_path, capsys):
+    """A model treefx refuses: exit status 2 from explain as from check (the report says
+    where it stops)."""
+    page = tmp_path / "e.html"
+    assert main(["explain", "support:EinsumAttention", "--html", str(page)]) == 2
+    out = capsys.readouterr().out
+    assert "UnmatchedAttentionError" in out and page.exists()

@@ -90,6 +90,7 @@ def test_unreachable_target_por():
         (dict(target_por=1.0), r"target_por must be in \[0, 1\)"),
         (dict(target_por=-0.1), r"target_por must be in \[0, 1\)"),
         (dict(vocab_size=1), "vocab_size must be at least 2"),
+        (dict(vocab_size=10**20), r"vocab_size must be at most 2\*\*63 \(token ids are int64\)"),
         (dict(rollouts=0), "rollouts must be at least 1"),
         (dict(branch_prob=1.5), r"branch_prob must be in \[0, 1\]"),
     ],
@@ -148,3 +149,12 @@ def test_think_mode_drops_reasoning_from_next_context():
         # The next call shares this call's context and then branches off (the think part is
         # dropped), so the two sequences share exactly the context.
         assert _lcp(a, b) == context
+
+
+def test_iter_dataset_makes_the_trees_one_at_a_time():
+    trees = synth.iter_dataset(10**9, 3, rollouts=1)  # lazily: none made yet
+    assert next(trees) == synth.agent_tree(3, rollouts=1)
+    assert next(trees) == synth.agent_tree(4, rollouts=1)
+    assert list(synth.iter_dataset(3, 3, rollouts=1)) == synth.dataset(3, 3, rollouts=1)
+    with pytest.raises(ValueError, match="n must be at least 1"):
+        synth.iter_dataset(0)  # at the call, not at the first tree

@@ -288,7 +288,8 @@ def test_probe_vocabulary_unknown_says_why_and_what_to_do():
     from treefx.verification import VocabularyUnknown, probe_vocab_size
 
     with pytest.raises(VocabularyUnknown, match=r"cannot tell which token ids NeedsPositions "
-                       r"takes .* declares no vocabulary .*running it on two tokens of id 0 "
-                       r"failed \(TypeError: .*position_ids.*; pass trees= .*config.vocab_size"):
+                       r"takes for the probe forest: it declares no vocabulary .*, and running "
+                       r"it on two tokens of id 0 failed: TypeError: .*position_ids.*; pass "
+                       r"trees= .*config.vocab_size"):
         treefx.verify(NeedsPositions(), backend="eager")
     assert probe_vocab_size(NeedsPositions(), largest_id=9) == 10  # the ids of a batch it takes

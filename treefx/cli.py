@@ -3,20 +3,25 @@
 Commands: ``treefx demo``, ``stats FILE.jsonl``, ``synth -o FILE.jsonl``, ``explain MODEL``,
 ``check MODEL``, ``draw FILE.jsonl``. A problem with what a command is given is one line on
 stderr (``treefx CMD: error: ...``) and exit status 2, as argparse does for its own errors.
+``check`` and ``explain`` share their exit statuses (:data:`EXIT_STATUSES`): 1 means only that
+treefx would train the model wrongly.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import itertools
 import json
 import os
 import sys
+import traceback
 
 from . import synth
 from ._progress import Progress
 from ._version import __version__
 from .debug.pictures import MAX_DEPTH, MAX_LEAVES
-from .tree import Tree, write_jsonl
+from .tree import Tree
 
 _BIG_FILE = 1 << 20  # show a progress bar from 1 MiB on
 
@@ -25,6 +30,14 @@ _BIG_FILE = 1 << 20  # show a progress bar from 1 MiB on
 # so that synthetic trees run on every one of them as they are (test_cli checks the list).
 SYNTH_VOCAB = 128
 
+# Token ids are int64: ``treefx synth --vocab-size`` at most this.
+MAX_VOCAB = 1 << 63
+
+# The exit statuses of ``treefx check`` and ``treefx explain`` (their --help says them).
+EXIT_STATUSES = ("Exit status: 0 exact within the dtype's tolerance, 1 different (treefx would "
+                 "train it wrongly), 2 refused by treefx (an error names the node) or a bad "
+                 "argument, 3 not comparable (random ops in the graph).")
+
 
 class CLIError(SystemExit):
     """What a command was given is wrong: :func:`main` prints ``treefx CMD: error: MESSAGE``
@@ -32,7 +45,7 @@ class CLIError(SystemExit):
 
     def __init__(self, message: str):
         super().__init__(2)
-        self.message = message
+        self.message = " ".join(ln.strip() for ln in str(message).splitlines() if ln.strip())
 
     def __str__(self) -> str:
         return self.message
@@ -46,7 +59,7 @@ class _Parser(argparse.ArgumentParser):
         raise CLIError(message)
 
 
-def _int_at_least(low: int):
+def _int_at_least(low: int, high: int | None = None, why: str = ""):
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -54,6 +67,8 @@ def _int_at_least(low: int):
             raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
         if value < low:
             raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        if high is not None and value > high:
+            raise argparse.ArgumentTypeError(f"must be at most {high}{why}, got {value}")
         return value
 
     parse.__name__ = "int"  # argparse names the type in its messages
@@ -123,14 +138,15 @@ def _read_trees(path: str, limit: int | None = None) -> list[Tree]:
 
 
 def _check_vocabulary(model, trees: list[Tree], path: str) -> None:
-    """Token ids of ``trees`` inside the model's input and output vocabularies, or an error
-    that names the first id outside and what to do."""
-    from .reference import output_vocab_size, vocab_size
+    """Token ids of ``trees`` inside the model's vocabulary (what it declares, or the width of
+    its logits: :func:`treefx.verification.probe_vocab_size`), or an error that names the
+    first id outside and what to do."""
+    from .verification import VocabularyUnknown, probe_vocab_size
 
-    sizes = [v for v in (vocab_size(model), output_vocab_size(model)) if v is not None]
-    if not sizes:
+    try:
+        vocab = probe_vocab_size(model)
+    except VocabularyUnknown:
         return
-    vocab = min(sizes)
     for i, tree in enumerate(trees):
         top = max(int(s.max()) for s in tree.segments if len(s))
         if top >= vocab:
@@ -222,17 +238,47 @@ def cmd_stats(args) -> int:
 
 
 def cmd_synth(args) -> int:
+    """Each tree is written as it is made (one line each; never all in memory), with a
+    progress bar on a terminal once the run takes more than a second (``--progress``: always;
+    off a terminal, a line every 30 s of a long run). An error leaves no file behind."""
     _output_file(args.output, "-o")
+    made = synth.iter_dataset(args.n, args.seed, rollouts=args.rollouts,
+                              target_por=args.target_por, vocab_size=args.vocab_size,
+                              mask_outputs=args.mask_outputs)
+    count = [0]
+
+    def error(e: ValueError) -> CLIError:
+        which = f"tree {count[0]} (seed {args.seed + count[0]}): " if count[0] else ""
+        if args.target_por is not None and "target_por" in str(e):
+            return CLIError(f"argument --target-por: {which}{e}")
+        return CLIError(f"{which}{e}")
+
     try:
-        trees = synth.dataset(
-            args.n, args.seed, rollouts=args.rollouts, target_por=args.target_por,
-            vocab_size=args.vocab_size, mask_outputs=args.mask_outputs,
-        )
+        first = [next(made)]  # the options' errors before the file is created
     except ValueError as e:
-        option = "--target-por" if args.target_por is not None and "target_por" in str(e) else ""
-        raise CLIError(f"argument {option}: {e}" if option else str(e)) from None
-    n = write_jsonl(args.output, trees)
-    print(f"wrote {n} trees to {args.output}")
+        raise error(e) from None
+    show = args.progress
+    bar = Progress(args.n, f"writing {args.output}", unit=" trees",
+                   enabled=sys.stderr.isatty() if show is None else show,
+                   delay=1.0 if show is None else 0.0,
+                   lines_every=30.0 if show is None else None)
+
+    try:
+        with bar, open(args.output, "w") as f:
+            for tree in itertools.chain(first, made):
+                # one line as write_jsonl writes it, on disk before the next tree is made
+                f.write(json.dumps(tree.to_dict(), separators=(",", ":")) + "\n")
+                f.flush()
+                count[0] += 1
+                bar.update(1)
+    except ValueError as e:
+        os.remove(args.output)
+        raise error(e) from None
+    except BaseException:
+        if os.path.exists(args.output):
+            os.remove(args.output)
+        raise
+    print(f"wrote {count[0]} trees to {args.output}")
     return 0
 
 
@@ -263,6 +309,24 @@ def _load_factory(spec: str):
     return obj
 
 
+@contextlib.contextmanager
+def _model_errors(args):
+    """An exception from running the user's model (other than treefx's refusals, which the
+    commands report) as one line, exit status 2; ``-v`` also prints its traceback."""
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001 - the model is the user's code
+        from .passes import TreeCompileError
+
+        if isinstance(e, (TreeCompileError, OSError)):
+            raise
+        if args.verbose:
+            traceback.print_exc()
+        spec = getattr(args, "model", None) or args.factory
+        raise CLIError(f"{spec}: running the model failed: {_first_line(e)}"
+                       f"{'' if args.verbose else ' (-v prints the traceback)'}") from None
+
+
 class _Verbose:
     """``-v``: the ``treefx`` logger to stderr at INFO (``-vv``: DEBUG) while a command runs."""
 
@@ -290,47 +354,156 @@ class _Verbose:
         return False
 
 
+def _first_line(e: BaseException, limit: int = 300) -> str:
+    """``Type: the first line of the message`` (cut at ``limit`` characters)."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    text = lines[0] if lines else ""
+    if len(text) > limit:
+        text = text[:limit - 3] + "..."
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+def _hf_model(model_type: str):
+    """``hf:MODEL_TYPE``: the zoo's tiny model of that type, or an error that names the closest
+    causal-LM model types of the installed transformers."""
+    import difflib
+
+    from .zoo import all_model_types, build_model
+
+    try:
+        import transformers
+    except ImportError:
+        raise CLIError("hf:MODEL_TYPE needs transformers: pip install transformers") from None
+    types = all_model_types()
+    if model_type not in types:
+        close = difflib.get_close_matches(model_type, types, n=5, cutoff=0.6)
+        hint = f"the closest: {', '.join(close)}" if close else "none is close to it"
+        raise CLIError(f"cannot build a tiny {model_type!r} model: not a causal-LM model type of "
+                       f"transformers {transformers.__version__}; {hint}; docs/zoo.md lists "
+                       "every type with how treefx did on it")
+    try:
+        return build_model(model_type)
+    except Exception as e:  # noqa: BLE001 - any config failure is the user's answer
+        raise CLIError(f"cannot build a tiny {model_type!r} model: {_first_line(e)} (docs/zoo.md "
+                       "says how each type did)") from None
+
+
 def _load_model(spec: str):
     """A model spec on the command line: ``hf:MODEL_TYPE`` (a tiny Hugging Face model of that
     type with random weights, as the zoo builds it) or ``MODULE:FACTORY`` (a zero-argument
     callable returning the module, or the module itself)."""
+    import inspect
+
     import torch
 
     if spec.startswith("hf:"):
-        from .zoo import build_model
-
-        try:
-            return build_model(spec[3:])
-        except Exception as e:  # noqa: BLE001 - any config failure is the user's answer
-            raise CLIError(f"cannot build a tiny {spec[3:]!r} model: "
-                           f"{type(e).__name__}: {e}") from None
+        return _hf_model(spec[3:])
     factory = _load_factory(spec)
-    model = factory() if callable(factory) and not isinstance(factory, torch.nn.Module) \
-        else factory
-    if not isinstance(model, torch.nn.Module):
-        raise CLIError(f"{spec} returned a {type(model).__name__}, not a torch.nn.Module")
+    if isinstance(factory, torch.nn.Module):
+        model = factory
+    elif callable(factory):
+        try:
+            inspect.signature(factory).bind()
+        except TypeError:
+            needed = [p.name for p in inspect.signature(factory).parameters.values()
+                      if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL,
+                                                                 p.VAR_KEYWORD)]
+            raise CLIError(f"factory {spec} failed: it needs arguments ({', '.join(needed)}), "
+                           "but MODEL is called with none; write a function without "
+                           "arguments that calls it and returns the model") from None
+        except ValueError:  # no signature to read (a builtin): call it and see
+            pass
+        try:
+            model = factory()
+        except Exception as e:  # noqa: BLE001 - the factory is the user's code
+            raise CLIError(f"factory {spec} failed: {_first_line(e)}") from None
+        if not isinstance(model, torch.nn.Module):
+            raise CLIError(f"factory {spec} returned a {type(model).__name__}, not a "
+                           "torch.nn.Module")
+    else:
+        raise CLIError(f"{spec} is a {type(factory).__name__}, not a torch.nn.Module or a "
+                       "function returning one")
+    if next(model.parameters(), None) is None:
+        raise CLIError(f"{spec}: the model has no parameters; MODEL is a causal language "
+                       "model (token ids in, logits out)")
     return model
 
 
-def cmd_explain(args) -> int:
+def _device(text: str | None):
+    """``--device``, checked: cpu or an available CUDA device (default: cuda when
+    available)."""
     import torch
 
+    if text is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError):
+        raise CLIError(f"--device {text}: unknown device; use cpu or cuda (cuda:N for one of "
+                       "several GPUs)") from None
+    if device.type not in ("cpu", "cuda"):
+        raise CLIError(f"--device {text}: treefx runs on cpu or cuda, not {device.type}")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise CLIError(f"--device {text}: CUDA is not available (torch.cuda.is_available() "
+                           "is False); use --device cpu")
+        count = torch.cuda.device_count()
+        if device.index is not None and device.index >= count:
+            raise CLIError(f"--device {text}: this machine has {count} CUDA device"
+                           f"{'s' if count != 1 else ''} (cuda:0 to cuda:{count - 1})")
+    return device
+
+
+def _check_backend(backend: str, device) -> None:
+    """``--backend inductor`` runs on CUDA only (FlexAttention and Inductor's GPU kernels)."""
+    import torch
+
+    from .backends import inductor_on_cpu
+
+    if backend == "inductor" and device.type != "cuda" and not inductor_on_cpu():
+        where = ("CUDA is not available here" if not torch.cuda.is_available() else
+                 f"--device is {device}")
+        raise CLIError(f"--backend inductor needs CUDA, but {where}; use --backend auto "
+                       "(inductor on CUDA, eager elsewhere) or --backend eager")
+
+
+def _check_num_trees(args) -> None:
+    if args.num_trees is not None and not args.trees:
+        raise CLIError(f"-n {args.num_trees} needs --trees: it takes the first N trees of that "
+                       "file")
+
+
+def _probe_vocabulary(model, spec: str) -> int:
+    """The token ids treefx's own trees for ``model`` use are below this, or an error that
+    says to pass --trees."""
+    from .verification import VocabularyUnknown, probe_vocab_size
+
+    try:
+        return probe_vocab_size(model)
+    except VocabularyUnknown as e:
+        raise CLIError(f"{spec}: cannot tell which token ids the model takes: {e.reason}; "
+                       "pass --trees with trees of its token ids") from None
+
+
+def cmd_explain(args) -> int:
     from .debug import explain
     from .debug.examples import demo_tree
     from .layout import pack
-    from .reference import vocab_size
 
+    _check_num_trees(args)
+    device = _device(args.device)
+    _check_backend(args.backend, device)
     _output_file(args.html, "--html")
-    model = _load_model(args.factory)
+    if args.trees:
+        _input_file(args.trees)  # before building the model
+    model = _load_model(args.factory).to(device)
     if args.trees:
         trees = _read_trees(args.trees, args.num_trees)
         _check_vocabulary(model, trees, args.trees)
     else:
-        vocab = vocab_size(model) or 256
-        trees = [demo_tree(vocab)]
-    device = next(model.parameters(), torch.empty(0)).device
+        trees = [demo_tree(_probe_vocabulary(model, args.factory))]
     batch = pack(trees).to(device)
-    with _Verbose(args.verbose):
+    with _Verbose(args.verbose), _model_errors(args):
         report = explain(model, batch, backend=args.backend, verify=args.verify)
     print(report)
     if args.diff:
@@ -338,7 +511,11 @@ def cmd_explain(args) -> int:
         print(report.diff())
     report.to_html(args.html)
     print(f"\nwrote {args.html}")
-    return 0 if report.ok and (report.verification is None or report.verification.passed) else 1
+    if not report.ok:
+        return 2  # refused: the report names the node
+    if report.verification is not None:
+        return 0 if report.verification.passed else 1
+    return 3 if report.verification_error else 0  # the probe could not compare (random ops)
 
 
 def cmd_check(args) -> int:
@@ -349,12 +526,14 @@ def cmd_check(args) -> int:
     from .tree_model import verify
     from .verification import VerificationUnavailable
 
+    _check_num_trees(args)
+    device = _device(args.device)
+    _check_backend(args.backend, device)
     if args.trees:
         _input_file(args.trees)  # before building the model
     model = _load_model(args.model)
     dtype = {"float32": torch.float32, "float64": torch.float64,
              "bfloat16": torch.bfloat16}[args.dtype]
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model = model.to(device=device, dtype=dtype)
     if args.checkpointing:
         enable = getattr(model, "activation_checkpointing_enable", None) or getattr(
@@ -367,7 +546,9 @@ def cmd_check(args) -> int:
     trees = _read_trees(args.trees, args.num_trees) if args.trees else None
     if trees is not None:
         _check_vocabulary(model, trees, args.trees)
-    with _Verbose(args.verbose):
+    else:
+        _probe_vocabulary(model, args.model)
+    with _Verbose(args.verbose), _model_errors(args):
         try:
             tm = tree_compile(model, backend=args.backend, verify=False)
             report = verify(tm, trees, params=args.params, raise_on_failure=False)
@@ -439,7 +620,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("-o", "--output", required=True, metavar="FILE.jsonl",
                    help="file to write (its folder must exist)")
     g.add_argument("-n", type=_int_at_least(1), default=10,
-                   help="number of trees (default %(default)s)")
+                   help="number of trees, each written as it is made (default %(default)s)")
     g.add_argument("--seed", type=_int_at_least(0), default=0,
                    help="seed of the first tree; tree i has seed + i (default %(default)s)")
     g.add_argument("--rollouts", type=_int_at_least(1), default=4,
@@ -447,15 +628,21 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--target-por", type=_por, metavar="POR",
                    help="scale the shared prompt until each tree's POR is within 0.01 of this "
                         "(in [0, 1); an error if the tree's shape cannot reach it)")
-    g.add_argument("--vocab-size", type=_int_at_least(2), default=SYNTH_VOCAB,
+    g.add_argument("--vocab-size", type=_int_at_least(2, MAX_VOCAB, " (token ids are int64)"),
+                   default=SYNTH_VOCAB,
                    help="token ids are below this (default %(default)s: fits every built-in "
-                        "model, hf:TYPE and treefx.debug.examples)")
+                        "model, hf:TYPE and treefx.debug.examples; at most 2**63)")
     g.add_argument("--mask-outputs", action="store_true",
                    help="loss masks cover only what each call generated")
+    g.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="progress bar (default: on a terminal, once the run takes more than "
+                        "a second; off a terminal, a line every 30 s of a long run)")
     g.set_defaults(fn=cmd_synth)
 
     x = command("explain", "show what treefx does to a model: rewrites, nodes left "
-                "alone, graph breaks, the graph diff; writes an HTML page")
+                "alone, graph breaks, the graph diff; writes an HTML page",
+                "The probe check (--verify) compares with each sequence run alone. "
+                + EXIT_STATUSES.replace("(random ops", "(--verify: random ops"))
     x.add_argument("factory", metavar="MODEL",
                    help="MODULE:FACTORY, a zero-argument callable returning the "
                         "torch.nn.Module (e.g. treefx.debug.examples:qwen3_tiny), or "
@@ -463,11 +650,13 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--trees", metavar="FILE.jsonl",
                    help="trees to pack (default: a small synthetic agent tree)")
     x.add_argument("-n", "--num-trees", type=_int_at_least(1),
-                   help="only the first N trees of --trees")
+                   help="only the first N trees of --trees (needs --trees)")
     x.add_argument("--html", default="treefx-explain.html", metavar="FILE.html",
                    help="page to write (default: %(default)s)")
-    x.add_argument("--backend", default="eager", choices=["eager", "inductor", "auto"],
-                   help="backend to compile with (default %(default)s)")
+    x.add_argument("--device", help="cpu or cuda (default: cuda when available)")
+    x.add_argument("--backend", default="auto", choices=["eager", "inductor", "auto"],
+                   help="backend to compile with (default %(default)s: inductor on CUDA, eager "
+                        "elsewhere; inductor needs CUDA)")
     x.add_argument("--diff", action="store_true", help="also print the unified graph diff")
     x.add_argument("--verify", action=argparse.BooleanOptionalAction, default=None,
                    help="also compare with each sequence run alone (default: on, unless "
@@ -477,10 +666,7 @@ def build_parser() -> argparse.ArgumentParser:
     x.set_defaults(fn=cmd_explain)
 
     c = command("check", "compile a model for trees and compare it with the unmodified model "
-                "on each sequence alone (log-probs and gradients)",
-                "Exit status: 0 exact within the dtype's tolerance, 1 different (treefx would "
-                "train it wrongly), 2 refused by treefx (an error names the node) or a bad "
-                "argument, 3 not comparable (random ops in the graph).")
+                "on each sequence alone (log-probs and gradients)", EXIT_STATUSES)
     c.add_argument("model", metavar="MODEL",
                    help="hf:MODEL_TYPE (a tiny Hugging Face model of that type, random "
                         "weights, e.g. hf:qwen3) or MODULE:FACTORY (a zero-argument callable "
@@ -488,13 +674,13 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--trees", metavar="FILE.jsonl",
                    help="trees to compare on (default: treefx's probe forest)")
     c.add_argument("-n", "--num-trees", type=_int_at_least(1),
-                   help="only the first N trees of --trees")
+                   help="only the first N trees of --trees (needs --trees)")
     c.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16"],
                    help="the model's dtype (default %(default)s)")
     c.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     c.add_argument("--backend", default="auto", choices=["eager", "inductor", "auto"],
                    help="backend to compile with (default %(default)s: inductor on CUDA, eager "
-                        "elsewhere)")
+                        "elsewhere; inductor needs CUDA)")
     c.add_argument("--params", default="auto", choices=["auto", "all", "sample"],
                    help="parameters whose gradients are compared (default: all up to 100M)")
     c.add_argument("--checkpointing", action="store_true",

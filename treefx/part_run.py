@@ -338,7 +338,7 @@ def backward(tm: TreeModel, trees: Tree | Iterable[Tree] | TreeBatch, *, max_tok
     runner = _runner(tm) if step is None else _step_runner(step, target)
     if runner.verify:
         runner.verify = False
-        tm.note_token_ids(trees)  # the probe's vocabulary, where the model declares none
+        tm._note_token_ids(trees)  # the probe's vocabulary, where the model declares none
         _verify_first_call(tm, runner)
     if isinstance(trees, TreeBatch):
         given = [k for k, v in (("reduction", reduction), ("num_sequences", num_sequences),

@@ -20,7 +20,8 @@ import numpy as np
 
 from .tree import Tree
 
-__all__ = ["agent_tree", "dataset", "odd_forest", "odd_tree", "random_sequences"]
+__all__ = ["agent_tree", "dataset", "iter_dataset", "odd_forest", "odd_tree",
+           "random_sequences"]
 
 _Range = tuple[int, int]
 
@@ -59,6 +60,9 @@ def agent_tree(
     """
     if vocab_size < 2:
         raise ValueError(f"vocab_size must be at least 2, got {vocab_size}")
+    if vocab_size > 1 << 63:
+        raise ValueError(f"vocab_size must be at most 2**63 (token ids are int64), got "
+                         f"{vocab_size}")
     if rollouts < 1:
         raise ValueError(f"rollouts must be at least 1, got {rollouts}")
     if not 0.0 <= branch_prob <= 1.0:
@@ -143,9 +147,17 @@ def dataset(n: int, seed: int = 0, **kwargs) -> list[Tree]:
 
     ``n`` agent trees with seeds ``seed, seed + 1, ...`` (same keyword arguments as
     :func:`agent_tree`)."""
+    return list(iter_dataset(n, seed, **kwargs))
+
+
+def iter_dataset(n: int, seed: int = 0, **kwargs):
+    """The trees of :func:`dataset`, made one at a time as they are iterated.
+
+    For a large ``n``: ``treefx synth`` writes each tree as it is made, never holding them
+    all."""
     if n < 1:
         raise ValueError(f"n must be at least 1, got {n}")
-    return [agent_tree(seed + i, **kwargs) for i in range(n)]
+    return (agent_tree(seed + i, **kwargs) for i in range(n))
 
 
 # ------------------------------------------------------------------ odd trees for checks

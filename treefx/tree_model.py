@@ -168,7 +168,7 @@ class TreeModel(torch.nn.Module):
                             f"{type(batch).__name__}")
         check_batch(self.model, batch)
         if batch.max_token_id >= 0 or self.verify_on_first_call:  # (no device sync otherwise)
-            self.note_token_ids(batch)
+            self._note_token_ids(batch)
         if self.verify_on_first_call:
             self.verify_on_first_call = False
             self._verify_first_call()
@@ -177,7 +177,7 @@ class TreeModel(torch.nn.Module):
                                              root=self._root[0])
         return TreeOutput(logits, token_logprobs)
 
-    def note_token_ids(self, batch) -> None:
+    def _note_token_ids(self, batch) -> None:
         """Remember the largest token id of ``batch`` (a TreeBatch, a Tree or Trees)."""
         if isinstance(batch, TreeBatch):
             top = batch.max_token_id if batch.max_token_id >= 0 else int(batch.input_ids.max())

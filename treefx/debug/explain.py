@@ -66,6 +66,7 @@ class GraphReport:
     positions: list[str] = field(default_factory=list)
     partial_after: str | None = field(repr=False, default=None)
     globals_after: dict[str, str] = field(repr=False, default_factory=dict)
+    label: str = ""  # what the graph ran: "the trees, forward", "the probe forest, ..."
 
     @property
     def rewrites(self) -> list[Rewrite]:
@@ -138,6 +139,17 @@ class ExplainReport:
         """Module paths of the rewritten nodes, in graph order, without repeats."""
         return list(dict.fromkeys(r.module for r in self.rewrites))
 
+    def graph_title(self, graph: GraphReport) -> str:
+        """``graph 1 of 2 (the trees, forward)``: which graph, of how many, what it ran."""
+        label = f" ({graph.label})" if graph.label else ""
+        return f"graph {graph.index + 1} of {len(self.graphs)}{label}"
+
+    def by_graph(self, kept: bool) -> list[tuple[str | None, list[Rewrite]]]:
+        """The rewrites (``kept=False``) or the nodes left alone, per graph: ``(title, rows)``
+        for each graph with rows, the title None when there is one graph."""
+        rows = [(g, g.kept if kept else g.rewrites) for g in self.graphs]
+        return [(self.graph_title(g) if len(rows) > 1 else None, r) for g, r in rows if r]
+
     def _batch_line(self) -> str:
         b = self.batch
         trees = len(b.trees)
@@ -152,14 +164,21 @@ class ExplainReport:
             f"graphs: {self.num_graphs}   compilations: {self.num_compilations}   "
             f"graph breaks: {self.num_graph_breaks}   status: {self.status}",
         ]
-        rows = [[r.pass_name, r.module, f"{before_label(r)} -> {after_label(r.after)}",
-                 file_line(r.source)] for r in self.rewrites]
         lines += ["", "rewritten"]
-        lines += text_table(["pass", "module", "before -> after", "source"], rows) if rows else [
-            "  (nothing)"]
-        kept = [[r.pass_name, r.module, op_label(r.before), r.note] for r in self.kept]
+        for title, group in self.by_graph(kept=False):
+            rows = [[r.pass_name, r.module, f"{before_label(r)} -> {after_label(r.after)}",
+                     file_line(r.source)] for r in group]
+            lines += [f"  {title}"] if title else []
+            lines += text_table(["pass", "module", "before -> after", "source"], rows)
+        if not self.rewrites:
+            lines.append("  (nothing)")
         lines += ["", "left alone"]
-        lines += text_table(["pass", "module", "node", "why"], kept) if kept else ["  (nothing)"]
+        for title, group in self.by_graph(kept=True):
+            rows = [[r.pass_name, r.module, op_label(r.before), r.note] for r in group]
+            lines += [f"  {title}"] if title else []
+            lines += text_table(["pass", "module", "node", "why"], rows)
+        if not self.kept:
+            lines.append("  (nothing)")
         lines += ["", "positions"]
         lines += [f"  {p}" for p in self.positions] or ["  (the model uses no positions treefx "
                                                         "could see)"]
@@ -212,20 +231,22 @@ class ExplainReport:
         return before, after
 
     def diff(self, context: int = 3) -> str:
-        """Unified diff (difflib) of each graph's code before and after the passes."""
+        """Unified diff (difflib) of each graph's code before and after the passes, each
+        named by :meth:`graph_title`."""
         out = []
         for g in self.graphs:
             before, after = self.code_pair(g.index)
+            title = self.graph_title(g)
             to = "after the treefx passes" if g.ok else "where the treefx passes stopped"
-            hunks = list(difflib.unified_diff(before, after, f"graph {g.index}: captured",
-                                              f"graph {g.index}: {to}", n=context, lineterm=""))
+            hunks = list(difflib.unified_diff(before, after, f"{title}: captured",
+                                              f"{title}: {to}", n=context, lineterm=""))
             out += hunks
             if not g.ok:
                 where = [i for i, ln in enumerate(before) if "treefx stops here" in ln]
                 if not hunks:
-                    out.append(f"# graph {g.index}: the passes changed nothing before stopping")
+                    out.append(f"# {title}: the passes changed nothing before stopping")
                 for i in where[:1]:
-                    out.append(f"# graph {g.index}: compilation stops at line {i + 1}:")
+                    out.append(f"# {title}: compilation stops at line {i + 1}:")
                     out += before[max(0, i - context):i + context + 1]
         if not self.graphs and self.error is not None:
             out.append(f"# no graph reached the passes: {type(self.error).__name__}: "
@@ -246,17 +267,20 @@ class ExplainReport:
 
 # ---------------------------------------------------------------------------------- explain
 
-def explain(model: torch.nn.Module, batch, *, backend: str = "eager", verify: bool | None = None,
+def explain(model: torch.nn.Module, batch, *, backend: str = "auto", verify: bool | None = None,
             **compile_kwargs) -> ExplainReport:
     """Report what treefx's passes do to a model: every rewrite, every node left alone and why.
 
     Capture and transform ``model`` for ``batch`` (a TreeBatch, a Tree or a list of Trees)
     with one no-grad forward through ``treefx.compile(model, backend=backend)``, and report
-    what the passes did. A :class:`~treefx.TreeCompileError` (graph breaks, an attention treefx
-    cannot rewrite) is recorded in the report, not raised. ``verify``: when the model compiled,
+    what the passes did. ``backend``: as for :func:`treefx.compile` (default ``"auto"``:
+    inductor on CUDA, eager elsewhere); ``report.backend`` is the one the batch ran with. A
+    :class:`~treefx.TreeCompileError` (graph breaks, an attention treefx cannot rewrite) is
+    recorded in the report, not raised. ``verify``: when the model compiled,
     also run :func:`treefx.verify` on its probe forest (values and gradients against each
     sequence run alone) and record the result in ``report.verification`` (default: as
-    ``treefx.compile`` decides, :func:`treefx.tree_model.verify_default`). The model's
+    ``treefx.compile`` decides, :func:`treefx.tree_model.verify_default`); its graph is
+    reported too, labelled as the probe's (``report.graph_title``). The model's
     train/eval mode, parameters and gradients are left as they are."""
     if isinstance(batch, Tree) or isinstance(batch, (list, tuple)) and batch and isinstance(
             batch[0], Tree):
@@ -273,6 +297,7 @@ def explain(model: torch.nn.Module, batch, *, backend: str = "eager", verify: bo
             tm(batch)
     except TreeCompileError as e:
         error = e
+    from_batch = len(tm.contexts)  # the graphs of the batch; later ones, of the probe check
     verification = verification_error = None
     if verify is None:
         verify = verify_default()
@@ -297,10 +322,13 @@ def explain(model: torch.nn.Module, batch, *, backend: str = "eager", verify: bo
             log=list(ctx.log), modules_before=before_map, modules_after=_module_map(ctx.graph),
             positions=_positions(ctx), partial_after=partial,
             globals_after=_global_names(ctx.graph),
+            label=("the trees, forward" if i < from_batch else
+                   "the check's probe forest, forward and backward"),
         ))
 
     report = ExplainReport(
-        model_name=type(model).__name__, backend=backend, batch=batch, graphs=graphs,
+        model_name=type(model).__name__, backend=tm.engine.resolve_backend(batch.device),
+        batch=batch, graphs=graphs,
         num_graphs=len(graphs), num_compilations=tm.num_compilations, error=error,
         verification=verification, verification_error=verification_error, _model=model,
     )

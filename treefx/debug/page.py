@@ -106,34 +106,47 @@ def _code_row(src: str, span: int) -> str:
             f'</td></tr>')
 
 
+def _graph_row(title: str | None, span: int) -> str:
+    """A table row naming the graph the rows under it belong to (several graphs only)."""
+    return f'<tr><th colspan="{span}" class="graph">{_e(title)}</th></tr>' if title else ""
+
+
 def _rewrites(r: ExplainReport) -> str:
-    rows = r.rewrites
-    if not rows:
+    if not r.rewrites:
         return '<p class="none">no node was rewritten</p>'
-    body = "".join(
+    body = "".join(_graph_row(title, 4) + _rewrite_rows(rows)
+                   for title, rows in r.by_graph(kept=False))
+    return ('<table class="t"><tr><th>pass</th><th>module</th><th>before → after</th>'
+            f'<th>source</th></tr>{body}</table>')
+
+
+def _rewrite_rows(rows) -> str:
+    return "".join(
         f'<tr class="main"><td class="pass {_e(x.pass_name)}">{_e(x.pass_name)}</td>'
         f'<td><code>{_e(x.module)}</code></td>'
         f'<td><code title="{_e(x.before)}">{_e(before_label(x))}</code> '
         f'<span class="arrow">→</span> <code title="{_e(x.after)}">{_e(after_label(x.after))}'
         f'</code></td><td>{_where(x.source)}</td></tr>{_code_row(x.source, 3)}'
         for x in rows)
-    return ('<table class="t"><tr><th>pass</th><th>module</th><th>before → after</th>'
-            f'<th>source</th></tr>{body}</table>')
 
 
 def _kept(r: ExplainReport) -> str:
-    rows = r.kept
-    if not rows:
+    if not r.kept:
         return ('<p class="none">nothing: no attention-, position- or state-like node was '
                 'left as it is</p>')
-    body = "".join(
+    body = "".join(_graph_row(title, 5) + _kept_rows(rows)
+                   for title, rows in r.by_graph(kept=True))
+    return ('<table class="t"><tr><th>pass</th><th>module</th><th>node</th><th>why</th>'
+            f'<th>source</th></tr>{body}</table>')
+
+
+def _kept_rows(rows) -> str:
+    return "".join(
         f'<tr class="main"><td class="pass {_e(x.pass_name)}">{_e(x.pass_name)}</td>'
         f'<td><code>{_e(x.module)}</code></td><td><code title="{_e(x.before)}">'
         f'{_e(op_label(x.before))}</code></td><td>{_e(x.note)}</td><td>{_where(x.source)}</td></tr>'
         f'{_code_row(x.source, 4)}'
         for x in rows)
-    return ('<table class="t"><tr><th>pass</th><th>module</th><th>node</th><th>why</th>'
-            f'<th>source</th></tr>{body}</table>')
 
 
 def _stop(r: ExplainReport) -> str:
@@ -169,8 +182,9 @@ def _diff_tables(r: ExplainReport) -> str:
     for g in r.graphs:
         before, after = r.code_pair(g.index)
         to = "after the treefx passes" if g.ok else "where the treefx passes stopped"
-        table = hd.make_table(before, after, f"graph {g.index}: captured by Dynamo",
-                              f"graph {g.index}: {to}", context=True, numlines=2)
+        title = r.graph_title(g)
+        table = hd.make_table(before, after, f"{title}: captured by Dynamo",
+                              f"{title}: {to}", context=True, numlines=2)
         # Fixed column widths: line numbers narrow, code halves equal.
         cols = ('<colgroup><col class="x"><col class="n"><col><col class="x"><col class="n">'
                 '<col></colgroup>')
