@@ -528,3 +528,33 @@ def test_a_model_that_fails_in_the_check_is_one_line(factories, capsys):
     assert err.startswith("treefx check: error: cli_factories:NeedsPositions: running the model "
                           "failed: TypeError: ")
     assert "'position_ids'" in err and err.endswith("(-v prints the traceback)")
+
+
+def test_synth_interrupted_keeps_the_whole_trees_written(tmp_path, capsys, monkeypatch):
+    """Ctrl-C during a long run: the trees written so far stay, each line a whole tree."""
+    path = tmp_path / "t.jsonl"
+    make = synth.agent_tree
+
+    def ctrl_c_at_the_third(seed, **kw):
+        if seed == 2:
+            raise KeyboardInterrupt
+        return make(seed, **kw)
+
+    monkeypatch.setattr(synth, "agent_tree", ctrl_c_at_the_third)
+    with pytest.raises(SystemExit) as info:
+        main(["synth", "-o", str(path), "-n", "5", "--rollouts", "1"])
+    assert info.value.code == 130
+    assert capsys.readouterr().err == f"treefx synth: interrupted: {path} holds the first 2 trees\n"
+    monkeypatch.setattr(synth, "agent_tree", make)
+    assert list(read_jsonl(path)) == synth.dataset(2, 0, rollouts=1, vocab_size=SYNTH_VOCAB)
+
+
+def test_progress_off_a_terminal_is_plain_lines(capsys):
+    """A long synth run into a log file: a plain line now and then, no carriage returns."""
+    from treefx._progress import Progress
+
+    with Progress(4, "writing t.jsonl", enabled=False, unit=" trees", lines_every=0.0) as bar:
+        bar.update(1)
+        bar.update(1)
+    assert capsys.readouterr().err == ("writing t.jsonl: 1/4 trees, 25.0%, 0 s\n"
+                                       "writing t.jsonl: 2/4 trees, 50.0%, 0 s\n")

@@ -240,7 +240,8 @@ def cmd_stats(args) -> int:
 def cmd_synth(args) -> int:
     """Each tree is written as it is made (one line each; never all in memory), with a
     progress bar on a terminal once the run takes more than a second (``--progress``: always;
-    off a terminal, a line every 30 s of a long run). An error leaves no file behind."""
+    off a terminal, a line every 30 s of a long run). An error leaves no file behind; an
+    interrupted run (Ctrl-C) leaves the trees written so far, each line a whole tree."""
     _output_file(args.output, "-o")
     made = synth.iter_dataset(args.n, args.seed, rollouts=args.rollouts,
                               target_por=args.target_por, vocab_size=args.vocab_size,
@@ -274,10 +275,10 @@ def cmd_synth(args) -> int:
     except ValueError as e:
         os.remove(args.output)
         raise error(e) from None
-    except BaseException:
-        if os.path.exists(args.output):
-            os.remove(args.output)
-        raise
+    except KeyboardInterrupt:  # every line written is a whole tree: keep them
+        print(f"treefx synth: interrupted: {args.output} holds the first {count[0]} trees",
+              file=sys.stderr)
+        raise SystemExit(130) from None
     print(f"wrote {count[0]} trees to {args.output}")
     return 0
 
