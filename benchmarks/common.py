@@ -23,6 +23,7 @@ import torch
 import treefx
 from treefx.synth import odd_forest, odd_tree  # noqa: F401  (the checks' trees)
 from treefx import synth
+from treefx.models import enable_activation_checkpointing
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -174,8 +175,7 @@ def hf_model(model_type: str, *, dev: str, dtype=torch.float32, seed: int = 0,
         model = AutoModelForCausalLM.from_config(config)
     model = model.to(dev, dtype)
     if checkpointing is not None:
-        model.gradient_checkpointing_enable(
-            gradient_checkpointing_kwargs={"use_reentrant": checkpointing == "reentrant"})
+        enable_activation_checkpointing(model, use_reentrant=checkpointing == "reentrant")
     if train:
         model.train()
     return model

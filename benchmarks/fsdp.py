@@ -8,7 +8,7 @@
 The setup of an agent trainer: a Hugging Face Qwen3 of the given shape (random weights), float32
 master weights sharded with ``fully_shard`` per decoder layer and on the root, bf16 compute
 (``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``), activation checkpointing
-(``gradient_checkpointing_enable``), AdamW. Every rank builds the same pool of synthetic agent
+(``activation_checkpointing_enable``), AdamW. Every rank builds the same pool of synthetic agent
 trees (POR about ``--por``, about ``--tokens`` unique tokens per rank), ``treefx.distributed
 .assign`` balances them over the ranks, and each rank trains on its own:
 
@@ -69,6 +69,8 @@ def _model(shape: str, dev, checkpointing: bool, layers: int | None = None):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from treefx.models import enable_activation_checkpointing
+
     cfg = AutoConfig.for_model("qwen3", **SHAPES[shape])
     if layers:
         cfg.num_hidden_layers = layers
@@ -77,7 +79,7 @@ def _model(shape: str, dev, checkpointing: bool, layers: int | None = None):
     with dev:
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_activation_checkpointing(model, use_reentrant=False)
     model.train()  # dropout is 0 in Qwen3
     low = torch.bfloat16 if dev.type == "cuda" else torch.float32
     mp = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)

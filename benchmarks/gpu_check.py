@@ -30,6 +30,7 @@ import torch
 
 import treefx
 from treefx import synth
+from treefx.models import enable_activation_checkpointing
 
 from . import common
 from .common import check_forest, odd_forest, tiny_forest
@@ -520,8 +521,7 @@ def case_regional(res):
         for ck in (False, True):
             model = make()
             if ck:
-                model.gradient_checkpointing_enable(
-                    gradient_checkpointing_kwargs={"use_reentrant": False})
+                enable_activation_checkpointing(model, use_reentrant=False)
                 model.train()
             tm = treefx.compile(model, regional=True, verify=False, **COMPILE_KW)
             label = f"regional-{name}{'-checkpointing' if ck else ''}"

@@ -20,7 +20,7 @@ from torch.utils.checkpoint import (
 from trees import odd_forest
 
 import treefx
-from treefx.models import tiny_decoder, tiny_hybrid
+from treefx.models import enable_activation_checkpointing, tiny_decoder, tiny_hybrid
 from treefx.verification import Tolerance
 
 transformers = pytest.importorskip("transformers")
@@ -51,8 +51,7 @@ def hf_checkpointed(name: str, use_reentrant: bool, impl: str = "sdpa"):
     cfg._attn_implementation = impl
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg).float()
-    model.gradient_checkpointing_enable(
-        gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
+    enable_activation_checkpointing(model, use_reentrant=use_reentrant)
     return model.train()
 
 

@@ -19,6 +19,7 @@ import torch
 from test_checkpointing import HF  # the tiny Qwen3 and Qwen3-Next configs
 
 import treefx
+from treefx.models import enable_activation_checkpointing
 
 transformers = pytest.importorskip("transformers")
 dist = pytest.importorskip("torch.distributed")
@@ -49,7 +50,7 @@ def _model(name: str, checkpointing: bool):
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg).float()
     if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_activation_checkpointing(model, use_reentrant=False)
         model.train()  # dropout is 0 in these configs
     return model
 

@@ -15,6 +15,7 @@ from support import VOCAB, check_against_oracle
 from trees import check_forward, odd_forest
 
 import treefx
+from treefx.models import enable_activation_checkpointing
 from treefx.passes.positions import SymFn
 
 transformers = pytest.importorskip("transformers")
@@ -182,7 +183,7 @@ def test_table_cut_inside_activation_checkpointing(name):
     """A checkpointed layer takes the table as an operand of its body: the cut is read at path
     positions there too (the table's taint is its caller's, a buffer), not refused."""
     model = model_of(name)
-    model.gradient_checkpointing_enable()
+    enable_activation_checkpointing(model)
     model.train()
     tm = treefx.compile(model, backend="eager")
     check_against_oracle(tm, odd_forest(6, VOCAB))

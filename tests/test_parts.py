@@ -12,6 +12,7 @@ from support import VOCAB, grads, hf_model
 
 import treefx
 from treefx import parts
+from treefx.models import enable_activation_checkpointing
 from treefx.ops.attention import TreePartFlexAttention
 from treefx.ops.context import part_embedding
 from treefx.synth import odd_forest, odd_tree
@@ -199,7 +200,7 @@ def test_activation_checkpointing_in_parts_matches_the_oracle(name, reentrant, b
     parts, and the context enters it as extra operands, so a part's backward recomputes its
     layers and nothing else."""
     model = _hybrid() if name == "qwen3_next" else hf_model(name, "sdpa")
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    enable_activation_checkpointing(model, use_reentrant=reentrant)
     model.train()
     tm = treefx.compile(model, backend="eager", verify=False)
     trees = [odd_tree(5, VOCAB), *odd_forest(4, VOCAB)] if name == "qwen3_next" else \
@@ -500,7 +501,7 @@ def test_checkpointed_layers_add_their_weight_gradients_into_grad_under_aot_auto
     too (the ``.grad`` enters the body as an operand; eagerly run bodies are left alone: the
     checkpoint checks its operands are unchanged when it recomputes)."""
     model = hf_model("qwen3", "sdpa")
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    enable_activation_checkpointing(model, use_reentrant=False)
     model.train()
     tm = treefx.compile(model, backend="aot-eager", verify=False)
     _check(tm, odd_forest(3, VOCAB), 5)

@@ -13,6 +13,7 @@ from trees import check_forward, odd_forest
 
 import treefx
 from treefx import regional
+from treefx.models import enable_activation_checkpointing
 
 transformers = pytest.importorskip("transformers")
 
@@ -27,7 +28,7 @@ def _graphs(tm):
 def test_regional_matches_oracle(name, backend, checkpointing):
     model = hf_model(name, "sdpa")
     if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_activation_checkpointing(model, use_reentrant=False)
         model.train()
     tm = treefx.compile(model, backend=backend, regional=True, verify=False)
     check_against_oracle(tm, odd_forest(3, VOCAB))

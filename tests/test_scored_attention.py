@@ -13,6 +13,7 @@ from support import VOCAB, check_against_oracle
 from trees import check_forward, odd_forest
 
 import treefx
+from treefx.models import enable_activation_checkpointing
 from treefx.ops.attention import sink_rescale
 
 transformers = pytest.importorskip("transformers")
@@ -135,7 +136,7 @@ def test_sinks_inside_activation_checkpointing_match_oracle():
     """gpt-oss with HF gradient checkpointing: the sink attention sits inside a checkpointed
     body, where the row maximum's unused indices are a node of their own."""
     model = scored_model("gpt_oss")
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    enable_activation_checkpointing(model, use_reentrant=False)
     model.train()
     tm = treefx.compile(model, backend="eager")
     check_against_oracle(tm, odd_forest(8, VOCAB))

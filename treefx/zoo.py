@@ -69,6 +69,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 import treefx
+from treefx.models import enable_activation_checkpointing
 
 log = logging.getLogger("treefx.zoo")
 
@@ -456,10 +457,7 @@ def build_model(model_type: str, dtype: torch.dtype = torch.float32, *,
     if model_type in _POST_BUILD:
         _POST_BUILD[model_type](model)
     if checkpointing:
-        # transformers 5.x renamed it (the old name warns that it goes away in v6).
-        enable = getattr(model, "activation_checkpointing_enable", None) \
-            or model.gradient_checkpointing_enable
-        enable()
+        enable_activation_checkpointing(model)
         model.train()
     return model
 
