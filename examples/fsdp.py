@@ -6,8 +6,9 @@ gradients equal one process training on all of them.
     torchrun --nproc_per_node=2 examples/fsdp.py --ddp            # DDP instead of FSDP2
     python examples/fsdp.py                                       # one process
 
-The default is a small Qwen3 (hidden 256, 4 layers) that runs on one GPU or the CPU in about a
-minute. The setup is the usual one: ``fully_shard`` on every decoder layer and on the root,
+The default is a small Qwen3 (hidden 256, 4 layers): its 3 steps run on one GPU, or on a
+2-core CPU in one process or two, in about a minute (two on a busy machine; the first step
+compiles). The setup is the usual one: ``fully_shard`` on every decoder layer and on the root,
 bf16 compute on float32 master weights on the GPU (``MixedPrecisionPolicy``), activation
 checkpointing, AdamW. treefx adds three calls:
 
@@ -78,7 +79,11 @@ def main() -> None:
     torch.manual_seed(0)  # the same weights on every rank
     with device:
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ckpt = {"use_reentrant": False}  # activation checkpointing, by the name transformers has:
+    if hasattr(model, "activation_checkpointing_enable"):  # 5.24 (the old name warns)
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=ckpt)
+    else:  # 5.17
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=ckpt)
     model.train()
     if args.ddp:
         held = torch.nn.parallel.DistributedDataParallel(model)

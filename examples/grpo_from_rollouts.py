@@ -1,4 +1,4 @@
-"""From an inference engine's rollouts to one GRPO update (CPU, seconds).
+"""From an inference engine's rollouts to one GRPO update (CPU, about half a minute).
 
 An agent answers one task G = 4 times (a GRPO group); each rollout makes two model calls: a
 tool call, then the answer. For every call the "engine" returns what it really ran: the prompt
@@ -6,7 +6,9 @@ ids (the chat template with the generation prompt), the completion ids it sample
 sampling log-probabilities (here: the policy itself, call by call). The calls become one tree
 (treefx.data.from_ids, group), go through a JSON Lines file and back with their metadata (task,
 rollouts, rewards, log-probs), and one PPO-clip step runs on the tree against the sampling
-log-probs, next to the same objective computed call by call.
+log-probs, next to the same objective computed call by call. Before the step every ratio is 1
+and the objective is 0 (a group's advantages sum to 0): both sides print rounding noise, so the
+check there is the gradients; after the step the objective is compared again.
 """
 
 import os
@@ -65,35 +67,66 @@ advantages = rl.grpo_advantages(batch)      # per call, from its rollout's rewar
 
 optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
 tree_model = treefx.compile(model)
-loss, stats = rl.ppo_clip_loss(tree_model(batch).token_logprobs, batch, advantages, old,
-                               clip_eps=CLIP_EPS, return_stats=True)
+
+
+def tree_objective():
+    return rl.ppo_clip_loss(tree_model(batch).token_logprobs, batch, advantages, old,
+                            clip_eps=CLIP_EPS, return_stats=True)
+
+
+def per_call_objective():
+    """The same objective call by call, each call run alone:
+    (1/P) Σ_p (1/|m_p|) Σ_j m_p(j) · −min(ρA_p, clip(ρ)A_p)."""
+    total = torch.zeros(())
+    for p, lp in enumerate(treefx.reference.sequence_logprobs(model, tree)):
+        m = torch.as_tensor(tree.loss_mask(p)[1:], dtype=lp.dtype)
+        sampled = torch.nan_to_num(old[p].to(lp.dtype))  # prompt tokens: masked out anyway
+        ratio = torch.exp(lp - sampled)
+        a = float(advantages[p])
+        surrogate = torch.minimum(ratio * a, ratio.clamp(1 - CLIP_EPS, 1 + CLIP_EPS) * a)
+        total = total - (m * surrogate).sum() / m.sum()
+    return total / tree.num_sequences
+
+
+loss, _ = tree_objective()
 loss.backward()
 g_tree = [p.grad.clone() for p in model.parameters()]
 model.zero_grad()
-
-# The same objective call by call: (1/P) Σ_p (1/|m_p|) Σ_j m_p(j) · −min(ρA_p, clip(ρ)A_p).
-per_call = torch.zeros(())
-for p, lp in enumerate(treefx.reference.sequence_logprobs(model, tree)):
-    m = torch.as_tensor(tree.loss_mask(p)[1:], dtype=lp.dtype)
-    sampled = torch.nan_to_num(old[p].to(lp.dtype))  # prompt tokens: masked out anyway
-    ratio = torch.exp(lp - sampled)
-    a = float(advantages[p])
-    surrogate = torch.minimum(ratio * a, ratio.clamp(1 - CLIP_EPS, 1 + CLIP_EPS) * a)
-    per_call = per_call - (m * surrogate).sum() / m.sum()
-per_call = per_call / tree.num_sequences
+per_call = per_call_objective()
 per_call.backward()
 grad_err = max(float((a - p.grad).norm() / p.grad.norm().clamp_min(1e-30))
                for a, p in zip(g_tree, model.parameters()))
 for p, g in zip(model.parameters(), g_tree):
     p.grad = g
 optimizer.step()
+optimizer.zero_grad()
+
+# The same group after the step (a second PPO epoch would start here): the ratios move off 1.
+after, stats = tree_objective()
+after_per_call = per_call_objective()
+
+# Before the step the policy is the one that sampled: every ratio is 1 and the objective is
+# −(1/P) Σ_p A_p, 0 here (each rollout makes two calls and a group's advantages sum to 0). What
+# the tree and the calls print then is float32 rounding of terms of size |A_p| that cancel:
+# their difference is measured against that size. The gradient, (1/P) Σ_p A_p · mean ∇(−log π),
+# is not 0, and after the step the ratios move off 1 and the objective with them.
+at_ratio_1 = round(-float(advantages.sum()) / tree.num_sequences, 12) + 0.0
+scale = float(advantages.abs().mean())
+diff_before = abs(loss.item() - per_call.item())
+diff_after = abs(after.item() - after_per_call.item())
 
 print(f"GRPO group: {len(rewards)} rollouts, {tree.num_sequences} calls, {tree.num_tokens} tree "
       f"tokens for {tree.num_baseline_tokens} per-call tokens: POR {tree.por:.3f}, "
       f"bound {tree.bound:.2f}x")
 print(f"advantages per call {np.round(advantages.numpy(), 3).tolist()}")
-# At ratio 1 the objective is −(1/P) Σ_p A_p: about 0, as a group's advantages sum to 0.
-print(f"objective: tree {loss.item():.1e}, per call {per_call.item():.1e}; "
-      f"max relative gradient difference {grad_err:.1e}")
-print(f"clip fraction {stats['clip_fraction'].item():.3f}, "
-      f"approx KL {stats['approx_kl'].item():.2e}")
+print(f"{'':26}{'tree':>12}{'per call':>12}{'difference':>12}")
+print(f"{'objective before the step':26}{loss.item():12.1e}{per_call.item():12.1e}"
+      f"{diff_before:12.1e}")
+print(f"{'objective after the step':26}{after.item():12.6f}{after_per_call.item():12.6f}"
+      f"{diff_after:12.1e}")
+print(f"Before the step every ratio is 1, so the objective is -(1/P) Σ_p A_p = {at_ratio_1:.3g}: "
+      f"both values are\nfloat32 rounding of terms of size mean |A_p| = {scale:.3f} "
+      f"(differences {diff_before / scale:.1e} and {diff_after / scale:.1e} of it).")
+print(f"max relative gradient difference {grad_err:.1e} (the gradient at ratio 1 is not 0)")
+print(f"after the step: clip fraction {stats['clip_fraction'].item():.3f}, "
+      f"approx KL(old || new) {stats['approx_kl'].item():.2e}")

@@ -1,4 +1,4 @@
-"""One GRPO update on a tree (CPU, seconds).
+"""One GRPO update on a tree (CPU, about 15 s).
 
 A GRPO group: one prompt, G = 8 sampled rollouts of an agent (multi-turn, think-mode, parallel
 tool calls), each rollout several model calls. All calls of the group form one prefix tree. One

@@ -1,4 +1,6 @@
-"""Quickstart: build a tree, compile a model for it, take one training step (CPU, seconds)."""
+"""Quickstart: build a tree, compile a model for it, take one training step.
+
+On the CPU it takes about half a minute (importing torch and compiling, mostly)."""
 
 import torch
 

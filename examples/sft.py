@@ -1,10 +1,13 @@
 """SFT on synthetic agent trees with an ordinary training step made tree-exact by @treefx.step.
 
-    python examples/sft.py [--steps 6] [--model qwen3|tiny]
+    python examples/sft.py [--steps 6] [--check-steps 3] [--model tiny|qwen3] [--small]
 
 Each step trains on one agent tree (each model call's generated tokens are its loss mask);
-for the first steps it also runs the per-branch baseline, each sequence alone, and prints both
-losses side by side. Runs on the CPU in about a minute.
+for the first ``--check-steps`` steps it also runs the per-branch baseline, each sequence
+alone, and prints both losses side by side. ``--model qwen3``: a small Hugging Face Qwen3
+instead of treefx's own tiny decoder. ``--small``: trees of a few hundred tokens instead of
+4-8k, for a quick check. On 2 CPU cores it runs in about 4 minutes (up to 9 on a busy
+machine; ``--small``: about half a minute).
 """
 
 from __future__ import annotations
@@ -38,21 +41,28 @@ def build_model(name: str, vocab: int) -> torch.nn.Module:
     return AutoModelForCausalLM.from_config(cfg)
 
 
-def main() -> None:
+# --small: agent trees of a few hundred tokens (the default draws 4-8k), for a quick check
+SMALL = dict(system_len=(20, 40), prompt_len=(5, 20), think_len=(5, 20), answer_len=(3, 10),
+             tool_len=(5, 20), turns=(2, 3))
+
+
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--check-steps", type=int, default=3, help="steps that also run the baseline")
     p.add_argument("--model", choices=["tiny", "qwen3"], default="tiny")
     p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args()
+    p.add_argument("--small", action="store_true", help="small trees, for a quick check")
+    args = p.parse_args(argv)
 
     vocab = 1024
     torch.manual_seed(args.seed)
     model = build_model(args.model, vocab)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    sizes = SMALL if args.small else dict(system_len=(100, 200), think_len=(20, 100),
+                                          tool_len=(20, 100))
     trees = treefx.synth.dataset(args.steps, args.seed, vocab_size=vocab, rollouts=4,
-                                 system_len=(100, 200), think_len=(20, 100), tool_len=(20, 100),
-                                 mask_outputs=True)
+                                 mask_outputs=True, **sizes)
     print(f"{'step':>4} {'tokens':>7} {'baseline':>8} {'POR':>5} {'bound':>6} "
           f"{'tree loss':>10} {'per-branch':>10} {'tree tok/s':>10}")
     for i, tree in enumerate(trees):
