@@ -642,8 +642,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     x = command("explain", "show what treefx does to a model: rewrites, nodes left "
                 "alone, graph breaks, the graph diff; writes an HTML page",
-                "The probe check (--verify) compares with each sequence run alone. "
-                + EXIT_STATUSES.replace("(random ops", "(--verify: random ops"))
+                "The probe check (--verify, on by default) compares the tree run with each "
+                "sequence run alone. " + EXIT_STATUSES.replace(
+                    "tolerance,", "tolerance (--no-verify: compiled),"))
     x.add_argument("factory", metavar="MODEL",
                    help="MODULE:FACTORY, a zero-argument callable returning the "
                         "torch.nn.Module (e.g. treefx.debug.examples:qwen3_tiny), or "
