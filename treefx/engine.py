@@ -298,10 +298,15 @@ def _install_output_hooks(model: torch.nn.Module) -> None:
     if registry is None or install is None:
         return
     for module in model.modules():
-        try:
-            flags = registry.get(module)
-        except TypeError:
-            continue
+        flags = None
+        # keyed by the module (transformers >= 5.2x) or by str(its class) (5.17)
+        for key in (module, str(type(module))):
+            try:
+                flags = registry.get(key)
+            except TypeError:
+                flags = None
+            if flags:
+                break
         config = getattr(module, "config", None)
         if flags and config is not None and any(getattr(config, f"output_{k}", False)
                                                 for k in flags):
