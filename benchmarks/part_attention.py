@@ -13,7 +13,8 @@ FlexAttention API with the block masks treefx's sites build (``TreeFlexAttention
 ``TreePartFlexAttention``), so Dynamo traces them; the kernels are the same.
 Reported: the median time of ``--reps`` passes (forward + backward of all parts), after a
 warm-up pass that compiles, and the parts' time over the whole row's. This is where the
-parts' step differs from the whole step at 16k (BENCHMARKS.md, "Trees larger than memory").
+parts' step differs from the whole step at 16k (benchmarks/HISTORY.md, "Trees larger than
+memory").
 """
 
 from __future__ import annotations

@@ -107,7 +107,7 @@ def _standard_kernel_options() -> dict:
     tree's block mask correctly (wrong log-probs on torch 2.11).
 
     ``USE_TMA`` is left off: it fails on some float32 shapes (a misaligned address at
-    head_dim 32 on torch 2.11); BENCHMARKS.md has what it gains where it works.
+    head_dim 32 on torch 2.11); benchmarks/HISTORY.md has what it gains where it works.
     """
     import typing
 
@@ -424,7 +424,7 @@ class TreePartFlexAttention:
         # A site returning its log-sum-exp (a sink) keeps the usual layout in parts: on the
         # H100 (torch 2.11) Inductor's backward of the interleaved part with the log-sum-exp
         # laid back failed a stride assertion (gpt-oss in parts, 2026-11-24); the usual
-        # layout is exact there (BENCHMARKS.md, "Sliding windows in the block mask").
+        # layout is exact there (benchmarks/HISTORY.md, "Sliding windows in the block mask").
         interleave = interleave and hk > 1 and self.score_mod is None and not self.return_lse
         self.layouts.add("interleaved" if interleave else "standard")
         if interleave:
