@@ -6,8 +6,9 @@ The suite itself runs on whatever transformers is installed: the README's test c
 the newest release in range (``pip install -U ... --upgrade-strategy eager``), so a release that
 breaks a documented path fails the day it lands, and this test keeps the other end of the range.
 
-The environment is made once (``python -m venv --system-site-packages`` and ``pip install
-transformers==X``, about 20 s from the package registry) and kept under
+The environment is made once (``python -m venv``, a ``.pth`` file that adds this environment's
+packages after its own, and ``pip install transformers==X``, about 20 s from the package
+registry) and kept under
 ``~/.cache/treefx/`` (``TREEFX_FLOOR_VENV`` names another folder). Without a registry it
 cannot be made and the test fails saying so; ``TREEFX_SKIP_FLOOR=1`` skips it on such a
 machine.
@@ -15,10 +16,12 @@ machine.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -51,25 +54,36 @@ def floor_version() -> str:
 
 
 def _venv(version: str) -> Path:
-    default = (Path.home() / ".cache" / "treefx"
-               / f"venv-transformers-{version}-py{sys.version_info[0]}{sys.version_info[1]}")
+    # one per environment the suite runs in (its packages are the floor's, but transformers)
+    tag = hashlib.sha1(sys.prefix.encode()).hexdigest()[:8]
+    default = (Path.home() / ".cache" / "treefx" / f"venv-transformers-{version}-"
+               f"py{sys.version_info[0]}{sys.version_info[1]}-{tag}")
     folder = Path(os.environ.get("TREEFX_FLOOR_VENV", default))
     python = folder / "bin" / "python"
     if python.exists() and _same(_transformers_version(python), version):
         return python
-    steps = [[sys.executable, "-m", "venv", "--system-site-packages", "--clear", str(folder)],
-             [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check",
-              f"transformers=={version}"]]
-    for cmd in steps:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-        if done.returncode != 0:
-            pytest.fail(f"could not make the environment with transformers {version} in "
-                        f"{folder} ({' '.join(cmd[:4])} ...): {done.stderr.strip()[-500:]}; "
-                        "set TREEFX_SKIP_FLOOR=1 on a machine without the package registry",
-                        pytrace=False)
+    _run([sys.executable, "-m", "venv", "--clear", str(folder)], folder, version)
+    # This environment's packages (torch, peft, ...; a venv's or the interpreter's own), after
+    # the new one's: only transformers is its own.
+    own = _run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+               folder, version).strip()
+    outer = {sysconfig.get_paths()[k] for k in ("purelib", "platlib")}
+    (Path(own) / "_treefx_suite_packages.pth").write_text("\n".join(sorted(outer)) + "\n")
+    _run([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check",
+          f"transformers=={version}"], folder, version)
     got = _transformers_version(python)
     assert _same(got, version), f"the environment in {folder} has transformers {got}"
     return python
+
+
+def _run(cmd: list[str], folder: Path, version: str) -> str:
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        pytest.fail(f"could not make the environment with transformers {version} in {folder} "
+                    f"({' '.join(cmd[:4])} ...): {done.stderr.strip()[-500:]}; set "
+                    "TREEFX_SKIP_FLOOR=1 on a machine without the package registry",
+                    pytrace=False)
+    return done.stdout
 
 
 def _same(got: str | None, version: str) -> bool:

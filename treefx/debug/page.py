@@ -114,10 +114,15 @@ def _graph_row(title: str | None, span: int) -> str:
 def _rewrites(r: ExplainReport) -> str:
     if not r.rewrites:
         return '<p class="none">no node was rewritten</p>'
-    body = "".join(_graph_row(title, 4) + _rewrite_rows(rows)
-                   for title, rows in r.by_graph(kept=False))
-    return ('<table class="t"><tr><th>pass</th><th>module</th><th>before → after</th>'
-            f'<th>source</th></tr>{body}</table>')
+    return _table(("pass", "module", "before → after", "source"), r.by_graph(kept=False),
+                  _rewrite_rows)
+
+
+def _table(headers, groups, rows_html) -> str:
+    """A table of ``headers`` with each graph's rows under a row naming the graph."""
+    body = "".join(_graph_row(title, len(headers)) + rows_html(rows) for title, rows in groups)
+    head = "".join(f"<th>{h}</th>" for h in headers)
+    return f'<table class="t"><tr>{head}</tr>{body}</table>'
 
 
 def _rewrite_rows(rows) -> str:
@@ -134,10 +139,8 @@ def _kept(r: ExplainReport) -> str:
     if not r.kept:
         return ('<p class="none">nothing: no attention-, position- or state-like node was '
                 'left as it is</p>')
-    body = "".join(_graph_row(title, 5) + _kept_rows(rows)
-                   for title, rows in r.by_graph(kept=True))
-    return ('<table class="t"><tr><th>pass</th><th>module</th><th>node</th><th>why</th>'
-            f'<th>source</th></tr>{body}</table>')
+    return _table(("pass", "module", "node", "why", "source"), r.by_graph(kept=True),
+                  _kept_rows)
 
 
 def _kept_rows(rows) -> str:
