@@ -241,6 +241,8 @@ def small_file(tmp_path):
          "--html {tmp}/missing/e.html: the folder {tmp}/missing does not exist"),
         (["stats", "{small}", "--max-tokens", "0"], "argument --max-tokens: must be at least 1"),
         (["check", "treefx.debug.examples"], "expected MODULE:FACTORY"),
+        (["check", "treefx.models:tiny_decoder", "--checkpointing"],
+         "--checkpointing needs a Hugging Face model (activation_checkpointing_enable)"),
         (["synth"], "the following arguments are required: -o/--output"),
         (["nope"], "argument COMMAND: invalid choice: 'nope'"),
     ],

@@ -36,6 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SAMPLE = [
     "tests/test_step.py::test_hf_model_with_labels",
     "tests/test_step.py::test_hf_model_called_without_attention_mask",
+    "tests/test_step.py::test_moe_with_router_logits_trains_its_cross_entropy_and_refuses_the_aux_loss",
     "tests/test_hybrid.py::test_hf_gated_deltanet_hybrids_match_oracle",
     "tests/test_hybrid.py::test_hf_bamba_mamba2_hybrid_matches_oracle",
     "tests/test_checkpointing.py::test_hf_gradient_checkpointing_is_exact",

@@ -537,12 +537,13 @@ def cmd_check(args) -> int:
              "bfloat16": torch.bfloat16}[args.dtype]
     model = model.to(device=device, dtype=dtype)
     if args.checkpointing:
-        enable = getattr(model, "activation_checkpointing_enable", None) or getattr(
-            model, "gradient_checkpointing_enable", None)
-        if enable is None:
+        from .models import enable_activation_checkpointing
+
+        try:
+            enable_activation_checkpointing(model)
+        except TypeError:
             raise CLIError("--checkpointing needs a Hugging Face model "
-                           "(gradient_checkpointing_enable)")
-        enable()
+                           "(activation_checkpointing_enable)") from None
         model.train()
     trees = _read_trees(args.trees, args.num_trees) if args.trees else None
     if trees is not None:

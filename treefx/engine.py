@@ -128,8 +128,7 @@ class TreeEngine:
         with self._errors(args, dynamic):
             # Registered recurrent kernels appear as single marker nodes (treefx.kernels);
             # the swap is in place on every call so that Dynamo's guards always see it.
-            with capture_patches(), backends.capture_config(), self._shapes(), \
-                    eager_attention(discover_in), one_sequence_per_path():
+            with capture_environment(discover_in), self._shapes():
                 out = self._compiled[backend](*args)
         if self._runs == runs:
             raise TreeCompileError(
@@ -258,14 +257,24 @@ class TreeEngine:
                            backend=compile_graph, fullgraph=True)
         _mark_dynamic(args, dynamic)
         with self._errors(args, dynamic), regional.capture_state(model), \
-                capture_patches(), backends.capture_config(), eager_attention(model), \
-                one_sequence_per_path(), torch._dynamo.config.patch(optimize_ddp=False):
+                capture_environment(model), torch._dynamo.config.patch(optimize_ddp=False):
             returned = fn(*args)
         if "graph" not in holder:
             raise TreeCompileError("regional execution: the capture did not reach the backend")
         graph = holder["graph"]
         graph.set_return(returned, holder["sentinels"])
         return graph
+
+
+@contextlib.contextmanager
+def capture_environment(model: torch.nn.Module | None):
+    """What every capture (and every call of a captured graph: Dynamo's guards read it) runs
+    under: registered recurrent kernels swapped for their markers, treefx's compile config,
+    ``model``'s flex-attention configs on eager, Hugging Face's packed-sequence inference
+    finding one sequence per path."""
+    with capture_patches(), backends.capture_config(), eager_attention(model), \
+            one_sequence_per_path():
+        yield
 
 
 def _mark_dynamic(args, dynamic) -> None:

@@ -35,8 +35,7 @@ from .tree import Tree
 
 __all__ = ["TreeVerificationError", "VerificationUnavailable", "VerificationReport", "Tolerance",
            "VocabularyUnknown", "oracle_floor_gradients", "probe_forest", "probe_vocab_size",
-           "verify_compiled",
-           "tolerance_for"]
+           "verify_compiled", "tolerance_for"]
 
 log = logging.getLogger("treefx")
 
