@@ -12,6 +12,7 @@ from support import VOCAB, grads, hf_model
 
 import treefx
 from treefx import parts
+from treefx.part_run import runners
 from treefx.models import enable_activation_checkpointing
 from treefx.ops.attention import TreePartFlexAttention
 from treefx.ops.context import part_embedding
@@ -65,7 +66,7 @@ def test_hybrid_conv_and_state_cross_part_boundaries():
     trees = [odd_tree(5, VOCAB), *odd_forest(6, VOCAB)]
     for b in (3, 13):
         _check(tm, trees, b)
-    notes = [r.note for r in tm._part_runner.engine.contexts[-1].log if r.pass_name == "ssm"]
+    notes = [r.note for r in runners(tm)[0].engine.contexts[-1].log if r.pass_name == "ssm"]
     assert len(notes) == 4  # 2 convs, 2 recurrences: all in part mode
 
 
@@ -75,7 +76,7 @@ def test_hybrid_through_aot_autograd():
     with its own backward) traced by AOTAutograd, kernels run eagerly."""
     tm = treefx.compile(_hybrid(), backend="aot-eager", verify=False)
     _check(tm, odd_forest(3, VOCAB), 7)
-    sites = [r.after for r in tm._part_runner.engine.contexts[-1].log if r.pass_name == "ssm"]
+    sites = [r.after for r in runners(tm)[0].engine.contexts[-1].log if r.pass_name == "ssm"]
     assert sum("tree_recurrence_part_op" in s for s in sites) == 2
 
 
@@ -89,25 +90,25 @@ def test_every_token_is_embedded_once_and_gradients_accumulate(monkeypatch):
     batch = treefx.pack(trees)
     assert all(p.num_tokens > 1 for p in parts.plan(batch, 24).parts)
     embedded = []
-    call = treefx.part_run._PartRunner.__call__
+    call = treefx.part_run.PartRunner.__call__
 
     def counting(self, t, *rest):
         embedded.append(t["input_ids"].clone())
         return call(self, t, *rest)
 
-    monkeypatch.setattr(treefx.part_run._PartRunner, "__call__", counting)
+    monkeypatch.setattr(treefx.part_run.PartRunner, "__call__", counting)
     treefx.backward(tm, trees, max_tokens=24)
     # Each part's graph embeds its own ids, and nothing else: one lookup, whose gradient goes
     # to the part's rows (added into .grad at its ids, not a dense gradient per part)
-    gm = tm._part_runner.engine.contexts[-1].gm
+    gm = runners(tm)[0].engine.contexts[-1].gm
     lookups = [n for n in gm.graph.nodes
                if n.target in (torch.nn.functional.embedding, part_embedding)]
     assert len(lookups) == 1 and lookups[0].args[0].name == "l_input_ids_"
     assert lookups[0].target is part_embedding
-    # ... and the parts' ids are the row's, each token once (the first call per layout is the
-    # capture that finds the context widths: dropped)
+    # ... and the parts' ids are the row's, each token once (the capture that finds the
+    # context widths is not a call of a part)
     ids = [e for e in embedded if e.shape[1] > 0]
-    row = torch.cat([e[0] for e in ids[1:]])
+    row = torch.cat([e[0] for e in ids])
     assert row.shape[0] == batch.num_tokens and torch.equal(row, batch.input_ids[0])
     once = grads(model)
     treefx.backward(tm, trees, max_tokens=24)
@@ -208,7 +209,7 @@ def test_activation_checkpointing_in_parts_matches_the_oracle(name, reentrant, b
     for b in budgets:
         model.zero_grad(set_to_none=True)
         _check(tm, trees, b)
-    ctx = tm._part_runner.engine.contexts[-1]
+    ctx = runners(tm)[0].engine.contexts[-1]
     bodies = [c for c in ctx.scopes() if c.parent is not None]
     assert len(bodies) == model.config.num_hidden_layers  # every layer checkpointed
     assert all(r.pass_name != "attention" or "context" in r.note for r in ctx.log)
@@ -226,7 +227,7 @@ def test_scored_attention_in_parts_matches_the_oracle(name, form):
 
     tm = treefx.compile(scored_model(name), backend="eager", verify=False)
     _check(tm, odd_forest(3, VOCAB), 3)
-    notes = [r.note for r in tm._part_runner.engine.contexts[-1].log
+    notes = [r.note for r in runners(tm)[0].engine.contexts[-1].log
              if r.pass_name == "attention" and "not attention" not in r.note]
     assert len(notes) == 2 and all("context" in n and "scored" in n for n in notes), notes
     if form != "score_mod":
@@ -302,11 +303,11 @@ def test_flex_attention_part_sites_match_the_oracle(name, monkeypatch):
     model = hf_model(name, "sdpa")
     tm = treefx.compile(model, backend="inductor", verify=False)
     _check(tm, odd_forest(3, VOCAB), 7)
-    sites = [r.after for r in tm._part_runner.engine.contexts[-1].log
+    sites = [r.after for r in runners(tm)[0].engine.contexts[-1].log
              if r.pass_name == "attention"]
     assert sites and all("tree_part_flex_attention" in s for s in sites)
     # in training the KV heads are interleaved along the query and key rows, as whole trees
-    ops = [n.target for n in tm._part_runner.engine.contexts[-1].graph.nodes
+    ops = [n.target for n in runners(tm)[0].engine.contexts[-1].graph.nodes
            if isinstance(n.target, TreePartFlexAttention)]
     assert ops and all(op.layouts == {"interleaved"} for op in ops)
 
@@ -321,7 +322,7 @@ def test_flex_part_sink_sites_keep_the_usual_layout(monkeypatch):
     monkeypatch.setenv("TREEFX_INDUCTOR_ON_CPU", "1")  # the inductor backend's graph on the CPU
     tm = treefx.compile(scored_model("gpt_oss"), backend="inductor", verify=False)
     _check(tm, odd_forest(3, VOCAB), 7)
-    ops = [n.target for n in tm._part_runner.engine.contexts[-1].graph.nodes
+    ops = [n.target for n in runners(tm)[0].engine.contexts[-1].graph.nodes
            if isinstance(n.target, TreePartFlexAttention)]
     assert ops and all(op.return_lse and op.layouts == {"standard"} for op in ops)
 
@@ -337,7 +338,7 @@ def test_flex_part_sites_leave_blocks_beyond_the_window_out(monkeypatch):
     tm = treefx.compile(hf_model("mistral", "sdpa"), backend="inductor", verify=False,
                         block_size=16)
     _check(tm, long_trees(VOCAB), 48)
-    notes = [r.note for r in tm._part_runner.engine.contexts[-1].log
+    notes = [r.note for r in runners(tm)[0].engine.contexts[-1].log
              if r.pass_name == "attention"]
     assert notes and all("beyond its window (2)" in n for n in notes), notes
 
@@ -392,7 +393,7 @@ def test_step_in_parts_matches_the_oracle(name, fn, reduction, scale, budgets):
         for pname, g in want.items():
             err = float((got[pname] - g).abs().max() / g.abs().max().clamp(min=1e-12))
             assert err <= 1e-4, f"{pname}: relative gradient error {err:.2e} (budget {b})"
-    (runner,) = step._part_runners.values()
+    (runner,) = runners(step)
     notes = [r.note for r in runner.engine.contexts[-1].log if r.pass_name == "loss"]
     assert len(notes) == 1
 
@@ -430,7 +431,7 @@ def _routed(tm):
     from treefx.ops.grad_into import linear_grad_into
     from treefx.ops.logprobs import fused_linear_tree_logprobs
 
-    ctx = tm._part_runner.engine.contexts[-1]
+    ctx = runners(tm)[0].engine.contexts[-1]
     nodes = [n for c in ctx.scopes() for n in c.graph.nodes]
     return (sum(n.target is linear_grad_into for n in nodes),
             sum(n.target is fused_linear_tree_logprobs and n.kwargs.get("grad_into") is not None
@@ -488,10 +489,10 @@ def test_freezing_a_weight_between_calls_captures_the_part_graph_again():
     tm = treefx.compile(model, backend="eager", verify=False)
     trees = odd_forest(3, VOCAB)
     _check(tm, trees, 5)
-    first = tm._part_runner.engine
+    first = runners(tm)[0].engine
     model.model.layers[0].mlp.up_proj.weight.requires_grad_(False)
     _check(tm, trees, 5)  # the frozen weight gets no .grad, as in the oracle
-    assert tm._part_runner.engine is not first
+    assert runners(tm)[0].engine is not first
     assert model.model.layers[0].mlp.up_proj.weight.grad is None
 
 

@@ -16,6 +16,8 @@ import logging
 import sys
 import types
 import weakref
+from dataclasses import replace
+from types import MappingProxyType
 
 import torch
 import torch.fx as fx
@@ -29,24 +31,23 @@ from .ops.attention import check_interleave_heads, check_kernel_options
 from .passes import GraphBreakError, GraphContext, TreeCompileError, run_passes
 from .passes.common import example, graph_code, module_path
 from .passes.parts import PartSites, part_outputs
+from .plan import Compiled, Plan
 from .reference import output_vocab_size, vocab_size
 
-__all__ = ["TreeEngine", "check_batch", "make_traced", "tree_info", "unwrap_compiled"]
+__all__ = ["TreeEngine", "check_batch", "fresh_function", "tree_info", "unwrap_compiled"]
 
 log = logging.getLogger("treefx")
 
 
-def make_traced(template, tag: int, **cells):
-    """A fresh copy of ``template`` whose globals also hold ``cells`` (model, options, the
-    user's step function).
+def fresh_function(fn, tag: int):
+    """A copy of ``fn`` (with its closure) under a code object of its own, named after ``tag``.
 
     Its own code object gives it its own Dynamo cache, so many compiled models never share or
     exhaust one function's recompile limit (which would fall back to the untransformed model).
     """
-    code = template.__code__.replace(co_name=f"treefx_{template.__name__.strip('_')}_{tag}")
-    glb = dict(template.__globals__)
-    glb.update(cells)
-    return types.FunctionType(code, glb, code.co_name)
+    code = fn.__code__.replace(co_name=f"treefx_{fn.__name__.strip('_')}_{tag}")
+    return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__,
+                              fn.__closure__)
 
 
 class TreeEngine:
@@ -54,52 +55,96 @@ class TreeEngine:
     treefx backend per device kind, the passes, the error translation, and the check that the
     rewritten graph (not a fallback to the untransformed code) ran.
 
-    ``make_traced(tag)`` returns a fresh traced function; its graph inputs must include
-    ``input_ids`` [1, N] and ``tree_info`` [3, N] (and ``tree_weights`` [2, N] for a step).
+    ``fn`` is the function captured (the front end's: it takes the model and the tree tensors;
+    its graph inputs must include ``input_ids`` [1, N] and ``tree_info`` [3, N], and
+    ``tree_weights`` [2, N] for a step); ``plan`` the :class:`~treefx.plan.Plan` every capture
+    is compiled for. Each capture's :class:`~treefx.plan.Compiled` is kept in ``compiled``.
     """
 
-    def __init__(self, make_traced, backend: str, block_size: int, kernel_options=None,
-                 interleave_heads: bool | None = None, regional: bool | None = None):
-        self.make_traced = make_traced
-        if regional not in (None, True, False):
-            raise TypeError(f"regional must be True, False or None, got {regional!r}")
-        self.regional = regional
+    def __init__(self, fn, plan: Plan):
+        self.fn = fn
+        if plan.regional not in (None, True, False):
+            raise TypeError(f"regional must be True, False or None, got {plan.regional!r}")
+        given = plan.kernel_options
+        kernel_options = check_kernel_options(dict(given) if isinstance(given, MappingProxyType)
+                                              else given)
+        self.plan = replace(
+            plan, backend=backends.check(plan.backend),
+            kernel_options=MappingProxyType(kernel_options),
+            interleave_heads=check_interleave_heads(plan.interleave_heads, kernel_options))
         self._regional: dict[tuple, list] = {}  # guard key -> captured regional graphs
-        self.backend = backends.check(backend)
-        self.block_size = block_size
-        self.kernel_options = check_kernel_options(kernel_options)
-        self.interleave_heads = check_interleave_heads(interleave_heads, self.kernel_options)
-        self.num_compilations = 0
-        self.contexts: list[GraphContext] = []
-        # the parameters whose .grad a part's graph is given, in the order of its `grads`
-        # input (set by treefx.backward's runner; see treefx.passes.parts.route_gradients)
-        self.grad_params: tuple = ()
+        self.compiled: list[Compiled] = []
         self._runs = 0
-        self._compiled: dict[str, object] = {}
+        self._callables: dict[str, object] = {}
         self._prepared: weakref.WeakSet = weakref.WeakSet()  # models made ready for capture
+
+    def make_traced(self, tag: int):
+        """A fresh copy of the captured function (its own Dynamo cache)."""
+        return fresh_function(self.fn, tag)
+
+    @property
+    def backend(self) -> str:
+        return self.plan.backend
+
+    @property
+    def block_size(self) -> int:
+        return self.plan.block_size
+
+    @property
+    def kernel_options(self):
+        return self.plan.kernel_options
+
+    @property
+    def interleave_heads(self) -> bool | None:
+        return self.plan.interleave_heads
+
+    @property
+    def regional(self) -> bool | None:
+        return self.plan.regional
+
+    @property
+    def num_compilations(self) -> int:
+        """Captures whose passes all ran (a capture that stopped with an error is not one)."""
+        return sum(c.context.done for c in self.compiled)
+
+    @property
+    def contexts(self) -> list[GraphContext]:
+        """The rewritten graphs, one per capture (a failed one's too), oldest first."""
+        return [c.context for c in self.compiled]
 
     def resolve_backend(self, device: torch.device) -> str:
         return backends.resolve(self.backend, device)
 
+    def _capture(self, gm: fx.GraphModule, example_inputs, backend: str) -> Compiled:
+        """The passes on a captured graph: its :class:`Compiled`, kept (before the passes run,
+        so that a failed graph can be reported)."""
+        # the parameters among the real inputs, by position (nothing else kept alive)
+        real = [x if isinstance(x, torch.nn.Parameter) else None for x in example_inputs]
+        ctx = _context(gm, backend, self.plan, real)
+        compiled = Compiled(ctx, backend)
+        self.compiled.append(compiled)
+        compiled.part = run_passes(ctx)
+        ctx.done = True
+        return compiled
+
     def _dynamo_backend(self, backend: str):
         def compile_graph(gm: fx.GraphModule, example_inputs):
-            ctx = _context(gm, backend, self.block_size, self.kernel_options,
-                           self.interleave_heads)
-            self.contexts.append(ctx)  # before the passes: a failed graph can be reported
-            # the parameters among the real inputs, by position (nothing else kept alive)
-            ctx.example_inputs = [x if isinstance(x, torch.nn.Parameter) else None
-                                  for x in example_inputs]
-            ctx.grad_params = self.grad_params
-            run_passes(ctx)
-            ctx.done = True
-            self.num_compilations += 1
+            compiled = self._capture(gm, example_inputs, backend)
             log.info("compiled a tree graph (%s backend, %d so far)", backend,
                      self.num_compilations)
-            compiled = backends.compile_graph(backend, ctx.gm, example_inputs)
+            if self.plan.find_layout:
+                # found what the part needs; never run (its buffers have other widths)
+                def run(*args):
+                    self._runs += 1
+                    return [torch.empty(0) for _ in _graph_outputs(compiled.context.gm)]
+
+                return run
+            fn = backends.compile_graph(backend, compiled.context.gm, example_inputs)
+            compiled.fn = fn
 
             def run(*args):
                 self._runs += 1
-                return compiled(*args)
+                return fn(*args)
 
             return run
 
@@ -118,9 +163,9 @@ class TreeEngine:
             self._prepared.add(discover_in)
         if discover_in is not None and self.uses_regions(discover_in, root):
             return self._call_regional(backend, args, dynamic, discover_in, root)
-        if backend not in self._compiled:
-            self._compiled[backend] = torch.compile(
-                self.make_traced(len(self._compiled)), backend=self._dynamo_backend(backend),
+        if backend not in self._callables:
+            self._callables[backend] = torch.compile(
+                self.make_traced(len(self._callables)), backend=self._dynamo_backend(backend),
                 fullgraph=True,
             )
         _mark_dynamic(args, dynamic)
@@ -129,7 +174,7 @@ class TreeEngine:
             # Registered recurrent kernels appear as single marker nodes (treefx.kernels);
             # the swap is in place on every call so that Dynamo's guards always see it.
             with capture_environment(discover_in), self._shapes():
-                out = self._compiled[backend](*args)
+                out = self._callables[backend](*args)
         if self._runs == runs:
             raise TreeCompileError(
                 "the tree graph did not run: Dynamo fell back to the unmodified code (recompile "
@@ -137,13 +182,9 @@ class TreeEngine:
             )
         return out
 
-    # Duck shaping (one symbol for equal sizes at capture) stays on for whole batches; a
-    # part's graph turns it off (see treefx.part_run): its sizes (tokens, context, labels,
-    # states) are unrelated and often equal on the first call.
-    duck_shape = True
-
     def _shapes(self):
-        if self.duck_shape:
+        """Duck shaping (one symbol for equal sizes at capture) as the plan says."""
+        if self.plan.duck_shape:
             return contextlib.nullcontext()
         import torch.fx.experimental._config as fx_config
 
@@ -153,12 +194,12 @@ class TreeEngine:
         """Whether calls run regionally: ``regional=True``, or (``None``) a model sharded with
         FSDP2 or wrapped in DDP. ``regional=False`` with either is an error."""
         kind = regional.distributed_kind(model, root if root is not model else None)
-        if self.regional is False and kind is not None:
+        if self.plan.regional is False and kind is not None:
             raise TreeCompileError(
                 f"regional=False, but the model is wrapped for {kind.upper()}, whose hooks run "
                 "around each module call: treefx runs such a model regionally (leave "
                 "regional=None)")
-        return bool(self.regional) or kind is not None
+        return bool(self.plan.regional) or kind is not None
 
     @contextlib.contextmanager
     def _errors(self, args, dynamic):
@@ -232,19 +273,14 @@ class TreeEngine:
         holder = {}
 
         def compile_graph(gm: fx.GraphModule, example_inputs):
-            ctx = _context(gm, backend, self.block_size, self.kernel_options,
-                           self.interleave_heads)
-            self.contexts.append(ctx)
-            run_passes(ctx)
-            ctx.done = True
-            self.num_compilations += 1
+            compiled = self._capture(gm, example_inputs, backend)
+            ctx = compiled.context
             holder["graph"] = regional.build(ctx.gm, example_inputs, backend=backend,
                                              model=model, call_args=args, token_args=dynamic)
             log.info("compiled a regional tree graph (%s backend, %d so far)", backend,
                      self.num_compilations)
 
-            out = next(n for n in ctx.gm.graph.nodes if n.op == "output").args[0]
-            holder["sentinels"] = [torch.empty(0) for _ in out]
+            holder["sentinels"] = [torch.empty(0) for _ in _graph_outputs(ctx.gm)]
 
             def captured(*_):
                 # Dynamo's own code builds the function's return value from these: which
@@ -253,7 +289,7 @@ class TreeEngine:
 
             return captured
 
-        fn = torch.compile(self.make_traced(1000 + len(self.contexts)),
+        fn = torch.compile(self.make_traced(1000 + len(self.compiled)),
                            backend=compile_graph, fullgraph=True)
         _mark_dynamic(args, dynamic)
         with self._errors(args, dynamic), regional.capture_state(model), \
@@ -356,9 +392,11 @@ def check_batch(model: torch.nn.Module, batch: TreeBatch) -> None:
                              "log-probability from the logits")
 
 
-def _context(gm: fx.GraphModule, backend: str, block_size: int,
-             kernel_options: dict | None = None,
-             interleave_heads: bool | None = None) -> GraphContext:
+def _graph_outputs(gm: fx.GraphModule) -> list:
+    return list(next(n for n in gm.graph.nodes if n.op == "output").args[0])
+
+
+def _context(gm: fx.GraphModule, backend: str, plan: Plan, real_inputs) -> GraphContext:
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     by_name = {}
     for n in placeholders:
@@ -383,16 +421,19 @@ def _context(gm: fx.GraphModule, backend: str, block_size: int,
         se.meta["example_value"] = fake[2]
     marker = next((n for n in g.nodes if n.op == "call_function" and n.target is part_outputs),
                   None)  # a part of a tree (treefx.backward)
+    if (marker is not None) != plan.is_part:
+        raise TreeCompileError(f"internal: a {plan.mode} plan for a graph "
+                               f"{'with' if marker is not None else 'without'} a part marker")
     ctx = GraphContext(
         gm, backends.lowering(backend),
         input_ids=ids, tree_info=info, positions=pos, subtree_end=se,
-        seq_len=example(ids).shape[1], prelude=se, block_size=block_size,
-        kernel_options=kernel_options, interleave_heads=interleave_heads,
+        seq_len=example(ids).shape[1], prelude=se, block_size=plan.block_size,
+        kernel_options=dict(plan.kernel_options), interleave_heads=plan.interleave_heads,
         code_before=code_before, modules_before=modules_before,
         tree_weights=by_name.get("tree_weights"),
-        part_labels=by_name.get("labels") if marker is not None else None)
-    if marker is not None:
-        ctx._part = PartSites(marker)
+        part_labels=by_name.get("labels") if marker is not None else None,
+        plan=plan, real_inputs=real_inputs,
+        part_sites=PartSites(marker) if marker is not None else None)
     return ctx
 
 

@@ -29,16 +29,17 @@ import numpy as np
 import torch
 
 from . import parts as parts_mod
-from .engine import TreeEngine, check_batch, make_traced
+from .engine import TreeEngine, check_batch
 from .layout import TreeBatch, move_tensors, pack
 from .ops.logprobs import register_site, token_logprobs_site
 from .passes import TreeCompileError
 from .passes.parts import PartLayoutMismatch, has_grad_hooks, part_outputs
+from .plan import PartLayout, Plan
 from .step import TreeStep, no_cache, step_batch, step_weights
 from .tree import Tree
 from .tree_model import TreeModel, TreeOutput, model_logits, tree_loss
 
-__all__ = ["backward"]
+__all__ = ["PartRunner", "backward", "part_forward", "part_step_function", "runners"]
 
 log = logging.getLogger("treefx")
 
@@ -53,108 +54,105 @@ def _register() -> None:
         _REGISTERED = True
 
 
-def _part_template(input_ids, tree_info, part_info, ctx_tok, ctx_state, state_entry,
-                   state_exit, labels, emb_sink, grads):
-    # Copied per TreeModel by make_traced, with `model` and `opts` in its globals.
-    torch._check(tree_info.shape[1] == input_ids.shape[1])
-    torch._check(state_entry.shape[0] == input_ids.shape[1])
-    torch._check(ctx_tok.shape[0] == part_info.shape[1])
-    logits = model_logits(model, opts, input_ids, tree_info)  # noqa: F821
-    lp = token_logprobs_site(logits, labels[1], labels[0])
-    own, exits = part_outputs(input_ids, ctx_tok, ctx_state, state_exit, part_info,
-                              state_entry, tree_info, emb_sink, grads)
-    return lp, own, exits
+def part_forward(opts: dict):
+    """The function a compiled model's part captures: the model on the part's tokens, their
+    log-probabilities at their predecessors, and the part's own columns and exit states (the
+    marker the passes replace, :func:`treefx.passes.parts.part_outputs`)."""
+    def tree_part(model, input_ids, tree_info, part_info, ctx_tok, ctx_state, state_entry,
+                  state_exit, labels, emb_sink, grads):
+        torch._check(tree_info.shape[1] == input_ids.shape[1])
+        torch._check(state_entry.shape[0] == input_ids.shape[1])
+        torch._check(ctx_tok.shape[0] == part_info.shape[1])
+        logits = model_logits(model, opts, input_ids, tree_info)
+        lp = token_logprobs_site(logits, labels[1], labels[0])
+        own, exits = part_outputs(input_ids, ctx_tok, ctx_state, state_exit, part_info,
+                                  state_entry, tree_info, emb_sink, grads)
+        return lp, own, exits
+
+    return tree_part
 
 
-def _part_step_template(model, input_ids, tree_info, part_info, ctx_tok, ctx_state,
-                        state_entry, state_exit, labels, tree_weights, emb_sink, grads):
-    # Copied per TreeStep and model by make_traced, with the user's function as `user_fn`.
-    # The loss pass reads the part's predicted tokens from `labels` and their weights from
-    # `tree_weights` [2, m] ("sum", "mean"); the labels the step sees only mark the tokens
-    # with a predecessor (the pass checks the cross-entropy's shape, not their values).
-    torch._check(tree_info.shape[1] == input_ids.shape[1])
-    torch._check(state_entry.shape[0] == input_ids.shape[1])
-    torch._check(ctx_tok.shape[0] == part_info.shape[1])
-    torch._check(tree_weights.shape[1] == labels.shape[1])
-    result = user_fn(model, step_batch(input_ids, tree_info, tree_info[1] >= 0))  # noqa: F821
-    own, exits = part_outputs(input_ids, ctx_tok, ctx_state, state_exit, part_info,
-                              state_entry, tree_info, emb_sink, grads)
-    # Small views of the label inputs keep them graph inputs whatever the step reads.
-    return result, own, exits, labels[:, :1], tree_weights[:, :1]
+def part_step_function(user_fn):
+    """The function a ``@treefx.step``'s part captures. The loss pass reads the part's
+    predicted tokens from ``labels`` and their weights from ``tree_weights`` [2, m] ("sum",
+    "mean"); the labels the step sees only mark the tokens with a predecessor (the pass
+    checks the cross-entropy's shape, not their values)."""
+    def tree_part_step(model, input_ids, tree_info, part_info, ctx_tok, ctx_state,
+                       state_entry, state_exit, labels, tree_weights, emb_sink, grads):
+        torch._check(tree_info.shape[1] == input_ids.shape[1])
+        torch._check(state_entry.shape[0] == input_ids.shape[1])
+        torch._check(ctx_tok.shape[0] == part_info.shape[1])
+        torch._check(tree_weights.shape[1] == labels.shape[1])
+        result = user_fn(model, step_batch(input_ids, tree_info, tree_info[1] >= 0))
+        own, exits = part_outputs(input_ids, ctx_tok, ctx_state, state_exit, part_info,
+                                  state_entry, tree_info, emb_sink, grads)
+        # Small views of the label inputs keep them graph inputs whatever the step reads.
+        return result, own, exits, labels[:, :1], tree_weights[:, :1]
+
+    return tree_part_step
 
 
-class _PartRunner:
-    """A part graph (of a compiled model, or of a ``@treefx.step`` function for one model):
-    its engine and the context layout its sites need (found on the first capture)."""
+class PartRunner:
+    """The part graph of a compiled model (or of a ``@treefx.step`` function for one model):
+    the context layout its sites need, and the engine compiled for it.
 
-    def __init__(self, model: torch.nn.Module, engine: TreeEngine, make, *, step: bool,
-                 verify: bool):
+    The layout (the widths of the context buffers) and the parameters whose ``.grad`` the
+    graph adds into are known only once the passes ran: the first call captures the graph
+    once to find them (``Plan.find_layout``: a capture that is never run), then builds the
+    engine for them (:meth:`_settle`). ``engine`` is None until then."""
+
+    def __init__(self, model: torch.nn.Module, fn, plan: Plan, *, verify: bool):
         _register()
-        self._make = make
-        self._settings = (engine.backend, engine.block_size, engine.kernel_options,
-                          engine.interleave_heads)
-        self._new_engine()
-        dtype = next(model.parameters()).dtype
-        self.layout = ((0, dtype), (0, dtype))
+        self.fn = fn
+        self.plan = plan
+        self.engine: TreeEngine | None = None
+        self.layout: PartLayout | None = None
         self.model = model
-        self.step = step
+        self.step = plan.mode == "part-step"
         # the first call checks the part graph against the oracle, as treefx.compile's
         # first call checks the whole-tree graph (verify=, TREEFX_VERIFY)
         self.verify = verify
         self.verification = None
-        self.settled = False  # a part ran with `layout`
         emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
         w = getattr(emb, "weight", None)
         # the sink's width and dtype: the input embedding's ([n, 1] for a model without one)
         self.sink_layout = (w.shape[1], w.dtype) if isinstance(w, torch.Tensor) and \
             w.dim() == 2 else (1, torch.float32)
         self.embedding = None  # (parameter, padding_idx) whose part rows get the gradient
-        # the parameters offered to the graph to add their gradients into .grad directly
-        # (grad_params), as found when the graph was captured with them (grad_key)
+        # the parameters offered to the graph to add their gradients into .grad directly, as
+        # candidates (offered) before the layout is found, then those it takes (the engine's)
         self.grad_key = None
+        self.offered: tuple = ()
 
-    def _new_engine(self) -> None:
-        backend, block_size, kernel_options, interleave_heads = self._settings
-        self.engine = TreeEngine(self._make, backend, block_size, kernel_options,
-                                 interleave_heads, False)
-        self.engine.duck_shape = False
+    @property
+    def grad_params(self) -> tuple:
+        return self.engine.plan.grad_params if self.engine is not None else self.offered
 
     def prepare_grads(self) -> list[torch.nn.Parameter]:
         """Before a call's parts: the parameters whose gradients the part graph adds into
         ``.grad`` directly (:func:`treefx.passes.parts.route_gradients`), each given a zero
         ``.grad`` where it has none; returns those it gave one. The first call offers every
         matrix that trains (without gradient hooks) and keeps those the graph takes
-        (:meth:`drop_grads`); when that set of candidates changes (a parameter frozen, a hook
+        (:meth:`_settle`); when that set of candidates changes (a parameter frozen, a hook
         added), the graph is captured again."""
         candidates = [p for p in self.model.parameters() if _grad_candidate(p)]
         key = tuple(map(id, candidates))
         if self.grad_key is not None and key != self.grad_key:
             log.info("treefx.backward: the trainable parameters changed; capturing the part "
                      "graph again")
-            self._new_engine()
-            self.settled = False
+            self.engine = None
+            self.layout = None
             self.embedding = None
             self.grad_key = None
         if self.grad_key is None:
             self.grad_key = key
-            self.engine.grad_params = tuple(candidates)
+            self.offered = tuple(candidates)
         created = []
-        for p in self.engine.grad_params:
+        for p in self.grad_params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
                 created.append(p)
         return created
-
-    def drop_grads(self, keep, created) -> None:
-        """Only ``grad_params[k]`` for ``k`` in ``keep`` are added into directly; the zero
-        ``.grad`` given to the others (``created``) is taken back."""
-        params = self.engine.grad_params
-        kept = tuple(params[k] for k in keep)
-        kept_ids, created_ids = set(map(id, kept)), set(map(id, created))
-        for p in params:
-            if id(p) not in kept_ids and id(p) in created_ids:
-                p.grad = None
-        self.engine.grad_params = kept
 
     def sink(self, t: dict) -> torch.Tensor:
         """Zero rows [n, D] that receive the part's rows of the input embedding's gradient
@@ -165,24 +163,59 @@ class _PartRunner:
         return torch.zeros(ids.shape[1], width, dtype=dtype, device=ids.device,
                            requires_grad=True)
 
-    def __call__(self, t: dict, ctx_tok, ctx_state, sink):
-        grads = [_own_version(p.grad) for p in self.engine.grad_params]
-        args = (t["input_ids"], t["tree_info"], t["part_info"], ctx_tok, ctx_state,
+    def _args(self, t: dict, ctx_tok, ctx_state, sink, grad_params):
+        grads = [_own_version(p.grad) for p in grad_params]
+        args = (self.model, t["input_ids"], t["tree_info"], t["part_info"], ctx_tok, ctx_state,
                 t["state_entry"], t["state_exit"], t["labels"])
-        dynamic = (0, 1, 2, (3, 0), (4, 0), 5, 6, 7)
-        if self.step:  # the model first, the label weights last
-            args = (self.model, *args, t["tree_weights"])
-            dynamic = tuple((d[0] + 1, d[1]) if isinstance(d, tuple) else d + 1
-                            for d in dynamic) + (9,)
+        dynamic = (1, 2, 3, (4, 0), (5, 0), 6, 7, 8)
+        if self.step:  # the label weights last
+            args += (t["tree_weights"],)
+            dynamic += (9,)
         dynamic += ((len(args), 0),)
-        args += (sink, grads)
+        return args + (sink, grads), dynamic
+
+    def _run(self, engine: TreeEngine, t: dict, ctx_tok, ctx_state, sink):
+        args, dynamic = self._args(t, ctx_tok, ctx_state, sink, engine.plan.grad_params)
         with no_cache(self.model) if self.step else contextlib.nullcontext():
-            out = self.engine(t["input_ids"].device, *args, dynamic=dynamic,
-                              discover_in=self.model)
-        self.settled = True
+            return engine(t["input_ids"].device, *args, dynamic=dynamic, discover_in=self.model)
+
+    def _settle(self, t: dict, created) -> None:
+        """Find the layout and the gradient routing with empty context buffers (the first
+        part has no context), keep the parameters the graph adds into (taking back the zero
+        ``.grad`` given to the others, ``created``), and build the engine for them."""
+        dtype = next(self.model.parameters()).dtype
+        n_ctx, n_entries = t["part_info"].shape[1], t["state_entry"].shape[0]
+        device = t["input_ids"].device
+        finder = TreeEngine(self.fn, replace(self.plan, grad_params=self.offered,
+                                             find_layout=True))
+        self._run(finder, t, torch.zeros(n_ctx, 0, dtype=dtype, device=device),
+                  torch.zeros(max(n_entries, 2), 0, dtype=dtype, device=device), self.sink(t))
+        found = finder.compiled[-1].part
+        kept = tuple(self.offered[k] for k in found.grads_used)
+        kept_ids, created_ids = set(map(id, kept)), set(map(id, created))
+        for p in self.offered:
+            if id(p) not in kept_ids and id(p) in created_ids:
+                p.grad = None
+        self.layout = found.layout
+        self.engine = TreeEngine(self.fn, replace(self.plan, grad_params=kept))
+        log.info("treefx.backward: the part graph hands on %s, and adds %d weights' "
+                 "gradients into .grad", found.layout.describe(), len(kept))
+
+    def __call__(self, t: dict, ctx_tok, ctx_state, sink, num_tokens: int):
+        try:
+            out = self._run(self.engine, t, ctx_tok, ctx_state, sink)
+        except PartLayoutMismatch as e:
+            raise TreeCompileError(
+                f"the part graph for a part of {num_tokens} token(s) hands on "
+                f"{e.found.layout.describe()} and adds {len(e.found.grads_used)} of "
+                f"{len(self.engine.plan.grad_params)} weights' gradients into .grad, the "
+                f"earlier parts' {self.layout.describe()}: the model's code takes another "
+                "branch for this token count (a cache it fills, a short-row special case?), "
+                "so its sites differ between parts") from e
         if self.embedding is None:
-            self.embedding = next((c._cache["part_embedding"] for c in self.engine.contexts
-                                   if "part_embedding" in c._cache), None)
+            self.embedding = next((c.part.embedding for c in self.engine.compiled
+                                   if c.part is not None and c.part.embedding is not None),
+                                  None)
         return out[:3]
 
 
@@ -207,28 +240,38 @@ def _grad_candidate(p: torch.nn.Parameter) -> bool:
             and g.is_contiguous()))
 
 
-def _runner(tm: TreeModel) -> _PartRunner:
-    runner = tm.__dict__.get("_part_runner")
+# Each compiled model's part graph, and each step's per model (its sites' layout is the
+# model's): treefx.backward's own state, kept here, keyed weakly by what it belongs to.
+_RUNNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def runners(owner) -> list[PartRunner]:
+    """The part graphs :func:`backward` built for a compiled model or a ``@treefx.step`` (one
+    per model the step ran on), oldest first: their engines hold the captured graphs
+    (``runners(tm)[0].engine.contexts``)."""
+    found = _RUNNERS.get(owner)
+    if found is None:
+        return []
+    return [found] if isinstance(found, PartRunner) else list(found.values())
+
+
+def _runner(tm: TreeModel) -> PartRunner:
+    runner = _RUNNERS.get(tm)
     if runner is None:
-        runner = _PartRunner(
-            tm.model, tm.engine,
-            lambda tag: make_traced(_part_template, tag, model=tm.model, opts=tm.opts),
-            step=False, verify=tm.verify_requested)
-        tm.__dict__["_part_runner"] = runner
+        runner = PartRunner(tm.model, part_forward(tm.opts), replace(tm.plan, mode="part"),
+                            verify=tm.verify_requested)
+        _RUNNERS[tm] = runner
     return runner
 
 
-def _step_runner(step, model: torch.nn.Module) -> _PartRunner:
-    """The part graph of ``step`` for ``model`` (one per model: its sites' layout is the
-    model's)."""
-    runners = step.__dict__.setdefault("_part_runners", weakref.WeakKeyDictionary())
-    runner = runners.get(model)
+def _step_runner(step: TreeStep, model: torch.nn.Module) -> PartRunner:
+    """The part graph of ``step`` for ``model``."""
+    by_model = _RUNNERS.setdefault(step, weakref.WeakKeyDictionary())
+    runner = by_model.get(model)
     if runner is None:
-        runner = _PartRunner(
-            model, step.engine,
-            lambda tag: make_traced(_part_step_template, tag, user_fn=step.fn),
-            step=True, verify=False)
-        runners[model] = runner
+        runner = PartRunner(model, part_step_function(step.fn),
+                            replace(step.plan, mode="part-step"), verify=False)
+        by_model[model] = runner
     return runner
 
 
@@ -301,7 +344,7 @@ def backward(tm: TreeModel, trees: Tree | Iterable[Tree] | TreeBatch, *, max_tok
     The first call for a compiled model checks the part graph on a small probe forest cut
     into parts against each sequence run alone (log-probabilities and gradients), unless the
     model was compiled with ``verify=False`` (or ``TREEFX_VERIFY=0``); the report is
-    ``tm._part_runner.verification``. (A step is not checked: its loss is the user's code.)
+    ``treefx.part_run.runners(tm)[0].verification``. (A step is not checked: its loss is the user's code.)
     """
     from . import regional
     from .engine import unwrap_compiled
@@ -351,7 +394,7 @@ def backward(tm: TreeModel, trees: Tree | Iterable[Tree] | TreeBatch, *, max_tok
         batch = pack(trees, reduction=reduction or "mean", num_sequences=num_sequences,
                      loss_scale=1.0 if loss_scale is None else loss_scale)
     device = next(target.parameters()).device
-    plan = parts_mod.plan(batch, max_tokens, block_size=runner.engine.block_size)
+    plan = parts_mod.plan(batch, max_tokens, block_size=runner.plan.block_size)
     full = batch.to(device)
     check_batch(target, full)
     log.info("treefx.backward: %d tokens in %d part(s) of at most %d", batch.num_tokens,
@@ -432,7 +475,7 @@ def _to_device(plan, part, device, weights: torch.Tensor | None = None, *,
     return dict(zip(names, moved))
 
 
-def _verify_first_call(tm: TreeModel, runner: _PartRunner) -> None:
+def _verify_first_call(tm: TreeModel, runner: PartRunner) -> None:
     """The probe check (:func:`treefx.verification.verify_compiled`) with the tree side run in
     parts: the probe forest cut at a third of its tokens (boundaries inside nodes, context and
     state crossing them), log-probabilities and gradients against each sequence alone. The
@@ -466,33 +509,14 @@ def _verify_first_call(tm: TreeModel, runner: _PartRunner) -> None:
         log.warning("%s", e)
 
 
-def _forward(runner: _PartRunner, plan, part, t: dict, held: dict, device, created=()):
-    while True:
-        (tok_w, tok_dt), (st_w, st_dt) = runner.layout
-        ctx_tok = _gather_tokens(part, t, held, tok_w, tok_dt, device)
-        ctx_state = _gather_states(plan, part, held, st_w, st_dt, device)
-        t["emb_sink"] = runner.sink(t)
-        try:
-            return runner(t, ctx_tok, ctx_state, t["emb_sink"])
-        except PartLayoutMismatch as e:
-            every = tuple(range(len(runner.engine.grad_params)))
-            if runner.layout == (e.tok, e.state) and e.grads == every:
-                raise
-            if runner.settled:
-                raise TreeCompileError(
-                    f"the part graph for a part of {part.num_tokens} token(s) hands on "
-                    f"{e.tok[0]} columns per token and {e.state[0]} per state, the earlier "
-                    f"parts' {runner.layout[0][0]} and {runner.layout[1][0]}, and adds "
-                    f"{len(e.grads)} of {len(every)} weights' gradients into .grad: the "
-                    "model's code takes another branch for this token count (a cache it "
-                    "fills, a short-row special case?), so its sites differ between parts"
-                ) from e
-            runner.layout = (e.tok, e.state)
-            if e.grads != every:
-                runner.drop_grads(e.grads, created)
-            log.info("treefx.backward: the part graph hands on %d columns per token (%s) and "
-                     "%d per state (%s), and adds %d weights' gradients into .grad", e.tok[0],
-                     e.tok[1], e.state[0], e.state[1], len(e.grads))
+def _forward(runner: PartRunner, plan, part, t: dict, held: dict, device, created=()):
+    t["emb_sink"] = runner.sink(t)
+    if runner.engine is None:
+        runner._settle(t, created)
+    layout = runner.layout
+    ctx_tok = _gather_tokens(part, t, held, layout.tok_width, layout.tok_dtype, device)
+    ctx_state = _gather_states(plan, part, held, layout.state_width, layout.state_dtype, device)
+    return runner(t, ctx_tok, ctx_state, t["emb_sink"], part.num_tokens)
 
 
 def _gather_tokens(part, t: dict, held, width, dtype, device) -> torch.Tensor:
@@ -556,14 +580,8 @@ class _Incidence:
         self.rl = rl
         self.inc = rl.path_incidence(batch)
 
-    def masked(self, mask: torch.Tensor):
-        inc = self.inc
-        keep = mask[inc.token.to(mask.device)].to(inc.coef.device)
-        coef = torch.where(keep, inc.coef, torch.zeros_like(inc.coef))
-        token = inc.token.cpu().numpy()
-        first_trained = self.rl._first_entry(token, (coef > 0).cpu().numpy(), inc.num_tokens)
-        return replace(inc, coef=coef, first_trained=torch.as_tensor(
-            first_trained, device=inc.first_trained.device))
+    def restrict(self, batch: TreeBatch, mask: torch.Tensor) -> TreeBatch:
+        return self.rl.restricted_incidence(batch, self.inc, mask)
 
 
 def _part_batch(full: TreeBatch, mask: torch.Tensor, incidence: _Incidence | None) -> TreeBatch:
@@ -575,6 +593,4 @@ def _part_batch(full: TreeBatch, mask: torch.Tensor, incidence: _Incidence | Non
     part = replace(full, loss_weights=keep(full.loss_weights), _block_masks={},
                    loss_weights_by_reduction={r: keep(w) for r, w in
                                               full.loss_weights_by_reduction.items()})
-    if incidence is not None:
-        incidence.rl._INCIDENCE[part] = incidence.masked(mask)
-    return part
+    return incidence.restrict(part, mask) if incidence is not None else part

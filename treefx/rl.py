@@ -50,7 +50,7 @@ from __future__ import annotations
 import numbers
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -68,6 +68,7 @@ __all__ = [
     "path_incidence",
     "policy_gradient_loss",
     "ppo_clip_loss",
+    "restricted_incidence",
     "to_tree",
     "token_sums",
 ]
@@ -142,6 +143,23 @@ def path_incidence(batch: TreeBatch) -> PathIncidence:
         inc = _build_incidence(batch)
         _INCIDENCE[batch] = inc
     return inc
+
+
+def restricted_incidence(batch: TreeBatch, inc: PathIncidence,
+                         mask: torch.Tensor) -> TreeBatch:
+    """``batch`` whose path incidence is ``inc`` with its coefficients zero outside ``mask``
+    [N] (the tokens one part of a tree predicts, :func:`treefx.backward`): what
+    :func:`path_incidence` returns for that batch from then on. ``batch`` must be a new batch
+    (one made by ``dataclasses.replace``), not yet given an incidence."""
+    if batch in _INCIDENCE:
+        raise ValueError("restricted_incidence: the batch already has its path incidence")
+    keep = mask[inc.token.to(mask.device)].to(inc.coef.device)
+    coef = torch.where(keep, inc.coef, torch.zeros_like(inc.coef))
+    token = inc.token.cpu().numpy()
+    first_trained = _first_entry(token, (coef > 0).cpu().numpy(), inc.num_tokens)
+    _INCIDENCE[batch] = replace(inc, coef=coef, first_trained=torch.as_tensor(
+        first_trained, device=inc.first_trained.device))
+    return batch
 
 
 def _build_incidence(batch: TreeBatch) -> PathIncidence:

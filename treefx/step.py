@@ -17,21 +17,27 @@ import functools
 
 import torch
 
-from .engine import TreeEngine, check_batch, make_traced, tree_info, unwrap_compiled
+from .engine import TreeEngine, check_batch, tree_info, unwrap_compiled
 from .layout import TreeBatch
+from .plan import Plan
 from .regional import unwrap_ddp
 
 __all__ = ["step", "TreeStep", "no_cache", "step_batch", "step_weights"]
 
 
-def _step_template(model, input_ids, tree_info, tree_weights, *args, **kwargs):
-    # Copied per TreeStep by _make_traced, with the user's function in its globals as `user_fn`.
-    torch._check(tree_info.shape[1] == input_ids.shape[1])
-    torch._check(tree_weights.shape[1] == input_ids.shape[1])
-    batch = step_batch(input_ids, tree_info, (tree_info[1] >= 0) & (tree_weights[0] > 0))
-    result = user_fn(model, batch, *args, **kwargs)  # noqa: F821
-    # Small views of the tree inputs keep them graph inputs even when the step reads neither.
-    return result, tree_info[:, :1], tree_weights[:, :1]
+def step_function(user_fn):
+    """The function a ``@treefx.step`` captures: the user's step on the Hugging Face-style
+    batch of the tree row (:func:`step_batch`)."""
+    def tree_step(model, input_ids, tree_info, tree_weights, *args, **kwargs):
+        torch._check(tree_info.shape[1] == input_ids.shape[1])
+        torch._check(tree_weights.shape[1] == input_ids.shape[1])
+        batch = step_batch(input_ids, tree_info, (tree_info[1] >= 0) & (tree_weights[0] > 0))
+        result = user_fn(model, batch, *args, **kwargs)
+        # Small views of the tree inputs keep them graph inputs even when the step reads
+        # neither.
+        return result, tree_info[:, :1], tree_weights[:, :1]
+
+    return tree_step
 
 
 def step_batch(input_ids, tree_info, trained) -> dict:
@@ -80,10 +86,10 @@ class TreeStep:
                  regional: bool | None = None):
         functools.update_wrapper(self, fn)
         self.fn = fn
-        self.engine = TreeEngine(
-            lambda tag: make_traced(_step_template, tag, user_fn=fn), backend, block_size,
-            kernel_options, interleave_heads, regional,
-        )
+        self.plan = Plan(backend=backend, block_size=block_size,
+                         kernel_options=kernel_options, interleave_heads=interleave_heads,
+                         regional=regional, mode="step")
+        self.engine = TreeEngine(step_function(fn), self.plan)
 
     @property
     def num_compilations(self) -> int:

@@ -13,11 +13,12 @@ import torch
 from . import backends
 from . import regional as regional_mod
 from . import verification
-from .engine import TreeEngine, check_batch, make_traced, tree_info, unwrap_compiled
+from .engine import TreeEngine, check_batch, tree_info, unwrap_compiled
 from .layout import TreeBatch
 from .ops.cross_entropy import tree_token_logprobs, weighted_logprob_loss
 from .ops.logprobs import register_site, token_logprobs_site
 from .passes import GraphContext
+from .plan import Plan
 from .reference import logits_of
 
 __all__ = ["compile", "TreeModel", "TreeOutput", "tree_loss", "verify", "verify_default"]
@@ -67,14 +68,18 @@ def model_logits(model, opts: dict, input_ids, tree_info):
     return logits_of(model(input_ids, **kwargs))
 
 
-def _tree_forward_template(input_ids, tree_info):
-    # Copied per TreeModel by make_traced, with `model` and `opts` in its globals.
-    torch._check(tree_info.shape[1] == input_ids.shape[1])
-    logits = model_logits(model, opts, input_ids, tree_info)  # noqa: F821
-    if opts["logits"]:  # noqa: F821
-        return logits, tree_token_logprobs(logits, input_ids, tree_info[1])
-    # One node the logprobs pass fuses with the output projection: no [N, vocab] logits.
-    return None, token_logprobs_site(logits, input_ids, tree_info[1])
+def tree_forward(opts: dict):
+    """The function a compiled model captures: the model's logits on the row and each token's
+    log-probability at its tree predecessor (with ``logits=False``, one node the logprobs pass
+    fuses with the output projection: no [N, vocab] logits)."""
+    def tree_forward(model, input_ids, tree_info):
+        torch._check(tree_info.shape[1] == input_ids.shape[1])
+        logits = model_logits(model, opts, input_ids, tree_info)
+        if opts["logits"]:
+            return logits, tree_token_logprobs(logits, input_ids, tree_info[1])
+        return None, token_logprobs_site(logits, input_ids, tree_info[1])
+
+    return tree_forward
 
 
 class TreeModel(torch.nn.Module):
@@ -130,10 +135,10 @@ class TreeModel(torch.nn.Module):
         if opts["position_ids"] and not accepts("position_ids") and not takes_kwargs:
             raise ValueError("pass_position_ids=True but the model's forward has no position_ids")
         self.opts = opts
-        self.engine = TreeEngine(
-            lambda tag: make_traced(_tree_forward_template, tag, model=model, opts=opts),
-            backend, block_size, kernel_options, interleave_heads, regional,
-        )
+        self.plan = Plan(backend=backend, block_size=block_size,
+                         kernel_options=kernel_options, interleave_heads=interleave_heads,
+                         regional=regional, mode="tree")
+        self.engine = TreeEngine(tree_forward(opts), self.plan)
         self.verify_on_first_call = verify_default() if verify is None else verify
         if not isinstance(self.verify_on_first_call, bool):
             raise TypeError(f"verify must be True, False or None, got {verify!r}")
@@ -172,9 +177,9 @@ class TreeModel(torch.nn.Module):
         if self.verify_on_first_call:
             self.verify_on_first_call = False
             self._verify_first_call()
-        logits, token_logprobs = self.engine(batch.device, batch.input_ids, tree_info(batch),
-                                             dynamic=(0, 1), discover_in=self.model,
-                                             root=self._root[0])
+        logits, token_logprobs = self.engine(batch.device, self.model, batch.input_ids,
+                                             tree_info(batch), dynamic=(1, 2),
+                                             discover_in=self.model, root=self._root[0])
         return TreeOutput(logits, token_logprobs)
 
     def _note_token_ids(self, batch) -> None:

@@ -423,7 +423,7 @@ def _count_graphs(model, tm, batch) -> int | None:
     try:
         fn = tm.engine.make_traced(-2)
         with torch.no_grad():
-            return int(torch._dynamo.explain(fn)(batch.input_ids,
+            return int(torch._dynamo.explain(fn)(tm.model, batch.input_ids,
                                                  tree_info(batch)).graph_count)
     except Exception:
         return None

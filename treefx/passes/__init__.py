@@ -12,6 +12,7 @@ from .common import (
     TreeCompileError,
     UnmatchedAttentionError,
 )
+from ..plan import PartFindings
 from .dce import eliminate_dead_code
 from .heads import merged_heads_pass
 from .logprobs import logprobs_pass
@@ -53,20 +54,22 @@ PASSES = (
 )
 
 
-def run_passes(ctx: GraphContext) -> GraphContext:
+def run_passes(ctx: GraphContext) -> PartFindings | None:
     """Every pass over the root graph and every higher-order-op body in it (activation
     checkpointing, ...), each pass on all graphs before the next (the attention pass of a body
     may read a mask the root built, which must still be there), then dead
     code out (effects kept, :mod:`.dce`; nothing is removed before every pass ran, since a
-    body may still import a root node that looks unused), then the checks."""
+    body may still import a root node that looks unused), then the checks. Returns, for a
+    part's graph, what :func:`.parts.finish` found (else None)."""
     discover(ctx)
     scopes = list(ctx.scopes())
     for name, fn in PASSES:
         count = sum(fn(c) for c in scopes)
         log.info("pass %s: %d rewrite(s)", name, count)
     check_loss_found(ctx)
-    if ctx.part is not None:
-        finish_part(ctx)
+    found = finish_part(ctx) if ctx.part is not None else None
+    if ctx.plan is not None and ctx.plan.find_layout:
+        return found  # a capture that only finds a part's layout is never run
     prune(ctx, eliminate_dead_code)  # what the rewrites replaced must not trip the checks
     for c in scopes:
         check_opaque_ops(c)
@@ -79,4 +82,4 @@ def run_passes(ctx: GraphContext) -> GraphContext:
         c.gm.recompile()
     for r in ctx.log:
         log.debug("%s: %s [%s] -> %s", r.pass_name, r.before, r.module, r.after)
-    return ctx
+    return found

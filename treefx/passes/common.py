@@ -205,8 +205,13 @@ class GraphContext:
                  part_labels: fx.Node | None = None, block_size: int = 128,
                  kernel_options: dict | None = None, interleave_heads: bool | None = None,
                  code_before: str = "", modules_before: dict | None = None,
-                 parent: GraphContext | None = None, name: str = ""):
+                 parent: GraphContext | None = None, name: str = "", plan=None,
+                 real_inputs: tuple = (), part_sites=None):
         self.gm = gm
+        # root only: the capture's Plan (treefx.plan; None for a graph built by hand) and its
+        # real inputs by position, the parameters among them (None elsewhere)
+        self.plan = plan
+        self.real_inputs = tuple(real_inputs)
         self.backend = backend
         self.seq_len = seq_len
         # The last node of the graph's prelude: treefx's own nodes after the placeholders.
@@ -231,7 +236,13 @@ class GraphContext:
         # .subgraphs.discover); ``_imports`` maps an outer node to the placeholder made for it.
         self.body = None
         self._imports: dict = {}
-        self._part = None  # root only: the part-mode sites (see .parts), None outside parts
+        self._part = part_sites  # root only: the part-mode sites (.parts), None outside parts
+
+    @property
+    def grad_params(self) -> tuple:
+        """The parameters whose ``.grad`` a part's graph is given (the plan's), else ()."""
+        plan = self.root.plan
+        return tuple(plan.grad_params) if plan is not None else ()
 
     @property
     def part(self):

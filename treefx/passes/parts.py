@@ -8,8 +8,10 @@ state after each entry's predecessor; it ends in one marker call
 (:func:`part_outputs`) whose results are the part's own [n, W] and its exit states [X, S]. The
 attention and SSM passes give each site its columns (:meth:`PartSites.context`,
 :meth:`PartSites.state`); :func:`finish` replaces the marker by the concatenation of what the
-sites produce. The widths and dtypes are known only once the passes ran: a first capture with
-empty buffers raises :class:`PartLayoutMismatch` naming them, and the caller captures again.
+sites produce. The widths and dtypes are known only once the passes ran: a first capture
+(``Plan.find_layout``) with empty buffers only finds them (:class:`treefx.plan.PartFindings`,
+returned by :func:`finish`), and the caller captures again with buffers of those widths; a
+graph whose sites then need other widths is an error (:class:`PartLayoutMismatch`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch.fx as fx
 from ..ops.context import columns_to_heads, heads_to_columns, part_embedding
 from ..ops.grad_into import linear_grad_into
 from ..ops.logprobs import fused_linear_tree_logprobs
+from ..plan import PartFindings, PartLayout
 from .common import GraphContext, TreeCompileError, arg, describe, example, is_call, set_example
 
 __all__ = ["PartLayoutMismatch", "PartSites", "finish", "has_grad_hooks", "part_outputs"]
@@ -39,17 +42,14 @@ def part_outputs(input_ids, ctx_tok, ctx_state, state_exit, part_info, state_ent
 
 
 class PartLayoutMismatch(TreeCompileError):
-    """The context buffers a part was called with do not have the widths and dtypes its sites
-    need, or it was given ``.grad`` buffers it does not add into: ``tok`` and ``state`` are
-    (width, dtype) pairs, ``grads`` the positions among the given buffers that it does add
-    into, to capture again with."""
+    """A part's graph, captured for context buffers of one layout, needs another (or adds into
+    other ``.grad`` buffers than it was given): the model's code took another branch for this
+    part. ``found``: the :class:`~treefx.plan.PartFindings` of this graph."""
 
-    def __init__(self, tok, state, grads=()):
-        super().__init__(f"part context layout: tokens {tok}, states {state}, gradient "
-                         f"buffers {list(grads)}")
-        self.tok = tok
-        self.state = state
-        self.grads = tuple(grads)
+    def __init__(self, found: PartFindings):
+        super().__init__(f"part context layout: {found.layout.describe()}, gradient buffers "
+                         f"{list(found.grads_used)}")
+        self.found = found
 
 
 class PartSites:
@@ -72,11 +72,11 @@ class PartSites:
             out = torch.promote_types(out, d)
         return out
 
-    def layout(self):
+    def layout(self) -> PartLayout:
         tok_dtype = self._buffer_dtype(self.tok, example(self.ctx_tok).dtype)
         state_dtype = self._buffer_dtype(self.state, example(self.ctx_state).dtype)
-        return ((sum(w for _, w, _ in self.tok), tok_dtype),
-                (sum(w for _, w, _ in self.state), state_dtype))
+        return PartLayout(sum(w for _, w, _ in self.tok), tok_dtype,
+                          sum(w for _, w, _ in self.state), state_dtype)
 
     # ------------------------------------------------------------------ nodes
 
@@ -214,24 +214,24 @@ def route_embedding(ctx: GraphContext) -> None:
     ``scale_grad_by_freq`` or ``sparse``) becomes :func:`~treefx.ops.context.part_embedding`:
     its gradient goes to the part's ``emb_sink`` rows, which the driver adds into the
     parameter's ``.grad`` at the part's ids, instead of a dense [vocab, D] gradient per part
-    (and an ``AccumulateGrad`` pass over it). Recorded as ``ctx._cache["part_embedding"]``:
-    (the parameter, padding_idx). Anything else is left as it is."""
+    (and an ``AccumulateGrad`` pass over it). Returns (the parameter, padding_idx or -1), or
+    None where anything else is left as it is."""
     part = ctx.part
     ids = [n for n in ctx.graph.nodes if is_call(n, *_EMBEDDINGS)
            and ctx.is_tree_input(arg(n, 0, "input", None), "input_ids")]
     if len(ids) != 1:
-        return
+        return None
     node = ids[0]
     weight = arg(node, 1, "weight", None)
     pad = arg(node, 2, "padding_idx", None)
     if arg(node, 3, "max_norm", None) is not None or arg(node, 5, "scale_grad_by_freq", False) \
             or arg(node, 6, "sparse", False) or not isinstance(pad, (int, type(None))):
-        return
+        return None
     real = _real_parameter(ctx, weight)
     w, sink = example(weight), example(part.emb_sink)
     if not (real is not None and not has_grad_hooks(real) and w is not None
             and w.dim() == 2 and sink.shape[1] == w.shape[1] and sink.dtype == w.dtype):
-        return
+        return None
     if pad is not None and pad < 0:
         pad += w.shape[0]
     with ctx.graph.inserting_before(node):
@@ -241,29 +241,37 @@ def route_embedding(ctx: GraphContext) -> None:
     ctx.record("parts", node, describe(new), note="the gradient to the part's rows only")
     node.replace_all_uses_with(new)
     ctx.graph.erase_node(node)
-    ctx._cache["part_embedding"] = (real, -1 if pad is None else int(pad))
+    return real, -1 if pad is None else int(pad)
 
 
-def finish(ctx: GraphContext) -> None:
-    """Replace the marker by the part's own columns and exit states; a
-    :class:`PartLayoutMismatch` when the buffers the part was captured with have other widths
-    or dtypes than its sites need, or ``.grad`` buffers it would not add into. Then
-    :func:`route_embedding` and :func:`route_gradients`."""
+def finish(ctx: GraphContext) -> PartFindings:
+    """Replace the marker by the part's own columns and exit states, then
+    :func:`route_embedding` and :func:`route_gradients`; returns what was found (the layout
+    the sites need, the gradient buffers added into, the embedding routed). A capture that
+    only finds the layout (``Plan.find_layout``) returns it before rewriting. A graph captured
+    for its real buffers (not ``Plan.find_layout``) whose buffers have other widths or dtypes
+    than its sites need, or ``.grad`` buffers it would not add into, is a
+    :class:`PartLayoutMismatch`."""
     part = ctx.part
-    (tok_w, tok_dt), (st_w, st_dt) = part.layout()
+    layout = part.layout()
     have_tok, have_st = example(part.ctx_tok), example(part.ctx_state)
     routes = _gradient_routes(ctx)
-    used = sorted({k for _, _, k in routes})
-    if (have_tok.shape[1], have_tok.dtype, have_st.shape[1], have_st.dtype) != (
-            tok_w, tok_dt, st_w, st_dt) or used != list(range(len(part.grads))):
-        raise PartLayoutMismatch((tok_w, tok_dt), (st_w, st_dt), used)
+    used = tuple(sorted({k for _, _, k in routes}))
+    given = PartLayout(have_tok.shape[1], have_tok.dtype, have_st.shape[1], have_st.dtype)
+    plan = ctx.root.plan
+    if plan is not None and plan.find_layout:
+        return PartFindings(layout, used)  # the graph is never run: nothing to rewrite
+    if given != layout or used != tuple(range(len(part.grads))):
+        raise PartLayoutMismatch(PartFindings(layout, used))
     g = ctx.graph
     marker = part.marker
     with g.inserting_before(marker):
         ids = marker.args[0]
-        own = g.call_function(_concat_columns, ([c for c, _, _ in part.tok], ids, tok_w, tok_dt))
+        own = g.call_function(_concat_columns, ([c for c, _, _ in part.tok], ids,
+                                                layout.tok_width, layout.tok_dtype))
         exits = g.call_function(_concat_columns, ([c for c, _, _ in part.state],
-                                                  part.state_exit, st_w, st_dt))
+                                                  part.state_exit, layout.state_width,
+                                                  layout.state_dtype))
     for user in list(marker.users):
         if not (user.op == "call_function" and user.target is operator.getitem):
             raise TreeCompileError("part mode: the marker's results are read other than by "
@@ -271,8 +279,9 @@ def finish(ctx: GraphContext) -> None:
         user.replace_all_uses_with(own if user.args[1] == 0 else exits)
         g.erase_node(user)
     g.erase_node(marker)
-    route_embedding(ctx)
+    embedding = route_embedding(ctx)
     route_gradients(ctx, routes)
+    return PartFindings(layout, used, embedding)
 
 
 def has_grad_hooks(p: torch.Tensor) -> bool:
@@ -294,7 +303,7 @@ def _real_parameter(ctx: GraphContext, node) -> torch.nn.Parameter | None:
         index = {n: i for i, n in enumerate(n for n in root.graph.nodes
                                             if n.op == "placeholder")}
         root._cache["placeholder_index"] = index
-    inputs = getattr(root, "example_inputs", None) or ()
+    inputs = root.real_inputs
     i = index.get(node)
     real = inputs[i] if i is not None and i < len(inputs) else None
     return real if isinstance(real, torch.nn.Parameter) and real.requires_grad else None
@@ -307,7 +316,7 @@ def _gradient_routes(ctx: GraphContext) -> list[tuple[GraphContext, fx.Node, int
     in that dtype. None under autocast, or in a graph with an autocast region (a custom op
     runs outside it)."""
     part = ctx.part
-    params = list(getattr(ctx.root, "grad_params", ()) or ())
+    params = list(ctx.grad_params)
     if not part.grads or len(params) != len(part.grads):
         return []
     scopes = list(ctx.scopes())
