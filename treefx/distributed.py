@@ -57,7 +57,8 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from . import layout, synth
+from . import layout
+from .tools import synth
 from .layout import TreeBatch
 from .tree import Tree
 

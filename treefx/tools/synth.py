@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .tree import Tree
+from ..tree import Tree
 
 __all__ = ["agent_tree", "dataset", "iter_dataset", "odd_forest", "odd_tree",
            "random_sequences"]
