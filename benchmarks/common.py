@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 
 import treefx
-from treefx.synth import odd_forest, odd_tree  # noqa: F401  (the checks' trees)
 from treefx import synth
 from treefx.models import enable_activation_checkpointing
+from treefx.tools.synth import odd_forest, odd_tree  # noqa: F401  (the checks' trees)
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -412,7 +412,7 @@ def _family_trees(model) -> list:
     attention blocks), both over token ids the model embeds, predicts and treats plainly."""
     import numpy as np
 
-    from treefx import zoo
+    from treefx.tools import zoo
 
     exclude = zoo.special_token_ids(model.config)
     allowed = np.array([t for t in range(zoo.VOCAB) if t not in exclude])
@@ -429,7 +429,7 @@ def case_families(res):
     check compares (its tolerance: 0.1 or four times the oracle's own floor)."""
     import copy
 
-    from treefx import zoo
+    from treefx.tools import zoo
 
     torch.backends.cuda.matmul.allow_tf32 = False
     only = os.environ.get("TREEFX_FAMILIES")

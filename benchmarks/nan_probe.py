@@ -15,7 +15,8 @@ import argparse
 import torch
 
 import treefx
-from treefx import verification, zoo
+from treefx import verification
+from treefx.tools import zoo
 
 
 def main(argv=None):

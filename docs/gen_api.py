@@ -30,10 +30,10 @@ MODULES = [
     "treefx.distributed",
     "treefx.reference",
     "treefx.models",
-    "treefx.synth",
+    "treefx.tools.synth",
     "treefx.parts",
-    "treefx.debug",
-    "treefx.debug.examples",
+    "treefx.tools.debug",
+    "treefx.tools.debug.examples",
 ]
 
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
@@ -233,8 +233,10 @@ def render(modules: dict) -> str:
         lines += _body(doc)
         subs = [n for n in public_names(module) if inspect.ismodule(getattr(module, n))]
         if subs:
+            # a submodule's section is under its own name (treefx.debug: treefx.tools.debug)
             lines += ["Submodules: " + ", ".join(
-                f"[`{mod_name}.{n}`](#{_anchor(f'{mod_name}.{n}')})" for n in subs) + ".", ""]
+                f"[`{mod_name}.{n}`](#{_anchor(getattr(module, n).__name__)})"
+                for n in subs) + ".", ""]
         for name, obj in documented(module):
             path = f"{mod_name}.{name}"
             lines += [f'<a id="{_anchor(path)}"></a>', ""]

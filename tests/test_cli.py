@@ -12,7 +12,7 @@ import torch
 
 import treefx
 from treefx import read_jsonl, synth, write_jsonl
-from treefx.cli import SYNTH_VOCAB, build_parser, main
+from treefx.tools.cli import SYNTH_VOCAB, build_parser, main
 
 
 def _table(out: str):
@@ -213,7 +213,7 @@ def small_file(tmp_path):
         (["stats", "{tmp}/missing.jsonl"], "{tmp}/missing.jsonl: no such file"),
         (["stats", "{tmp}"], "{tmp}: is a folder, not a file"),
         (["draw", "{tmp}/missing.jsonl", "-o", "{tmp}/t.png"], "missing.jsonl: no such file"),
-        (["check", "treefx.debug.examples:tiny_decoder", "--trees", "{tmp}/missing.jsonl"],
+        (["check", "treefx.tools.debug.examples:tiny_decoder", "--trees", "{tmp}/missing.jsonl"],
          "missing.jsonl: no such file"),
         (["demo", "--steps", "0"], "argument --steps: must be at least 1, got 0"),
         (["demo", "--steps", "two"], "argument --steps: expected an integer, got 'two'"),
@@ -237,10 +237,10 @@ def small_file(tmp_path):
         (["draw", "{small}", "-o", "{tmp}/missing/t.png"], "the folder {tmp}/missing does not"),
         (["draw", "{small}", "-o", "{tmp}/t.jpg"], "use a .png or .svg file name"),
         (["draw", "{small}", "-o", "{tmp}/t.png", "--index", "1"], "--index 1 is out of range"),
-        (["explain", "treefx.debug.examples:tiny_decoder", "--html", "{tmp}/missing/e.html"],
+        (["explain", "treefx.tools.debug.examples:tiny_decoder", "--html", "{tmp}/missing/e.html"],
          "--html {tmp}/missing/e.html: the folder {tmp}/missing does not exist"),
         (["stats", "{small}", "--max-tokens", "0"], "argument --max-tokens: must be at least 1"),
-        (["check", "treefx.debug.examples"], "expected MODULE:FACTORY"),
+        (["check", "treefx.tools.debug.examples"], "expected MODULE:FACTORY"),
         (["check", "treefx.models:tiny_decoder", "--checkpointing"],
          "--checkpointing needs a Hugging Face model (activation_checkpointing_enable)"),
         (["synth"], "the following arguments are required: -o/--output"),
@@ -271,7 +271,7 @@ def test_malformed_jsonl_names_file_and_line(tmp_path, capsys):
 def test_token_ids_outside_the_vocabulary_are_one_line(command, tmp_path, capsys):
     path = tmp_path / "big_vocab.jsonl"
     write_jsonl(path, [treefx.Tree.from_sequences([[1, 2, 3], [1, 2, 300, 5]])])
-    argv = [command, "treefx.debug.examples:tiny_decoder", "--trees", str(path)]
+    argv = [command, "treefx.tools.debug.examples:tiny_decoder", "--trees", str(path)]
     if command == "explain":
         argv += ["--html", str(tmp_path / "e.html")]
     err = _error(argv, capsys)
@@ -332,8 +332,8 @@ def test_every_option_has_help(command, capsys):
 
 
 def test_synth_vocabulary_fits_every_built_in_model():
-    from treefx import zoo
-    from treefx.debug import examples
+    from treefx.tools import zoo
+    from treefx.tools.debug import examples
     from treefx.models import tiny_decoder
     from treefx.reference import vocab_size
 
@@ -348,7 +348,7 @@ def test_synth_then_check_an_example_model(tmp_path, capsys):
     assert main(["synth", "-o", str(path), "-n", "1", "--rollouts", "1"]) == 0
     assert max(max(s) for s in next(read_jsonl(path)).sequences) >= 100  # ids span the vocab
     capsys.readouterr()
-    assert main(["check", "treefx.debug.examples:qwen3_tiny", "--trees", str(path)]) == 0
+    assert main(["check", "treefx.tools.debug.examples:qwen3_tiny", "--trees", str(path)]) == 0
     assert "treefx verify passed" in capsys.readouterr().out
 
 
@@ -508,7 +508,7 @@ def test_synth_streams_each_tree_to_the_file(tmp_path, capsys, monkeypatch):
 
 
 def test_check_and_explain_document_the_same_exit_statuses(capsys):
-    from treefx.cli import EXIT_STATUSES
+    from treefx.tools.cli import EXIT_STATUSES
 
     for command in ("check", "explain"):
         with pytest.raises(SystemExit):

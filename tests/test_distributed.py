@@ -56,7 +56,7 @@ def _model(name: str, checkpointing: bool):
 
 
 def _trees() -> list[treefx.Tree]:
-    from treefx.synth import odd_forest
+    from treefx.tools.synth import odd_forest
 
     return odd_forest(3, VOCAB) + odd_forest(5, VOCAB) + odd_forest(7, VOCAB)[:1]
 

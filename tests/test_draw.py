@@ -9,9 +9,9 @@ import pytest
 from pngs import read_png
 
 import treefx
-from treefx.cli import main
-from treefx.debug import draw
-from treefx.debug.pictures import MAX_DEPTH, MAX_LEAVES, picture_part
+from treefx.tools.cli import main
+from treefx.tools.debug import draw
+from treefx.tools.debug.pictures import MAX_DEPTH, MAX_LEAVES, picture_part
 
 # Pixels: 50 a leaf slot and 56 a layer (pictures.tree_png), the mask (512 at most, drawn 1:1)
 # beside the tree, margins and titles.

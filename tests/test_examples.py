@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import treefx.cli
+import treefx.tools.cli
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -49,7 +49,7 @@ def test_quickstart_prints_equal_losses(capsys):
 
 
 def test_demo_runs_and_matches(capsys):
-    assert treefx.cli.main(["demo", "--steps", "2"]) == 0
+    assert treefx.tools.cli.main(["demo", "--steps", "2"]) == 0
     out = capsys.readouterr().out
     worst = _number(r"largest relative gradient difference.*: NUMBER", out)
     assert worst < 1e-4

@@ -1,5 +1,5 @@
-"""treefx.debug: the explain report, its diff and HTML page, the pictures, and the
-``treefx explain`` / ``treefx draw`` commands."""
+"""treefx.tools.debug (treefx.debug): the explain report, its diff and HTML page, the pictures,
+and the ``treefx explain`` / ``treefx draw`` commands."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from support import BreaksGraph, Wrapper
 from trees import odd_forest, odd_tree
 
 import treefx
-from treefx.cli import main
-from treefx.debug import draw, explain, mask_svg, pooled_mask, tree_svg
-from treefx.debug.pictures import png_bytes
+from treefx.tools.cli import main
+from treefx.tools.debug import draw, explain, mask_svg, pooled_mask, tree_svg
+from treefx.tools.debug.pictures import png_bytes
 from treefx.models import tiny_decoder
 
 transformers = pytest.importorskip("transformers")
@@ -207,7 +207,8 @@ def test_cli_draw(trees_file, tmp_path, capsys):
 
 def test_cli_explain_default_tree(tmp_path, capsys):
     page = tmp_path / "out.html"
-    assert main(["explain", "treefx.debug.examples:qwen3_tiny", "--html", str(page), "-v"]) == 0
+    assert main(["explain", "treefx.tools.debug.examples:qwen3_tiny", "--html", str(page),
+                 "-v"]) == 0
     captured = capsys.readouterr()
     assert "Qwen3ForCausalLM" in captured.out and "status: compiled" in captured.out
     for module in ATTENTION:
@@ -219,7 +220,7 @@ def test_cli_explain_default_tree(tmp_path, capsys):
 
 def test_cli_explain_trees_file(trees_file, tmp_path, capsys):
     page = tmp_path / "llama.html"
-    assert main(["explain", "treefx.debug.examples:llama_tiny", "--trees", str(trees_file),
+    assert main(["explain", "treefx.tools.debug.examples:llama_tiny", "--trees", str(trees_file),
                  "-n", "1", "--html", str(page), "--diff"]) == 0
     out = capsys.readouterr().out
     tree = next(treefx.read_jsonl(trees_file))
@@ -230,9 +231,9 @@ def test_cli_explain_trees_file(trees_file, tmp_path, capsys):
 
 def test_cli_explain_bad_factory():
     with pytest.raises(SystemExit, match="MODULE:FACTORY"):
-        main(["explain", "treefx.debug.examples"])
+        main(["explain", "treefx.tools.debug.examples"])
     with pytest.raises(SystemExit, match="has no 'nope'"):
-        main(["explain", "treefx.debug.examples:nope"])
+        main(["explain", "treefx.tools.debug.examples:nope"])
     with pytest.raises(SystemExit, match="cannot import"):
         main(["explain", "no_such_module_xyz:f"])
 

@@ -13,7 +13,7 @@ from support import VOCAB, check_against_oracle, hf_model
 from trees import odd_forest
 
 import treefx
-from treefx.zoo import build_model
+from treefx.tools.zoo import build_model
 
 transformers = pytest.importorskip("transformers")
 

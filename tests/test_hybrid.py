@@ -150,7 +150,7 @@ def test_a_kernel_copied_into_a_new_model_is_recognised(model_type):
     """Hugging Face copies the Gated DeltaNet kernel into each new hybrid's own module; treefx
     recognises it there by name and signature (treefx.kernels.discover), without a list of
     models, and the model is exact."""
-    from treefx.zoo import build_model
+    from treefx.tools.zoo import build_model
 
     model = build_model(model_type)
     tm = treefx.compile(model, backend="eager")
@@ -167,7 +167,7 @@ def test_kimi_delta_attention_is_a_tree_recurrence(model_type):
     """Kimi Delta Attention (a decay per key channel; Kimi-Linear, Bailing-hybrid) in Gated
     DeltaNet's signature: recognised by name wherever the model defines it, each node's state
     from its parent's, exact."""
-    from treefx.zoo import build_model
+    from treefx.tools.zoo import build_model
 
     model = build_model(model_type)
     tm = treefx.compile(model, backend="eager")
@@ -488,7 +488,7 @@ def test_traced_recurrence_has_the_kernels_output_dtype(model_type):
     """Hugging Face's Mamba2 torch kernel computes in float32 and returns float32 for bfloat16
     inputs. The traced graph must carry that dtype: Inductor, told bfloat16, read the output
     wrongly (NaN log-probs on the GPU)."""
-    from treefx import zoo
+    from treefx.tools import zoo
     from treefx.ops.recurrence import TracedTreeRecurrence
     from treefx.passes.common import example
 

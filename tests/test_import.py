@@ -20,7 +20,7 @@ def _modules_after(code: str, package: str = "transformers") -> list[str]:
 def test_import_treefx_does_not_import_transformers():
     # The recurrence registry used to import transformers' modeling modules at import (~4 s);
     # it registers Hugging Face's kernels on first capture now (treefx.kernels._ensure_builtins).
-    assert _modules_after("import treefx, treefx.cli") == []
+    assert _modules_after("import treefx, treefx.tools.cli") == []
 
 
 def test_import_treefx_does_not_import_dynamo_or_inductor():
@@ -28,7 +28,7 @@ def test_import_treefx_does_not_import_dynamo_or_inductor():
     # torch._dynamo.allow_in_graph(...) is enough to load them): the command line's stats,
     # synth and draw never compile. Load them in the function that compiles.
     for package in ("torch._dynamo", "torch._inductor"):
-        assert _modules_after("import treefx, treefx.cli", package) == [], package
+        assert _modules_after("import treefx, treefx.tools.cli", package) == [], package
 
 
 def test_compiling_a_torch_model_does_not_import_transformers():
@@ -61,4 +61,4 @@ def test_hf_kernels_are_registered_once_transformers_is_loaded():
 def test_import_treefx_does_not_import_sympy():
     # sympy takes about 0.4 s to import; the passes that read symbolic sizes import it when
     # they run (a capture has loaded it through torch's symbolic shapes by then).
-    assert _modules_after("import treefx, treefx.cli", "sympy") == []
+    assert _modules_after("import treefx, treefx.tools.cli", "sympy") == []

@@ -164,7 +164,7 @@ transformers = pytest.importorskip("transformers")
     pytest.param("glm_moe_dsa", "eager", marks=pytest.mark.slow),
 ])
 def test_hf_sparse_attention_matches_oracle(name, attn):
-    from treefx.zoo import all_model_types, build_model
+    from treefx.tools.zoo import all_model_types, build_model
 
     if name not in all_model_types():
         pytest.skip(f"{name} is not in this transformers")
@@ -193,7 +193,7 @@ def test_a_layer_reusing_the_previous_selection_matches_oracle_and_checkpointing
     """GLM-MoE-DSA's "shared" indexer layers reuse the previous layer's top-k: exact; under
     activation checkpointing the indices would leave the checkpointed layer's graph, which
     treefx does not follow: a clear error."""
-    from treefx.zoo import all_model_types, build_model
+    from treefx.tools.zoo import all_model_types, build_model
 
     if "glm_moe_dsa" not in all_model_types():
         pytest.skip("glm_moe_dsa is not in this transformers")

@@ -12,7 +12,7 @@ from trees import odd_forest
 
 import treefx
 from treefx.ops.lightning import lightning_attention, lightning_attention_reference
-from treefx.zoo import build_model
+from treefx.tools.zoo import build_model
 
 transformers = pytest.importorskip("transformers")
 

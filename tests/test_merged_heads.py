@@ -12,7 +12,7 @@ from support import VOCAB, check_against_oracle
 from trees import check_forward, odd_forest
 
 import treefx
-from treefx.zoo import build_model
+from treefx.tools.zoo import build_model
 
 transformers = pytest.importorskip("transformers")
 

@@ -13,7 +13,7 @@ import pytest
 
 import treefx
 from treefx import Tree, read_jsonl, rl, write_jsonl
-from treefx.cli import main
+from treefx.tools.cli import main
 
 
 def rich_tree() -> Tree:

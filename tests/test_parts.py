@@ -16,7 +16,7 @@ from treefx.part_run import runners
 from treefx.models import enable_activation_checkpointing
 from treefx.ops.attention import TreePartFlexAttention
 from treefx.ops.context import part_embedding
-from treefx.synth import odd_forest, odd_tree
+from treefx.tools.synth import odd_forest, odd_tree
 
 transformers = pytest.importorskip("transformers")
 

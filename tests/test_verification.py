@@ -185,7 +185,7 @@ def test_floor_perturbs_the_embeddings_by_one_rounding():
 # ------------------------------------------------------------------ explain and the command line
 
 def test_explain_shows_the_verification():
-    from treefx.debug import explain
+    from treefx.tools.debug import explain
 
     report = explain(model(), odd_forest(3, VOCAB), verify=True)
     assert report.verification is not None and report.verification.passed
@@ -195,7 +195,7 @@ def test_explain_shows_the_verification():
 
 
 def test_explain_shows_a_failed_verification(without_positions_pass):
-    from treefx.debug import explain
+    from treefx.tools.debug import explain
 
     report = explain(model(), odd_forest(3, VOCAB), verify=True)
     assert report.ok and not report.verification.passed  # compiled, but wrong
@@ -204,18 +204,18 @@ def test_explain_shows_a_failed_verification(without_positions_pass):
 
 
 def test_cli_check_exit_status_says_what_it_found(capsys, without_positions_pass):
-    from treefx.cli import main
+    from treefx.tools.cli import main
 
     # a planted defect: compiles, but differs from each sequence alone -> 1
-    assert main(["check", "treefx.debug.examples:qwen3_tiny", "--backend", "eager"]) == 1
+    assert main(["check", "treefx.tools.debug.examples:qwen3_tiny", "--backend", "eager"]) == 1
     out = capsys.readouterr().out
     assert "qwen3_tiny, eager backend on cpu, float32" in out and "FAILED" in out
 
 
 def test_cli_check_passes_and_refuses(capsys):
-    from treefx.cli import main
+    from treefx.tools.cli import main
 
-    assert main(["check", "treefx.debug.examples:qwen3_tiny", "--backend", "eager",
+    assert main(["check", "treefx.tools.debug.examples:qwen3_tiny", "--backend", "eager",
                  "--dtype", "float64"]) == 0
     assert "treefx verify passed" in capsys.readouterr().out
     # attention written with einsum matches no pattern: refused with the node named -> 2

@@ -68,7 +68,7 @@ def test_windowed_sites_match_oracle(name):
     """Mistral (SDPA, window 5) and Gemma 2 (eager with a softcap, alternating windows) through
     the inductor backend's graph run eagerly, with blocks of 16 so that the window leaves
     blocks out."""
-    from treefx.zoo import build_model
+    from treefx.tools.zoo import build_model
 
     model = build_model(name).double()
     if name == "gemma2":

@@ -1,6 +1,6 @@
-"""The zoo's per-model check (treefx.zoo): its classifier on real models, on a perturbed treefx
-(it must report WRONG), on small hand-made models (refused, not a decoder), its tiny configs and
-its report."""
+"""The zoo's per-model check (treefx.tools.zoo): its classifier on real models, on a perturbed
+treefx (it must report WRONG), on small hand-made models (refused, not a decoder), its tiny
+configs and its report."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 
 
 transformers = pytest.importorskip("transformers")
-zoo = importlib.import_module("treefx.zoo")
+zoo = importlib.import_module("treefx.tools.zoo")
 compile_module = importlib.import_module("treefx.tree_model")
 
 

@@ -4,7 +4,7 @@ that is a prefix of another, duplicate sequences, single-token sequences, forest
 from __future__ import annotations
 
 import treefx
-from treefx.synth import odd_forest, odd_tree, random_sequences  # noqa: F401
+from treefx.tools.synth import odd_forest, odd_tree, random_sequences  # noqa: F401
 
 
 def check_forward(tm, trees, *, atol: float, grad: bool = False, **pack_options):

@@ -1,10 +1,10 @@
 """treefx: train LLMs on prefix trees of agent trajectories, computing every shared prefix once."""
 
+import importlib
 import logging
 
-from . import data, debug, distributed, parts, reference, rl, synth
+from . import data, distributed, parts, reference, rl
 from ._version import __version__
-from .debug import explain
 from .kernels import Recurrence, register_recurrence
 from .layout import TreeBatch, pack
 from .part_run import backward
@@ -23,6 +23,29 @@ from .verification import Tolerance, TreeVerificationError, VerificationReport, 
 
 # Quiet unless the application configures logging (logger "treefx").
 logging.getLogger("treefx").addHandler(logging.NullHandler())
+
+# The tools (treefx.tools) are no part of the core, and ``import treefx`` does not load them:
+# these names import them on first use (PEP 562).
+_LAZY = {
+    "debug": ("treefx.tools.debug", None),
+    "explain": ("treefx.tools.debug", "explain"),
+    "synth": ("treefx.tools.synth", None),
+}
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module, attr = _LAZY[name]
+    value = importlib.import_module(module)
+    if attr is not None:
+        value = getattr(value, attr)
+    globals()[name] = value  # later look-ups do not come back here
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
 
 __all__ = [
     "__version__",

@@ -57,7 +57,8 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from . import layout, synth
+from . import layout
+from .agent_trees import agent_tree
 from .layout import TreeBatch
 from .tree import Tree
 
@@ -547,13 +548,12 @@ def _scaled_tree(shape: str, tokens: int, *, seed: int, vocab_size: int) -> Tree
             k = max(1, round(n * f))
             return (k, k)
         if shape == "deep":
-            return synth.agent_tree(seed, vocab_size=vocab_size, system_len=r(100),
-                                    prompt_len=r(50), rollouts=1, turns=(4, 4),
-                                    answer_len=r(40), tool_len=r(60), think_mode=False,
-                                    branch_prob=0.0)
-        return synth.agent_tree(seed, vocab_size=vocab_size, system_len=r(30), prompt_len=r(10),
-                                rollouts=8, turns=(2, 2), think_len=r(30), answer_len=r(15),
-                                tool_len=r(20), think_mode=True, branch_prob=0.0)
+            return agent_tree(seed, vocab_size=vocab_size, system_len=r(100), prompt_len=r(50),
+                              rollouts=1, turns=(4, 4), answer_len=r(40), tool_len=r(60),
+                              think_mode=False, branch_prob=0.0)
+        return agent_tree(seed, vocab_size=vocab_size, system_len=r(30), prompt_len=r(10),
+                          rollouts=8, turns=(2, 2), think_len=r(30), answer_len=r(15),
+                          tool_len=r(20), think_mode=True, branch_prob=0.0)
 
     f = tokens / 500.0
     tree = make(f)

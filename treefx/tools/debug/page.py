@@ -1,5 +1,5 @@
-"""The HTML page of an :class:`~treefx.debug.explain.ExplainReport`: one self-contained file
-(inline CSS, inline SVG, base64 PNG; no scripts, no external resources)."""
+"""The HTML page of an :class:`~treefx.tools.debug.explain.ExplainReport`: one self-contained
+file (inline CSS, inline SVG, base64 PNG; no scripts, no external resources)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import difflib
 import html
 from typing import TYPE_CHECKING
 
-from .._version import __version__
+from ..._version import __version__
 from .display import after_label, before_label, file_line, op_label
 from .pictures import mask_svg, tree_svg
 

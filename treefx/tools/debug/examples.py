@@ -3,8 +3,8 @@
 Small model factories for ``treefx explain MODULE:FACTORY``: Hugging Face decoders built from
 small configs with random weights (no download), vocabulary 256.
 
-    treefx explain treefx.debug.examples:qwen3_tiny
-    treefx explain treefx.debug.examples:llama_tiny --html llama.html
+    treefx explain treefx.tools.debug.examples:qwen3_tiny
+    treefx explain treefx.tools.debug.examples:llama_tiny --html llama.html
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def llama_tiny() -> torch.nn.Module:
 
 def tiny_decoder() -> torch.nn.Module:
     """treefx's own pure-torch decoder (treefx.models), vocabulary 256."""
-    from ..models import tiny_decoder as make
+    from ...models import tiny_decoder as make
 
     torch.manual_seed(0)
     return make(vocab_size=VOCAB)

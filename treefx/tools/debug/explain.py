@@ -18,19 +18,19 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from ..engine import tree_info
-from ..layout import TreeBatch, pack
-from ..passes.common import (
+from ...engine import tree_info
+from ...layout import TreeBatch, pack
+from ...passes.common import (
     GraphBreakError,
     Rewrite,
     TreeCompileError,
     module_path,
 )
-from ..tree import Tree
-from ..tree_model import TreeModel, verify_default
-from ..tree_model import compile as tree_compile
-from ..tree_model import verify as verify_model
-from ..verification import VerificationReport, VerificationUnavailable
+from ...tree import Tree
+from ...tree_model import TreeModel, verify_default
+from ...tree_model import compile as tree_compile
+from ...tree_model import verify as verify_model
+from ...verification import VerificationReport, VerificationUnavailable
 from .display import (
     OUTSIDE,
     after_label,

@@ -7,10 +7,11 @@ import time
 
 import torch
 
-from . import reference, synth
-from .layout import pack
-from .models import tiny_decoder
-from .tree_model import compile, tree_loss
+from .. import reference
+from ..layout import pack
+from ..models import tiny_decoder
+from ..tree_model import compile, tree_loss
+from . import synth
 
 
 def run_demo(steps: int = 5, seed: int = 0, device: str | None = None) -> int:

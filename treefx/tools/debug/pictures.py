@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..layout import TreeBatch, pack
-from ..mask import pooled_mask
-from ..tree import Tree
+from ...layout import TreeBatch, pack
+from ...mask import pooled_mask
+from ...tree import Tree
 
 __all__ = [
     "MAX_DEPTH",

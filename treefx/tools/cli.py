@@ -17,17 +17,17 @@ import os
 import sys
 import traceback
 
+from .._progress import Progress
+from .._version import __version__
+from ..tree import Tree
 from . import synth
-from ._progress import Progress
-from ._version import __version__
 from .debug.pictures import MAX_DEPTH, MAX_LEAVES
-from .tree import Tree
 
 _BIG_FILE = 1 << 20  # show a progress bar from 1 MiB on
 
 # ``treefx synth``'s default vocabulary: the smallest of the built-in models' (hf:TYPE models
-# of the zoo: 128; treefx.debug.examples and treefx.models.tiny_decoder: 256; the demo: 512),
-# so that synthetic trees run on every one of them as they are (test_cli checks the list).
+# of the zoo: 128; treefx.tools.debug.examples and treefx.models.tiny_decoder: 256; the demo:
+# 512), so that synthetic trees run on every one of them as they are (test_cli checks the list).
 SYNTH_VOCAB = 128
 
 # Token ids are int64: ``treefx synth --vocab-size`` at most this.
@@ -141,7 +141,7 @@ def _check_vocabulary(model, trees: list[Tree], path: str) -> None:
     """Token ids of ``trees`` inside the model's vocabulary (what it declares, or the width of
     its logits: :func:`treefx.verification.probe_vocab_size`), or an error that names the
     first id outside and what to do."""
-    from .verification import VocabularyUnknown, probe_vocab_size
+    from ..verification import VocabularyUnknown, probe_vocab_size
 
     try:
         vocab = probe_vocab_size(model)
@@ -177,9 +177,9 @@ def cmd_stats(args) -> int:
     sequence alone is over the budget) and redundancy-free parts (:func:`treefx.backward`:
     every token once, ERR = POR), with the most tokens those hold activations for at once."""
     if args.max_tokens is not None:
-        from .layout import pack
-        from .partition import partition
-        from .parts import plan
+        from ..layout import pack
+        from ..partition import partition
+        from ..parts import plan
 
     # row -> [trees, sequences, unique, baseline tokens, parts, parts' tokens, rf parts,
     #         rf held tokens (max)]; parts' entries None when a tree cannot be partitioned
@@ -295,7 +295,7 @@ def _load_factory(spec: str):
 
     mod_name, sep, attr = spec.partition(":")
     if not sep or not mod_name or not attr:
-        raise CLIError(f"expected MODULE:FACTORY (e.g. treefx.debug.examples:qwen3_tiny) "
+        raise CLIError(f"expected MODULE:FACTORY (e.g. treefx.tools.debug.examples:qwen3_tiny) "
                        f"or hf:MODEL_TYPE, got {spec!r}")
     if os.getcwd() not in sys.path and "" not in sys.path:
         sys.path.insert(0, os.getcwd())  # like python -m: modules of the current directory
@@ -317,7 +317,7 @@ def _model_errors(args):
     try:
         yield
     except Exception as e:  # noqa: BLE001 - the model is the user's code
-        from .passes import TreeCompileError
+        from ..passes import TreeCompileError
 
         if isinstance(e, (TreeCompileError, OSError)):
             raise
@@ -459,7 +459,7 @@ def _check_backend(backend: str, device) -> None:
     """``--backend inductor`` runs on CUDA only (FlexAttention and Inductor's GPU kernels)."""
     import torch
 
-    from .backends import inductor_on_cpu
+    from ..backends import inductor_on_cpu
 
     if backend == "inductor" and device.type != "cuda" and not inductor_on_cpu():
         where = ("CUDA is not available here" if not torch.cuda.is_available() else
@@ -477,7 +477,7 @@ def _check_num_trees(args) -> None:
 def _probe_vocabulary(model, spec: str) -> int:
     """The token ids treefx's own trees for ``model`` use are below this, or an error that
     says to pass --trees."""
-    from .verification import VocabularyUnknown, probe_vocab_size
+    from ..verification import VocabularyUnknown, probe_vocab_size
 
     try:
         return probe_vocab_size(model)
@@ -489,7 +489,7 @@ def _probe_vocabulary(model, spec: str) -> int:
 def cmd_explain(args) -> int:
     from .debug import explain
     from .debug.examples import demo_tree
-    from .layout import pack
+    from ..layout import pack
 
     _check_num_trees(args)
     device = _device(args.device)
@@ -522,10 +522,10 @@ def cmd_explain(args) -> int:
 def cmd_check(args) -> int:
     import torch
 
-    from .passes import TreeCompileError
-    from .tree_model import compile as tree_compile
-    from .tree_model import verify
-    from .verification import VerificationUnavailable
+    from ..passes import TreeCompileError
+    from ..tree_model import compile as tree_compile
+    from ..tree_model import verify
+    from ..verification import VerificationUnavailable
 
     _check_num_trees(args)
     device = _device(args.device)
@@ -537,7 +537,7 @@ def cmd_check(args) -> int:
              "bfloat16": torch.bfloat16}[args.dtype]
     model = model.to(device=device, dtype=dtype)
     if args.checkpointing:
-        from .models import enable_activation_checkpointing
+        from ..models import enable_activation_checkpointing
 
         try:
             enable_activation_checkpointing(model)
@@ -633,7 +633,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--vocab-size", type=_int_at_least(2, MAX_VOCAB, " (token ids are int64)"),
                    default=SYNTH_VOCAB,
                    help="token ids are below this (default %(default)s: fits every built-in "
-                        "model, hf:TYPE and treefx.debug.examples; at most 2**63)")
+                        "model, hf:TYPE and treefx.tools.debug.examples; at most 2**63)")
     g.add_argument("--mask-outputs", action="store_true",
                    help="loss masks cover only what each call generated")
     g.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
@@ -648,7 +648,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "tolerance,", "tolerance (--no-verify: compiled),"))
     x.add_argument("factory", metavar="MODEL",
                    help="MODULE:FACTORY, a zero-argument callable returning the "
-                        "torch.nn.Module (e.g. treefx.debug.examples:qwen3_tiny), or "
+                        "torch.nn.Module (e.g. treefx.tools.debug.examples:qwen3_tiny), or "
                         "hf:MODEL_TYPE (a tiny Hugging Face model, random weights)")
     x.add_argument("--trees", metavar="FILE.jsonl",
                    help="trees to pack (default: a small synthetic agent tree)")
