@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .tree import SEQUENCE_KEYS, Tree, _as_token_array, _values_equal
+from .tree import SEQUENCE_KEYS, Tree, as_token_array, values_equal
 
 __all__ = ["Call", "chat_call", "from_chats", "from_ids", "group"]
 
@@ -65,8 +65,8 @@ class Call:
 
     def __post_init__(self):
         set_ = object.__setattr__
-        prompt = _as_token_array(self.prompt_ids, "prompt_ids")
-        completion = _as_token_array(self.completion_ids, "completion_ids")
+        prompt = as_token_array(self.prompt_ids, "prompt_ids")
+        completion = as_token_array(self.completion_ids, "completion_ids")
         set_(self, "prompt_ids", tuple(prompt.tolist()))
         set_(self, "completion_ids", tuple(completion.tolist()))
         if self.logprobs is not None:
@@ -415,7 +415,7 @@ def group(rollouts: Sequence[Tree], *, rewards=None, task=None) -> Tree:
         for k, v in t.metadata.items():
             if k in SEQUENCE_KEYS or k == "task":
                 continue
-            if k in meta and not _values_equal(meta[k], v):
+            if k in meta and not values_equal(meta[k], v):
                 raise ValueError(f"the rollouts' metadata {k!r} differs; group keeps only "
                                  "values that all rollouts share")
             meta[k] = v

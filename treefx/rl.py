@@ -147,7 +147,9 @@ def path_incidence(batch: TreeBatch) -> PathIncidence:
 
 def restricted_incidence(batch: TreeBatch, inc: PathIncidence,
                          mask: torch.Tensor) -> TreeBatch:
-    """``batch`` whose path incidence is ``inc`` with its coefficients zero outside ``mask``
+    """Give a batch the path incidence of another, restricted to the tokens of one part.
+
+    ``batch``'s path incidence becomes ``inc`` with its coefficients zero outside ``mask``
     [N] (the tokens one part of a tree predicts, :func:`treefx.backward`): what
     :func:`path_incidence` returns for that batch from then on. ``batch`` must be a new batch
     (one made by ``dataclasses.replace``), not yet given an incidence."""

@@ -45,7 +45,7 @@ STRUCTURE_KEYS = ("sequences", "weights", "loss_masks")
 SEQUENCE_KEYS = ("rollouts", "rewards", "advantages", "logprobs")
 
 
-def _as_token_array(seq, what: str) -> np.ndarray:
+def as_token_array(seq, what: str) -> np.ndarray:
     """Validate one token list: non-empty, integers, non-negative. ``what`` names it in errors."""
     if isinstance(seq, (str, bytes, dict, set)):
         raise TypeError(f"{what} must be a list of integer token ids, got {type(seq).__name__}")
@@ -219,7 +219,7 @@ class Tree:
         """
         if isinstance(sequences, (str, bytes)) or not isinstance(sequences, Iterable):
             raise TypeError("sequences must be a list of token id lists")
-        seqs = [_as_token_array(s, f"sequence {i}") for i, s in enumerate(sequences)]
+        seqs = [as_token_array(s, f"sequence {i}") for i, s in enumerate(sequences)]
         if not seqs:
             raise ValueError("sequences is empty; a tree needs at least one sequence")
         w = _as_weights(weights, len(seqs))
@@ -251,7 +251,7 @@ class Tree:
         leaf, in node order). ``weights``, ``loss_masks`` and ``metadata`` are per sequence, as
         in :meth:`from_sequences`. Every node must lie on at least one sequence.
         """
-        segs = [_as_token_array(s, f"segment {i}") for i, s in enumerate(segments)]
+        segs = [as_token_array(s, f"segment {i}") for i, s in enumerate(segments)]
         if not segs:
             raise ValueError("segments is empty; a tree needs at least one node")
         par = list(parents)
@@ -469,7 +469,7 @@ class Tree:
                 self.loss_masks is None
                 or all(np.array_equal(a, b) for a, b in zip(self.loss_masks, other.loss_masks))
             )
-            and _values_equal(self.metadata, other.metadata)
+            and values_equal(self.metadata, other.metadata)
         )
 
     __hash__ = None
@@ -646,7 +646,7 @@ def _thaw(value, *, json: bool):
     return value
 
 
-def _values_equal(a, b) -> bool:
+def values_equal(a, b) -> bool:
     """Metadata equality: arrays elementwise (NaN equal to NaN), containers recursively."""
     if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
         if not (isinstance(a, np.ndarray) and isinstance(b, np.ndarray)) or a.shape != b.shape:
@@ -654,9 +654,9 @@ def _values_equal(a, b) -> bool:
         kind = "fc"
         return bool(np.array_equal(a, b, equal_nan=a.dtype.kind in kind and b.dtype.kind in kind))
     if isinstance(a, Mapping) and isinstance(b, Mapping):
-        return a.keys() == b.keys() and all(_values_equal(a[k], b[k]) for k in a)
+        return a.keys() == b.keys() and all(values_equal(a[k], b[k]) for k in a)
     if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
-        return len(a) == len(b) and all(_values_equal(x, y) for x, y in zip(a, b))
+        return len(a) == len(b) and all(values_equal(x, y) for x, y in zip(a, b))
     return a == b
 
 
