@@ -14,7 +14,7 @@ import treefx
 from treefx import parts
 from treefx.models import enable_activation_checkpointing
 from treefx.ops.attention import TreePartFlexAttention
-from treefx.ops.context import part_embedding
+from treefx.ops.embedding import part_embedding
 from treefx.synth import odd_forest, odd_tree
 
 transformers = pytest.importorskip("transformers")

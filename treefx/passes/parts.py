@@ -19,9 +19,10 @@ import operator
 import torch
 import torch.fx as fx
 
-from ..ops.context import columns_to_heads, heads_to_columns, part_embedding
+from ..ops.embedding import part_embedding
 from ..ops.grad_into import linear_grad_into
 from ..ops.logprobs import fused_linear_tree_logprobs
+from ..ops.part_context import columns_to_heads, heads_to_columns
 from .common import GraphContext, TreeCompileError, arg, describe, example, is_call, set_example
 
 __all__ = ["PartLayoutMismatch", "PartSites", "finish", "has_grad_hooks", "part_outputs"]
