@@ -11,8 +11,8 @@ __all__ = ["tree_causal_conv1d_context"]
 def tree_causal_conv1d_context(x_context: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                                bias: torch.Tensor | None,
                                parent_ext: torch.Tensor) -> torch.Tensor:
-    """:func:`.reference.tree_causal_conv1d` for a part of a tree (:mod:`treefx.parts`): ``x`` [B, C, n]
-    the part's inputs, ``x_context`` [B, C, A] those of the context row before it (computed
+    """:func:`.reference.tree_causal_conv1d` for a part of a tree (:mod:`treefx.parts`):
+    ``x`` [B, C, n] the part's inputs, ``x_context`` [B, C, A] those of the context row before it (computed
     by earlier parts), ``parent_ext`` [A + n] the predecessors in the extended row
     ``[context; part]``. Returns the part's [B, C, n] outputs only."""
     w = weight.reshape(weight.shape[0], weight.shape[-1])  # [C, K]

@@ -2,13 +2,13 @@
 [N, vocab] logits never materialized (the plain-torch forms are :mod:`.reference`).
 
 ``lp_t = z_t[y_t] − lse(z_t)`` with ``z_t = h[p_t] W^T + b``, ``p_t = parent_token[t]``
-(0 where t has no predecessor): what :func:`treefx.ops.cross_entropy.tree_token_logprobs` reads from materialized
-logits (the reference), computed here in chunks of tokens, each chunk's [C, V] logits dropped
-once its log-sum-exp and its labels' logits are read.
+(0 where t has no predecessor): what :func:`treefx.ops.cross_entropy.tree_token_logprobs`
+reads from materialized logits (the reference), computed here in chunks of tokens, each
+chunk's [C, V] logits dropped once its log-sum-exp and its labels' logits are read.
 
-Unlike the fused loss (:mod:`treefx.ops.cross_entropy.fast`), whose upstream gradient is one scalar, the
-gradient of per-token log-probabilities is a vector known only in the backward (an RL
-objective's, per token). So the forward keeps each token's log-sum-exp ([N] floats) and the
+Unlike the fused loss (:mod:`treefx.ops.cross_entropy.fast`), whose upstream gradient is one
+scalar, the gradient of per-token log-probabilities is a vector known only in the backward (an
+RL objective's, per token). So the forward keeps each token's log-sum-exp ([N] floats) and the
 backward recomputes the logits once, in slices of the vocabulary (``_TOKEN_BLOCK``):
 ``d lp_t / d z_t = onehot(y_t) − softmax(z_t)``.
 Tokens whose upstream gradient is 0 (prompts, tool results: everything an objective does not
@@ -18,7 +18,8 @@ when they are wanted (a LoRA model's frozen output projection).
 ``torch.library`` custom ops with a registered backward: opaque to Inductor (which would
 otherwise need the whole [N, V] tensor), traceable by AOTAutograd, any N. Peak memory: one
 chunk's [C, V] (forward) or slice's [T, Vs] (backward) logits in float32 (float64 for float64
-inputs), C·V and T·Vs at most ``CHUNK_ELEMENTS`` of :mod:`treefx.ops.cross_entropy.fast`, on top of the hidden states.
+inputs), C·V and T·Vs at most ``CHUNK_ELEMENTS`` (:mod:`treefx.ops.cross_entropy.fast`), on top
+of the hidden states.
 """
 
 from __future__ import annotations
@@ -100,7 +101,8 @@ _SLICE_GRAD_COMPILED = None
 
 def _slice_grad_fn(cuda: bool):
     """On the GPU the slice's pointwise math as one fused kernel (compiled once, dynamic in
-    both lengths), like the fused loss's (:mod:`treefx.ops.cross_entropy.fast`); eager on the CPU."""
+    both lengths), like the fused loss's (:mod:`treefx.ops.cross_entropy.fast`); eager on the
+    CPU."""
     global _SLICE_GRAD_COMPILED
     if not cuda:
         return _slice_grad

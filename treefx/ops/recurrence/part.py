@@ -22,8 +22,9 @@ def tree_recurrence_part(rec: Recurrence, parent_local: torch.Tensor, state_entr
     the predecessors inside the part (-1 where it is in an earlier part, or none); a node
     whose first token's predecessor is in an earlier part starts from row
     ``state_entry[first token]`` of ``context_states`` [E, *state] (the state after that
-    predecessor), a true root from zeros. Returns (what :func:`.reference.tree_recurrence` returns, the
-    states after the tokens ``state_exit`` [X], each the last token of a node: [X, *state])."""
+    predecessor), a true root from zeros. Returns (what :func:`.reference.tree_recurrence`
+    returns, the states after the tokens ``state_exit`` [X], each the last token of a node:
+    [X, *state])."""
     entry = state_entry.tolist()
     exit_rows = state_exit.tolist()
 
@@ -43,7 +44,6 @@ def tree_recurrence_part(rec: Recurrence, parent_local: torch.Tensor, state_entr
         exits.append(final[end_of[t]])
     out = row if rec.bare_output_without_state else (row, None)
     return out, torch.stack(exits)
-
 
 
 def _run_part_site(key, parent_local, state_entry, state_exit, context_states, tensors):
