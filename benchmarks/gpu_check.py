@@ -602,7 +602,7 @@ def main(argv=None):
     COMPILE_KW["interleave_heads"] = {"auto": None, "on": True, "off": False}[
         args.interleave_heads]
     if args.tma:
-        attention_ops._STANDARD_KERNEL["USE_TMA"] = True
+        attention_ops.STANDARD_KERNEL["USE_TMA"] = True
     res = {**common.run_meta(cuda), "tma": args.tma, "interleave_heads": args.interleave_heads}
     for name in args.cases.split(","):
         t0 = time.perf_counter()

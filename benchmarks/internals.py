@@ -12,10 +12,13 @@ from treefx.mask import (  # noqa: F401
     tree_block_tensors,
     tree_mask_mod,
 )
-from treefx.ops import attention as attention_ops  # noqa: F401  (kernel options: --tma)
-from treefx.ops.attention import TreeFlexAttention, interleaved_block_mask  # noqa: F401
-from treefx.ops.attention import _heads_to_row as heads_to_row  # noqa: F401
-from treefx.ops.attention import _row_to_heads as row_to_heads  # noqa: F401
+from treefx.ops.attention import flex as attention_ops  # noqa: F401  (kernel options: --tma)
+from treefx.ops.attention import (  # noqa: F401
+    TreeFlexAttention,
+    heads_to_row,
+    interleaved_block_mask,
+    row_to_heads,
+)
 
 
 def recurrence_registry() -> dict:

@@ -1,4 +1,4 @@
-"""The fused per-token log-probability op (``treefx.ops.logprobs``) at an 8B model's output
+"""The fused per-token log-probability op (``treefx.ops.logprobs.fast``) at an 8B model's output
 shape: its backward over vocabulary slices (each slice of the weight's gradient one matrix
 product, written once) against the token-chunked backward it replaced (every chunk of ~900
 tokens added a [vocab, hidden] float32 product into the weight's gradient).
@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks import common
-from treefx.ops import cross_entropy as ce
-from treefx.ops import logprobs as lp_ops
+from treefx.ops.cross_entropy import fast as ce
+from treefx.ops.logprobs import fast as lp_ops
 
 
 def _token_chunked_backward(grad, h, weight, ids, parent, lse):
@@ -33,7 +33,7 @@ def _token_chunked_backward(grad, h, weight, ids, parent, lse):
     dh = torch.zeros(h.shape, dtype=acc, device=h.device)
     dw = torch.zeros(weight.shape, dtype=acc, device=h.device)
     tokens = torch.nonzero(g).reshape(-1)
-    step = max(1, ce._CHUNK_ELEMENTS // weight.shape[0])
+    step = max(1, ce.CHUNK_ELEMENTS // weight.shape[0])
     for s in range(0, tokens.shape[0], step):
         t = tokens[s:s + step]
         rows = parent[t]

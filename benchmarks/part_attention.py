@@ -69,7 +69,7 @@ def _whole(q, k, v, se, pos, kernel_options):
     bm = BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=128,
                                   mask_mod=mask_mod, seq_lengths=(n, n))
     return flex_attention(q, k, v, block_mask=bm, enable_gqa=True,
-                          kernel_options={**attention_ops._STANDARD_KERNEL, **kernel_options})
+                          kernel_options={**attention_ops.STANDARD_KERNEL, **kernel_options})
 
 
 def _part(q, k, v, kc, vc, se_ext, kernel_options):
@@ -91,7 +91,7 @@ def _part(q, k, v, kc, vc, se_ext, kernel_options):
                                   full_num[:, :, first:], full_idx[:, :, first:],
                                   BLOCK_SIZE=128, mask_mod=mask_mod, seq_lengths=(n, a + n))
     return flex_attention(q, keys, values, block_mask=bm, enable_gqa=True,
-                          kernel_options={**attention_ops._STANDARD_KERNEL, **kernel_options})
+                          kernel_options={**attention_ops.STANDARD_KERNEL, **kernel_options})
 
 
 def main(argv=None):

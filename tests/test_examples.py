@@ -94,7 +94,7 @@ def _check_sft_rows(rows, steps: int, check_steps: int):
 @pytest.mark.parametrize("model", ["tiny", "qwen3"])
 def test_sft_small_prints_equal_losses(model, capsys):
     """``--small`` trees; ``--model qwen3`` is a Hugging Face model called without
-    attention_mask (exact on transformers 5.24 since treefx.hf_packing's fix)."""
+    attention_mask (exact on transformers 5.24 since treefx.families.hf_packing's fix)."""
     rows = _sft(["--model", model, "--small", "--steps", "2", "--check-steps", "2"], capsys)
     _check_sft_rows(rows, steps=2, check_steps=2)
 

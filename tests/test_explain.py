@@ -77,7 +77,7 @@ def test_diff_shows_the_removed_and_the_added_call(hf_report):
     else:
         assert sum(".softmax(" in ln for ln in removed) == 2
         assert sum("matmul(" in ln for ln in removed) == 4
-    assert sum("treefx.ops.attention.tree_attention_dense(" in ln for ln in added) == 2
+    assert sum("treefx.ops.attention.reference.tree_attention_dense(" in ln for ln in added) == 2
     assert any("dense_tree_mask(" in ln for ln in added)
     # Nodes named by module path: parameters and a header per module.
     before, after = report.code_pair(0)

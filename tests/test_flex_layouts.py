@@ -16,10 +16,10 @@ import treefx
 from treefx.mask import dense_tree_mask, tree_block_tensors
 from treefx.ops.attention import (
     TreeFlexAttention,
-    _heads_to_row,
-    _row_to_heads,
+    heads_to_row,
     interleave_block_tensors,
     interleaved_block_mask,
+    row_to_heads,
 )
 from treefx.passes.attention import _repeated_heads_source
 
@@ -92,11 +92,11 @@ def test_interleaved_block_mask_is_the_tree_mask_per_head(kv_heads, group, bs):
 def test_row_permutation_round_trip():
     x = torch.randn(1, 6, 37, 4)
     for kv_heads in (1, 2, 3, 6):
-        row = _heads_to_row(x, kv_heads, nb=3, block=16)
+        row = heads_to_row(x, kv_heads, nb=3, block=16)
         assert row.shape == (1, 6 // kv_heads, 3 * kv_heads * 16, 4)
-        assert torch.equal(_row_to_heads(row, kv_heads, 3, 16, 37), x)
+        assert torch.equal(row_to_heads(row, kv_heads, 3, 16, 37), x)
     # Block b of KV head g sits at row block b * kv_heads + g.
-    row = _heads_to_row(x, 3, nb=3, block=16)
+    row = heads_to_row(x, 3, nb=3, block=16)
     torch.testing.assert_close(row[0, 1, (2 * 3 + 1) * 16:(2 * 3 + 1) * 16 + 5],
                                x[0, 1 * 2 + 1, 32:37])
 

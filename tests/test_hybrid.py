@@ -67,7 +67,7 @@ def test_tree_nodes_splits_at_branches():
 def test_tree_nodes_reuses_an_unchanged_row_only(monkeypatch):
     """One host copy per row: the same unchanged row (or a view of it) is not copied again;
     a changed row, another row with other values, or one at another place is."""
-    import treefx.ops.recurrence as rmod
+    import treefx.ops.recurrence.reference as rmod
 
     copies = []
     compute = rmod._tree_nodes
@@ -263,7 +263,7 @@ def test_mamba2_with_a_step_floor_is_exact():
     padding's step of 0 becomes a real step and would decay the state handed to children.
     treefx measures that the padding is not neutral and runs each depth's nodes in groups of
     equal length instead (Gated DeltaNet's padding stays neutral, and padded)."""
-    from treefx.ops.recurrence import _NEUTRAL
+    from treefx.ops.recurrence.reference import _NEUTRAL
 
     cfg = transformers.AutoConfig.for_model(
         "nemotron_h", vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,

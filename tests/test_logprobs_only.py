@@ -11,8 +11,8 @@ from torch.profiler import ProfilerActivity, profile
 from trees import odd_forest
 
 import treefx
-from treefx.ops import cross_entropy as ce
-from treefx.ops import logprobs as lp_ops
+from treefx.ops.cross_entropy import fast as ce
+from treefx.ops.logprobs import fast as lp_ops
 from treefx.ops.logprobs import fused_linear_tree_logprobs, linear_tree_logprobs_reference
 
 transformers = pytest.importorskip("transformers")
@@ -41,7 +41,7 @@ def test_fused_logprobs_match_reference(monkeypatch, dtype, bias, n, block, all_
     once) or in blocks of 8 (summed in float32 over blocks); over the trained rows (found with
     nonzero) or every row (``all_rows``, as parts take it: the untrained add zero)."""
     vocab, dim = 53, 12
-    monkeypatch.setattr(ce, "_CHUNK_ELEMENTS", 10 * vocab)  # chunks of 10 tokens
+    monkeypatch.setattr(ce, "CHUNK_ELEMENTS", 10 * vocab)  # chunks of 10 tokens
     if block is not None:
         monkeypatch.setattr(lp_ops, "_TOKEN_BLOCK", block)
     h, w, b, ids, parent = _inputs(n, dim, vocab, dtype, bias)
@@ -68,7 +68,7 @@ def test_fused_logprobs_match_reference(monkeypatch, dtype, bias, n, block, all_
 def test_fused_logprobs_add_the_weight_gradient_into_a_buffer(monkeypatch, block):
     """``grad_into`` (a part's ``.grad`` of the output projection): the weight's gradient is
     added into it, in one or several token blocks, and autograd gets none for the weight."""
-    monkeypatch.setattr(ce, "_CHUNK_ELEMENTS", 10 * 53)
+    monkeypatch.setattr(ce, "CHUNK_ELEMENTS", 10 * 53)
     if block is not None:
         monkeypatch.setattr(lp_ops, "_TOKEN_BLOCK", block)
     h, w, b, ids, parent = _inputs(37, 12, 53, torch.float64, True)
@@ -195,7 +195,7 @@ def test_logits_are_never_materialized(monkeypatch):
     batch = treefx.pack(trees)
     n = batch.num_tokens
     logits_bytes = n * vocab * 4
-    monkeypatch.setattr(ce, "_CHUNK_ELEMENTS", (n // 4) * vocab)
+    monkeypatch.setattr(ce, "CHUNK_ELEMENTS", (n // 4) * vocab)
     lp_only = treefx.compile(model, backend="eager", logits=False, verify=False)
     full = treefx.compile(model, backend="eager", verify=False)
     upstream = torch.randn(n)

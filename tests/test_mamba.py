@@ -13,7 +13,8 @@ from trees import odd_forest, odd_tree
 
 import treefx
 from treefx.kernels import Recurrence, recurrence, register_recurrence
-from treefx.ops.recurrence import _NEUTRAL, padding_is_neutral, tree_recurrence
+from treefx.ops.recurrence import padding_is_neutral, tree_recurrence
+from treefx.ops.recurrence.reference import _NEUTRAL
 from treefx.ops.selective_scan import selective_scan
 
 transformers = pytest.importorskip("transformers")

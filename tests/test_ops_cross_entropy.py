@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import treefx.ops.cross_entropy as ce
+from treefx.ops.cross_entropy import fast as ce_fast
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
@@ -12,7 +13,7 @@ import treefx.ops.cross_entropy as ce
 @pytest.mark.parametrize("n", [1, 37, 64])
 def test_fused_matches_reference(monkeypatch, dtype, bias, n):
     vocab, dim = 50, 16
-    monkeypatch.setattr(ce, "_CHUNK_ELEMENTS", 10 * vocab)  # chunks of 10 tokens
+    monkeypatch.setattr(ce_fast, "CHUNK_ELEMENTS", 10 * vocab)  # chunks of 10 tokens
     g = torch.Generator().manual_seed(n)
     h = torch.randn(1, n, dim, dtype=dtype, generator=g, requires_grad=True)
     w = torch.randn(vocab, dim, dtype=dtype, generator=g, requires_grad=True)

@@ -15,7 +15,7 @@ from treefx import parts
 from treefx.part_run import runners
 from treefx.models import enable_activation_checkpointing
 from treefx.ops.attention import TreePartFlexAttention
-from treefx.ops.context import part_embedding
+from treefx.ops.embedding import part_embedding
 from treefx.tools.synth import odd_forest, odd_tree
 
 transformers = pytest.importorskip("transformers")

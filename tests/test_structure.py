@@ -114,11 +114,13 @@ LAYERS = [
     # data, and the plan a capture is compiled for (treefx.plan: data only)
     {"treefx._version", "treefx._progress", "treefx.tree", "treefx.mask", "treefx.plan"},
     {"treefx.layout", "treefx.reference", "treefx.agent_trees", "treefx.partition", "treefx.data",
-     "treefx.parts", "treefx.attn_impl"},
-    # the ops, and what a capture patches in (recurrent kernels, HF's packed-sequence
-    # inference; HF's attention switch is the oracle's too: layer 1)
-    {"treefx.ops", "treefx.ops.*", "treefx.kernels", "treefx.hf_packing"},
+     "treefx.parts"},
+    # the ops (one folder per op), and the recurrent kernels a capture patches in
+    {"treefx.ops", "treefx.ops.*", "treefx.kernels"},
     {"treefx.passes", "treefx.passes.*"},
+    # one file per model family's knowledge: a family imports the compiler (and registers
+    # into it, or into the oracle: hf_flex), never the reverse
+    {"treefx.families", "treefx.families.*"},
     {"treefx.backends", "treefx.verification"},
     {"treefx.engine", "treefx.regional"},
     {"treefx.tree_model", "treefx.step", "treefx.rl", "treefx.part_run", "treefx.distributed"},

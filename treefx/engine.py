@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import sys
 import types
 import weakref
 from dataclasses import replace
@@ -23,8 +22,9 @@ import torch
 import torch.fx as fx
 
 from . import backends, regional
-from .attn_impl import eager_attention
-from .hf_packing import one_sequence_per_path
+from .families.hf_flex import eager_attention
+from .families.hf_hooks import install_output_hooks
+from .families.hf_packing import one_sequence_per_path
 from .kernels import UnsupportedLayerError, capture_patches, discover
 from .layout import TreeBatch
 from .ops.attention import check_interleave_heads, check_kernel_options
@@ -324,38 +324,12 @@ def _mark_dynamic(args, dynamic) -> None:
 def prepare_model(model: torch.nn.Module) -> None:
     """What a model needs before its first capture, done once per model (not per step): its
     recurrent kernels recognised (:func:`treefx.kernels.discover`) and Hugging Face's
-    output-capturing hooks installed (:func:`_install_output_hooks`)."""
+    output-capturing hooks installed (:func:`install_output_hooks`)."""
     try:
         discover(model)
     except UnsupportedLayerError as e:
         raise TreeCompileError(str(e)) from None
-    _install_output_hooks(model)
-
-
-def _install_output_hooks(model: torch.nn.Module) -> None:
-    """Hugging Face installs its output-capturing hooks (router logits, hidden states, ...)
-    lazily, on the first forward that asks for such an output, under a threading lock that
-    Dynamo cannot trace. Install them before the capture, for the modules whose config asks
-    for a captured output, as that forward would."""
-    capturing = sys.modules.get("transformers.utils.output_capturing")
-    registry = getattr(capturing, "_CAN_RECORD_REGISTRY", None)
-    install = getattr(capturing, "maybe_install_capturing_hooks", None)
-    if registry is None or install is None:
-        return
-    for module in model.modules():
-        flags = None
-        # keyed by the module (transformers >= 5.2x) or by str(its class) (5.17)
-        for key in (module, str(type(module))):
-            try:
-                flags = registry.get(key)
-            except TypeError:
-                flags = None
-            if flags:
-                break
-        config = getattr(module, "config", None)
-        if flags and config is not None and any(getattr(config, f"output_{k}", False)
-                                                for k in flags):
-            install(module)
+    install_output_hooks(model)
 
 
 def unwrap_compiled(model):

@@ -6,11 +6,11 @@ sharing, one forward per sequence.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable
 
 import torch
 
-from .attn_impl import oracle_attention
 from .layout import check_num_sequences
 from .tree import Tree
 
@@ -44,6 +44,30 @@ def _trees(tree) -> list[Tree]:
     return trees
 
 
+# How the oracle runs a model's attention: context managers ``switch(model)`` that model
+# families register (:func:`register_oracle_attention`); the oracle imports no family.
+_ORACLE_ATTENTION: list = []
+
+
+def register_oracle_attention(switch) -> None:
+    """Have the oracle run every model within ``switch(model)``, a context manager: a model
+    family's switch to an attention that runs each sequence alone on this device (a Hugging
+    Face flex-attention model on the CPU runs its eager attention:
+    :mod:`treefx.families.hf_flex`, which registers it when imported)."""
+    if switch not in _ORACLE_ATTENTION:
+        _ORACLE_ATTENTION.append(switch)
+
+
+@contextlib.contextmanager
+def oracle_attention(model: torch.nn.Module):
+    """How the oracle runs ``model``: within every switch model families registered
+    (:func:`register_oracle_attention`); as it is where none applies."""
+    with contextlib.ExitStack() as stack:
+        for switch in _ORACLE_ATTENTION:
+            stack.enter_context(switch(model))
+        yield
+
+
 def _device(model: torch.nn.Module) -> torch.device:
     p = next(model.parameters(), None)
     return p.device if p is not None else torch.device("cpu")
@@ -55,7 +79,7 @@ def sequence_logprobs(model: torch.nn.Module, tree) -> list[torch.Tensor]:
     Per sequence (over all trees given, in order): log p(token j | tokens < j) for j >= 1,
     a tensor of length ``len(sequence) - 1`` in float32 (float64 for a float64 model), from the
     model run on that sequence alone (a flex-attention model on the CPU through its eager
-    attention: :func:`treefx.attn_impl.oracle_attention`). Differentiable."""
+    attention: :mod:`treefx.families.hf_flex`). Differentiable."""
     dev = _device(model)
     out = []
     with oracle_attention(model):

@@ -130,7 +130,7 @@ def step(fn=None, *, backend: str = "auto", block_size: int = 128,
     it was packed with). ``batch["attention_mask"]`` (all ones) may be passed to a Hugging
     Face model or left out, as in a per-sequence step (Hugging Face's packed-sequence inference
     from the positions finds one sequence per path, as each sequence alone does:
-    :mod:`treefx.hf_packing`). ``model`` may be a PEFT
+    :mod:`treefx.families.hf_packing`). ``model`` may be a PEFT
     model (LoRA, ...); one wrapped in ``torch.compile`` reaches ``fn`` as its original module
     (``model._orig_mod``), which the step's own capture compiles. ``backend`` and
     ``kernel_options``, ``interleave_heads`` and ``regional`` as for :func:`treefx.compile`

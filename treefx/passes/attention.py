@@ -28,11 +28,12 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from ..mask import dense_tree_mask, tree_block_tensors
-from ..ops.context import TreePartAttention, ones_for_positions
 from ..ops.attention import (
     TreeFlexAttention,
+    TreePartAttention,
     TreePartFlexAttention,
     TreeScoredAttention,
+    ones_for_positions,
     sink_rescale,
     tree_attention_dense,
 )

@@ -21,9 +21,10 @@ import operator
 import torch
 import torch.fx as fx
 
-from ..ops.context import columns_to_heads, heads_to_columns, part_embedding
+from ..ops.embedding import part_embedding
 from ..ops.grad_into import linear_grad_into
 from ..ops.logprobs import fused_linear_tree_logprobs
+from ..ops.part_context import columns_to_heads, heads_to_columns
 from ..plan import PartFindings, PartLayout
 from .common import GraphContext, TreeCompileError, arg, describe, example, is_call, set_example
 
@@ -211,7 +212,7 @@ _EMBEDDINGS = (torch.nn.functional.embedding, torch.embedding)
 def route_embedding(ctx: GraphContext) -> None:
     """The lookup of the part's ids in the model's input embedding (one ``F.embedding`` of
     ``input_ids`` by a parameter that trains, in the root graph, without ``max_norm``,
-    ``scale_grad_by_freq`` or ``sparse``) becomes :func:`~treefx.ops.context.part_embedding`:
+    ``scale_grad_by_freq`` or ``sparse``) becomes :func:`~treefx.ops.embedding.part_embedding`:
     its gradient goes to the part's ``emb_sink`` rows, which the driver adds into the
     parameter's ``.grad`` at the part's ids, instead of a dense [vocab, D] gradient per part
     (and an ``AccumulateGrad`` pass over it). Returns (the parameter, padding_idx or -1), or

@@ -45,9 +45,8 @@ import torch
 import torch.fx as fx
 
 from ..mask import dense_tree_mask
-from ..ops.attention import (TreeFlexAttention, TreePartFlexAttention, TreeScoredAttention,
-                             tree_attention_dense)
-from ..ops.context import TreePartAttention
+from ..ops.attention import (TreeFlexAttention, TreePartAttention, TreePartFlexAttention,
+                             TreeScoredAttention, tree_attention_dense)
 from .common import (KEY_SELECTION, GraphContext, arg, describe, example, is_call, same_size,
                      set_example)
 from .mask_lift import mask_applications

@@ -10,7 +10,9 @@ in groups of equal length, unpadded.
 
 This is the plain-torch reference (any device, differentiable through the kernel's own torch
 code). Node boundaries come from ``parent_token``: a node starts wherever a token's
-predecessor is not the token just before it.
+predecessor is not the token just before it. Under AOTAutograd / Inductor it runs inside one
+opaque custom op (:mod:`.traced`); a part of a tree starts from its context's states
+(:mod:`.part`).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-__all__ = ["tree_nodes", "tree_recurrence", "tree_recurrence_part", "padding_is_neutral"]
+__all__ = ["Recurrence", "tree_nodes", "tree_recurrence", "padding_is_neutral"]
 
 
 @dataclass
@@ -107,10 +109,13 @@ def _row_key(t: torch.Tensor):
         return None
 
 
-def tree_nodes(parent_token: torch.Tensor):
+def tree_nodes(parent_token: torch.Tensor, ends=None):
     """(starts, lengths, parent node, depth in nodes) of the tree's nodes, DFS order, as
     tuples (the structure is data: this runs eagerly, one host copy of the row, reused while
-    the same unchanged row comes back)."""
+    the same unchanged row comes back). ``ends``: tokens that must end a node (a part's exit
+    tokens, whose state is handed on; :mod:`.part`); computed afresh then, not reused."""
+    if ends is not None:
+        return _tree_nodes(parent_token, ends)
     key = _row_key(parent_token)
     entry = _LastRow.entry
     if key is not None and entry is not None and entry[0] == key:
@@ -156,41 +161,11 @@ def tree_recurrence(rec: Recurrence, parent_token: torch.Tensor, args: tuple, kw
     on the DFS row without a final state, ``(output, None)`` or ``output`` (a tree has a final
     state per leaf, none for "the row"). Seq args the model passes as None (an absent gate)
     stay None."""
-    row, _, _ = _run_tree(rec, parent_token, args, kwargs)
+    row, _, _ = run_tree(rec, parent_token, args, kwargs)
     return row if rec.bare_output_without_state else (row, None)
 
 
-def tree_recurrence_part(rec: Recurrence, parent_local: torch.Tensor, state_entry: torch.Tensor,
-                         state_exit: torch.Tensor, context_states: torch.Tensor, args: tuple,
-                         kwargs: dict):
-    """The recurrence over one part of a tree (:mod:`treefx.parts`): ``parent_local`` [n]
-    the predecessors inside the part (-1 where it is in an earlier part, or none); a node
-    whose first token's predecessor is in an earlier part starts from row
-    ``state_entry[first token]`` of ``context_states`` [E, *state] (the state after that
-    predecessor), a true root from zeros. Returns (what :func:`tree_recurrence` returns, the
-    states after the tokens ``state_exit`` [X], each the last token of a node: [X, *state])."""
-    entry = state_entry.tolist()
-    exit_rows = state_exit.tolist()
-
-    def root_state(start):
-        e = entry[start]
-        return context_states[e] if e >= 0 else None
-
-    nodes = _tree_nodes(parent_local, ends=exit_rows)
-    row, final, nodes = _run_tree(rec, parent_local, args, kwargs, root_state, nodes)
-    starts, lengths = nodes[0], nodes[1]
-    end_of = {s + ln - 1: i for i, (s, ln) in enumerate(zip(starts, lengths))}
-    exits = []
-    for t in exit_rows:
-        if t not in end_of:
-            raise RuntimeError(f"{rec.name}: token {t} of the part is not the last of a node; "
-                               "its state cannot be handed to a later part")
-        exits.append(final[end_of[t]])
-    out = row if rec.bare_output_without_state else (row, None)
-    return out, torch.stack(exits)
-
-
-def _run_tree(rec: Recurrence, parent_token: torch.Tensor, args: tuple, kwargs: dict,
+def run_tree(rec: Recurrence, parent_token: torch.Tensor, args: tuple, kwargs: dict,
               root_state=None, nodes=None):
     """(output row, final state per node, (starts, lengths, parents, depth)); a root node's
     initial state is ``root_state(its first token)`` (None: zeros)."""
@@ -322,212 +297,3 @@ def _level_varlen(rec, seq, static, init, nodes, starts, lengths):
                       device=next(iter(seq.values())).device)
     out, fin = rec.varlen(chunk, static, init, cu)
     return list(out.split(sizes, dim=rec.output_seq_dim)), fin
-
-
-# ---------------------------------------------------------------------------- traceable form
-#
-# Under AOTAutograd / Inductor the tree structure is data (it comes from parent_token), so the
-# per-depth loop cannot be traced. The recurrence then runs as one opaque custom op: its fake
-# implementation gives the output's shape, its backward recomputes the forward under autograd
-# (the kernels' own torch code) and differentiates it.
-
-_SITES: dict[str, tuple] = {}  # key -> (recurrence, tensor argument names, static arguments)
-
-
-def register_site(rec: Recurrence, tensor_names: list[str], static: dict,
-                  out_dtype: torch.dtype | None = None) -> str:
-    """Remember one graph site's non-tensor arguments and its output's dtype (None: the
-    ``output_like`` argument's); returns the key the op is called with. Sites with the same
-    recurrence and arguments share a key, so recompiling a model (or compiling many) does not
-    grow the table."""
-    entry = (rec, list(tensor_names), dict(static), out_dtype)
-    for key, known in _SITES.items():
-        if known[0] is rec and known[1:] == entry[1:]:
-            return key
-    key = f"{rec.name}#{len(_SITES)}"
-    _SITES[key] = entry
-    return key
-
-
-def _run_site(key: str, parent_token: torch.Tensor, tensors) -> torch.Tensor:
-    rec, names, static, _ = _SITES[key]
-    out = tree_recurrence(rec, parent_token, (), {**dict(zip(names, tensors)), **static})
-    return out if rec.bare_output_without_state else out[0]
-
-
-@torch.library.custom_op("treefx::tree_recurrence", mutates_args=())
-def _tree_recurrence_op(key: str, parent_token: torch.Tensor,
-                        tensors: list[torch.Tensor]) -> torch.Tensor:
-    with torch.no_grad():
-        # Contiguous, as the fake implementation promises (Inductor checks the strides).
-        out = _run_site(key, parent_token, tensors).contiguous()
-    want = _out_dtype(key, tensors)
-    if out.dtype != want:
-        raise RuntimeError(f"treefx recurrence {key}: the kernel returned {out.dtype} where "
-                           f"the traced graph expects {want}")
-    return out
-
-
-def _out_dtype(key: str, tensors) -> torch.dtype:
-    rec, names, _, out_dtype = _SITES[key]
-    return out_dtype or tensors[names.index(rec.output_like)].dtype
-
-
-@_tree_recurrence_op.register_fake
-def _(key, parent_token, tensors):
-    rec, names, _, _ = _SITES[key]
-    like = tensors[names.index(rec.output_like)]
-    return like.new_empty(like.shape, dtype=_out_dtype(key, tensors))
-
-
-@torch.library.custom_op("treefx::tree_recurrence_backward", mutates_args=())
-def _tree_recurrence_backward(key: str, parent_token: torch.Tensor, tensors: list[torch.Tensor],
-                              grad: torch.Tensor) -> list[torch.Tensor]:
-    return _recomputed_grads(lambda xs: [_run_site(key, parent_token, xs)], tensors, [grad])
-
-
-def _recomputed_grads(run, tensors: list[torch.Tensor], grads: list[torch.Tensor]
-                      ) -> list[torch.Tensor]:
-    """The gradients of ``run(tensors)`` (a list of outputs) for the upstream ``grads``, one
-    per tensor (zeros for integer tensors and unused ones): the forward recomputed under
-    autograd and differentiated. A custom op's body runs below the autograd dispatch key;
-    re-admitting it lets plain autograd record the kernel's torch ops and classic
-    autograd.Functions (fla's kernels) alike."""
-    floats = [i for i, t in enumerate(tensors) if t.is_floating_point()]
-    readmit = torch._C._SetExcludeDispatchKeyGuard(torch._C.DispatchKey.AutogradFunctionality,
-                                                   False)
-    with readmit, torch.enable_grad():
-        full = list(tensors)
-        for i in floats:
-            full[i] = tensors[i].detach().requires_grad_()
-        outs = run(full)
-        got = torch.autograd.grad(outs, [full[i] for i in floats],
-                                  [g.to(o.dtype) for g, o in zip(grads, outs)],
-                                  allow_unused=True)
-    by_index = dict(zip(floats, got))
-    return [by_index[i].contiguous() if by_index.get(i) is not None else t.new_zeros(t.shape)
-            for i, t in enumerate(tensors)]
-
-
-@_tree_recurrence_backward.register_fake
-def _(key, parent_token, tensors, grad):
-    return [t.new_empty(t.shape) for t in tensors]
-
-
-def _setup(ctx, inputs, output):
-    key, parent_token, tensors = inputs
-    ctx.key = key
-    ctx.save_for_backward(parent_token, *tensors)
-
-
-def _backward(ctx, grad):
-    parent_token, *tensors = ctx.saved_tensors
-    grads = _tree_recurrence_backward(ctx.key, parent_token, tensors, grad.contiguous())
-    return None, None, [g if t.is_floating_point() else None for g, t in zip(grads, tensors)]
-
-
-_tree_recurrence_op.register_autograd(_backward, setup_context=_setup)
-
-
-class _TracedSite:
-    """A graph node's call of a recurrence custom op for the site ``key``."""
-
-    _prefix = "tree_recurrence_op"
-
-    def __init__(self, key: str):
-        self.key = key
-        self.rec = _SITES[key][0]
-        self.__name__ = f"{self._prefix}_{self.rec.name}"
-
-    def __repr__(self):
-        return self.__name__
-
-
-class TracedTreeRecurrence(_TracedSite):
-    """The custom op over a whole tree, returning what the kernel returns."""
-
-    def __call__(self, parent_token, *tensors):
-        out = _tree_recurrence_op(self.key, parent_token, list(tensors))
-        return out if self.rec.bare_output_without_state else (out, None)
-
-
-# ------------------------------------------------------------- traceable form, one part of a tree
-#
-# The same for a part of a tree (treefx.backward): the part's nodes start from the context
-# states of their entries, and the states after its exit tokens are a second output.
-
-
-def _run_part_site(key, parent_local, state_entry, state_exit, context_states, tensors):
-    rec, names, static, _ = _SITES[key]
-    out, exits = tree_recurrence_part(rec, parent_local, state_entry, state_exit,
-                                      context_states, (), {**dict(zip(names, tensors)),
-                                                           **static})
-    return (out if rec.bare_output_without_state else out[0]), exits
-
-
-@torch.library.custom_op("treefx::tree_recurrence_part", mutates_args=())
-def _tree_recurrence_part_op(key: str, parent_local: torch.Tensor, state_entry: torch.Tensor,
-                             state_exit: torch.Tensor, context_states: torch.Tensor,
-                             tensors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    with torch.no_grad():
-        out, exits = _run_part_site(key, parent_local, state_entry, state_exit,
-                                    context_states, tensors)
-    return out.contiguous(), exits.to(context_states.dtype).contiguous()
-
-
-@_tree_recurrence_part_op.register_fake
-def _(key, parent_local, state_entry, state_exit, context_states, tensors):
-    rec, names, _, _ = _SITES[key]
-    like = tensors[names.index(rec.output_like)]
-    return (like.new_empty(like.shape, dtype=_out_dtype(key, tensors)),
-            context_states.new_empty((state_exit.shape[0], *context_states.shape[1:])))
-
-
-@torch.library.custom_op("treefx::tree_recurrence_part_backward", mutates_args=())
-def _tree_recurrence_part_backward(key: str, parent_local: torch.Tensor,
-                                   state_entry: torch.Tensor, state_exit: torch.Tensor,
-                                   context_states: torch.Tensor, tensors: list[torch.Tensor],
-                                   grad_out: torch.Tensor, grad_exits: torch.Tensor
-                                   ) -> list[torch.Tensor]:
-    """Gradients of the context states and of every tensor (zeros for the non-float ones)."""
-    def run(xs):
-        return list(_run_part_site(key, parent_local, state_entry, state_exit, xs[0], xs[1:]))
-
-    return _recomputed_grads(run, [context_states, *tensors], [grad_out, grad_exits])
-
-
-@_tree_recurrence_part_backward.register_fake
-def _(key, parent_local, state_entry, state_exit, context_states, tensors, grad_out,
-      grad_exits):
-    return [context_states.new_empty(context_states.shape)] + [t.new_empty(t.shape)
-                                                               for t in tensors]
-
-
-def _part_setup(ctx, inputs, output):
-    key, parent_local, state_entry, state_exit, context_states, tensors = inputs
-    ctx.key = key
-    ctx.n = len(tensors)
-    ctx.save_for_backward(parent_local, state_entry, state_exit, context_states, *tensors)
-
-
-def _part_backward(ctx, grad_out, grad_exits):
-    parent_local, state_entry, state_exit, context_states, *tensors = ctx.saved_tensors
-    grads = _tree_recurrence_part_backward(
-        ctx.key, parent_local, state_entry, state_exit, context_states, tensors,
-        grad_out.contiguous(), grad_exits.contiguous())
-    return (None, None, None, None, grads[0],
-            [g if t.is_floating_point() else None for g, t in zip(grads[1:], tensors)])
-
-
-_tree_recurrence_part_op.register_autograd(_part_backward, setup_context=_part_setup)
-
-
-class TracedTreeRecurrencePart(_TracedSite):
-    """The custom op over a part of a tree: (what the kernel returns, the exit states)."""
-
-    _prefix = "tree_recurrence_part_op"
-
-    def __call__(self, parent_local, state_entry, state_exit, context_states, *tensors):
-        out, exits = _tree_recurrence_part_op(self.key, parent_local, state_entry, state_exit,
-                                              context_states, list(tensors))
-        return (out if self.rec.bare_output_without_state else (out, None)), exits

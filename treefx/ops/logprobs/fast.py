@@ -1,14 +1,14 @@
 """Per-token log-probabilities on the tree from hidden states and the output projection, the
-[N, vocab] logits never materialized.
+[N, vocab] logits never materialized (the plain-torch forms are :mod:`.reference`).
 
 ``lp_t = z_t[y_t] − lse(z_t)`` with ``z_t = h[p_t] W^T + b``, ``p_t = parent_token[t]``
-(0 where t has no predecessor): what :func:`tree_token_logprobs` reads from materialized
-logits (the reference), computed here in chunks of tokens, each chunk's [C, V] logits dropped
-once its log-sum-exp and its labels' logits are read.
+(0 where t has no predecessor): what :func:`treefx.ops.cross_entropy.tree_token_logprobs`
+reads from materialized logits (the reference), computed here in chunks of tokens, each
+chunk's [C, V] logits dropped once its log-sum-exp and its labels' logits are read.
 
-Unlike the fused loss (:mod:`.cross_entropy`), whose upstream gradient is one scalar, the
-gradient of per-token log-probabilities is a vector known only in the backward (an RL
-objective's, per token). So the forward keeps each token's log-sum-exp ([N] floats) and the
+Unlike the fused loss (:mod:`treefx.ops.cross_entropy.fast`), whose upstream gradient is one
+scalar, the gradient of per-token log-probabilities is a vector known only in the backward (an
+RL objective's, per token). So the forward keeps each token's log-sum-exp ([N] floats) and the
 backward recomputes the logits once, in slices of the vocabulary (``_TOKEN_BLOCK``):
 ``d lp_t / d z_t = onehot(y_t) − softmax(z_t)``.
 Tokens whose upstream gradient is 0 (prompts, tool results: everything an objective does not
@@ -18,7 +18,8 @@ when they are wanted (a LoRA model's frozen output projection).
 ``torch.library`` custom ops with a registered backward: opaque to Inductor (which would
 otherwise need the whole [N, V] tensor), traceable by AOTAutograd, any N. Peak memory: one
 chunk's [C, V] (forward) or slice's [T, Vs] (backward) logits in float32 (float64 for float64
-inputs), C·V and T·Vs at most ``_CHUNK_ELEMENTS``, on top of the hidden states.
+inputs), C·V and T·Vs at most ``CHUNK_ELEMENTS`` (:mod:`treefx.ops.cross_entropy.fast`), on top
+of the hidden states.
 """
 
 from __future__ import annotations
@@ -26,10 +27,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import cross_entropy as _ce
-from .cross_entropy import tree_token_logprobs
+from ..cross_entropy import fast as ce_fast
 
-__all__ = ["fused_linear_tree_logprobs", "linear_tree_logprobs_reference", "token_logprobs_site"]
+__all__ = ["fused_linear_tree_logprobs"]
 
 
 def _acc(h: torch.Tensor) -> torch.dtype:
@@ -38,7 +38,7 @@ def _acc(h: torch.Tensor) -> torch.dtype:
 
 def _chunk(n_vocab: int) -> int:
     # Read at call time: the chunk budget is cross_entropy's (one setting for both ops).
-    return max(1, _ce._CHUNK_ELEMENTS // max(n_vocab, 1))
+    return max(1, ce_fast.CHUNK_ELEMENTS // max(n_vocab, 1))
 
 
 def _forward(h, weight, bias, ids, parent):
@@ -60,7 +60,7 @@ def _forward(h, weight, bias, ids, parent):
 
 
 # Tokens per block of the backward. Within a block the vocabulary is walked in slices of
-# ``_CHUNK_ELEMENTS // tokens`` rows, so each slice of the weight's gradient is one matrix
+# ``CHUNK_ELEMENTS // tokens`` rows, so each slice of the weight's gradient is one matrix
 # product over the block's tokens, written once (summed over blocks when there are several):
 # walking chunks of tokens over the whole vocabulary instead would add a [vocab, hidden] float32
 # product into the gradient per chunk (13 GB of memory traffic per 900 tokens at a 152k vocab
@@ -101,7 +101,8 @@ _SLICE_GRAD_COMPILED = None
 
 def _slice_grad_fn(cuda: bool):
     """On the GPU the slice's pointwise math as one fused kernel (compiled once, dynamic in
-    both lengths), like :func:`.cross_entropy._pointwise_compiled`; eager on the CPU."""
+    both lengths), like the fused loss's (:mod:`treefx.ops.cross_entropy.fast`); eager on the
+    CPU."""
     global _SLICE_GRAD_COMPILED
     if not cuda:
         return _slice_grad
@@ -139,7 +140,7 @@ def _backward(grad, h, weight, bias, ids, parent, lse, need_h: bool, need_weight
         hc = h2[rows]
         gt, yt, lse_t = g[t], ids[t], lse[t]
         dh_t = torch.zeros(hc.shape if need_h else (0,), dtype=acc, device=h.device)
-        step = max(1, _ce._CHUNK_ELEMENTS // t.shape[0])
+        step = max(1, ce_fast.CHUNK_ELEMENTS // t.shape[0])
         if step > _SLICE_ALIGN:  # [T, Vs] slices whose rows the GPU's matmuls read aligned
             step -= step % _SLICE_ALIGN
         for v0 in range(0, n_vocab, step):
@@ -266,32 +267,3 @@ def fused_linear_tree_logprobs(h: torch.Tensor, weight: torch.Tensor, bias: torc
     does not get (:mod:`treefx.ops.grad_into`)."""
     return _linear_tree_logprobs(h, weight, bias, input_ids, parent_token, all_rows,
                                  grad_into)[0]
-
-
-def linear_tree_logprobs_reference(h, weight, bias, input_ids, parent_token):
-    """Plain autograd version (materializes the logits): the reference the fused op is tested
-    against."""
-    return tree_token_logprobs(F.linear(h, weight, bias), input_ids, parent_token)
-
-
-def token_logprobs_site(logits: torch.Tensor, input_ids: torch.Tensor,
-                        parent_token: torch.Tensor) -> torch.Tensor:
-    """Where a compiled model asked for log-probabilities only reads them from its logits: one
-    node in the captured graph (Dynamo does not trace into it), which the logprobs pass
-    (:mod:`treefx.passes.logprobs`) replaces by :func:`fused_linear_tree_logprobs` when the
-    logits are the output projection and feed nothing else, else by
-    :func:`tree_token_logprobs` on the logits."""
-    return tree_token_logprobs(logits, input_ids, parent_token)
-
-
-_registered = False
-
-
-def register_site() -> None:
-    """Let Dynamo put :func:`token_logprobs_site` in the graph as one node. Called when a model
-    is compiled with ``logits=False``, not at import: ``torch._dynamo`` costs ~2 s to import,
-    which ``import treefx`` (stats, synth, draw) does not pay."""
-    global _registered
-    if not _registered:
-        torch._dynamo.allow_in_graph(token_logprobs_site)
-        _registered = True

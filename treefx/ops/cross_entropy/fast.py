@@ -1,9 +1,6 @@
-"""The tree loss as ops: each token predicted from its tree predecessor ``parent_token[t]``.
-
-:func:`tree_token_logprobs` and :func:`tree_cross_entropy` read materialized logits (the
-reference, and the path when the logits feed more than the loss);
-:func:`fused_linear_tree_cross_entropy` fuses the output projection with the loss in chunks
-of tokens:
+"""The tree loss fused with the output projection: each token predicted from its tree
+predecessor ``parent_token[t]``. :func:`fused_linear_tree_cross_entropy` computes the loss in
+chunks of tokens (the plain-torch forms are :mod:`.reference`):
 
 ``Σ_t w_t · (lse(h[p_t] W^T + b) − (h[p_t] W^T + b)[y_t])`` with ``p_t = parent_token[t]``:
 token t is predicted from its tree predecessor's hidden state. The [N, V] logits are never
@@ -20,50 +17,15 @@ from __future__ import annotations
 
 import torch
 
-__all__ = [
-    "fused_linear_tree_cross_entropy",
-    "linear_tree_cross_entropy_reference",
-    "tree_cross_entropy",
-    "tree_token_logprobs",
-    "weighted_logprob_loss",
-]
+__all__ = ["CHUNK_ELEMENTS", "fused_linear_tree_cross_entropy"]
 
-_CHUNK_ELEMENTS = 1 << 27  # logits per chunk: 128M floats (512 MiB in float32)
-
-
-def tree_token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor,
-                        parent_token: torch.Tensor) -> torch.Tensor:
-    """[N]: log softmax(logits[parent_token[t]])[input_ids[t]], 0 where t has no predecessor;
-    float32 (float64 for float64 logits).
-
-    Reads each logit row once for its log-sum-exp and gathers one logit per token: no
-    float32 copy of the [N, V] logits is needed (Inductor fuses the upcast into the reduction).
-    """
-    lg = logits.reshape(-1, logits.shape[-1])
-    acc = torch.promote_types(lg.dtype, torch.float32)
-    row = parent_token.clamp(min=0)
-    lse = torch.logsumexp(lg.to(acc), dim=-1)
-    picked = lg[row, input_ids.reshape(-1)].to(acc) - lse[row]
-    return torch.where(parent_token >= 0, picked, torch.zeros_like(picked))
-
-
-def weighted_logprob_loss(token_logprobs: torch.Tensor, loss_weights: torch.Tensor) -> torch.Tensor:
-    """``Σ_t loss_weights[t] · (−token_logprobs[t])``: the tree loss from per-token
-    log-probabilities and the batch's loss weights (:func:`treefx.pack`)."""
-    w = loss_weights.to(device=token_logprobs.device, dtype=token_logprobs.dtype)
-    return -(w * token_logprobs).sum()
-
-
-def tree_cross_entropy(logits: torch.Tensor, input_ids: torch.Tensor, parent_token: torch.Tensor,
-                       weights: torch.Tensor) -> torch.Tensor:
-    """Σ_t weights[t] · (−log softmax(logits[parent_token[t]])[input_ids[t]]), over tokens with
-    a predecessor (see :func:`tree_token_logprobs`)."""
-    lp = tree_token_logprobs(logits, input_ids, parent_token)
-    return -(weights.to(lp.dtype) * lp).sum()
+# Logits per chunk: 128M floats (512 MiB in float32). One setting for the fused loss and the
+# fused log-probabilities (:mod:`treefx.ops.logprobs.fast`), read at call time.
+CHUNK_ELEMENTS = 1 << 27
 
 
 def _chunk(n_vocab: int) -> int:
-    return max(1, _CHUNK_ELEMENTS // max(n_vocab, 1))
+    return max(1, CHUNK_ELEMENTS // max(n_vocab, 1))
 
 
 def _acc(h: torch.Tensor) -> torch.dtype:
@@ -204,10 +166,3 @@ def fused_linear_tree_cross_entropy(h: torch.Tensor, weight: torch.Tensor,
         return _linear_tree_ce_with_grad(h, weight, bias, input_ids, parent_token,
                                          weights.detach(), want_weight)[0]
     return _linear_tree_ce(h, weight, bias, input_ids, parent_token, weights.detach())
-
-
-def linear_tree_cross_entropy_reference(h, weight, bias, input_ids, parent_token, weights):
-    """Plain autograd version (materializes the logits): the reference the fused op is tested
-    against."""
-    logits = torch.nn.functional.linear(h, weight, bias).to(_acc(h))
-    return tree_cross_entropy(logits, input_ids, parent_token, weights)

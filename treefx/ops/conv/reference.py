@@ -5,6 +5,8 @@ the token K−1−k steps back in *its sequence* is its (K−1−k)-th tree ance
 DFS index t − (K−1) + k (which may sit in a sibling branch). Ancestors above the root are zeros,
 as the causal conv's left padding is. Nodes shorter than K−1 tokens and single-token nodes
 need nothing special: the ancestor chain simply crosses node boundaries.
+
+The conv for a part of a tree, over its context, is :mod:`.part`.
 """
 
 from __future__ import annotations
@@ -39,30 +41,6 @@ def tree_causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     # taps[b, c, i, t] = x at the i-th ancestor of t; tap i multiplies w[:, K-1-i].
     taps = xp[:, :, idx]
     out = torch.einsum("bcit,ci->bct", taps, w.flip(-1))
-    if bias is not None:
-        out = out + bias[None, :, None]
-    return out
-
-
-def tree_causal_conv1d_context(x_context: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
-                               bias: torch.Tensor | None,
-                               parent_ext: torch.Tensor) -> torch.Tensor:
-    """:func:`tree_causal_conv1d` for a part of a tree (:mod:`treefx.parts`): ``x`` [B, C, n]
-    the part's inputs, ``x_context`` [B, C, A] those of the context row before it (computed
-    by earlier parts), ``parent_ext`` [A + n] the predecessors in the extended row
-    ``[context; part]``. Returns the part's [B, C, n] outputs only."""
-    w = weight.reshape(weight.shape[0], weight.shape[-1])  # [C, K]
-    k = w.shape[-1]
-    a = x_context.shape[-1]
-    xe = torch.cat([x_context.to(x.dtype), x, torch.zeros_like(x[..., :1])], dim=-1)
-    rows = [torch.arange(a, a + x.shape[-1], device=x.device)]
-    for _ in range(k - 1):
-        prev = rows[-1]
-        rows.append(torch.where(prev >= 0, parent_ext[prev.clamp(min=0)],
-                                torch.full_like(prev, -1)))
-    anc = torch.stack(rows)  # [K, n]
-    idx = torch.where(anc >= 0, anc, torch.full_like(anc, xe.shape[-1] - 1))
-    out = torch.einsum("bcit,ci->bct", xe[:, :, idx], w.flip(-1))
     if bias is not None:
         out = out + bias[None, :, None]
     return out

@@ -4,8 +4,10 @@ Their flex path builds a block mask over the whole row by a vmap of its ``mask_m
 the passes cannot rewrite onto a tree. Their ``eager`` attention is the reference form of
 every Hugging Face attention, with the same math (masks, windows, softcaps, sinks), and the
 attention pass rewrites it into FlexAttention over the tree. So treefx captures and runs such
-a model through its eager attention (:func:`eager_attention`), and on the CPU, where
-FlexAttention has no backward, the per-sequence oracle does the same (:func:`oracle_attention`).
+a model through its eager attention (:func:`eager_attention`, entered by the engine's capture
+environment), and on the CPU, where FlexAttention has no backward, the per-sequence oracle
+does the same (:func:`eager_attention_on_cpu`, registered into the oracle at import:
+:func:`treefx.reference.register_oracle_attention`).
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ import weakref
 
 import torch
 
-__all__ = ["eager_attention", "oracle_attention"]
+from ..reference import register_oracle_attention
+
+__all__ = ["eager_attention", "eager_attention_on_cpu"]
 
 
 def _configs(model: torch.nn.Module) -> list:
@@ -55,10 +59,13 @@ def eager_attention(model: torch.nn.Module | None):
             cfg._attn_implementation_internal = "flex_attention"
 
 
-def oracle_attention(model: torch.nn.Module):
+def eager_attention_on_cpu(model: torch.nn.Module):
     """How the oracle runs ``model``: as it is, except a flex-attention model on the CPU (no
     FlexAttention backward there, and its compiled CPU forward is not reliable at every
     length), which runs its eager attention."""
     p = next(model.parameters(), None)
     on_cpu = p is None or p.device.type == "cpu"
     return eager_attention(model) if on_cpu else contextlib.nullcontext()
+
+
+register_oracle_attention(eager_attention_on_cpu)

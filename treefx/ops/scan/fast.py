@@ -8,24 +8,14 @@ models count the ones of the attention mask).
 Forward: pointer jumping over ancestors (after k steps every token holds the sum over its 2^k
 nearest path tokens), ⌈log2 depth⌉ vectorized steps. Backward: the gradient of ``x[s]`` is the
 sum of the output gradients over s's subtree, a contiguous DFS range ``[s, subtree_end[s])``:
-a difference of prefix sums.
+a difference of prefix sums. The plain loop over tokens is :mod:`.reference`.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["tree_cumsum", "tree_cumsum_reference"]
-
-
-def tree_cumsum_reference(x: torch.Tensor, dim: int, parent_token: torch.Tensor) -> torch.Tensor:
-    """Plain loop over tokens (DFS order puts every parent first): the reference."""
-    x = x.movedim(dim, 0)
-    out = torch.empty_like(x)
-    for t in range(x.shape[0]):
-        p = int(parent_token[t])
-        out[t] = x[t] if p < 0 else out[p] + x[t]
-    return out.movedim(0, dim)
+__all__ = ["tree_cumsum"]
 
 
 def _path_sums(x: torch.Tensor, parent_token: torch.Tensor) -> torch.Tensor:

@@ -9,13 +9,15 @@ computes it in blocks of 256 tokens with a fixed decay per head; this is the sam
 chunks, with an initial state, so that each tree node can start from its parent node's state
 (:mod:`treefx.kernels` registers it as a recurrence). Padding with ``g = 0`` and zero keys and
 values leaves the state unchanged.
+
+This is the chunked form (what runs); :mod:`.reference` is the recurrence token by token.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["lightning_attention", "lightning_attention_reference"]
+__all__ = ["lightning_attention"]
 
 
 def lightning_attention(query, key, value, g, initial_state=None, output_final_state=False,
@@ -50,15 +52,3 @@ def lightning_attention(query, key, value, g, initial_state=None, output_final_s
             kc * (last - cum).exp().to(dtype)[..., None]).transpose(-1, -2) @ vc
     out = torch.cat(outs, dim=2).transpose(1, 2) if outs else value.new_zeros(b, 0, h, dv)
     return out, (state if output_final_state else None)
-
-
-def lightning_attention_reference(query, key, value, g, initial_state=None):
-    """The recurrence token by token (for tests)."""
-    b, n, h, dk = query.shape
-    state = (torch.zeros(b, h, dk, value.shape[-1], dtype=query.dtype)
-             if initial_state is None else initial_state.clone())
-    outs = []
-    for t in range(n):
-        state = state * g[:, t].exp()[..., None, None] + key[:, t, :, :, None] * value[:, t, :, None, :]
-        outs.append((query[:, t, :, None, :] @ state)[:, :, 0])
-    return torch.stack(outs, dim=1), state

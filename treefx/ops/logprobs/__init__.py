@@ -1,0 +1,11 @@
+"""Per-token log-probabilities on the tree from hidden states and the output projection: the
+plain-torch reference on materialized logits (:mod:`.reference`), the fused op that never
+materializes them (:mod:`.fast`), and the graph node a compiled model's ``logits=False`` is
+captured as (:mod:`.site`)."""
+
+from .fast import fused_linear_tree_logprobs
+from .reference import linear_tree_logprobs_reference
+from .site import register_site, token_logprobs_site
+
+__all__ = ["fused_linear_tree_logprobs", "linear_tree_logprobs_reference", "register_site",
+           "token_logprobs_site"]
