@@ -113,8 +113,11 @@ LAYERS = [
      "treefx.parts", "treefx.attn_impl"},
     # the ops, and what a capture patches in (recurrent kernels, HF's packed-sequence
     # inference; HF's attention switch is the oracle's too: layer 1)
-    {"treefx.ops", "treefx.ops.*", "treefx.kernels", "treefx.hf_packing"},
-    {"treefx.passes", "treefx.passes.*"},
+    {"treefx.ops", "treefx.ops.*", "treefx.hf_packing"},
+    # the compiler (graph -> sites -> tree ops, the checks, the recurrence registry)
+    {"treefx.compiler", "treefx.compiler.*"},
+    # what treefx knows of model families, registered into the compiler's registries
+    {"treefx.families", "treefx.families.*"},
     {"treefx.backends", "treefx.verification"},
     {"treefx.engine", "treefx.regional"},
     {"treefx.tree_model", "treefx.step", "treefx.rl", "treefx.part_run", "treefx.distributed"},
@@ -155,6 +158,7 @@ def test_the_check_finds_a_cycle():
     assert cycles({"a": {"b"}, "b": set()}) == []
 
 
-@pytest.mark.parametrize("module", ["treefx.engine", "treefx.debug.page", "treefx.passes.loss"])
+@pytest.mark.parametrize("module", ["treefx.engine", "treefx.debug.page",
+                                    "treefx.compiler.find.loss"])
 def test_the_graph_sees_imports(module):
     assert import_graph()[module], module
