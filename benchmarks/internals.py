@@ -23,7 +23,6 @@ from treefx.ops.attention import (  # noqa: F401
 
 def recurrence_registry() -> dict:
     """The registered recurrences (name -> Recurrence), to tell which have a varlen fast path."""
-    from treefx.kernels import _REGISTRY, _ensure_builtins
+    from treefx.compiler.recurrences import all_recurrences
 
-    _ensure_builtins(force=True)
-    return dict(_REGISTRY)
+    return all_recurrences()

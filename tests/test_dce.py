@@ -7,7 +7,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from treefx.passes.dce import draws_random, eliminate_dead_code, has_effect
+from treefx.compiler.checks.dce import draws_random, eliminate_dead_code, has_effect
 
 
 def graph_of(fn, *args) -> fx.Graph:

@@ -21,7 +21,7 @@ from treefx.ops.attention import (
     interleaved_block_mask,
     row_to_heads,
 )
-from treefx.passes.attention import _repeated_heads_source
+from treefx.compiler.patterns import repeated_heads_source as _repeated_heads_source
 
 transformers = pytest.importorskip("transformers")
 

@@ -10,7 +10,7 @@ from support import VOCAB, check_against_oracle
 from trees import check_forward, odd_forest, odd_tree
 
 import treefx
-from treefx.kernels import recurrence
+from treefx.compiler.recurrences import recurrence
 from treefx.ops.conv import tree_causal_conv1d
 from treefx.ops.recurrence import tree_nodes, tree_recurrence
 
@@ -148,8 +148,8 @@ def test_hf_gated_deltanet_hybrids_match_oracle(model_type):
                                         pytest.param("qwen3_5_moe_text", marks=pytest.mark.slow)])
 def test_a_kernel_copied_into_a_new_model_is_recognised(model_type):
     """Hugging Face copies the Gated DeltaNet kernel into each new hybrid's own module; treefx
-    recognises it there by name and signature (treefx.kernels.discover), without a list of
-    models, and the model is exact."""
+    recognises it there by name and signature (treefx.compiler.recurrences.discover), without
+    a list of models, and the model is exact."""
     from treefx.tools.zoo import build_model
 
     model = build_model(model_type)
@@ -435,7 +435,7 @@ def decayed_sum(x, a, initial_state=None, output_final_state=False):
 def test_traced_recurrence_runs_classic_autograd_functions():
     """The traced op's backward recomputes the forward under plain autograd inside a custom
     op: kernels written as classic autograd.Functions (fla's) must differentiate there too."""
-    from treefx.kernels import Recurrence
+    from treefx.compiler.recurrences import Recurrence
     from treefx.ops.recurrence import TracedTreeRecurrence, register_site
 
     rec = Recurrence(name="decayed_sum_test", fn=decayed_sum, seq_args={"x": 1, "a": 1},
@@ -467,7 +467,7 @@ def test_capture_does_not_run_the_kernel_on_fake_tensors():
     there, so the marker answers with the output's shape without calling the kernel."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from treefx.kernels import Recurrence, register_recurrence
+    from treefx.compiler.recurrences import Recurrence, register_recurrence
 
     def kernel(x, a, initial_state=None, output_final_state=False):
         raise RuntimeError("the kernel ran")
@@ -490,7 +490,7 @@ def test_traced_recurrence_has_the_kernels_output_dtype(model_type):
     wrongly (NaN log-probs on the GPU)."""
     from treefx.tools import zoo
     from treefx.ops.recurrence import TracedTreeRecurrence
-    from treefx.passes.common import example
+    from treefx.compiler.graph import example
 
     model = zoo.build_model(model_type, torch.bfloat16)
     tm = treefx.compile(model, backend="aot-eager", verify=False)

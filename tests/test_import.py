@@ -19,7 +19,8 @@ def _modules_after(code: str, package: str = "transformers") -> list[str]:
 
 def test_import_treefx_does_not_import_transformers():
     # The recurrence registry used to import transformers' modeling modules at import (~4 s);
-    # it registers Hugging Face's kernels on first capture now (treefx.kernels._ensure_builtins).
+    # it registers Hugging Face's kernels on first capture now
+    # (treefx.compiler.recurrences._ensure_builtins).
     assert _modules_after("import treefx, treefx.tools.cli") == []
 
 
@@ -45,7 +46,7 @@ def test_compiling_a_torch_model_does_not_import_transformers():
 
 def test_hf_kernels_are_registered_once_transformers_is_loaded():
     code = (
-        "import treefx.kernels as k\n"
+        "import treefx.compiler.recurrences as k\n"
         "before = [n for n in k._REGISTRY if n.startswith('qwen3_next')]\n"
         "assert before == [], before\n"
         "import transformers\n"

@@ -64,10 +64,10 @@ def test_a_subclass_with_another_forward_is_not_taken_for_the_recurrence():
     for m in model.modules():
         if type(m) is base:
             m.__class__ = Doubled
-    assert not treefx.kernels._lightning_matches(layer)
+    assert not treefx.families.minimax.lightning_matches(layer)
     tm = treefx.compile(model, backend="eager")
     check_against_oracle(tm, odd_forest(2, model.config.vocab_size))
-    assert all(cls is not Doubled for cls, _ in treefx.kernels._LAYER_SITES)
+    assert all(cls is not Doubled for cls, _ in treefx.compiler.recurrences._LAYER_SITES)
 
 
 def test_changed_decay_tables_are_refused():

@@ -16,7 +16,7 @@ from trees import check_forward, odd_forest
 
 import treefx
 from treefx.models import enable_activation_checkpointing
-from treefx.passes.positions import SymFn
+from treefx.compiler.lower.positions import SymFn
 
 transformers = pytest.importorskip("transformers")
 

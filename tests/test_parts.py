@@ -347,7 +347,7 @@ def test_first_call_checks_the_part_graph(monkeypatch):
     """With verification on (the default), the first treefx.backward of a model runs the
     probe forest in parts against the oracle: a part graph that reads its context wrongly
     is refused before any training."""
-    import treefx.passes.parts as part_mode
+    import treefx.compiler.lower.parts as part_mode
 
     def zeros(buf, offset, heads, dim, dtype):  # every context key and value read as 0
         return torch.zeros(1, heads, buf.shape[0], dim, dtype=dtype, device=buf.device)

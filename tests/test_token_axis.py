@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from trees import check_forward, odd_forest, odd_tree
 
 import treefx
-from treefx.passes import SpecializedGraphError, TokenAxisError
+from treefx.compiler import SpecializedGraphError, TokenAxisError
 
 transformers = pytest.importorskip("transformers")
 

@@ -11,7 +11,7 @@ import torch
 from trees import odd_forest
 
 import treefx
-import treefx.passes
+import treefx.compiler.pipeline
 from treefx.models import tiny_decoder
 from treefx.verification import (
     FLOOR_FACTOR,
@@ -32,8 +32,9 @@ def model(**kw):
 @pytest.fixture
 def without_positions_pass(monkeypatch):
     """A planted defect: the model keeps DFS indices as its positions."""
-    monkeypatch.setattr(treefx.passes, "PASSES",
-                        tuple(p for p in treefx.passes.PASSES if p[0] != "positions"))
+    monkeypatch.setattr(treefx.compiler.pipeline, "PASSES",
+                        tuple(p for p in treefx.compiler.pipeline.PASSES
+                              if p[0] != "positions"))
 
 
 def test_probe_forest_has_every_odd_shape():

@@ -5,17 +5,21 @@ import logging
 
 from . import data, distributed, parts, reference, rl
 from ._version import __version__
-from .kernels import Recurrence, register_recurrence
+from .compiler.recurrences import Recurrence, register_recurrence
 from .layout import TreeBatch, pack
 from .part_run import backward
 from .partition import err, partition, partition_ids
-from .passes import (
+from .compiler import (
     GraphBreakError,
     TreeCompileError,
     UnmatchedAttentionError,
     UnmatchedStateError,
     UnsupportedSubgraphError,
 )
+from .compiler.recurrences import Recurrence, register_recurrence
+from .layout import TreeBatch, pack
+from .part_run import backward
+from .partition import err, partition, partition_ids
 from .step import TreeStep, step
 from .tree import Tree, bound, por, read_jsonl, write_jsonl
 from .tree_model import TreeModel, TreeOutput, compile, tree_loss, verify

@@ -22,15 +22,16 @@ import torch
 import torch.fx as fx
 
 from . import backends, regional
+from . import families  # noqa: F401  (registers what treefx knows of model families)
+from .compiler import GraphBreakError, GraphContext, TreeCompileError, run_passes
+from .compiler.graph import example, graph_code, module_path
+from .compiler.lower.parts import PartSites, part_outputs
+from .compiler.recurrences import UnsupportedLayerError, capture_patches, discover
 from .families.hf_flex import eager_attention
 from .families.hf_hooks import install_output_hooks
 from .families.hf_packing import one_sequence_per_path
-from .kernels import UnsupportedLayerError, capture_patches, discover
 from .layout import TreeBatch
 from .ops.attention import check_interleave_heads, check_kernel_options
-from .passes import GraphBreakError, GraphContext, TreeCompileError, run_passes
-from .passes.common import example, graph_code, module_path
-from .passes.parts import PartSites, part_outputs
 from .plan import Compiled, Plan
 from .reference import output_vocab_size, vocab_size
 

@@ -124,7 +124,7 @@ def tree_block_tensors(subtree_end: torch.Tensor, block_size: int = 128, *, full
 
     ``window`` (with ``positions``, the path positions [N]): the mask ANDed in by the
     ``mask_mod`` admits no pair farther apart than ``window`` path positions (a sliding
-    window; see :func:`treefx.passes.mask_lift.window_of`). A key block strictly before the
+    window; see :func:`treefx.compiler.mask_lift.window_of`). A key block strictly before the
     query block is then kept only if ``max(positions[K]) >= min(positions[Q]) - window``: the
     nearest pair it could hold is within the window. Blocks dropped this way hold no pair the
     window admits; the kept ones stay partial (the ``mask_mod`` applies the window).

@@ -32,8 +32,8 @@ from . import parts as parts_mod
 from .engine import TreeEngine, check_batch
 from .layout import TreeBatch, move_tensors, pack
 from .ops.logprobs import register_site, token_logprobs_site
-from .passes import TreeCompileError
-from .passes.parts import PartLayoutMismatch, has_grad_hooks, part_outputs
+from .compiler import TreeCompileError
+from .compiler.lower.parts import PartLayoutMismatch, has_grad_hooks, part_outputs
 from .plan import PartLayout, Plan
 from .step import TreeStep, no_cache, step_batch, step_weights
 from .tree import Tree

@@ -17,7 +17,7 @@ from .engine import TreeEngine, check_batch, tree_info, unwrap_compiled
 from .layout import TreeBatch
 from .ops.cross_entropy import tree_token_logprobs, weighted_logprob_loss
 from .ops.logprobs import register_site, token_logprobs_site
-from .passes import GraphContext
+from .compiler import GraphContext
 from .plan import Plan
 from .reference import logits_of
 

@@ -28,9 +28,9 @@ import torch
 from . import reference as oracle_mod
 from .layout import pack
 from .ops.cross_entropy import weighted_logprob_loss
-from .passes import TreeCompileError
-from .passes.common import module_path
-from .passes.dce import draws_random
+from .compiler import TreeCompileError
+from .compiler.checks.dce import draws_random
+from .compiler.graph import module_path
 from .tree import Tree
 
 __all__ = ["TreeVerificationError", "VerificationUnavailable", "VerificationReport", "Tolerance",

@@ -1,4 +1,7 @@
-"""Model families: one file per model family's knowledge; a family imports the compiler, never
-the reverse."""
+"""What treefx knows of particular model families, one module each, registered into the
+compiler's registries on import (the compiler never imports a family): importing this
+package registers them all."""
 
-__all__ = []
+from . import hf_recurrent, minimax
+
+__all__ = ["hf_recurrent", "minimax"]

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..kernels import Recurrence, register_recurrence
+from ..compiler.recurrences import Recurrence, register_recurrence
 from .dense import MLP, Block, Decoder, DecoderConfig, RMSNorm
 
 __all__ = ["GatedDeltaNet", "HybridDecoder", "gated_delta_rule"]

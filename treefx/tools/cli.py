@@ -317,7 +317,7 @@ def _model_errors(args):
     try:
         yield
     except Exception as e:  # noqa: BLE001 - the model is the user's code
-        from ..passes import TreeCompileError
+        from ..compiler import TreeCompileError
 
         if isinstance(e, (TreeCompileError, OSError)):
             raise
@@ -522,7 +522,7 @@ def cmd_explain(args) -> int:
 def cmd_check(args) -> int:
     import torch
 
-    from ..passes import TreeCompileError
+    from ..compiler import TreeCompileError
     from ..tree_model import compile as tree_compile
     from ..tree_model import verify
     from ..verification import VerificationUnavailable

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-from ...passes.common import Rewrite
+from ...compiler.graph import Rewrite
 
 OUTSIDE = "(treefx wrapper)"  # nodes of the traced function outside the user's model
 

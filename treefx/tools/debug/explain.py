@@ -20,7 +20,7 @@ import torch.fx as fx
 
 from ...engine import tree_info
 from ...layout import TreeBatch, pack
-from ...passes.common import (
+from ...compiler.graph import (
     GraphBreakError,
     Rewrite,
     TreeCompileError,

@@ -1,4 +1,5 @@
-"""Key selection pass: a top-k over the keys of a [.., N, N] score row, made per sequence.
+"""Key selection recogniser: a top-k over the keys of a [.., N, N] score row, made per
+sequence (lowered by ANDing the tree mask into the mask of its scores).
 
 DeepSeek Sparse Attention (Hugging Face's DeepSeek-V3.2, GLM-MoE-DSA, dots3, AXK2) scores
 every key for every query with a small *indexer*, masks the scores with the model's causal
@@ -22,8 +23,8 @@ branches' tokens here), and the attention masks them out: the tree attention AND
 mask into every mask it is given.
 
 That last step is what makes the selection safe, so it is checked on the final graph
-(:func:`check_key_selections`): the selection may only be scattered into a [.., N, N] mask
-that reaches tree attention through elementwise and shape ops. Used any other way (its
+(:func:`treefx.compiler.checks.leftovers.check_key_selections`): the selection may only be
+scattered into a [.., N, N] mask that reaches tree attention through elementwise and shape ops. Used any other way (its
 values, the indices gathering keys), compilation stops naming the node.
 
 Ties: a top-k whose ``k``-th and ``k+1``-th scores are equal picks between them as its
@@ -44,15 +45,13 @@ import operator
 import torch
 import torch.fx as fx
 
-from ..mask import dense_tree_mask
-from ..ops.attention import (TreeFlexAttention, TreePartAttention, TreePartFlexAttention,
-                             TreeScoredAttention, tree_attention_dense)
-from .common import (KEY_SELECTION, GraphContext, arg, describe, example, is_call, same_size,
-                     set_example)
-from .mask_lift import mask_applications
-from .tokens import DATA, TokenAxisError, _Taint, _fail
+from ..graph import (KEY_SELECTION, GraphContext, TokenAxisError, arg, describe, example,
+                     is_call, same_size, token_axis_error)
+from ..mask_lift import mask_applications
+from ..sites import KeySelectionSite
+from ..taint import DATA, Taint
 
-__all__ = ["KEY_SELECTION", "key_selection_pass", "check_key_selections"]
+__all__ = ["KEY_SELECTION", "selection_error", "sites"]
 
 
 _CASTS = ("to", "long", "int", "type", "type_as")
@@ -79,14 +78,16 @@ def _peel(ctx: GraphContext, x: fx.Node):
     return None
 
 
-def _refuse(node: fx.Node, why: str) -> TokenAxisError:
-    return _fail(node, f"a top-k over the keys of a [.., N, N] score row {why}")
+def selection_error(node: fx.Node, why: str) -> TokenAxisError:
+    """The error for a top-k over the keys of a score row that treefx refuses, saying why."""
+    return token_axis_error(node, f"a top-k over the keys of a [.., N, N] score row {why}")
 
 
-def key_selection_pass(ctx: GraphContext) -> int:
-    """Put the tree mask into the mask of every top-k over the keys of a score row; returns
-    how many."""
-    count = 0
+def sites(ctx: GraphContext):
+    """Every top-k over the keys of a score row of ``ctx``'s graph, checked (its scores masked
+    with the model's mask, which depends on positions only; its indices only scattered into
+    a fresh mask: those nodes are marked) and yielded in turn (lowered before the next is
+    looked at)."""
     for node in list(ctx.graph.nodes):
         if not is_call(node, torch.topk, methods=("topk",)):
             continue
@@ -97,41 +98,23 @@ def key_selection_pass(ctx: GraphContext) -> int:
         dim = arg(node, 2, "dim", -1)
         if not isinstance(dim, int) or dim % val.dim() != val.dim() - 1:
             continue  # over the queries: the token-axis check refuses it
-        if ctx.part is not None:
-            raise _refuse(node, "is not supported in parts (treefx.backward with max_tokens): "
-                                "the selection would need the earlier parts' index keys; "
-                                "train this model on whole batches")
         if arg(node, 3, "largest", True) is not True:
-            raise _refuse(node, "picks the smallest scores; treefx supports the largest")
+            raise selection_error(node, "picks the smallest scores; treefx supports the largest")
         peeled = _peel(ctx, x)
         if peeled is None:
-            raise _refuse(node, "reads scores that the model does not mask with its attention "
-                                "mask; on the DFS row other sequences' keys would compete")
+            raise selection_error(node, "reads scores that the model does not mask with its "
+                                        "attention mask; on the DFS row other sequences' keys "
+                                        "would compete")
         scores, how, mask = peeled
-        if DATA in _Taint(ctx).of(mask):
-            raise _refuse(node, f"masks its scores with `{describe(mask)}`, which depends on "
-                                "the tokens' hidden states, not only on positions")
+        if DATA in Taint(ctx).of(mask):
+            raise selection_error(node, f"masks its scores with `{describe(mask)}`, which "
+                                        "depends on the tokens' hidden states, not only on "
+                                        "positions")
         _check_uses(ctx, node)
-        g = ctx.graph
-        with g.inserting_before(x):
-            tree = ctx.shared("dense_tree_mask",
-                              lambda c: c.graph.call_function(dense_tree_mask, (c.subtree_end,)))
-            if how == "allowed":
-                new = g.call_function(torch.logical_and, (mask, tree))
-            elif how == "blocked":
-                new = g.call_function(torch.logical_or,
-                                      (mask, g.call_function(torch.logical_not, (tree,))))
-            else:
-                low = torch.finfo(example(mask).dtype).min
-                new = g.call_function(torch.masked_fill,
-                                      (mask, g.call_function(torch.logical_not, (tree,)), low))
-            set_example(new)
-        x.replace_input_with(mask, new)
-        ctx.record("selection", node, describe(x),
-                   note=f"the top-k's {how} mask ANDed with the tree: each query's row holds "
-                        "its ancestors only")
-        count += 1
-    return count
+        yield KeySelectionSite(node, x, how, mask)
+
+
+_refuse = selection_error
 
 
 def _check_uses(ctx: GraphContext, topk: fx.Node) -> None:
@@ -172,61 +155,3 @@ def _is_key_scatter(ctx: GraphContext, node: fx.Node) -> bool:
     val = example(base) if isinstance(base, fx.Node) else None
     return (isinstance(dim, int) and _pairwise(ctx, val) and dim % val.dim() == val.dim() - 1
             and is_call(base, *_FRESH, methods=_FRESH_METHODS))
-
-
-# ---------------------------------------------------------------------------- final check
-
-# What may carry a selection to the tree attention: elementwise logic, masking and shape ops.
-_CARRY_METHODS = ("unsqueeze", "view", "reshape", "expand", "expand_as", "contiguous",
-                  "logical_not", "logical_and", "logical_or", "bitwise_not", "bitwise_and",
-                  "bitwise_or", "masked_fill", "to", "bool", "float", "type_as", "__invert__",
-                  "__and__", "__or__", "add")
-_CARRY_FUNCS = (operator.invert, operator.and_, operator.or_, operator.iand, operator.ior,
-                operator.add, torch.logical_not, torch.logical_and, torch.logical_or,
-                torch.bitwise_not, torch.bitwise_and, torch.bitwise_or, torch.masked_fill,
-                torch.where, torch.unsqueeze, torch.reshape, torch.add)
-
-
-def _is_view_index(node: fx.Node) -> bool:
-    """``x[:, None]``, ``x[..., 0, :]``: indexing by slices, None, Ellipsis and integers."""
-    if not (node.op == "call_function" and node.target is operator.getitem):
-        return False
-    key = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
-    return all(k is None or k is Ellipsis or isinstance(k, (slice, int)) for k in key)
-
-
-def _is_tree_attention(node: fx.Node) -> bool:
-    """A tree attention op: its first three operands are the queries (or scores), keys and
-    values; the others its masks, score sides and buffers, which it ANDs with the tree."""
-    t = node.target
-    return node.op == "call_function" and (
-        t is tree_attention_dense or isinstance(t, (TreeFlexAttention, TreePartFlexAttention,
-                                                    TreeScoredAttention, TreePartAttention)))
-
-
-def check_key_selections(ctx: GraphContext) -> None:
-    """After all passes: every selection reaches tree attention only (which ANDs the tree
-    mask into it), through elementwise and shape ops."""
-    for node in ctx.graph.nodes:
-        if not (node.meta.get(KEY_SELECTION) and is_call(node, torch.scatter,
-                                                         methods=("scatter",))):
-            continue
-        stack, seen = [node], set()
-        while stack:
-            n = stack.pop()
-            if n in seen:
-                continue
-            seen.add(n)
-            for u in n.users:
-                if u.target is torch.ops.treefx.pad_rows_to_block.default:
-                    stack.append(u)  # a score_mod's buffer, read by a tree attention
-                    continue
-                if _is_tree_attention(u) and n not in u.args[:3] and n not in u.kwargs.values():
-                    continue  # a mask, bias or score side: not the queries, keys or values
-                if is_call(u, *_CARRY_FUNCS, methods=_CARRY_METHODS) or _is_view_index(u):
-                    stack.append(u)
-                    continue
-                raise _fail(u, "the keys an indexer selected (a top-k over a score row) reach "
-                               f"`{describe(u)}`, not only a tree attention's mask; on the "
-                               "tree that is correct only inside attention, which masks the "
-                               "keys of other branches")

@@ -25,7 +25,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from .common import KEY_SELECTION, GraphContext, describe, example, is_call
+from .graph import KEY_SELECTION, GraphContext, describe, example, is_call
 
 __all__ = ["MaskLiftError", "LiftedMask", "LiftedScore", "DenseSide", "dense_side", "lift_mask",
            "lift_value", "window_of"]
@@ -477,7 +477,7 @@ def _probe_pairs() -> tuple[torch.Tensor, torch.Tensor]:
     return t[:, 0], t[:, 1]
 
 
-def _is_all_ones_input(node) -> bool:
+def is_all_ones_input(node) -> bool:
     """``torch.ones_like(<graph input>)`` (the attention_mask treefx gives the model), through
     casts and copies."""
     while is_call(node, methods=("to", "bool", "long", "int", "float", "contiguous", "clone",
@@ -500,7 +500,7 @@ def implied_by_tree(lifted: LiftedMask, leaves: tuple[fx.Node, ...]) -> bool:
     q, kv = _probe_pairs()
     for leaf in leaves:
         val = example(leaf)
-        if not _is_all_ones_input(leaf) or val is None or val.dim() != 2 or val.shape[0] != 1:
+        if not is_all_ones_input(leaf) or val is None or val.dim() != 2 or val.shape[0] != 1:
             return False
         bufs.append(torch.ones(1, int(q.max()) + 1, dtype=val.dtype))
     zero = torch.zeros((), dtype=torch.int64)

@@ -30,8 +30,8 @@ import operator
 import torch
 import torch.fx as fx
 
-from .attention import _CASTS, _DROPOUT, _OUT_OF_PLACE, _SOFTMAX, is_pointwise
-from .common import GraphContext, arg, describe, example, is_call, same_size, set_example
+from ..graph import GraphContext, arg, describe, example, is_call, same_size, set_example
+from ..patterns import CASTS, DROPOUT, OUT_OF_PLACE, SOFTMAX, is_pointwise
 
 __all__ = ["merged_heads_pass"]
 
@@ -45,10 +45,10 @@ _ZEROS = (torch.zeros, torch.zeros_like)
 def _elementwise(node) -> bool:
     """An out-of-place elementwise op of a score chain, a cast, the softmax or dropout (the
     attention pass's own list; in-place ones are left alone)."""
-    if node.op == "call_function" and node.target in _OUT_OF_PLACE:
+    if node.op == "call_function" and node.target in OUT_OF_PLACE:
         return False
-    return is_pointwise(node) or is_call(node, *_SOFTMAX, *_DROPOUT,
-                                         methods=("softmax", *_CASTS))
+    return is_pointwise(node) or is_call(node, *SOFTMAX, *DROPOUT,
+                                         methods=("softmax", *CASTS))
 
 
 class _NotMerged(Exception):
@@ -179,7 +179,7 @@ def _plan(start: fx.Node, qa, kb):
             elif _elementwise(u):
                 if len(s) != dims or not all(same_size(x, y) for x, y in zip(s, _shape(n))):
                     raise _NotMerged(f"`{describe(u)}` changes the shape of the scores")
-                if is_call(u, *_SOFTMAX, methods=("softmax",)) and arg(u, 1, "dim") not in (
+                if is_call(u, *SOFTMAX, methods=("softmax",)) and arg(u, 1, "dim") not in (
                         -1, dims - 1):
                     raise _NotMerged(f"`{describe(u)}` is not over the keys")
                 region[u] = dims
@@ -266,7 +266,7 @@ def _lift_node(lift: _Lifter, n: fx.Node, region: dict, qa, kb) -> fx.Node:
 
     new = lift.g.node_copy(n, lambda x: operand(x) if isinstance(x, fx.Node) else x)
     lift.created.append(new)
-    if is_call(n, *_SOFTMAX, methods=("softmax",)):
+    if is_call(n, *SOFTMAX, methods=("softmax",)):
         if len(new.args) > 1:
             new.args = (new.args[0], -1, *new.args[2:])
         else:

@@ -1,4 +1,5 @@
-"""Loss pass: the cross-entropy on shifted logits/labels becomes the weighted tree loss.
+"""Loss recogniser: the cross-entropy on shifted logits/labels as a
+:class:`treefx.compiler.sites.LossSite` (lowered into the weighted tree loss).
 
 A training step written for ordinary batches computes ``F.cross_entropy`` of the logits at
 position j against the label at j + 1, written either way:
@@ -25,11 +26,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from ..ops.cross_entropy import (
-    fused_linear_tree_cross_entropy,
-    tree_cross_entropy,
-)
-from .common import (
+from ..graph import (
     GraphContext,
     TreeCompileError,
     describe,
@@ -37,10 +34,12 @@ from .common import (
     is_call,
     module_path,
 )
+from ..sites import LossSite
 
-__all__ = ["check_loss_found", "loss_pass"]
+__all__ = ["LINEAR", "projection_only_for", "sites", "strip_reshapes"]
 
 _CE = (F.cross_entropy, torch.nn.functional.cross_entropy)
+LINEAR = (F.linear, torch._C._nn.linear)
 _RESHAPES = ("view", "reshape", "flatten", "contiguous", "float", "to", "type")
 _RESHAPE_FUNCS = (torch.reshape, torch.flatten)
 
@@ -53,7 +52,7 @@ def _fail(node: fx.Node, why: str) -> TreeCompileError:
     )
 
 
-def _strip(node):
+def strip_reshapes(node):
     """Skip reshapes, contiguous and dtype casts."""
     while isinstance(node, fx.Node) and (
         is_call(node, *_RESHAPE_FUNCS, methods=_RESHAPES)
@@ -93,7 +92,7 @@ def _seq_slice(node: fx.Node):
 def _match_logits(ctx: GraphContext, ce: fx.Node):
     """(the model's [1, N, V] logits node, shift) for the CE input; shift 1 means
     ``logits[:, :-1]``."""
-    node = _strip(ce.args[0])
+    node = strip_reshapes(ce.args[0])
     shift = 0
     sl = _seq_slice(node)
     if sl is not None:
@@ -101,7 +100,7 @@ def _match_logits(ctx: GraphContext, ce: fx.Node):
         if start != 0 or stop != -1:
             raise _fail(ce, f"the logits are sliced [{start}:{stop}] along the sequence; only "
                             "[:-1] (a shift by one) is understood")
-        node, shift = _strip(base), 1
+        node, shift = strip_reshapes(base), 1
     val = example(node)
     if val is None or val.dim() != 3 or not _is_seq(ctx, val.shape[1]):
         raise _fail(ce, "its input is not the model's [1, N, vocab] logits")
@@ -109,11 +108,11 @@ def _match_logits(ctx: GraphContext, ce: fx.Node):
 
 
 def _match_target(ctx: GraphContext, ce: fx.Node, logits_shift: int):
-    node = _strip(ce.args[1])
+    node = strip_reshapes(ce.args[1])
     sl = _seq_slice(node)
     if sl is None or sl[1] != 1 or sl[2] is not None:
         raise _fail(ce, "its target is not the labels shifted by one ([..., 1:])")
-    base = _strip(sl[0])
+    base = strip_reshapes(sl[0])
     if is_call(base, F.pad, torch._C._nn.pad):
         pad = base.args[1] if len(base.args) > 1 else base.kwargs.get("pad")
         value = base.kwargs.get("value", base.args[3] if len(base.args) > 3 else 0)
@@ -122,7 +121,7 @@ def _match_target(ctx: GraphContext, ce: fx.Node, logits_shift: int):
                             "with the ignore index")
         if logits_shift != 0:
             raise _fail(ce, "both the logits and the padded labels are shifted: a shift of two")
-        base = _strip(base.args[0])
+        base = strip_reshapes(base.args[0])
     elif logits_shift != 1:
         raise _fail(ce, "the labels are shifted by one but the logits are not cut to [:-1]: "
                         "the positions do not line up")
@@ -133,7 +132,7 @@ def _match_target(ctx: GraphContext, ce: fx.Node, logits_shift: int):
 
 
 def _is_seq(ctx: GraphContext, size) -> bool:
-    from .common import same_size
+    from ..graph import same_size
 
     return same_size(size, ctx.seq_len)
 
@@ -156,10 +155,10 @@ def _reduction(ce: fx.Node) -> str:
     return red
 
 
-def _projection_only_for(logits: fx.Node, ce: fx.Node):
+def projection_only_for(logits: fx.Node, ce: fx.Node):
     """(h, weight, bias) if ``logits = linear(h, weight, bias)`` feeds nothing but this
     cross-entropy (through reshapes, casts and the [:-1] cut), else None."""
-    if not is_call(logits, F.linear, torch._C._nn.linear):
+    if not is_call(logits, *LINEAR):
         return None
     node = logits
     while node is not ce:
@@ -218,50 +217,14 @@ def _check_result_use(ce: fx.Node) -> None:
             frontier.append(user)
 
 
-def loss_pass(ctx: GraphContext) -> int:
-    """Rewrite every cross-entropy of the step; returns how many."""
+def sites(ctx: GraphContext):
+    """Every cross-entropy of a training step's graph (none outside steps), each checked and
+    yielded in turn (lowered before the next is looked at)."""
     if not ctx.is_step:
-        return 0
-    count = 0
-    g = ctx.graph
-    for ce in [n for n in g.nodes if is_call(n, *_CE)]:
+        return
+    for ce in [n for n in ctx.graph.nodes if is_call(n, *_CE)]:
         red = _reduction(ce)
         logits, shift = _match_logits(ctx, ce)
         _match_target(ctx, ce, shift)
         _check_result_use(ce)
-        with g.inserting_before(ce):
-            if ctx.part is not None:
-                # A part predicts the tokens whose predecessor it holds: label row, token id
-                # and weight for each (its own tokens and the first ones of later parts).
-                parent, ids = (ctx.shared(("part_label", i), lambda c, i=i: c.graph.call_function(
-                    operator.getitem, (c.part_labels, i))) for i in (0, 1))
-            else:
-                parent, ids = ctx.parent_token(), ctx.input_ids
-            weights = ctx.shared(("weights", red), lambda c: c.graph.call_function(
-                operator.getitem, (c.tree_weights, 0 if red == "sum" else 1)))
-            proj = _projection_only_for(logits, ce)
-            if proj is not None:
-                # The logits exist only for this loss: fuse the projection, never build them.
-                h, weight, bias = proj
-                new = g.call_function(fused_linear_tree_cross_entropy,
-                                      (h, weight, bias, ids, parent, weights))
-            else:
-                new = g.call_function(tree_cross_entropy, (logits, ids, parent, weights))
-        new.meta["example_value"] = ce.meta.get("example_value")
-        ctx.record("loss", ce, describe(new), note=f"reduction={red}" + (
-            ", fused with the output projection" if proj is not None else ""))
-        ce.replace_all_uses_with(new)
-        g.erase_node(ce)
-        count += 1
-    ctx.root._cache["loss_sites"] = ctx.root._cache.get("loss_sites", 0) + count
-    return count
-
-
-def check_loss_found(ctx: GraphContext) -> None:
-    """A training step (a graph with loss weights) must have had its loss rewritten."""
-    if ctx.is_step and not ctx._cache.get("loss_sites"):
-        raise TreeCompileError(
-            "the training step computes no cross-entropy treefx can find (F.cross_entropy on "
-            "shifted logits and labels, or a Hugging Face model called with labels=); without "
-            "it the step's loss cannot be made per-sequence"
-        )
+        yield LossSite(ce, red, logits, projection_only_for(logits, ce))

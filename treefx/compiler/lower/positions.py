@@ -15,7 +15,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from .common import GraphContext, arg, example, is_call, same_size, set_example
+from ..graph import GraphContext, arg, example, is_call, same_size, set_example
 
 __all__ = ["positions_pass"]
 
@@ -57,12 +57,12 @@ def _rewrite_cumsum_of_ones(ctx: GraphContext, node) -> bool:
     """``attention_mask.cumsum(-1)`` over the all-ones mask treefx gives the model (Bloom's
     and Falcon's ALiBi, Llama 4's left-padding count) is each token's position + 1 in its own
     sequence: on the tree, the tree positions + 1."""
-    from .mask_lift import _is_all_ones_input
+    from ..mask_lift import is_all_ones_input
 
     src = node.args[0]
     val, sv = example(node), example(src)
     dim = arg(node, 1, "dim", None)
-    if (not _is_all_ones_input(src) or val is None or sv is None or sv.dim() != 2
+    if (not is_all_ones_input(src) or val is None or sv is None or sv.dim() != 2
             or not isinstance(dim, int) or dim % 2 != 1 or not same_size(sv.shape[1], ctx.seq_len)
             or not same_size(sv.shape[0], 1)):
         return False
@@ -173,11 +173,11 @@ def _size_expr(x):
 def _broadcasts_into_users(node, r: int) -> bool:
     """Whether a [..., N, N] value in place of ``node``'s [..., 1 or N, N] leaves every user's
     result unchanged: each user is elementwise and its result already has both token axes."""
-    from .attention import _POINTWISE, _POINTWISE_METHODS
+    from ..patterns import POINTWISE, POINTWISE_METHODS
 
     for u in node.users:
         uv = example(u)
-        if not is_call(u, *_POINTWISE, methods=_POINTWISE_METHODS) or not isinstance(
+        if not is_call(u, *POINTWISE, methods=POINTWISE_METHODS) or not isinstance(
                 uv, torch.Tensor) or uv.dim() < r:
             return False
         n = uv.shape[-1]
@@ -195,8 +195,8 @@ def _rewrite_table_cut(ctx: GraphContext, node) -> bool:
     positions, which the attention pass then lifts like any mask or bias built from index
     grids. Cuts it cannot prove to be that form are left to the token-axis check (refused)."""
     import sympy  # lazily: 0.4 s of `import treefx` otherwise
-    from .mask_lift import TABLE
-    from .tokens import DATA, _Taint
+    from ..mask_lift import TABLE
+    from ..taint import DATA, Taint
 
     table, key = node.args[0], node.args[1]
     tv, out = example(table), example(node)
@@ -242,7 +242,7 @@ def _rewrite_table_cut(ctx: GraphContext, node) -> bool:
         else:
             full_key.append(k)
     # (A checkpointed layer takes the table as an operand: its taint is its caller's.)
-    if not cuts or DATA in _Taint(ctx).of(ctx.resolve(table)):
+    if not cuts or DATA in Taint(ctx).of(ctx.resolve(table)):
         return False
     r = out.dim()
     pos = ctx.positions

@@ -14,6 +14,11 @@ __all__ = [
     "UnmatchedAttentionError",
     "UnmatchedStateError",
     "GraphBreakError",
+    "TokenAxisError",
+    "SpecializedGraphError",
+    "attention_error",
+    "state_error",
+    "token_axis_error",
     "Rewrite",
     "GraphContext",
     "module_path",
@@ -22,6 +27,7 @@ __all__ = [
     "example",
     "same_size",
     "is_call",
+    "on_sequence",
     "arg",
     "graph_code",
     "set_example",
@@ -30,7 +36,7 @@ __all__ = [
 
 # Marks the nodes of a key selection the selection pass rewrote (a top-k over the keys of a
 # score row, the reads of its indices, their scatter into a mask): the token-axis check and
-# the attention pass's mask check leave them to that pass (see .selection).
+# the attention pass's mask check leave them to that pass (see find/selection.py).
 KEY_SELECTION = "treefx_key_selection"
 
 
@@ -62,6 +68,52 @@ class UnmatchedStateError(UnmatchedAttentionError):
 
     A conv, recurrence or other op along the sequence that no pass can route through the
     tree."""
+
+
+class TokenAxisError(UnmatchedStateError):
+    """An op moves data along the tokens in a way no pass rewrote."""
+
+
+class SpecializedGraphError(TokenAxisError):
+    """The graph was specialized to one token count."""
+
+    def __init__(self, ctx: GraphContext):
+        super().__init__(
+            f"the captured graph is specialized to {int(ctx.seq_len)} tokens: the model's code "
+            "reads the token count as a Python number (a Python loop over the sequence, which "
+            "Dynamo unrolls, or a shape turned into an int). treefx cannot prove what such a "
+            "graph does along the tokens, so compilation stops here."
+        )
+
+
+def attention_error(node: fx.Node, why: str) -> UnmatchedAttentionError:
+    """The error for an attention at ``node`` that treefx cannot rewrite, saying ``why``."""
+    return UnmatchedAttentionError(
+        f"treefx cannot rewrite the attention at {module_path(node)} (graph node "
+        f"`{describe(node)}`): {why}. Running it unchanged over the tree's DFS row would mix "
+        "sequences, so compilation stops here.",
+        node=node,
+    )
+
+
+def state_error(node: fx.Node, why: str) -> UnmatchedStateError:
+    """The error for sequence state at ``node`` that treefx cannot route through the tree."""
+    return UnmatchedStateError(
+        f"treefx cannot route the sequence state at {module_path(node)} (graph node "
+        f"`{describe(node)}`) through the tree: {why}. Running it over the DFS row would carry "
+        "state from one branch into the next, so compilation stops here.",
+        node=node,
+    )
+
+
+def token_axis_error(node: fx.Node, why: str) -> TokenAxisError:
+    """The error for an op at ``node`` that moves data along the tokens."""
+    return TokenAxisError(
+        f"treefx cannot run the op at {module_path(node)} (graph node `{describe(node)}`) on a "
+        f"tree: {why}. On the tree's DFS row the neighbouring tokens belong to other "
+        "sequences, so compilation stops here.",
+        node=node,
+    )
 
 
 class GraphBreakError(TreeCompileError):
@@ -176,6 +228,12 @@ def arg(node: fx.Node, i: int, name: str, default=None):
     return node.args[i] if len(node.args) > i else node.kwargs.get(name, default)
 
 
+def on_sequence(ctx: GraphContext, node, dim: int = -1) -> bool:
+    """Whether axis ``dim`` of ``node``'s value is the token axis (its size is N)."""
+    val = example(node)
+    return val is not None and val.dim() > 0 and same_size(val.shape[dim], ctx.seq_len)
+
+
 def is_call(node, *targets, methods: tuple[str, ...] = ()) -> bool:
     """``node`` calls one of ``targets`` (functions) or one of ``methods`` (tensor methods)."""
     if not isinstance(node, fx.Node):
@@ -190,7 +248,7 @@ def is_call(node, *targets, methods: tuple[str, ...] = ()) -> bool:
 class GraphContext:
     """One graph the passes rewrite: the captured graph (the root) or the body of a
     higher-order op inside it (an activation-checkpointed region, a ``wrap``, a ``cond``
-    branch; see :mod:`.subgraphs`), with the tree tensors wired into it.
+    branch; see :mod:`.checks.subgraphs`), with the tree tensors wired into it.
 
     ``positions``, ``subtree_end``, ``parent_token()``: [N] int64 nodes of *this* graph. In the
     root they are read from the graph input ``tree_info``; in a body they are placeholders that
@@ -233,10 +291,10 @@ class GraphContext:
                             "tree_weights": tree_weights, "part_labels": part_labels}
         self._cache: dict = {}
         # Bodies: how this graph's placeholders map to its callers' operands (set by
-        # .subgraphs.discover); ``_imports`` maps an outer node to the placeholder made for it.
+        # .checks.subgraphs.discover); ``_imports`` maps an outer node to the placeholder made for it.
         self.body = None
         self._imports: dict = {}
-        self._part = part_sites  # root only: the part-mode sites (.parts), None outside parts
+        self._part = part_sites  # root only: the part-mode sites (.lower.parts), None outside parts
 
     @property
     def grad_params(self) -> tuple:
@@ -246,7 +304,7 @@ class GraphContext:
 
     @property
     def part(self):
-        """The :class:`.parts.PartSites` of a part's graph (:func:`treefx.backward`), else
+        """The :class:`.lower.parts.PartSites` of a part's graph (:func:`treefx.backward`), else
         None."""
         return self.root._part
 

@@ -1,12 +1,14 @@
-"""Part mode: the graph of one part of a tree (:mod:`treefx.parts`, run by
-:func:`treefx.backward`) reads its context from earlier parts and hands its own on.
+"""Lowering for a part of a tree (:mod:`treefx.parts`, run by :func:`treefx.backward`): the
+part's graph reads its context from earlier parts and hands its own on. Every part-mode
+lowering of the compiler is here, with the part's inputs and outputs (:class:`PartSites`,
+:func:`finish`).
 
 The captured function of a part takes, besides the part's tokens, its context row's tree
 tensors (``part_info``), one buffer ``ctx_tok`` [A, W] with every site's keys, values and conv
 inputs of the context tokens side by side, and ``ctx_state`` [E, S] with every recurrence's
 state after each entry's predecessor; it ends in one marker call
 (:func:`part_outputs`) whose results are the part's own [n, W] and its exit states [X, S]. The
-attention and SSM passes give each site its columns (:meth:`PartSites.context`,
+attention and SSM lowerings below give each site its columns (:meth:`PartSites.context`,
 :meth:`PartSites.state`); :func:`finish` replaces the marker by the concatenation of what the
 sites produce. The widths and dtypes are known only once the passes ran: a first capture
 (``Plan.find_layout``) with empty buffers only finds them (:class:`treefx.plan.PartFindings`,
@@ -21,14 +23,54 @@ import operator
 import torch
 import torch.fx as fx
 
-from ..ops.embedding import part_embedding
-from ..ops.grad_into import linear_grad_into
-from ..ops.logprobs import fused_linear_tree_logprobs
-from ..ops.part_context import columns_to_heads, heads_to_columns
-from ..plan import PartFindings, PartLayout
-from .common import GraphContext, TreeCompileError, arg, describe, example, is_call, set_example
+from ...ops.attention import TreePartAttention, TreePartFlexAttention, ones_for_positions
+from ...ops.conv import tree_causal_conv1d_context
+from ...ops.embedding import part_embedding
+from ...ops.grad_into import linear_grad_into
+from ...ops.logprobs import fused_linear_tree_logprobs
+from ...ops.part_context import columns_to_heads, heads_to_columns
+from ...ops.recurrence import TracedTreeRecurrencePart, tree_recurrence_part
+from ...plan import PartFindings, PartLayout
+from ..find.selection import selection_error
+from ..graph import (
+    GraphContext,
+    TreeCompileError,
+    arg,
+    attention_error,
+    describe,
+    example,
+    is_call,
+    same_size,
+    set_example,
+    state_error,
+)
+from ..mask_lift import MaskLiftError, implied_by_tree, is_all_ones_input, lift_mask
+from ..sites import (
+    AttentionSite,
+    ConvSite,
+    KeySelectionSite,
+    LogprobsSite,
+    LossSite,
+    PathSumSite,
+    RecurrenceSite,
+)
+from .shared import (
+    emit_logprobs,
+    emit_loss,
+    kv_for_flex,
+    mask_value,
+    check_mask_sources,
+    replace_conv,
+    replace_recurrence,
+    rewrite_scored,
+    score_mods,
+    traced_site,
+    window_note,
+)
 
-__all__ = ["PartLayoutMismatch", "PartSites", "finish", "has_grad_hooks", "part_outputs"]
+__all__ = ["PartLayoutMismatch", "PartSites", "TreeRecurrencePartCall", "attention", "conv",
+           "finish", "has_grad_hooks", "key_selection", "logprobs", "loss", "lower",
+           "part_outputs", "path_sum", "recurrence"]
 
 
 def part_outputs(input_ids, ctx_tok, ctx_state, state_exit, part_info, state_entry,
@@ -388,3 +430,239 @@ def _concat_columns(columns: list, like: torch.Tensor, width: int, dtype) -> tor
     if not columns:
         return torch.zeros(like.shape[-1], 0, dtype=dtype, device=like.device)
     return torch.cat([c.to(dtype) for c in columns], dim=1)
+
+
+# ============================================================================ the lowerings
+
+_fail = attention_error
+
+
+def attention(ctx: GraphContext, site: AttentionSite) -> fx.Node:
+    """A site's queries attend over the context's keys and values (from earlier parts) and
+    its own; its own are handed on (the general form with the model's score ops)."""
+    if site.scored is not None:
+        return rewrite_scored(ctx, site, _scored_part)
+    return _attention(ctx, site)
+
+
+def _attention(ctx: GraphContext, site: AttentionSite) -> fx.Node:
+    """A site in a part's graph (:func:`treefx.backward`): its queries attend over the
+    context's keys and values (from earlier parts) and its own; its own are handed on. The
+    model's mask, if any, is lifted and evaluated at the extended row's positions."""
+    g = ctx.graph
+    part = ctx.part
+    with g.inserting_before(site.out):
+        k = site.k
+        if site.kind == "eager-kT":
+            k = g.call_method("transpose", (k, -2, -1))
+        mask = mask_value(ctx, site) if site.mask is not None else None
+        note = site.kind + ", keys and values of earlier parts' context"
+        lifted, bufs = None, ()
+        if mask is not None:
+            check_mask_sources(ctx, site, mask)
+            try:
+                lifted, bufs = lift_mask(ctx, mask)
+            except MaskLiftError as e:
+                raise _fail(site.anchor, "in parts (treefx.backward) the model's own mask is "
+                                         "evaluated for keys of earlier parts, and this one "
+                                         f"cannot be ({e})") from None
+            if implied_by_tree(lifted, bufs):
+                lifted, bufs = None, ()
+                note += ", model mask implied by the tree"
+            else:
+                note += ", model mask kept (evaluated at path positions)"
+                bufs = _part_buffers(ctx, bufs)
+        k, v, shared_kv = kv_for_flex(site, k)
+        ck, cv = _part_context(ctx, site, k, v)
+        se, pos = part.ext(ctx, "subtree_end"), part.ext(ctx, "positions")
+        if ctx.backend == "eager":
+            fn = TreePartAttention(scale=site.scale, enable_gqa=site.enable_gqa or shared_kv,
+                                   model_mask=lifted,
+                                   name=f"tree_part_attention_{site.anchor.name}")
+        else:
+            window, more = window_note(lifted)
+            note += more
+            fn = TreePartFlexAttention(scale=site.scale, block_size=ctx.block_size,
+                                       model_mask=lifted, kernel_options=ctx.kernel_options,
+                                       interleave_heads=ctx.interleave_heads, window=window,
+                                       name=f"tree_part_flex_attention_{site.anchor.name}")
+        new = g.call_function(fn, (site.q, k, v, ck, cv, se, pos, *bufs))
+    new.meta.update({k_: v_ for k_, v_ in site.out.meta.items()
+                     if k_ in ("nn_module_stack", "stack_trace", "example_value")})
+    ctx.record("attention", site.anchor, describe(new), note=note)
+    site.out.replace_all_uses_with(new)
+    return new
+
+
+def _scored_part(ctx: GraphContext, site: AttentionSite):
+    """The general form in a part's graph (:func:`treefx.backward`): FlexAttention over
+    ``[context; part]`` keys (its dense eager form on the eager backend), the score ops as a
+    ``score_mod`` and a final mask as the ``mask_mod``, both evaluated at the extended row's
+    path positions, so a softcap, a bias or a window reads the context's keys as the
+    sequence would."""
+    g = ctx.graph
+    part = ctx.part
+    mods = score_mods(ctx, site, in_part=True)
+    k = site.k
+    if site.kind.endswith("-kT"):
+        k = g.call_method("transpose", (k, -2, -1))
+    k, v, shared_kv = kv_for_flex(site, k)
+    ck, cv = _part_context(ctx, site, k, v)
+    se, pos = part.ext(ctx, "subtree_end"), part.ext(ctx, "positions")
+    fn = TreePartFlexAttention(scale=mods.scale, block_size=ctx.block_size,
+                               model_mask=mods.mask, kernel_options=ctx.kernel_options,
+                               score_mod=mods.score_mod, mask_buffers=len(mods.mask_bufs),
+                               return_lse=True,
+                               interleave_heads=ctx.interleave_heads, window=mods.window,
+                               name=f"tree_part_flex_attention_{site.anchor.name}")
+    bufs = _part_buffers(ctx, (*mods.mask_bufs, *mods.score_bufs))
+    note = mods.note + ", keys and values of earlier parts' context"
+    return g.call_function(fn, (site.q, k, v, ck, cv, se, pos, *bufs)), note
+
+
+def _part_context(ctx: GraphContext, site: AttentionSite, k: fx.Node, v: fx.Node):
+    """The context's keys and values of a part's site [1, heads, A, dim] (``k`` and ``v``
+    the part's own, registered to be handed on)."""
+    kv, vv = example(k), example(v)
+    if kv is None or vv is None or kv.dim() != 4 or not same_size(kv.shape[0], 1):
+        raise _fail(site.anchor, "in parts (treefx.backward) keys must be [1, heads, "
+                                 "tokens, dim]")
+    hk, dk, dv = int(kv.shape[1]), int(kv.shape[3]), int(vv.shape[3])
+    return ctx.part.context(ctx, k, hk, dk), ctx.part.context(ctx, v, hk, dv)
+
+
+def _part_buffers(ctx: GraphContext, bufs) -> tuple:
+    """A part's mask and score buffers in ``ctx``'s graph. The all-ones padding mask treefx
+    gives the model is read at positions of the extended row, which may pass the part's own
+    length: it becomes all ones of that length."""
+    pos = ctx.part.ext(ctx, "positions")
+    return tuple(ctx.graph.call_function(ones_for_positions, (pos, ctx.local(b)))
+                 if is_all_ones_input(b) else ctx.local(b) for b in bufs)
+
+
+# ---------------------------------------------------------------------------- state
+
+class TreeRecurrencePartCall:
+    """A registered kernel over one part of a tree (eager backend): returns (what the kernel
+    returns, the exit states)."""
+
+    def __init__(self, rec):
+        self.rec = rec
+        self.__name__ = f"tree_recurrence_part_{rec.name}"
+
+    def __call__(self, parent_local, state_entry, state_exit, context_states, *args, **kwargs):
+        return tree_recurrence_part(self.rec, parent_local, state_entry, state_exit,
+                                    context_states, args, kwargs)
+
+    def __repr__(self):
+        return self.__name__
+
+
+def _state_spec(rec, node: fx.Node):
+    """(shape, dtype) of one node's state for the kernel at ``node``, from a run of the
+    kernel on meta tensors of two tokens."""
+    bound = rec.bind(fx.map_arg(node.args, example), fx.map_arg(node.kwargs, example))
+
+    def meta(name, v):
+        if not isinstance(v, torch.Tensor):
+            return v
+        shape = [s if isinstance(s, int) else (s.node.hint or 2) for s in v.shape]
+        if name in rec.seq_args:
+            shape[rec.seq_args[name]] = 2
+        return torch.empty(shape, dtype=v.dtype, device="meta")
+
+    args = {k: meta(k, v) for k, v in bound.items()
+            if k not in (rec.initial_state, rec.output_final_state)}
+    try:
+        _, fin = rec.run(**args, **{rec.initial_state: None, rec.output_final_state: True})
+    except Exception as e:  # noqa: BLE001
+        raise state_error(node, f"in parts (treefx.backward) the state's shape is read from a run "
+                               f"of the kernel on meta tensors, which failed ({type(e).__name__}: "
+                               f"{e})") from None
+    return tuple(int(x) for x in fin.shape[1:]), fin.dtype
+
+
+def _rewrite_part_recurrence(ctx: GraphContext, node: fx.Node, rec) -> fx.Node:
+    part = ctx.part
+    g = ctx.graph
+    shape, dtype = _state_spec(rec, node)
+    with g.inserting_before(node):
+        init = part.state_in(ctx, shape, dtype)
+        parent = part.parent_local(ctx)
+        head = (parent, ctx.local(part.state_entry), ctx.local(part.state_exit), init)
+        if ctx.backend == "eager":
+            pair = g.call_function(TreeRecurrencePartCall(rec), (*head, *node.args),
+                                   node.kwargs)
+        else:  # one opaque op under AOTAutograd, as for whole trees
+            key, tensors = traced_site(rec, node)
+            pair = g.call_function(TracedTreeRecurrencePart(key), (*head, *tensors))
+        new = g.call_function(operator.getitem, (pair, 0))
+        exits = g.call_function(operator.getitem, (pair, 1))
+        part.state_out(ctx, exits)
+    return new
+
+
+def recurrence(ctx: GraphContext, site: RecurrenceSite) -> fx.Node:
+    """A registered kernel over the part: each entry's state from the context, the exit
+    states handed on."""
+    ctx.parent_token()  # (the shared node every recurrence site of the graph reads)
+    with ctx.graph.inserting_before(site.node):
+        new = _rewrite_part_recurrence(ctx, site.node, site.rec)
+    return replace_recurrence(ctx, site, new)
+
+
+def path_sum(ctx: GraphContext, site: PathSumSite):
+    """Not supported in parts: an error naming the node."""
+    raise state_error(site.node, "in parts (treefx.backward) a cumulative sum along the "
+                                 "tokens (positions the model counts itself) is not "
+                                 "supported yet; pass position ids (pass_position_ids=True)")
+
+
+def conv(ctx: GraphContext, site: ConvSite) -> fx.Node:
+    """A causal conv1d over the context's inputs (from earlier parts) and the part's own."""
+    g = ctx.graph
+    x, node = site.x, site.conv
+    ctx.parent_token()  # (as for a whole tree)
+    with g.inserting_before(site.cut):
+        xv = example(x)
+        if xv.dim() != 3 or not same_size(xv.shape[0], 1):
+            raise state_error(node, "in parts (treefx.backward) a conv's input must be "
+                                    "[1, channels, tokens]")
+        cx = ctx.part.channels(ctx, x, int(xv.shape[1]))
+        new = g.call_function(tree_causal_conv1d_context,
+                              (cx, x, site.weight, site.bias, ctx.part.ext(ctx, "parent")))
+    return replace_conv(ctx, site, new)
+
+
+# ---------------------------------------------------------------------------- key selection
+
+def key_selection(ctx: GraphContext, site: KeySelectionSite):
+    """Not supported in parts: an error naming the top-k."""
+    raise selection_error(site.topk, "is not supported in parts (treefx.backward with "
+                                     "max_tokens): the selection would need the earlier "
+                                     "parts' index keys; train this model on whole batches")
+
+
+# ---------------------------------------------------------------------------- loss
+
+def loss(ctx: GraphContext, site: LossSite) -> fx.Node:
+    """A part predicts the tokens whose predecessor it holds: label row, token id and weight
+    for each (its own tokens and the first ones of later parts)."""
+    parent, ids = (ctx.shared(("part_label", i), lambda c, i=i: c.graph.call_function(
+        operator.getitem, (c.part_labels, i))) for i in (0, 1))
+    return emit_loss(ctx, site, parent, ids)
+
+
+def logprobs(ctx: GraphContext, site: LogprobsSite) -> fx.Node:
+    """The part's log-probabilities (a part's labels are mostly trained tokens)."""
+    return emit_logprobs(ctx, site, in_part=True)
+
+
+_LOWERINGS = {AttentionSite: attention, RecurrenceSite: recurrence, PathSumSite: path_sum,
+              ConvSite: conv, KeySelectionSite: key_selection, LossSite: loss,
+              LogprobsSite: logprobs}
+
+
+def lower(ctx: GraphContext, site) -> None:
+    """Lower one site of any kind for a part of a tree."""
+    _LOWERINGS[type(site)](ctx, site)

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from .common import (
+from ..graph import (
     GraphContext,
     TreeCompileError,
     describe,

@@ -1,0 +1,291 @@
+"""Lowering for the whole tree (:func:`treefx.compile`, :func:`treefx.step`): each site
+becomes its tree op, eager (dense tree mask, plain torch) or for FlexAttention and
+AOTAutograd (block masks, opaque recurrence ops), as the backend asks."""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from ...mask import dense_tree_mask, tree_block_tensors
+from ...ops.attention import TreeFlexAttention, TreeScoredAttention, tree_attention_dense
+from ...ops.conv import tree_causal_conv1d
+from ...ops.recurrence import TracedTreeRecurrence, tree_recurrence
+from ...ops.scan import tree_cumsum
+from ..graph import GraphContext, arg, attention_error, describe, example, set_example
+from ..mask_lift import LiftedScore, MaskLiftError, implied_by_tree, lift_mask
+from ..sites import (
+    AttentionSite,
+    ConvSite,
+    KeySelectionSite,
+    LogprobsSite,
+    LossSite,
+    PathSumSite,
+    RecurrenceSite,
+)
+from .shared import (
+    add_bias,
+    chain_module,
+    check_mask_sources,
+    emit_logprobs,
+    emit_loss,
+    kv_for_flex,
+    mask_value,
+    replace_conv,
+    replace_recurrence,
+    rewrite_scored,
+    score_mods,
+    score_sides,
+    side_for_flex,
+    traced_site,
+    window_note,
+)
+
+__all__ = ["TreeRecurrenceCall", "attention", "conv", "key_selection", "logprobs", "loss",
+           "lower", "path_sum", "recurrence"]
+
+_fail = attention_error
+
+
+# ---------------------------------------------------------------------------- attention
+
+def attention(ctx: GraphContext, site: AttentionSite) -> fx.Node:
+    """Tree attention over the whole tree: SDPA with the dense tree mask on the eager backend,
+    FlexAttention with the tree's block mask otherwise; the model's mask kept (evaluated at
+    path positions) or dropped when the tree implies it; the general (scored) form with the
+    model's score ops replayed."""
+    if site.scored is not None:
+        return rewrite_scored(ctx, site, _scored_eager if ctx.backend == "eager"
+                              else _scored_flex)
+    g = ctx.graph
+    k = site.k
+    with g.inserting_before(site.out):
+        if site.kind == "eager-kT":
+            k = g.call_method("transpose", (k, -2, -1))
+        mask = mask_value(ctx, site) if site.mask is not None else None
+        note = site.kind
+        lifted, bufs, lift_error = None, (), None
+        if mask is not None:
+            check_mask_sources(ctx, site, mask)
+            try:
+                lifted, bufs = lift_mask(ctx, mask)
+            except MaskLiftError as e:
+                lift_error = e
+            if lifted is not None and implied_by_tree(lifted, bufs):
+                # Causal in positions: the tree mask implies it. Dropping it keeps the
+                # tree's full blocks (no mask_mod work there) and the dense mask small.
+                mask, lifted, bufs = None, None, ()
+                note += ", model mask implied by the tree"
+            elif mask is not None:
+                note += ", model mask kept (evaluated at path positions)"
+            bufs = tuple(ctx.local(b) for b in bufs)
+        if ctx.backend == "eager":
+            tree = ctx.shared("dense_tree_mask",
+                              lambda c: c.graph.call_function(dense_tree_mask, (c.subtree_end,)))
+            new = g.call_function(
+                tree_attention_dense, (site.q, k, site.v, tree, mask),
+                {"scale": site.scale, "enable_gqa": site.enable_gqa},
+            )
+        else:
+            score_mod, score_bufs = None, ()
+            if mask is not None and lifted is None:
+                # An additive mask that carries a bias (Falcon adds its ALiBi into it): the
+                # bias at path positions, added to the scores by a score_mod.
+                try:
+                    value, vbufs = side_for_flex(ctx, mask)
+                except MaskLiftError as e:
+                    raise _fail(site.anchor, f"its model-built attention mask cannot be lifted "
+                                             f"into a FlexAttention mask_mod ({lift_error}) nor "
+                                             f"a score_mod ({e}); use backend='eager' for this "
+                                             "model") from None
+                score_mod = LiftedScore(add_bias, [(value, len(vbufs))])
+                score_bufs = tuple(ctx.local(b) for b in vbufs)
+                note += (", applied to the scores by the score_mod"
+                         if example(mask).dtype == torch.bool
+                         else ", added to the scores by the score_mod")
+            window, more = window_note(lifted)
+            note += more
+            blocks = _block_nodes(ctx, full=lifted is None, window=window)
+            fn = TreeFlexAttention(scale=site.scale, block_size=ctx.block_size,
+                                   model_mask=lifted, kernel_options=ctx.kernel_options,
+                                   interleave_heads=ctx.interleave_heads,
+                                   score_mod=score_mod, mask_buffers=len(bufs),
+                                   name=f"tree_flex_attention_{site.anchor.name}")
+            k, v, shared_kv = kv_for_flex(site, k)
+            if shared_kv:
+                note += ", KV heads shared by FlexAttention (the model's repeat undone)"
+            kv = example(k)
+            if ctx.interleave_heads is not False and (kv is None or kv.shape[1] != 1) and (
+                    score_mod is None):
+                note += (", KV heads interleaved along the row"
+                         + (" where gradients are computed" if ctx.interleave_heads is None
+                            else ""))
+            new = g.call_function(fn, (site.q, k, v, *blocks, *bufs, *score_bufs))
+    new.meta.update({k_: v_ for k_, v_ in site.out.meta.items()
+                     if k_ in ("nn_module_stack", "stack_trace", "example_value")})
+    ctx.record("attention", site.anchor, describe(new), note=note)
+    site.out.replace_all_uses_with(new)
+    return new
+
+
+def _scored_eager(ctx: GraphContext, site: AttentionSite):
+    """The general form on the eager backend: the model's score ops, then the dense tree
+    mask, in one op that returns the attention and its log-sum-exp."""
+    g = ctx.graph
+    sc = site.scored
+    tree = ctx.shared("dense_tree_mask",
+                      lambda c: c.graph.call_function(dense_tree_mask, (c.subtree_end,)))
+    sides = score_sides(sc.chain, sc.scores)
+    fn = TreeScoredAttention(chain_module(sc.chain, sc.scores, sides),
+                             name=f"tree_scored_attention_{site.anchor.name}")
+    return g.call_function(fn, (sc.scores, site.v, tree, *sides)), ""
+
+
+def _scored_flex(ctx: GraphContext, site: AttentionSite):
+    """FlexAttention for the general form: the score ops as a ``score_mod`` (their masks and
+    biases evaluated at path positions), a final mask as the ``mask_mod``."""
+    g = ctx.graph
+    mods = score_mods(ctx, site)
+    k = site.k
+    if site.kind.endswith("-kT"):
+        k = g.call_method("transpose", (k, -2, -1))
+    blocks = _block_nodes(ctx, full=mods.mask is None, window=mods.window)
+    fn = TreeFlexAttention(scale=mods.scale, block_size=ctx.block_size,
+                           model_mask=mods.mask, score_mod=mods.score_mod,
+                           mask_buffers=len(mods.mask_bufs), return_lse=True,
+                           kernel_options=ctx.kernel_options,
+                           interleave_heads=ctx.interleave_heads if mods.score_mod is None
+                           else False,
+                           name=f"tree_flex_attention_{site.anchor.name}")
+    k, v, shared_kv = kv_for_flex(site, k)
+    note = mods.note
+    if shared_kv:
+        note += ", KV heads shared by FlexAttention (the model's repeat undone)"
+    bufs = tuple(ctx.local(b) for b in (*mods.mask_bufs, *mods.score_bufs))
+    return g.call_function(fn, (site.q, k, v, *blocks, *bufs)), note
+
+
+def _block_nodes(ctx: GraphContext, *, full: bool, window: int | None = None):
+    """Shared nodes: the tree's block-mask tensors and the padded tree tensors. ``window``:
+    the model's mask admits no pair farther apart (:func:`window_of`), so key blocks beyond
+    it are left out."""
+    def make(c: GraphContext):
+        g = c.graph
+        kwargs = {"full": full}
+        if window is not None:
+            kwargs.update(positions=c.positions, window=window)
+        t = g.call_function(tree_block_tensors, (c.subtree_end, c.block_size), kwargs)
+        parts = [g.call_function(operator.getitem, (t, i)) for i in range(5)]
+        # parts[4]: subtree_end padded to the block tensors' blocks; the positions likewise.
+        # (torch.ops.treefx.pad_to_block is registered by importing ..mask)
+        pos = g.call_function(torch.ops.treefx.pad_to_block.default,
+                              (c.positions, c.block_size))
+        return (*parts, pos)
+
+    return ctx.shared(("blocks", full, window), make)
+
+
+# ---------------------------------------------------------------------------- state
+
+class TreeRecurrenceCall:
+    """A registered kernel, run over the tree (eager backend)."""
+
+    def __init__(self, rec):
+        self.rec = rec
+        self.__name__ = f"tree_recurrence_{rec.name}"
+
+    def __call__(self, parent_token, *args, **kwargs):
+        return tree_recurrence(self.rec, parent_token, args, kwargs)
+
+    def __repr__(self):
+        return self.__name__
+
+
+def recurrence(ctx: GraphContext, site: RecurrenceSite) -> fx.Node:
+    """A registered kernel over the tree: eagerly (:func:`treefx.ops.recurrence.
+    tree_recurrence`), or as one opaque op AOTAutograd traces (the tree's structure is
+    data)."""
+    g = ctx.graph
+    node, rec = site.node, site.rec
+    parent = ctx.parent_token()
+    with g.inserting_before(node):
+        if ctx.backend == "eager":
+            new = g.call_function(TreeRecurrenceCall(rec), (parent, *node.args), node.kwargs)
+        else:
+            key, tensors = traced_site(rec, node)
+            new = g.call_function(TracedTreeRecurrence(key), (parent, *tensors))
+    return replace_recurrence(ctx, site, new)
+
+
+def path_sum(ctx: GraphContext, site: PathSumSite) -> fx.Node:
+    """A cumulative sum along the tokens as a sum along each token's path."""
+    g = ctx.graph
+    node = site.node
+    parent, se = ctx.parent_token(), ctx.subtree_end
+    with g.inserting_before(node):
+        new = g.call_function(tree_cumsum, (node.args[0], site.dim, parent, se),
+                              {"dtype": arg(node, 2, "dtype")})
+    new.meta.update(node.meta)
+    ctx.record("ssm", node, describe(new), note="cumulative sum along each path")
+    node.replace_all_uses_with(new)
+    g.erase_node(node)
+    return new
+
+
+def conv(ctx: GraphContext, site: ConvSite) -> fx.Node:
+    """A causal conv1d reading each token's tree predecessors."""
+    parent = ctx.parent_token()
+    with ctx.graph.inserting_before(site.cut):
+        new = ctx.graph.call_function(tree_causal_conv1d,
+                                      (site.x, site.weight, site.bias, parent))
+    return replace_conv(ctx, site, new)
+
+
+# ---------------------------------------------------------------------------- key selection
+
+def key_selection(ctx: GraphContext, site: KeySelectionSite) -> None:
+    """The tree mask ANDed into the mask of the top-k's scores: each query's row holds its
+    ancestors only."""
+    g = ctx.graph
+    x, how, mask = site.x, site.how, site.mask
+    with g.inserting_before(x):
+        tree = ctx.shared("dense_tree_mask",
+                          lambda c: c.graph.call_function(dense_tree_mask, (c.subtree_end,)))
+        if how == "allowed":
+            new = g.call_function(torch.logical_and, (mask, tree))
+        elif how == "blocked":
+            new = g.call_function(torch.logical_or,
+                                  (mask, g.call_function(torch.logical_not, (tree,))))
+        else:
+            low = torch.finfo(example(mask).dtype).min
+            new = g.call_function(torch.masked_fill,
+                                  (mask, g.call_function(torch.logical_not, (tree,)), low))
+        set_example(new)
+    x.replace_input_with(mask, new)
+    ctx.record("selection", site.topk, describe(x),
+               note=f"the top-k's {how} mask ANDed with the tree: each query's row holds "
+                    "its ancestors only")
+
+
+# ---------------------------------------------------------------------------- loss
+
+def loss(ctx: GraphContext, site: LossSite) -> fx.Node:
+    """The weighted tree loss, gathered at ``parent_token``."""
+    return emit_loss(ctx, site, ctx.parent_token(), ctx.input_ids)
+
+
+def logprobs(ctx: GraphContext, site: LogprobsSite) -> fx.Node:
+    """The tree's log-probabilities (fused with the output projection where it can be)."""
+    return emit_logprobs(ctx, site, in_part=False)
+
+
+_LOWERINGS = {AttentionSite: attention, RecurrenceSite: recurrence, PathSumSite: path_sum,
+              ConvSite: conv, KeySelectionSite: key_selection, LossSite: loss,
+              LogprobsSite: logprobs}
+
+
+def lower(ctx: GraphContext, site) -> None:
+    """Lower one site of any kind for the whole tree."""
+    _LOWERINGS[type(site)](ctx, site)

@@ -1,0 +1,132 @@
+"""Hugging Face's recurrent kernels: the torch fallbacks of Gated DeltaNet, Kimi Delta
+Attention, Mamba2's chunked scan and Mamba's selective scan, registered as recurrences
+(:mod:`treefx.compiler.recurrences`): by name wherever a model defines them (a kernel family),
+and lazily, once transformers is imported, in the modeling modules known today."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+
+from ..compiler.recurrences import (
+    Recurrence,
+    add_builtins,
+    register_if_compatible,
+    register_kernel_family,
+)
+from ..ops.selective_scan import selective_scan
+
+__all__ = ["FAMILIES", "MODELS", "register_builtins"]
+
+
+def _import(path: str):
+    try:
+        return importlib.import_module(path)
+    except ImportError:
+        return None
+
+
+def _fla_gated_delta_rule(seq: dict, static: dict, initial_state, cu_seqlens):
+    """Gated DeltaNet over variable-length nodes with fla's chunked kernel (CUDA)."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    extra = {k: static[k] for k in ("scale", "use_qk_l2norm_in_kernel")
+             if static.get(k) is not None}
+    return chunk_gated_delta_rule(seq["query"], seq["key"], seq["value"], g=seq["g"],
+                                  beta=seq["beta"], initial_state=initial_state,
+                                  output_final_state=True, cu_seqlens=cu_seqlens, **extra)
+
+
+def _has_fla() -> bool:
+    return importlib.util.find_spec("fla") is not None
+
+
+def _delta_rule(name: str, fn, varlen=None) -> Recurrence:
+    """A delta-rule kernel in Gated DeltaNet's signature: ``(query, key, value, g, beta, ...,
+    initial_state, output_final_state)``, each [B, N, ...]. ``g`` is a log decay (0: keep the
+    state), ``beta`` the update rate (0: no update), so zeros pad a node neutrally."""
+    return Recurrence(
+        name=name,
+        fn=fn,
+        seq_args={"query": 1, "key": 1, "value": 1, "g": 1, "beta": 1},
+        output_like="value",
+        neutral={"g": 0.0, "beta": 0.0},
+        varlen=varlen,
+    )
+
+
+def _gated_delta_rule(owner: str, fn) -> Recurrence:
+    """Hugging Face's torch Gated DeltaNet kernel (``torch_chunk_gated_delta_rule``)."""
+    return _delta_rule(f"{owner}_gated_delta_rule", fn,
+                       varlen=_fla_gated_delta_rule if _has_fla() else None)
+
+
+def _kimi_delta_attention(owner: str, fn) -> Recurrence:
+    """Hugging Face's torch Kimi Delta Attention kernel (``chunk_kimi_delta_attention``,
+    Kimi-Linear and Bailing-hybrid): the gated delta rule with a decay per key channel
+    (``g`` [B, N, H, K] instead of [B, N, H])."""
+    return _delta_rule(f"{owner}_kimi_delta_attention", fn)
+
+
+def _mamba2_chunk_scan(owner: str, fn) -> Recurrence:
+    """Hugging Face's torch Mamba2 chunked scan (``mamba2_chunk_scan``)."""
+    return Recurrence(
+        name=f"{owner}_mamba2_chunk_scan",
+        fn=fn,
+        seq_args={"hidden_states": 1, "dt": 1, "B": 1, "C": 1},
+        # dt = -inf: softplus gives a step of 0, so the state neither decays nor takes input
+        # (x·dt = 0, exp(A·dt) = 1); padded x is 0. A model that clamps dt from below makes
+        # this padding non-neutral: measured per kernel (ops.recurrence.padding_is_neutral).
+        neutral={"dt": float("-inf")},
+        initial_state="initial_states",
+        output_final_state="return_final_states",
+        bare_output_without_state=True,
+    )
+
+
+def _mamba_selective_scan(owner: str, fn) -> Recurrence:
+    """Hugging Face's torch Mamba (v1) selective scan (``mamba_selective_scan``, after
+    mamba_ssm's ``selective_scan_fn``). It has no initial state, so the tree runs treefx's own
+    selective scan (:func:`treefx.ops.selective_scan.selective_scan`) with the same arguments."""
+    return Recurrence(
+        name=f"{owner}_mamba_selective_scan",
+        fn=fn,
+        seq_args={"hidden_states": 2, "dt": 2, "B": 2, "C": 2, "z": 2},
+        output_seq_dim=2,
+        output_like="hidden_states",
+        # dt = -inf: after the bias and softplus a step of 0 (exp(A·0) = 1, no input), as for
+        # Mamba2. Without delta_softplus it is not neutral: measured (padding_is_neutral).
+        neutral={"dt": float("-inf")},
+        initial_state="initial_state",
+        output_final_state="return_last_state",
+        bare_output_without_state=True,
+        tree_fn=selective_scan,
+    )
+
+
+# The kernel families treefx recognises by name wherever a model defines them.
+FAMILIES = {"torch_chunk_gated_delta_rule": _gated_delta_rule,
+             "chunk_kimi_delta_attention": _kimi_delta_attention,
+             "mamba2_chunk_scan": _mamba2_chunk_scan,
+             "mamba_selective_scan": _mamba_selective_scan}
+# The Hugging Face models whose modeling modules define one of them today.
+MODELS = ("qwen3_next", "qwen3_5", "mamba2", "bamba", "falcon_h1", "granitemoehybrid",
+          "nemotron_h", "zamba2", "mamba", "falcon_mamba", "jamba", "zamba")
+
+
+def register_builtins() -> None:
+    """The torch fallbacks of Hugging Face's hybrid layers known today (others are recognised
+    when a model is compiled: :func:`treefx.compiler.recurrences.discover`). Modules that are
+    missing, or whose kernel has another signature, are skipped."""
+    for model in MODELS:
+        path = f"transformers.models.{model}.modeling_{model}"
+        mod = _import(path)
+        for attr, make in FAMILIES.items():
+            fn = getattr(mod, attr, None)
+            if fn is not None:
+                register_if_compatible(make(model, fn), sites=[(path, attr)])
+
+
+for _attr, _make in FAMILIES.items():
+    register_kernel_family(_attr, _make)
+add_builtins(register_builtins)
