@@ -12,7 +12,7 @@ from support import VOCAB, grads, hf_model
 
 import treefx
 from treefx import parts
-from treefx.part_run import runners
+from treefx.run.backward import runners
 from treefx.models import enable_activation_checkpointing
 from treefx.ops.attention import TreePartFlexAttention
 from treefx.ops.embedding import part_embedding
@@ -90,13 +90,13 @@ def test_every_token_is_embedded_once_and_gradients_accumulate(monkeypatch):
     batch = treefx.pack(trees)
     assert all(p.num_tokens > 1 for p in parts.plan(batch, 24).parts)
     embedded = []
-    call = treefx.part_run.PartRunner.__call__
+    call = treefx.run.backward.PartRunner.__call__
 
     def counting(self, t, *rest):
         embedded.append(t["input_ids"].clone())
         return call(self, t, *rest)
 
-    monkeypatch.setattr(treefx.part_run.PartRunner, "__call__", counting)
+    monkeypatch.setattr(treefx.run.backward.PartRunner, "__call__", counting)
     treefx.backward(tm, trees, max_tokens=24)
     # Each part's graph embeds its own ids, and nothing else: one lookup, whose gradient goes
     # to the part's rows (added into .grad at its ids, not a dense gradient per part)
@@ -298,7 +298,7 @@ def test_flex_attention_part_sites_match_the_oracle(name, monkeypatch):
     """The inductor backend's part graph (FlexAttention over [context; part], the window as
     its mask_mod), run op by op on the CPU: FlexAttention's eager form differentiates there,
     Inductor's kernels need a GPU (benchmarks/parts.py checks those)."""
-    monkeypatch.setattr(treefx.backends, "compile_graph", lambda backend, gm, ex: gm.forward)
+    monkeypatch.setattr(treefx.run.backends, "compile_graph", lambda backend, gm, ex: gm.forward)
     monkeypatch.setenv("TREEFX_INDUCTOR_ON_CPU", "1")  # the inductor backend's graph on the CPU
     model = hf_model(name, "sdpa")
     tm = treefx.compile(model, backend="inductor", verify=False)
@@ -318,7 +318,7 @@ def test_flex_part_sink_sites_keep_the_usual_layout(monkeypatch):
     Inductor's backward on the H100), and match the oracle."""
     from test_scored_attention import scored_model
 
-    monkeypatch.setattr(treefx.backends, "compile_graph", lambda backend, gm, ex: gm.forward)
+    monkeypatch.setattr(treefx.run.backends, "compile_graph", lambda backend, gm, ex: gm.forward)
     monkeypatch.setenv("TREEFX_INDUCTOR_ON_CPU", "1")  # the inductor backend's graph on the CPU
     tm = treefx.compile(scored_model("gpt_oss"), backend="inductor", verify=False)
     _check(tm, odd_forest(3, VOCAB), 7)
@@ -333,7 +333,7 @@ def test_flex_part_sites_leave_blocks_beyond_the_window_out(monkeypatch):
     gradients still match the oracle."""
     from test_window_blocks import long_trees
 
-    monkeypatch.setattr(treefx.backends, "compile_graph", lambda backend, gm, ex: gm.forward)
+    monkeypatch.setattr(treefx.run.backends, "compile_graph", lambda backend, gm, ex: gm.forward)
     monkeypatch.setenv("TREEFX_INDUCTOR_ON_CPU", "1")  # the inductor backend's graph on the CPU
     tm = treefx.compile(hf_model("mistral", "sdpa"), backend="inductor", verify=False,
                         block_size=16)
@@ -408,7 +408,7 @@ def test_step_in_parts_refuses_a_result_that_is_not_the_loss():
 def test_part_embedding_gradient_rows_equal_the_dense_gradient():
     """The part's rows of the embedding gradient, summed per id and added at its ids, equal
     F.embedding's dense gradient (duplicates summed, the padding id's row left out)."""
-    from treefx.part_run import _add_embedding_grad
+    from treefx.run.backward import _add_embedding_grad
 
     torch.manual_seed(0)
     weight = torch.randn(11, 6, requires_grad=True)

@@ -115,7 +115,7 @@ def test_shape_guards_are_checked_on_every_call():
     long = [treefx.Tree.from_sequences([[1 + (i + j) % 60 for j in range(30)]
                                         for i in range(4)])]
     batch = treefx.pack(long)
-    assert not graph.accepts((batch.input_ids, treefx.engine.tree_info(batch)))
+    assert not graph.accepts((batch.input_ids, treefx.run.engine.tree_info(batch)))
     with pytest.raises(treefx.TreeCompileError, match=r"row of \d+ tokens.*table's length"):
         tm(batch)
 

@@ -122,9 +122,12 @@ LAYERS = [
     # one file per model family's knowledge: a family imports the compiler (and registers
     # into it, or into the oracle: hf_flex), never the reverse
     {"treefx.families", "treefx.families.*"},
-    {"treefx.backends", "treefx.verification"},
-    {"treefx.engine", "treefx.regional"},
-    {"treefx.tree_model", "treefx.step", "treefx.rl", "treefx.part_run", "treefx.distributed"},
+    {"treefx.run.backends", "treefx.verification"},
+    # the run layer: the capture environment, the engine, regional execution
+    {"treefx.run", "treefx.run.capture", "treefx.run.engine", "treefx.run.regional"},
+    # the front ends (compile, step, backward) and the user modules beside them
+    {"treefx.run.model", "treefx.run.step", "treefx.rl", "treefx.run.backward",
+     "treefx.distributed"},
     # the user API and the example models
     {"treefx", "treefx.models", "treefx.models.*"},
     # the tools (the root package reaches treefx.debug, .explain and .synth lazily, by name),
@@ -164,7 +167,7 @@ def test_the_check_finds_a_cycle():
     assert cycles({"a": {"b"}, "b": set()}) == []
 
 
-@pytest.mark.parametrize("module", ["treefx.engine", "treefx.tools.debug.page",
+@pytest.mark.parametrize("module", ["treefx.run.engine", "treefx.tools.debug.page",
                                     "treefx.compiler.find.loss"])
 def test_the_graph_sees_imports(module):
     assert import_graph()[module], module

@@ -13,7 +13,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 zoo = importlib.import_module("treefx.tools.zoo")
-compile_module = importlib.import_module("treefx.tree_model")
+compile_module = importlib.import_module("treefx.run.model")
 
 
 @pytest.mark.parametrize("model_type", ["qwen3", "gpt2", "llama"])

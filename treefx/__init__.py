@@ -7,7 +7,7 @@ from . import data, distributed, parts, reference, rl
 from ._version import __version__
 from .compiler.recurrences import Recurrence, register_recurrence
 from .layout import TreeBatch, pack
-from .part_run import backward
+from .run.backward import backward
 from .partition import err, partition, partition_ids
 from .compiler import (
     GraphBreakError,
@@ -18,11 +18,11 @@ from .compiler import (
 )
 from .compiler.recurrences import Recurrence, register_recurrence
 from .layout import TreeBatch, pack
-from .part_run import backward
+from .run.backward import backward
 from .partition import err, partition, partition_ids
-from .step import TreeStep, step
+from .run.step import TreeStep, step
 from .tree import Tree, bound, por, read_jsonl, write_jsonl
-from .tree_model import TreeModel, TreeOutput, compile, tree_loss, verify
+from .run.model import TreeModel, TreeOutput, compile, tree_loss, verify
 from .verification import Tolerance, TreeVerificationError, VerificationReport, probe_forest
 
 # Quiet unless the application configures logging (logger "treefx").

@@ -28,7 +28,7 @@ __all__ = ["Compiled", "PartFindings", "PartLayout", "Plan"]
 
 @dataclass(frozen=True)
 class PartLayout:
-    """The context buffers of a part's graph (:mod:`treefx.part_run`): the width and dtype of
+    """The context buffers of a part's graph (:mod:`treefx.run.backward`): the width and dtype of
     the per-token columns (every attention site's keys and values, every conv's inputs, side by
     side) and of the per-state columns (every recurrence's state)."""
 

@@ -57,7 +57,7 @@ import torch
 
 from .layout import TreeBatch
 from .tree import Tree
-from .tree_model import TreeOutput
+from .run.model import TreeOutput
 
 __all__ = [
     "KL_ESTIMATORS",

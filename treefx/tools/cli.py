@@ -459,7 +459,7 @@ def _check_backend(backend: str, device) -> None:
     """``--backend inductor`` runs on CUDA only (FlexAttention and Inductor's GPU kernels)."""
     import torch
 
-    from ..backends import inductor_on_cpu
+    from ..run.backends import inductor_on_cpu
 
     if backend == "inductor" and device.type != "cuda" and not inductor_on_cpu():
         where = ("CUDA is not available here" if not torch.cuda.is_available() else
@@ -523,8 +523,8 @@ def cmd_check(args) -> int:
     import torch
 
     from ..compiler import TreeCompileError
-    from ..tree_model import compile as tree_compile
-    from ..tree_model import verify
+    from ..run.model import compile as tree_compile
+    from ..run.model import verify
     from ..verification import VerificationUnavailable
 
     _check_num_trees(args)

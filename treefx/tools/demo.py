@@ -10,7 +10,7 @@ import torch
 from .. import reference
 from ..layout import pack
 from ..models import tiny_decoder
-from ..tree_model import compile, tree_loss
+from ..run.model import compile, tree_loss
 from . import synth
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from ...engine import tree_info
+from ...run.engine import tree_info
 from ...layout import TreeBatch, pack
 from ...compiler.graph import (
     GraphBreakError,
@@ -27,9 +27,9 @@ from ...compiler.graph import (
     module_path,
 )
 from ...tree import Tree
-from ...tree_model import TreeModel, verify_default
-from ...tree_model import compile as tree_compile
-from ...tree_model import verify as verify_model
+from ...run.model import TreeModel, verify_default
+from ...run.model import compile as tree_compile
+from ...run.model import verify as verify_model
 from ...verification import VerificationReport, VerificationUnavailable
 from .display import (
     OUTSIDE,
@@ -279,7 +279,7 @@ def explain(model: torch.nn.Module, batch, *, backend: str = "auto", verify: boo
     recorded in the report, not raised. ``verify``: when the model compiled,
     also run :func:`treefx.verify` on its probe forest (values and gradients against each
     sequence run alone) and record the result in ``report.verification`` (default: as
-    ``treefx.compile`` decides, :func:`treefx.tree_model.verify_default`); its graph is
+    ``treefx.compile`` decides, :func:`treefx.run.model.verify_default`); its graph is
     reported too, labelled as the probe's (``report.graph_title``). The model's
     train/eval mode, parameters and gradients are left as they are."""
     if isinstance(batch, Tree) or isinstance(batch, (list, tuple)) and batch and isinstance(

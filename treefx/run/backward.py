@@ -19,7 +19,6 @@ model does itself).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import weakref
 from collections.abc import Callable, Iterable
@@ -28,16 +27,16 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from . import parts as parts_mod
+from .. import parts as parts_mod
 from .engine import TreeEngine, check_batch
-from .layout import TreeBatch, move_tensors, pack
-from .ops.logprobs import register_site, token_logprobs_site
-from .compiler import TreeCompileError
-from .compiler.lower.parts import PartLayoutMismatch, has_grad_hooks, part_outputs
-from .plan import PartLayout, Plan
-from .step import TreeStep, no_cache, step_batch, step_weights
-from .tree import Tree
-from .tree_model import TreeModel, TreeOutput, model_logits, tree_loss
+from ..layout import TreeBatch, move_tensors, pack
+from ..ops.logprobs import register_site, token_logprobs_site
+from ..compiler import TreeCompileError
+from ..compiler.lower.parts import PartLayoutMismatch, has_grad_hooks, part_outputs
+from ..plan import PartLayout, Plan
+from .step import TreeStep, step_batch, step_weights
+from ..tree import Tree
+from .model import TreeModel, TreeOutput, model_logits, tree_loss
 
 __all__ = ["PartRunner", "backward", "part_forward", "part_step_function", "runners"]
 
@@ -176,8 +175,7 @@ class PartRunner:
 
     def _run(self, engine: TreeEngine, t: dict, ctx_tok, ctx_state, sink):
         args, dynamic = self._args(t, ctx_tok, ctx_state, sink, engine.plan.grad_params)
-        with no_cache(self.model) if self.step else contextlib.nullcontext():
-            return engine(t["input_ids"].device, *args, dynamic=dynamic, discover_in=self.model)
+        return engine(t["input_ids"].device, *args, dynamic=dynamic, discover_in=self.model)
 
     def _settle(self, t: dict, created) -> None:
         """Find the layout and the gradient routing with empty context buffers (the first
@@ -344,7 +342,8 @@ def backward(tm: TreeModel, trees: Tree | Iterable[Tree] | TreeBatch, *, max_tok
     The first call for a compiled model checks the part graph on a small probe forest cut
     into parts against each sequence run alone (log-probabilities and gradients), unless the
     model was compiled with ``verify=False`` (or ``TREEFX_VERIFY=0``); the report is
-    ``treefx.part_run.runners(tm)[0].verification``. (A step is not checked: its loss is the user's code.)
+    ``treefx.run.backward.runners(tm)[0].verification`` (a step is not checked: its loss is
+    the user's code).
     """
     from . import regional
     from .engine import unwrap_compiled
@@ -480,8 +479,8 @@ def _verify_first_call(tm: TreeModel, runner: PartRunner) -> None:
     parts: the probe forest cut at a third of its tokens (boundaries inside nodes, context and
     state crossing them), log-probabilities and gradients against each sequence alone. The
     model's ``.grad``, buffers and random state are left as they were."""
-    from . import verification
-    from .verification import VerificationUnavailable, graph_draws_random
+    from .. import verification
+    from ..verification import VerificationUnavailable, graph_draws_random
 
     def tree_run(batch, chosen):
         lps = []
@@ -575,7 +574,7 @@ class _Incidence:
     which each part's keeps the coefficients of its predicted tokens."""
 
     def __init__(self, batch: TreeBatch):
-        from . import rl
+        from .. import rl
 
         self.rl = rl
         self.inc = rl.path_incidence(batch)

@@ -12,14 +12,14 @@ import torch
 
 from . import backends
 from . import regional as regional_mod
-from . import verification
+from .. import verification
 from .engine import TreeEngine, check_batch, tree_info, unwrap_compiled
-from .layout import TreeBatch
-from .ops.cross_entropy import tree_token_logprobs, weighted_logprob_loss
-from .ops.logprobs import register_site, token_logprobs_site
-from .compiler import GraphContext
-from .plan import Plan
-from .reference import logits_of
+from ..layout import TreeBatch
+from ..ops.cross_entropy import tree_token_logprobs, weighted_logprob_loss
+from ..ops.logprobs import register_site, token_logprobs_site
+from ..compiler import GraphContext
+from ..plan import Plan
+from ..reference import logits_of
 
 __all__ = ["compile", "TreeModel", "TreeOutput", "tree_loss", "verify", "verify_default"]
 
@@ -313,7 +313,7 @@ def compile(model: torch.nn.Module, *, backend: str = "auto", block_size: int = 
     passes them to: treefx passes ``attention_mask`` (all ones), ``position_ids`` and
     ``use_cache=False`` by it as for a model with that forward. PEFT's ``PeftModel`` needs
     none (its base model's forward is used); another such forward without it is an error.
-    ``regional``: run the tree graph block by block (:mod:`treefx.regional`): the passes
+    ``regional``: run the tree graph block by block (:mod:`treefx.run.regional`): the passes
     rewrite the whole captured forward, then it is cut at the decoder layers, each layer type
     is compiled once (compile time does not grow with depth), and each layer runs through its
     module's own call, where FSDP2 gathers and frees its parameters and DDP reduces its

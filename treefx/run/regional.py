@@ -55,7 +55,7 @@ import torch
 import torch.fx as fx
 
 from . import backends
-from .compiler import TreeCompileError
+from ..compiler import TreeCompileError
 
 __all__ = ["RegionalGraph", "build", "capture_state", "distributed_kind", "find_blocks",
            "unwrap_ddp"]

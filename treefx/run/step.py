@@ -12,17 +12,16 @@ same gradients. Called with anything else it is the plain function.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import torch
 
 from .engine import TreeEngine, check_batch, tree_info, unwrap_compiled
-from .layout import TreeBatch
-from .plan import Plan
+from ..layout import TreeBatch
+from ..plan import Plan
 from .regional import unwrap_ddp
 
-__all__ = ["step", "TreeStep", "no_cache", "step_batch", "step_weights"]
+__all__ = ["step", "TreeStep", "step_batch", "step_weights"]
 
 
 def step_function(user_fn):
@@ -58,26 +57,6 @@ def step_weights(batch: TreeBatch) -> torch.Tensor:
     return weights.to(torch.promote_types(weights.dtype, torch.float32))
 
 
-@contextlib.contextmanager
-def no_cache(model: torch.nn.Module):
-    """The model's configs with ``use_cache=False`` while a tree step runs (restored after):
-    a key/value or state cache of the DFS row means nothing on a tree, and filling one makes
-    a model branch on the token count (Qwen3-Next pads a short row's conv state)."""
-    changed, seen = [], set()
-    for module in model.modules():
-        cfg = getattr(module, "config", None)
-        if cfg is not None and id(cfg) not in seen:
-            seen.add(id(cfg))
-            if getattr(cfg, "use_cache", None) is True:
-                cfg.use_cache = False
-                changed.append(cfg)
-    try:
-        yield
-    finally:
-        for cfg in changed:
-            cfg.use_cache = True
-
-
 class TreeStep:
     """A training step compiled for trees (see :func:`step`)."""
 
@@ -106,10 +85,10 @@ class TreeStep:
         # Under DDP the step runs on the inner module; the wrapper's call wraps the run.
         model, wrapper = unwrap_ddp(held)
         check_batch(model, batch)
-        with no_cache(model):
-            result, _, _ = self.engine(batch.device, model, batch.input_ids, tree_info(batch),
-                                       step_weights(batch), *args, dynamic=(1, 2, 3), discover_in=model,
-                                       root=wrapper or model, **kwargs)
+        # the model runs without a cache (its configs' use_cache off: the capture environment)
+        result, _, _ = self.engine(batch.device, model, batch.input_ids, tree_info(batch),
+                                   step_weights(batch), *args, dynamic=(1, 2, 3),
+                                   discover_in=model, root=wrapper or model, **kwargs)
         return result
 
 

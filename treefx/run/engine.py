@@ -5,7 +5,7 @@ The capture traces one function around the model: it calls the model on the DFS 
 each token's log-probability at its tree predecessor. The tree tensors enter as one real graph
 input, ``tree_info`` [3, N] (positions, parent_token, subtree_end), so the passes can wire them
 into the nodes they rewrite. N is dynamic: trees of any size reuse one compiled graph.
-A compiled model (:mod:`treefx.tree_model`) and a compiled training step (:mod:`treefx.step`)
+A compiled model (:mod:`treefx.run.model`) and a compiled training step (:mod:`treefx.run.step`)
 share this engine.
 """
 
@@ -22,18 +22,15 @@ import torch
 import torch.fx as fx
 
 from . import backends, regional
-from . import families  # noqa: F401  (registers what treefx knows of model families)
-from .compiler import GraphBreakError, GraphContext, TreeCompileError, run_passes
-from .compiler.graph import example, graph_code, module_path
-from .compiler.lower.parts import PartSites, part_outputs
-from .compiler.recurrences import UnsupportedLayerError, capture_patches, discover
-from .families.hf_flex import eager_attention
-from .families.hf_hooks import install_output_hooks
-from .families.hf_packing import one_sequence_per_path
-from .layout import TreeBatch
-from .ops.attention import check_interleave_heads, check_kernel_options
-from .plan import Compiled, Plan
-from .reference import output_vocab_size, vocab_size
+from .. import families  # noqa: F401  (registers what treefx knows of model families)
+from .capture import capture_environment, no_cache, prepare_model
+from ..compiler import GraphBreakError, GraphContext, TreeCompileError, run_passes
+from ..compiler.graph import example, graph_code, module_path
+from ..compiler.lower.parts import PartSites, part_outputs
+from ..layout import TreeBatch
+from ..ops.attention import check_interleave_heads, check_kernel_options
+from ..plan import Compiled, Plan
+from ..reference import output_vocab_size, vocab_size
 
 __all__ = ["TreeEngine", "check_batch", "fresh_function", "tree_info", "unwrap_compiled"]
 
@@ -157,11 +154,16 @@ class TreeEngine:
         ``dynamic``: indices of the args whose last dim is the token count N; ``discover_in``:
         the model the function calls, made ready for capture once (:func:`prepare_model`);
         ``root``: what the user holds (the model, or its DDP wrapper), whose call wraps a
-        regional run (:mod:`treefx.regional`)."""
+        regional run (:mod:`treefx.run.regional`)."""
         backend = self.resolve_backend(device)
         if discover_in is not None and discover_in not in self._prepared:
             prepare_model(discover_in)
             self._prepared.add(discover_in)
+        with no_cache(discover_in) if self.plan.mode in ("step", "part-step") else \
+                contextlib.nullcontext():
+            return self._call(backend, args, dynamic, discover_in, root)
+
+    def _call(self, backend, args, dynamic, discover_in, root):
         if discover_in is not None and self.uses_regions(discover_in, root):
             return self._call_regional(backend, args, dynamic, discover_in, root)
         if backend not in self._callables:
@@ -172,9 +174,8 @@ class TreeEngine:
         _mark_dynamic(args, dynamic)
         runs = self._runs
         with self._errors(args, dynamic):
-            # Registered recurrent kernels appear as single marker nodes (treefx.kernels);
-            # the swap is in place on every call so that Dynamo's guards always see it.
-            with capture_environment(discover_in), self._shapes():
+            # entered on every call, not only the first: Dynamo's guards read the same state
+            with capture_environment(discover_in, self.plan):
                 out = self._callables[backend](*args)
         if self._runs == runs:
             raise TreeCompileError(
@@ -182,14 +183,6 @@ class TreeEngine:
                 "limit?). Its output would be silently wrong, so treefx stops here."
             )
         return out
-
-    def _shapes(self):
-        """Duck shaping (one symbol for equal sizes at capture) as the plan says."""
-        if self.plan.duck_shape:
-            return contextlib.nullcontext()
-        import torch.fx.experimental._config as fx_config
-
-        return fx_config.patch(use_duck_shape=False)
 
     def uses_regions(self, model: torch.nn.Module, root=None) -> bool:
         """Whether calls run regionally: ``regional=True``, or (``None``) a model sharded with
@@ -293,8 +286,8 @@ class TreeEngine:
         fn = torch.compile(self.make_traced(1000 + len(self.compiled)),
                            backend=compile_graph, fullgraph=True)
         _mark_dynamic(args, dynamic)
-        with self._errors(args, dynamic), regional.capture_state(model), \
-                capture_environment(model), torch._dynamo.config.patch(optimize_ddp=False):
+        with self._errors(args, dynamic), \
+                capture_environment(model, self.plan, regional_capture=True):
             returned = fn(*args)
         if "graph" not in holder:
             raise TreeCompileError("regional execution: the capture did not reach the backend")
@@ -303,34 +296,12 @@ class TreeEngine:
         return graph
 
 
-@contextlib.contextmanager
-def capture_environment(model: torch.nn.Module | None):
-    """What every capture (and every call of a captured graph: Dynamo's guards read it) runs
-    under: registered recurrent kernels swapped for their markers, treefx's compile config,
-    ``model``'s flex-attention configs on eager, Hugging Face's packed-sequence inference
-    finding one sequence per path."""
-    with capture_patches(), backends.capture_config(), eager_attention(model), \
-            one_sequence_per_path():
-        yield
-
-
 def _mark_dynamic(args, dynamic) -> None:
     """Sizes that vary per call: ``i`` (the last dim of ``args[i]``, the token count for the
     first) or ``(i, dim)``."""
     for i in dynamic:
         i, dim = i if isinstance(i, tuple) else (i, args[i].dim() - 1)
         torch._dynamo.maybe_mark_dynamic(args[i], dim)
-
-
-def prepare_model(model: torch.nn.Module) -> None:
-    """What a model needs before its first capture, done once per model (not per step): its
-    recurrent kernels recognised (:func:`treefx.kernels.discover`) and Hugging Face's
-    output-capturing hooks installed (:func:`install_output_hooks`)."""
-    try:
-        discover(model)
-    except UnsupportedLayerError as e:
-        raise TreeCompileError(str(e)) from None
-    install_output_hooks(model)
 
 
 def unwrap_compiled(model):

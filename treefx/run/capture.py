@@ -1,0 +1,83 @@
+"""Everything a capture runs under, in one place: :func:`capture_environment`.
+
+A capture (and every later call of a captured graph: Dynamo's guards read the same state)
+runs with the registered recurrent kernels swapped for their markers
+(:func:`treefx.compiler.recurrences.capture_patches`), treefx's compile config
+(:func:`treefx.run.backends.capture_config`), a Hugging Face flex-attention model on its eager
+attention (:mod:`treefx.families.hf_flex`), Hugging Face's packed-sequence inference finding one
+sequence per path (:mod:`treefx.families.hf_packing`), the model's configs without a cache for a
+step (:func:`no_cache`), duck shaping off for a part of a tree, and, for a regional capture,
+the model's FSDP/DDP state made traceable (:func:`treefx.run.regional.capture_state`). Before
+its first capture a model is made ready once (:func:`prepare_model`). The engine
+(:mod:`treefx.run.engine`) is the one caller.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from ..compiler import TreeCompileError
+from ..compiler.recurrences import UnsupportedLayerError, capture_patches, discover
+from ..families.hf_flex import eager_attention
+from ..families.hf_hooks import install_output_hooks
+from ..families.hf_packing import one_sequence_per_path
+from ..plan import Plan
+from . import backends, regional
+
+__all__ = ["capture_environment", "no_cache", "prepare_model"]
+
+
+@contextlib.contextmanager
+def capture_environment(model: torch.nn.Module | None, plan: Plan, *,
+                        regional_capture: bool = False):
+    """What a capture of ``model`` for ``plan`` runs under (see the module's docstring);
+    ``regional_capture``: the capture a regional graph is built from."""
+    with contextlib.ExitStack() as stack:
+        if regional_capture:
+            stack.enter_context(regional.capture_state(model))
+            stack.enter_context(torch._dynamo.config.patch(optimize_ddp=False))
+        stack.enter_context(capture_patches())
+        stack.enter_context(backends.capture_config())
+        stack.enter_context(eager_attention(model))
+        stack.enter_context(one_sequence_per_path())
+        if not plan.duck_shape:
+            # a part's sizes (tokens, context, labels, states) are unrelated and often equal
+            # on the first call: one symbol for equal sizes would tie them
+            import torch.fx.experimental._config as fx_config
+
+            stack.enter_context(fx_config.patch(use_duck_shape=False))
+        yield
+
+
+@contextlib.contextmanager
+def no_cache(model: torch.nn.Module | None):
+    """The model's configs with ``use_cache=False`` while a tree step runs (restored after):
+    a key/value or state cache of the DFS row means nothing on a tree, and filling one makes
+    a model branch on the token count (Qwen3-Next pads a short row's conv state)."""
+    changed, seen = [], set()
+    for module in model.modules() if model is not None else ():
+        cfg = getattr(module, "config", None)
+        if cfg is not None and id(cfg) not in seen:
+            seen.add(id(cfg))
+            if getattr(cfg, "use_cache", None) is True:
+                cfg.use_cache = False
+                changed.append(cfg)
+    try:
+        yield
+    finally:
+        for cfg in changed:
+            cfg.use_cache = True
+
+
+def prepare_model(model: torch.nn.Module) -> None:
+    """What a model needs before its first capture, done once per model (not per step): its
+    recurrent kernels recognised (:func:`treefx.compiler.recurrences.discover`) and Hugging
+    Face's output-capturing hooks installed
+    (:func:`treefx.families.hf_hooks.install_output_hooks`)."""
+    try:
+        discover(model)
+    except UnsupportedLayerError as e:
+        raise TreeCompileError(str(e)) from None
+    install_output_hooks(model)
