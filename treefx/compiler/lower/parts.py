@@ -33,7 +33,6 @@ from ...ops.context import (
 from ...ops.grad_into import linear_grad_into
 from ...ops.logprobs import fused_linear_tree_logprobs
 from ...ops.recurrence import TracedTreeRecurrencePart, tree_recurrence_part
-from ..find.selection import selection_error
 from ..graph import (
     GraphContext,
     TreeCompileError,
@@ -43,6 +42,7 @@ from ..graph import (
     example,
     is_call,
     same_size,
+    selection_error,
     set_example,
     state_error,
 )
