@@ -16,7 +16,7 @@ from trees import check_forward, odd_forest
 
 import treefx
 from treefx.models import enable_activation_checkpointing
-from treefx.compiler.lower.positions import SymFn
+from treefx.families.position_tables import SymFn
 
 transformers = pytest.importorskip("transformers")
 

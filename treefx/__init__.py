@@ -5,10 +5,6 @@ import logging
 
 from . import data, distributed, parts, reference, rl
 from ._version import __version__
-from .compiler.recurrences import Recurrence, register_recurrence
-from .layout import TreeBatch, pack
-from .run.backward import backward
-from .partition import err, partition, partition_ids
 from .compiler import (
     GraphBreakError,
     TreeCompileError,
@@ -18,11 +14,11 @@ from .compiler import (
 )
 from .compiler.recurrences import Recurrence, register_recurrence
 from .layout import TreeBatch, pack
-from .run.backward import backward
 from .partition import err, partition, partition_ids
+from .run.backward import backward
+from .run.model import TreeModel, TreeOutput, compile, tree_loss, verify
 from .run.step import TreeStep, step
 from .tree import Tree, bound, por, read_jsonl, write_jsonl
-from .run.model import TreeModel, TreeOutput, compile, tree_loss, verify
 from .verification import Tolerance, TreeVerificationError, VerificationReport, probe_forest
 
 # Quiet unless the application configures logging (logger "treefx").

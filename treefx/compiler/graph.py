@@ -19,6 +19,7 @@ __all__ = [
     "attention_error",
     "state_error",
     "token_axis_error",
+    "selection_error",
     "Rewrite",
     "GraphContext",
     "module_path",
@@ -114,6 +115,11 @@ def token_axis_error(node: fx.Node, why: str) -> TokenAxisError:
         "sequences, so compilation stops here.",
         node=node,
     )
+
+
+def selection_error(node: fx.Node, why: str) -> TokenAxisError:
+    """The error for a top-k over the keys of a score row that treefx refuses, saying why."""
+    return token_axis_error(node, f"a top-k over the keys of a [.., N, N] score row {why}")
 
 
 class GraphBreakError(TreeCompileError):
@@ -291,7 +297,8 @@ class GraphContext:
                             "tree_weights": tree_weights, "part_labels": part_labels}
         self._cache: dict = {}
         # Bodies: how this graph's placeholders map to its callers' operands (set by
-        # .checks.subgraphs.discover); ``_imports`` maps an outer node to the placeholder made for it.
+        # .checks.subgraphs.discover); ``_imports`` maps an outer node to the placeholder made
+        # for it.
         self.body = None
         self._imports: dict = {}
         self._part = part_sites  # root only: the part-mode sites (.lower.parts), None outside parts

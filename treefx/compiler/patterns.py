@@ -13,7 +13,8 @@ from .graph import arg, example, is_call, same_size
 
 __all__ = ["SDPA", "SOFTMAX", "MATMUL", "DROPOUT", "CASTS", "OTHER_ATTENTION", "POINTWISE",
            "OUT_OF_PLACE", "POINTWISE_METHODS", "MAX", "SCALINGS", "apply_scale", "constant",
-           "feeds_matmul", "is_pointwise", "repeated_heads_source", "same_shape_view", "scale_step"]
+           "feeds_matmul", "is_pointwise", "repeated_heads_source", "same_shape_view", "scale_step",
+           "score_source"]
 
 SDPA = (F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention)
 SOFTMAX = (torch.softmax, F.softmax, torch.nn.functional.softmax, torch.special.softmax)
@@ -160,3 +161,19 @@ def repeated_heads_source(node) -> fx.Node | None:
     if isinstance(r, int) and r < 2:
         return None
     return x
+
+
+def score_source(node, memo: dict) -> fx.Node | None:
+    """The matmul a value is computed from through elementwise ops only, or None."""
+    if not isinstance(node, fx.Node):
+        return None
+    if node not in memo:
+        memo[node] = None  # cycles cannot happen in a DAG, but keep the walk bounded
+        if is_call(node, *MATMUL, methods=("matmul",)):
+            memo[node] = node
+        elif same_shape_view(node):
+            memo[node] = score_source(node.args[0], memo)
+        elif is_pointwise(node):
+            found = {score_source(a, memo) for a in node.all_input_nodes} - {None}
+            memo[node] = found.pop() if len(found) == 1 else None
+    return memo[node]

@@ -17,12 +17,11 @@ from .checks.tokens import check_token_axis
 from .find import attention as find_attention
 from .find import logprobs as find_logprobs
 from .find import loss as find_loss
-from .find import selection as find_selection
 from .find import ssm as find_ssm
 from .graph import GraphContext
 from .lower import parts, whole
-from .lower.heads import merged_heads_pass
 from .lower.positions import positions_pass
+from .registry import finders, rewrites
 
 __all__ = ["PASSES", "run_passes"]
 
@@ -43,7 +42,30 @@ def find_and_lower(find):
             count += 1
         return count
 
-    run.__name__ = f"lower_{find.__module__.rpartition('.')[2]}"
+    run.__name__ = f"lower_{getattr(find, '__name__', 'sites')}"
+    return run
+
+
+def family_sites(kind: str):
+    """The sites of ``kind`` every registered family finder yields (:mod:`.registry`), finder
+    by finder."""
+
+    def sites(ctx: GraphContext):
+        for find in finders(kind):
+            yield from find(ctx)
+
+    sites.__name__ = kind
+    return sites
+
+
+def family_rewrites(pass_name: str):
+    """A pass that runs every rewrite the families registered for ``pass_name``; returns how
+    many rewrites they made."""
+
+    def run(ctx: GraphContext) -> int:
+        return sum(fn(ctx) for fn in rewrites(pass_name))
+
+    run.__name__ = f"{pass_name}_rewrites"
     return run
 
 
@@ -53,11 +75,12 @@ def find_and_lower(find):
 # instead of dropping them. A top-k over a score row's keys (a sparse-attention indexer) gets
 # the tree mask in its own mask. Attention over merged batch·head rows is put in the [B, H, N,
 # D] form the attention recogniser matches. Positions and heads need neither mode nor backend:
-# one rewrite each.
+# one rewrite each. Selection and heads are what model families registered (:mod:`.registry`:
+# DeepSeek's indexer, merged batch·head attention).
 PASSES = (
     ("positions", positions_pass),
-    ("selection", find_and_lower(find_selection.sites)),
-    ("heads", merged_heads_pass),
+    ("selection", find_and_lower(family_sites("selection"))),
+    ("heads", family_rewrites("heads")),
     ("attention", find_and_lower(find_attention.sites)),
     ("ssm", find_and_lower(find_ssm.sites)),
     ("loss", find_and_lower(find_loss.sites)),

@@ -2,6 +2,14 @@
 compiler's registries on import (the compiler never imports a family): importing this
 package registers them all."""
 
-from . import hf_recurrent, minimax
+from . import (
+    deepseek_indexer,
+    gpt_oss_sinks,
+    hf_recurrent,
+    merged_heads,
+    minimax,
+    position_tables,
+)
 
-__all__ = ["hf_recurrent", "minimax"]
+__all__ = ["deepseek_indexer", "gpt_oss_sinks", "hf_recurrent", "merged_heads", "minimax",
+           "position_tables"]

@@ -47,10 +47,11 @@ from ..patterns import (
     SOFTMAX,
     apply_scale,
     feeds_matmul,
-    is_pointwise,
     same_shape_view,
     scale_step,
+    score_source,
 )
+from ..registry import score_columns
 from ..sites import AttentionSite, ScoreChain
 
 __all__ = ["sites"]
@@ -212,22 +213,6 @@ def _is_max_shift(node) -> fx.Node | None:
     return x
 
 
-def _score_source(node, memo: dict) -> fx.Node | None:
-    """The matmul a value is computed from through elementwise ops only, or None."""
-    if not isinstance(node, fx.Node):
-        return None
-    if node not in memo:
-        memo[node] = None  # cycles cannot happen in a DAG, but keep the walk bounded
-        if is_call(node, *MATMUL, methods=("matmul",)):
-            memo[node] = node
-        elif same_shape_view(node):
-            memo[node] = _score_source(node.args[0], memo)
-        elif is_pointwise(node):
-            found = {_score_source(a, memo) for a in node.all_input_nodes} - {None}
-            memo[node] = found.pop() if len(found) == 1 else None
-    return memo[node]
-
-
 def _scored_site(softmax: fx.Node, out: fx.Node, v: fx.Node, drop_last: bool) -> AttentionSite:
     """The general form: ``softmax(f(q @ k^T, masks...) [, sink])`` with any elementwise
     ``f`` (a ``tanh`` softcap, a bias, several masks), a subtracted row maximum, a sink
@@ -246,27 +231,25 @@ def _scored_site(softmax: fx.Node, out: fx.Node, v: fx.Node, drop_last: bool) ->
         x = shifted
     sink = None
     if is_call(x, torch.cat):
-        parts, dim = arg(x, 0, "tensors"), arg(x, 1, "dim", 0)
-        sv = example(parts[1]) if len(parts) == 2 else None
-        if (sv is None or not isinstance(dim, int) or dim % sv.dim() != sv.dim() - 1
-                or not same_size(sv.shape[-1], 1) or _score_source(parts[1], {}) is not None):
+        column = next((c for c in (f(x) for f in score_columns()) if c is not None), None)
+        if column is None:
             raise _fail(softmax, f"its scores are concatenated with `{describe(x)}`; treefx "
                                  "knows one extra column only (an attention sink)")
         between.add(x)
-        sink, x = parts[1], parts[0]
+        sink, x = column
     between.add(x)
     if (sink is not None) != drop_last:
         raise _fail(softmax, "it adds a column to the scores (an attention sink?) but does not "
                              "drop it after the softmax, or drops one it did not add")
     memo: dict = {}
-    scores = _score_source(x, memo)
+    scores = score_source(x, memo)
     if scores is None:
         raise _fail(softmax, f"the softmax input `{describe(x)}` is not computed from one "
                              "q @ k^T matmul by elementwise ops")
     chain, cur = [], x
     while cur is not scores:
         chain.append(cur)
-        on = [a for a in cur.all_input_nodes if _score_source(a, memo) is scores]
+        on = [a for a in cur.all_input_nodes if score_source(a, memo) is scores]
         if len(on) != 1:
             raise _fail(softmax, f"`{describe(cur)}` combines the scores with themselves")
         cur = on[0]

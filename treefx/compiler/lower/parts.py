@@ -31,7 +31,6 @@ from ...ops.logprobs import fused_linear_tree_logprobs
 from ...ops.part_context import columns_to_heads, heads_to_columns
 from ...ops.recurrence import TracedTreeRecurrencePart, tree_recurrence_part
 from ...plan import PartFindings, PartLayout
-from ..find.selection import selection_error
 from ..graph import (
     GraphContext,
     TreeCompileError,
@@ -41,6 +40,7 @@ from ..graph import (
     example,
     is_call,
     same_size,
+    selection_error,
     set_example,
     state_error,
 )

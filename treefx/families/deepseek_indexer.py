@@ -1,5 +1,7 @@
-"""Key selection recogniser: a top-k over the keys of a [.., N, N] score row, made per
-sequence (lowered by ANDing the tree mask into the mask of its scores).
+"""DeepSeek's sparse-attention indexer: a top-k over the keys of a [.., N, N] score row, found
+as a :class:`treefx.compiler.sites.KeySelectionSite` (the compiler's "selection" finder,
+:mod:`treefx.compiler.registry`) and made per sequence by its lowering, which ANDs the tree
+mask into the mask of the scores.
 
 DeepSeek Sparse Attention (Hugging Face's DeepSeek-V3.2, GLM-MoE-DSA, dots3, AXK2) scores
 every key for every query with a small *indexer*, masks the scores with the model's causal
@@ -24,8 +26,9 @@ mask into every mask it is given.
 
 That last step is what makes the selection safe, so it is checked on the final graph
 (:func:`treefx.compiler.checks.leftovers.check_key_selections`): the selection may only be
-scattered into a [.., N, N] mask that reaches tree attention through elementwise and shape ops. Used any other way (its
-values, the indices gathering keys), compilation stops naming the node.
+scattered into a [.., N, N] mask that reaches tree attention through elementwise and shape
+ops. Used any other way (its values, the indices gathering keys), compilation stops naming
+the node.
 
 Ties: a top-k whose ``k``-th and ``k+1``-th scores are equal picks between them as its
 implementation decides (torch's CPU ``topk`` does not prefer the earlier key). The sequence
@@ -45,13 +48,14 @@ import operator
 import torch
 import torch.fx as fx
 
-from ..graph import (KEY_SELECTION, GraphContext, TokenAxisError, arg, describe, example,
-                     is_call, same_size, token_axis_error)
-from ..mask_lift import mask_applications
-from ..sites import KeySelectionSite
-from ..taint import DATA, Taint
+from ..compiler.graph import (KEY_SELECTION, GraphContext, arg, describe, example, is_call,
+                              same_size, selection_error)
+from ..compiler.mask_lift import mask_applications
+from ..compiler.registry import register_finder
+from ..compiler.sites import KeySelectionSite
+from ..compiler.taint import DATA, Taint
 
-__all__ = ["KEY_SELECTION", "selection_error", "sites"]
+__all__ = ["KEY_SELECTION", "sites"]
 
 
 _CASTS = ("to", "long", "int", "type", "type_as")
@@ -76,11 +80,6 @@ def _peel(ctx: GraphContext, x: fx.Node):
                                  and _pairwise(ctx, mv)):
             return scores, how, mask
     return None
-
-
-def selection_error(node: fx.Node, why: str) -> TokenAxisError:
-    """The error for a top-k over the keys of a score row that treefx refuses, saying why."""
-    return token_axis_error(node, f"a top-k over the keys of a [.., N, N] score row {why}")
 
 
 def sites(ctx: GraphContext):
@@ -155,3 +154,6 @@ def _is_key_scatter(ctx: GraphContext, node: fx.Node) -> bool:
     val = example(base) if isinstance(base, fx.Node) else None
     return (isinstance(dim, int) and _pairwise(ctx, val) and dim % val.dim() == val.dim() - 1
             and is_call(base, *_FRESH, methods=_FRESH_METHODS))
+
+
+register_finder("selection", sites)

@@ -27,7 +27,7 @@ class IndexerLM(torch.nn.Module):
     The indexer reads learned position embeddings and has 16 heads, as a real indexer's keys
     carry RoPE: scores that tie exactly (the same token twice, every head's relu at zero)
     make the top-k pick by its implementation, which the sequence alone and the tree row
-    need not share (see treefx.compiler.find.selection)."""
+    need not share (see treefx.families.deepseek_indexer)."""
 
     def __init__(self, topk=3, how="blocked", misuse=None, heads=4, dim=32, iheads=16):
         super().__init__()
@@ -121,7 +121,7 @@ def test_without_the_tree_mask_the_selection_is_wrong():
     """The rewrite is what makes it exact: with the selection pass's tree mask taken out, the
     same model on the same trees differs from the oracle."""
     import treefx.compiler.pipeline as passes
-    from treefx.compiler.find import selection
+    from treefx.families import deepseek_indexer as selection
 
     def mark_only(ctx):  # the selection's checks and marks, without the tree mask
         for node in list(ctx.graph.nodes):

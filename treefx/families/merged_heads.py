@@ -1,4 +1,5 @@
-"""Merged-heads pass: attention computed over [B·H, N, D] rows becomes [B, H, N, D] attention.
+"""Merged heads (Bloom, XGLM, ...): attention computed over [B·H, N, D] rows becomes [B, H, N,
+D] attention, in the compiler's "heads" pass (:mod:`treefx.compiler.registry`).
 
 Bloom, the BART-style decoders (MVP, TrOCR, XGLM) and GPT-NeoX-Japanese merge the batch and
 head axes before their score product::
@@ -30,8 +31,9 @@ import operator
 import torch
 import torch.fx as fx
 
-from ..graph import GraphContext, arg, describe, example, is_call, same_size, set_example
-from ..patterns import CASTS, DROPOUT, OUT_OF_PLACE, SOFTMAX, is_pointwise
+from ..compiler.graph import GraphContext, arg, describe, example, is_call, same_size, set_example
+from ..compiler.patterns import CASTS, DROPOUT, OUT_OF_PLACE, SOFTMAX, is_pointwise
+from ..compiler.registry import register_rewrite
 
 __all__ = ["merged_heads_pass"]
 
@@ -287,3 +289,6 @@ def merged_heads_pass(ctx: GraphContext) -> int:
         if s is not None and len(s) == 3 and node.users and _lift(ctx, node) is not None:
             count += 1
     return count
+
+
+register_rewrite("heads", merged_heads_pass)
