@@ -4,10 +4,11 @@
 #   a: the 8B-shaped e2e step before (the last commit before the redesign, d23e26f, unpacked in
 #      .whl/old) and after, on the same GPU one after the other; then the GPU exactness cases
 #      of gpu_check (regional included), while the zoo's checkpointing table runs on the CPU
-#   b: the parts exactness check (treefx.backward) and gpu_check's families on the GPU, while
-#      the first half of the zoo runs on the CPU
+#   b: the rest of a's gpu_check cases and the parts exactness check (treefx.backward) on the
+#      GPU, while the first half of the zoo runs on the CPU
 #   c: the second half of the zoo (merged into the first), then the whole test suite on 16
-#      CPU processes (the machine's transformers, 5.17: the floor of the supported range)
+#      CPU processes (the machine's transformers, 5.17: the floor of the supported range),
+#      while the GPU runs what a and b left unrun (their limits, beside the CPU zoo)
 # The zoo runs on transformers 5.24 (docs/zoo.md's), carried as a wheel in .whl/.
 set -u
 stage=$1
@@ -43,23 +44,34 @@ a)
   ;;
 b)
   site
-  zoo half_a --jobs 14 --models "$(cat .whl/half_a)" --out $OUT/zoo_a.md \
+  zoo half_a --jobs 12 --models "$(cat .whl/half_a)" --out $OUT/zoo_a.md \
     --json $OUT/zoo_a.json &
-  timeout 300 python3 -m benchmarks.parts --methods "" --out $OUT/parts_exactness.json \
+  # the cases of a's gpu_check that its 330 s (beside the CPU zoo) left unrun
+  timeout 300 python3 -m benchmarks.gpu_check --err-dir $OUT \
+    --cases hybrid-bf16,inference,step-fp32,short-rows,regional \
+    --out $OUT/gpu_check_redesign_b.json > $OUT/gpu_check_b.log 2>&1
+  echo "gpu_check rc=$?"; grep -E ": (ok|FAILED) in" $OUT/gpu_check_b.log
+  timeout 220 python3 -m benchmarks.parts --methods "" --out $OUT/parts_exactness.json \
     > $OUT/parts.log 2>&1
   echo "parts rc=$?"; grep -E "exactness" $OUT/parts.log
-  timeout 200 python3 -m benchmarks.gpu_check --err-dir $OUT --cases families \
-    --out $OUT/gpu_check_families.json > $OUT/gpu_check_families.log 2>&1
-  echo "families rc=$?"; grep -E ": (ok|FAILED) in" $OUT/gpu_check_families.log
   wait
   ;;
 c)
   site
   cp .whl/zoo_a.json /tmp/zoo_all.json
-  zoo half_b --jobs 16 --models "$(cat .whl/half_b)" --merge /tmp/zoo_all.json \
-    --out $OUT/zoo.md
-  cp /tmp/zoo_all.json $OUT/zoo_all.json
-  timeout 200 python3 -m pytest -q -p no:cacheprovider -n 16 tests > $OUT/suite_517.log 2>&1
-  echo "suite rc=$?"; tail -n 3 $OUT/suite_517.log
+  (zoo half_b --jobs 13 --models "$(cat .whl/half_b)" --merge /tmp/zoo_all.json \
+     --out $OUT/zoo.md
+   cp /tmp/zoo_all.json $OUT/zoo_all.json
+   timeout 170 python3 -m pytest -q -p no:cacheprovider -n 16 tests > $OUT/suite_517.log 2>&1
+   echo "suite rc=$?"; tail -n 3 $OUT/suite_517.log) &
+  # the cases of b's gpu_check and parts that its limits left unrun
+  timeout 300 python3 -m benchmarks.gpu_check --err-dir $OUT \
+    --cases step-fp32,short-rows,regional \
+    --out $OUT/gpu_check_redesign_c.json > $OUT/gpu_check_c.log 2>&1
+  echo "gpu_check rc=$?"; grep -E ": (ok|FAILED) in" $OUT/gpu_check_c.log
+  timeout 150 python3 -m benchmarks.parts --methods "" --exactness-models gemma2,gpt_oss \
+    --out $OUT/parts_exactness_c.json > $OUT/parts_c.log 2>&1
+  echo "parts rc=$?"; grep -E "exactness" $OUT/parts_c.log
+  wait
   ;;
 esac

@@ -12,7 +12,7 @@ from test_model_positions import model_of
 from trees import check_forward, odd_forest
 
 import treefx
-from treefx import regional
+from treefx.run import regional
 from treefx.models import enable_activation_checkpointing
 
 transformers = pytest.importorskip("transformers")

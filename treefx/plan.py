@@ -105,7 +105,7 @@ class PartFindings:
 @dataclass
 class Compiled:
     """What one capture hands back: ``context``, the rewritten root graph with its bodies and
-    its rewrite log (a :class:`treefx.passes.GraphContext`); ``backend``, the backend that
+    its rewrite log (a :class:`treefx.compiler.GraphContext`); ``backend``, the backend that
     compiled it; ``part``, for a part's graph what the compiler found (:class:`PartFindings`);
     ``fn``, the compiled callable (None for a capture that only finds a part's layout)."""
 

@@ -56,7 +56,7 @@ def _register() -> None:
 def part_forward(opts: dict):
     """The function a compiled model's part captures: the model on the part's tokens, their
     log-probabilities at their predecessors, and the part's own columns and exit states (the
-    marker the passes replace, :func:`treefx.passes.parts.part_outputs`)."""
+    marker the passes replace, :func:`treefx.compiler.lower.parts.part_outputs`)."""
     def tree_part(model, input_ids, tree_info, part_info, ctx_tok, ctx_state, state_entry,
                   state_exit, labels, emb_sink, grads):
         torch._check(tree_info.shape[1] == input_ids.shape[1])
@@ -129,7 +129,7 @@ class PartRunner:
 
     def prepare_grads(self) -> list[torch.nn.Parameter]:
         """Before a call's parts: the parameters whose gradients the part graph adds into
-        ``.grad`` directly (:func:`treefx.passes.parts.route_gradients`), each given a zero
+        ``.grad`` directly (:func:`treefx.compiler.lower.parts.route_gradients`), each given a zero
         ``.grad`` where it has none; returns those it gave one. The first call offers every
         matrix that trains (without gradient hooks) and keeps those the graph takes
         (:meth:`_settle`); when that set of candidates changes (a parameter frozen, a hook
@@ -155,7 +155,7 @@ class PartRunner:
 
     def sink(self, t: dict) -> torch.Tensor:
         """Zero rows [n, D] that receive the part's rows of the input embedding's gradient
-        (:func:`treefx.passes.parts.route_embedding`; D and dtype the embedding's, [n, 1] for
+        (:func:`treefx.compiler.lower.parts.route_embedding`; D and dtype the embedding's, [n, 1] for
         a model without one)."""
         width, dtype = self.sink_layout
         ids = t["input_ids"]

@@ -7,7 +7,7 @@ over ``query``/``key`` [B, N, H, Dk], ``value`` [B, N, H, Dv] and the log decay 
 (≤ 0; 0 keeps the state), from ``initial_state`` [B, H, Dk, Dv] (zeros by default). MiniMax
 computes it in blocks of 256 tokens with a fixed decay per head; this is the same recurrence in
 chunks, with an initial state, so that each tree node can start from its parent node's state
-(:mod:`treefx.kernels` registers it as a recurrence). Padding with ``g = 0`` and zero keys and
+(:mod:`treefx.families.minimax` registers it as a recurrence). Padding with ``g = 0`` and zero keys and
 values leaves the state unchanged.
 
 This is the chunked form (what runs); :mod:`.reference` is the recurrence token by token.

@@ -15,7 +15,7 @@ def token_logprobs_site(logits: torch.Tensor, input_ids: torch.Tensor,
                         parent_token: torch.Tensor) -> torch.Tensor:
     """Where a compiled model asked for log-probabilities only reads them from its logits: one
     node in the captured graph (Dynamo does not trace into it), which the logprobs pass
-    (:mod:`treefx.passes.logprobs`) replaces by :func:`.fast.fused_linear_tree_logprobs` when the
+    (:mod:`treefx.compiler.find.logprobs`) replaces by :func:`.fast.fused_linear_tree_logprobs` when the
     logits are the output projection and feed nothing else, else by
     :func:`tree_token_logprobs` on the logits."""
     return tree_token_logprobs(logits, input_ids, parent_token)
