@@ -301,7 +301,27 @@ class GraphContext:
         # for it.
         self.body = None
         self._imports: dict = {}
+        self._loss_sites = 0  # root: the cross-entropies the loss pass rewrote (all graphs)
+        self._input_positions: dict | None = None
         self._part = part_sites  # root only: the part-mode sites (.lower.parts), None outside parts
+
+    def note_loss_site(self) -> None:
+        """Count one cross-entropy the loss pass rewrote (in this graph or a body)."""
+        self.root._loss_sites += 1
+
+    @property
+    def loss_sites(self) -> int:
+        """How many cross-entropies the loss pass rewrote, over the root and its bodies."""
+        return self.root._loss_sites
+
+    def input_position(self, node) -> int | None:
+        """The position of placeholder ``node`` among the root graph's inputs (the index of its
+        real input, :attr:`real_inputs`), else None."""
+        root = self.root
+        if root._input_positions is None:  # built once: asked for every linear layer
+            root._input_positions = {n: i for i, n in enumerate(
+                n for n in root.graph.nodes if n.op == "placeholder")}
+        return root._input_positions.get(node)
 
     @property
     def grad_params(self) -> tuple:

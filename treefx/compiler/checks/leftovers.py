@@ -183,7 +183,7 @@ def check_key_selections(ctx: GraphContext) -> None:
 
 def check_loss_found(ctx: GraphContext) -> None:
     """A training step (a graph with loss weights) must have had its loss rewritten."""
-    if ctx.is_step and not ctx._cache.get("loss_sites"):
+    if ctx.is_step and not ctx.root.loss_sites:
         raise TreeCompileError(
             "the training step computes no cross-entropy treefx can find (F.cross_entropy on "
             "shifted logits and labels, or a Hugging Face model called with labels=); without "

@@ -340,14 +340,8 @@ def _real_parameter(ctx: GraphContext, node) -> torch.nn.Parameter | None:
     inputs, which the engine keeps for parameters only), else None."""
     if not (isinstance(node, fx.Node) and node.op == "placeholder"):
         return None
-    root = ctx.root
-    index = root._cache.get("placeholder_index")
-    if index is None:  # built once: asked for every linear layer of the graph
-        index = {n: i for i, n in enumerate(n for n in root.graph.nodes
-                                            if n.op == "placeholder")}
-        root._cache["placeholder_index"] = index
-    inputs = root.real_inputs
-    i = index.get(node)
+    inputs = ctx.root.real_inputs
+    i = ctx.root.input_position(node)
     real = inputs[i] if i is not None and i < len(inputs) else None
     return real if isinstance(real, torch.nn.Parameter) and real.requires_grad else None
 

@@ -387,7 +387,7 @@ def emit_loss(ctx: GraphContext, site: LossSite, parent: fx.Node, ids: fx.Node) 
         ", fused with the output projection" if proj is not None else ""))
     ce.replace_all_uses_with(new)
     g.erase_node(ce)
-    ctx.root._cache["loss_sites"] = ctx.root._cache.get("loss_sites", 0) + 1
+    ctx.note_loss_site()
     return new
 
 
