@@ -324,6 +324,63 @@ def test_to_dict_writes_weights_only_when_not_all_one():
     assert w.to_dict()["weights"] == [1.0, 2.0] and Tree.from_dict(w.to_dict()) == w
 
 
+def test_records_are_by_nodes_and_round_trip_exactly():
+    from trees import odd_forest as forest
+
+    # odd shapes: single-token nodes, a sequence that is a prefix of another, duplicates,
+    # forests; masks, weights and per-sequence metadata
+    trees = forest(6, 40) + [
+        Tree.from_sequences([[1, 2, 3], [1, 2], [1, 2, 3], [7]], weights=[1, 2, 3, 4],
+                            loss_masks=[[0, 1, 1], [1, 0], [0, 0, 0], [1]],
+                            metadata={"rewards": [1.0, 0.0, 0.5, 2.0], "task": "t"}),
+    ]
+    for t in trees:
+        d = json.loads(json.dumps(t.to_dict()))
+        assert "sequences" not in d and d["segments"] == [s.tolist() for s in t.segments]
+        back = Tree.from_dict(d)
+        assert back == t and back.sequences == t.sequences
+        assert [m.tolist() for m in back.loss_masks or ()] == \
+            [m.tolist() for m in t.loss_masks or ()]
+    d = trees[-1].to_dict()
+    assert d["sequence_ends"] == trees[-1].sequence_ends.tolist()  # not one per leaf
+    assert d["loss_mask_runs"] == [[1, 3], [0, 1], [], [0, 1]]
+
+
+def test_records_by_sequences_are_still_read():
+    t = Tree.from_sequences([[1, 2, 3], [1, 2, 4]], loss_masks=[[0, 1, 1], [0, 0, 1]],
+                            metadata={"task": "x"})
+    old = {"sequences": t.sequences, "loss_masks": [[0, 1, 1], [0, 0, 1]], "task": "x"}
+    assert Tree.from_dict(old) == t
+
+
+def test_a_record_grows_with_the_tree_not_with_its_sequences():
+    # a comb: every call extends the trunk by one turn (an agent's calls laid out separately)
+    trunk, seqs = [], []
+    for i in range(40):
+        trunk = trunk + list(range(i * 50, i * 50 + 50))
+        seqs.append(trunk)
+    t = Tree.from_sequences(seqs, loss_masks=[[0] * (len(s) - 50) + [1] * 50 for s in seqs])
+    by_nodes = len(json.dumps(t.to_dict()))
+    by_sequences = len(json.dumps({"sequences": t.sequences,
+                                   "loss_masks": [m.astype(int).tolist() for m in t.loss_masks]}))
+    assert t.num_baseline_tokens > 15 * t.num_tokens
+    assert by_sequences > 15 * by_nodes
+
+
+@pytest.mark.parametrize("record,match", [
+    ({"segments": [[1, 2]]}, "needs \"parents\""),
+    ({"sequences": [[1]], "segments": [[1]], "parents": [-1]}, "not both"),
+    ({"segments": [[1, 2]], "parents": [-1], "loss_masks": [[1, 1]]}, "loss_mask_runs"),
+    ({"segments": [[1, 2]], "parents": [-1], "loss_mask_runs": [[0, 3]]}, "within"),
+    ({"segments": [[1, 2]], "parents": [-1], "loss_mask_runs": [[1]]}, "pairs"),
+    ({"segments": [[1, 2]], "parents": [-1], "loss_mask_runs": []}, "one list per sequence"),
+    ({"segment": [[1, 2]], "parents": [-1], "sequences": [[1]]}, "did you mean 'segments'"),
+])
+def test_a_bad_record_by_nodes_says_what_is_wrong(record, match):
+    with pytest.raises(ValueError, match=match):
+        Tree.from_dict(record)
+
+
 def test_jsonl_round_trip_with_weights_and_masks(tmp_path):
     trees = [
         Tree.from_sequences(
@@ -339,12 +396,15 @@ def test_jsonl_round_trip_with_weights_and_masks(tmp_path):
     assert write_jsonl(path, trees) == 4
     lines = path.read_text().splitlines()
     assert len(lines) == 4
+    # by nodes (issue 34: a record grows with the tree); sequence 2 ends inside node 0
     assert json.loads(lines[0]) == {
-        "sequences": [[1, 2, 3], [1, 2, 4, 5], [1, 2]],
+        "segments": [[1, 2], [3], [4, 5]],
+        "parents": [-1, 0, 0],
+        "sequence_ends": [1, 2, 0],
         "weights": [0.1, 1 / 3, 2.5],
-        "loss_masks": [[0, 1, 1], [0, 0, 1, 1], [1, 0]],
+        "loss_mask_runs": [[1, 3], [2, 4], [0, 1]],
     }
-    assert "loss_masks" not in json.loads(lines[1])
+    assert "loss_mask_runs" not in json.loads(lines[1])
     back = list(read_jsonl(str(path)))
     assert back == trees
     for a, b in zip(back, trees):

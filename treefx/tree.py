@@ -39,8 +39,11 @@ import numpy as np
 
 __all__ = ["Tree", "por", "bound", "read_jsonl", "write_jsonl"]
 
-# Record keys that are the tree itself; every other key of a record is metadata.
-STRUCTURE_KEYS = ("sequences", "weights", "loss_masks")
+# Record keys that are the tree itself; every other key of a record is metadata. A record holds
+# its tree by nodes (segments, parents, sequence_ends, the masks as runs: what to_dict writes)
+# or by sequences (what it wrote before, still read).
+NODE_KEYS = ("segments", "parents", "sequence_ends", "loss_mask_runs")
+STRUCTURE_KEYS = ("sequences", "weights", "loss_masks", *NODE_KEYS)
 # Metadata holding one entry per sequence: Tree.subtree keeps the entries of its sequences.
 SEQUENCE_KEYS = ("rollouts", "rewards", "advantages", "logprobs")
 
@@ -429,34 +432,72 @@ class Tree:
     # ------------------------------------------------------------------ serialization
 
     def to_dict(self) -> dict:
-        """``{"sequences": ..., "weights": ...?, "loss_masks": ...?, **metadata}``: weights only
-        when some differ from the default 1, loss masks only when the tree has them, metadata
-        as plain JSON values (a missing log-probability as None)."""
-        d = {"sequences": self.sequences}
+        """The tree as a JSON-ready record, by nodes: ``{"segments": ..., "parents": ...,
+        "sequence_ends": ...?, "weights": ...?, "loss_mask_runs": ...?, **metadata}``.
+
+        Each node's tokens are stored once, so a record grows with the tree, not with the sum of
+        its sequences' lengths (an agent task's calls laid out separately are often 10-50x the
+        tree). ``sequence_ends`` only when it is not one sequence per leaf in node order,
+        weights only when some differ from the default 1, and the loss masks, when the tree has
+        them, as runs: per sequence a flat list ``[start, end, start, end, ...]`` of the
+        positions trained. Metadata as plain JSON values (a missing log-probability as None).
+        :meth:`from_dict` reads this and the earlier record by sequences
+        (``{"sequences": ..., "loss_masks": ...}``)."""
+        d = {"segments": [s.tolist() for s in self.segments], "parents": self.parents.tolist()}
+        has_child = np.zeros(len(self.segments), dtype=bool)
+        has_child[self.parents[self.parents >= 0]] = True
+        if not np.array_equal(self.sequence_ends, np.flatnonzero(~has_child)):
+            d["sequence_ends"] = self.sequence_ends.tolist()
         if not np.all(self.weights == 1.0):
             d["weights"] = self.weights.tolist()
         if self.loss_masks is not None:
-            d["loss_masks"] = [m.astype(np.int64).tolist() for m in self.loss_masks]
+            d["loss_mask_runs"] = [_mask_runs(m) for m in self.loss_masks]
         d.update(_thaw(self.metadata, json=True))
         return d
 
     @classmethod
     def from_dict(cls, d: dict) -> Tree:
-        """A tree from a record of :meth:`to_dict`: every key besides ``sequences``,
-        ``weights`` and ``loss_masks`` is metadata (a key that looks like a misspelling of one
-        of those three is an error: it would be kept and the tree trained without it)."""
-        if not isinstance(d, dict) or "sequences" not in d:
-            raise ValueError('a tree record must be an object with a "sequences" list')
+        """A tree from a record of :meth:`to_dict` (by nodes), or by sequences
+        (``{"sequences": ..., "weights": ...?, "loss_masks": ...?}``). Every other key is
+        metadata (a key that looks like a misspelling of a structure key is an error: it would
+        be kept and the tree trained without it)."""
+        if not isinstance(d, dict) or not ("sequences" in d or "segments" in d):
+            raise ValueError('a tree record must be an object with a "sequences" list (by '
+                             'sequences) or "segments" and "parents" lists (by nodes)')
         meta = {k: v for k, v in d.items() if k not in STRUCTURE_KEYS}
         for k in meta:
             close = difflib.get_close_matches(str(k), STRUCTURE_KEYS, n=1, cutoff=0.85)
             if close:
                 raise ValueError(f"tree record key {k!r} is not {close[0]!r}; did you mean "
                                  f"{close[0]!r}? (other keys are kept as metadata)")
-        return cls.from_sequences(
-            d["sequences"], weights=d.get("weights"), loss_masks=d.get("loss_masks"),
-            metadata=meta,
-        )
+        if "sequences" in d:
+            mixed = [k for k in NODE_KEYS if k in d]
+            if mixed:
+                raise ValueError(f"a tree record by sequences has no {mixed[0]!r}: give "
+                                 '"sequences" or "segments" and "parents", not both')
+            return cls.from_sequences(
+                d["sequences"], weights=d.get("weights"), loss_masks=d.get("loss_masks"),
+                metadata=meta,
+            )
+        if "parents" not in d:
+            raise ValueError('a tree record by nodes needs "parents" beside "segments"')
+        if "loss_masks" in d:
+            raise ValueError('a tree record by nodes gives its masks as "loss_mask_runs"')
+        tree = cls.from_nodes(d["segments"], d["parents"], sequence_ends=d.get("sequence_ends"),
+                              weights=d.get("weights"))
+        runs = d.get("loss_mask_runs")
+        masks = None
+        if runs is not None:
+            if not isinstance(runs, list) or len(runs) != tree.num_sequences:
+                raise ValueError(f"loss_mask_runs must hold one list per sequence "
+                                 f"({tree.num_sequences})")
+            lengths = tree.sequence_lengths
+            masks = [_mask_from_runs(r, int(lengths[i]), f"loss_mask_runs[{i}]")
+                     for i, r in enumerate(runs)]
+        if masks is None and not meta:
+            return tree
+        return _set_metadata(Tree(tree.segments, tree.parents, tree.sequence_ends, tree.weights,
+                                  masks, _checked=True), meta)
 
     def __eq__(self, other) -> bool:
         if not isinstance(other, Tree):
@@ -750,3 +791,25 @@ def write_jsonl(path: str | os.PathLike, trees: Iterable[Tree]) -> int:
             f.write("\n")
             n += 1
     return n
+
+
+def _mask_runs(mask: np.ndarray) -> list[int]:
+    """A 0/1 mask as the flat list of its runs of ones, ``[start, end, start, end, ...]``."""
+    m = np.concatenate([[0], (np.asarray(mask) != 0).astype(np.int8), [0]])
+    edges = np.flatnonzero(np.diff(m))
+    return edges.tolist()
+
+
+def _mask_from_runs(runs, length: int, what: str) -> np.ndarray:
+    """The 0/1 mask of ``length`` whose ones are the runs ``[start, end, ...]``, checked."""
+    if not isinstance(runs, list) or len(runs) % 2 or not all(
+            isinstance(x, numbers.Integral) and not isinstance(x, bool) for x in runs):
+        raise ValueError(f"{what} must be a flat list of integer [start, end) pairs")
+    edges = np.asarray(runs, dtype=np.int64)
+    if len(edges) and (edges[0] < 0 or edges[-1] > length or np.any(np.diff(edges) <= 0)):
+        raise ValueError(f"{what}: runs must be increasing, non-empty and within the "
+                         f"sequence's {length} tokens, got {runs}")
+    mask = np.zeros(length, dtype=np.float64)
+    for a, b in edges.reshape(-1, 2):
+        mask[a:b] = 1.0
+    return mask
