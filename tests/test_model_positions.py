@@ -9,14 +9,12 @@ FlexAttention path run eagerly."""
 from __future__ import annotations
 
 import pytest
-import sympy
 import torch
 from support import VOCAB, check_against_oracle
 from trees import check_forward, odd_forest
 
 import treefx
 from treefx.models import enable_activation_checkpointing
-from treefx.families.position_tables import SymFn
 
 transformers = pytest.importorskip("transformers")
 
@@ -109,14 +107,6 @@ def test_alibi_matters():
         with torch.no_grad():
             outs.append(tm(treefx.pack(trees)).token_logprobs)
     assert (outs[0] - outs[1]).abs().max() > 1e-2
-
-
-def test_size_expression_at_prefix_lengths():
-    n = sympy.Symbol("s0", positive=True, integer=True)
-    lengths = torch.tensor([[1], [5], [300]])
-    f = SymFn(sympy.Max(0, 256 - n), n)
-    assert f(lengths).flatten().tolist() == [255, 251, 0]
-    assert SymFn(sympy.Integer(7), n)(lengths).flatten().tolist() == [7, 7, 7]
 
 
 class HalfTable(torch.nn.Module):
