@@ -304,7 +304,8 @@ class _Held:
     dummy: bool = False  # a zero-weight part run to keep the ranks' collectives in step
 
 
-def backward(tm: TreeModel, trees: Tree | Iterable[Tree] | TreeBatch, *, max_tokens: int,
+def backward(tm: TreeModel, trees: Tree | Iterable[Tree] | TreeBatch | None, *,
+             max_tokens: int,
              reduction: str | None = None, loss_fn: Callable | None = None,
              num_sequences: int | None = None, loss_scale: float | None = None,
              model: torch.nn.Module | None = None) -> torch.Tensor:
@@ -339,10 +340,21 @@ def backward(tm: TreeModel, trees: Tree | Iterable[Tree] | TreeBatch, *, max_tok
     weight's gradient straight into ``.grad`` in a part's backward (no per-part gradient for
     autograd to add); such a weight without a ``.grad`` gets a zero one when the call starts.
     A parameter with a gradient hook (``register_hook``, ``register_post_accumulate_grad_hook``)
-    gets its gradient through autograd, once per part that reads it, as usual.
+    gets its gradient through autograd, once per part that reads it, as usual; so does every
+    parameter of a model run regionally (FSDP2, ``regional=True``).
 
-    A model sharded with FSDP2 or wrapped in DDP is refused (not yet): each rank would cut
-    its trees into its own number of parts, and the ranks' collectives would not match.
+    Several processes: a model sharded with FSDP2 (``fully_shard`` per layer and root) or
+    wrapped in DDP trains in parts too. Every rank of the group calls ``backward`` with its
+    share of the global batch (:func:`treefx.distributed.pack`, whose ``allow_empty=True``
+    gives None to a rank without trees: pass that, or ``[]``) and may cut it into its own
+    number of parts; the gathered gradients equal one process on all trees whole, and the
+    returned loss is the rank's (their mean over ranks is the global batch's). Under FSDP2 the
+    ranks run their parts in common rounds, a rank without a part to run in a round running a
+    two-token part of zero weight, so that their collectives pair up; gradients go through
+    autograd (FSDP reduce-scatters them in every part's backward). Under DDP the parts run on
+    the inner module and the gradients are averaged over the group once, at the end (a
+    wrapper with a communication hook or mixed precision is refused). See
+    docs/ARCHITECTURE.md, "Parts on several processes".
 
     Parts are planned by :func:`treefx.parts.plan`: a boundary may fall anywhere, inside a
     node too. Memory: activations are held for the current part (at most ``max_tokens``
@@ -359,7 +371,7 @@ def backward(tm: TreeModel, trees: Tree | Iterable[Tree] | TreeBatch, *, max_tok
     into parts against each sequence run alone (log-probabilities and gradients), unless the
     model was compiled with ``verify=False`` (or ``TREEFX_VERIFY=0``); the report is
     ``treefx.run.backward.runners(tm)[0].verification`` (a step is not checked: its loss is
-    the user's code).
+    the user's code; nor is an FSDP2 model's part graph, whose gradients are shards).
     """
     from .engine import unwrap_compiled
 

@@ -35,7 +35,7 @@ What keeps it exact: the pieces are the rewritten graph's own nodes, run in the 
 every parameter a piece reads is checked when it runs (a plain tensor of the captured shape and
 dtype, so a shard or a parameter of another FSDP unit is an error, not a silent misread); the
 inputs' dtypes after the hooks are checked against the capture; Dynamo's shape guards on the
-token count are re-evaluated on every call, and the call's other arguments compared with the
+token count (and a part's other sizes) are re-evaluated on every call, and the call's other arguments compared with the
 capture's (numbers are constants of the graph, other sizes static): a call that differs is
 captured anew; a model
 whose blocks or root carry forward hooks besides FSDP's is refused (they were traced into the
@@ -598,7 +598,7 @@ class RegionalGraph:
             if not isinstance(a, torch.Tensor) or a.dtype != f.dtype or a.dim() != f.dim() \
                     or a.device.type != f.device.type or a.requires_grad != f.requires_grad:
                 return False
-            # sizes Dynamo kept static (everything but the token count) are baked in
+            # sizes Dynamo kept static (all but the dynamic ones) are baked in
             if any(isinstance(d, int) and a.shape[k] != d for k, d in enumerate(f.shape)):
                 return False
         for i, v in self.call_consts.items():  # other arguments are constants of the graph
