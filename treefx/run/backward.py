@@ -407,7 +407,8 @@ def backward(tm: TreeModel, trees: Tree | Iterable[Tree] | TreeBatch | None, *,
                                    "is not probed on its first call")
             log.info("treefx.backward: %s", runner.verification)
         else:  # a DDP model's parts run on its inner module, with no collective
-            tm._note_token_ids(trees)  # the probe's vocabulary, where the model declares none
+            if trees is not None:  # the probe's vocabulary, where the model declares none
+                tm._note_token_ids(trees)
             with wrapper.no_sync() if wrapper is not None else contextlib.nullcontext():
                 _verify_first_call(tm, runner)
     if trees is None or (isinstance(trees, (list, tuple)) and not trees):
