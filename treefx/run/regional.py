@@ -35,9 +35,9 @@ What keeps it exact: the pieces are the rewritten graph's own nodes, run in the 
 every parameter a piece reads is checked when it runs (a plain tensor of the captured shape and
 dtype, so a shard or a parameter of another FSDP unit is an error, not a silent misread); the
 inputs' dtypes after the hooks are checked against the capture; Dynamo's shape guards on the
-token count (and a part's other sizes) are re-evaluated on every call, and the call's other arguments compared with the
-capture's (numbers are constants of the graph, other sizes static): a call that differs is
-captured anew; a model
+token count (and a part's other sizes) are re-evaluated on every call, and the call's other
+arguments compared with the capture's (numbers are constants of the graph, other sizes
+static): a call that differs is captured anew; a model
 whose blocks or root carry forward hooks besides FSDP's is refused (they were traced into the
 graph and would run twice).
 """
