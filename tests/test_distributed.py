@@ -117,14 +117,14 @@ def _case(rank, name, model_name, wrapper, how, checkpointing, reduction):
             "worst_param": where, "my_trees": len(mine), "params": len(ref)}
 
 
-def _worker(rank: int, port: int, queue, cases) -> None:
+def _worker(rank: int, port: int, queue, case_fn, cases) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     try:
         for case in cases:
             try:
-                result = _case(rank, *case)
+                result = case_fn(rank, *case)
             except Exception:
                 result = {"error": traceback.format_exc()}
             queue.put((rank, case[0], result))
@@ -143,19 +143,21 @@ def _free_port() -> int:
 CI_CASES = {"fsdp-qwen3-checkpointing", "fsdp-qwen3_next-step", "ddp-qwen3-compile"}
 
 
-@pytest.fixture(scope="module")
-def results(request):
+def run_cases(request, all_cases, case_fn) -> dict:
+    """``case_fn(rank, *case)`` on WORLD gloo processes for each case of ``all_cases`` (name
+    first) that this session selected from the requesting test module, the processes started
+    once for all of them: {(rank, name): result}."""
     import multiprocessing as mp
 
-    # only the cases this session runs (the processes start once for all of them)
     wanted = {item.callspec.params["case"] for item in request.session.items
               if item.module is request.module and hasattr(item, "callspec")}
-    cases = [c for c in CASES if c[0] in wanted]
+    cases = [c for c in all_cases if c[0] in wanted]
 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, queue, cases)) for r in range(WORLD)]
+    procs = [ctx.Process(target=_worker, args=(r, port, queue, case_fn, cases))
+             for r in range(WORLD)]
     for p in procs:
         p.start()
     out: dict = {}
@@ -169,6 +171,11 @@ def results(request):
             if p.is_alive():
                 p.kill()
     return out
+
+
+@pytest.fixture(scope="module")
+def results(request):
+    return run_cases(request, CASES, _case)
 
 
 @pytest.mark.parametrize("case", [c[0] if c[0] in CI_CASES else

@@ -12,12 +12,9 @@ losses must equal its own. One spawn runs every case (see tests/test_distributed
 from __future__ import annotations
 
 import copy
-import os
-import traceback
 
 import pytest
-import torch
-from test_distributed import FLOOR_FACTOR, GRAD_TOL, WORLD, _free_port, _model, _trees, hf_step
+from test_distributed import FLOOR_FACTOR, GRAD_TOL, WORLD, _model, _trees, hf_step, run_cases
 
 import treefx
 from treefx.run.backward import runners
@@ -126,46 +123,9 @@ def _case(rank, name, model_name, wrapper, how, checkpointing, reduction, split)
             "my_trees": len(mine), "num_parts": num_parts, "recaptured": recaptured}
 
 
-def _worker(rank: int, port: int, queue, cases) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    try:
-        for case in cases:
-            try:
-                result = _case(rank, *case)
-            except Exception:
-                result = {"error": traceback.format_exc()}
-            queue.put((rank, case[0], result))
-            dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.fixture(scope="module")
 def results(request):
-    import multiprocessing as mp
-
-    wanted = {item.callspec.params["case"] for item in request.session.items
-              if item.module is request.module and hasattr(item, "callspec")}
-    cases = [c for c in CASES if c[0] in wanted]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, queue, cases)) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    out: dict = {}
-    try:
-        for _ in range(WORLD * len(cases)):
-            rank, name, result = queue.get(timeout=600)
-            out[(rank, name)] = result
-    finally:
-        for p in procs:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.kill()
-    return out
+    return run_cases(request, CASES, _case)
 
 
 @pytest.mark.parametrize("case", [c[0] if c[0] in CI_CASES else

@@ -308,8 +308,7 @@ def cmd_ingest(args) -> int:
                 from concurrent.futures import ProcessPoolExecutor
                 with ProcessPoolExecutor(args.workers, initializer=_ingest_worker_init,
                                          initargs=(args.tokenizer, args.chat_template)) as ex:
-                    for path, trees in zip(files, ex.map(_ingest_in_worker, files,
-                                                         [options] * len(files))):
+                    for trees in ex.map(_ingest_in_worker, files, [options] * len(files)):
                         write(f, trees)
             else:
                 for path in files:
