@@ -19,6 +19,7 @@ model does itself).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import weakref
 from collections.abc import Callable, Iterable
@@ -276,16 +277,30 @@ def _step_runner(step: TreeStep, model: torch.nn.Module) -> PartRunner:
 @dataclass(eq=False)
 class _Held:
     """A part whose forward ran and whose backward has not: its loss and outputs (the graph
-    to differentiate), and the detached leaves later parts read."""
+    to differentiate), and the detached leaves later parts read. A recompute part
+    (``rerun`` set) holds no graph: its loss and outputs are None until :func:`_backward`
+    runs its forward again (``rerun() -> (loss, own, exits, sink)``)."""
 
-    loss: torch.Tensor
-    own: torch.Tensor
-    exits: torch.Tensor
+    loss: torch.Tensor | None
+    own: torch.Tensor | None
+    exits: torch.Tensor | None
     own_leaf: torch.Tensor
     exits_leaf: torch.Tensor
     sink: torch.Tensor  # the part's rows of the input embedding's gradient
     emb_rows: torch.Tensor  # the part's distinct ids, and each token's among them
     emb_inverse: torch.Tensor
+    rerun: Callable | None = None
+
+
+def _hold(part, loss, own, exits, t: dict, rerun: Callable) -> _Held:
+    """What a part keeps from its forward until its backward: for a recompute part
+    (``part.recompute``, its forward run without a graph) only the leaves later parts read,
+    its inputs (``t``) and ``rerun``, which runs the forward again with a graph."""
+    leaves = own.detach().requires_grad_(), exits.detach().requires_grad_()
+    if part.recompute:
+        return _Held(None, None, None, *leaves, t["emb_sink"], t["emb_rows"],
+                     t["emb_inverse"], rerun=rerun)
+    return _Held(loss, own, exits, *leaves, t["emb_sink"], t["emb_rows"], t["emb_inverse"])
 
 
 def backward(tm: TreeModel, trees: Tree | Iterable[Tree] | TreeBatch, *, max_tokens: int,
@@ -412,9 +427,8 @@ def backward(tm: TreeModel, trees: Tree | Iterable[Tree] | TreeBatch, *, max_tok
     created = runner.prepare_grads()
     total = torch.zeros((), dtype=torch.float64, device=device)
     incidence = _Incidence(full) if loss_fn is not None else None
-    for j, part in enumerate(plan.parts):
-        t = _to_device(plan, part, device, weights, min_tokens=3 if step is not None else 2)
-        lp, own, exits = _forward(runner, plan, part, t, held, device, created)
+
+    def part_loss(lp, t):
         if step is not None:
             loss = lp
         elif loss_fn is None:  # treefx.tree_loss over the part's trained tokens
@@ -432,10 +446,19 @@ def backward(tm: TreeModel, trees: Tree | Iterable[Tree] | TreeBatch, *, max_tok
             what = ("the @treefx.step function must return its loss alone, a scalar tensor"
                     if step is not None else "loss_fn must return a scalar tensor")
             raise TypeError(f"treefx.backward: {what}; got {type(loss).__name__}")
+        return loss
+
+    for j, part in enumerate(plan.parts):
+        t = _to_device(plan, part, device, weights, min_tokens=3 if step is not None else 2)
+        # a recompute part's forward keeps no graph; its backward runs it again (_backward)
+        rerun = _rerun(runner, plan, part, t, held, device, part_loss)
+        with torch.no_grad() if part.recompute else contextlib.nullcontext():
+            lp, own, exits = _forward(runner, plan, part, t, held, device, created)
+            loss = part_loss(lp, t)
+        if j == 0 and plan.recompute_tokens:
+            _check_recompute(runner)
         total = total + loss.detach().to(total.dtype)
-        held[j] = _Held(loss, own, exits, own.detach().requires_grad_(),
-                        exits.detach().requires_grad_(), t["emb_sink"], t["emb_rows"],
-                        t["emb_inverse"])
+        held[j] = _hold(part, loss, own, exits, t, rerun)
         for i in parts_mod.ready(plan, sorted(held), part.end):
             _backward(held.pop(i), runner.embedding)
     if held:  # cannot happen: every part is released at the row's end
@@ -491,9 +514,13 @@ def _verify_first_call(tm: TreeModel, runner: PartRunner) -> None:
 
         for _, p in chosen:
             p.grad = None
-        with torch.enable_grad():
-            backward(tm, batch.trees, max_tokens=max(3, batch.num_tokens // 3),
-                     reduction=batch.reduction, loss_fn=record)
+        try:
+            with torch.enable_grad():
+                backward(tm, batch.trees, max_tokens=max(3, batch.num_tokens // 3),
+                         reduction=batch.reduction, loss_fn=record)
+        except TreeCompileError:
+            if graph_draws_random(runner.engine) is None:
+                raise  # else the probe's recompute parts were refused: unavailable, below
         where = graph_draws_random(runner.engine)
         if where is not None:
             raise VerificationUnavailable(
@@ -511,7 +538,8 @@ def _verify_first_call(tm: TreeModel, runner: PartRunner) -> None:
 def _forward(runner: PartRunner, plan, part, t: dict, held: dict, device, created=()):
     t["emb_sink"] = runner.sink(t)
     if runner.engine is None:
-        runner._settle(t, created)
+        with torch.enable_grad():  # the layout and routing of the training graph
+            runner._settle(t, created)
     layout = runner.layout
     ctx_tok = _gather_tokens(part, t, held, layout.tok_width, layout.tok_dtype, device)
     ctx_state = _gather_states(plan, part, held, layout.state_width, layout.state_dtype, device)
@@ -541,7 +569,37 @@ def _gather_states(plan, part, held, width, dtype, device) -> torch.Tensor:
     return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
 
 
+def _rerun(runner: PartRunner, plan, part, t: dict, held: dict, device, part_loss):
+    """A recompute part's forward again, with a graph, for its backward: its context read
+    from the same leaves of the parts still held (so their gradients arrive through this
+    graph only: the first forward built none), its loss by ``part_loss``."""
+    def rerun():
+        with torch.enable_grad():
+            lp, own, exits = _forward(runner, plan, part, t, held, device)
+            return part_loss(lp, t), own, exits, t["emb_sink"]
+
+    return rerun
+
+
+def _check_recompute(runner: PartRunner) -> None:
+    """Refuse recompute parts whose graph draws random numbers: the forward run again would
+    draw others (dropout masks), so the gradients would not be those of the loss returned.
+    Checked after the call's first forward, before any backward adds into ``.grad``."""
+    from ..verification import graph_draws_random
+
+    where = graph_draws_random(runner.engine)
+    if where is not None:
+        raise TreeCompileError(
+            f"treefx.backward: this plan recomputes parts (an open path longer than "
+            f"max_tokens allows to hold), but the part graph draws random numbers at {where} "
+            "(dropout in training mode?), which a second forward would not draw again. Set "
+            "the dropout to 0 (or call model.eval()), or raise max_tokens until "
+            "treefx.parts.plan(batch, max_tokens).recompute_tokens is 0")
+
+
 def _backward(h: _Held, embedding) -> None:
+    if h.rerun is not None:  # a recompute part: its forward again, with a graph
+        h.loss, h.own, h.exits, h.sink = h.rerun()
     tensors, grads = [], []
     if h.loss.requires_grad:
         tensors.append(h.loss)
