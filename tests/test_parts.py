@@ -88,15 +88,27 @@ def test_every_token_is_embedded_once_and_gradients_accumulate(monkeypatch):
                                      prompt_len=(3, 8), think_len=(3, 9), answer_len=(2, 5),
                                      tool_len=(3, 9)) for i in range(2)]
     batch = treefx.pack(trees)
-    assert all(p.num_tokens > 1 for p in parts.plan(batch, 24).parts)
-    embedded = []
+    plan = parts.plan(batch, 24)
+    assert all(p.num_tokens > 1 for p in plan.parts)
+    assert plan.recompute_tokens > 0  # some parts run their forward again at their backward
+    embedded, again = [], []
     call = treefx.run.backward.PartRunner.__call__
+    backward_of = treefx.run.backward._backward
+    in_backward = []
 
     def counting(self, t, *rest):
-        embedded.append(t["input_ids"].clone())
+        (again if in_backward else embedded).append(t["input_ids"].clone())
         return call(self, t, *rest)
 
+    def backward(h, *rest):
+        in_backward.append(True)
+        try:
+            return backward_of(h, *rest)
+        finally:
+            in_backward.pop()
+
     monkeypatch.setattr(treefx.run.backward.PartRunner, "__call__", counting)
+    monkeypatch.setattr(treefx.run.backward, "_backward", backward)
     treefx.backward(tm, trees, max_tokens=24)
     # Each part's graph embeds its own ids, and nothing else: one lookup, whose gradient goes
     # to the part's rows (added into .grad at its ids, not a dense gradient per part)
@@ -106,10 +118,12 @@ def test_every_token_is_embedded_once_and_gradients_accumulate(monkeypatch):
     assert len(lookups) == 1 and lookups[0].args[0].name == "l_input_ids_"
     assert lookups[0].target is part_embedding
     # ... and the parts' ids are the row's, each token once (the capture that finds the
-    # context widths is not a call of a part)
+    # context widths is not a call of a part), and once more in a recompute part's backward
     ids = [e for e in embedded if e.shape[1] > 0]
     row = torch.cat([e[0] for e in ids])
     assert row.shape[0] == batch.num_tokens and torch.equal(row, batch.input_ids[0])
+    assert sorted(e.shape[1] for e in again) == \
+        sorted(p.num_tokens for p in plan.parts if p.recompute)
     once = grads(model)
     treefx.backward(tm, trees, max_tokens=24)
     treefx.backward(tm, trees, max_tokens=40)
@@ -585,7 +599,9 @@ def test_weight_gradients_are_added_into_grad_by_the_parts_backward():
     assert _routed(tm) == (linears - 1, 1)  # the output projection is the fused site
     for n, p in model.named_parameters():
         assert p.grad is held[n], n
-        torch.testing.assert_close(p.grad - before[n], ref[n], atol=1e-6, rtol=1e-4)
+        # each part's addition into a .grad of N(0, 1) values rounds by up to 2.4e-7 (36
+        # parts at this budget, some recomputed): within 1e-4 of the largest gradients (~3e-2)
+        torch.testing.assert_close(p.grad - before[n], ref[n], atol=3e-6, rtol=1e-4)
 
 
 def test_a_weight_with_a_gradient_hook_gets_its_gradient_through_autograd():

@@ -22,16 +22,30 @@ a later token holds ``start`` too): its *context* is the path from the root to `
 
 Planning (:func:`plan`): a part of *closed* units (whole subtrees) is finished, forward and
 backward, as soon as it ran; a part of an *open* node's own tokens (a node whose subtree does
-not fit) is held until the node's subtree is done. So the tokens holding activations at any
-time are the current part's and the open tokens on the current root path. The planner keeps
-their sum within ``max_tokens``: below open tokens ``H``, a subtree that fits in the room
-``max_tokens - H`` is a closed unit (consecutive ones share a part while they fit), a larger
-one puts its own tokens in parts of their own (chunks of at most the room) and its children
-are planned the same way with those tokens added to ``H``. The room never drops below
-``max_tokens / 4``, so parts stay large enough to keep a GPU busy: the bound is ``max_tokens``
-held tokens while the open path stays within three quarters of it, and the open path plus a
-quarter of ``max_tokens`` beyond (a sequence longer than the budget is held whole: its later
-tokens attend to all of it).
+not fit) is held until the node's subtree is done. The planner bounds the tokens holding
+activations at once by ``max_tokens``, whatever the tree's shape (a comb-shaped agent tree,
+whose whole trunk is open; a sequence longer than the budget): below *kept* open tokens
+``K``, a subtree that fits in the room ``max_tokens - K`` is a closed unit (consecutive ones
+share a part while they fit), a larger one is open. An open node keeps as many of its tokens
+(held with their activations; its children then plan with them added to ``K``) as leave its
+children the room they need, and never so many that the room drops below a quarter of
+``max_tokens`` (parts stay large enough to keep a GPU busy) unless each child's subtree fits
+in less; its other tokens, first in the
+node, are *recompute* parts: their forward keeps no activations, only what later parts read
+(their keys, values and conv inputs at every site, their exit states), and their backward
+runs the forward again first. A leaf node longer than the room recomputes all but its last
+``room`` tokens. How many to keep is exact for the fewest recomputed tokens (without the
+quarter's floor and the rounding of chunks: see ``_kept``): a node keeps down to its
+children's second largest "breakpoint", so on a comb the trunk keeps what leaves the longest
+completion below room, and a chain keeps nothing. Nothing is recomputed while every root-to-leaf
+path leaves a quarter of ``max_tokens``.
+
+The keys and values of the *open path* (the context a part reads: the root to its first
+token) are kept whatever the budget, since later parts attend to them:
+:meth:`PartPlan.peak_context_tokens` is the longest, beside
+:meth:`PartPlan.peak_held_tokens` (activations, at most ``max_tokens``) and
+:attr:`PartPlan.recompute_tokens`. Bytes per open-path token: attention layers × 2 × KV
+heads × head dim × dtype size (and each causal conv's input width × dtype size).
 """
 
 from __future__ import annotations
@@ -143,8 +157,9 @@ def _units(node_offset, node_length, node_parent, subtree_end_of_node, max_token
     """(start, end, open, recompute, room) ranges in DFS order: closed subtrees that fit the
     room left, open nodes' tokens in chunks. ``room`` = ``max_tokens`` minus the open tokens
     *kept* above the unit (held with their activations), never below a quarter of
-    ``max_tokens``. An open node keeps as many of its tokens as leave its children the room
-    they need (:func:`_kept`); the rest, first in the node, are recompute chunks of at most
+    ``max_tokens`` unless every subtree below fits in less. An open node keeps as many of its
+    tokens as leave its children the room they need (:func:`_kept`); the rest, first in the
+    node, are recompute chunks of at most
     the room. A leaf node longer than the room recomputes all but its last ``room`` tokens,
     which run last and are held by nothing after them."""
     floor = max(1, max_tokens // 4)
@@ -175,7 +190,10 @@ def _units(node_offset, node_length, node_parent, subtree_end_of_node, max_token
             continue
         own = int(length[v])
         if children[v]:
-            keep = _kept(own, room, max(floor, int(second[v])), floor)
+            # the room the children need: a quarter of the budget (parts large enough), or
+            # less when every child's subtree fits in less (then all of them are closed)
+            largest = max(int(subtree_end_of_node[c] - node_offset[c]) for c in children[v])
+            keep = _kept(own, room, max(int(second[v]), min(floor, largest)), floor)
             rest = own - keep
             if rest == 1 and keep > 2:
                 keep, rest = keep - 1, 2  # no chunk of one token (see _no_single_tokens)
@@ -197,7 +215,7 @@ def _units(node_offset, node_length, node_parent, subtree_end_of_node, max_token
 def _kept(own: int, room: int, need: int, floor: int) -> int:
     """How many of an open node's ``own`` tokens to keep (held with their activations while
     its subtree runs; the rest are recomputed), with ``room`` left under the budget and
-    ``need`` the room its children should keep.
+    ``need`` the room its children should keep (``floor``: a quarter of the budget).
 
     The fewest recomputed tokens of a subtree as a function of its room r is convex,
     piecewise linear and non-increasing: sum over a multiset of "breakpoints" b of
@@ -210,7 +228,7 @@ def _kept(own: int, room: int, need: int, floor: int) -> int:
     can (a kept part's attention saves its context's keys and values: the shorter, the
     better). A kept piece smaller than a sixteenth of the budget is not split off (a part
     of its own costs more than recomputing it)."""
-    keep = max(0, min(own, room - max(need, floor)))
+    keep = max(0, min(own, room - need))
     if keep < own and keep < max(1, floor // 4):
         keep = 0
     return keep

@@ -12,9 +12,17 @@ Those come in as detached leaves that require grad, so after a part's backward t
 sit in the leaves' ``.grad``; a part's own backward runs once every later part that reads it
 has run its own, with those gradients as the ``grad_tensors`` of its outputs. A part's
 backward therefore runs exactly once, and as early as possible: right after its forward when
-its subtrees end inside it, else once the row has passed the end of its last subtree. Nothing
-is forwarded twice (no no-grad pre-pass, no recomputation but the activation checkpointing a
-model does itself).
+its subtrees end inside it, else once the row has passed the end of its last subtree.
+
+A token is forwarded twice only in a *recompute* part (:mod:`treefx.parts`: the open tokens
+past what the budget can hold, on a comb-shaped tree or a sequence longer than the budget):
+its forward runs under ``no_grad``, keeping its own keys, values, conv inputs and exit states
+as the leaves later parts read (and its inputs), and at its backward its forward runs again
+with a graph, reading the same context leaves, and is differentiated with the gradients later
+parts left in its leaves (part-level activation checkpointing). The first forward built no
+graph, so the context's gradients arrive once, through the second. A plan with recompute
+parts refuses a part graph that draws random numbers (dropout in training mode): the second
+forward would draw others.
 """
 
 from __future__ import annotations
@@ -99,13 +107,16 @@ class PartRunner:
     The layout (the widths of the context buffers) and the parameters whose ``.grad`` the
     graph adds into are known only once the passes ran: the first call captures the graph
     once to find them (``Plan.find_layout``: a capture that is never run), then builds the
-    engine for them (:meth:`_settle`). ``engine`` is None until then."""
+    engine for them (:meth:`_settle`). ``engine`` is None until then. A recompute part's
+    first forward (without autograd) runs through ``no_grad_engine``, the same plan captured
+    on its own, so that ``engine`` holds the graphs that train."""
 
     def __init__(self, model: torch.nn.Module, fn, plan: Plan, *, verify: bool):
         _register()
         self.fn = fn
         self.plan = plan
         self.engine: TreeEngine | None = None
+        self.no_grad_engine: TreeEngine | None = None
         self.layout: PartLayout | None = None
         self.model = model
         self.step = plan.mode == "part-step"
@@ -141,6 +152,7 @@ class PartRunner:
             log.info("treefx.backward: the trainable parameters changed; capturing the part "
                      "graph again")
             self.engine = None
+            self.no_grad_engine = None
             self.layout = None
             self.embedding = None
             self.grad_key = None
@@ -197,12 +209,24 @@ class PartRunner:
                 p.grad = None
         self.layout = found.layout
         self.engine = TreeEngine(self.fn, replace(self.plan, grad_params=kept))
+        self.no_grad_engine = TreeEngine(self.fn, replace(self.plan, grad_params=kept))
         log.info("treefx.backward: the part graph hands on %s, and adds %d weights' "
                  "gradients into .grad", found.layout.describe(), len(kept))
 
+    def draws_random(self) -> str | None:
+        """Where the part graphs captured so far draw random numbers, or None."""
+        from ..verification import graph_draws_random
+
+        for engine in (self.engine, self.no_grad_engine):
+            where = graph_draws_random(engine) if engine is not None else None
+            if where is not None:
+                return where
+        return None
+
     def __call__(self, t: dict, ctx_tok, ctx_state, sink, num_tokens: int):
+        engine = self.engine if torch.is_grad_enabled() else self.no_grad_engine
         try:
-            out = self._run(self.engine, t, ctx_tok, ctx_state, sink)
+            out = self._run(engine, t, ctx_tok, ctx_state, sink)
         except PartLayoutMismatch as e:
             raise TreeCompileError(
                 f"the part graph for a part of {num_tokens} token(s) hands on "
@@ -212,7 +236,7 @@ class PartRunner:
                 "branch for this token count (a cache it fills, a short-row special case?), "
                 "so its sites differ between parts") from e
         if self.embedding is None:
-            self.embedding = next((c.part.embedding for c in self.engine.compiled
+            self.embedding = next((c.part.embedding for c in engine.compiled
                                    if c.part is not None and c.part.embedding is not None),
                                   None)
         return out[:3]
@@ -344,12 +368,17 @@ def backward(tm: TreeModel, trees: Tree | Iterable[Tree] | TreeBatch, *, max_tok
     its trees into its own number of parts, and the ranks' collectives would not match.
 
     Parts are planned by :func:`treefx.parts.plan`: a boundary may fall anywhere, inside a
-    node too. Memory: activations are held for the current part (at most ``max_tokens``
-    tokens) and for the parts holding the tokens of nodes on the current root path whose
-    subtrees exceed ``max_tokens`` (at most the longest sequence's tokens), plus the keys,
-    values and conv inputs of those tokens at every layer and the recurrent states at the
-    parts' boundaries (with activation checkpointing, a held part keeps its checkpointed
-    layers' inputs instead of their activations, and its backward recomputes them). Runs on
+    node too. Memory: activations are held for at most ``max_tokens`` tokens at once
+    (``plan.peak_held_tokens()``): the current part's and those of the held parts of open
+    nodes on the current root path (nodes whose subtrees exceed the room), as many as the
+    budget leaves room for; the other open parts are recomputed (``plan.recompute_tokens``:
+    their forward runs twice, once without a graph). Beside them, the keys, values and conv
+    inputs of the open path at every layer (``plan.peak_context_tokens()`` tokens, whatever
+    the budget: later parts attend to them) and the recurrent states at the parts'
+    boundaries; a held part's attention also saves its context's keys and values (it
+    attends over them) for its backward. With activation checkpointing, a held part keeps
+    its checkpointed layers' inputs instead of their activations, and its backward
+    recomputes them. Runs on
     the compiled model's backend. Attention the model scores itself (a softcap, a sink, a
     bias of positions) is exact in parts; a bias the passes can read only at the part's own
     rows (not a function of positions) is refused.
@@ -503,7 +532,7 @@ def _verify_first_call(tm: TreeModel, runner: PartRunner) -> None:
     state crossing them), log-probabilities and gradients against each sequence alone. The
     model's ``.grad``, buffers and random state are left as they were."""
     from .. import verification
-    from ..verification import VerificationUnavailable, graph_draws_random
+    from ..verification import VerificationUnavailable
 
     def tree_run(batch, chosen):
         lps = []
@@ -519,9 +548,9 @@ def _verify_first_call(tm: TreeModel, runner: PartRunner) -> None:
                 backward(tm, batch.trees, max_tokens=max(3, batch.num_tokens // 3),
                          reduction=batch.reduction, loss_fn=record)
         except TreeCompileError:
-            if graph_draws_random(runner.engine) is None:
+            if runner.draws_random() is None:
                 raise  # else the probe's recompute parts were refused: unavailable, below
-        where = graph_draws_random(runner.engine)
+        where = runner.draws_random()
         if where is not None:
             raise VerificationUnavailable(
                 f"cannot verify treefx.backward's part graph: it draws random numbers at "
@@ -585,9 +614,7 @@ def _check_recompute(runner: PartRunner) -> None:
     """Refuse recompute parts whose graph draws random numbers: the forward run again would
     draw others (dropout masks), so the gradients would not be those of the loss returned.
     Checked after the call's first forward, before any backward adds into ``.grad``."""
-    from ..verification import graph_draws_random
-
-    where = graph_draws_random(runner.engine)
+    where = runner.draws_random()
     if where is not None:
         raise TreeCompileError(
             f"treefx.backward: this plan recomputes parts (an open path longer than "
