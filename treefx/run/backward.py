@@ -310,7 +310,7 @@ class _Held:
     exits: torch.Tensor | None
     own_leaf: torch.Tensor
     exits_leaf: torch.Tensor
-    sink: torch.Tensor  # the part's rows of the input embedding's gradient
+    sink: torch.Tensor | None  # the part's rows of the input embedding's gradient
     emb_rows: torch.Tensor  # the part's distinct ids, and each token's among them
     emb_inverse: torch.Tensor
     rerun: Callable | None = None
@@ -321,9 +321,10 @@ def _hold(part, loss, own, exits, t: dict, rerun: Callable) -> _Held:
     (``part.recompute``, its forward run without a graph) only the leaves later parts read,
     its inputs (``t``) and ``rerun``, which runs the forward again with a graph."""
     leaves = own.detach().requires_grad_(), exits.detach().requires_grad_()
-    if part.recompute:
-        return _Held(None, None, None, *leaves, t["emb_sink"], t["emb_rows"],
-                     t["emb_inverse"], rerun=rerun)
+    if part.recompute:  # the second forward makes its own sink for the embedding's rows
+        t.pop("emb_sink")
+        return _Held(None, None, None, *leaves, None, t["emb_rows"], t["emb_inverse"],
+                     rerun=rerun)
     return _Held(loss, own, exits, *leaves, t["emb_sink"], t["emb_rows"], t["emb_inverse"])
 
 
