@@ -26,6 +26,7 @@ OUT = ROOT / "docs" / "api.md"
 MODULES = [
     "treefx",
     "treefx.data",
+    "treefx.trajectories",
     "treefx.rl",
     "treefx.distributed",
     "treefx.reference",

@@ -111,3 +111,180 @@ def test_flop_bound_counts_windows_and_active_experts():
     assert min(pairs, tree.bound) < flop_bound(info, gpt_oss) < max(pairs, tree.bound)
     assert flop_bound(tree_info(tree), gpt_oss) is None  # the window's pairs are missing
     assert flop_bound(info, dict(gpt_oss, arch="qwen3_next")) is None
+
+
+def _real_trees():
+    sys.path.insert(0, ROOT)
+    try:
+        from benchmarks import real_trees
+    finally:
+        sys.path.pop(0)
+    return real_trees
+
+
+def _comb_file(path, n: int = 2, vocab: int = 1024):
+    import treefx
+
+    rt = _real_trees()
+    trees = [rt.comb_tree(s, vocab, calls=5, scale=0.1) for s in range(n)]
+    treefx.write_jsonl(path, trees)
+    return trees
+
+
+def test_real_trees_packing_keeps_calls_and_masks():
+    """The packing baseline's micro-batches: first-fit decreasing within the capacity, every
+    call once as its own sequence, its loss mask kept, the task's mean over calls."""
+    import treefx
+
+    rt = _real_trees()
+    assert rt.ffd([5, 9, 3, 4, 2], 10) == [[1], [0, 3], [2, 4]]
+    assert rt.ffd([12, 3], 10) == [[0], [1]]  # longer than the capacity: alone
+    tree = rt.comb_tree(3, 1024, calls=6, scale=0.1)
+    assert tree.loss_masks is not None and tree.bound > 1.5  # a comb, completions trained
+    assert tree.num_sequences == 6 and tree.metadata["task"] == "synthetic-comb-3"
+    budget = int(tree.sequence_lengths.max()) // 2  # the longest call sets the capacity
+    batches = rt.packing_batches(tree, budget)
+    cap = int(tree.sequence_lengths.max())
+    assert all(b.num_tokens <= cap for b in batches) and len(batches) > 1
+    assert sum(b.num_tokens for b in batches) == tree.num_baseline_tokens
+    assert sum(b.num_sequences for b in batches) == tree.num_sequences
+    trained = sum(int(tree.loss_mask(i)[1:].sum()) for i in range(tree.num_sequences))
+    assert sum(int((b.loss_weights != 0).sum()) for b in batches) == trained
+    whole = treefx.pack(tree, reduction="mean")
+    total = sum(float(b.loss_weights.sum()) for b in batches)
+    assert abs(total - float(whole.loss_weights.sum())) < 1e-12
+
+
+def test_real_trees_refuses_ids_beyond_the_vocabulary(tmp_path):
+    import argparse
+
+    import treefx
+
+    rt = _real_trees()
+    path = tmp_path / "bad.jsonl"
+    treefx.write_jsonl(path, [treefx.Tree.from_sequences([[1, 2, 3], [1, 2, 151936]])
+                              .with_metadata(task="too-big")])
+    args = argparse.Namespace(trees=str(path), tasks=None, sample=None, seed=0, slice=None,
+                              dry_run=True)
+    with pytest.raises(ValueError, match=r"token id 151936 .*too-big.*|too-big.*151936"):
+        rt.load_tasks(args, 151936)
+    trees, prov = rt.load_tasks(args, 151937)
+    assert [i for i, _ in trees] == [0] and prov["trees_in_file"] == 1
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_real_trees_dry_run(tmp_path, monkeypatch):
+    """The experiment on the CPU: two comb trees from a file, both methods, the losses and a
+    few gradients equal (float32), every figure in the result file; a third task whose packing
+    runs out of memory is recorded as such and the run goes on."""
+    import torch
+
+    rt = _real_trees()
+    trees = _comb_file(tmp_path / "t.jsonl", n=3)
+    timed = rt.timed
+
+    def oom_on_last(fn, model, cuda, warmup, reps, pre_warm=None):
+        if pre_warm is not None and seen.setdefault("packing", 0) == 2:
+            # as a compiled graph's wrapper raises it
+            raise RuntimeError("the graph failed") from torch.OutOfMemoryError(
+                "CUDA out of memory (simulated)")
+        if pre_warm is not None:
+            seen["packing"] += 1
+        return timed(fn, model, cuda, warmup, reps, pre_warm)
+
+    seen = {}
+    monkeypatch.setattr(rt, "timed", oom_on_last)
+    out = tmp_path / "res.json"
+    rt.main(["--dry-run", "--trees", str(tmp_path / "t.jsonl"), "--layers", "1", "--budget",
+             "96", "--reps", "1", "--check-grads", "--out", str(out)])
+    with open(out) as f:
+        res = json.load(f)
+    assert res["meta"]["cuda"] is False and res["data"]["trees_in_file"] == 3
+    assert len(res["data"]["sha256"]) == 64
+    rows = res["tasks"]
+    assert [r["index"] for r in rows] == [0, 1, 2]
+    for r, tree in zip(rows[:2], trees):
+        assert r["status"] == "ok" and r["task"] == tree.metadata["task"]
+        assert r["unique_tokens"] == tree.num_tokens
+        assert r["sequence_tokens"] == tree.num_baseline_tokens
+        assert r["bound"] == pytest.approx(tree.bound)
+        t, p = r["methods"]["treefx"], r["methods"]["packing"]
+        assert t["parts"] > 1 and p["micro_batches"] >= 1
+        assert t["tokens"] == tree.num_tokens and p["tokens"] == tree.num_baseline_tokens
+        for st in (t, p):
+            assert st["step_ms"] > 0 and "peak_gib" in st
+            assert st["sequence_tokens_per_s"] == pytest.approx(
+                tree.num_baseline_tokens / st["step_ms"] * 1e3)
+        assert t["tokens_per_s"] == pytest.approx(tree.num_tokens / t["step_ms"] * 1e3)
+        assert r["speedup"] == pytest.approx(p["step_ms"] / t["step_ms"])
+        assert r["share_of_bound"] == pytest.approx(r["speedup"] / tree.bound)
+        assert r["loss_rel_diff"] < 1e-5 and r["loss_agree"] is True
+        assert len(r["grad_rel_diff"]) == 6 and max(r["grad_rel_diff"].values()) < 1e-4
+        assert r["grads_agree"] is True
+    assert rows[2]["status"] == "oom: packing"
+    assert "simulated" not in rows[2]["methods"]["packing"]["error"]  # the outer error's
+    assert not rt._is_oom(ValueError("a bug")) and rt._is_oom(torch.OutOfMemoryError("x"))
+    assert rows[2]["methods"]["packing"]["status"] == "oom"
+    assert rows[2]["methods"]["treefx"]["status"] == "ok" and "speedup" not in rows[2]
+    s = res["summary"]
+    assert s["both_measured"] == 2 and s["oom"] == [2] and s["skipped"] == []
+    assert s["losses_agree"] is True and s["grads_agree"] is True
+    for key in ("median_share_of_bound", "worst_share_of_bound", "median_speedup",
+                "lowest_speedup", "any_slower_than_packing", "slower_than_packing"):
+        assert key in s, key
+    assert s["worst_share_of_bound"] == min(r["share_of_bound"] for r in rows[:2])
+
+    # the shards' files joined: tasks once each, the summary over all
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    for path, part in ((a, rows[:1]), (b, rows[1:])):
+        with open(path, "w") as f:
+            json.dump(dict(res, tasks=part), f)
+    merged = rt.main(["--merge", str(a), str(b), "--out", str(tmp_path / "m.json")])
+    assert [r["index"] for r in merged["tasks"]] == [0, 1, 2]
+    assert merged["summary"] == s
+    with pytest.raises(ValueError, match="task 0 is in both"):
+        rt.main(["--merge", str(a), str(a), "--out", str(tmp_path / "m2.json")])
+
+
+def test_real_trees_time_limit_and_skips(tmp_path, monkeypatch):
+    """``--time-limit`` stops before a task that would not fit, the file keeping the tasks
+    done; ``--max-call-tokens`` records a longer task as skipped."""
+    rt = _real_trees()
+    trees = _comb_file(tmp_path / "t.jsonl", n=4)
+    longest = [int(t.sequence_lengths.max()) for t in trees]
+    calls = []
+
+    def fake_task(index, tree, tm, model, args, cuda, dev):
+        calls.append(index)
+        if args.max_call_tokens is not None and longest[index] > args.max_call_tokens:
+            return real_task(index, tree, tm, model, args, cuda, dev)
+        import time
+        time.sleep(0.3)
+        return {"index": index, "task": None, "calls": tree.num_sequences,
+                "unique_tokens": tree.num_tokens, "sequence_tokens": tree.num_baseline_tokens,
+                "longest_call": longest[index], "bound": tree.bound, "status": "ok",
+                "methods": {}}
+
+    real_task = rt.run_task
+    monkeypatch.setattr(rt, "run_task", fake_task)
+    out = tmp_path / "res.json"
+    cut = sorted(longest)[1]  # skips the two longest
+    res = rt.main(["--dry-run", "--trees", str(tmp_path / "t.jsonl"), "--layers", "1",
+                   "--max-call-tokens", str(cut), "--out", str(out)])
+    skipped = [i for i, n in enumerate(longest) if n > cut]
+    assert sorted(res["summary"]["skipped"]) == skipped and len(skipped) == 2
+    assert all(res["tasks"][i]["status"].startswith("skipped") for i in skipped)
+    calls.clear()
+    res = rt.main(["--dry-run", "--trees", str(tmp_path / "t.jsonl"), "--layers", "1",
+                   "--time-limit", "0.1", "--out", str(out)])
+    assert calls == [0]  # the first task always runs; the next would not fit
+    with open(out) as f:
+        saved = json.load(f)
+    assert [r["index"] for r in saved["tasks"]] == [0]
+    assert saved["stopped"]["tasks_not_run"] == [1, 2, 3]
+    assert saved["stopped"]["resume"] == "--slice 1:4"
+    calls.clear()  # the rest, resumed: a shard of the same selection
+    res = rt.main(["--dry-run", "--trees", str(tmp_path / "t.jsonl"), "--layers", "1",
+                   "--sample", "3", "--seed", "1", "--slice", "1:", "--out", str(out)])
+    assert calls == res["data"]["selected"][1:] and len(calls) == 2
+    assert res["data"]["positions"] == [1, 2]

@@ -204,7 +204,7 @@ def _error(argv, capsys) -> str:
     return err.strip()
 
 
-_COMMANDS = ("demo", "stats", "synth", "explain", "check", "draw")
+_COMMANDS = ("demo", "stats", "synth", "ingest", "explain", "check", "draw")
 
 
 @pytest.fixture
@@ -222,6 +222,12 @@ def small_file(tmp_path):
         (["draw", "{tmp}/missing.jsonl", "-o", "{tmp}/t.png"], "missing.jsonl: no such file"),
         (["check", "treefx.tools.debug.examples:tiny_decoder", "--trees", "{tmp}/missing.jsonl"],
          "missing.jsonl: no such file"),
+        (["ingest", "{tmp}/missing.json", "--tokenizer", "{tmp}", "-o", "{tmp}/t.jsonl"],
+         "no such file: {tmp}/missing.json"),
+        (["ingest", "{small}", "--tokenizer", "{tmp}", "-o", "{tmp}/t.jsonl"],
+         "--tokenizer {tmp}: no tokenizer could be loaded from it"),
+        (["ingest", "{small}", "--tokenizer", "{tmp}", "-o", "{tmp}/t.jsonl", "--workers", "0"],
+         "argument --workers: must be at least 1, got 0"),
         (["demo", "--steps", "0"], "argument --steps: must be at least 1, got 0"),
         (["demo", "--steps", "two"], "argument --steps: expected an integer, got 'two'"),
         (["synth", "-o", "{tmp}/t.jsonl", "-n", "0"], "argument -n: must be at least 1, got 0"),

@@ -400,19 +400,49 @@ def test_a_packed_batch_keeps_its_normalization():
         torch.testing.assert_close(got[name], g, rtol=1e-6, atol=1e-7)
 
 
-def test_ddp_model_is_refused_clearly(tmp_path):
-    """Ranks cut their trees into their own numbers of parts, so their collectives would not
-    pair up: a DDP (or FSDP2) model is refused, not run (a group of one process, gloo)."""
+def test_regional_parts_match_the_oracle():
+    """regional=True: the part graph cut at the decoder layers (several sizes vary per call:
+    tokens, context, labels, states), its gradients through autograd only (no .grad buffers
+    passed to a regional graph)."""
+    tm = treefx.compile(hf_model("qwen3", "sdpa"), backend="eager", regional=True,
+                        verify=False)
+    _check(tm, odd_forest(3, VOCAB), 7, rtol=1e-5)
+    (runner,) = runners(tm)
+    assert runner.engine.plan.grad_params == () and runner.embedding is None
+    assert len(runner.engine._regional) == 1
+
+
+def test_ddp_and_fsdp2_models_train_in_parts(tmp_path):
+    """In a group of one process (gloo): a DDP model's parts run on its inner module and its
+    first call is probed there (no collective); an FSDP2 model's parts run regionally, not
+    probed. Both equal the oracle. Two processes, different numbers of parts per rank and a
+    rank without trees: tests/test_distributed_parts.py."""
     import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
                             world_size=1)
     try:
+        trees = odd_forest(3, VOCAB)
         tm = treefx.compile(DistributedDataParallel(hf_model("qwen3", "sdpa")),
-                            backend="eager", verify=False)
-        with pytest.raises(treefx.TreeCompileError, match="wrapped in DDP.*collectives"):
-            treefx.backward(tm, odd_forest(3, VOCAB), max_tokens=5)
+                            backend="eager", verify=True)
+        _check(tm, trees, 5, rtol=1e-5)
+        assert runners(tm)[0].verification.passed
+        model = hf_model("qwen3", "sdpa")
+        ref_loss, ref = _oracle(model, trees)
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        tm = treefx.compile(model, backend="eager", verify=True)
+        loss = treefx.backward(tm, trees, max_tokens=5)
+        assert "not checked" in runners(tm)[0].verification
+        torch.testing.assert_close(loss, ref_loss, atol=1e-5, rtol=1e-5)
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(p.grad.full_tensor(), ref[name], rtol=1e-5, atol=1e-7)
+        with pytest.raises(ValueError, match="no trees"):
+            treefx.backward(treefx.compile(hf_model("qwen3", "sdpa"), backend="eager",
+                                           verify=False), [], max_tokens=5)
     finally:
         dist.destroy_process_group()
 

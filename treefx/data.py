@@ -16,6 +16,9 @@ where the text would agree (a re-rendered turn tokenized differently from how it
   tokenizer's chat template (``apply_chat_template``): the call's last message is its completion,
   the messages before it, rendered with the generation prompt, its prompt (see
   :func:`chat_call`).
+- :func:`from_trajectories`: agent runs as public trajectory files store them (one
+  conversation per run: mini-swe-agent, τ-bench, OpenAI-style messages; read by
+  :func:`treefx.trajectories.read_trajectories`), one tree per task.
 - :func:`group`: the trees of several rollouts of one task (a GRPO group) as one tree, with each
   call's rollout and the rollouts' rewards in its metadata.
 
@@ -26,21 +29,26 @@ branch there, as they must, since the model saw different tokens.
 
 from __future__ import annotations
 
+import logging
 import math
 import numbers
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
+from .chat_pieces import PieceTokenizer
+from .trajectories import Trajectory, conversation_calls
 from .tree import SEQUENCE_KEYS, Tree, as_token_array, values_equal
 
-__all__ = ["Call", "chat_call", "from_chats", "from_ids", "group"]
+__all__ = ["Call", "chat_call", "from_chats", "from_ids", "from_trajectories", "group"]
 
 TRAIN_ON = ("last", "all")
 
 # `{% generation %}` / `{%- generation -%}`: the markers return_assistant_tokens_mask reads.
+log = logging.getLogger(__name__)
+
 _GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
@@ -215,13 +223,16 @@ def _marked_spans(tokenizer, messages, kw) -> list[tuple[int, int]]:
     return spans
 
 
-def _span_by_prefix(tokenizer, messages, i, full_text, end_of_turn, kw) -> tuple[int, int]:
+def _span_by_prefix(tokenizer, messages, i, full_text, end_of_turn, kw, rendered=None
+                    ) -> tuple[int, int]:
     """Where assistant message ``i`` lies in ``full_text`` without generation markers: from
     the end of ``messages[:i]`` rendered with the generation prompt to the end of the last
     ``end_of_turn`` in ``messages[:i + 1]`` rendered. Assumes each of those renderings is a
-    prefix of the whole chat's."""
-    before = _render(tokenizer, messages[:i], kw, generation_prompt=True)
-    upto = _render(tokenizer, messages[: i + 1], kw)
+    prefix of the whole chat's. ``rendered``: those two renderings, where the caller has them."""
+    if rendered is None:
+        rendered = (_render(tokenizer, messages[:i], kw, generation_prompt=True),
+                    _render(tokenizer, messages[: i + 1], kw))
+    before, upto = rendered
     if not (upto.startswith(before) and full_text.startswith(upto)):
         raise ValueError(
             f"the chat template renders message {i} (assistant) differently once later "
@@ -234,6 +245,54 @@ def _span_by_prefix(tokenizer, messages, i, full_text, end_of_turn, kw) -> tuple
         if k >= 0:
             end = k + len(end_of_turn)
     return len(before), end
+
+
+def _chat_texts(tokenizer, msgs, kw) -> tuple[str, str]:
+    """(prompt text, whole chat's text) of one call; the first must start the second."""
+    prompt_text = _render(tokenizer, msgs[:-1], kw, generation_prompt=True)
+    full_text = _render(tokenizer, msgs, kw)
+    if not full_text.startswith(prompt_text):
+        k = next((j for j, (a, b) in enumerate(zip(prompt_text, full_text)) if a != b),
+                 min(len(prompt_text), len(full_text)))
+        raise ValueError(
+            "the chat template renders the conversation so that it does not start with the "
+            f"prompt (the messages before the completion, with the generation prompt); they "
+            f"differ at character {k}: {prompt_text[k:k + 30]!r} vs {full_text[k:k + 30]!r}. "
+            "The completion cannot be told apart from the prompt: give the ids the engine "
+            "used (treefx.data.from_ids)")
+    return prompt_text, full_text
+
+
+def _trained_spans(tokenizer, msgs, kw, texts, train_on, end_of_turn, marked_spans
+                   ) -> tuple[int, list[tuple[int, int]]]:
+    """(end of the completion, trained character spans) of one call, whose texts are
+    ``texts`` (:func:`_chat_texts`). ``marked_spans(msgs, full_text)``: the character spans
+    of the template's ``{% generation %}`` blocks, as runs of marked tokens."""
+    prompt_text, full_text = texts
+    start = len(prompt_text)
+    template = tokenizer.get_chat_template(kw["chat_template"], kw["tools"])
+    if _GENERATION.search(template):
+        spans = marked_spans(msgs, full_text)
+        last = [(a, b) for a, b in spans if b > start]
+        if not last:
+            raise ValueError("the chat template's {% generation %} markers mark nothing in the "
+                             "last assistant message")
+        end = max(b for _, b in last)
+        trained = [(max(a, start), b) for a, b in last]
+        if train_on == "all":
+            trained += [(a, b) for a, b in spans if b <= start]
+    else:
+        eot = tokenizer.eos_token if end_of_turn is None else end_of_turn
+        _, end = _span_by_prefix(tokenizer, msgs, len(msgs) - 1, full_text, eot, kw,
+                                 rendered=texts)
+        trained = [(start, end)]
+        if train_on == "all":
+            trained += [_span_by_prefix(tokenizer, msgs, i, full_text, eot, kw)
+                        for i, m in enumerate(msgs[:-1]) if m["role"] == "assistant"]
+    if end <= start:
+        raise ValueError("the completion is empty: the template renders nothing for the last "
+                         "assistant message")
+    return end, trained
 
 
 def chat_call(messages, tokenizer, *, tools=None, train_on: str = "last",
@@ -268,45 +327,19 @@ def chat_call(messages, tokenizer, *, tools=None, train_on: str = "last",
     must be a prefix of the chat, or this raises) and ``"all"`` checks for each message.
 
     ``tools``, ``chat_template`` and ``template_kwargs`` (``enable_thinking=False``, ...) go to
-    ``apply_chat_template``. Needs a fast tokenizer (character offsets).
+    ``apply_chat_template``. Needs a fast tokenizer (character offsets). This tokenizes the
+    call's whole text through the tokenizer; :func:`from_chats` gives the same calls for a
+    whole task in time that grows with its distinct text.
     """
     if train_on not in TRAIN_ON:
         raise ValueError(f"train_on must be one of {TRAIN_ON}, got {train_on!r}")
     msgs, tools = _messages(messages, tools)
     kw = dict(tools=tools, chat_template=chat_template, **template_kwargs)
-    prompt_text = _render(tokenizer, msgs[:-1], kw, generation_prompt=True)
-    full_text = _render(tokenizer, msgs, kw)
+    texts = _chat_texts(tokenizer, msgs, kw)
+    end, trained = _trained_spans(tokenizer, msgs, kw, texts, train_on, end_of_turn,
+                                  lambda m, _: _marked_spans(tokenizer, m, kw))
+    prompt_text, full_text = texts
     start = len(prompt_text)
-    if not full_text.startswith(prompt_text):
-        k = next((j for j, (a, b) in enumerate(zip(prompt_text, full_text)) if a != b),
-                 min(len(prompt_text), len(full_text)))
-        raise ValueError(
-            "the chat template renders the conversation so that it does not start with the "
-            f"prompt (the messages before the completion, with the generation prompt); they "
-            f"differ at character {k}: {prompt_text[k:k + 30]!r} vs {full_text[k:k + 30]!r}. "
-            "The completion cannot be told apart from the prompt: give the ids the engine "
-            "used (treefx.data.from_ids)")
-    template = tokenizer.get_chat_template(chat_template, tools)
-    if _GENERATION.search(template):
-        spans = _marked_spans(tokenizer, msgs, kw)
-        last = [(a, b) for a, b in spans if b > start]
-        if not last:
-            raise ValueError("the chat template's {% generation %} markers mark nothing in the "
-                             "last assistant message")
-        end = max(b for _, b in last)
-        trained = [(max(a, start), b) for a, b in last]
-        if train_on == "all":
-            trained += [(a, b) for a, b in spans if b <= start]
-    else:
-        eot = tokenizer.eos_token if end_of_turn is None else end_of_turn
-        _, end = _span_by_prefix(tokenizer, msgs, len(msgs) - 1, full_text, eot, kw)
-        trained = [(start, end)]
-        if train_on == "all":
-            trained += [_span_by_prefix(tokenizer, msgs, i, full_text, eot, kw)
-                        for i, m in enumerate(msgs[:-1]) if m["role"] == "assistant"]
-    if end <= start:
-        raise ValueError("the completion is empty: the template renders nothing for the last "
-                         "assistant message")
     try:
         prompt = tokenizer.apply_chat_template(
             msgs[:-1], tokenize=True, return_dict=True, add_generation_prompt=True,
@@ -322,26 +355,145 @@ def chat_call(messages, tokenizer, *, tools=None, train_on: str = "last",
     return Call(prompt["input_ids"], completion["input_ids"], loss_mask=mask)
 
 
+def _span_mask(starts: np.ndarray, ends: np.ndarray, spans) -> np.ndarray:
+    """0/1 per token: whether its character range [start, end) overlaps any span (what
+    :func:`_overlaps` tells one token at a time)."""
+    spans = sorted((a, b) for a, b in spans if b > a)
+    merged: list[list[int]] = []
+    for a, b in spans:
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    if not merged:
+        return np.zeros(len(starts), dtype=np.int64)
+    lo, hi = np.asarray(merged, dtype=np.int64).T
+    k = np.searchsorted(hi, starts, side="right")  # the first span ending after the start
+    hit = k < len(hi)
+    out = np.zeros(len(starts), dtype=bool)
+    out[hit] = (lo[k[hit]] < ends[hit]) & (starts[hit] < ends[hit])
+    return out.astype(np.int64)
+
+
+class _ChatEncoder:
+    """The calls of one task, each as :func:`chat_call` gives it, with every distinct piece
+    of text tokenized once (:class:`~treefx.chat_pieces.PieceTokenizer`) and each call's
+    ``{% generation %}`` spans read from one rendering, without tokenizing it again."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.pieces = PieceTokenizer(tokenizer)
+        self._render_marked = _jinja_renderer()
+
+    def _marked_spans(self, msgs, full_text, kw) -> list[tuple[int, int]]:
+        indices = None
+        if self._render_marked is not None:
+            rest = {k: v for k, v in kw.items() if k not in ("tools", "chat_template")}
+            template = self.tokenizer.get_chat_template(kw["chat_template"], kw["tools"])
+            try:
+                texts, gen = self._render_marked(
+                    conversations=[[{k: v for k, v in m.items() if v is not None}
+                                    for m in msgs]],
+                    tools=kw["tools"], chat_template=template,
+                    return_assistant_tokens_mask=True,
+                    **{**self.tokenizer.special_tokens_map, **rest})
+                if texts[0] == full_text:  # rendered as apply_chat_template renders it
+                    indices = gen[0]
+            except Exception:  # another transformers' signature: the tokenizer's own way
+                self._render_marked = None
+        if indices is None:
+            return _marked_spans(self.tokenizer, msgs, kw)
+        # as return_assistant_tokens_mask marks tokens, as runs of marked tokens
+        _, starts, ends = self.pieces.encode(full_text)
+        marked = _span_mask(starts, ends, indices).astype(bool)
+        edges = np.flatnonzero(np.diff(np.concatenate([[0], marked.view(np.int8), [0]])))
+        return [(int(starts[a]), int(ends[b - 1])) for a, b in zip(edges[::2], edges[1::2])]
+
+    def call(self, msgs, kw, train_on, end_of_turn) -> tuple[np.ndarray, np.ndarray]:
+        """(ids, loss mask) of one call, as :func:`chat_call` gives them (``kw``: its
+        template arguments)."""
+        texts = _chat_texts(self.tokenizer, msgs, kw)
+        end, trained = _trained_spans(self.tokenizer, msgs, kw, texts, train_on, end_of_turn,
+                                      lambda m, full: self._marked_spans(m, full, kw))
+        prompt_text, full_text = texts
+        start = len(prompt_text)
+        p_ids, p_starts, p_ends = self.pieces.encode(prompt_text)
+        c_ids, c_starts, c_ends = self.pieces.encode(full_text[start:end])
+        if not len(p_ids) or not len(c_ids):
+            raise ValueError("the call's prompt or completion tokenizes to nothing")
+        mask = np.concatenate([_span_mask(p_starts, p_ends, trained),
+                               _span_mask(c_starts + start, c_ends + start, trained)])
+        return np.concatenate([p_ids, c_ids]), mask
+
+
+def _jinja_renderer():
+    try:
+        from transformers.utils.chat_template_utils import render_jinja_template
+    except ImportError:
+        return None
+    return render_jinja_template
+
+
 def from_chats(calls, tokenizer, *, tools=None, train_on: str = "last",
                end_of_turn: str | None = None, chat_template: str | None = None,
                weights=None, metadata=None, **template_kwargs) -> Tree:
     """Build one tree from chat-format model calls through a tokenizer's chat template.
 
-    A tree of chat-format model calls: each call through :func:`chat_call` (its keyword
-    arguments are this function's), then :func:`from_ids`. ``calls``: per call, its messages
-    (a list of message dicts, or a dict with ``"messages"`` and its own ``"tools"``).
-    ``weights``: one per call; ``metadata``: the tree's (task id, rewards, ...)."""
+    A tree of chat-format model calls, each as :func:`chat_call` gives it (its keyword
+    arguments are this function's), merged as :func:`from_ids` merges them. ``calls``: per
+    call, its messages (a list of message dicts, or a dict with ``"messages"`` and its own
+    ``"tools"``). ``weights``: one per call; ``metadata``: the tree's (task id, rewards, ...).
+
+    Cost: each call's chat is rendered through the template (the template's own cost), but
+    text is tokenized once per distinct piece between the tokenizer's added tokens
+    (:class:`~treefx.chat_pieces.PieceTokenizer`: the trunk an agent's calls repeat is
+    tokenized once, not once per call), and masks and the merge run on arrays. The first
+    call is also built through :func:`chat_call` and must agree exactly, or every call is
+    (a warning says so); a tokenizer whose added tokens strip whitespace takes that way
+    throughout.
+    """
     if isinstance(calls, (str, bytes, Mapping)) or not isinstance(calls, Iterable):
         raise TypeError("calls must be a list of chat calls (each a list of messages)")
-    out = []
+    if train_on not in TRAIN_ON:
+        raise ValueError(f"train_on must be one of {TRAIN_ON}, got {train_on!r}")
+    opts = dict(tools=tools, train_on=train_on, end_of_turn=end_of_turn,
+                chat_template=chat_template, **template_kwargs)
+    calls = list(calls)
+    if not calls:
+        raise ValueError("calls is empty; a tree needs at least one call")
+    why = PieceTokenizer.supports(tokenizer)
+    if why is not None:
+        if why != "not a fast tokenizer":  # (which chat_call refuses, naming it)
+            log.warning("treefx.data.from_chats: tokenizing each call in full (%s)", why)
+        return _each_in_full(calls, tokenizer, opts, weights, metadata)
+    encoder = _ChatEncoder(tokenizer)
+    seqs, masks = [], []
     for i, c in enumerate(calls):
-        try:
-            out.append(chat_call(c, tokenizer, tools=tools, train_on=train_on,
-                                 end_of_turn=end_of_turn, chat_template=chat_template,
-                                 **template_kwargs))
-        except (TypeError, ValueError) as e:
-            raise type(e)(f"call {i}: {e}") from None
-    return from_ids(out, weights=weights, metadata=metadata)
+        msgs, call_tools = _named(i, _messages, c, tools)
+        kw = dict(tools=call_tools, chat_template=chat_template, **template_kwargs)
+        ids, mask = _named(i, encoder.call, msgs, kw, train_on, end_of_turn)
+        if i == 0:
+            ref = _named(0, chat_call, c, tokenizer, **opts)
+            if not (np.array_equal(ids, ref.ids) and np.array_equal(mask, ref.mask())):
+                log.warning("treefx.data.from_chats: tokenizing by pieces disagrees with the "
+                            "tokenizer on the first call; tokenizing each call in full")
+                return _each_in_full(calls, tokenizer, opts, weights, metadata)
+        seqs.append(ids)
+        masks.append(mask)
+    return Tree.from_sequences(seqs, weights=weights, loss_masks=masks, metadata=metadata)
+
+
+def _named(i: int, fn, *args, **kwargs):
+    """``fn(*args, **kwargs)``, its TypeError / ValueError naming call ``i``."""
+    try:
+        return fn(*args, **kwargs)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"call {i}: {e}") from None
+
+
+def _each_in_full(calls, tokenizer, opts, weights, metadata) -> Tree:
+    return from_ids([_named(i, chat_call, c, tokenizer, **opts) for i, c in enumerate(calls)],
+                    weights=weights, metadata=metadata)
 
 
 # ---------------------------------------------------------------------- groups
@@ -426,3 +578,42 @@ def group(rollouts: Sequence[Tree], *, rewards=None, task=None) -> Tree:
     return Tree.from_sequences(
         [s for t in trees for s in t.sequences],
         weights=np.concatenate([t.weights for t in trees]), loss_masks=masks, metadata=meta)
+
+
+# ---------------------------------------------------------------------- trajectories
+
+
+def from_trajectories(trajectories: Iterable[Trajectory], tokenizer, **options) -> Iterator[Tree]:
+    """Trees of agent runs, one tree per task.
+
+    The runs are :class:`~treefx.trajectories.Trajectory` records, as
+    :func:`treefx.trajectories.read_trajectories` reads them. Each run's calls are :func:`~treefx.trajectories.conversation_calls` of its conversation,
+    built by :func:`from_chats` (``options`` are its keyword arguments, but ``weights`` and
+    ``metadata``), with metadata ``"task"``. Runs of one task (several trials, τ-bench's ``k``)
+    become one tree through :func:`group`, with their rewards where every run has one. Trees
+    come in the order their tasks first appear; a task's runs are gathered first, so a task
+    is built once all its runs were read.
+    """
+    for key in ("weights", "metadata"):
+        if key in options:
+            raise TypeError(f"from_trajectories does not take {key}=; set it on the trees")
+    by_task: dict = {}
+    for k, t in enumerate(trajectories):
+        if not isinstance(t, Trajectory):
+            raise TypeError(f"trajectory {k} is a {type(t).__name__}, not a "
+                            "treefx.trajectories.Trajectory")
+        by_task.setdefault(t.task, []).append(t)
+    for task, runs in by_task.items():
+        trees = []
+        for t in runs:
+            try:
+                calls = conversation_calls(t.messages)
+                trees.append(from_chats(calls, tokenizer, metadata={"task": task}, **options))
+            except (TypeError, ValueError) as e:
+                trial = "" if t.trial is None else f", trial {t.trial}"
+                raise type(e)(f"task {task!r}{trial}: {e}") from None
+        if len(trees) == 1 and runs[0].reward is None:
+            yield trees[0]
+            continue
+        rewards = [t.reward for t in runs]
+        yield group(trees, rewards=None if None in rewards else rewards, task=task)

@@ -383,7 +383,8 @@ _PACK_OPTIONS = frozenset(inspect.signature(layout.pack).parameters) - {"trees",
 _SET_HERE = ("num_sequences", "loss_scale")
 
 
-def pack(my_trees, group=None, reduction: str = "mean", **pack_kwargs) -> TreeBatch:
+def pack(my_trees, group=None, reduction: str = "mean", *, allow_empty: bool = False,
+         **pack_kwargs) -> TreeBatch | None:
     """Pack this rank's trees with the loss normalized over all ranks' sequences.
 
     This rank's trees packed for data-parallel training: ``treefx.pack(my_trees,
@@ -403,6 +404,9 @@ def pack(my_trees, group=None, reduction: str = "mean", **pack_kwargs) -> TreeBa
     Every rank of ``group`` must call it (it is a collective), with at least one tree and the
     same ``reduction``; a rank given no trees, something that is not a ``treefx.Tree`` or an
     unknown option raises on every rank, not only its own (so no rank is left waiting).
+    ``allow_empty=True``: a rank given no trees counts none and gets None, which
+    :func:`treefx.backward` takes as a rank with nothing to train (it still runs its share of
+    the collectives).
     ``group``: the process group gradients are averaged over (DDP's ``process_group``, FSDP's
     data-parallel ranks); default the default group. With tensor / context parallelism, ranks
     that share one batch are one data-parallel rank: pass the data-parallel group. The
@@ -443,9 +447,10 @@ def pack(my_trees, group=None, reduction: str = "mean", **pack_kwargs) -> TreeBa
         if reduction not in layout._REDUCTIONS:
             raise ValueError(f"reduction must be one of {layout._REDUCTIONS}, got {reduction!r}")
         trees = _tree_list(my_trees, "my_trees")
-        if not trees:
+        if not trees and not allow_empty:
             raise ValueError("this rank has no trees; every rank needs at least one (see "
-                             "treefx.distributed.assign)")
+                             "treefx.distributed.assign), or allow_empty=True for "
+                             "treefx.backward")
     except (TypeError, ValueError) as e:
         error = e
     local = sum(t.num_sequences for t in trees) if error is None else 0
@@ -466,6 +471,8 @@ def pack(my_trees, group=None, reduction: str = "mean", **pack_kwargs) -> TreeBa
             f"ranks disagree on the reduction: {means} of {world} packed with \"mean\", the "
             "others with \"sum\"; one global batch has one reduction"
         )
+    if not trees:
+        return None
     return layout.pack(trees, reduction=reduction, num_sequences=total, loss_scale=world,
                        **pack_kwargs)
 

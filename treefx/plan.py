@@ -59,7 +59,9 @@ class Plan:
     part's graph is given (in the order of its ``grads`` input) and may add its gradients into
     directly; ``find_layout``: the capture only finds the context layout and gradient routing
     (:class:`Compiled`'s ``part``), its buffers' widths are not yet the right ones, and it is
-    never run.
+    never run; ``route_embedding``: the input embedding's gradient may go to the part's
+    ``emb_sink`` rows, which the driver adds into ``.grad`` (off for a sharded model, whose
+    ``.grad`` is a shard: autograd then accumulates it as the wrapper expects).
     """
 
     backend: str = "auto"
@@ -70,6 +72,7 @@ class Plan:
     mode: str = "tree"
     grad_params: tuple = ()
     find_layout: bool = False
+    route_embedding: bool = True
 
     def __post_init__(self):
         if self.mode not in ("tree", "step", "part", "part-step"):

@@ -709,7 +709,10 @@ def _build_trie(seqs: list[np.ndarray]) -> tuple[list[np.ndarray], np.ndarray, n
     current path (as when building a suffix tree from a suffix array): O(total tokens) after the
     sort, no per-token Python loop.
     """
-    order = sorted(range(len(seqs)), key=lambda i: seqs[i].tolist())
+    # Token ids are non-negative, so their big-endian bytes sort as the id lists do (a
+    # prefix first), compared in C rather than element by element in Python.
+    keys = [s.astype(">i8").tobytes() for s in seqs]
+    order = sorted(range(len(seqs)), key=keys.__getitem__)
     # Mutable nodes: [start, end, source sequence, children, ends-here]
     nodes: list[list] = []
     roots: list[int] = []

@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from .. import parts as parts_mod
+from . import regional
 from .engine import TreeEngine, check_batch
 from ..layout import TreeBatch, move_tensors, pack
 from ..ops.logprobs import register_site, token_logprobs_site
@@ -134,6 +135,13 @@ class PartRunner:
         # candidates (offered) before the layout is found, then those it takes (the engine's)
         self.grad_key = None
         self.offered: tuple = ()
+        # Run regionally (FSDP2, regional=True), gradients go through autograd only: an FSDP2
+        # parameter's .grad is a shard (the graph runs on the gathered parameters, FSDP
+        # reduce-scatters what autograd accumulates there), and a regional graph takes no
+        # list of .grad buffers per call.
+        self.autograd_only = bool(plan.regional) or bool(regional.fsdp_units(model))
+        if self.autograd_only:
+            self.plan = replace(plan, route_embedding=False)
 
     @property
     def grad_params(self) -> tuple:
@@ -146,7 +154,8 @@ class PartRunner:
         matrix that trains (without gradient hooks) and keeps those the graph takes
         (:meth:`_settle`); when that set of candidates changes (a parameter frozen, a hook
         added), the graph is captured again."""
-        candidates = [p for p in self.model.parameters() if _grad_candidate(p)]
+        candidates = [] if self.autograd_only else \
+            [p for p in self.model.parameters() if _grad_candidate(p)]
         key = tuple(map(id, candidates))
         if self.grad_key is not None and key != self.grad_key:
             log.info("treefx.backward: the trainable parameters changed; capturing the part "
@@ -185,6 +194,11 @@ class PartRunner:
             dynamic += (9,)
         dynamic += ((len(args), 0),)
         return args + (sink, grads), dynamic
+
+    def needs_capture(self, t: dict, ctx_tok, ctx_state, sink) -> bool:
+        """Whether the engine would capture its graph again for this part (regional only)."""
+        args, _ = self._args(t, ctx_tok, ctx_state, sink, self.engine.plan.grad_params)
+        return self.engine.needs_capture(t["input_ids"].device, *args, discover_in=self.model)
 
     def _run(self, engine: TreeEngine, t: dict, ctx_tok, ctx_state, sink):
         args, dynamic = self._args(t, ctx_tok, ctx_state, sink, engine.plan.grad_params)
@@ -313,6 +327,7 @@ class _Held:
     sink: torch.Tensor | None  # the part's rows of the input embedding's gradient
     emb_rows: torch.Tensor  # the part's distinct ids, and each token's among them
     emb_inverse: torch.Tensor
+    dummy: bool = False  # a zero-weight part run to keep the ranks' collectives in step
     rerun: Callable | None = None
 
 
@@ -328,7 +343,8 @@ def _hold(part, loss, own, exits, t: dict, rerun: Callable) -> _Held:
     return _Held(loss, own, exits, *leaves, t["emb_sink"], t["emb_rows"], t["emb_inverse"])
 
 
-def backward(tm: TreeModel, trees: Tree | Iterable[Tree] | TreeBatch, *, max_tokens: int,
+def backward(tm: TreeModel, trees: Tree | Iterable[Tree] | TreeBatch | None, *,
+             max_tokens: int,
              reduction: str | None = None, loss_fn: Callable | None = None,
              num_sequences: int | None = None, loss_scale: float | None = None,
              model: torch.nn.Module | None = None) -> torch.Tensor:
@@ -363,10 +379,21 @@ def backward(tm: TreeModel, trees: Tree | Iterable[Tree] | TreeBatch, *, max_tok
     weight's gradient straight into ``.grad`` in a part's backward (no per-part gradient for
     autograd to add); such a weight without a ``.grad`` gets a zero one when the call starts.
     A parameter with a gradient hook (``register_hook``, ``register_post_accumulate_grad_hook``)
-    gets its gradient through autograd, once per part that reads it, as usual.
+    gets its gradient through autograd, once per part that reads it, as usual; so does every
+    parameter of a model run regionally (FSDP2, ``regional=True``).
 
-    A model sharded with FSDP2 or wrapped in DDP is refused (not yet): each rank would cut
-    its trees into its own number of parts, and the ranks' collectives would not match.
+    Several processes: a model sharded with FSDP2 (``fully_shard`` per layer and root) or
+    wrapped in DDP trains in parts too. Every rank of the group calls ``backward`` with its
+    share of the global batch (:func:`treefx.distributed.pack`, whose ``allow_empty=True``
+    gives None to a rank without trees: pass that, or ``[]``) and may cut it into its own
+    number of parts; the gathered gradients equal one process on all trees whole, and the
+    returned loss is the rank's (their mean over ranks is the global batch's). Under FSDP2 the
+    ranks run their parts in common rounds, a rank without a part to run in a round running a
+    two-token part of zero weight, so that their collectives pair up; gradients go through
+    autograd (FSDP reduce-scatters them in every part's backward). Under DDP the parts run on
+    the inner module and the gradients are averaged over the group once, at the end (a
+    wrapper with a communication hook or mixed precision is refused). See
+    docs/ARCHITECTURE.md, "Parts on several processes".
 
     Parts are planned by :func:`treefx.parts.plan`: a boundary may fall anywhere, inside a
     node too. Memory: activations are held for at most ``max_tokens`` tokens at once
@@ -388,9 +415,8 @@ def backward(tm: TreeModel, trees: Tree | Iterable[Tree] | TreeBatch, *, max_tok
     into parts against each sequence run alone (log-probabilities and gradients), unless the
     model was compiled with ``verify=False`` (or ``TREEFX_VERIFY=0``); the report is
     ``treefx.run.backward.runners(tm)[0].verification`` (a step is not checked: its loss is
-    the user's code).
+    the user's code; nor is an FSDP2 model's part graph, whose gradients are shards).
     """
-    from . import regional
     from .engine import unwrap_compiled
 
     step = None
@@ -413,21 +439,28 @@ def backward(tm: TreeModel, trees: Tree | Iterable[Tree] | TreeBatch, *, max_tok
                         f"function, got {type(tm).__name__}")
 
     kind = regional.distributed_kind(target, root if root is not target else None)
-    if kind is not None:
-        # Each rank's trees cut into its own number of parts, forwards and backwards in its
-        # own order: FSDP's gathers and reduce-scatters (and DDP's buffer broadcasts) would
-        # pair different layers' collectives across ranks.
-        how = "sharded with FSDP2" if kind == "fsdp" else "wrapped in DDP"
-        raise TreeCompileError(
-            f"treefx.backward does not run a model {how} yet: each rank would run its own "
-            "number of parts, and the collectives of different ranks would not match. Train "
-            "its trees in whole batches (treefx.distributed), or in parts on one GPU")
+    wrapper = regional.unwrap_ddp(root)[1] if kind == "ddp" else None
+    group = _group(kind, target, wrapper)
     runner = _runner(tm) if step is None else _step_runner(step, target)
     if runner.verify:
         runner.verify = False
-        tm._note_token_ids(trees)  # the probe's vocabulary, where the model declares none
-        _verify_first_call(tm, runner)
-    if isinstance(trees, TreeBatch):
+        if kind == "fsdp":
+            # the probe's parts would gather and reduce-scatter (sharded .grad, collectives
+            # every rank must match): not checked here; tests/test_distributed_parts.py
+            runner.verification = ("not checked: the part graph of a model sharded with FSDP2 "
+                                   "is not probed on its first call")
+            log.info("treefx.backward: %s", runner.verification)
+        else:  # a DDP model's parts run on its inner module, with no collective
+            if trees is not None:  # the probe's vocabulary, where the model declares none
+                tm._note_token_ids(trees)
+            with wrapper.no_sync() if wrapper is not None else contextlib.nullcontext():
+                _verify_first_call(tm, runner)
+    if trees is None or (isinstance(trees, (list, tuple)) and not trees):
+        if kind is None:
+            raise ValueError("treefx.backward: no trees (an empty forest trains nothing); a "
+                             "rank with no trees passes None (or []) only under FSDP2 or DDP")
+        batch = None
+    elif isinstance(trees, TreeBatch):
         given = [k for k, v in (("reduction", reduction), ("num_sequences", num_sequences),
                                 ("loss_scale", loss_scale)) if v is not None]
         if given:
@@ -437,63 +470,285 @@ def backward(tm: TreeModel, trees: Tree | Iterable[Tree] | TreeBatch, *, max_tok
     else:
         batch = pack(trees, reduction=reduction or "mean", num_sequences=num_sequences,
                      loss_scale=1.0 if loss_scale is None else loss_scale)
-    device = next(target.parameters()).device
-    plan = parts_mod.plan(batch, max_tokens, block_size=runner.plan.block_size)
-    full = batch.to(device)
-    check_batch(target, full)
-    log.info("treefx.backward: %d tokens in %d part(s) of at most %d", batch.num_tokens,
-             plan.num_parts, plan.max_tokens)
-    # Each part predicts the tokens whose predecessor it holds; for treefx.backward's own loss
-    # and a step's only the trained ones (weight nonzero), whose weights come with the part:
-    # no [N] scatter, and the log-prob backward needs no host synchronization to find them.
-    if step is not None:  # the step's "sum" and "mean" weights
-        weights = step_weights(batch)
-    elif loss_fn is None:
-        weights = batch.loss_weights[None]
+    if kind == "ddp":
+        _check_ddp(wrapper)
+    run = _Run(runner, batch, max_tokens, target, step=step, loss_fn=loss_fn,
+               collective=kind == "fsdp")
+    if kind == "fsdp":
+        _rounds(run, group)
+    elif kind == "ddp":
+        # The parts run on the inner module, without DDP's hooks (no_sync: its reducer ignores
+        # the parts' backwards); the gradients are averaged over the group once, at the end.
+        with wrapper.no_sync():
+            _sync_ddp_buffers(wrapper)
+            for event, i in run.events:
+                run.forward(i) if event == "F" else run.backward(i)
+        run.finish()
+        _reduce_ddp(wrapper, group)
     else:
-        weights = None
-    held: dict[int, _Held] = {}
-    # the weights whose gradients the part graphs add into .grad directly have one from here
-    created = runner.prepare_grads()
-    total = torch.zeros((), dtype=torch.float64, device=device)
-    incidence = _Incidence(full) if loss_fn is not None else None
+        for event, i in run.events:
+            run.forward(i) if event == "F" else run.backward(i)
+        run.finish()
+    return run.total.to(run.dtype)
 
-    def part_loss(lp, t):
-        if step is not None:
+
+def _group(kind: str | None, model: torch.nn.Module, wrapper):
+    """The process group whose ranks run their parts together: DDP's ``process_group``; for
+    FSDP2, its mesh's group (a 1-D mesh) or the default group (a mesh over every rank)."""
+    if kind is None:
+        return None
+    import torch.distributed as dist
+
+    if kind == "ddp":
+        return wrapper.process_group
+    mesh = next((p.device_mesh for p in model.parameters() if hasattr(p, "device_mesh")), None)
+    if mesh is None or mesh.ndim == 1:
+        return mesh.get_group() if mesh is not None else None
+    if mesh.size() == dist.get_world_size():
+        return None
+    raise TreeCompileError(
+        "treefx.backward: an FSDP2 model on a mesh of several dimensions that does not span "
+        "every rank (with tensor or pipeline parallelism): which ranks run their parts "
+        "together is not known; shard it on a 1-D mesh, or over every rank")
+
+
+def _check_ddp(wrapper) -> None:
+    """A DDP wrapper whose gradients :func:`backward` may average itself: no communication
+    hook, mixed precision or delayed all-reduce (each would reduce differently)."""
+    what = ("a communication hook" if getattr(wrapper, "_comm_hooks", None) else
+            "mixed precision" if getattr(wrapper, "mixed_precision", None) is not None else
+            "delayed all-reduce parameters" if getattr(wrapper, "_delay_all_reduce_params",
+                                                        None) else None)
+    if what is not None:
+        raise TreeCompileError(
+            f"treefx.backward: the DDP wrapper has {what}; treefx.backward averages a DDP "
+            "model's gradients itself, once per call (an all-reduce over its process group, "
+            "divided by its size, as DDP's default), so that would not apply. Train whole "
+            "batches through the wrapper, or remove it")
+
+
+def _sync_ddp_buffers(wrapper) -> None:
+    """DDP's buffer broadcast from rank 0, once before the parts, as its forward does (the
+    parts run the inner module, without the wrapper's forward)."""
+    will = getattr(wrapper, "will_sync_module_buffers", None)
+    sync = getattr(wrapper, "_sync_buffers", None)
+    if callable(will) and callable(sync) and will():
+        sync()
+
+
+def _reduce_ddp(wrapper, group, bucket_bytes: int = 25 << 20) -> None:
+    """Every trained parameter's ``.grad`` (zeros where the parts left none) averaged over
+    ``group`` as DDP's default reducer does (sum, divided by the group's size), in buckets
+    of one dtype and device."""
+    import torch.distributed as dist
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    ignore = getattr(wrapper, "parameters_to_ignore", set())
+    params = [p for n, p in wrapper.module.named_parameters()
+              if p.requires_grad and n not in ignore]
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    world = dist.get_world_size(group)
+    buckets: dict[tuple, list] = {}
+    for p in params:
+        buckets.setdefault((p.grad.dtype, p.grad.device), []).append(p.grad)
+    for grads in buckets.values():
+        while grads:
+            take, size = [], 0
+            while grads and (not take or size + grads[0].numel() * grads[0].element_size()
+                             <= bucket_bytes):
+                size += grads[0].numel() * grads[0].element_size()
+                take.append(grads.pop(0))
+            flat = _flatten_dense_tensors(take)
+            dist.all_reduce(flat, group=group)
+            flat.div_(world)
+            for g, r in zip(take, _unflatten_dense_tensors(flat, take)):
+                g.copy_(r)
+
+
+def _events(plan) -> list[tuple[str, int]]:
+    """A plan's run in order: ("F", j), part j's forward; ("B", i), held part i's backward (as
+    early as :func:`treefx.parts.ready` allows), ("R", i) where part i is a recompute part
+    (its backward runs its forward again first)."""
+    out, held = [], []
+    for j, part in enumerate(plan.parts):
+        out.append(("F", j))
+        held.append(j)
+        for i in parts_mod.ready(plan, sorted(held), part.end):
+            out.append(("R" if plan.parts[i].recompute else "B", i))
+            held.remove(i)
+    return out
+
+
+def _rounds(run: _Run, group) -> None:
+    """Every rank's events run as one common sequence of rounds (FSDP2: each part's forward
+    and backward gathers and reduce-scatters every layer, collectives all ranks must call in
+    one order). The ranks' event strings are exchanged once; a round is a forward if any
+    rank's next event is one, else a backward. A rank whose next event is not the round's
+    runs a zero-weight dummy part's forward, or a held dummy's backward: every rank has run
+    as many rounds, so every rank holds as many parts, and in a backward round that is at
+    least one (a rank with a real backward holds it), all dummies on a rank that is done.
+    The dummies left at the end run their backwards together."""
+    import torch.distributed as dist
+
+    mine = "".join(e for e, _ in run.events)
+    strings: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(strings, mine, group=group)
+    if any("R" in s for s in strings):  # every rank sees it: all refuse together
+        raise TreeCompileError(
+            "treefx.backward under FSDP2: a rank's plan recomputes parts (an open path longer "
+            "than max_tokens lets it hold), whose second forward would gather the layers once "
+            "more than the other ranks do. Raise max_tokens until treefx.parts.plan(batch, "
+            "max_tokens).recompute_tokens is 0 on every rank, or use DDP")
+    me = dist.get_rank(group)
+    pos = [0] * len(strings)
+    while True:
+        nxt = [s[p] if p < len(s) else None for s, p in zip(strings, pos)]
+        if all(x is None for x in nxt):
+            break
+        event = "F" if "F" in nxt else "B"
+        real = run.events[pos[me]][1] if nxt[me] == event else None
+        if event == "F":
+            run.forward(real, group=group)
+        elif real is not None:
+            run.backward(real)
+        else:
+            run.backward(None)
+        for r, x in enumerate(nxt):
+            pos[r] += x == event
+    while run.dummies:  # as many on every rank: backward rounds of dummies only
+        run.backward(None)
+    run.finish()
+
+
+class _Run:
+    """One call's parts (``batch`` None: a rank with no trees) and their state: the parts held
+    for their backward, the dummies (zero-weight parts a rank runs to keep the ranks'
+    collectives in step, :func:`_rounds`), the loss so far."""
+
+    def __init__(self, runner: PartRunner, batch: TreeBatch | None, max_tokens: int,
+                 target: torch.nn.Module, *, step, loss_fn, collective: bool):
+        self.runner, self.step, self.loss_fn = runner, step, loss_fn
+        self.model = target
+        self.collective = collective
+        self.device = device = next(target.parameters()).device
+        self.events: list[tuple[str, int]] = []
+        self.plan = None
+        if batch is not None:
+            self.plan = parts_mod.plan(batch, max_tokens, block_size=runner.plan.block_size)
+            self.full = batch.to(device)
+            check_batch(target, self.full)
+            self.events = _events(self.plan)
+            log.info("treefx.backward: %d tokens in %d part(s) of at most %d",
+                     batch.num_tokens, self.plan.num_parts, self.plan.max_tokens)
+            # Each part predicts the tokens whose predecessor it holds; for treefx.backward's
+            # own loss and a step's only the trained ones (weight nonzero), whose weights come
+            # with the part: no [N] scatter, and the log-prob backward needs no host
+            # synchronization to find them.
+            self.weights = self._weights(batch)
+            self.incidence = _Incidence(self.full) if loss_fn is not None else None
+        self.held: dict[int, _Held] = {}
+        self.dummies: list[_Held] = []
+        self.dummy_plan = None
+        # the weights whose gradients the part graphs add into .grad directly have one from here
+        self.created = runner.prepare_grads()
+        self.total = torch.zeros((), dtype=torch.float64, device=device)
+        self.dtype = next(target.parameters()).dtype
+        self.min_tokens = 3 if step is not None else 2
+
+    def _weights(self, batch: TreeBatch):
+        if self.step is not None:  # the step's "sum" and "mean" weights
+            return step_weights(batch)
+        if self.loss_fn is None:
+            return batch.loss_weights[None]
+        return None
+
+    def _agree(self, group):
+        """Under FSDP2: before a forward, the ranks agree on the captures it makes (a capture
+        gathers every unit): each rank tells how many it needs, and one that needs fewer than
+        the most gathers and frees every unit as often, as a capture would."""
+        if not self.collective:
+            return None
+        import torch.distributed as dist
+
+        def agree(mine: int) -> None:
+            most = torch.tensor([mine], dtype=torch.int64, device=self.device)
+            dist.all_reduce(most, op=dist.ReduceOp.MAX, group=group)
+            for _ in range(int(most.item()) - mine):
+                with regional.capture_state(self.model):
+                    pass
+
+        return agree
+
+    def forward(self, j: int | None, group=None) -> None:
+        """Part ``j``'s forward, held for its backward; None: a dummy's."""
+        if j is None:
+            self._dummy_forward(group)
+            return
+        plan, part = self.plan, self.plan.parts[j]
+        t = _to_device(plan, part, self.device, self.weights, min_tokens=self.min_tokens)
+        # a recompute part's forward keeps no graph; its backward runs it again (_backward)
+        rerun = _rerun(self.runner, plan, part, t, self.held, self.device, self._loss)
+        with torch.no_grad() if part.recompute else contextlib.nullcontext():
+            lp, own, exits = _forward(self.runner, plan, part, t, self.held, self.device,
+                                      self.created, self._agree(group))
+            loss = self._loss(lp, t)
+        if j == 0 and plan.recompute_tokens:
+            _check_recompute(self.runner)
+        self.total = self.total + loss.detach().to(self.total.dtype)
+        self.dtype = lp.dtype
+        self.held[j] = _hold(part, loss, own, exits, t, rerun)
+
+    def _loss(self, lp: torch.Tensor, t: dict) -> torch.Tensor:
+        """A part's loss from its log-probabilities: the step's, treefx.tree_loss over its
+        trained tokens, or ``loss_fn`` on the part's batch."""
+        if self.step is not None:
             loss = lp
-        elif loss_fn is None:  # treefx.tree_loss over the part's trained tokens
+        elif self.loss_fn is None:  # treefx.tree_loss over the part's trained tokens
             w = t["tree_weights"][0]
             loss = -(w.to(lp.dtype) * lp[:w.shape[0]]).sum()
         else:
+            full = self.full
             toks = t["label_tokens"]
-            mask = torch.zeros(batch.num_tokens, dtype=torch.bool, device=device)
+            mask = torch.zeros(full.num_tokens, dtype=torch.bool, device=self.device)
             mask.index_fill_(0, toks, True)  # `mask[toks] = True` copies from the host: a sync
-            values = torch.zeros(batch.num_tokens, dtype=lp.dtype, device=device)
+            values = torch.zeros(full.num_tokens, dtype=lp.dtype, device=self.device)
             values = values.index_put((toks,), lp[:toks.shape[0]])
-            part_batch = _part_batch(full, mask, incidence)
-            loss = loss_fn(TreeOutput(None, values), part_batch)
+            part_batch = _part_batch(full, mask, self.incidence)
+            loss = self.loss_fn(TreeOutput(None, values), part_batch)
         if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
             what = ("the @treefx.step function must return its loss alone, a scalar tensor"
-                    if step is not None else "loss_fn must return a scalar tensor")
+                    if self.step is not None else "loss_fn must return a scalar tensor")
             raise TypeError(f"treefx.backward: {what}; got {type(loss).__name__}")
         return loss
 
-    for j, part in enumerate(plan.parts):
-        t = _to_device(plan, part, device, weights, min_tokens=3 if step is not None else 2)
-        # a recompute part's forward keeps no graph; its backward runs it again (_backward)
-        rerun = _rerun(runner, plan, part, t, held, device, part_loss)
-        with torch.no_grad() if part.recompute else contextlib.nullcontext():
-            lp, own, exits = _forward(runner, plan, part, t, held, device, created)
-            loss = part_loss(lp, t)
-        if j == 0 and plan.recompute_tokens:
-            _check_recompute(runner)
-        total = total + loss.detach().to(total.dtype)
-        held[j] = _hold(part, loss, own, exits, t, rerun)
-        for i in parts_mod.ready(plan, sorted(held), part.end):
-            _backward(held.pop(i), runner.embedding)
-    if held:  # cannot happen: every part is released at the row's end
-        raise RuntimeError(f"treefx.backward: parts {sorted(held)} never ran their backward")
-    return total.to(lp.dtype)
+    def _dummy_forward(self, group) -> None:
+        """The forward of a two-token tree whose loss is backpropagated with a zero gradient:
+        every module runs (so every collective), and nothing is added to any gradient."""
+        if self.dummy_plan is None:
+            batch = pack([Tree.from_sequences([[0, 0]])], reduction="sum")
+            self.dummy_plan = parts_mod.plan(batch, 2, block_size=self.runner.plan.block_size)
+            w = self._weights(batch)
+            self.dummy_weights = None if w is None else torch.zeros_like(w)
+        plan = self.dummy_plan
+        part = plan.parts[0]
+        t = _to_device(plan, part, self.device, self.dummy_weights, min_tokens=self.min_tokens)
+        lp, own, exits = _forward(self.runner, plan, part, t, {}, self.device, self.created,
+                                  self._agree(group))
+        self.dummies.append(_Held(lp.sum(), own, exits, own.detach().requires_grad_(),
+                                  exits.detach().requires_grad_(), t["emb_sink"],
+                                  t["emb_rows"], t["emb_inverse"], dummy=True))
+
+    def backward(self, i: int | None) -> None:
+        """Held part ``i``'s backward; None: a held dummy's."""
+        h = self.held.pop(i) if i is not None else self.dummies.pop()
+        _backward(h, self.runner.embedding, every_output=self.collective)
+
+    def finish(self) -> None:
+        if self.held:  # cannot happen: every part is released at the row's end
+            raise RuntimeError(f"treefx.backward: parts {sorted(self.held)} never ran their "
+                               "backward")
 
 
 def _to_device(plan, part, device, weights: torch.Tensor | None = None, *,
@@ -546,8 +801,12 @@ def _verify_first_call(tm: TreeModel, runner: PartRunner) -> None:
             p.grad = None
         try:
             with torch.enable_grad():
-                backward(tm, batch.trees, max_tokens=max(3, batch.num_tokens // 3),
-                         reduction=batch.reduction, loss_fn=record)
+                # this process's parts alone (a DDP model's inner module: no collective)
+                run = _Run(runner, batch.to("cpu"), max(3, batch.num_tokens // 3), tm.model,
+                           step=None, loss_fn=record, collective=False)
+                for event, i in run.events:
+                    run.forward(i) if event == "F" else run.backward(i)
+                run.finish()
         except TreeCompileError:
             if runner.draws_random() is None:
                 raise  # else the probe's recompute parts were refused: unavailable, below
@@ -565,14 +824,22 @@ def _verify_first_call(tm: TreeModel, runner: PartRunner) -> None:
         log.warning("%s", e)
 
 
-def _forward(runner: PartRunner, plan, part, t: dict, held: dict, device, created=()):
+def _forward(runner: PartRunner, plan, part, t: dict, held: dict, device, created=(),
+             agree=None):
+    """A part's forward. ``agree(n)`` (under FSDP2): called with the number of captures this
+    forward makes, before any (see :meth:`_Run._agree`)."""
     t["emb_sink"] = runner.sink(t)
-    if runner.engine is None:
+    settle = runner.engine is None
+    if settle:
+        if agree is not None:
+            agree(2)  # the layout's capture, then the engine's first
         with torch.enable_grad():  # the layout and routing of the training graph
             runner._settle(t, created)
     layout = runner.layout
     ctx_tok = _gather_tokens(part, t, held, layout.tok_width, layout.tok_dtype, device)
     ctx_state = _gather_states(plan, part, held, layout.state_width, layout.state_dtype, device)
+    if agree is not None and not settle:
+        agree(int(runner.needs_capture(t, ctx_tok, ctx_state, t["emb_sink"])))
     return runner(t, ctx_tok, ctx_state, t["emb_sink"], part.num_tokens)
 
 
@@ -625,17 +892,22 @@ def _check_recompute(runner: PartRunner) -> None:
             "treefx.parts.plan(batch, max_tokens).recompute_tokens is 0")
 
 
-def _backward(h: _Held, embedding) -> None:
+def _backward(h: _Held, embedding, *, every_output: bool = False) -> None:
+    """A held part's backward: its loss (a dummy's with a zero gradient) and the outputs later
+    parts read, with the gradients those left in its leaves. ``every_output`` (FSDP2): every
+    output that requires grad is a root, with zeros where nothing read it, so that every
+    part's backward (a dummy's too) has the same graph and reaches the layers' hooks
+    (gathers, reduce-scatters) in the same order on every rank."""
     if h.rerun is not None:  # a recompute part: its forward again, with a graph
         h.loss, h.own, h.exits, h.sink = h.rerun()
     tensors, grads = [], []
     if h.loss.requires_grad:
         tensors.append(h.loss)
-        grads.append(torch.ones_like(h.loss))
+        grads.append(torch.zeros_like(h.loss) if h.dummy else torch.ones_like(h.loss))
     for out, leaf in ((h.own, h.own_leaf), (h.exits, h.exits_leaf)):
-        if leaf.grad is not None and out.requires_grad:
+        if out.requires_grad and (leaf.grad is not None or every_output):
             tensors.append(out)
-            grads.append(leaf.grad)
+            grads.append(leaf.grad if leaf.grad is not None else torch.zeros_like(out))
     if tensors:
         torch.autograd.backward(tensors, grads)
     if h.sink.grad is not None:

@@ -232,11 +232,32 @@ class TreeEngine:
 
     # ------------------------------------------------------------------ regional
 
+    def _regional_key(self, backend, model) -> tuple:
+        return (backend, id(model), torch.is_grad_enabled(),
+                tuple(m.training for m in model.modules()),
+                torch.is_autocast_enabled("cuda") if hasattr(torch, "is_autocast_enabled")
+                else None)
+
+    def needs_capture(self, device: torch.device, *args, discover_in: torch.nn.Module,
+                      root=None) -> bool:
+        """Whether a call with ``args`` would capture a regional graph first (a capture of an
+        FSDP2 model gathers every unit: a collective the other ranks must match, see
+        :func:`treefx.backward`). False for a call that does not run regionally."""
+        if not self.uses_regions(discover_in, root):
+            return False
+        if self.plan.find_layout:
+            return True
+        graphs = self._regional.get(self._regional_key(self.resolve_backend(device),
+                                                       discover_in), [])
+        return not any(g.accepts(args) for g in graphs)
+
     def _call_regional(self, backend, args, dynamic, model, root):
-        key = (backend, id(model), torch.is_grad_enabled(),
-               tuple(m.training for m in model.modules()),
-               torch.is_autocast_enabled("cuda") if hasattr(torch, "is_autocast_enabled")
-               else None)
+        if self.plan.find_layout:
+            # a capture that only finds a part's layout is never run (its buffers have other
+            # widths): the passes on the whole graph, nothing split or compiled
+            regional.check_hooks(model, root)
+            return self._find_layout_regional(backend, args, dynamic, model)
+        key = self._regional_key(backend, model)
         graphs = self._regional.setdefault(key, [])
         graph = next((g for g in graphs if g.accepts(args)), None)
         if graph is None:
@@ -262,6 +283,14 @@ class TreeEngine:
                 return run()
         self._runs += 1
         return graph(model, args, root_call)
+
+    def _find_layout_regional(self, backend, args, dynamic, model):
+        fn = torch.compile(self.make_traced(1000 + len(self.compiled)),
+                           backend=self._dynamo_backend(backend), fullgraph=True)
+        _mark_dynamic(args, dynamic)
+        with self._errors(args, dynamic), \
+                capture_environment(model, self.plan, regional_capture=True):
+            return fn(*args)
 
     def _capture_regional(self, backend, args, dynamic, model):
         holder = {}

@@ -35,9 +35,9 @@ What keeps it exact: the pieces are the rewritten graph's own nodes, run in the 
 every parameter a piece reads is checked when it runs (a plain tensor of the captured shape and
 dtype, so a shard or a parameter of another FSDP unit is an error, not a silent misread); the
 inputs' dtypes after the hooks are checked against the capture; Dynamo's shape guards on the
-token count are re-evaluated on every call, and the call's other arguments compared with the
-capture's (numbers are constants of the graph, other sizes static): a call that differs is
-captured anew; a model
+token count (and a part's other sizes) are re-evaluated on every call, and the call's other
+arguments compared with the capture's (numbers are constants of the graph, other sizes
+static): a call that differs is captured anew; a model
 whose blocks or root carry forward hooks besides FSDP's is refused (they were traced into the
 graph and would run twice).
 """
@@ -218,7 +218,9 @@ def _relative(path: str) -> str:
 
 @dataclass
 class _Source:
-    kind: str  # "arg" (index into the call's args), "n" (the token count), "param", "const"
+    # "arg" (index into the call's args), "n" (the token count), "size" (a size of the call's
+    # arguments: ``value`` its expression in their symbols), "param", "const"
+    kind: str
     value: object = None
 
 
@@ -351,8 +353,10 @@ def build(gm: fx.GraphModule, example_inputs, *, backend: str, model: torch.nn.M
           call_args: tuple, token_args: tuple[int, ...]) -> RegionalGraph:
     """Split the rewritten graph ``gm`` (Dynamo's, after the passes) at ``model``'s blocks
     and compile the pieces; called inside the Dynamo backend (its tracing context and fake
-    mode). ``call_args``: the traced function's arguments; ``token_args``: which of them have
-    the token count as their last dimension."""
+    mode). ``call_args``: the traced function's arguments; ``token_args``: the sizes that vary
+    per call, as the engine marks them dynamic: ``i`` (the last dimension of ``call_args[i]``,
+    the token count for the first) or ``(i, dim)`` (a part's other sizes: its context, labels,
+    states)."""
     t0 = time.perf_counter()
     blocks = find_blocks(model)
     if not blocks:
@@ -366,13 +370,14 @@ def build(gm: fx.GraphModule, example_inputs, *, backend: str, model: torch.nn.M
         names.setdefault(id(p), name)
     for name, b in model.named_buffers(remove_duplicate=False):
         names.setdefault(id(b), name)
-    n_tokens = int(call_args[token_args[0]].shape[-1])
+    dims = _dynamic_dims(token_args, call_args)
+    n_tokens = int(call_args[dims[0][0]].shape[dims[0][1]])
     sources: dict[fx.Node, _Source] = {}
     fakes: dict[fx.Node, object] = {}
     for ph, ex in zip(placeholders, example_inputs):
         fakes[ph] = ph.meta.get("example_value", ex)
         if isinstance(ex, torch.SymInt):  # never int(): that would specialize the symbol
-            sources[ph] = _Source("n")
+            sources[ph] = _Source("size", ex.node.expr)
         elif isinstance(ex, int):
             if ex != n_tokens:
                 raise TreeCompileError(f"regional execution: graph input {ph.name} is an "
@@ -485,11 +490,17 @@ def build(gm: fx.GraphModule, example_inputs, *, backend: str, model: torch.nn.M
         token_args=token_args, fake_mode=fake_mode, call_fakes={
             sources[ph].value: fakes[ph] for ph in placeholders if sources[ph].kind == "arg"})
     graph.num_args = len(call_args)
+    for a in call_args:
+        if isinstance(a, (list, tuple)) and any(isinstance(x, torch.Tensor) for x in a):
+            # the graph would read the capture's tensors on every call, not the call's
+            raise TreeCompileError("regional execution: an argument is a list of tensors (a "
+                                   "part's .grad buffers?); only tensors are passed per call")
     graph.call_consts = {i: a for i, a in enumerate(call_args)
                          if not isinstance(a, torch.Tensor)}
-    graph.symbols, graph.guards = _shape_guards(
-        fake_mode, [graph.call_fakes[i] for i in token_args if i in graph.call_fakes]
-        + [fakes[ph] for ph in placeholders if sources[ph].kind == "n"])
+    graph.dims = dims
+    graph.symbols, graph.derived, graph.guards = _shape_guards(
+        fake_mode, graph.call_fakes, dims,
+        [sources[ph].value for ph in placeholders if sources[ph].kind == "size"])
     n_blocks = sum(p.block is not None for p in pieces)
     log.info("regional execution: %d piece(s), %d block call(s), %d distinct compiled "
              "(%.1f s)", len(pieces), n_blocks, len(cache), time.perf_counter() - t0)
@@ -502,35 +513,53 @@ def _fake_run(fn, args, fake_mode):
         return fn(*args)
 
 
-def _shape_guards(fake_mode, token_fakes) -> tuple[set, list]:
-    """Dynamo's guards on the token count: N's symbols, and the guards as ``("expr", e)``
-    (a sympy relation) or ``("range", symbol, value_range)``."""
+def _dynamic_dims(token_args, call_args) -> list[tuple[int, int]]:
+    """``token_args`` as (argument, dimension) pairs (``i`` alone: the last dimension)."""
+    return [(a if isinstance(a, tuple) else (a, call_args[a].dim() - 1)) for a in token_args]
+
+
+def _shape_guards(fake_mode, call_fakes: dict, dims, size_exprs) -> tuple[dict, dict, list]:
+    """Dynamo's guards on the sizes that vary per call: ``symbols`` (each size's symbol ->
+    the (argument, dimension) it is read from), ``derived`` (other names of those sizes, as
+    expressions in them: s87 -> s70) and the guards as ``("expr", e)`` (a sympy relation) or
+    ``("range", symbol, value_range)``. A guard or a size input of the graph on anything else
+    is an error."""
+    symbols = {}
+    for i, d in dims:
+        f = call_fakes.get(i)
+        size = f.shape[d] if isinstance(f, torch.Tensor) else None
+        if isinstance(size, torch.SymInt) and size.node.expr.is_Symbol:
+            symbols.setdefault(size.node.expr, (i, d))
     shape_env = getattr(fake_mode, "shape_env", None)
-    syms = set()
-    for f in token_fakes:
-        d = f.shape[-1] if isinstance(f, torch.Tensor) else f
-        if isinstance(d, torch.SymInt):
-            syms |= d.node.expr.free_symbols
+    derived = {}
+    if shape_env is not None:
+        for k, v in shape_env.replacements.items():  # a size's other names (s87 -> s70)
+            # (or a size specialized to a constant: s49 -> 64)
+            if k not in symbols and hasattr(v, "free_symbols") and \
+                    v.free_symbols <= set(symbols):
+                derived[k] = v
+    known = set(symbols) | set(derived)
+    for e in size_exprs:
+        if not e.free_symbols <= known:
+            raise TreeCompileError(f"regional execution: a size the graph takes ({e}) is not "
+                                   "one of the call's dynamic sizes")
     if shape_env is None:
-        return syms, []
-    for k, v in shape_env.replacements.items():  # N's other names (s87 -> s70)
-        if getattr(v, "free_symbols", None) and v.free_symbols <= syms:
-            syms.add(k)
+        return symbols, derived, []
     out = []
     for g in shape_env.guards:
         expr = g.expr  # not simplified by replacements: a specialization (s0 -> 10) stays
         free = expr.free_symbols
         if not free:
             continue
-        if not free <= syms:
+        if not free <= known:
             raise TreeCompileError(f"regional execution: a shape guard ({expr}) depends on "
-                                   "sizes other than the token count")
+                                   "sizes other than the call's dynamic sizes")
         out.append(("expr", expr))
-    for s in syms:
+    for s in known:
         r = shape_env.var_to_range.get(s)
         if r is not None:
             out.append(("range", s, r))
-    return syms, out
+    return symbols, derived, out
 
 
 # --------------------------------------------------------------------------------------------
@@ -550,7 +579,9 @@ class RegionalGraph:
     call_fakes: dict
     num_args: int = 0
     call_consts: dict = field(default_factory=dict)
-    symbols: set = field(default_factory=set)
+    dims: list = field(default_factory=list)  # the (argument, dimension) sizes that vary
+    symbols: dict = field(default_factory=dict)  # their symbols -> (argument, dimension)
+    derived: dict = field(default_factory=dict)  # other names of those sizes -> expressions
     guards: list = field(default_factory=list)
     num_compiled: int = 0
     return_spec: object = None
@@ -559,7 +590,7 @@ class RegionalGraph:
 
     def accepts(self, args) -> bool:
         """Whether these call arguments satisfy the capture's guards (dtypes, devices, ranks,
-        and Dynamo's shape guards on the token count)."""
+        and Dynamo's shape guards on the sizes that vary per call)."""
         if len(args) != self.num_args:
             return False
         for i, f in self.call_fakes.items():
@@ -567,7 +598,7 @@ class RegionalGraph:
             if not isinstance(a, torch.Tensor) or a.dtype != f.dtype or a.dim() != f.dim() \
                     or a.device.type != f.device.type or a.requires_grad != f.requires_grad:
                 return False
-            # sizes Dynamo kept static (everything but the token count) are baked in
+            # sizes Dynamo kept static (all but the dynamic ones) are baked in
             if any(isinstance(d, int) and a.shape[k] != d for k, d in enumerate(f.shape)):
                 return False
         for i, v in self.call_consts.items():  # other arguments are constants of the graph
@@ -575,33 +606,50 @@ class RegionalGraph:
             if isinstance(v, (int, float, str, bool, type(None))):
                 if type(a) is not type(v) or a != v:
                     return False
+            elif isinstance(v, (list, tuple)) and not v:  # an empty list (no .grad buffers)
+                if type(a) is not type(v) or a:
+                    return False
             elif a is not v:
                 return False
-        n = int(args[self.token_args[0]].shape[-1])
-        if n in self._ok_sizes:
+        sizes = tuple(int(args[i].shape[d]) for i, d in self.dims)
+        if sizes in self._ok_sizes:
             return True
-        import sympy
-
-        value = sympy.Integer(n)
+        values = self._values(args)
         for g in self.guards:
             if g[0] == "expr":
-                if not bool(g[1].xreplace({s: value for s in self.symbols})):
+                if not bool(g[1].xreplace(values)):
                     return False
             else:
                 lo, hi = g[2].lower, g[2].upper
+                value = values[g[1]]
                 if (lo.is_finite and value < lo) or (hi.is_finite and value > hi):
                     return False
-        self._ok_sizes.add(n)
+        self._ok_sizes.add(sizes)
         return True
 
+    def _values(self, args) -> dict:
+        """Each size symbol's value in this call (sympy integers)."""
+        import sympy
+
+        values = {s: sympy.Integer(int(args[i].shape[d])) for s, (i, d) in self.symbols.items()}
+        for k, v in self.derived.items():
+            values[k] = v.xreplace(values)
+        return values
+
     def __call__(self, model: torch.nn.Module, args: tuple, root_call):
-        n = int(args[self.token_args[0]].shape[-1])
+        i, d = self.dims[0]
+        n = int(args[i].shape[d])
+        values = None
         env: dict[str, object] = {}
         for name, src in self.sources.items():
             if src.kind == "arg":
                 env[name] = args[src.value]
             elif src.kind == "n":
                 env[name] = n
+            elif src.kind == "size":
+                if values is None:
+                    values = self._values(args)
+                env[name] = int(src.value.xreplace(values))
             elif src.kind == "const":
                 env[name] = src.value
 

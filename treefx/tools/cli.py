@@ -15,6 +15,7 @@ import itertools
 import json
 import os
 import sys
+import time
 import traceback
 
 from .._progress import Progress
@@ -242,6 +243,92 @@ def cmd_stats(args) -> int:
               max(c[8] for c in rows.values()), sum(c[9] for c in rows.values())]
     table.append(row("total", total, False))
     _print_table(header, table)
+    return 0
+
+
+def _ingest_file(path: str, tokenizer, options: dict) -> list:
+    """The trees of one trajectory file (a worker's job in ``treefx ingest``)."""
+    from .. import data, trajectories
+    return list(data.from_trajectories(trajectories.read_trajectories(path), tokenizer,
+                                       **options))
+
+
+_WORKER_TOKENIZER = []
+
+
+def _ingest_worker_init(tokenizer_dir: str, chat_template: str | None) -> None:
+    _WORKER_TOKENIZER[:] = [_load_tokenizer(tokenizer_dir, chat_template)]
+
+
+def _ingest_in_worker(path: str, options: dict) -> list:
+    return _ingest_file(path, _WORKER_TOKENIZER[0], options)
+
+
+def _load_tokenizer(tokenizer_dir: str, chat_template: str | None):
+    from transformers import AutoTokenizer
+    try:
+        tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    except (OSError, ValueError) as e:
+        why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CLIError(f"--tokenizer {tokenizer_dir}: no tokenizer could be loaded from it "
+                       f"({why})") from None
+    if chat_template is not None:
+        with open(chat_template) as f:
+            tok.chat_template = f.read()
+    if not tok.chat_template:
+        raise CLIError(f"the tokenizer in {tokenizer_dir} has no chat template; give one "
+                       "with --chat-template FILE")
+    return tok
+
+
+def cmd_ingest(args) -> int:
+    """Trajectory files to trees, one tree per task (treefx.data.from_trajectories), written
+    as JSON Lines in the order of the files; with ``--workers`` N, N processes build the files'
+    trees side by side. Progress: a line per file on a terminal (``--progress``)."""
+    _output_file(args.output, "-o")
+    files = list(args.files)
+    missing = [f for f in files if not os.path.isfile(f)]
+    if missing:
+        raise CLIError(f"no such file: {missing[0]}")
+    options = dict(train_on=args.train_on)
+    if args.no_thinking:
+        options["enable_thinking"] = False
+    show = args.progress
+    bar = Progress(len(files), f"ingesting into {args.output}", unit=" files",
+                   enabled=sys.stderr.isatty() if show is None else show,
+                   delay=1.0 if show is None else 0.0,
+                   lines_every=30.0 if show is None else None)
+    counts = [0, 0, 0, 0]  # trees, calls, unique tokens, tokens laid out by calls
+    start = time.perf_counter()
+
+    def write(f, trees):
+        for tree in trees:
+            f.write(json.dumps(tree.to_dict(), separators=(",", ":")) + "\n")
+            for k, v in enumerate((1, tree.num_sequences, tree.num_tokens,
+                                   tree.num_baseline_tokens)):
+                counts[k] += v
+        bar.update(1)
+
+    tok = _load_tokenizer(args.tokenizer, args.chat_template)  # its errors before any work
+    try:
+        with bar, open(args.output, "w") as f:
+            if args.workers > 1:
+                from concurrent.futures import ProcessPoolExecutor
+                with ProcessPoolExecutor(args.workers, initializer=_ingest_worker_init,
+                                         initargs=(args.tokenizer, args.chat_template)) as ex:
+                    for path, trees in zip(files, ex.map(_ingest_in_worker, files,
+                                                         [options] * len(files))):
+                        write(f, trees)
+            else:
+                for path in files:
+                    write(f, _ingest_file(path, tok, options))
+    except (TypeError, ValueError, OSError) as e:
+        os.remove(args.output)
+        raise CLIError(" ".join(str(e).split())) from None
+    took = time.perf_counter() - start
+    bound = counts[3] / counts[2] if counts[2] else 0.0
+    print(f"wrote {counts[0]} trees to {args.output}: {counts[1]} calls, {counts[2]} unique "
+          f"tokens, {counts[3]} laid out call by call (bound {bound:.1f}x), in {took:.1f} s")
     return 0
 
 
@@ -652,6 +739,33 @@ def build_parser() -> argparse.ArgumentParser:
                         "a second; off a terminal, a line every 30 s of a long run)")
     g.set_defaults(fn=cmd_synth)
 
+    n = command("ingest", "build trees from agent trajectory files through a chat template",
+                "Reads mini-swe-agent runs, tau-bench results and OpenAI-style message lists. "
+                "Every assistant message is one model call, its prompt the messages before "
+                "it; a call's reasoning is read from reasoning_content, reasoning, or "
+                "mini-swe-agent's raw response. Writes one tree per task (trials of one task "
+                "grouped, with their rewards).")
+    n.add_argument("files", nargs="+", metavar="FILE",
+                   help="trajectory files (.json: one run or a list of tau-bench results; "
+                        ".jsonl: one run a line)")
+    n.add_argument("--tokenizer", required=True, metavar="DIR",
+                   help="a saved Hugging Face tokenizer (AutoTokenizer.from_pretrained)")
+    n.add_argument("--chat-template", metavar="FILE",
+                   help="a Jinja chat template to use instead of the tokenizer's")
+    n.add_argument("-o", "--output", required=True, metavar="FILE.jsonl",
+                   help="file to write (its folder must exist)")
+    n.add_argument("--train-on", default="last", choices=["last", "all"],
+                   help="loss mask: each call's completion (default), or every assistant "
+                        "message as the call renders it")
+    n.add_argument("--no-thinking", action="store_true",
+                   help="render with enable_thinking=False")
+    n.add_argument("--workers", type=_int_at_least(1), default=1,
+                   help="processes building trees side by side (default %(default)s)")
+    n.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="progress bar (default: on a terminal, once the run takes more than "
+                        "a second)")
+    n.set_defaults(fn=cmd_ingest)
+
     x = command("explain", "show what treefx does to a model: rewrites, nodes left "
                 "alone, graph breaks, the graph diff; writes an HTML page",
                 "The probe check (--verify, on by default) compares the tree run with each "
@@ -717,7 +831,7 @@ def build_parser() -> argparse.ArgumentParser:
                         f"{MAX_DEPTH} nodes deep) is drawn from its first sequences, and the "
                         "picture says so (default %(default)s)")
     w.set_defaults(fn=cmd_draw)
-    for parser in (d, s, g, x, c, w):
+    for parser in (d, s, g, n, x, c, w):
         parser.set_defaults(parser=parser)
     return p
 

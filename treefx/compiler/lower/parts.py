@@ -209,8 +209,9 @@ class PartSites:
         cols = ctx.graph.call_function(_state_to_columns, (exits,))
         rows = example(self.state_exit)
         mode = getattr(rows, "fake_mode", None)
-        if ctx.parent is not None and mode is not None:
-            # [X, width]: the op's own example would run the recurrence on fake tensors
+        if mode is not None:
+            # [X, width]: the op's own example would run the recurrence on fake tensors (in a
+            # body, and in regional execution's pieces)
             with mode:
                 cols.meta["example_value"] = torch.empty(rows.shape[0], width, dtype=dtype,
                                                          device=rows.device)
@@ -322,7 +323,7 @@ def finish(ctx: GraphContext) -> PartFindings:
         user.replace_all_uses_with(own if user.args[1] == 0 else exits)
         g.erase_node(user)
     g.erase_node(marker)
-    embedding = route_embedding(ctx)
+    embedding = route_embedding(ctx) if plan is None or plan.route_embedding else None
     route_gradients(ctx, routes)
     return PartFindings(layout, used, embedding)
 
@@ -592,8 +593,24 @@ def _rewrite_part_recurrence(ctx: GraphContext, node: fx.Node, rec) -> fx.Node:
             pair = g.call_function(TracedTreeRecurrencePart(key), (*head, *tensors))
         new = g.call_function(operator.getitem, (pair, 0))
         exits = g.call_function(operator.getitem, (pair, 1))
+        _example_outputs(node, new, exits, part.state_exit, shape, dtype)
         part.state_out(ctx, exits)
     return new
+
+
+def _example_outputs(node, new, exits, state_exit, shape, dtype) -> None:
+    """Example values of a part recurrence's outputs (what the kernel returned; the exit
+    states [X, *shape]), so that regional execution reads them instead of running the
+    recurrence on fake tensors (an eager one reads the tree on the host)."""
+    rows = example(state_exit)
+    mode = getattr(rows, "fake_mode", None)
+    value = node.meta.get("example_value")
+    if mode is None or value is None:
+        return
+    with mode:
+        states = torch.empty(rows.shape[0], *shape, dtype=dtype, device=rows.device)
+    new.meta["example_value"] = value
+    exits.meta["example_value"] = states
 
 
 def recurrence(ctx: GraphContext, site: RecurrenceSite) -> fx.Node:

@@ -1,0 +1,607 @@
+"""Real agent trees, side by side: ``treefx.backward`` against per-call sequence packing, task by
+task, on the same model and the same data in one run (issue 34, "the paper's experiment").
+
+    python -m benchmarks.real_trees --trees swe.jsonl --tasks 20 --time-limit 450
+    python -m benchmarks.real_trees --trees swe.jsonl --sample 50 --seed 0 --slice 0:17 \
+        --time-limit 450 --out a.json          # then --slice 17:34 --out b.json, 34:50 ...
+    python -m benchmarks.real_trees --merge a.json b.json c.json --out all.json
+    python -m benchmarks.real_trees --dry-run        # CPU: a tiny model, synthetic comb trees
+
+Data: ``--trees``, a JSON Lines file of trees as ``treefx.write_jsonl`` writes them (one agent
+task a line; a tree's ``"task"`` metadata names it), e.g. coding-agent trajectories laid out the
+way a think-mode chat template sees them (each call's earlier reasoning dropped), so each tree
+is a comb: a trunk growing call by call, each call's completion a leaf off it, and each call's
+loss mask covering its completion only. The first ``--tasks`` trees, or ``--sample`` of them
+drawn with ``--seed``; ``--slice A:B`` runs a shard of that selection (a run of one command
+is limited in time: shards in several commands, joined with ``--merge``). Without
+``--trees``: synthetic combs of that shape (``treefx.synth.agent_tree``, think mode, one
+rollout, no forks, completions masked).
+
+Model: Hugging Face Qwen3 with Qwen3-8B-shaped layers (hidden 4096, 32 heads, 8 KV heads,
+head_dim 128, intermediate 12288, vocab 151,936, untied), ``--layers`` of them, bf16, random
+weights; token ids must be below the vocabulary. Compiled once, ``treefx.compile(model,
+logits=False, verify=False)`` (Inductor on the GPU, eager on the CPU), and shared by both
+methods. ``--dry-run``: the same code on the CPU, a tiny float32 Qwen3 (hidden 64, vocab 1024,
+or Qwen3's vocabulary when a tree's ids need it), the eager backend; its times say nothing.
+
+Methods, per task, the same loss (the mean over the task's calls of each call's mean token
+loss over its loss mask), no optimizer step, each step from no gradients:
+
+- ``treefx``: ``treefx.backward(tm, tree, max_tokens=--budget)``: the tree in parts of at
+  most ``--budget`` tokens, every unique token computed once.
+- ``packing``, the baseline real trainers use: every call laid out as its own sequence,
+  the sequences packed first-fit-decreasing into micro-batches of at most
+  ``max(--budget, longest call)`` tokens, each micro-batch one forward and backward with a
+  document mask (each token attends within its own sequence: FlexAttention's block
+  sparsity), gradients accumulated over the micro-batches. The capacity is the task's: with
+  a call longer than the budget, every micro-batch of that task may be as long (a trainer
+  must raise its tokens per micro-batch to its longest sequence). It runs through the same
+  compiled model, on a forest of one-sequence trees (``Tree.from_sequences([call])`` each,
+  packed with the task's sequence count): a forest of separate sequences is exactly
+  document-masked packing, through the same Inductor-compiled layers and FlexAttention
+  kernels as treefx, so what differs is the tokens each method computes and how (parts
+  reading their context's keys and values, against whole micro-batches).
+
+Host-side packing (``treefx.pack`` of the tree, the FFD micro-batches) is data-loader work done
+before the timed steps for both methods (its time is recorded as ``host_pack_ms``); the part
+plan is made inside ``treefx.backward`` and is timed. Packing's micro-batches are moved to
+the device before timing.
+
+Timing: wall time of a step (CUDA synchronized before and after), median of ``--reps`` after
+``--warmup`` full steps (``--packing-reps`` / ``--packing-warmup`` for packing, whose step is
+many times longer: by default one rep, after a warm-up on its largest micro-batch alone, which
+compiles any new shape and grows the allocator). A timed step during which Dynamo compiled a
+graph is thrown away and run again (``recompiled_in_timing`` counts them).
+
+Figures, per task and method: ``step_ms``; ``tokens_per_s``, the tokens the method computes
+per second (the tree's unique tokens for treefx, the sum of call lengths for packing);
+``sequence_tokens_per_s``, the sum of call lengths per second for both (the figure users
+compare: training tokens as a trainer counts them); ``peak_gib``, the peak allocated memory
+of its timed steps (``torch.cuda.max_memory_allocated``, reset per method, weights and
+gradients included); ``parts`` (treefx, as ``treefx.parts.plan`` plans them) or
+``micro_batches`` (packing). Per task: ``speedup`` = packing's step time / treefx's;
+``bound`` = sum of call lengths / unique tokens (``tree.bound``, the token-count bound on the
+speed-up); ``share_of_bound`` = speedup / bound. Exactness, once per task at no extra cost:
+the two methods' losses (relative difference, within 1e-2 in bf16, 1e-5 in float32) and,
+with ``--check-grads``, the gradients of a few parameters (relative norm of the difference,
+packing as the reference). At the end, over the tasks both methods ran: median and worst
+(lowest) share of the bound, median and lowest speed-up, and the tasks slower than packing.
+With random weights every token's loss is close to log(vocab), so the loss agrees even when
+the two methods train different tokens (dropping the loss masks moves it by about 4e-4 on the
+dry run's trees, inside bf16's 1e-2): ``--check-grads`` is the check that sees such a mistake
+on the GPU, the dry run's float32 comparison (1e-5) the one the tests hold.
+
+A method that runs out of GPU memory on a task is recorded as ``"oom"`` for that task and the
+run goes on; ``--max-call-tokens`` skips tasks with a longer call (recorded as skipped).
+``--time-limit``: stop before a task that would not finish in time (estimated from the
+seconds per sequence token of the tasks so far); the result file is rewritten after every
+task, so a run stopped from outside keeps every task done.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import hashlib
+import json
+import os
+import random
+import statistics
+import time
+
+import torch
+
+import treefx
+from benchmarks import common
+from benchmarks.parts import SHAPE_8B, TINY
+
+GRAD_PARAMS = ("model.embed_tokens.weight", "lm_head.weight",
+               "model.layers.0.self_attn.q_proj.weight", "model.layers.0.input_layernorm.weight",
+               "model.layers.{last}.mlp.down_proj.weight", "model.norm.weight")
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def comb_tree(seed: int, vocab: int, calls: int, scale: float) -> treefx.Tree:
+    """A synthetic agent task shaped like a think-mode agent's: one rollout of ``calls`` model
+    calls without forks, each call's reasoning dropped from the later calls' context, so the
+    trunk (prompt, answers, tool outputs) grows call by call and each call's completion
+    (reasoning and answer) is a leaf off it; each call's loss mask covers its completion."""
+    tree = treefx.synth.agent_tree(seed, vocab_size=vocab, rollouts=1, turns=(calls, calls),
+                                   branch_prob=0.0, think_mode=True, mask_outputs=True,
+                                   **common.scaled_lengths(scale))
+    return tree.with_metadata(task=f"synthetic-comb-{seed}")
+
+
+def _file_lines(path: str) -> list[int]:
+    """Byte offsets of the non-empty lines of a JSON Lines file."""
+    offsets, pos = [], 0
+    with open(path, "rb") as f:
+        for line in f:
+            if line.strip():
+                offsets.append(pos)
+            pos += len(line)
+    return offsets
+
+
+def _top_id(tree: treefx.Tree) -> int:
+    return max(int(s.max()) for s in tree.segments if len(s))
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def load_tasks(args, vocab: int) -> tuple[list[tuple[int, treefx.Tree]], dict]:
+    """The selected trees with their line index in the file (0-based, non-empty lines), and
+    the data's provenance. Only the selected lines are parsed."""
+    if not args.trees:
+        n = args.tasks if args.tasks is not None else (args.sample or 3)
+        calls, scale = ((4, 6), 0.08) if args.dry_run else ((20, 40), 3.0)
+        rng = random.Random(args.seed)
+        sizes = [rng.randint(*calls) for _ in range(n)]
+        cut = _slice(args.slice)
+        trees = [(i, comb_tree(args.seed * 1000 + i, vocab, sizes[i], scale))
+                 for i in range(n)[cut]]
+        return trees, {"source": "synthetic combs (treefx.synth.agent_tree, think mode, one "
+                                 "rollout, no forks, completions masked)",
+                       "calls": list(calls), "length_scale": scale, "seed": args.seed,
+                       "selected": list(range(n)), "positions": list(range(n)[cut])}
+    offsets = _file_lines(args.trees)
+    total = len(offsets)
+    if args.sample is not None:
+        chosen = sorted(random.Random(args.seed).sample(range(total), min(args.sample, total)))
+    else:
+        chosen = list(range(total if args.tasks is None else min(total, args.tasks)))
+    positions = list(range(len(chosen)))[_slice(args.slice)]
+    out = []
+    with open(args.trees, "rb") as f:
+        for i in (chosen[j] for j in positions):
+            f.seek(offsets[i])
+            line = f.readline()
+            try:
+                tree = treefx.Tree.from_dict(json.loads(line))
+            except (ValueError, TypeError) as e:
+                raise type(e)(f"{args.trees}, tree {i} (counting from 0): {e}") from e
+            top = _top_id(tree)
+            if top >= vocab:
+                raise ValueError(
+                    f"{args.trees}, tree {i} ({tree.metadata.get('task', 'no task name')}): "
+                    f"token id {top} is not below the model's vocabulary of {vocab:,} "
+                    "(Qwen3's): were these trees tokenized for another model?")
+            out.append((i, tree))
+    prov = {"source": os.path.abspath(args.trees), "bytes": os.path.getsize(args.trees),
+            "sha256": _sha256(args.trees), "trees_in_file": total, "selected": chosen,
+            "positions": positions}
+    return out, prov
+
+
+def _slice(text: str | None) -> slice:
+    """``--slice A:B`` (either end may be left out) as a slice of the selected tasks."""
+    if not text:
+        return slice(None)
+    a, sep, b = text.partition(":")
+    if not sep:
+        raise ValueError(f"--slice takes A:B (e.g. 0:17), got {text!r}")
+    return slice(int(a) if a else None, int(b) if b else None)
+
+
+def ffd(lengths: list[int], capacity: int) -> list[list[int]]:
+    """First-fit decreasing: indices of ``lengths`` in bins of at most ``capacity`` (each
+    length at most ``capacity``), the longest first, each into the first bin with room."""
+    bins, room = [], []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        n = lengths[i]
+        for b, r in enumerate(room):
+            if n <= r:
+                bins[b].append(i)
+                room[b] -= n
+                break
+        else:
+            bins.append([i])
+            room.append(capacity - n)
+    return bins
+
+
+def packing_batches(tree: treefx.Tree, budget: int) -> list[treefx.TreeBatch]:
+    """Every call of ``tree`` as its own one-sequence tree (its weight and loss mask kept),
+    packed first-fit-decreasing into micro-batches of at most ``max(budget, longest call)``
+    tokens, each with the task's sequence count (their losses add up to the task's mean)."""
+    lengths = [int(n) for n in tree.sequence_lengths]
+    cap = max(budget, max(lengths))
+    chains = [treefx.Tree.from_sequences([tree.sequence(i)], weights=[float(tree.weights[i])],
+                                         loss_masks=[tree.loss_mask(i)])
+              for i in range(tree.num_sequences)]
+    return [treefx.pack([chains[i] for i in b], reduction="mean",
+                        num_sequences=tree.num_sequences)
+            for b in ffd(lengths, cap)]
+
+
+# ----------------------------------------------------------------------------- timing
+
+
+def _sync(cuda: bool):
+    if cuda:
+        torch.cuda.synchronize()
+
+
+def _graphs() -> int:
+    return common.dynamo_counts().get("unique_graphs", 0)
+
+
+def timed(fn, model, cuda: bool, warmup: int, reps: int, pre_warm=None) -> dict:
+    """``warmup`` steps (and ``pre_warm`` once), then ``reps`` timed steps, each from no
+    gradients; a step during which Dynamo compiled a graph is run again (at most ``reps``
+    more). The model's ``.grad`` holds the last step's gradients after."""
+    if pre_warm is not None:
+        model.zero_grad(set_to_none=True)
+        pre_warm()
+    for _ in range(warmup):
+        model.zero_grad(set_to_none=True)
+        fn()
+    model.zero_grad(set_to_none=True)
+    _sync(cuda)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    times, recompiled, loss = [], 0, None
+    for _ in range(2 * reps):
+        model.zero_grad(set_to_none=True)
+        _sync(cuda)
+        g0 = _graphs()
+        t0 = time.perf_counter()
+        loss = fn()
+        _sync(cuda)
+        dt = time.perf_counter() - t0
+        new = _graphs() - g0
+        if new:
+            recompiled += new
+            continue
+        times.append(dt)
+        if len(times) == reps:
+            break
+    if not times:  # every step compiled something: keep the last one, flagged
+        times.append(dt)
+    return {"step_ms": statistics.median(times) * 1e3, "times_ms": [t * 1e3 for t in times],
+            "recompiled_in_timing": recompiled, "loss": float(loss),
+            "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None}
+
+
+def _grads(model, names) -> dict:
+    return {n: p.grad.detach().cpu().float() for n, p in model.named_parameters()
+            if n in names and p.grad is not None}
+
+
+def _grad_rel(g: dict, ref: dict) -> dict:
+    return {n: float((g[n] - r).norm() / r.norm().clamp_min(1e-30))
+            for n, r in ref.items() if n in g}
+
+
+def _is_oom(e: BaseException) -> bool:
+    """An out-of-memory error, or one raised from it (Dynamo and treefx wrap what a compiled
+    graph raises while it compiles)."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower():
+            return True
+        e = getattr(e, "inner_exception", None) or e.__cause__ or e.__context__
+    return False
+
+
+def _free(model, cuda: bool):
+    model.zero_grad(set_to_none=True)
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+
+
+# ----------------------------------------------------------------------------- one task
+
+
+def run_task(index: int, tree: treefx.Tree, tm, model, args, cuda: bool, dev: str) -> dict:
+    lengths = tree.sequence_lengths
+    row = {"index": index, "task": tree.metadata.get("task"), "calls": tree.num_sequences,
+           "unique_tokens": tree.num_tokens, "sequence_tokens": tree.num_baseline_tokens,
+           "longest_call": int(lengths.max()), "bound": tree.bound,
+           "trained_tokens": int(sum(int(tree.loss_mask(i)[1:].sum())
+                                     for i in range(tree.num_sequences)))}
+    if args.max_call_tokens is not None and row["longest_call"] > args.max_call_tokens:
+        row["status"] = f"skipped: a call of {row['longest_call']} tokens > --max-call-tokens"
+        return row
+    budget = args.budget
+    t0 = time.perf_counter()
+    batch = treefx.pack(tree, reduction="mean")
+    pack_tree_ms = (time.perf_counter() - t0) * 1e3
+    t0 = time.perf_counter()
+    micro = packing_batches(tree, budget)
+    pack_seq_ms = (time.perf_counter() - t0) * 1e3
+    plan = treefx.parts.plan(batch, budget)
+    names = {n.format(last=args.layers - 1) for n in GRAD_PARAMS}
+    methods, grads = {}, {}
+
+    def tree_step():
+        return treefx.backward(tm, batch, max_tokens=budget)
+
+    def run_micro(batches):
+        total = torch.zeros((), dtype=torch.float64, device=dev)
+        for b in batches:
+            loss = treefx.tree_loss(tm(b), b)
+            loss.backward()
+            total += loss.detach().to(total.dtype)
+        return total
+
+    for name in args.methods:
+        oom = None
+        try:
+            if name == "treefx":
+                st = timed(tree_step, model, cuda, args.warmup, args.reps)
+                st.update(parts=plan.num_parts, peak_held_tokens=plan.peak_held_tokens(),
+                          tokens=tree.num_tokens, host_pack_ms=pack_tree_ms)
+            else:
+                dev_batches = [b.to(dev) for b in micro]
+                largest = max(dev_batches, key=lambda b: b.num_tokens)
+                st = timed(lambda: run_micro(dev_batches), model, cuda, args.packing_warmup,
+                           args.packing_reps, pre_warm=lambda: run_micro([largest]))
+                st.update(micro_batches=len(micro), capacity=max(budget, row["longest_call"]),
+                          micro_batch_tokens=[b.num_tokens for b in micro],
+                          tokens=tree.num_baseline_tokens, host_pack_ms=pack_seq_ms)
+            st["tokens_per_s"] = st["tokens"] / (st["step_ms"] / 1e3)
+            st["sequence_tokens_per_s"] = tree.num_baseline_tokens / (st["step_ms"] / 1e3)
+            if args.check_grads:
+                t0 = time.perf_counter()
+                grads[name] = _grads(model, names)
+                st["grad_copy_s"] = time.perf_counter() - t0
+            st["status"] = "ok"
+            methods[name] = st
+        except Exception as e:  # noqa: BLE001  (out of memory, however wrapped; else raised)
+            if not _is_oom(e):
+                raise
+            oom = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]}"
+        if oom is not None:  # outside the handler: its traceback no longer holds the tensors
+            if name == "packing":
+                dev_batches = largest = None
+            methods[name] = {"status": "oom", "error": oom}
+        _free(model, cuda)
+    row["methods"] = methods
+    ok = {k for k, v in methods.items() if v.get("status") == "ok"}
+    row["status"] = "ok" if ok == set(args.methods) else \
+        "oom: " + ",".join(k for k in args.methods if k not in ok)
+    if {"treefx", "packing"} <= ok:
+        t, p = methods["treefx"], methods["packing"]
+        row["speedup"] = p["step_ms"] / t["step_ms"]
+        row["share_of_bound"] = row["speedup"] / row["bound"]
+        row["loss_rel_diff"] = abs(t["loss"] - p["loss"]) / max(abs(p["loss"]), 1e-30)
+        row["loss_agree"] = row["loss_rel_diff"] <= args.loss_tol
+        if args.check_grads:
+            rel = _grad_rel(grads["treefx"], grads["packing"])
+            row["grad_rel_diff"] = rel
+            row["grads_agree"] = bool(rel) and max(rel.values()) <= args.grad_tol
+    return row
+
+
+def summary(rows: list[dict]) -> dict:
+    both = [r for r in rows if "speedup" in r]
+    out = {"tasks": len(rows), "both_measured": len(both),
+           "oom": [r["index"] for r in rows if str(r.get("status", "")).startswith("oom")],
+           "skipped": [r["index"] for r in rows
+                       if str(r.get("status", "")).startswith("skipped")]}
+    if not both:
+        return out
+    share = [r["share_of_bound"] for r in both]
+    speed = [r["speedup"] for r in both]
+    worst = min(both, key=lambda r: r["share_of_bound"])
+    slowest = min(both, key=lambda r: r["speedup"])
+    seq = sum(r["sequence_tokens"] for r in both)
+    t_tree = sum(r["methods"]["treefx"]["step_ms"] for r in both) / 1e3
+    t_pack = sum(r["methods"]["packing"]["step_ms"] for r in both) / 1e3
+    out.update(
+        median_share_of_bound=statistics.median(share),
+        worst_share_of_bound=worst["share_of_bound"], worst_share_task=worst["index"],
+        median_speedup=statistics.median(speed), lowest_speedup=slowest["speedup"],
+        lowest_speedup_task=slowest["index"],
+        median_bound=statistics.median(r["bound"] for r in both),
+        slower_than_packing=[r["index"] for r in both if r["speedup"] < 1.0],
+        any_slower_than_packing=any(s < 1.0 for s in speed),
+        losses_agree=all(r["loss_agree"] for r in both),
+        max_loss_rel_diff=max(r["loss_rel_diff"] for r in both),
+        # all tasks one after the other: sequence tokens (as trainers count them) per second
+        overall_sequence_tokens_per_s={"treefx": seq / t_tree, "packing": seq / t_pack},
+        overall_speedup=t_pack / t_tree)
+    if all("grads_agree" in r for r in both):
+        out["grads_agree"] = all(r["grads_agree"] for r in both)
+        out["max_grad_rel_diff"] = max(max(r["grad_rel_diff"].values()) for r in both)
+    return out
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def merge(paths: list[str], out: str) -> dict:
+    """Join the result files of shards of one selection: their tasks (each index once), each
+    run's meta and arguments, and the summary over all tasks."""
+    runs, rows, seen = [], [], {}
+    for path in paths:
+        with open(path) as f:
+            r = json.load(f)
+        runs.append({"file": path, "meta": r["meta"], "args": r["args"], "data": r["data"],
+                     "model": r["model"], "stopped": r.get("stopped")})
+        for row in r["tasks"]:
+            if row["index"] in seen:
+                raise ValueError(f"task {row['index']} is in both {seen[row['index']]} and "
+                                 f"{path}")
+            seen[row["index"]] = path
+            rows.append(row)
+    models = {json.dumps(run["model"], sort_keys=True) for run in runs}
+    sources = {(run["data"].get("source"), run["data"].get("sha256")) for run in runs}
+    if len(models) > 1 or len(sources) > 1:
+        raise ValueError("--merge: the files ran different models or data; not one experiment")
+    rows.sort(key=lambda row: row["index"])
+    res = {"merged": runs, "tasks": rows, "summary": summary(rows)}
+    common.save_json(res, out)
+    print(_summary_lines(res["summary"]), flush=True)
+    print(f"saved {out}", flush=True)
+    return res
+
+
+def main(argv=None):
+    start = time.perf_counter()
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--trees", default=None,
+                   help="JSON Lines of trees (treefx.write_jsonl); default synthetic combs")
+    p.add_argument("--tasks", type=int, default=None,
+                   help="the first N trees (default all; synthetic: 3)")
+    p.add_argument("--sample", type=int, default=None,
+                   help="N trees drawn at random (--seed) from the file, in file order")
+    p.add_argument("--slice", default=None,
+                   help="A:B: run only the selected tasks A..B-1 (one shard of a longer "
+                        "selection; --merge joins the shards' files)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--budget", type=int, default=None,
+                   help="tokens per part / micro-batch (default 16384; dry run 96)")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--methods", default="treefx,packing")
+    p.add_argument("--warmup", type=int, default=1, help="treefx's full warm-up steps per task")
+    p.add_argument("--reps", type=int, default=3, help="treefx's timed steps per task")
+    p.add_argument("--packing-warmup", type=int, default=0,
+                   help="packing's full warm-up steps per task (after its largest micro-batch "
+                        "alone, always)")
+    p.add_argument("--packing-reps", type=int, default=1, help="packing's timed steps per task")
+    p.add_argument("--check-grads", action="store_true",
+                   help="compare a few parameters' gradients between the methods")
+    p.add_argument("--loss-tol", type=float, default=None,
+                   help="relative loss difference allowed (default 1e-2 bf16, 1e-5 float32)")
+    p.add_argument("--grad-tol", type=float, default=None,
+                   help="relative gradient difference allowed (default 5e-2 bf16, 1e-4 "
+                        "float32)")
+    p.add_argument("--max-call-tokens", type=int, default=None,
+                   help="skip tasks with a longer call (recorded as skipped)")
+    p.add_argument("--time-limit", type=float, default=None,
+                   help="seconds: stop before a task that would not finish by then")
+    p.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                   help="join the result files of shards (needs --out) and summarize; runs "
+                        "nothing")
+    common.add_run_args(p, "CPU, a tiny float32 model, the eager backend, small synthetic "
+                           "combs unless --trees")
+    args = p.parse_args(argv)
+    if args.merge:
+        if not args.out:
+            p.error("--merge needs --out")
+        return merge(args.merge, args.out)
+    if args.reps < 1 or args.packing_reps < 1:
+        p.error("--reps and --packing-reps must be at least 1")
+    args.methods = [m for m in args.methods.split(",") if m]
+    bad = set(args.methods) - {"treefx", "packing"}
+    if bad or not args.methods:
+        p.error(f"--methods: treefx and/or packing, got {sorted(bad) or 'none'}")
+    cuda = common.use_cuda(args.dry_run)
+    dev = "cuda" if cuda else "cpu"
+    backend = "inductor" if cuda else "eager"
+    if args.budget is None:
+        args.budget = 16384 if cuda else 96
+    if args.loss_tol is None:
+        args.loss_tol = 1e-2 if cuda else 1e-5
+    if args.grad_tol is None:
+        args.grad_tol = 5e-2 if cuda else 1e-4
+    common.bump_dynamo_limits()
+    shape, dtype = (dict(SHAPE_8B), torch.bfloat16) if cuda else (dict(TINY), torch.float32)
+    out = common.resolve_out(args, "real_trees", cuda)
+    tasks, prov = load_tasks(args, SHAPE_8B["vocab_size"] if args.trees else
+                             shape["vocab_size"])
+    top = max((_top_id(t) for _, t in tasks), default=0)
+    if not cuda and args.trees and top >= shape["vocab_size"]:
+        shape["vocab_size"] = SHAPE_8B["vocab_size"]  # real ids: the real vocabulary
+    res = {"meta": common.run_meta(cuda), "args": vars(args), "data": prov,
+           "model": {"type": "qwen3", "layers": args.layers, "dtype": str(dtype),
+                     "backend": backend, **shape},
+           "tasks": [], "summary": {}}
+    print(f"{len(tasks)} tasks from {prov['source']}; budget {args.budget}, "
+          f"{args.layers} layers, {dtype}, {backend}", flush=True)
+    model = common.hf_model("qwen3", dev=dev, dtype=dtype, on_device=cuda,
+                            num_hidden_layers=args.layers, **shape)
+    tm = treefx.compile(model, backend=backend, logits=False, verify=False)
+    res["setup_s"] = time.perf_counter() - start
+    ran = []  # (wall seconds, sequence tokens) of the tasks run
+    for k, (index, tree) in enumerate(tasks):
+        elapsed = time.perf_counter() - start
+        if args.time_limit is not None and ran:
+            # the first task pays the compiles: estimate from the later ones when there are
+            later = ran[1:] or ran
+            rate = sum(w for w, _ in later) / max(sum(n for _, n in later), 1)
+            if elapsed + rate * tree.num_baseline_tokens > args.time_limit:
+                res["stopped"] = {"reason": "time limit", "elapsed_s": elapsed,
+                                  "tasks_not_run": [i for i, _ in tasks[k:]],
+                                  "resume": f"--slice {prov['positions'][k]}:"
+                                            f"{prov['positions'][-1] + 1}"}
+                print(f"time limit: stopping before task {index} ({len(tasks) - k} not run; "
+                      f"the same command with {res['stopped']['resume']} runs them)",
+                      flush=True)
+                break
+        t0 = time.perf_counter()
+        row = run_task(index, tree, tm, model, args, cuda, dev)
+        row["wall_s"] = time.perf_counter() - t0
+        if "methods" in row:
+            ran.append((row["wall_s"], row["sequence_tokens"]))
+        res["tasks"].append(row)
+        res["summary"] = summary(res["tasks"])
+        res["elapsed_s"] = time.perf_counter() - start
+        common.save_json(res, out)
+        print(_line(row), flush=True)
+    s = res["summary"]
+    print(_summary_lines(s), flush=True)
+    common.save_json(res, out)
+    print(f"saved {out}", flush=True)
+    return res
+
+
+def _line(r: dict) -> str:
+    head = (f"task {r['index']:4d} {str(r.get('task') or '')[:28]:28s} {r['calls']:4d} calls "
+            f"{r['unique_tokens']:8,d} unique {r['sequence_tokens']:10,d} seq "
+            f"(bound {r['bound']:5.2f}x)")
+    if str(r["status"]).startswith("skipped"):
+        return f"{head}  {r['status']}"
+    m = r["methods"]
+
+    def one(name):
+        st = m.get(name)
+        if st is None:
+            return ""
+        if st["status"] != "ok":
+            return f"  {name} OOM"
+        n = st.get("parts", st.get("micro_batches"))
+        mem = f" {st['peak_gib']:.1f} GiB" if st["peak_gib"] is not None else ""
+        return f"  {name} {st['step_ms']:9.1f} ms ({n} {'parts' if 'parts' in st else 'mb'}" \
+               f"{mem})"
+
+    tail = ""
+    if "speedup" in r:
+        tail = (f"  {r['speedup']:.2f}x = {r['share_of_bound']:.0%} of bound, loss diff "
+                f"{r['loss_rel_diff']:.1e}{'' if r['loss_agree'] else ' DISAGREE'}")
+        if "grad_rel_diff" in r:
+            tail += f", grad diff {max(r['grad_rel_diff'].values()):.1e}" \
+                    f"{'' if r['grads_agree'] else ' DISAGREE'}"
+    return head + one("treefx") + one("packing") + tail
+
+
+def _summary_lines(s: dict) -> str:
+    lines = [f"{s['tasks']} tasks, both methods on {s['both_measured']}; OOM {s['oom']}, "
+             f"skipped {s['skipped']}"]
+    if s.get("both_measured"):
+        lines.append(
+            f"share of the token-count bound: median {s['median_share_of_bound']:.1%}, worst "
+            f"{s['worst_share_of_bound']:.1%} (task {s['worst_share_task']}); speed-up: median "
+            f"{s['median_speedup']:.2f}x, lowest {s['lowest_speedup']:.2f}x (task "
+            f"{s['lowest_speedup_task']}); median bound {s['median_bound']:.2f}x")
+        lines.append(f"slower than packing: {s['slower_than_packing'] or 'none'}; losses agree: "
+                     f"{s['losses_agree']} (max rel diff {s['max_loss_rel_diff']:.1e})"
+                     + (f"; gradients agree: {s['grads_agree']} (max rel diff "
+                        f"{s['max_grad_rel_diff']:.1e})" if "grads_agree" in s else ""))
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
