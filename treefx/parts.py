@@ -243,12 +243,16 @@ def _chunks(total: int, room: int) -> list[int]:
     return [q + 1] * r + [q] * (k - r)
 
 
-def plan(batch: TreeBatch, max_tokens: int, *, block_size: int = 128) -> PartPlan:
+def plan(batch: TreeBatch, max_tokens: int, *, block_size: int = 128,
+         recompute: bool = True) -> PartPlan:
     """Plan the parts of a packed batch under a token budget.
 
     Cut ``batch``'s row into parts of at most ``max_tokens`` tokens (see the module's
     docstring for how, and for the memory bound this gives). ``block_size``: the context row
-    is padded to a multiple of it (FlexAttention's blocks)."""
+    is padded to a multiple of it (FlexAttention's blocks). ``recompute=False``: no recompute
+    parts; the open tokens the budget cannot hold are held with their activations all the
+    same, so ``peak_held_tokens()`` may exceed ``max_tokens`` (:func:`treefx.backward` plans
+    so under FSDP2, whose ranks' backward rounds a second forward would put out of step)."""
     max_tokens = _check_budget(max_tokens)
     if not isinstance(batch, TreeBatch):
         raise TypeError(f"expected a treefx.TreeBatch, got {type(batch).__name__}")
@@ -259,6 +263,8 @@ def plan(batch: TreeBatch, max_tokens: int, *, block_size: int = 128) -> PartPla
     ln = batch.node_length.cpu().numpy()
     npar = batch.node_parent.cpu().numpy()
     units = _units(off, ln, npar, se[off], max_tokens)
+    if not recompute:
+        units = [(s, e, o, False, room) for s, e, o, _, room in units]
     # Padding tokens (each its own root) close the row as closed units of one token each.
     units += [(t, t + 1, False, False, max_tokens) for t in range(n_real, batch.num_tokens)]
 

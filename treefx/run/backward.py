@@ -22,7 +22,9 @@ with a graph, reading the same context leaves, and is differentiated with the gr
 parts left in its leaves (part-level activation checkpointing). The first forward built no
 graph, so the context's gradients arrive once, through the second. A plan with recompute
 parts refuses a part graph that draws random numbers (dropout in training mode): the second
-forward would draw others.
+forward would draw others. Under FSDP2 the plan has no recompute parts (a recompute part's
+backward gathers the layers for its second forward too, once more than another rank's
+backward in that round): what the budget cannot hold is held, with a warning.
 """
 
 from __future__ import annotations
@@ -400,7 +402,7 @@ def backward(tm: TreeModel, trees: Tree | Iterable[Tree] | TreeBatch | None, *,
     (``plan.peak_held_tokens()``): the current part's and those of the held parts of open
     nodes on the current root path (nodes whose subtrees exceed the room), as many as the
     budget leaves room for; the other open parts are recomputed (``plan.recompute_tokens``:
-    their forward runs twice, once without a graph). Beside them, the keys, values and conv
+    their forward runs twice, once without a graph; not under FSDP2, where they are held). Beside them, the keys, values and conv
     inputs of the open path at every layer (``plan.peak_context_tokens()`` tokens, whatever
     the budget: later parts attend to them) and the recurrent states at the parts'
     boundaries; a held part's attention also saves its context's keys and values (it
@@ -595,7 +597,9 @@ def _rounds(run: _Run, group) -> None:
     mine = "".join(e for e, _ in run.events)
     strings: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(strings, mine, group=group)
-    if any("R" in s for s in strings):  # every rank sees it: all refuse together
+    # _Run plans without recompute parts under FSDP2; should one come, every rank sees it
+    # here and all refuse together
+    if any("R" in s for s in strings):
         raise TreeCompileError(
             "treefx.backward under FSDP2: a rank's plan recomputes parts (an open path longer "
             "than max_tokens lets it hold), whose second forward would gather the layers once "
@@ -636,7 +640,16 @@ class _Run:
         self.events: list[tuple[str, int]] = []
         self.plan = None
         if batch is not None:
-            self.plan = parts_mod.plan(batch, max_tokens, block_size=runner.plan.block_size)
+            # Under FSDP2 no recompute parts: a recompute part's backward gathers the layers
+            # for its second forward too, once more than another rank's backward in that
+            # round. What the budget cannot hold there is held (as before recompute parts).
+            self.plan = parts_mod.plan(batch, max_tokens, block_size=runner.plan.block_size,
+                                       recompute=not collective)
+            if collective and self.plan.peak_held_tokens() > max_tokens:
+                log.warning("treefx.backward under FSDP2: activations of %d tokens held at "
+                            "once, over max_tokens=%d (an open path longer than the budget "
+                            "holds; recompute parts do not run under FSDP2 yet)",
+                            self.plan.peak_held_tokens(), max_tokens)
             self.full = batch.to(device)
             check_batch(target, self.full)
             self.events = _events(self.plan)
@@ -794,7 +807,10 @@ def _verify_first_call(tm: TreeModel, runner: PartRunner) -> None:
         lps = []
 
         def record(out, b):
-            lps.append(out.token_logprobs.detach())
+            # each part's log-probabilities once: a recompute part's loss is computed twice,
+            # first without autograd (not recorded), then in its backward's second forward
+            if torch.is_grad_enabled():
+                lps.append(out.token_logprobs.detach())
             return tree_loss(out, b)
 
         for _, p in chosen:
