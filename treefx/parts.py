@@ -22,16 +22,30 @@ a later token holds ``start`` too): its *context* is the path from the root to `
 
 Planning (:func:`plan`): a part of *closed* units (whole subtrees) is finished, forward and
 backward, as soon as it ran; a part of an *open* node's own tokens (a node whose subtree does
-not fit) is held until the node's subtree is done. So the tokens holding activations at any
-time are the current part's and the open tokens on the current root path. The planner keeps
-their sum within ``max_tokens``: below open tokens ``H``, a subtree that fits in the room
-``max_tokens - H`` is a closed unit (consecutive ones share a part while they fit), a larger
-one puts its own tokens in parts of their own (chunks of at most the room) and its children
-are planned the same way with those tokens added to ``H``. The room never drops below
-``max_tokens / 4``, so parts stay large enough to keep a GPU busy: the bound is ``max_tokens``
-held tokens while the open path stays within three quarters of it, and the open path plus a
-quarter of ``max_tokens`` beyond (a sequence longer than the budget is held whole: its later
-tokens attend to all of it).
+not fit) is held until the node's subtree is done. The planner bounds the tokens holding
+activations at once by ``max_tokens``, whatever the tree's shape (a comb-shaped agent tree,
+whose whole trunk is open; a sequence longer than the budget): below *kept* open tokens
+``K``, a subtree that fits in the room ``max_tokens - K`` is a closed unit (consecutive ones
+share a part while they fit), a larger one is open. An open node keeps as many of its tokens
+(held with their activations; its children then plan with them added to ``K``) as leave its
+children the room they need, and never so many that the room drops below a quarter of
+``max_tokens`` (parts stay large enough to keep a GPU busy) unless each child's subtree fits
+in less; its other tokens, first in the
+node, are *recompute* parts: their forward keeps no activations, only what later parts read
+(their keys, values and conv inputs at every site, their exit states), and their backward
+runs the forward again first. A leaf node longer than the room recomputes all but its last
+``room`` tokens. How many to keep is exact for the fewest recomputed tokens (without the
+quarter's floor and the rounding of chunks: see ``_kept``): a node keeps down to its
+children's second largest "breakpoint", so on a comb the trunk keeps what leaves the longest
+completion below room, and a chain keeps nothing. Nothing is recomputed while every root-to-leaf
+path leaves a quarter of ``max_tokens``.
+
+The keys and values of the *open path* (the context a part reads: the root to its first
+token) are kept whatever the budget, since later parts attend to them:
+:meth:`PartPlan.peak_context_tokens` is the longest, beside
+:meth:`PartPlan.peak_held_tokens` (activations, at most ``max_tokens``) and
+:attr:`PartPlan.recompute_tokens`. Bytes per open-path token: attention layers × 2 × KV
+heads × head dim × dtype size (and each causal conv's input width × dtype size).
 """
 
 from __future__ import annotations
@@ -62,7 +76,11 @@ class Part:
     the tokens it predicts (the tree tokens whose predecessor it holds) and, for each, the
     predecessor's row in the part. ``release``: the end of the last subtree that starts in
     it; its backward waits until every token before that ran. ``context_pad``: the context
-    row length, padded to a multiple of the block size (at least one block)."""
+    row length, padded to a multiple of the block size (at least one block). ``open``: it
+    holds tokens of a node whose subtree does not fit the room (held until that subtree is
+    done). ``recompute``: its forward keeps no activations (only what later parts read: its
+    own keys, values and conv inputs and its exit states), and its backward runs the forward
+    again first; only open parts held beyond the budget are."""
 
     index: int
     start: int
@@ -76,6 +94,7 @@ class Part:
     label_tokens: np.ndarray
     release: int
     open: bool
+    recompute: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -98,14 +117,33 @@ class PartPlan:
     def num_parts(self) -> int:
         return len(self.parts)
 
+    @property
+    def recompute_tokens(self) -> int:
+        """Tokens whose forward runs twice: those of the recompute parts (without keeping
+        activations, then again with them at their backward)."""
+        return sum(p.num_tokens for p in self.parts if p.recompute)
+
     def peak_held_tokens(self) -> int:
         """The most tokens whose activations are held at once when the parts run in order and
         each part's backward runs as soon as nothing after it reads it (what
-        :func:`treefx.backward` does)."""
+        :func:`treefx.backward` does): the current part's and those of the parts held
+        for their backward, but not of recompute parts other than the current one (they
+        hold no activations between their forward and their backward). At most
+        ``max_tokens``. A recompute part's backward, which builds its activations again,
+        holds no more than its forward did (the parts held then were all held then too)."""
         peak = 0
-        for _, held in schedule(self):
-            peak = max(peak, sum(self.parts[i].num_tokens for i in held))
+        for j, held in schedule(self):
+            peak = max(peak, sum(self.parts[i].num_tokens for i in held
+                                 if i == j or not self.parts[i].recompute))
         return peak
+
+    def peak_context_tokens(self) -> int:
+        """The longest *open path*: the most context tokens a part reads, the keys and values
+        (and conv inputs) earlier parts keep for it at every site, whatever the budget. They
+        are the held recompute parts' own columns (which lie on that path) and part of the
+        held parts'. Bytes: tokens × layers × 2 × KV heads × head dim × dtype size for the
+        keys and values."""
+        return max((len(p.context) for p in self.parts), default=0)
 
 
 def _check_budget(max_tokens) -> int:
@@ -116,44 +154,105 @@ def _check_budget(max_tokens) -> int:
 
 
 def _units(node_offset, node_length, node_parent, subtree_end_of_node, max_tokens):
-    """(start, end, open, room) ranges in DFS order: closed subtrees that fit the room left,
-    open nodes' tokens in chunks. ``room`` = ``max_tokens`` minus the open tokens held above
-    the unit (at least a quarter of ``max_tokens``)."""
+    """(start, end, open, recompute, room) ranges in DFS order: closed subtrees that fit the
+    room left, open nodes' tokens in chunks. ``room`` = ``max_tokens`` minus the open tokens
+    *kept* above the unit (held with their activations), never below a quarter of
+    ``max_tokens`` unless every subtree below fits in less. An open node keeps as many of its
+    tokens as leave its children the room they need (:func:`_kept`); the rest, first in the
+    node, are recompute chunks of at most
+    the room. A leaf node longer than the room recomputes all but its last ``room`` tokens,
+    which run last and are held by nothing after them."""
     floor = max(1, max_tokens // 4)
-    children: list[list[int]] = [[] for _ in range(len(node_offset))]
+    n = len(node_offset)
+    length = node_length.astype(np.int64)
+    children: list[list[int]] = [[] for _ in range(n)]
     roots = []
     for i, p in enumerate(node_parent.tolist()):
         (children[p] if p >= 0 else roots).append(i)
+    # the two largest "breakpoints" of each subtree (see _kept): the longest path's tokens,
+    # then the next one not sharing its top; nodes in DFS order, so children after parents
+    top1 = np.zeros(n, dtype=np.int64)
+    top2 = np.zeros(n, dtype=np.int64)
+    second = np.zeros(n, dtype=np.int64)  # the children's second largest, for _kept
+    for v in range(n - 1, -1, -1):
+        best = sorted((x for c in children[v] for x in (top1[c], top2[c])), reverse=True)[:2]
+        best += [0] * (2 - len(best))
+        top1[v], top2[v], second[v] = length[v] + best[0], best[1], best[1]
     units = []
     stack = [(v, 0) for v in roots[::-1]]
     while stack:
-        v, held = stack.pop()
+        v, kept = stack.pop()
         off = int(node_offset[v])
-        room = max(max_tokens - held, floor)
+        room = max_tokens - kept
         size = int(subtree_end_of_node[v]) - off
         if size <= room:
-            units.append((off, off + size, False, room))
+            units.append((off, off + size, False, False, room))
             continue
-        s, end = off, off + int(node_length[v])
-        while s < end:  # the node's own tokens, held while its subtree runs
-            room = max(max_tokens - held, floor)
-            take = min(room, end - s)
-            if end - s - take == 1 and take > 2:
-                take -= 1  # no chunk of one token left over (see _no_single_tokens)
-            e = s + take
-            units.append((s, e, True, room))
-            held += e - s
-            s = e
-        stack.extend((c, held) for c in children[v][::-1])
+        own = int(length[v])
+        if children[v]:
+            # the room the children need: a quarter of the budget (parts large enough), or
+            # less when every child's subtree fits in less (then all of them are closed)
+            largest = max(int(subtree_end_of_node[c] - node_offset[c]) for c in children[v])
+            keep = _kept(own, room, max(int(second[v]), min(floor, largest)), floor)
+            rest = own - keep
+            if rest == 1 and keep > 2:
+                keep, rest = keep - 1, 2  # no chunk of one token (see _no_single_tokens)
+        else:  # a leaf: its last `room` tokens run last and are held by nothing after them
+            rest, keep = own - room, room
+            if rest == 1 and keep > 2:
+                keep, rest = keep - 1, 2
+        s = off
+        for size in _chunks(rest, room):
+            units.append((s, s + size, True, True, room))
+            s += size
+        if keep:
+            units.append((s, s + keep, True, False, room))
+        if children[v]:
+            stack.extend((c, kept + keep) for c in children[v][::-1])
     return units
 
 
-def plan(batch: TreeBatch, max_tokens: int, *, block_size: int = 128) -> PartPlan:
+def _kept(own: int, room: int, need: int, floor: int) -> int:
+    """How many of an open node's ``own`` tokens to keep (held with their activations while
+    its subtree runs; the rest are recomputed), with ``room`` left under the budget and
+    ``need`` the room its children should keep (``floor``: a quarter of the budget).
+
+    The fewest recomputed tokens of a subtree as a function of its room r is convex,
+    piecewise linear and non-increasing: sum over a multiset of "breakpoints" b of
+    max(0, b - r) (a leaf of length L: {L}; a node of length R: its children's multisets
+    together, with the largest raised by R, since keeping its tokens or those of the
+    deepest path below costs the same). Keeping x of the node's tokens saves x and costs
+    the children's function at r - x, whose slope is minus the number of breakpoints above
+    r - x: keeping pays while at most one lies above, that is down to the children's second
+    largest breakpoint. Among equal costs the planner keeps tokens as high in the tree as it
+    can (a kept part's attention saves its context's keys and values: the shorter, the
+    better). A kept piece smaller than a sixteenth of the budget is not split off (a part
+    of its own costs more than recomputing it)."""
+    keep = max(0, min(own, room - need))
+    if keep < own and keep < max(1, floor // 4):
+        keep = 0
+    return keep
+
+
+def _chunks(total: int, room: int) -> list[int]:
+    """``total`` tokens in the fewest chunks of at most ``room``, as equal as can be."""
+    if total <= 0:
+        return []
+    k = -(-total // room)
+    q, r = divmod(total, k)
+    return [q + 1] * r + [q] * (k - r)
+
+
+def plan(batch: TreeBatch, max_tokens: int, *, block_size: int = 128,
+         recompute: bool = True) -> PartPlan:
     """Plan the parts of a packed batch under a token budget.
 
     Cut ``batch``'s row into parts of at most ``max_tokens`` tokens (see the module's
     docstring for how, and for the memory bound this gives). ``block_size``: the context row
-    is padded to a multiple of it (FlexAttention's blocks)."""
+    is padded to a multiple of it (FlexAttention's blocks). ``recompute=False``: no recompute
+    parts; the open tokens the budget cannot hold are held with their activations all the
+    same, so ``peak_held_tokens()`` may exceed ``max_tokens`` (:func:`treefx.backward` plans
+    so under FSDP2, whose ranks' backward rounds a second forward would put out of step)."""
     max_tokens = _check_budget(max_tokens)
     if not isinstance(batch, TreeBatch):
         raise TypeError(f"expected a treefx.TreeBatch, got {type(batch).__name__}")
@@ -164,27 +263,29 @@ def plan(batch: TreeBatch, max_tokens: int, *, block_size: int = 128) -> PartPla
     ln = batch.node_length.cpu().numpy()
     npar = batch.node_parent.cpu().numpy()
     units = _units(off, ln, npar, se[off], max_tokens)
+    if not recompute:
+        units = [(s, e, o, False, room) for s, e, o, _, room in units]
     # Padding tokens (each its own root) close the row as closed units of one token each.
-    units += [(t, t + 1, False, max_tokens) for t in range(n_real, batch.num_tokens)]
+    units += [(t, t + 1, False, False, max_tokens) for t in range(n_real, batch.num_tokens)]
 
-    ranges: list[tuple[int, int, bool, int]] = []
-    for s, e, is_open, room in units:
+    ranges: list[tuple[int, int, bool, bool, int]] = []
+    for s, e, is_open, rec, room in units:
         if ranges and not is_open and not ranges[-1][2] and \
-                e - ranges[-1][0] <= min(ranges[-1][3], room):
-            ranges[-1] = (ranges[-1][0], e, False, min(ranges[-1][3], room))
+                e - ranges[-1][0] <= min(ranges[-1][4], room):
+            ranges[-1] = (ranges[-1][0], e, False, False, min(ranges[-1][4], room))
         else:
-            ranges.append((s, e, is_open, room))
+            ranges.append((s, e, is_open, rec, room))
     ranges = _fewer_parts(_no_single_tokens(ranges), se, max_tokens)
     n = batch.num_tokens
     part_of = np.empty(n, dtype=np.int64)
-    for j, (s, e, _) in enumerate(ranges):
+    for j, (s, e, _, _) in enumerate(ranges):
         part_of[s:e] = j
     # node of each token, for the context paths
     node_of = np.repeat(np.arange(len(off)), ln)
     has_succ = np.zeros(n, dtype=bool)
     later_child = parent >= 0
     parts = []
-    for j, (s, e, is_open) in enumerate(ranges):
+    for j, (s, e, is_open, rec) in enumerate(ranges):
         ctx = _path_before(s, node_of, off, ln, npar) if s < n_real else np.zeros(0, np.int64)
         pad = max(block_size, -(-len(ctx) // block_size) * block_size)
         par = parent[s:e]
@@ -201,7 +302,7 @@ def plan(batch: TreeBatch, max_tokens: int, *, block_size: int = 128) -> PartPla
         parts.append(Part(
             index=j, start=s, end=e, context=ctx, context_pad=pad, entries=entries,
             entry_of_token=entry_of, exits=exits, label_rows=rows, label_tokens=pred,
-            release=int(se[s:e].max()), open=is_open))
+            release=int(se[s:e].max()), open=is_open, recompute=rec))
     return PartPlan(batch=batch, parts=parts, max_tokens=max_tokens, part_of_token=part_of)
 
 
@@ -214,29 +315,32 @@ def _no_single_tokens(ranges):
     out = [list(r) for r in ranges]
     i = 0
     while i < len(out):
-        s, e, is_open, room = out[i]
+        s, e, is_open, _, room = out[i]
         if e - s != 1 or is_open:
             i += 1
             continue
         nxt = out[i + 1] if i + 1 < len(out) else None
         prv = out[i - 1] if i > 0 else None
-        if nxt is not None and not nxt[2] and nxt[1] - s <= min(room, nxt[3]):
-            out[i + 1] = [s, nxt[1], False, min(room, nxt[3])]
+        if nxt is not None and not nxt[2] and nxt[1] - s <= min(room, nxt[4]):
+            out[i + 1] = [s, nxt[1], False, False, min(room, nxt[4])]
             del out[i]
             continue
-        if prv is not None and not prv[2] and e - prv[0] <= min(room, prv[3]):
-            out[i - 1] = [prv[0], e, False, min(room, prv[3])]
+        if prv is not None and not prv[2] and e - prv[0] <= min(room, prv[4]):
+            out[i - 1] = [prv[0], e, False, False, min(room, prv[4])]
             del out[i]
             continue
         i += 1
-    return [tuple(r[:3]) for r in out]
+    return [tuple(r[:4]) for r in out]
 
 
-def _held_tokens(starts: np.ndarray, ends: np.ndarray, release: np.ndarray) -> np.ndarray:
+def _held_tokens(starts: np.ndarray, ends: np.ndarray, release: np.ndarray,
+                 recompute: np.ndarray | None = None) -> np.ndarray:
     """Tokens holding activations during each part's forward when parts run as
     :func:`schedule` runs them: part i is freed after the first part that ends at or past its
     release and those of its readers (later parts starting before its release), so it is
-    held during part j > i while that point lies after j's start."""
+    held during part j > i while that point lies after j's start. A *recompute* part
+    (``recompute[i]``) holds activations during its own forward only (and during its
+    backward, when no more is held than during its forward: see :meth:`PartPlan.peak_held_tokens`)."""
     n = len(starts)
     free = release.copy()
     for i in range(n - 1, -1, -1):
@@ -244,36 +348,49 @@ def _held_tokens(starts: np.ndarray, ends: np.ndarray, release: np.ndarray) -> n
         if k > i + 1:
             free[i] = max(release[i], free[i + 1:k].max())
     last = np.searchsorted(starts, free)  # held during parts i .. last-1
+    own = np.arange(n) + 1
+    last = np.maximum(last, own)
+    if recompute is not None:
+        last = np.where(recompute, own, last)
     diff = np.zeros(n + 1, dtype=np.int64)
     np.add.at(diff, np.arange(n), ends - starts)
-    np.add.at(diff, np.maximum(last, np.arange(n) + 1), -(ends - starts))
+    np.add.at(diff, last, -(ends - starts))
     return np.cumsum(diff)[:n]
 
 
 def _fewer_parts(ranges, subtree_end, max_tokens: int):
     """Adjacent parts merged, left to right, while the merged part fits ``max_tokens`` and the
-    most tokens held at once (:func:`_held_tokens`) stays within ``max_tokens`` (or within
-    what the unmerged plan already needs, when a sequence longer than the budget is held).
+    most tokens held at once (:func:`_held_tokens`) stays within ``max_tokens``.
     Each part pays work of the size of the weights (their gradients, summed into ``.grad``;
     the output projection's and embedding's gradients), so fewer parts are faster; an open
-    node's tokens share a part with what precedes them where that part may be held longer."""
+    node's tokens share a part with what precedes them where that part may be held longer.
+    A recompute part is merged with nothing (its tokens, and only those, are recomputed),
+    and no part held past its end may hold a recompute part's release inside it (that would
+    keep the recompute part's keys and values after its subtree is done, off the open path)."""
     if len(ranges) < 2:
         return ranges
     starts = np.array([r[0] for r in ranges], dtype=np.int64)
     ends = np.array([r[1] for r in ranges], dtype=np.int64)
-    release = np.array([subtree_end[s:e].max() for s, e, _ in ranges], dtype=np.int64)
-    bound = max(max_tokens, int(_held_tokens(starts, ends, release).max()))
+    release = np.array([subtree_end[s:e].max() for s, e, _, _ in ranges], dtype=np.int64)
+    rec = np.array([r[3] for r in ranges], dtype=bool)
+    rec_release = np.unique(release[rec])
+    bound = max(max_tokens, int(_held_tokens(starts, ends, release, rec).max()))
     i = 0
     while i + 1 < len(starts):
-        if ends[i + 1] - starts[i] <= max_tokens:
+        s, e = starts[i], ends[i + 1]
+        rel = max(release[i], release[i + 1])
+        straddles = rel > e and np.any((rec_release > s) & (rec_release < e))
+        if e - s <= max_tokens and not rec[i] and not rec[i + 1] and not straddles:
             st = np.delete(starts, i + 1)
             en = np.delete(ends, i)
-            rel = np.delete(release, i + 1)
-            rel[i] = max(release[i], release[i + 1])
-            if _held_tokens(st, en, rel).max() <= bound:
-                starts, ends, release = st, en, rel
+            re = np.delete(release, i + 1)
+            re[i] = rel
+            rc = np.delete(rec, i + 1)
+            if _held_tokens(st, en, re, rc).max() <= bound:
+                starts, ends, release, rec = st, en, re, rc
                 ranges = ranges[:i] + [(ranges[i][0], ranges[i + 1][1],
-                                        ranges[i][2] or ranges[i + 1][2])] + ranges[i + 2:]
+                                        ranges[i][2] or ranges[i + 1][2], False)] + \
+                    ranges[i + 2:]
                 continue
         i += 1
     return ranges

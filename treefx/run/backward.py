@@ -12,9 +12,19 @@ Those come in as detached leaves that require grad, so after a part's backward t
 sit in the leaves' ``.grad``; a part's own backward runs once every later part that reads it
 has run its own, with those gradients as the ``grad_tensors`` of its outputs. A part's
 backward therefore runs exactly once, and as early as possible: right after its forward when
-its subtrees end inside it, else once the row has passed the end of its last subtree. Nothing
-is forwarded twice (no no-grad pre-pass, no recomputation but the activation checkpointing a
-model does itself).
+its subtrees end inside it, else once the row has passed the end of its last subtree.
+
+A token is forwarded twice only in a *recompute* part (:mod:`treefx.parts`: the open tokens
+past what the budget can hold, on a comb-shaped tree or a sequence longer than the budget):
+its forward runs under ``no_grad``, keeping its own keys, values, conv inputs and exit states
+as the leaves later parts read (and its inputs), and at its backward its forward runs again
+with a graph, reading the same context leaves, and is differentiated with the gradients later
+parts left in its leaves (part-level activation checkpointing). The first forward built no
+graph, so the context's gradients arrive once, through the second. A plan with recompute
+parts refuses a part graph that draws random numbers (dropout in training mode): the second
+forward would draw others. Under FSDP2 the plan has no recompute parts (a recompute part's
+backward gathers the layers for its second forward too, once more than another rank's
+backward in that round): what the budget cannot hold is held, with a warning.
 """
 
 from __future__ import annotations
@@ -100,13 +110,16 @@ class PartRunner:
     The layout (the widths of the context buffers) and the parameters whose ``.grad`` the
     graph adds into are known only once the passes ran: the first call captures the graph
     once to find them (``Plan.find_layout``: a capture that is never run), then builds the
-    engine for them (:meth:`_settle`). ``engine`` is None until then."""
+    engine for them (:meth:`_settle`). ``engine`` is None until then. A recompute part's
+    first forward (without autograd) runs through ``no_grad_engine``, the same plan captured
+    on its own, so that ``engine`` holds the graphs that train."""
 
     def __init__(self, model: torch.nn.Module, fn, plan: Plan, *, verify: bool):
         _register()
         self.fn = fn
         self.plan = plan
         self.engine: TreeEngine | None = None
+        self.no_grad_engine: TreeEngine | None = None
         self.layout: PartLayout | None = None
         self.model = model
         self.step = plan.mode == "part-step"
@@ -150,6 +163,7 @@ class PartRunner:
             log.info("treefx.backward: the trainable parameters changed; capturing the part "
                      "graph again")
             self.engine = None
+            self.no_grad_engine = None
             self.layout = None
             self.embedding = None
             self.grad_key = None
@@ -211,12 +225,24 @@ class PartRunner:
                 p.grad = None
         self.layout = found.layout
         self.engine = TreeEngine(self.fn, replace(self.plan, grad_params=kept))
+        self.no_grad_engine = TreeEngine(self.fn, replace(self.plan, grad_params=kept))
         log.info("treefx.backward: the part graph hands on %s, and adds %d weights' "
                  "gradients into .grad", found.layout.describe(), len(kept))
 
+    def draws_random(self) -> str | None:
+        """Where the part graphs captured so far draw random numbers, or None."""
+        from ..verification import graph_draws_random
+
+        for engine in (self.engine, self.no_grad_engine):
+            where = graph_draws_random(engine) if engine is not None else None
+            if where is not None:
+                return where
+        return None
+
     def __call__(self, t: dict, ctx_tok, ctx_state, sink, num_tokens: int):
+        engine = self.engine if torch.is_grad_enabled() else self.no_grad_engine
         try:
-            out = self._run(self.engine, t, ctx_tok, ctx_state, sink)
+            out = self._run(engine, t, ctx_tok, ctx_state, sink)
         except PartLayoutMismatch as e:
             raise TreeCompileError(
                 f"the part graph for a part of {num_tokens} token(s) hands on "
@@ -226,7 +252,7 @@ class PartRunner:
                 "branch for this token count (a cache it fills, a short-row special case?), "
                 "so its sites differ between parts") from e
         if self.embedding is None:
-            self.embedding = next((c.part.embedding for c in self.engine.compiled
+            self.embedding = next((c.part.embedding for c in engine.compiled
                                    if c.part is not None and c.part.embedding is not None),
                                   None)
         return out[:3]
@@ -291,17 +317,32 @@ def _step_runner(step: TreeStep, model: torch.nn.Module) -> PartRunner:
 @dataclass(eq=False)
 class _Held:
     """A part whose forward ran and whose backward has not: its loss and outputs (the graph
-    to differentiate), and the detached leaves later parts read."""
+    to differentiate), and the detached leaves later parts read. A recompute part
+    (``rerun`` set) holds no graph: its loss and outputs are None until :func:`_backward`
+    runs its forward again (``rerun() -> (loss, own, exits, sink)``)."""
 
-    loss: torch.Tensor
-    own: torch.Tensor
-    exits: torch.Tensor
+    loss: torch.Tensor | None
+    own: torch.Tensor | None
+    exits: torch.Tensor | None
     own_leaf: torch.Tensor
     exits_leaf: torch.Tensor
-    sink: torch.Tensor  # the part's rows of the input embedding's gradient
+    sink: torch.Tensor | None  # the part's rows of the input embedding's gradient
     emb_rows: torch.Tensor  # the part's distinct ids, and each token's among them
     emb_inverse: torch.Tensor
     dummy: bool = False  # a zero-weight part run to keep the ranks' collectives in step
+    rerun: Callable | None = None
+
+
+def _hold(part, loss, own, exits, t: dict, rerun: Callable) -> _Held:
+    """What a part keeps from its forward until its backward: for a recompute part
+    (``part.recompute``, its forward run without a graph) only the leaves later parts read,
+    its inputs (``t``) and ``rerun``, which runs the forward again with a graph."""
+    leaves = own.detach().requires_grad_(), exits.detach().requires_grad_()
+    if part.recompute:  # the second forward makes its own sink for the embedding's rows
+        t.pop("emb_sink")
+        return _Held(None, None, None, *leaves, None, t["emb_rows"], t["emb_inverse"],
+                     rerun=rerun)
+    return _Held(loss, own, exits, *leaves, t["emb_sink"], t["emb_rows"], t["emb_inverse"])
 
 
 def backward(tm: TreeModel, trees: Tree | Iterable[Tree] | TreeBatch | None, *,
@@ -357,12 +398,17 @@ def backward(tm: TreeModel, trees: Tree | Iterable[Tree] | TreeBatch | None, *,
     docs/ARCHITECTURE.md, "Parts on several processes".
 
     Parts are planned by :func:`treefx.parts.plan`: a boundary may fall anywhere, inside a
-    node too. Memory: activations are held for the current part (at most ``max_tokens``
-    tokens) and for the parts holding the tokens of nodes on the current root path whose
-    subtrees exceed ``max_tokens`` (at most the longest sequence's tokens), plus the keys,
-    values and conv inputs of those tokens at every layer and the recurrent states at the
-    parts' boundaries (with activation checkpointing, a held part keeps its checkpointed
-    layers' inputs instead of their activations, and its backward recomputes them). Runs on
+    node too. Memory: activations are held for at most ``max_tokens`` tokens at once
+    (``plan.peak_held_tokens()``): the current part's and those of the held parts of open
+    nodes on the current root path (nodes whose subtrees exceed the room), as many as the
+    budget leaves room for; the other open parts are recomputed (``plan.recompute_tokens``:
+    their forward runs twice, once without a graph; not under FSDP2, where they are held). Beside them, the keys, values and conv
+    inputs of the open path at every layer (``plan.peak_context_tokens()`` tokens, whatever
+    the budget: later parts attend to them) and the recurrent states at the parts'
+    boundaries; a held part's attention also saves its context's keys and values (it
+    attends over them) for its backward. With activation checkpointing, a held part keeps
+    its checkpointed layers' inputs instead of their activations, and its backward
+    recomputes them. Runs on
     the compiled model's backend. Attention the model scores itself (a softcap, a sink, a
     bias of positions) is exact in parts; a bias the passes can read only at the part's own
     rows (not a function of positions) is refused.
@@ -525,13 +571,14 @@ def _reduce_ddp(wrapper, group, bucket_bytes: int = 25 << 20) -> None:
 
 def _events(plan) -> list[tuple[str, int]]:
     """A plan's run in order: ("F", j), part j's forward; ("B", i), held part i's backward (as
-    early as :func:`treefx.parts.ready` allows)."""
+    early as :func:`treefx.parts.ready` allows), ("R", i) where part i is a recompute part
+    (its backward runs its forward again first)."""
     out, held = [], []
     for j, part in enumerate(plan.parts):
         out.append(("F", j))
         held.append(j)
         for i in parts_mod.ready(plan, sorted(held), part.end):
-            out.append(("B", i))
+            out.append(("R" if plan.parts[i].recompute else "B", i))
             held.remove(i)
     return out
 
@@ -550,6 +597,14 @@ def _rounds(run: _Run, group) -> None:
     mine = "".join(e for e, _ in run.events)
     strings: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(strings, mine, group=group)
+    # _Run plans without recompute parts under FSDP2; should one come, every rank sees it
+    # here and all refuse together
+    if any("R" in s for s in strings):
+        raise TreeCompileError(
+            "treefx.backward under FSDP2: a rank's plan recomputes parts (an open path longer "
+            "than max_tokens lets it hold), whose second forward would gather the layers once "
+            "more than the other ranks do. Raise max_tokens until treefx.parts.plan(batch, "
+            "max_tokens).recompute_tokens is 0 on every rank, or use DDP")
     me = dist.get_rank(group)
     pos = [0] * len(strings)
     while True:
@@ -585,7 +640,16 @@ class _Run:
         self.events: list[tuple[str, int]] = []
         self.plan = None
         if batch is not None:
-            self.plan = parts_mod.plan(batch, max_tokens, block_size=runner.plan.block_size)
+            # Under FSDP2 no recompute parts: a recompute part's backward gathers the layers
+            # for its second forward too, once more than another rank's backward in that
+            # round. What the budget cannot hold there is held (as before recompute parts).
+            self.plan = parts_mod.plan(batch, max_tokens, block_size=runner.plan.block_size,
+                                       recompute=not collective)
+            if collective and self.plan.peak_held_tokens() > max_tokens:
+                log.warning("treefx.backward under FSDP2: activations of %d tokens held at "
+                            "once, over max_tokens=%d (an open path longer than the budget "
+                            "holds; recompute parts do not run under FSDP2 yet)",
+                            self.plan.peak_held_tokens(), max_tokens)
             self.full = batch.to(device)
             check_batch(target, self.full)
             self.events = _events(self.plan)
@@ -637,8 +701,21 @@ class _Run:
             return
         plan, part = self.plan, self.plan.parts[j]
         t = _to_device(plan, part, self.device, self.weights, min_tokens=self.min_tokens)
-        lp, own, exits = _forward(self.runner, plan, part, t, self.held, self.device,
-                                  self.created, self._agree(group))
+        # a recompute part's forward keeps no graph; its backward runs it again (_backward)
+        rerun = _rerun(self.runner, plan, part, t, self.held, self.device, self._loss)
+        with torch.no_grad() if part.recompute else contextlib.nullcontext():
+            lp, own, exits = _forward(self.runner, plan, part, t, self.held, self.device,
+                                      self.created, self._agree(group))
+            loss = self._loss(lp, t)
+        if j == 0 and plan.recompute_tokens:
+            _check_recompute(self.runner)
+        self.total = self.total + loss.detach().to(self.total.dtype)
+        self.dtype = lp.dtype
+        self.held[j] = _hold(part, loss, own, exits, t, rerun)
+
+    def _loss(self, lp: torch.Tensor, t: dict) -> torch.Tensor:
+        """A part's loss from its log-probabilities: the step's, treefx.tree_loss over its
+        trained tokens, or ``loss_fn`` on the part's batch."""
         if self.step is not None:
             loss = lp
         elif self.loss_fn is None:  # treefx.tree_loss over the part's trained tokens
@@ -657,11 +734,7 @@ class _Run:
             what = ("the @treefx.step function must return its loss alone, a scalar tensor"
                     if self.step is not None else "loss_fn must return a scalar tensor")
             raise TypeError(f"treefx.backward: {what}; got {type(loss).__name__}")
-        self.total = self.total + loss.detach().to(self.total.dtype)
-        self.dtype = lp.dtype
-        self.held[j] = _Held(loss, own, exits, own.detach().requires_grad_(),
-                             exits.detach().requires_grad_(), t["emb_sink"], t["emb_rows"],
-                             t["emb_inverse"])
+        return loss
 
     def _dummy_forward(self, group) -> None:
         """The forward of a two-token tree whose loss is backpropagated with a zero gradient:
@@ -728,25 +801,32 @@ def _verify_first_call(tm: TreeModel, runner: PartRunner) -> None:
     state crossing them), log-probabilities and gradients against each sequence alone. The
     model's ``.grad``, buffers and random state are left as they were."""
     from .. import verification
-    from ..verification import VerificationUnavailable, graph_draws_random
+    from ..verification import VerificationUnavailable
 
     def tree_run(batch, chosen):
         lps = []
 
         def record(out, b):
-            lps.append(out.token_logprobs.detach())
+            # each part's log-probabilities once: a recompute part's loss is computed twice,
+            # first without autograd (not recorded), then in its backward's second forward
+            if torch.is_grad_enabled():
+                lps.append(out.token_logprobs.detach())
             return tree_loss(out, b)
 
         for _, p in chosen:
             p.grad = None
-        with torch.enable_grad():
-            # this process's parts alone (a DDP model's inner module: no collective)
-            run = _Run(runner, batch.to("cpu"), max(3, batch.num_tokens // 3), tm.model,
-                       step=None, loss_fn=record, collective=False)
-            for event, i in run.events:
-                run.forward(i) if event == "F" else run.backward(i)
-            run.finish()
-        where = graph_draws_random(runner.engine)
+        try:
+            with torch.enable_grad():
+                # this process's parts alone (a DDP model's inner module: no collective)
+                run = _Run(runner, batch.to("cpu"), max(3, batch.num_tokens // 3), tm.model,
+                           step=None, loss_fn=record, collective=False)
+                for event, i in run.events:
+                    run.forward(i) if event == "F" else run.backward(i)
+                run.finish()
+        except TreeCompileError:
+            if runner.draws_random() is None:
+                raise  # else the probe's recompute parts were refused: unavailable, below
+        where = runner.draws_random()
         if where is not None:
             raise VerificationUnavailable(
                 f"cannot verify treefx.backward's part graph: it draws random numbers at "
@@ -769,7 +849,8 @@ def _forward(runner: PartRunner, plan, part, t: dict, held: dict, device, create
     if settle:
         if agree is not None:
             agree(2)  # the layout's capture, then the engine's first
-        runner._settle(t, created)
+        with torch.enable_grad():  # the layout and routing of the training graph
+            runner._settle(t, created)
     layout = runner.layout
     ctx_tok = _gather_tokens(part, t, held, layout.tok_width, layout.tok_dtype, device)
     ctx_state = _gather_states(plan, part, held, layout.state_width, layout.state_dtype, device)
@@ -801,12 +882,40 @@ def _gather_states(plan, part, held, width, dtype, device) -> torch.Tensor:
     return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
 
 
+def _rerun(runner: PartRunner, plan, part, t: dict, held: dict, device, part_loss):
+    """A recompute part's forward again, with a graph, for its backward: its context read
+    from the same leaves of the parts still held (so their gradients arrive through this
+    graph only: the first forward built none), its loss by ``part_loss``."""
+    def rerun():
+        with torch.enable_grad():
+            lp, own, exits = _forward(runner, plan, part, t, held, device)
+            return part_loss(lp, t), own, exits, t["emb_sink"]
+
+    return rerun
+
+
+def _check_recompute(runner: PartRunner) -> None:
+    """Refuse recompute parts whose graph draws random numbers: the forward run again would
+    draw others (dropout masks), so the gradients would not be those of the loss returned.
+    Checked after the call's first forward, before any backward adds into ``.grad``."""
+    where = runner.draws_random()
+    if where is not None:
+        raise TreeCompileError(
+            f"treefx.backward: this plan recomputes parts (an open path longer than "
+            f"max_tokens allows to hold), but the part graph draws random numbers at {where} "
+            "(dropout in training mode?), which a second forward would not draw again. Set "
+            "the dropout to 0 (or call model.eval()), or raise max_tokens until "
+            "treefx.parts.plan(batch, max_tokens).recompute_tokens is 0")
+
+
 def _backward(h: _Held, embedding, *, every_output: bool = False) -> None:
     """A held part's backward: its loss (a dummy's with a zero gradient) and the outputs later
     parts read, with the gradients those left in its leaves. ``every_output`` (FSDP2): every
     output that requires grad is a root, with zeros where nothing read it, so that every
     part's backward (a dummy's too) has the same graph and reaches the layers' hooks
     (gathers, reduce-scatters) in the same order on every rank."""
+    if h.rerun is not None:  # a recompute part: its forward again, with a graph
+        h.loss, h.own, h.exits, h.sink = h.rerun()
     tensors, grads = [], []
     if h.loss.requires_grad:
         tensors.append(h.loss)
