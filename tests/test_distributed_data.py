@@ -126,6 +126,67 @@ def test_assign_errors():
             assign(trees, 2, cost=lambda t, bad=bad: bad)
 
 
+def wide_tree(rollouts: int, completion: int, seed: int = 0) -> treefx.Tree:
+    """``rollouts`` completions of ``completion`` tokens off one 4-token prompt, each with its
+    own weight and loss mask; the first completion is also a sequence of its own (a prefix of
+    the second) and the last a duplicate of the one before."""
+    rng = np.random.default_rng(seed)
+    prompt = rng.integers(0, VOCAB, 4).tolist()
+    seqs = [prompt + rng.integers(0, VOCAB, completion).tolist() for _ in range(rollouts)]
+    seqs[0] = seqs[1][:len(prompt) + completion // 2]
+    seqs[-1] = list(seqs[-2])
+    masks = [[0] * len(prompt) + [1] * (len(s) - len(prompt)) for s in seqs]
+    masks[1][len(prompt)] = 0
+    return treefx.Tree.from_sequences(seqs, weights=rng.uniform(0.5, 2.0, rollouts).tolist(),
+                                      loss_masks=masks)
+
+
+def sequences_of(trees) -> list:
+    """Every sequence of ``trees`` with its weight and loss mask, as a sorted multiset."""
+    return sorted((t.sequence(i).tolist(), float(t.weights[i]), np.asarray(t.loss_mask(i)).tolist())
+                  for t in trees for i in range(t.num_sequences))
+
+
+def test_assign_split_cuts_a_wide_tree_across_ranks_and_keeps_every_sequence_once():
+    wide, small = wide_tree(8, 40), wide_tree(2, 10, seed=1)
+    trees = [small, wide]
+    whole = assign(trees, 2)
+    cut = assign(trees, 2, split=True)
+    slowest = [max(DEFAULT_COST.of_batch(r) for r in a) for a in (whole, cut)]
+    mean = DEFAULT_COST.of_batch(trees) / 2
+    assert slowest[0] / mean > 1.5 and slowest[1] / mean < 1.1, (slowest, mean)
+    # the wide tree is on both ranks; the sequences, weights and masks are those of the input
+    assert all(any(t.sequence(0)[:4].tolist() == wide.sequence(0)[:4].tolist()
+                   for t in r) for r in cut)
+    assert sequences_of(t for r in cut for t in r) == sequences_of(trees)
+    # each rank's share packed with the global count: the weights add up to the whole batch's
+    total = sum(t.num_sequences for t in trees)
+    w = sum(treefx.pack(r, reduction="mean", num_sequences=total).loss_weights.sum()
+            for r in cut)
+    assert np.isclose(float(w), float(treefx.pack(trees, reduction="mean").loss_weights.sum()),
+                      rtol=1e-12)
+    assert assign(trees, 2, split=True)[0][0].sequence(0).tolist() == \
+        cut[0][0].sequence(0).tolist()  # deterministic
+    # one wide tree, more ranks than trees: cut so that every rank gets a piece
+    four = assign([wide], 4, split=True)
+    assert all(four) and sequences_of(t for r in four for t in r) == sequences_of([wide])
+
+
+def test_assign_split_leaves_trees_whole_where_a_cut_does_not_pay():
+    # a comb (each call extends the last, reasoning dropped): a piece repeats the trunk
+    comb = treefx.synth.dataset(1, seed=2, vocab_size=VOCAB, rollouts=1, turns=(6, 6))[0]
+    trees = [comb] + small_agent_trees(5, seed=4)
+    assert [[id(t) for t in r] for r in assign(trees, 2, split=True)] == \
+        [[id(t) for t in r] for r in assign(trees, 2)]
+    # balanced already: nothing to cut
+    trees = small_agent_trees(12, seed=5)
+    assert [[id(t) for t in r] for r in assign(trees, 3, split=True)] == \
+        [[id(t) for t in r] for r in assign(trees, 3)]
+    one = treefx.Tree.from_sequences([[1, 2, 3, 4]])
+    with pytest.raises(ValueError, match="1 trees cannot be assigned to 2 ranks"):
+        assign([one], 2, split=True)
+
+
 def test_cost_model_validation():
     for kw in (dict(per_token=-1.0, per_pair=0.0), dict(per_token=1.0, per_pair=float("nan")),
                dict(per_token=1.0, per_pair=1.0, per_tree=float("inf"))):

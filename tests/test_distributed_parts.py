@@ -2,7 +2,8 @@
 layer and root) and DDP, two CPU processes on the gloo backend.
 
 The ranks cut their trees into different numbers of parts (rank 0 holds the largest tree and a
-budget of a few tokens, rank 1 the rest in one part each), or one rank has no trees at all.
+budget of a few tokens, rank 1 the rest in one part each), or one rank has no trees at all, or
+``assign(split=True)`` cuts one tree across the ranks.
 The oracle is the unmodified model run on each sequence of the union of all ranks' trees in one
 process, with the global mean over sequences: every rank's gathered gradients
 (``full_tensor()`` under FSDP, the reduced ``.grad`` under DDP) and the mean of the ranks'
@@ -13,8 +14,10 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
 import pytest
-from test_distributed import FLOOR_FACTOR, GRAD_TOL, WORLD, _model, _trees, hf_step, run_cases
+from test_distributed import (FLOOR_FACTOR, GRAD_TOL, VOCAB, WORLD, _model, _trees, hf_step,
+                              run_cases)
 
 import treefx
 from treefx.run.backward import runners
@@ -25,7 +28,8 @@ if not dist.is_available():
 
 # (case, model, wrapper, how the loss is computed, activation checkpointing, reduction, split)
 # split "uneven": rank 0 the largest tree at a budget of 5 tokens, rank 1 the others whole;
-# "empty": rank 0 every tree at a budget of 5, rank 1 none.
+# "empty": rank 0 every tree at a budget of 5, rank 1 none; "cut": a wide tree added (six
+# completions off one prompt), ``assign(split=True)`` cuts it across the ranks, both at 5.
 CASES = [
     ("fsdp-qwen3-uneven", "qwen3", "fsdp", "compile", False, "mean", "uneven"),
     ("fsdp-qwen3-checkpointing", "qwen3", "fsdp", "compile", True, "sum", "uneven"),
@@ -35,15 +39,27 @@ CASES = [
     ("ddp-qwen3-uneven", "qwen3", "ddp", "compile", False, "mean", "uneven"),
     ("ddp-qwen3_next-uneven", "qwen3_next", "ddp", "compile", True, "mean", "uneven"),
     ("ddp-qwen3-empty", "qwen3", "ddp", "step", False, "mean", "empty"),
+    ("fsdp-qwen3-cut", "qwen3", "fsdp", "compile", True, "mean", "cut"),
+    ("ddp-qwen3_next-cut", "qwen3_next", "ddp", "compile", False, "mean", "cut"),
 ]
 # In CI: FSDP2 with checkpointing, FSDP2 on the hybrid, a rank without trees under FSDP2, DDP
 CI_CASES = {"fsdp-qwen3-checkpointing", "fsdp-qwen3_next-uneven", "fsdp-qwen3-empty",
-            "ddp-qwen3-uneven"}
+            "ddp-qwen3-uneven", "fsdp-qwen3-cut"}
 BUDGET = 5  # rank 0's: parts of a few tokens
+
+
+def _wide():
+    """Six completions of 25 tokens off one 3-token prompt."""
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(0, VOCAB, 3).tolist()
+    return treefx.Tree.from_sequences([prompt + rng.integers(0, VOCAB, 25).tolist()
+                                       for _ in range(6)])
 
 
 def _split(trees, rank: int, split: str):
     """This rank's trees and budget."""
+    if split == "cut":
+        return treefx.distributed.assign(trees, WORLD, split=True)[rank], BUDGET
     if split == "empty":
         return (trees, BUDGET) if rank == 0 else ([], BUDGET)
     big = max(range(len(trees)), key=lambda i: trees[i].num_tokens)
@@ -56,7 +72,7 @@ def _case(rank, name, model_name, wrapper, how, checkpointing, reduction, split)
     from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel
 
-    trees = _trees()
+    trees = _trees() + ([_wide()] if split == "cut" else [])
     mine, budget = _split(trees, rank, split)
     model = _model(model_name, checkpointing)
     oracle = copy.deepcopy(model)
@@ -120,7 +136,9 @@ def _case(rank, name, model_name, wrapper, how, checkpointing, reduction, split)
     ref_loss = treefx.reference.sequence_loss(oracle, trees, reduction=reduction)
     return {"loss": float(total) / WORLD, "ref_loss": float(ref_loss),
             "grad_err_over_tol": worst, "worst_param": where, "again_err_over_tol": again,
-            "my_trees": len(mine), "num_parts": num_parts, "recaptured": recaptured}
+            "my_trees": len(mine), "num_parts": num_parts, "recaptured": recaptured,
+            "wide_prompt": any(t.sequence(0)[:3].tolist() == _wide().sequence(0)[:3].tolist()
+                               for t in mine)}
 
 
 @pytest.fixture(scope="module")
@@ -143,5 +161,7 @@ def test_parts_on_several_ranks_equal_one_process_on_all_trees(results, case):
         assert rs[1]["my_trees"] == 0 and rs[1]["num_parts"] == 0 and rs[0]["num_parts"] > 2
         if case.startswith("fsdp"):
             assert rs[0]["recaptured"] == 1 and rs[1]["recaptured"] == 0
+    elif split == "cut":  # pieces of the wide tree on both ranks
+        assert all(r["wide_prompt"] and r["num_parts"] >= 1 for r in rs), rs
     else:
         assert rs[0]["num_parts"] > rs[1]["num_parts"] >= 1, rs
