@@ -288,3 +288,21 @@ def test_real_trees_time_limit_and_skips(tmp_path, monkeypatch):
                    "--sample", "3", "--seed", "1", "--slice", "1:", "--out", str(out)])
     assert calls == res["data"]["selected"][1:] and len(calls) == 2
     assert res["data"]["positions"] == [1, 2]
+
+
+def test_balance_reports_whole_and_cut_assignments(tmp_path):
+    import treefx
+    from benchmarks import balance
+
+    trees = treefx.synth.dataset(12, seed=1, vocab_size=64, rollouts=3)
+    path = tmp_path / "trees.jsonl"
+    treefx.write_jsonl(path, trees)
+    out = tmp_path / "balance.json"
+    balance.main(["--trees", str(path), "--worlds", "2", "3", "--per-rank", "1", "2",
+                  "--steps", "3", "--out", str(out)])
+    rows = json.load(open(out))["rows"]
+    assert [(r["world"], r["trees_per_rank"]) for r in rows] == [(2, 1), (2, 2), (3, 1), (3, 2)]
+    for r in rows:  # 1.0 is a perfect split; cutting never makes the slowest rank slower
+        assert 1.0 <= r["whole_median"] <= r["whole_worst"]
+        assert 1.0 <= r["split_median"] <= r["whole_median"] + 1e-12
+        assert r["split_worst"] <= r["whole_worst"] + 1e-12
