@@ -35,6 +35,7 @@ MODULES = [
     "treefx.parts",
     "treefx.tools.debug",
     "treefx.tools.debug.examples",
+    "treefx.integrations.hf",
 ]
 
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")

@@ -134,6 +134,8 @@ LAYERS = [
     # the tools (the root package reaches treefx.debug, .explain and .synth lazily, by name),
     # and the command line's entry point
     {"treefx.tools", "treefx.tools.*", "treefx.__main__"},
+    # treefx inside other trainers (each imports its trainer library)
+    {"treefx.integrations", "treefx.integrations.*"},
 ]
 
 
@@ -178,11 +180,12 @@ def test_the_graph_sees_imports(module):
 
 
 def _is_core(module: str) -> bool:
-    """Every treefx module but the tools, the example models, the root package (the user API,
-    which reaches the tools lazily) and the command line's entry point."""
+    """Every treefx module but the tools, the example models, the integrations with other
+    trainers, the root package (the user API, which reaches the tools lazily) and the command
+    line's entry point."""
     return not (module in ("treefx", "treefx.__main__")
                 or any(module == p or module.startswith(p + ".")
-                       for p in ("treefx.tools", "treefx.models")))
+                       for p in ("treefx.tools", "treefx.models", "treefx.integrations")))
 
 
 def _named_imports(path: Path) -> list[str]:
@@ -201,12 +204,14 @@ def _named_imports(path: Path) -> list[str]:
 def test_the_core_never_imports_the_tools():
     graph = import_graph()
     bad = [f"{m} imports {d}" for m, deps in graph.items() if _is_core(m)
-           for d in deps if not _is_core(d) and d.startswith("treefx.tools")]
+           for d in deps if not _is_core(d) and d.startswith(("treefx.tools",
+                                                              "treefx.integrations"))]
     for f in sorted(ROOT.rglob("*.py")):
         m = _module_name(f)
         if _is_core(m):
             bad += [f"{m} imports {n} by name" for n in _named_imports(f)
-                    if n.startswith(("treefx.tools", ".tools"))]
+                    if n.startswith(("treefx.tools", ".tools", "treefx.integrations",
+                                     ".integrations"))]
     assert "treefx.distributed" in graph and _is_core("treefx.distributed")
     assert not _is_core("treefx.tools.zoo") and not _is_core("treefx.models.dense")
     assert not bad, "\n".join(sorted(bad))
@@ -214,7 +219,8 @@ def test_the_core_never_imports_the_tools():
 
 def test_import_treefx_does_not_import_the_tools():
     code = ("import sys, treefx\n"
-            "loaded = sorted(m for m in sys.modules if m.startswith('treefx.tools'))\n"
+            "loaded = sorted(m for m in sys.modules\n"
+            "                if m.startswith(('treefx.tools', 'treefx.integrations')))\n"
             "assert not loaded, loaded\n"
             # the user's spellings still work, on first use
             "assert treefx.explain is treefx.debug.explain is treefx.tools.debug.explain\n"
