@@ -288,3 +288,34 @@ def test_real_trees_time_limit_and_skips(tmp_path, monkeypatch):
                    "--sample", "3", "--seed", "1", "--slice", "1:", "--out", str(out)])
     assert calls == res["data"]["selected"][1:] and len(calls) == 2
     assert res["data"]["positions"] == [1, 2]
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_multi_gpu_dry_run(tmp_path, monkeypatch):
+    """``python -m benchmarks.multi_gpu --dry-run`` in one process (FSDP2 on gloo, a tiny
+    float32 model): treefx in parts and per-call packing on the same two trees from the same
+    weights, their first-step losses equal, every figure in the result file. ~45 s on 2 cores
+    (torchrun --nproc_per_node=2 runs the same code; see benchmarks/README.md)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        monkeypatch.setenv("MASTER_PORT", str(s.getsockname()[1]))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    res = _run("multi_gpu", "--tasks", "2", out=tmp_path / "mg.json")
+    assert res["meta"]["world_size"] == 1 and res["data"]["selected"] == [0, 1]
+    t, p = res["methods"]["treefx"], res["methods"]["packing"]
+    assert t["parts"][0] > 1 and p["micro_batches"][0] > 1 and p["padding_micro_batches"] == [0]
+    assert t["computed_tokens"] == res["tree_tokens_per_rank"]
+    assert p["computed_tokens"] == res["sequence_tokens_per_rank"] == res["packing_tokens_per_rank"]
+    for m in (t, p):
+        assert m["timed_steps"] == 1 and m["step_s"] > 0 and m["first_step_s"] > 0
+        assert m["sequence_tokens_per_s"] == pytest.approx(
+            sum(res["sequence_tokens_per_rank"]) / m["step_s"])
+        assert m["graphs_in_timed_steps_per_rank"] == [0]
+    s = res["summary"]
+    assert s["losses_agree"] is True and s["loss_rel_diff"] < 1e-5
+    assert s["speedup"] == pytest.approx(p["step_s"] / t["step_s"])
+    assert s["share_of_bound"] == pytest.approx(s["speedup"] / res["bound"])
+    # the second method started from the same weights: its later losses are the first's
+    assert p["losses"] == pytest.approx(t["losses"], rel=1e-5)
