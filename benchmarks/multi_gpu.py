@@ -62,17 +62,17 @@ written after every step. Figures per method: ``first_step_s``; ``step_s``, the 
 end before the barrier; tree and sequence tokens per rank, and per second
 (``unique_tokens_per_s`` = the global tree tokens / step, ``sequence_tokens_per_s`` = the
 global sequence tokens / step, the figure trainers count; ``per_gpu`` divided by the world
-size); ``peak_gib_per_rank``
-(``max_memory_allocated`` over the method's steps, reset before it); parts per rank (treefx,
+size); ``peak_gib_per_rank`` (``max_memory_allocated`` over the method's steps, reset before
+it); parts per rank (treefx,
 as ``treefx.parts.plan(..., recompute=False)`` plans them) or micro-batches per rank before
 padding (packing); graphs captured per rank, and in timed steps. The assignments' balance: the
 largest rank's cost over the mean (``CostModel``), and of tree and sequence tokens; packing's
 cost and tokens likewise. At the end: ``speedup`` = packing's step / treefx's, ``bound`` =
 sequence tokens / tree tokens (global), ``share_of_bound`` = speedup / bound (target ≥ 0.9),
 and the first step's losses (the same weights and data: within 1e-2 relative in bf16, 1e-5 in
-float32). Before running, rank 0
-prints the selection, the tokens per rank and a rough time per packing step (from the cost
-model's FLOPs at 3e14 FLOP/s per GPU, about what an 8B step with checkpointing reaches).
+float32). Before running, rank 0 prints the selection, the tokens per rank and a rough time
+per packing step (from the cost model's FLOPs at 3e14 FLOP/s per GPU, about what an 8B step
+with checkpointing reaches).
 
 ``--dry-run``: CPU, gloo, the tiny shape, eager, float32, 4 synthetic combs (or ``--trees``,
 with Qwen3's vocabulary then), a budget of 64 tokens (several parts per rank), 1 timed step,
