@@ -65,7 +65,8 @@ def _setup(dry_run: bool):
     return torch.device("cuda", local) if cuda else torch.device("cpu")
 
 
-def _model(shape: str, dev, checkpointing: bool, layers: int | None = None):
+def _model(shape: str, dev, checkpointing: bool, layers: int | None = None,
+           vocab_size: int | None = None):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -74,6 +75,8 @@ def _model(shape: str, dev, checkpointing: bool, layers: int | None = None):
     cfg = AutoConfig.for_model("qwen3", **SHAPES[shape])
     if layers:
         cfg.num_hidden_layers = layers
+    if vocab_size:
+        cfg.vocab_size = vocab_size
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)  # the same weights on every rank before sharding
     with dev:

@@ -26,3 +26,26 @@ def recurrence_registry() -> dict:
     from treefx.compiler.recurrences import all_recurrences
 
     return all_recurrences()
+
+
+def agree_captures(tm, batch) -> int:
+    """Under FSDP2, before ``tm(batch)`` on every rank: a call that captures its regional graph
+    first gathers every FSDP unit (collectives), so a rank whose call would not capture gathers
+    and frees every unit as often as a rank whose call does, as ``treefx.backward`` does for
+    its parts. Returns the captures this rank's call will make (0 or 1)."""
+    import torch
+    import torch.distributed as dist
+
+    from treefx.run import regional
+    from treefx.run.engine import tree_info
+
+    model = tm.model
+    mine = int(tm.engine.needs_capture(batch.device, model, batch.input_ids, tree_info(batch),
+                                       discover_in=model, root=tm._root[0]))
+    dev = batch.device if dist.get_backend() == "nccl" else torch.device("cpu")
+    most = torch.tensor([mine], dtype=torch.int64, device=dev)
+    dist.all_reduce(most, op=dist.ReduceOp.MAX)
+    for _ in range(int(most.item()) - mine):
+        with regional.capture_state(model):
+            pass
+    return mine

@@ -208,17 +208,30 @@ def ffd(lengths: list[int], capacity: int) -> list[list[int]]:
     return bins
 
 
-def packing_batches(tree: treefx.Tree, budget: int) -> list[treefx.TreeBatch]:
-    """Every call of ``tree`` as its own one-sequence tree (its weight and loss mask kept),
-    packed first-fit-decreasing into micro-batches of at most ``max(budget, longest call)``
-    tokens, each with the task's sequence count (their losses add up to the task's mean)."""
-    lengths = [int(n) for n in tree.sequence_lengths]
+def call_chains(trees: treefx.Tree | list[treefx.Tree]) -> list[treefx.Tree]:
+    """Every call of ``trees`` (one tree or several) as its own one-sequence tree, its weight
+    and loss mask kept."""
+    trees = [trees] if isinstance(trees, treefx.Tree) else list(trees)
+    return [treefx.Tree.from_sequences([t.sequence(i)], weights=[float(t.weights[i])],
+                                       loss_masks=[t.loss_mask(i)])
+            for t in trees for i in range(t.num_sequences)]
+
+
+def packing_batches(trees: treefx.Tree | list[treefx.Tree], budget: int, *,
+                    num_sequences: int | None = None,
+                    loss_scale: float = 1.0) -> list[treefx.TreeBatch]:
+    """Every call of ``trees`` (one tree or several) as its own one-sequence tree
+    (:func:`call_chains`), packed first-fit-decreasing into micro-batches of at most
+    ``max(budget, longest call)`` tokens, each with ``num_sequences`` (default the trees'
+    sequence count: their losses add up to the mean over the calls) and ``loss_scale`` (as
+    ``treefx.distributed.pack`` sets them for a rank's share of a global batch)."""
+    chains = call_chains(trees)
+    lengths = [c.num_tokens for c in chains]
     cap = max(budget, max(lengths))
-    chains = [treefx.Tree.from_sequences([tree.sequence(i)], weights=[float(tree.weights[i])],
-                                         loss_masks=[tree.loss_mask(i)])
-              for i in range(tree.num_sequences)]
-    return [treefx.pack([chains[i] for i in b], reduction="mean",
-                        num_sequences=tree.num_sequences)
+    if num_sequences is None:
+        num_sequences = len(chains)
+    return [treefx.pack([chains[i] for i in b], reduction="mean", num_sequences=num_sequences,
+                        loss_scale=loss_scale)
             for b in ffd(lengths, cap)]
 
 

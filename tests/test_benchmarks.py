@@ -306,3 +306,34 @@ def test_balance_reports_whole_and_cut_assignments(tmp_path):
         assert 1.0 <= r["whole_median"] <= r["whole_worst"]
         assert 1.0 <= r["split_median"] <= r["whole_median"] + 1e-12
         assert r["split_worst"] <= r["whole_worst"] + 1e-12
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_multi_gpu_dry_run(tmp_path, monkeypatch):
+    """``python -m benchmarks.multi_gpu --dry-run`` in one process (FSDP2 on gloo, a tiny
+    float32 model): treefx in parts and per-call packing on the same two trees from the same
+    weights, their first-step losses equal, every figure in the result file. ~45 s on 2 cores
+    (torchrun --nproc_per_node=2 runs the same code; see benchmarks/README.md)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        monkeypatch.setenv("MASTER_PORT", str(s.getsockname()[1]))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    res = _run("multi_gpu", "--tasks", "2", out=tmp_path / "mg.json")
+    assert res["meta"]["world_size"] == 1 and res["data"]["selected"] == [0, 1]
+    t, p = res["methods"]["treefx"], res["methods"]["packing"]
+    assert t["parts"][0] > 1 and p["micro_batches"][0] > 1 and p["padding_micro_batches"] == [0]
+    assert t["computed_tokens"] == res["tree_tokens_per_rank"]
+    assert p["computed_tokens"] == res["sequence_tokens_per_rank"] == res["packing_tokens_per_rank"]
+    for m in (t, p):
+        assert m["timed_steps"] == 1 and m["step_s"] > 0 and m["first_step_s"] > 0
+        assert m["sequence_tokens_per_s"] == pytest.approx(
+            sum(res["sequence_tokens_per_rank"]) / m["step_s"])
+        assert m["graphs_in_timed_steps_per_rank"] == [0]
+    s = res["summary"]
+    assert s["losses_agree"] is True and s["loss_rel_diff"] < 1e-5
+    assert s["speedup"] == pytest.approx(p["step_s"] / t["step_s"])
+    assert s["share_of_bound"] == pytest.approx(s["speedup"] / res["bound"])
+    # the second method started from the same weights: its later losses are the first's
+    assert p["losses"] == pytest.approx(t["losses"], rel=1e-5)
