@@ -792,6 +792,10 @@ def _to_device(plan, part, device, weights: torch.Tensor | None = None, *,
             t[f"rows_{i}"] = torch.from_numpy(ctx[owner == i] - plan.parts[i].start)
     names = list(t)
     moved = move_tensors([t[k] for k in names], torch.device(device))
+    # move_tensors hands back views into one buffer per dtype; Dynamo makes a view's storage
+    # offset a size of the graph, which regional execution does not bind: own storage each
+    # (a few small device copies a part)
+    moved = [m if m.storage_offset() == 0 else m.clone() for m in moved]
     return dict(zip(names, moved))
 
 

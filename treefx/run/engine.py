@@ -327,10 +327,19 @@ class TreeEngine:
 
 def _mark_dynamic(args, dynamic) -> None:
     """Sizes that vary per call: ``i`` (the last dim of ``args[i]``, the token count for the
-    first) or ``(i, dim)``."""
+    first) or ``(i, dim)``. The other dims of those arguments are marked static: Dynamo's
+    automatic dynamic shapes would otherwise make a dim that changed since an earlier capture
+    of the same function (a part graph's context width, 0 when its layout was found) a size
+    the call does not declare, which regional execution cannot bind."""
+    marked: dict[int, set[int]] = {}
     for i in dynamic:
         i, dim = i if isinstance(i, tuple) else (i, args[i].dim() - 1)
         torch._dynamo.maybe_mark_dynamic(args[i], dim)
+        marked.setdefault(i, set()).add(dim)
+    for i, dims in marked.items():
+        for d in range(args[i].dim()):
+            if d not in dims:
+                torch._dynamo.mark_static(args[i], d)
 
 
 def unwrap_compiled(model):

@@ -518,6 +518,17 @@ def _dynamic_dims(token_args, call_args) -> list[tuple[int, int]]:
     return [(a if isinstance(a, tuple) else (a, call_args[a].dim() - 1)) for a in token_args]
 
 
+def _sources(shape_env, syms) -> str:
+    """Where Dynamo read each symbol (``L['args'][5].size()[0]``), for error messages."""
+    got = getattr(shape_env, "var_to_sources", {}) or {}
+    def name(src) -> str:
+        n = getattr(src, "name", "?")
+        return n() if callable(n) else str(n)
+
+    return ", ".join(f"{s} from {', '.join(name(x) for x in got.get(s, [])) or '?'}"
+                     for s in sorted(syms, key=str)) or "none"
+
+
 def _shape_guards(fake_mode, call_fakes: dict, dims, size_exprs) -> tuple[dict, dict, list]:
     """Dynamo's guards on the sizes that vary per call: ``symbols`` (each size's symbol ->
     the (argument, dimension) it is read from), ``derived`` (other names of those sizes, as
@@ -541,8 +552,10 @@ def _shape_guards(fake_mode, call_fakes: dict, dims, size_exprs) -> tuple[dict, 
     known = set(symbols) | set(derived)
     for e in size_exprs:
         if not e.free_symbols <= known:
-            raise TreeCompileError(f"regional execution: a size the graph takes ({e}) is not "
-                                   "one of the call's dynamic sizes")
+            raise TreeCompileError(
+                f"regional execution: a size the graph takes ({e}) is not one of the call's "
+                f"dynamic sizes ({_sources(shape_env, e.free_symbols - known)}; the dynamic "
+                f"sizes: {_sources(shape_env, symbols)})")
     if shape_env is None:
         return symbols, derived, []
     out = []
