@@ -208,17 +208,22 @@ def ffd(lengths: list[int], capacity: int) -> list[list[int]]:
     return bins
 
 
-def packing_batches(tree: treefx.Tree, budget: int) -> list[treefx.TreeBatch]:
-    """Every call of ``tree`` as its own one-sequence tree (its weight and loss mask kept),
-    packed first-fit-decreasing into micro-batches of at most ``max(budget, longest call)``
-    tokens, each with the task's sequence count (their losses add up to the task's mean)."""
-    lengths = [int(n) for n in tree.sequence_lengths]
+def packing_batches(trees, budget: int, *, num_sequences: int | None = None,
+                    loss_scale: float = 1.0) -> list[treefx.TreeBatch]:
+    """Every call of ``trees`` (one tree or several) as its own one-sequence tree (its weight
+    and loss mask kept), packed first-fit-decreasing into micro-batches of at most
+    ``max(budget, longest call)`` tokens, each with the trees' sequence count (their losses add
+    up to the trees' mean); ``num_sequences`` and ``loss_scale`` as :func:`treefx.pack` takes
+    them instead (a rank's share of a global batch: the global count and the group size)."""
+    trees = [trees] if isinstance(trees, treefx.Tree) else list(trees)
+    chains = [treefx.Tree.from_sequences([t.sequence(i)], weights=[float(t.weights[i])],
+                                         loss_masks=[t.loss_mask(i)])
+              for t in trees for i in range(t.num_sequences)]
+    lengths = [c.num_tokens for c in chains]
     cap = max(budget, max(lengths))
-    chains = [treefx.Tree.from_sequences([tree.sequence(i)], weights=[float(tree.weights[i])],
-                                         loss_masks=[tree.loss_mask(i)])
-              for i in range(tree.num_sequences)]
     return [treefx.pack([chains[i] for i in b], reduction="mean",
-                        num_sequences=tree.num_sequences)
+                        num_sequences=len(chains) if num_sequences is None else num_sequences,
+                        loss_scale=loss_scale)
             for b in ffd(lengths, cap)]
 
 
