@@ -65,42 +65,58 @@ def _setup(dry_run: bool):
     return torch.device("cuda", local) if cuda else torch.device("cpu")
 
 
-def _model(shape: str, dev, checkpointing: bool, layers: int | None = None,
-           vocab_size: int | None = None):
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+def _build(model_type: str, config: dict, dev, checkpointing: bool, dtype=torch.float32):
+    """A Hugging Face causal LM of ``config`` on ``dev`` (random weights, the same on every
+    rank), SDPA attention, in training mode (dropout is 0 in Qwen3 and Qwen3-Next)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from treefx.models import enable_activation_checkpointing
 
-    cfg = AutoConfig.for_model("qwen3", **SHAPES[shape])
-    if layers:
-        cfg.num_hidden_layers = layers
-    if vocab_size:
-        cfg.vocab_size = vocab_size
+    cfg = AutoConfig.for_model(model_type, **config)
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)  # the same weights on every rank before sharding
     with dev:
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
     if checkpointing:
         enable_activation_checkpointing(model, use_reentrant=False)
-    model.train()  # dropout is 0 in Qwen3
-    low = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    mp = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
+    return model.train()
+
+
+def _shard(model, mp_policy=None):
+    """FSDP2: ``fully_shard`` on every decoder layer and on the root."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp_policy = mp_policy or MixedPrecisionPolicy()
     for layer in model.model.layers:
-        fully_shard(layer, mp_policy=mp)
-    fully_shard(model, mp_policy=mp)
+        fully_shard(layer, mp_policy=mp_policy)
+    fully_shard(model, mp_policy=mp_policy)
+    return model
+
+
+def _model(shape: str, dev, checkpointing: bool, layers: int | None = None,
+           vocab_size: int | None = None):
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    config = dict(SHAPES[shape], num_hidden_layers=layers or SHAPES[shape]["num_hidden_layers"])
+    if vocab_size:
+        config["vocab_size"] = vocab_size
+    model = _build("qwen3", config, dev, checkpointing)
+    low = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    _shard(model, MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32))
     if dev.type == "cuda":
         torch.cuda.empty_cache()
     return model
 
 
-def _pool(world: int, tokens: int, por: float, vocab: int, seed: int = 0):
-    """Synthetic agent trees, the same on every rank: about ``tokens`` unique tokens per rank."""
+def _pool(world: int, tokens: int, por: float, vocab: int, seed: int = 0, **lengths):
+    """Synthetic agent trees, the same on every rank: about ``tokens`` unique tokens per rank
+    (at least two trees per rank); ``lengths``: ``synth.agent_tree``'s length ranges."""
     from treefx import synth
 
     trees, total, i = [], 0, 0
     while total < world * tokens or len(trees) < 2 * world:
-        t = synth.agent_tree(seed=seed + i, vocab_size=vocab, target_por=por, rollouts=2)
+        t = synth.agent_tree(seed=seed + i, vocab_size=vocab, target_por=por, rollouts=2,
+                             **lengths)
         trees.append(t)
         total += t.num_tokens
         i += 1
