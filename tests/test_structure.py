@@ -132,8 +132,10 @@ LAYERS = [
     # the user API and the example models
     {"treefx", "treefx.models", "treefx.models.*"},
     # the tools (the root package reaches treefx.debug, .explain and .synth lazily, by name),
-    # and the command line's entry point
-    {"treefx.tools", "treefx.tools.*", "treefx.__main__"},
+    # the command line's entry point, and the optional integrations with other libraries
+    # (treefx.integrations.trl needs TRL: nothing below imports them)
+    {"treefx.tools", "treefx.tools.*", "treefx.__main__", "treefx.integrations",
+     "treefx.integrations.*"},
 ]
 
 
@@ -209,6 +211,16 @@ def test_the_core_never_imports_the_tools():
                     if n.startswith(("treefx.tools", ".tools"))]
     assert "treefx.distributed" in graph and _is_core("treefx.distributed")
     assert not _is_core("treefx.tools.zoo") and not _is_core("treefx.models.dense")
+    assert not bad, "\n".join(sorted(bad))
+
+
+def test_nothing_else_imports_the_integrations():
+    """treefx.integrations.* need their libraries (TRL): only they import each other."""
+    graph = import_graph()
+    assert "treefx.integrations.trl" in graph
+    bad = [f"{m} imports {d}" for m, deps in graph.items()
+           if not m.startswith("treefx.integrations") for d in deps
+           if d.startswith("treefx.integrations")]
     assert not bad, "\n".join(sorted(bad))
 
 
