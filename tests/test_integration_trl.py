@@ -124,10 +124,11 @@ def _train(cls, checkpoint, tmp_path, *, multi_turn, steps, config, **trainer_kw
             losses.append(loss.detach().clone())
             return loss
 
-    args = trl.GRPOConfig(
-        output_dir=str(tmp_path), use_cpu=True, report_to="none", save_strategy="no",
-        logging_steps=1, max_steps=steps, seed=0, num_generations=G,
-        max_completion_length=32, disable_dropout=True, bf16=False, **config)
+    args = trl.GRPOConfig(**{
+        "output_dir": str(tmp_path), "use_cpu": True, "report_to": "none",
+        "save_strategy": "no", "logging_steps": 1, "max_steps": steps, "seed": 0,
+        "num_generations": G, "max_completion_length": 32, "disable_dropout": True,
+        "bf16": False, **config})
     dataset = datasets.Dataset.from_list([{"prompt": p} for p in _prompts()])
     trainer = Recording(model=checkpoint, reward_funcs=_reward, args=args,
                         train_dataset=dataset, rollout_func=_rollout_func(multi_turn),
@@ -249,3 +250,18 @@ def test_unsupported_version_names_the_supported_ones():
     pyproject = (pathlib.Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
     extra = re.search(r"^trl = \[(.*)\]$", pyproject, re.M).group(1)
     assert re.findall(r'"(trl[=<>!~].*?)"', extra) == [f"trl=={v}" for v in SUPPORTED_TRL_VERSIONS]
+
+
+def test_example_runs_and_matches(capsys):
+    """examples/grpo_trl.py: TRL's own sampling, both trainers, the same parameters."""
+    import pathlib
+    import re
+    import runpy
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "grpo_trl.py"
+    runpy.run_path(str(path), run_name="example")["main"](["--steps", "2"])
+    out = capsys.readouterr().out
+    err = float(re.search(r"max relative difference ([\d.e+-]+)", out).group(1))
+    rows = re.findall(r"^\s+\d+\s+(-?[\d.]+)\s+(-?[\d.]+)$", out, re.M)
+    assert len(rows) == 4 and err <= RTOL, out
+    assert all(abs(float(a) - float(b)) <= 1e-6 for a, b in rows), out

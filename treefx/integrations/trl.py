@@ -107,7 +107,7 @@ def _rows(input_ids: torch.Tensor, attention_mask: torch.Tensor):
 
 def tree_logps_and_entropies(tree_model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                              logits_to_keep: int, *, temperature: float = 1.0,
-                             compute_entropy: bool = False):
+                             compute_entropy: bool = False, stats: dict | None = None):
     """TRL's per-token log-probs (and entropies) of the last ``logits_to_keep`` columns of
     ``input_ids`` [B, L], from one run of ``tree_model`` (:func:`treefx.compile`) over the
     prefix tree of the rows.
@@ -118,6 +118,8 @@ def tree_logps_and_entropies(tree_model, input_ids: torch.Tensor, attention_mask
     ``GRPOTrainer._get_per_token_logps_and_entropies`` computes them, 0 at padding and at a
     sequence's first token. Returns ``(logps, entropies)``, ``entropies`` None unless
     ``compute_entropy``; both carry gradients to the model's parameters when the call does.
+    ``stats``: a dict to add the token counts to: ``"tree_tokens"`` (the tree's, run once) and
+    ``"sequence_tokens"`` (the rows' own, without padding, what running them alone costs).
     """
     B, L = input_ids.shape
     C = int(logits_to_keep)
@@ -129,6 +131,9 @@ def tree_logps_and_entropies(tree_model, input_ids: torch.Tensor, attention_mask
     tree = treefx.Tree.from_sequences(seqs)
     batch = treefx.pack(tree).to(device)
     out = tree_model(batch)
+    if stats is not None:
+        stats["tree_tokens"] = stats.get("tree_tokens", 0) + tree.num_tokens
+        stats["sequence_tokens"] = stats.get("sequence_tokens", 0) + sum(lengths)
 
     # For each kept column holding a token with a predecessor: its DFS row and its parent's.
     bi, ji, tok_row, prev_row, tokens = [], [], [], [], []
@@ -218,6 +223,8 @@ class TreeGRPOTrainer(trl.GRPOTrainer):
         self.trees = trees
         self.compile_options = dict(compile_options or {})
         self._tree_models: dict[int, tuple[torch.nn.Module, object]] = {}
+        #: Token counts of every tree call so far: the trees' and the rows' own (no padding).
+        self.tree_stats: dict[str, int] = {"tree_tokens": 0, "sequence_tokens": 0}
         super().__init__(*args, **kwargs)
         if trees and self.beta != 0.0 and self.ref_model is None:
             raise ValueError(
@@ -266,7 +273,8 @@ class TreeGRPOTrainer(trl.GRPOTrainer):
             with self.accelerator.autocast():
                 lp, ent = tree_logps_and_entropies(
                     tree_model, input_ids[start:end], attention_mask[start:end], logits_to_keep,
-                    temperature=self.temperature, compute_entropy=compute_entropy)
+                    temperature=self.temperature, compute_entropy=compute_entropy,
+                    stats=self.tree_stats)
             logps.append(lp)
             entropies.append(ent)
         return (torch.cat(logps, 0), torch.cat(entropies, 0) if compute_entropy else None, None)
