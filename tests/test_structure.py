@@ -217,6 +217,17 @@ def test_the_core_never_imports_the_tools():
     assert not bad, "\n".join(sorted(bad))
 
 
+def test_nothing_else_imports_the_integrations():
+    """treefx.integrations.* need their libraries (transformers' Trainer, TRL): only they
+    import each other."""
+    graph = import_graph()
+    assert "treefx.integrations.trl" in graph
+    bad = [f"{m} imports {d}" for m, deps in graph.items()
+           if not m.startswith("treefx.integrations") for d in deps
+           if d.startswith("treefx.integrations")]
+    assert not bad, "\n".join(sorted(bad))
+
+
 def test_import_treefx_does_not_import_the_tools():
     code = ("import sys, treefx\n"
             "loaded = sorted(m for m in sys.modules\n"

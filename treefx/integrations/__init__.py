@@ -1,5 +1,11 @@
-"""treefx inside the trainers people run: ``treefx.integrations.hf`` (Hugging Face ``Trainer``).
+"""Optional integrations of treefx with the trainers people run.
 
-Each module imports its trainer library at import time; the core (``import treefx``) imports
-none of them.
+Each submodule imports its library at import time (an extra of the package: ``pip install
+"treefx[hf]"`` / ``"treefx[trl]"``) and is imported by name, never by ``import treefx``: the
+core knows nothing of them.
+
+- :mod:`treefx.integrations.hf`: Hugging Face's ``Trainer`` on prefix trees of each
+  micro-batch's rows (``TreeTrainer``, ``TreeCollator``).
+- :mod:`treefx.integrations.trl`: TRL's ``GRPOTrainer`` with every model call on prefix trees
+  (``TreeGRPOTrainer``).
 """

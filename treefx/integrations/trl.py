@@ -1,0 +1,294 @@
+"""TRL's ``GRPOTrainer`` with every model call on prefix trees.
+
+Every model call of TRL's GRPO (the old policy's log-probs, the reference model's, the current
+policy's log-probs and entropies in the loss) goes through one method,
+``GRPOTrainer._get_per_token_logps_and_entropies(model, input_ids, attention_mask,
+logits_to_keep, batch_size, compute_entropy, ...)``: rows of a left-padded prompt followed by a
+right-padded completion, the log-prob of each of the last ``logits_to_keep`` columns given the
+columns before it (0 at padding), in a ``(B, logits_to_keep)`` tensor. :class:`TreeGRPOTrainer`
+overrides that method: the rows of a chunk become one :class:`treefx.Tree` (a trie: the G
+completions of one prompt share the prompt's nodes, completions that share more, a multi-turn
+rollout's earlier turns, share those too), the model compiled by :func:`treefx.compile` runs
+once over its depth-first layout, and the log-probs and entropies are gathered back into TRL's
+``(B, logits_to_keep)`` layout, differentiably. TRL's own loss, clipping, KL penalty,
+importance sampling and normalisation run unchanged on them.
+
+Groups and micro-batches. TRL generates a *generation batch* (``per_device_train_batch_size ×
+steps_per_generation`` rows, the G rows of each prompt next to each other), then shuffles its
+rows and cuts it into ``steps_per_generation`` micro-batches, so one group's rows end up in
+several micro-batches. With ``keep_groups_together=True`` (the default) the trainer shuffles
+whole groups instead (blocks of ``num_generations`` rows): every micro-batch then holds whole
+groups when ``per_device_train_batch_size`` is a multiple of ``num_generations``. When it is
+not, a group is cut at a micro-batch boundary (a warning at construction says so): each part is
+a tree of its own, the result is as exact, only the sharing between the parts is lost. The old
+and reference log-probs are computed before the shuffle, on the generation batch in chunks of
+``per_device_train_batch_size`` rows (TRL's ``batch_size``), one tree per chunk.
+
+Only TRL ``SUPPORTED_TRL_VERSIONS`` are accepted: the override depends on internals of
+``GRPOTrainer`` that change between releases, and importing this module with another version
+raises an ``ImportError`` naming the versions that work.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+import torch
+
+import treefx
+
+__all__ = ["SUPPORTED_TRL_VERSIONS", "TreeGRPOTrainer", "check_trl_version",
+           "shuffle_groups", "tree_logps_and_entropies"]
+
+log = logging.getLogger("treefx")
+
+#: The TRL releases this integration is tested with (``pip install "treefx[trl]"`` pins them).
+SUPPORTED_TRL_VERSIONS = ("1.16.0",)
+
+
+def check_trl_version(version: str | None = None) -> str:
+    """The installed TRL version (or ``version``), or an ``ImportError`` naming the versions
+    this integration supports when it is not one of them."""
+    if version is None:
+        try:
+            import trl
+        except ImportError as e:
+            raise ImportError(
+                "treefx.integrations.trl needs TRL: pip install \"treefx[trl]\" "
+                f"(trl=={SUPPORTED_TRL_VERSIONS[-1]})"
+            ) from e
+        version = trl.__version__
+    if version not in SUPPORTED_TRL_VERSIONS:
+        raise ImportError(
+            f"treefx.integrations.trl supports trl {' or '.join(SUPPORTED_TRL_VERSIONS)}, the "
+            f"versions it is tested with; trl {version} is installed. It overrides internals of "
+            "GRPOTrainer (_get_per_token_logps_and_entropies, _prepare_inputs) that change "
+            f"between releases: pip install \"trl=={SUPPORTED_TRL_VERSIONS[-1]}\""
+        )
+    return version
+
+
+check_trl_version()
+
+import trl  # noqa: E402
+from trl.trainer.utils import (  # noqa: E402
+    shuffle_sequence_dict,
+    split_pixel_values_by_grid,
+    split_tensor_dict,
+    unsplit_pixel_values_by_grid,
+)
+
+# Arguments of _get_per_token_logps_and_entropies the tree path does not take (images, token
+# types): a text-only integration.
+_MULTIMODAL = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask",
+               "spatial_shapes", "num_tiles", "image_sizes", "token_type_ids",
+               "mm_token_type_ids", "image_position_ids")
+
+
+def _rows(input_ids: torch.Tensor, attention_mask: torch.Tensor):
+    """Each row's first attended column and its attended length; an error unless each row's
+    attended columns are contiguous (a left-padded prompt then a right-padded completion)."""
+    am = attention_mask.bool()
+    lengths = am.sum(1)
+    cols = torch.arange(am.shape[1], device=am.device).expand_as(am)
+    first = torch.where(am, cols, am.shape[1]).amin(1)
+    last = torch.where(am, cols, -1).amax(1)
+    holes = (lengths > 0) & (last - first + 1 != lengths)
+    if bool(holes.any()):
+        b = int(holes.nonzero()[0, 0])
+        raise ValueError(
+            f"row {b} of the batch attends to columns that are not contiguous: the tree path "
+            "needs each row's tokens in one run (a left-padded prompt followed by a "
+            "right-padded completion, as GRPOTrainer lays them out)"
+        )
+    return first.tolist(), lengths.tolist()
+
+
+def tree_logps_and_entropies(tree_model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                             logits_to_keep: int, *, temperature: float = 1.0,
+                             compute_entropy: bool = False, stats: dict | None = None):
+    """TRL's per-token log-probs (and entropies) of the last ``logits_to_keep`` columns of
+    ``input_ids`` [B, L], from one run of ``tree_model`` (:func:`treefx.compile`) over the
+    prefix tree of the rows.
+
+    Row b's sequence is its attended tokens (``attention_mask`` 1). Entry ``[b, j]`` of the
+    result is log softmax(logits / temperature) of the token in column ``L - logits_to_keep + j``
+    given the sequence before it, and the entropy of that distribution: as
+    ``GRPOTrainer._get_per_token_logps_and_entropies`` computes them, 0 at padding and at a
+    sequence's first token. Returns ``(logps, entropies)``, ``entropies`` None unless
+    ``compute_entropy``; both carry gradients to the model's parameters when the call does.
+    ``stats``: a dict to add the token counts to: ``"tree_tokens"`` (the tree's, run once) and
+    ``"sequence_tokens"`` (the rows' own, without padding, what running them alone costs).
+    """
+    B, L = input_ids.shape
+    C = int(logits_to_keep)
+    device = input_ids.device
+    first, lengths = _rows(input_ids, attention_mask)
+    rows = [b for b in range(B) if lengths[b] > 0]
+    ids = input_ids.tolist()
+    seqs = [ids[b][first[b]:first[b] + lengths[b]] for b in rows]
+    tree = treefx.Tree.from_sequences(seqs)
+    batch = treefx.pack(tree).to(device)
+    out = tree_model(batch)
+    if stats is not None:
+        stats["tree_tokens"] = stats.get("tree_tokens", 0) + tree.num_tokens
+        stats["sequence_tokens"] = stats.get("sequence_tokens", 0) + sum(lengths)
+
+    # For each kept column holding a token with a predecessor: its DFS row and its parent's.
+    bi, ji, tok_row, prev_row, tokens = [], [], [], [], []
+    for p, b in enumerate(rows):
+        index = batch.sequence_index(p).tolist()
+        start = max(L - C, first[b] + 1)  # a sequence's first token has no log-prob
+        for t in range(start, first[b] + lengths[b]):
+            k = t - first[b]
+            bi.append(b)
+            ji.append(t - (L - C))
+            tok_row.append(index[k])
+            prev_row.append(index[k - 1])
+            tokens.append(ids[b][t])
+    as_index = lambda v: torch.tensor(v, dtype=torch.long, device=device)  # noqa: E731
+    bi, ji = as_index(bi), as_index(ji)
+    entropies = None
+    if temperature == 1.0 and not compute_entropy:
+        values = out.token_logprobs[as_index(tok_row)]
+    else:
+        if out.logits is None:
+            raise ValueError("temperature != 1 and entropies need the logits: compile the model "
+                             "with logits=True (treefx.compile's default)")
+        unique, inverse = torch.unique(as_index(prev_row), return_inverse=True)
+        logits = out.logits[0, unique].float() / temperature
+        logp = torch.log_softmax(logits, dim=-1)
+        values = logp[inverse, as_index(tokens)]
+        if compute_entropy:
+            ent = -(logp.exp() * logp).sum(-1)[inverse]
+            entropies = ent.new_zeros(B, C).index_put((bi, ji), ent)
+    logps = values.new_zeros(B, C).index_put((bi, ji), values)
+    return logps, entropies
+
+
+def shuffle_groups(batch: dict, group_size: int) -> dict:
+    """TRL's ``shuffle_sequence_dict`` at the granularity of groups: permute the blocks of
+    ``group_size`` consecutive rows (one prompt's completions, as GRPOTrainer generates them),
+    keeping each block's rows together and in order. Falls back to TRL's row shuffle, with a
+    warning, when the rows do not come in such blocks."""
+    n = len(next(v for v in batch.values() if v is not None))
+    reason = None
+    if n % group_size:
+        reason = f"{n} rows are not a whole number of groups of {group_size}"
+    else:
+        pid, pm = batch.get("prompt_ids"), batch.get("prompt_mask")
+        if pid is not None and pm is not None:
+            blocks = (pid * pm).view(n // group_size, group_size, -1)
+            if not bool((blocks == blocks[:, :1]).all()):
+                reason = f"the blocks of {group_size} rows do not each share one prompt"
+    if reason is not None:
+        warnings.warn(f"treefx.integrations.trl: {reason}; shuffling rows as TRL does, so a "
+                      "group's rows may run in different micro-batches (exact, less shared)",
+                      stacklevel=2)
+        return shuffle_sequence_dict(batch)
+    order = torch.randperm(n // group_size)
+    perm = (order[:, None] * group_size + torch.arange(group_size)).reshape(-1)
+
+    def permute(v):
+        if v is None or (isinstance(v, torch.Tensor) and v.ndim == 0):
+            return v
+        if isinstance(v, torch.Tensor):
+            return v[perm.to(v.device)]
+        return [v[i] for i in perm.tolist()]
+
+    return {k: permute(v) for k, v in batch.items()}
+
+
+class TreeGRPOTrainer(trl.GRPOTrainer):
+    """``trl.GRPOTrainer`` whose model calls run on prefix trees (see the module's docstring).
+
+    Takes GRPOTrainer's arguments, and:
+
+    ``keep_groups_together``: shuffle the generation batch group by group rather than row by
+    row, so that each micro-batch holds whole groups (default True; False keeps TRL's order).
+    ``trees``: False runs TRL's own log-prob path (with the same shuffling): the baseline to
+    compare with. ``compile_options``: keyword arguments for :func:`treefx.compile`
+    (``backend``, ``verify``, ...).
+
+    Text-only models; each model (policy, reference) is compiled once, on its first call. Not
+    supported (an error says so): images and token types, the MoE auxiliary loss
+    (``compute_aux_loss``), and a PEFT policy with ``beta != 0`` (TRL takes the reference by
+    switching the adapters off around the call).
+    """
+
+    def __init__(self, *args, keep_groups_together: bool = True, trees: bool = True,
+                 compile_options: dict | None = None, **kwargs):
+        self.keep_groups_together = keep_groups_together
+        self.trees = trees
+        self.compile_options = dict(compile_options or {})
+        self._tree_models: dict[int, tuple[torch.nn.Module, object]] = {}
+        #: Token counts of every tree call so far: the trees' and the rows' own (no padding).
+        self.tree_stats: dict[str, int] = {"tree_tokens": 0, "sequence_tokens": 0}
+        super().__init__(*args, **kwargs)
+        if trees and self.beta != 0.0 and self.ref_model is None:
+            raise ValueError(
+                "TreeGRPOTrainer: a PEFT policy with beta != 0 takes its reference log-probs by "
+                "switching the adapters off around the model call, which a tree-compiled model "
+                "does not see; use beta=0 or a separate reference model"
+            )
+        g, per_device = self.num_generations, self.args.per_device_train_batch_size
+        if keep_groups_together and per_device % g:
+            warnings.warn(
+                f"TreeGRPOTrainer: per_device_train_batch_size={per_device} is not a multiple of "
+                f"num_generations={g}, so some groups are cut between micro-batches: each part "
+                "is its own tree (exact, the prefix shared across the cut is computed twice)",
+                stacklevel=2,
+            )
+
+    def tree_model(self, model):
+        """The :func:`treefx.compile` of ``model``, compiled on first use."""
+        entry = self._tree_models.get(id(model))
+        if entry is None or entry[0] is not model:
+            entry = (model, treefx.compile(model, **self.compile_options))
+            self._tree_models[id(model)] = entry
+            log.info("treefx.integrations.trl: compiled %s for trees", type(model).__name__)
+        return entry[1]
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask,
+                                           logits_to_keep, batch_size=None,
+                                           compute_entropy=False, compute_aux_loss=False,
+                                           **multimodal):
+        if not self.trees:
+            return super()._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
+                compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss, **multimodal)
+        given = sorted(k for k, v in multimodal.items() if v is not None)
+        unknown = sorted(set(multimodal) - set(_MULTIMODAL))
+        if given or unknown:
+            raise ValueError(f"TreeGRPOTrainer runs text-only models on trees; got {given + unknown}")
+        if compute_aux_loss:
+            raise NotImplementedError("TreeGRPOTrainer: the MoE load-balancing loss "
+                                      "(compute_aux_loss) is not computed on trees")
+        tree_model = self.tree_model(model)
+        batch_size = batch_size or input_ids.size(0)
+        logps, entropies = [], []
+        for start in range(0, input_ids.size(0), batch_size):
+            end = min(start + batch_size, input_ids.size(0))
+            with self.accelerator.autocast():
+                lp, ent = tree_logps_and_entropies(
+                    tree_model, input_ids[start:end], attention_mask[start:end], logits_to_keep,
+                    temperature=self.temperature, compute_entropy=compute_entropy,
+                    stats=self.tree_stats)
+            logps.append(lp)
+            entropies.append(ent)
+        return (torch.cat(logps, 0), torch.cat(entropies, 0) if compute_entropy else None, None)
+
+    def _prepare_inputs(self, generation_batch):
+        # GRPOTrainer._prepare_inputs (TRL 1.16) with the row shuffle made a group shuffle.
+        if not (self.keep_groups_together and self.model.training):
+            return super()._prepare_inputs(generation_batch)
+        spg = self.args.steps_per_generation
+        generate_every = spg * self.num_iterations
+        if self._step % generate_every == 0 or self._buffered_inputs is None:
+            batch = self._generate_and_score_completions(generation_batch)
+            batch = split_pixel_values_by_grid(batch)
+            batch = shuffle_groups(batch, self.num_generations)
+            self._buffered_inputs = [unsplit_pixel_values_by_grid(b)
+                                     for b in split_tensor_dict(batch, spg)]
+        return self._buffered_inputs[self._step % spg]
