@@ -6,7 +6,8 @@ than the whole-tree path on two H200s)?
 
 A float32 Qwen3-Next (``benchmarks.distributed_check.EXACT_HYBRID``; TF32 off) on the check
 forest (odd trees and a 6k-token agent tree), one process, no FSDP: the per-sequence oracle and
-its own floor (``oracle_floor_gradients``), then ``treefx.compile`` on the whole batch and
+its own floor (``oracle_floor_gradients``), then ``treefx.compile`` (regional with
+``--checkpointing``) on the whole batch and
 ``treefx.backward`` at each budget, with each backend. Printed per Gated DeltaNet parameter
 (``A_log``, ``dt_bias``, the conv and projections of the first linear-attention layer): max
 |g - g_ref| / max |g_ref|, and the floor's. JSON with ``--out``.
@@ -56,7 +57,9 @@ def main(argv=None):
     print(f"[{time.perf_counter() - t0:6.1f}s] oracle and floor", flush=True)
     rows = {"floor": {n: _rel(floor[n], ref[n]) for n in names}}
     for backend in args.backends.split(","):
-        tm = treefx.compile(model, backend=backend, verify=False)
+        # a checkpointed HF model captures regionally (its whole-graph capture breaks on
+        # requires_grad_)
+        tm = treefx.compile(model, backend=backend, verify=False, regional=args.checkpointing)
         model.zero_grad(set_to_none=True)
         b = treefx.pack(trees, reduction="mean").to(dev)
         treefx.tree_loss(tm(b), b).backward()
