@@ -109,6 +109,18 @@ def test_sft_qwen3_full_size(capsys):
 
 # ----------------------------------------------------------------------------- GRPO examples
 
+def test_hf_trainer_example_equals_the_stock_trainer(capsys, monkeypatch):
+    pytest.importorskip("accelerate")
+    monkeypatch.setattr(sys, "argv", ["hf_trainer.py"])
+    runpy.run_path(str(EXAMPLES / "hf_trainer.py"), run_name="__main__")
+    out = capsys.readouterr().out
+    ref = _numbers(r"losses, Trainer: +\[NUMBER, NUMBER\]", out)
+    got = _numbers(r"losses, TreeTrainer: \[NUMBER, NUMBER\]", out)
+    assert all(abs(a - b) <= 1e-5 * abs(a) for a, b in zip(ref, got)), out
+    assert _number(r"largest relative difference NUMBER", out) <= 1e-5
+    assert _number(r"\(NUMBERx fewer\)", out) > 1.5
+
+
 def test_grpo_update_prints_equal_objectives(capsys):
     threads = torch.get_num_threads()
     try:  # the script runs on one thread
