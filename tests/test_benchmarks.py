@@ -308,6 +308,7 @@ def test_balance_reports_whole_and_cut_assignments(tmp_path):
         assert r["split_worst"] <= r["whole_worst"] + 1e-12
 
 
+@pytest.mark.slow  # ~45 s; the parts under FSDP2 are in CI through test_distributed_parts
 @pytest.mark.filterwarnings("ignore")
 def test_multi_gpu_dry_run(tmp_path, monkeypatch):
     """``python -m benchmarks.multi_gpu --dry-run`` in one process (FSDP2 on gloo, a tiny

@@ -16,6 +16,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytest.importorskip("transformers")
 
 
+@pytest.mark.slow  # ~85 s; treefx.backward under FSDP2/DDP is in CI through test_distributed_parts
 @pytest.mark.filterwarnings("ignore")
 def test_distributed_check_dry_run(tmp_path):
     out = tmp_path / "dc.json"

@@ -252,6 +252,7 @@ def test_unsupported_version_names_the_supported_ones():
     assert re.findall(r'"(trl[=<>!~].*?)"', extra) == [f"trl=={v}" for v in SUPPORTED_TRL_VERSIONS]
 
 
+@pytest.mark.slow  # ~25 s; the trainer itself is checked above
 def test_example_runs_and_matches(capsys):
     """examples/grpo_trl.py: TRL's own sampling, both trainers, the same parameters."""
     import pathlib
