@@ -288,9 +288,9 @@ def _count_forwards(monkeypatch):
 
 @pytest.mark.parametrize("name,checkpointing,budgets", [
     ("qwen3", False, (4, 9)),
-    ("qwen3", True, (6,)),
+    pytest.param("qwen3", True, (6,), marks=pytest.mark.slow),  # ~20 s each: checkpointed
     ("qwen3_next", False, (7,)),    # conv inputs and GDN states of recomputed parts
-    ("qwen3_next", True, (5,)),
+    pytest.param("qwen3_next", True, (5,), marks=pytest.mark.slow),
 ])
 def test_comb_trees_recompute_parts_and_match_the_oracle(name, checkpointing, budgets,
                                                          monkeypatch):
