@@ -1,16 +1,20 @@
-"""Gated DeltaNet gradients in parts, one process: where does the error against the oracle
-come from (issue 37's FSDP2 hybrid check found the parts path 380x further from the oracle
-than the whole-tree path on two H200s)?
+"""Gated DeltaNet gradients in parts, one process: which setting moves them away from the
+oracle (issue 37's FSDP2 hybrid check found the parts path 380x further from the oracle than
+the whole-tree path on two H200s, with FSDP2, checkpointing, regional execution and Inductor
+combined; one H100 without FSDP2 or checkpointing was exact)?
 
-    python -m benchmarks.gdn_parts_check [--budgets 256,100000] [--backends auto,eager]
+    python -m benchmarks.gdn_parts_check [--variants plain,ckpt,fsdp,fsdp+ckpt] \\
+        [--backends inductor,eager] [--budgets 256]
+    python -m benchmarks.gdn_parts_check --dry-run          # CPU: tiny model, few trees
 
 A float32 Qwen3-Next (``benchmarks.distributed_check.EXACT_HYBRID``; TF32 off) on the check
-forest (odd trees and a 6k-token agent tree), one process, no FSDP: the per-sequence oracle and
-its own floor (``oracle_floor_gradients``), then ``treefx.compile`` (regional with
-``--checkpointing``) on the whole batch and
-``treefx.backward`` at each budget, with each backend. Printed per Gated DeltaNet parameter
-(``A_log``, ``dt_bias``, the conv and projections of the first linear-attention layer): max
-|g - g_ref| / max |g_ref|, and the floor's. JSON with ``--out``.
+forest (odd trees and a 6k-token agent tree), one process: the per-sequence oracle, then for
+each variant (a fresh model of the same weights: ``ckpt`` activation checkpointing, ``fsdp``
+FSDP2 ``fully_shard`` per layer and root in a one-rank process group; regional execution for
+either) and backend, ``treefx.compile`` on the whole batch and ``treefx.backward`` at each
+budget. Printed per parameter group: the worst max |g - g_ref| / max(max |g_ref|, 1e-3 × the
+model's largest |g_ref|) (``benchmarks.distributed_check``'s rule), and with ``--floor`` the
+oracle's own floor (``oracle_floor_gradients``, slow on a CPU). JSON with ``--out``.
 """
 
 from __future__ import annotations
@@ -18,67 +22,122 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
+import re
 import time
+import traceback
 
 import torch
 
 import treefx
 
+from . import common
 from .common import check_forest, odd_forest
-from .distributed_check import EXACT_HYBRID
-from .fsdp import _build
+from .distributed_check import DRY_HYBRID, EXACT_HYBRID, SCALE_FLOOR, _rel
+from .fsdp import _build, _shard
+
+VARIANTS = ("plain", "ckpt", "fsdp", "fsdp+ckpt")
 
 
-def _rel(a, r) -> float:
-    return float((a.double() - r.double()).abs().max() / r.double().abs().max().clamp_min(1e-30))
+def _one_rank_group(dev) -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", rank=0, world_size=1)
+
+
+def _grads(model) -> dict:
+    out = {}
+    for n, p in model.named_parameters():
+        g = p.grad
+        if g is not None and hasattr(g, "full_tensor"):
+            g = g.full_tensor()
+        out[n] = None if g is None else g.detach().clone()
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+def _errors(grads: dict, ref: dict) -> dict:
+    """Per parameter group (layer index replaced by *): the worst scaled error."""
+    scale = SCALE_FLOOR * max(float(r.abs().max()) for r in ref.values())
+    groups: dict[str, float] = {}
+    for n, r in ref.items():
+        g = torch.zeros_like(r) if grads.get(n) is None else grads[n]
+        key = re.sub(r"\.\d+\.", ".*.", n).replace("model.", "")
+        groups[key] = max(groups.get(key, 0.0), _rel(g, r, scale))
+    return groups
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m benchmarks.gdn_parts_check",
                                 description=__doc__.split("\n\n")[0])
-    p.add_argument("--budgets", default="256,100000")
-    p.add_argument("--backends", default="auto,eager")
-    p.add_argument("--checkpointing", action="store_true")
-    p.add_argument("--out", default=None)
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--backends", default=None, help="default: inductor,eager (CPU: eager)")
+    p.add_argument("--budgets", default=None, help="default 256 (dry run 16)")
+    p.add_argument("--floor", action="store_true", help="also the oracle's own floor")
+    common.add_run_args(p, "CPU: the tiny hybrid, two odd forests, eager")
     args = p.parse_args(argv)
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    vocab = EXACT_HYBRID["vocab_size"]
-    trees = odd_forest(3, vocab) + odd_forest(5, vocab) + check_forest(vocab)
+    config = DRY_HYBRID if args.dry_run else EXACT_HYBRID
+    vocab = config["vocab_size"]
+    trees = odd_forest(3, vocab) + odd_forest(5, vocab)
+    if not args.dry_run:
+        trees += check_forest(vocab)
+    backends = (args.backends or ("inductor,eager" if dev.type == "cuda" else "eager")).split(",")
+    budgets = [int(b) for b in (args.budgets or ("16" if args.dry_run else "256")).split(",")]
+    common.resolve_out(args, "gdn_parts_check", dev.type == "cuda")
     t0 = time.perf_counter()
-    model = _build("qwen3_next", EXACT_HYBRID, dev, args.checkpointing)
-    oracle = copy.deepcopy(model)
+
+    def say(msg):
+        print(f"[{time.perf_counter() - t0:6.1f}s] {msg}", flush=True)
+
+    oracle = _build("qwen3_next", config, dev, False)
     treefx.reference.sequence_loss(oracle, trees, reduction="mean").backward()
-    floor = treefx.verification.oracle_floor_gradients(oracle, trees, reduction="mean")
     ref = {n: q.grad for n, q in oracle.named_parameters()}
-    names = [n for n in ref if "linear_attn" in n and (
-        "A_log" in n or "dt_bias" in n or ".layers.0." in n)]
-    print(f"[{time.perf_counter() - t0:6.1f}s] oracle and floor", flush=True)
-    rows = {"floor": {n: _rel(floor[n], ref[n]) for n in names}}
-    for backend in args.backends.split(","):
-        # a checkpointed HF model captures regionally (its whole-graph capture breaks on
-        # requires_grad_)
-        tm = treefx.compile(model, backend=backend, verify=False, regional=args.checkpointing)
-        model.zero_grad(set_to_none=True)
-        b = treefx.pack(trees, reduction="mean").to(dev)
-        treefx.tree_loss(tm(b), b).backward()
-        rows[f"{backend} whole"] = {n: _rel(q.grad, ref[n]) for n, q in model.named_parameters()
-                                    if n in names}
-        for budget in map(int, args.budgets.split(",")):
-            model.zero_grad(set_to_none=True)
-            treefx.backward(tm, b, max_tokens=budget)
-            rows[f"{backend} parts {budget}"] = {
-                n: _rel(q.grad, ref[n]) for n, q in model.named_parameters() if n in names}
-        print(f"[{time.perf_counter() - t0:6.1f}s] {backend} done", flush=True)
-    cols = list(rows)
-    print("parameter".ljust(44) + "".join(c[:16].rjust(17) for c in cols))
-    for n in names:
-        print(n[:44].ljust(44) + "".join(f"{rows[c][n]:17.2e}" for c in cols))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"device": str(dev), "torch": torch.__version__, "rows": rows}, f,
-                      indent=1)
+    res = {**common.run_meta(dev.type == "cuda"), "config": config, "budgets": budgets,
+           "tokens": sum(t.num_tokens for t in trees), "rows": {}}
+    if args.floor:
+        floor = treefx.verification.oracle_floor_gradients(oracle, trees, reduction="mean")
+        res["rows"]["oracle floor"] = _errors(floor, ref)
+    say(f"oracle ({res['tokens']} tokens)")
+    for variant in args.variants.split(","):
+        ckpt, fsdp = "ckpt" in variant, "fsdp" in variant
+        for backend in backends:
+            name = f"{variant} {backend}"
+            try:
+                model = _build("qwen3_next", config, dev, ckpt)
+                if fsdp:
+                    _one_rank_group(dev)
+                    _shard(model)
+                tm = treefx.compile(model, backend=backend, verify=False,
+                                    regional=ckpt or fsdp)
+                b = treefx.pack(trees, reduction="mean").to(dev)
+                treefx.tree_loss(tm(b), b).backward()
+                res["rows"][f"{name} whole"] = _errors(_grads(model), ref)
+                for budget in budgets:
+                    treefx.backward(tm, b, max_tokens=budget)
+                    res["rows"][f"{name} parts {budget}"] = _errors(_grads(model), ref)
+                say(f"{name}: done")
+            except Exception:
+                res["rows"][f"{name} error"] = traceback.format_exc()
+                say(f"{name}: FAILED\n{traceback.format_exc()}")
+            common.save_json(res, args.out)
+    rows = {k: v for k, v in res["rows"].items() if isinstance(v, dict)}
+    keys = sorted({k for v in rows.values() for k in v})
+    width = max(map(len, keys)) + 1
+    print("worst scaled gradient error per group (rows: variant, backend, whole/parts)")
+    for row, v in rows.items():
+        worst = max(v, key=v.get)
+        print(f"{row:34s} worst {v[worst]:.2e} at {worst}")
+    print("group".ljust(width) + "".join(r[:18].rjust(19) for r in rows))
+    for k in keys:
+        print(k.ljust(width) + "".join(f"{rows[r].get(k, float('nan')):19.2e}" for r in rows))
+    print(f"written to {args.out}", flush=True)
 
 
 if __name__ == "__main__":

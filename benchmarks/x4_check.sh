@@ -1,0 +1,64 @@
+#!/bin/bash
+# Issue 37 on a machine with four GPUs (the device tool's nvidia-h100-x4 / nvidia-h200-x4), in
+# calls of the device tool (each under its 10-minute limit), from the repository root, with
+# .data (the SWE trees, benchmarks/README.md) and .whl (transformers 5.24 for the CPU zoo)
+# carried:
+#   a: scaling runs of benchmarks.multi_gpu on the same 8 SWE trees, 8 Qwen3-8B-shaped layers:
+#      one GPU (GPU 0) and two (GPUs 1-2) at the same time, each on its own GPUs; the Gated
+#      DeltaNet parts matrix (benchmarks.gdn_parts_check: FSDP2 / checkpointing / backends, one
+#      process) on GPU 3; the first half of the zoo on the CPU (transformers 5.24)
+#   b: the same scaling run on four GPUs, then the full-depth Qwen3-8B on four GPUs (budget
+#      32,768, gradients reduce-scattered every micro-batch: H100 memory); the second half of
+#      the zoo on the CPU
+#   c: benchmarks.distributed_check on two GPUs: the FSDP2 hybrid exactness case, the DDP one,
+#      and the speed cases
+set -u
+stage=$1
+export PYTHONUNBUFFERED=1
+DATA="--trees .data/swe200.jsonl --tasks 8 --max-sequence-tokens 200000"
+SCALE="$DATA --layers 8 --budget 32768 --steps 2"
+site() {
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
+    .whl/transformers-*.whl
+}
+zoo() {  # zoo <name> <extra args...>: on the CPU, transformers 5.24
+  local name=$1; shift
+  CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=1 PYTHONPATH=/tmp/site:$PWD \
+    timeout 560 python3 -m treefx.tools.zoo --timeout 240 "$@" > $OUT/zoo_$name.log 2>&1
+  echo "zoo $name rc=$?"; tail -n 4 $OUT/zoo_$name.log
+}
+mg() {  # mg <name> <gpus> <n> <port> <seconds> <args...>
+  local name=$1 gpus=$2 n=$3 port=$4 limit=$5; shift 5
+  CUDA_VISIBLE_DEVICES=$gpus timeout $limit torchrun --nproc_per_node=$n --master_port=$port \
+    -m benchmarks.multi_gpu "$@" --out $OUT/multi_gpu_$name.json > $OUT/mg_$name.log 2>&1
+  echo "mg $name rc=$?"; grep -E "step|speed|bound|balance" $OUT/mg_$name.log | tail -n 12
+}
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+case $stage in
+a)
+  site
+  zoo half_a --jobs 20 --models "$(cat .whl/half_a)" --json $OUT/zoo_a.json \
+    --out $OUT/zoo_a.md &
+  mg l8_x1 0 1 29501 550 $SCALE --time-limit 420 &
+  mg l8_x2 1,2 2 29502 550 $SCALE --time-limit 420 &
+  (CUDA_VISIBLE_DEVICES=3 timeout 540 python3 -m benchmarks.gdn_parts_check \
+     --out $OUT/gdn_parts_check.json > $OUT/gdn.log 2>&1
+   echo "gdn rc=$?"; grep -A40 "worst scaled" $OUT/gdn.log | head -n 12) &
+  wait
+  ;;
+b)
+  site
+  zoo half_b --jobs 20 --models "$(cat .whl/half_b)" --json $OUT/zoo_b.json \
+    --out $OUT/zoo_b.md &
+  mg l8_x4 0,1,2,3 4 29501 250 $SCALE --time-limit 170
+  mg 8b_x4 0,1,2,3 4 29502 330 $DATA --shape qwen3-8b \
+    --budget 32768 --steps 2 --grad-sync every --time-limit 260
+  wait
+  ;;
+c)
+  CUDA_VISIBLE_DEVICES=0,1 timeout 560 torchrun --nproc_per_node=2 \
+    -m benchmarks.distributed_check --time-limit 420 --out $OUT/distributed_check.json \
+    > $OUT/dc.log 2>&1
+  echo "distributed_check rc=$?"; grep -E "verdicts|PASS|FAIL" $OUT/dc.log
+  ;;
+esac
