@@ -9,9 +9,10 @@ combined; one H100 without FSDP2 or checkpointing was exact)?
 
 A float32 Qwen3-Next (``benchmarks.distributed_check.EXACT_HYBRID``; TF32 off) on the check
 forest (odd trees and a 6k-token agent tree), one process: the per-sequence oracle, then for
-each variant (a fresh model of the same weights: ``ckpt`` activation checkpointing, ``fsdp``
-FSDP2 ``fully_shard`` per layer and root in a one-rank process group; regional execution for
-either) and backend, ``treefx.compile`` on the whole batch and ``treefx.backward`` at each
+each variant (a fresh model of the same weights: ``regional`` regional execution, ``ckpt``
+activation checkpointing, ``fsdp`` FSDP2 ``fully_shard`` per layer and root in a one-rank
+process group; regional execution for all three; ``hold``: parts planned without recompute
+parts, as under FSDP2) and backend, ``treefx.compile`` on the whole batch and ``treefx.backward`` at each
 budget. Printed per parameter group: the worst max |g - g_ref| / max(max |g_ref|, 1e-3 × the
 model's largest |g_ref|) (``benchmarks.distributed_check``'s rule), and with ``--floor`` the
 oracle's own floor (``oracle_floor_gradients``, slow on a CPU). JSON with ``--out``.
@@ -20,12 +21,14 @@ oracle's own floor (``oracle_floor_gradients``, slow on a CPU). JSON with ``--ou
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import os
 import re
 import time
 import traceback
+from unittest import mock
 
 import torch
 
@@ -36,7 +39,7 @@ from .common import check_forest, odd_forest
 from .distributed_check import DRY_HYBRID, EXACT_HYBRID, SCALE_FLOOR, _rel
 from .fsdp import _build, _shard
 
-VARIANTS = ("plain", "ckpt", "fsdp", "fsdp+ckpt")
+VARIANTS = ("plain", "regional", "ckpt", "fsdp", "fsdp+ckpt")
 
 
 def _one_rank_group(dev) -> None:
@@ -47,6 +50,49 @@ def _one_rank_group(dev) -> None:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
     dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", rank=0, world_size=1)
+
+
+@contextlib.contextmanager
+def _holding(on: bool):
+    """``treefx.parts.plan`` without recompute parts (what the budget cannot hold is held), as
+    ``treefx.backward`` plans under FSDP2: a plan difference to tell from FSDP2 itself."""
+    if not on:
+        yield
+        return
+    from treefx import parts
+
+    plan = parts.plan
+    with mock.patch.object(parts, "plan",
+                           lambda *a, **k: plan(*a, **{**k, "recompute": False})):
+        yield
+
+
+@contextlib.contextmanager
+def _diagnostic(variant: str):
+    """Regional execution changed for a diagnosis: ``noshare``, no compiled piece shared
+    between layers; ``contig``, every block input that is a view at an offset copied into
+    storage of its own first."""
+    from treefx.run import regional
+
+    with contextlib.ExitStack() as stack:
+        if "noshare" in variant:
+            key, count = regional._structure_key, iter(range(1 << 30))
+            stack.enter_context(mock.patch.object(
+                regional, "_structure_key", lambda gm, f: (key(gm, f), next(count))))
+        if "contig" in variant:
+            call = regional._call_block
+
+            def own(x):
+                if isinstance(x, torch.Tensor) and (x.storage_offset() or
+                                                    not x.is_contiguous()):
+                    return x.clone(memory_format=torch.contiguous_format)
+                return x
+
+            stack.enter_context(mock.patch.object(
+                regional, "_call_block",
+                lambda model, block, piece, ins: call(model, block, piece,
+                                                      [own(x) for x in ins])))
+        yield
 
 
 def _grads(model) -> dict:
@@ -75,7 +121,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m benchmarks.gdn_parts_check",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--variants", default=",".join(VARIANTS))
-    p.add_argument("--backends", default=None, help="default: inductor,eager (CPU: eager)")
+    p.add_argument("--backends", default=None,
+                   help="default: inductor,eager (CPU: eager; aot-eager and flex-eager run there)")
     p.add_argument("--budgets", default=None, help="default 256 (dry run 16)")
     p.add_argument("--floor", action="store_true", help="also the oracle's own floor")
     common.add_run_args(p, "CPU: the tiny hybrid, two odd forests, eager")
@@ -107,6 +154,8 @@ def main(argv=None):
     say(f"oracle ({res['tokens']} tokens)")
     for variant in args.variants.split(","):
         ckpt, fsdp = "ckpt" in variant, "fsdp" in variant
+        regional = ckpt or fsdp or "regional" in variant
+        hold = "hold" in variant  # plans without recompute parts, as under FSDP2
         for backend in backends:
             name = f"{variant} {backend}"
             try:
@@ -114,13 +163,15 @@ def main(argv=None):
                 if fsdp:
                     _one_rank_group(dev)
                     _shard(model)
-                tm = treefx.compile(model, backend=backend, verify=False,
-                                    regional=ckpt or fsdp)
+                with _diagnostic(variant):
+                    tm = treefx.compile(model, backend=backend, verify=False,
+                                        regional=regional)
                 b = treefx.pack(trees, reduction="mean").to(dev)
                 treefx.tree_loss(tm(b), b).backward()
                 res["rows"][f"{name} whole"] = _errors(_grads(model), ref)
                 for budget in budgets:
-                    treefx.backward(tm, b, max_tokens=budget)
+                    with _holding(hold), _diagnostic(variant):
+                        treefx.backward(tm, b, max_tokens=budget)
                     res["rows"][f"{name} parts {budget}"] = _errors(_grads(model), ref)
                 say(f"{name}: done")
             except Exception:

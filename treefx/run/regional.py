@@ -235,6 +235,7 @@ class Piece:
     outputs: list[str]
     param_meta: list[tuple] = field(default_factory=list)  # (shape, dtype) per parameter
     input_dtypes: list = field(default_factory=list)
+    input_grads: list | None = None  # compiled to differentiate each input (AOT backends)
     compiled: object = None
     key: tuple | None = None
 
@@ -457,19 +458,25 @@ def build(gm: fx.GraphModule, example_inputs, *, backend: str, model: torch.nn.M
         piece.key = _structure_key(piece.gm, args)
         compiled = cache.get(piece.key)
         aot = backend in ("inductor", "aot-eager")
-        if compiled is None:
-            if aot and tc is not None:
-                tc.fakify_first_call = True
-            try:
+        if aot:
+            # which inputs the compiled piece differentiates: AOTAutograd gives none to an
+            # input whose example did not require grad (checked on every call)
+            piece.input_grads = [isinstance(f, torch.Tensor) and f.requires_grad
+                                 for f in args[len(piece.params):]]
+        if aot and tc is not None:
+            tc.fakify_first_call = True
+        try:
+            if compiled is None:
                 compiled = backends.compile_graph(backend, piece.gm, args)
-                # Inductor's outputs, with its strides (the next piece is compiled for them)
-                outs = _fake_run(compiled, args, fake_mode) if aot else None
-            finally:
-                if tc is not None:
-                    tc.fakify_first_call = False
-            cache[piece.key] = compiled
-        else:
-            outs = None
+                cache[piece.key] = compiled
+            # The compiled piece's outputs, with its strides and autograd flags (the next
+            # pieces are compiled for them). A piece that shares another's compiled function
+            # runs it too: the capture's example values may differ in both (an example made
+            # without requires_grad compiled the next piece to drop that gradient).
+            outs = _fake_run(compiled, args, fake_mode) if aot else None
+        finally:
+            if tc is not None:
+                tc.fakify_first_call = False
         if outs is None:
             # Eager pieces: the capture's own example values (an eager tree recurrence reads
             # the tree on the host, which a fake run cannot), else a fake run.
@@ -672,6 +679,7 @@ class RegionalGraph:
                 ins = [env[k] for k in piece.inputs]
                 if piece.block is None:
                     params = _fetch(model, None, piece)
+                    _check_grads(piece, ins)
                     outs = piece.compiled(*params, *ins)
                 else:
                     if blocks is None:
@@ -737,6 +745,20 @@ def _get(owner, name: str):
     return getattr(m, leaf)
 
 
+def _check_grads(piece: Piece, xs) -> None:
+    """Refuse an input that requires grad where the piece was compiled for one that does not
+    (AOTAutograd would drop its gradient without a word)."""
+    if piece.input_grads is None or not torch.is_grad_enabled():
+        return
+    for x, want, name in zip(xs, piece.input_grads, piece.inputs):
+        if not want and isinstance(x, torch.Tensor) and x.requires_grad:
+            where = f"block {piece.block}" if piece.block else "the glue between blocks"
+            raise TreeCompileError(
+                f"regional execution: input {name} of {where} requires grad, but the piece "
+                "was compiled for an input that does not, so its gradient would be dropped; "
+                "please report this (a capture's example value without requires_grad)")
+
+
 def _call_block(model, block: torch.nn.Module, piece: Piece, ins: list):
     def forward(*xs):
         for x, want, i in zip(xs, piece.input_dtypes, range(len(xs))):
@@ -745,6 +767,7 @@ def _call_block(model, block: torch.nn.Module, piece: Piece, ins: list):
                     f"regional execution: input {piece.inputs[i]} of block {piece.block} "
                     f"reaches it as {x.dtype}, captured as {want}; something around the "
                     "block's call (a hook) changed it")
+        _check_grads(piece, xs)
         return tuple(piece.compiled(*_fetch(model, block, piece), *xs))
 
     return call_with_forward(block, forward, *ins)
