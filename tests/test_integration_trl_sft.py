@@ -188,11 +188,13 @@ def test_conversations_through_trls_chat_template_with_dft_loss(tok, tmp_path):
 
 
 def test_tree_token_metrics_weigh_each_token_by_the_rows_that_train_it():
-    """The function the trainer logs from, alone: on rows with shared tokens, equal to the
-    per-row sums over trained tokens (entropy of the predicted distribution, argmax hit). The
-    tree's logits are the rows' own, placed at their tokens' places in the depth-first row."""
+    """The function the trainer logs from, alone: on rows with shared tokens (some answers
+    the model's own greedy ones), equal to the per-row sums over trained tokens (entropy of the
+    predicted distribution, argmax hit). The tree's logits are the rows' own, placed at their
+    tokens' places in the depth-first row."""
     model = _model(97)
-    rows = _rows(seed=2, tasks=2)
+    rows = [{"input_ids": r["input_ids"], "labels": [t if m else -100 for t, m in
+             zip(r["input_ids"], r["completion_mask"])]} for r in _greedy_rows(97)[:9]]
     batch = treefx.integrations.hf.TreeCollator()(rows)["tree_batch"]
     logits = torch.zeros(1, batch.num_tokens, 97)
     e_ref = c_ref = n_ref = 0.0
@@ -208,10 +210,11 @@ def test_tree_token_metrics_weigh_each_token_by_the_rows_that_train_it():
             c_ref += float((row_logits.argmax(-1) == ids[0, 1:])[mask].sum())
             n_ref += float(mask.sum())
     out = treefx.TreeOutput(logits, torch.zeros(batch.num_tokens))
-    ent, correct, count = tree_token_metrics(out, batch)
-    assert float(count) == n_ref
-    assert float(correct) == c_ref
-    assert float(ent) == pytest.approx(e_ref, rel=1e-6)
+    for chunk in (1 << 26, 3 * 97):  # all rows at once; 3 logit rows at a time
+        ent, correct, count = tree_token_metrics(out, batch, chunk_elements=chunk)
+        assert float(count) == n_ref
+        assert float(correct) == c_ref > 0
+        assert float(ent) == pytest.approx(e_ref, rel=1e-6)
 
 
 def test_calls_and_tree_records_train_as_their_rows(tok, tmp_path):

@@ -31,7 +31,10 @@ the label is its argmax) divided by their count, gathered over the processes, av
 micro-batches since the last log. On the tree each trained token's value is weighted by its
 loss weight (the rows that train it) and divided by the same count, from the logits at its tree
 predecessor: the same numbers. ``num_tokens`` counts the rows' tokens as TRL does (what the rows
-hold, not what the tree ran); ``num_tree_tokens`` beside it, the tokens the trees ran.
+hold, not what the tree ran); ``num_tree_tokens`` beside it, the tokens the trees ran. The
+metrics need the ``[1, N, vocab]`` logits the compiled model returns by default (TRL's fused LM
+head never builds them): ``tree_compile={"logits": False}`` saves that memory and turns them
+off.
 
 Refused (an error names the option): ``packing`` and ``eval_packing`` (a tree merges the rows
 itself), ``padding_free`` (a tree has no padding), ``use_liger_kernel``, label smoothing and
@@ -67,26 +70,33 @@ _CALL_COLUMNS = {"prompt_ids", "completion_ids"}
 
 
 @torch.no_grad()
-def tree_token_metrics(out, batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def tree_token_metrics(out, batch, *, chunk_elements: int = 1 << 26
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``SFTTrainer``'s per-token metrics summed over a tree's trained tokens, each token
     weighted by its loss weight (the rows that train it, with ``reduction="sum"`` and
     ``loss_scale`` = the sequence count, as :class:`treefx.integrations.hf.TreeCollator`
     packs): ``(entropy_sum, correct, count)``, float64 scalars. Entropy: of the softmax of
     the logits at the token's tree predecessor; correct: the token is that distribution's
-    argmax (the first index among equal maxima, as TRL's fused head decides)."""
+    argmax (the first index among equal maxima, as TRL's fused head decides). In float32, a
+    bounded number of logit rows at a time (``chunk_elements`` entries)."""
     if out.logits is None:
         raise ValueError("the metrics need the logits: compile the model with logits=True "
                          "(treefx.compile's default)")
-    w = batch.loss_weights.to(out.logits.device)
+    device = out.logits.device
+    w = batch.loss_weights.to(device)
     idx = torch.nonzero(w).squeeze(1)
-    parent = batch.parent_token.to(idx.device)[idx]
-    unique, inverse = torch.unique(parent, return_inverse=True)
-    logits = out.logits[0, unique].float()
-    logp = torch.log_softmax(logits, dim=-1)
-    entropy = -(logp.exp() * logp).sum(-1)[inverse]
-    correct = logits.argmax(-1)[inverse] == batch.input_ids[0].to(idx.device)[idx]
+    unique, inverse = torch.unique(batch.parent_token.to(device)[idx], return_inverse=True)
+    entropy = torch.empty(len(unique), dtype=torch.float32, device=device)
+    top = torch.empty(len(unique), dtype=torch.long, device=device)
+    step = max(1, chunk_elements // out.logits.shape[-1])
+    for s in range(0, len(unique), step):
+        logits = out.logits[0, unique[s:s + step]].float()
+        logp = torch.log_softmax(logits, dim=-1)
+        entropy[s:s + step] = -(logp.exp() * logp).sum(-1)
+        top[s:s + step] = logits.argmax(-1)
+    correct = top[inverse] == batch.input_ids[0].to(device)[idx]
     wt = w[idx].double()
-    return (wt * entropy.double()).sum(), (wt * correct.double()).sum(), wt.sum()
+    return (wt * entropy[inverse].double()).sum(), (wt * correct.double()).sum(), wt.sum()
 
 
 class TreeSFTTrainer(TreeTrainerMixin, trl.SFTTrainer):
