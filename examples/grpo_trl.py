@@ -66,8 +66,7 @@ def train(model_path: str, out: str, steps: int, trees: bool):
         # SGD: the parameters after the step show the gradients' agreement directly (Adam's
         # first step divides each gradient entry by its size and so magnifies float32 noise
         # in entries near zero). TRL turns gradient checkpointing on by default: a model this
-        # small does not need it (docs/integrations.md: with it, switch treefx's first-call
-        # check off, compile_options={"verify": False}).
+        # small does not need it.
         optim="sgd", learning_rate=0.1, gradient_checkpointing=False,
         bf16=False,  # float32 (TRL otherwise autocasts to bfloat16 where it can, the CPU too)
         disable_dropout=True, disable_tqdm=True)

@@ -213,6 +213,43 @@ def test_step_with_gradient_checkpointing_is_exact(use_reentrant):
     assert rewritten_in_bodies(step.contexts[0], "attention") == 2
 
 
+def _autocast_step(model, batch, tm, *, warm: str):
+    """One bfloat16-autocast training step of ``tm`` on ``batch`` (the backward outside the
+    region, as Trainer does it); ``warm``: what ran in the same region before the tree call.
+    The gradients."""
+    model.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        if warm == "eager":  # the model alone first: its bf16 weight copies are cached
+            model(torch.tensor([[1, 2, 3, 4]])).logits.float().sum().backward()
+            model.zero_grad(set_to_none=True)
+        loss = treefx.tree_loss(tm(batch), batch)
+    loss.backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("warm", ["eager", "eager-autocast-forward",
+                                  pytest.param("verify", marks=pytest.mark.slow)])
+def test_checkpointed_regions_under_autocast_after_the_model_ran(warm):
+    """Gradient checkpointing under bfloat16 autocast, where the same autocast region ran the
+    model before the tree call (TRL's default bf16 and gradient checkpointing, with treefx's
+    first-call check): autocast had cached its bf16 weight copies, the forward took them from
+    the cache and the recompute cast them again ("aten._to_copy ... not found in storage").
+    Each tree call now starts with the cache empty and off; the gradients equal a step without
+    the earlier run. ``eager-autocast-forward``: the model's forward wrapped in an autocast of
+    its own (accelerate's mixed precision), which switches the cache on inside; ``verify``:
+    the first-call check itself (13 s: -m slow; the eager case is what it runs first)."""
+    model = hf_checkpointed("qwen3", use_reentrant=False)
+    if warm == "eager-autocast-forward":
+        model.forward = torch.autocast("cpu", dtype=torch.bfloat16)(model.forward)
+    batch = treefx.pack(odd_forest(3, VOCAB), reduction="mean")
+    tm = treefx.compile(model, backend="eager", verify=warm == "verify")
+    got = _autocast_step(model, batch, tm, warm="none" if warm == "verify" else "eager")
+    assert warm != "verify" or tm.verification.passed
+    ref = _autocast_step(model, batch, tm, warm="none")
+    for n, g in ref.items():
+        torch.testing.assert_close(got[n], g, rtol=0, atol=0, msg=n)
+
+
 class ScanModel(torch.nn.Module):
     """A linear recurrence written with torch's associative_scan along the tokens."""
 

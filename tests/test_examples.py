@@ -121,6 +121,26 @@ def test_hf_trainer_example_equals_the_stock_trainer(capsys, monkeypatch):
     assert _number(r"\(NUMBERx fewer\)", out) > 1.5
 
 
+def test_sft_trl_example_equals_trls_sft_trainer(capsys):
+    """examples/sft_trl.py: TRL's SFTTrainer and TreeSFTTrainer, the same steps: each step's
+    loss, entropy, accuracy and token count, and the parameters after training."""
+    pytest.importorskip("trl")
+    pytest.importorskip("datasets")
+    runpy.run_path(str(EXAMPLES / "sft_trl.py"), run_name="example")["main"]([])
+    out = capsys.readouterr().out
+    rows = re.findall(rf"^\s+(\d+)\s+(SFTTrainer|TreeSFTTrainer)\s+{NUMBER}\s+{NUMBER}\s+"
+                      rf"{NUMBER}\s+(\d+)$", out, re.M)
+    assert len(rows) == 4, out
+    for ref, got in zip(rows[::2], rows[1::2]):
+        assert (ref[0], ref[1], got[1]) == (got[0], "SFTTrainer", "TreeSFTTrainer"), out
+        (loss_r, ent_r, acc_r), (loss_t, ent_t, acc_t) = (map(float, x[2:5]) for x in (ref, got))
+        assert abs(loss_t - loss_r) <= 1e-5 * abs(loss_r) + 1e-7, out  # printed to 7 places
+        assert abs(ent_t - ent_r) <= 1e-5 * abs(ent_r) + 1e-7, out
+        assert acc_t == acc_r and ref[5] == got[5], out
+    assert _number(r"largest relative difference NUMBER", out) <= 1e-5
+    assert _number(r"\(NUMBERx fewer\)", out) > 1.1
+
+
 def test_grpo_update_prints_equal_objectives(capsys):
     threads = torch.get_num_threads()
     try:  # the script runs on one thread

@@ -14,6 +14,7 @@ parameters), with gradient accumulation over several micro-batches.
 from __future__ import annotations
 
 import copy
+import json
 
 import numpy as np
 import pytest
@@ -150,6 +151,20 @@ def test_rows_to_tree_counts_what_trainer_counts_and_merges_shared_prefixes():
     trees, items = rows_to_tree(mask_rows + [{"tree": tree}])
     assert items == 2 + 2 + int((lab[:, 1:] != -100).sum())
     assert trees[0] is tree and trees[1].sequence(1).tolist() == [5, 6, 9]
+    # model calls of treefx.data (trained on the completion or their loss_mask), and trees
+    # as records (Tree.to_dict(), a mapping or JSON: what a datasets.Dataset column holds)
+    from treefx.data import Call
+
+    calls = [Call([5, 6], [7, 8]), {"prompt_ids": [5, 6], "completion_ids": [9],
+                                    "loss_mask": [0, 1, 1], "logprobs": None}]
+    (merged,), items = rows_to_tree(calls)
+    assert items == 2 + 2 and merged.sequences == [[5, 6, 7, 8], [5, 6, 9]]
+    assert [m.tolist() for m in merged.loss_masks] == [[0, 0, 1, 1], [0, 1, 1]]
+    record = tree.to_dict()
+    assert "weights" not in record  # a column other rows fill: None in this row
+    trees, items = rows_to_tree([{"tree": record}, {"tree": json.dumps(record)},
+                                 {"tree": {**record, "weights": None}}])
+    assert trees == [tree] * 3 and items == 3 * int((lab[:, 1:] != -100).sum())
 
 
 def test_tree_trainer_errors(tmp_path):
@@ -157,6 +172,10 @@ def test_tree_trainer_errors(tmp_path):
         rows_to_tree([{"input_ids": [5, 6, 7], "labels": [-100, 6, 9]}])
     with pytest.raises(TypeError, match="expected a mapping with 'input_ids'"):
         rows_to_tree([[1, 2, 3]])
+    with pytest.raises(ValueError, match="row 0: 'tree' is a string but not a JSON tree"):
+        rows_to_tree([{"tree": "[1, 2"}])
+    with pytest.raises(ValueError, match="row 1: completion_ids"):
+        rows_to_tree([{"input_ids": [1, 2]}, {"prompt_ids": [1], "completion_ids": []}])
     with pytest.raises(ValueError, match="sets \\['reduction'\\] itself"):
         TreeCollator(reduction="mean")
     args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True,

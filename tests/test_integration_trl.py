@@ -197,6 +197,25 @@ def test_tree_trainer_keeps_groups_together(checkpoint, tmp_path):
     _compare(tree, stock)
 
 
+@pytest.mark.slow  # ~15 s; the cause is checked in tests/test_checkpointing.py
+def test_first_call_check_with_trls_bf16_and_gradient_checkpointing(checkpoint, tmp_path):
+    """TRL's defaults, bfloat16 autocast and gradient checkpointing, with treefx's first-call
+    check on: the check runs the model alone in the same autocast region before the tree
+    call, which once made the Trainer's backward fail ("aten._to_copy ... not found in
+    storage", autocast's weight cache); it trains and the check passes."""
+    from treefx.integrations.trl import TreeGRPOTrainer
+
+    config = dict(per_device_train_batch_size=4, gradient_accumulation_steps=1,
+                  learning_rate=1e-4, bf16=True, gradient_checkpointing=True)
+    losses, _, params, trainer = _train(TreeGRPOTrainer, checkpoint, tmp_path, multi_turn=False,
+                                        steps=1, config=config,
+                                        compile_options={"verify": True})
+    assert trainer.args.bf16 and trainer.args.gradient_checkpointing
+    ((_, tm),) = trainer._tree_models.values()
+    assert tm.verification.passed and tm.verification.compared_params > 0
+    assert len(params) == 1 and all(torch.isfinite(x) for x in losses)
+
+
 def test_logps_and_entropies_equal_trls_fused_head():
     """The function the trainer calls, alone: rows of two prompts (left-padded), completions
     sharing a first turn (right-padded), temperature 0.7; log-probs, entropies and their

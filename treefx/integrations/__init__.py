@@ -8,4 +8,6 @@ core knows nothing of them.
   micro-batch's rows (``TreeTrainer``, ``TreeCollator``).
 - :mod:`treefx.integrations.trl`: TRL's ``GRPOTrainer`` with every model call on prefix trees
   (``TreeGRPOTrainer``).
+- :mod:`treefx.integrations.trl_sft`: TRL's ``SFTTrainer`` on prefix trees of each
+  micro-batch's rows, with TRL's loss and metrics (``TreeSFTTrainer``).
 """

@@ -10,7 +10,10 @@ it, normalized the way ``Trainer`` normalizes.
 
 ``rows``: a dataset whose rows hold ``input_ids`` (with ``labels`` -100 where a token is not
 trained, or a ``completion_mask`` / ``assistant_masks``; without either every token is
-trained), or a :class:`treefx.Tree` under ``"tree"``. The rows of one micro-batch that share a
+trained), or a model call of :mod:`treefx.data` (a :class:`treefx.data.Call`, or its
+``prompt_ids`` and ``completion_ids``, with its ``loss_mask`` or trained on the completion), or
+a :class:`treefx.Tree` under ``"tree"`` (or its record :meth:`treefx.Tree.to_dict`, as a
+mapping or JSON, as a ``datasets.Dataset`` holds it). The rows of one micro-batch that share a
 prefix (the calls of one agent task, several answers to one prompt, the turns of one
 conversation) are merged into a prefix tree (:class:`TreeCollator`), and the model runs once on
 its depth-first row (:func:`treefx.compile`): every shared prefix computed once.
@@ -34,6 +37,7 @@ Evaluation reports the same loss (``prediction_step``), no logits.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -42,11 +46,12 @@ import torch
 from transformers import Trainer
 
 from .. import layout
+from ..data import Call
 from ..run.model import TreeModel, tree_loss
 from ..run.model import compile as tree_compile
 from ..tree import Tree
 
-__all__ = ["TreeCollator", "TreeTrainer", "rows_to_tree"]
+__all__ = ["TreeCollator", "TreeTrainer", "TreeTrainerMixin", "rows_to_tree"]
 
 IGNORE_INDEX = -100
 _MASK_KEYS = ("completion_mask", "assistant_masks")
@@ -60,12 +65,35 @@ def _ints(x, name: str, i: int) -> np.ndarray:
     return a.astype(np.int64)
 
 
+def _call_row(row, i: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """A model call (:class:`treefx.data.Call`, or a mapping with its ``prompt_ids`` and
+    ``completion_ids`` and no ``input_ids``): its tokens and loss mask (the call's
+    ``loss_mask``, or its completion); None for any other row."""
+    if isinstance(row, Call):
+        call = row
+    elif (isinstance(row, Mapping) and "input_ids" not in row
+          and "prompt_ids" in row and "completion_ids" in row):
+        fields = {k: row[k] for k in ("prompt_ids", "completion_ids", "loss_mask")
+                  if row.get(k) is not None}
+        try:
+            call = Call(**fields)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"row {i}: {e}") from None
+    else:
+        return None
+    return np.asarray(call.ids, dtype=np.int64), np.asarray(call.mask(), dtype=bool)
+
+
 def _row(row, i: int) -> tuple[np.ndarray, np.ndarray]:
     """A row's tokens and the mask of the tokens it trains (HF's convention: token j is
     trained when ``labels[j] != -100``, predicted from the tokens before it)."""
+    call = _call_row(row, i)
+    if call is not None:
+        return call
     if not isinstance(row, Mapping) or "input_ids" not in row:
-        raise TypeError(f"row {i}: expected a mapping with 'input_ids' (or a treefx.Tree under "
-                        f"'tree'), got {type(row).__name__}"
+        raise TypeError(f"row {i}: expected a mapping with 'input_ids' (or a model call's "
+                        "'prompt_ids' and 'completion_ids', or a treefx.Tree under 'tree'), "
+                        f"got {type(row).__name__}"
                         + (f" with keys {sorted(row)}" if isinstance(row, Mapping) else ""))
     ids = _ints(row["input_ids"], "input_ids", i)
     keep = np.ones(len(ids), bool)
@@ -97,18 +125,41 @@ def _row(row, i: int) -> tuple[np.ndarray, np.ndarray]:
     return ids, mask
 
 
+def _as_tree(value, i: int) -> Tree | None:
+    """A row's ``"tree"``: a :class:`treefx.Tree`, or its record (:meth:`treefx.Tree.to_dict`,
+    as a mapping or a JSON string: what a ``datasets.Dataset`` column holds, keys it lacks in
+    a row as None); None when there is none."""
+    if value is None or isinstance(value, Tree):
+        return value
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"row {i}: 'tree' is a string but not a JSON tree record: {e}") \
+                from None
+    if not isinstance(value, Mapping):
+        raise TypeError(f"row {i}: 'tree' must be a treefx.Tree or its record "
+                        f"(Tree.to_dict(), or that as JSON), got {type(value).__name__}")
+    try:
+        return Tree.from_dict({k: v for k, v in value.items() if v is not None})
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"row {i}: 'tree': {e}") from None
+
+
 def rows_to_tree(rows: Sequence) -> tuple[list[Tree], int]:
     """A micro-batch's rows as prefix trees, and their trained tokens as ``Trainer`` counts them.
 
     The trees (rows given as token ids merged into one tree) and the number of trained tokens
     as ``Trainer`` counts them over the rows (``labels[..., 1:] != -100``: a row's first token
-    is never predicted). Rows that are
-    :class:`treefx.Tree` (or hold one under ``"tree"``) are kept as they are, counted by their
-    sequences' loss masks."""
+    is never predicted). A row is ``input_ids`` (with ``labels``, or a mask), a model call
+    (:class:`treefx.data.Call`, or its ``prompt_ids`` and ``completion_ids``, trained on its
+    ``loss_mask`` or its completion), or a tree. Rows that are :class:`treefx.Tree` (or hold
+    one under ``"tree"``, or its record :meth:`treefx.Tree.to_dict`, as a mapping or JSON) are
+    kept as they are, counted by their sequences' loss masks."""
     seqs, masks, trees, items = [], [], [], 0
     for i, row in enumerate(rows):
         tree = row if isinstance(row, Tree) else (
-            row.get("tree") if isinstance(row, Mapping) else None)
+            _as_tree(row.get("tree"), i) if isinstance(row, Mapping) else None)
         if isinstance(tree, Tree):
             trees.append(tree)
             for p in range(tree.num_sequences):
@@ -148,49 +199,60 @@ class TreeCollator:
         return {"tree_batch": batch, "num_items": items}
 
 
-class TreeTrainer(Trainer):
-    """A ``transformers.Trainer`` that trains on prefix trees of the micro-batches' rows.
+class TreeTrainerMixin:
+    """What the tree trainers share, mixed in before a ``transformers.Trainer`` class.
 
-    Takes ``Trainer``'s arguments; ``data_collator`` defaults to :class:`TreeCollator`
-    (a custom one must return what it returns), and ``tree_compile`` (a dict) goes to
-    :func:`treefx.compile` (``backend=`` say). Columns the model's forward does not take are
-    kept (``"tree"``, the masks). Loss, gradient accumulation and the count ``Trainer``
-    normalizes by: see the module docstring."""
+    :class:`TreeTrainer` mixes it into ``Trainer``,
+    :class:`treefx.integrations.trl_sft.TreeSFTTrainer` into TRL's ``SFTTrainer``. It holds
+    the collator (:class:`TreeCollator` by default), the trained-token count the trainer
+    normalizes by (``_get_num_items_in_batch``: the rows' own, summed over ranks with
+    ``average_tokens_across_devices``), the model compiled once per model (``tree_compile``:
+    arguments of :func:`treefx.compile`), the tree's run (:meth:`_run_tree`) and the
+    normalization (:meth:`_normalize`), the refusals (``compute_loss_func``, label smoothing,
+    ``nn.DataParallel``, tensor / context / sequence parallelism), and evaluation's
+    ``prediction_step`` (the loss, no logits). ``tree_stats`` counts the tokens the trees ran
+    (``"tree_tokens"``) against the rows' own (``"sequence_tokens"``)."""
+
+    _tree_trainer = "TreeTrainer"  # the name errors give
 
     def __init__(self, *args, tree_compile: dict | None = None, **kwargs):
-        kwargs.setdefault("data_collator", TreeCollator())
+        if kwargs.get("data_collator") is None:
+            kwargs["data_collator"] = TreeCollator()
         if kwargs.get("compute_loss_func") is not None:
-            raise ValueError("TreeTrainer computes the loss on the tree; compute_loss_func "
-                             "(which takes logits and labels in a row layout) is not "
-                             "supported")
+            raise ValueError(f"{self._tree_trainer} computes the loss on the tree; "
+                             "compute_loss_func (which takes logits and labels in a row "
+                             "layout) is not supported")
+        self._tree_compile = dict(tree_compile or {})
+        self._tree_models: dict[int, TreeModel] = {}
+        #: Token counts of every tree run so far: the trees' and the rows' own (no padding).
+        self.tree_stats: dict[str, int] = {"tree_tokens": 0, "sequence_tokens": 0}
         super().__init__(*args, **kwargs)
         if self.args.label_smoothing_factor:
-            raise ValueError("TreeTrainer: label_smoothing_factor is not supported (the "
-                             "loss is computed from the tokens' log-probabilities)")
+            raise ValueError(f"{self._tree_trainer}: label_smoothing_factor is not supported "
+                             "(the loss is computed from the tokens' log-probabilities)")
         # our compute_loss divides by num_items_in_batch itself, so Trainer must not
         # divide by the accumulation steps again
         self.model_accepts_loss_kwargs = True
-        self._tree_compile = dict(tree_compile or {})
-        self._tree_models: dict[int, TreeModel] = {}
 
     def _remove_unused_columns(self, dataset, description=None):
         return dataset  # the collator reads "tree" and the masks
 
     def _check_parallelism(self):
+        name = self._tree_trainer
         if self.args.n_gpu > 1:
-            raise ValueError("TreeTrainer does not support nn.DataParallel (n_gpu > 1): "
+            raise ValueError(f"{name} does not support nn.DataParallel (n_gpu > 1): "
                              "launch one process per GPU (torchrun) for DDP or FSDP")
-        for name in ("get_tp_size", "get_cp_size", "get_sp_size"):
-            size = getattr(self, name, lambda: 1)()
+        for fn in ("get_tp_size", "get_cp_size", "get_sp_size"):
+            size = getattr(self, fn, lambda: 1)()
             if size != 1:
-                raise ValueError(f"TreeTrainer: {name[4:6]} parallelism (size {size}) is "
+                raise ValueError(f"{name}: {fn[4:6]} parallelism (size {size}) is "
                                  "not supported")
 
     def _get_num_items_in_batch(self, batch_samples, device):
         self._check_parallelism()
         if not batch_samples or "num_items" not in batch_samples[0]:
-            raise ValueError("TreeTrainer needs batches from TreeCollator (a dict with "
-                             f"'tree_batch' and 'num_items'); got keys "
+            raise ValueError(f"{self._tree_trainer} needs batches from TreeCollator (a dict "
+                             "with 'tree_batch' and 'num_items'); got keys "
                              f"{sorted(batch_samples[0]) if batch_samples else []}")
         n = torch.tensor(sum(int(b["num_items"]) for b in batch_samples), device=device)
         if self.args.average_tokens_across_devices and self.args.world_size > 1:
@@ -203,27 +265,51 @@ class TreeTrainer(Trainer):
             tm = self._tree_models[id(model)] = tree_compile(model, **self._tree_compile)
         return tm
 
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        """The micro-batch's loss on its tree: the rows' token losses summed, divided by the
-        accumulated step's trained-token count (``num_items_in_batch``), as ``Trainer`` does
-        for a causal LM; ``return_outputs`` adds the :class:`treefx.TreeOutput`."""
+    def _run_tree(self, model, inputs):
+        """The micro-batch's :class:`treefx.TreeBatch` (on the device) and the compiled
+        model's :class:`treefx.TreeOutput` on it."""
         if "tree_batch" not in inputs:
-            raise ValueError("TreeTrainer needs batches from TreeCollator (a dict with "
-                             f"'tree_batch'); got keys {sorted(inputs)}")
+            raise ValueError(f"{self._tree_trainer} needs batches from TreeCollator (a dict "
+                             f"with 'tree_batch'); got keys {sorted(inputs)}")
         batch = inputs["tree_batch"].to(self.args.device)
         out = self._tree_model(model)(batch)
-        loss = tree_loss(out, batch)  # Σ over rows of their token losses
+        self.tree_stats["tree_tokens"] += batch.num_real_tokens
+        self.tree_stats["sequence_tokens"] += batch.num_baseline_tokens
+        return batch, out
+
+    def _normalize(self, loss, inputs, num_items_in_batch, *, at_least_one: bool = False):
+        """``loss`` (a sum over the micro-batch's rows) divided by the accumulated step's
+        trained-token count, or the micro-batch's own without one (evaluation), times the
+        process count where ``Trainer`` does that; ``at_least_one``: a count of 0 divides by
+        1 (a batch without trained tokens has loss 0)."""
         if num_items_in_batch is None:  # a lone micro-batch (evaluation): its token mean
             num_items_in_batch = inputs["num_items"]
         elif self.args.average_tokens_across_devices and self.args.world_size > 1:
             loss = loss * self.accelerator.num_processes  # as Trainer.compute_loss does
-        if isinstance(num_items_in_batch, torch.Tensor):
-            num_items_in_batch = num_items_in_batch.to(loss.device)
-        loss = loss / num_items_in_batch
+        n = torch.as_tensor(num_items_in_batch, device=loss.device)
+        return loss / (n.clamp(min=1) if at_least_one else n)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """The micro-batch's loss on its tree: the rows' token losses summed, divided by the
+        accumulated step's trained-token count (``num_items_in_batch``), as ``Trainer`` does
+        for a causal LM; ``return_outputs`` adds the :class:`treefx.TreeOutput`."""
+        batch, out = self._run_tree(model, inputs)
+        loss = self._normalize(tree_loss(out, batch), inputs, num_items_in_batch)
         return (loss, out) if return_outputs else loss
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         """Evaluation: the micro-batch's token-mean loss, no logits or labels."""
-        with torch.no_grad():
+        with torch.no_grad(), self.compute_loss_context_manager():
             loss = self.compute_loss(model, inputs)
         return loss.detach(), None, None
+
+
+class TreeTrainer(TreeTrainerMixin, Trainer):
+    """A ``transformers.Trainer`` that trains on prefix trees of the micro-batches' rows.
+
+    Takes ``Trainer``'s arguments; ``data_collator`` defaults to :class:`TreeCollator`
+    (a custom one must return what it returns), and ``tree_compile`` (a dict) goes to
+    :func:`treefx.compile` (``backend=`` say). Columns the model's forward does not take are
+    kept (``"tree"``, the masks). Loss, gradient accumulation and the count ``Trainer``
+    normalizes by: see the module docstring. ``tree_stats``: the tokens the trees ran against
+    the rows' own."""

@@ -63,8 +63,9 @@ def check_trl_version(version: str | None = None) -> str:
         raise ImportError(
             f"treefx.integrations.trl supports trl {' or '.join(SUPPORTED_TRL_VERSIONS)}, the "
             f"versions it is tested with; trl {version} is installed. It overrides internals of "
-            "GRPOTrainer (_get_per_token_logps_and_entropies, _prepare_inputs) that change "
-            f"between releases: pip install \"trl=={SUPPORTED_TRL_VERSIONS[-1]}\""
+            "GRPOTrainer (_get_per_token_logps_and_entropies, _prepare_inputs) and SFTTrainer "
+            "(_prepare_dataset, _metrics) that change between releases: pip install "
+            f"\"trl=={SUPPORTED_TRL_VERSIONS[-1]}\""
         )
     return version
 

@@ -7,7 +7,8 @@ runs with the registered recurrent kernels swapped for their markers
 attention (:mod:`treefx.families.hf_flex`), Hugging Face's packed-sequence inference finding one
 sequence per path (:mod:`treefx.families.hf_packing`), the model's configs without a cache for a
 step (:func:`no_cache`), duck shaping off for a part of a tree, and, for a regional capture,
-the model's FSDP/DDP state made traceable (:func:`treefx.run.regional.capture_state`). Before
+the model's FSDP/DDP state made traceable (:func:`treefx.run.regional.capture_state`). Every
+call runs with autocast's weight cache emptied and off (:func:`no_autocast_cache`). Before
 its first capture a model is made ready once (:func:`prepare_model`). The engine
 (:mod:`treefx.run.engine`) is the one caller.
 """
@@ -26,7 +27,7 @@ from ..families.hf_packing import one_sequence_per_path
 from ..plan import Plan
 from . import backends, regional
 
-__all__ = ["capture_environment", "no_cache", "prepare_model"]
+__all__ = ["capture_environment", "no_autocast_cache", "no_cache", "prepare_model"]
 
 
 @contextlib.contextmanager
@@ -49,6 +50,31 @@ def capture_environment(model: torch.nn.Module | None, plan: Plan, *,
 
             stack.enter_context(fx_config.patch(use_duck_shape=False))
         yield
+
+
+@contextlib.contextmanager
+def no_autocast_cache():
+    """Autocast's cache of low-precision weight copies emptied and off while a tree graph runs
+    (the flag restored after; no effect outside autocast).
+
+    Within one autocast region, autocast casts a float32 weight to bfloat16 once and reuses the
+    copy. A checkpointed layer of a captured graph (Hugging Face's gradient checkpointing, seen
+    by Dynamo) is recomputed in the backward by replaying its forward's ops one by one, and
+    refuses an op the forward did not run: "aten._to_copy.default ... encountered during
+    backward but not found in storage". A weight the region had already cast before the tree
+    call (the model run alone first in the same region: ``treefx.verify``'s first-call check,
+    or a reference pass) was taken from the cache in the forward but is cast again in the
+    recompute, which starts with an empty cache. So the cache is emptied before the call, and
+    switched off during it (a model whose forward enters an autocast of its own, as
+    accelerate's mixed precision wraps it, switches it on again inside: a weight's first use
+    in the call is then a cast in the forward and in the recompute alike)."""
+    torch.clear_autocast_cache()
+    enabled = torch.is_autocast_cache_enabled()
+    torch.set_autocast_cache_enabled(False)
+    try:
+        yield
+    finally:
+        torch.set_autocast_cache_enabled(enabled)
 
 
 @contextlib.contextmanager

@@ -23,7 +23,7 @@ import torch.fx as fx
 
 from . import backends, regional
 from .. import families  # noqa: F401  (registers what treefx knows of model families)
-from .capture import capture_environment, no_cache, prepare_model
+from .capture import capture_environment, no_autocast_cache, no_cache, prepare_model
 from ..compiler import GraphBreakError, GraphContext, TreeCompileError, run_passes
 from ..compiler.graph import example, graph_code, module_path
 from ..compiler.lower.parts import PartSites, part_outputs
@@ -160,7 +160,7 @@ class TreeEngine:
             prepare_model(discover_in)
             self._prepared.add(discover_in)
         with no_cache(discover_in) if self.plan.mode in ("step", "part-step") else \
-                contextlib.nullcontext():
+                contextlib.nullcontext(), no_autocast_cache():
             return self._call(backend, args, dynamic, discover_in, root)
 
     def _call(self, backend, args, dynamic, discover_in, root):
