@@ -1,18 +1,52 @@
-"""Hugging Face's output-capturing hooks (router logits, hidden states, attentions, ...).
+"""Hugging Face's hooks around a capture.
 
-Hugging Face installs them lazily, on the first forward that asks for such an output, under a
-threading lock that Dynamo cannot trace. :func:`install_output_hooks` installs them before the
-capture, for the modules whose config asks for a captured output (a Mixtral-style model with
+Output-capturing hooks (router logits, hidden states, attentions, ...): Hugging Face installs
+them lazily, on the first forward that asks for such an output, under a threading lock that
+Dynamo cannot trace. :func:`install_output_hooks` installs them before the capture, for the
+modules whose config asks for a captured output (a Mixtral-style model with
 ``output_router_logits=True``), as that forward would; the engine calls it once per model.
+
+Input-gradient hooks: activation checkpointing (``gradient_checkpointing_enable`` /
+``activation_checkpointing_enable``) calls ``enable_input_require_grads``, a forward hook on
+the input embeddings that calls ``requires_grad_(True)`` on their output, so that *reentrant*
+checkpointing reaches adapter weights behind frozen embeddings. Dynamo of torch 2.11 breaks the
+graph there when the output does not require grad yet (a part's embedding rows); a captured
+checkpoint is non-reentrant, which reaches every parameter inside without them.
+:func:`without_input_grad_hooks` leaves them out of a capture (they are restored after).
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
 
 import torch
 
-__all__ = ["install_output_hooks"]
+__all__ = ["install_output_hooks", "without_input_grad_hooks"]
+
+
+@contextlib.contextmanager
+def without_input_grad_hooks(model: torch.nn.Module | None):
+    """``model``'s ``enable_input_require_grads`` hooks removed while the block runs, put back
+    in their order after (see the module's docstring)."""
+    saved = []
+    for module in model.modules() if model is not None else ():
+        handles = list(getattr(module, "_require_grads_hooks", None) or ())
+        one = getattr(module, "_require_grads_hook", None)
+        if one is not None and one not in handles:
+            handles.append(one)
+        for handle in handles:
+            hooks = handle.hooks_dict_ref()
+            if hooks is not None and handle.id in hooks:
+                if not any(h is hooks for h, _ in saved):
+                    saved.append((hooks, dict(hooks)))
+                del hooks[handle.id]
+    try:
+        yield
+    finally:
+        for hooks, items in saved:
+            hooks.clear()
+            hooks.update(items)
 
 
 def install_output_hooks(model: torch.nn.Module) -> None:

@@ -6,7 +6,9 @@ runs with the registered recurrent kernels swapped for their markers
 (:func:`treefx.run.backends.capture_config`), a Hugging Face flex-attention model on its eager
 attention (:mod:`treefx.families.hf_flex`), Hugging Face's packed-sequence inference finding one
 sequence per path (:mod:`treefx.families.hf_packing`), the model's configs without a cache for a
-step (:func:`no_cache`), duck shaping off for a part of a tree, and, for a regional capture,
+step (:func:`no_cache`), Hugging Face's input-gradient hooks of activation checkpointing left out
+(:func:`treefx.families.hf_hooks.without_input_grad_hooks`), duck shaping off for a part of a
+tree, and, for a regional capture,
 the model's FSDP/DDP state made traceable (:func:`treefx.run.regional.capture_state`). Every
 call runs with autocast's weight cache emptied and off (:func:`no_autocast_cache`). Before
 its first capture a model is made ready once (:func:`prepare_model`). The engine
@@ -22,7 +24,7 @@ import torch
 from ..compiler import TreeCompileError
 from ..compiler.recurrences import UnsupportedLayerError, capture_patches, discover
 from ..families.hf_flex import eager_attention
-from ..families.hf_hooks import install_output_hooks
+from ..families.hf_hooks import install_output_hooks, without_input_grad_hooks
 from ..families.hf_packing import one_sequence_per_path
 from ..plan import Plan
 from . import backends, regional
@@ -40,6 +42,7 @@ def capture_environment(model: torch.nn.Module | None, plan: Plan, *,
             stack.enter_context(regional.capture_state(model))
             stack.enter_context(torch._dynamo.config.patch(optimize_ddp=False))
         stack.enter_context(capture_patches())
+        stack.enter_context(without_input_grad_hooks(model))
         stack.enter_context(backends.capture_config())
         stack.enter_context(eager_attention(model))
         stack.enter_context(one_sequence_per_path())
