@@ -456,7 +456,7 @@ def build(gm: fx.GraphModule, example_inputs, *, backend: str, model: torch.nn.M
         piece.param_meta = [(tuple(f.shape), f.dtype) for f in args[:len(piece.params)]]
         piece.input_dtypes = [getattr(f, "dtype", None) for f in args[len(piece.params):]]
         piece.key = _structure_key(piece.gm, args)
-        compiled = cache.get(piece.key)
+        compiled, first_outs = cache.get(piece.key, (None, None))
         aot = backend in ("inductor", "aot-eager")
         if aot:
             # which inputs the compiled piece differentiates: AOTAutograd gives none to an
@@ -466,14 +466,18 @@ def build(gm: fx.GraphModule, example_inputs, *, backend: str, model: torch.nn.M
         if aot and tc is not None:
             tc.fakify_first_call = True
         try:
-            if compiled is None:
-                compiled = backends.compile_graph(backend, piece.gm, args)
-                cache[piece.key] = compiled
             # The compiled piece's outputs, with its strides and autograd flags (the next
             # pieces are compiled for them). A piece that shares another's compiled function
-            # runs it too: the capture's example values may differ in both (an example made
-            # without requires_grad compiled the next piece to drop that gradient).
-            outs = _fake_run(compiled, args, fake_mode) if aot else None
+            # gets outputs like the first one's, not the capture's example values, which may
+            # differ in both (an example made without requires_grad compiled the next piece
+            # to drop that gradient). Same key, same inputs' kinds: same outputs. (Inductor's
+            # function runs on fake inputs only on its first call.)
+            if compiled is None:
+                compiled = backends.compile_graph(backend, piece.gm, args)
+                outs = _fake_run(compiled, args, fake_mode) if aot else None
+                cache[piece.key] = (compiled, outs)
+            else:
+                outs = None if first_outs is None else _like(first_outs, fake_mode)
         finally:
             if tc is not None:
                 tc.fakify_first_call = False
@@ -513,6 +517,15 @@ def build(gm: fx.GraphModule, example_inputs, *, backend: str, model: torch.nn.M
              "(%.1f s)", len(pieces), n_blocks, len(cache), time.perf_counter() - t0)
     graph.num_compiled = len(cache)
     return graph
+
+
+def _like(outs, fake_mode) -> list:
+    """Fresh fake tensors of ``outs``' shapes, strides, dtypes, devices and autograd flags
+    (other values as they are)."""
+    with fake_mode:
+        return [torch.empty_strided(o.shape, o.stride(), dtype=o.dtype, device=o.device,
+                                    requires_grad=o.requires_grad)
+                if isinstance(o, torch.Tensor) else o for o in outs]
 
 
 def _fake_run(fn, args, fake_mode):
