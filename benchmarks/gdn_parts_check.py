@@ -7,6 +7,9 @@ combined; one H100 without FSDP2 or checkpointing was exact)?
         [--backends inductor,eager] [--budgets 256]
     python -m benchmarks.gdn_parts_check --dry-run          # CPU: tiny model, few trees
 
+Exit status 1 when a variant fails or its parts are more than ``FLAG`` times further from the
+oracle than its whole trees.
+
 A float32 Qwen3-Next (``benchmarks.distributed_check.EXACT_HYBRID``; TF32 off) on the check
 forest (odd trees and a 6k-token agent tree), one process: the per-sequence oracle, then for
 each variant (a fresh model of the same weights: ``regional`` regional execution, ``ckpt``
@@ -36,10 +39,16 @@ import treefx
 
 from . import common
 from .common import check_forest, odd_forest
-from .distributed_check import DRY_HYBRID, EXACT_HYBRID, SCALE_FLOOR, _rel
+from .distributed_check import EXACT_HYBRID, SCALE_FLOOR, _hybrid, _rel
 from .fsdp import _build, _shard
 
 VARIANTS = ("plain", "regional", "ckpt", "fsdp", "fsdp+ckpt")
+# dry run: three Gated DeltaNet layers (two of them share a compiled piece regionally) and an
+# attention layer, as EXACT_HYBRID, at tiny widths
+DRY_HYBRID = _hybrid(32, 64, 4, 4, 2, 8, 2, 4, 8, 1024)
+# a row of parts is flagged when its worst error passes this many times its whole trees' (and
+# 1e-5): the bug this script found was 400x
+FLAG = 10.0
 
 
 def _one_rank_group(dev) -> None:
@@ -188,8 +197,14 @@ def main(argv=None):
     print("group".ljust(width) + "".join(r[:18].rjust(19) for r in rows))
     for k in keys:
         print(k.ljust(width) + "".join(f"{rows[r].get(k, float('nan')):19.2e}" for r in rows))
+    flagged = [r for r in rows if " parts " in r and max(rows[r].values()) > max(
+        1e-5, FLAG * max(rows.get(r.split(" parts ")[0] + " whole", {"": 0.0}).values()))]
+    errors = [k for k, v in res["rows"].items() if isinstance(v, str)]
+    for r in flagged:
+        print(f"FLAGGED: {r} is more than {FLAG:g}x its whole trees' error")
     print(f"written to {args.out}", flush=True)
+    return 1 if flagged or errors else 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

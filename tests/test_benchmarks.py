@@ -338,3 +338,17 @@ def test_multi_gpu_dry_run(tmp_path, monkeypatch):
     assert s["share_of_bound"] == pytest.approx(s["speedup"] / res["bound"])
     # the second method started from the same weights: its later losses are the first's
     assert p["losses"] == pytest.approx(t["losses"], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_gdn_parts_check_dry_run(tmp_path):
+    """Three Gated DeltaNet layers, two sharing a compiled piece, in parts through AOTAutograd:
+    within 10x of whole trees (the shared-piece bug was 400x)."""
+    from benchmarks import gdn_parts_check
+
+    out = tmp_path / "gdn.json"
+    rc = gdn_parts_check.main(["--dry-run", "--variants", "regional", "--backends",
+                               "aot-eager", "--out", str(out)])
+    assert rc == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert set(rows) == {"regional aot-eager whole", "regional aot-eager parts 16"}

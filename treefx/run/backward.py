@@ -121,7 +121,6 @@ class PartRunner:
         self.engine: TreeEngine | None = None
         self.no_grad_engine: TreeEngine | None = None
         self.layout: PartLayout | None = None
-        self.warned_fsdp_state = False  # _warn_fsdp_state, once
         self.model = model
         self.step = plan.mode == "part-step"
         # the first call checks the part graph against the oracle, as treefx.compile's
@@ -479,7 +478,6 @@ def backward(tm: TreeModel, trees: Tree | Iterable[Tree] | TreeBatch | None, *,
                collective=kind == "fsdp")
     if kind == "fsdp":
         _rounds(run, group)
-        _warn_fsdp_state(runner, target)
     elif kind == "ddp":
         # The parts run on the inner module, without DDP's hooks (no_sync: its reducer ignores
         # the parts' backwards); the gradients are averaged over the group once, at the end.
@@ -494,24 +492,6 @@ def backward(tm: TreeModel, trees: Tree | Iterable[Tree] | TreeBatch | None, *,
             run.forward(i) if event == "F" else run.backward(i)
         run.finish()
     return run.total.to(run.dtype)
-
-
-def _warn_fsdp_state(runner, model) -> None:
-    """Once per part graph: recurrent state handed between parts under FSDP2 on a GPU is not
-    verified (the first call is not probed under FSDP2, and the GPU check found Gated
-    DeltaNet gradients off where the CPU tests and one GPU agree: BENCHMARKS.md, "Several
-    GPUs")."""
-    layout = getattr(runner, "layout", None)
-    if layout is None or not layout.state_width or runner.warned_fsdp_state:
-        return
-    if next(model.parameters()).device.type != "cuda":
-        return
-    runner.warned_fsdp_state = True
-    log.warning("treefx.backward under FSDP2 on a GPU hands recurrent state between parts "
-                "(%s): not verified; benchmarks/distributed_check.py found Gated DeltaNet "
-                "gradients off against the per-sequence oracle in this setting (the loss "
-                "agrees). Check your model's gradients with it, or train whole trees "
-                "(treefx.compile) or on one GPU until this is resolved", layout.describe())
 
 
 def _group(kind: str | None, model: torch.nn.Module, wrapper):
