@@ -39,7 +39,7 @@ import treefx
 
 from . import common
 from .common import check_forest, odd_forest
-from .distributed_check import EXACT_HYBRID, SCALE_FLOOR, _hybrid, _rel
+from .distributed_check import EXACT_HYBRID, SCALE_FLOOR, _grads, _hybrid, _rel
 from .fsdp import _build, _shard
 
 VARIANTS = ("plain", "regional", "ckpt", "fsdp", "fsdp+ckpt")
@@ -102,17 +102,6 @@ def _diagnostic(variant: str):
                 lambda model, block, piece, ins: call(model, block, piece,
                                                       [own(x) for x in ins])))
         yield
-
-
-def _grads(model) -> dict:
-    out = {}
-    for n, p in model.named_parameters():
-        g = p.grad
-        if g is not None and hasattr(g, "full_tensor"):
-            g = g.full_tensor()
-        out[n] = None if g is None else g.detach().clone()
-    model.zero_grad(set_to_none=True)
-    return out
 
 
 def _errors(grads: dict, ref: dict) -> dict:
