@@ -34,3 +34,6 @@ def test_sinks_match_oracle():
     notes = [r.note for r in tm.contexts[0].log if r.pass_name == "attention"
              and "not attention" not in r.note]
     assert len(notes) == 2 and all("sink from the log-sum-exp" in n for n in notes), notes
+    # the scored-attention form (tests/test_scored_attention.py runs this same model there
+    # with -m slow)
+    assert all("eager-scored" in n for n in notes), notes

@@ -58,7 +58,10 @@ def positions_notes(tm) -> list[str]:
     return [r.note for c in tm.contexts for r in c.log if r.pass_name == "positions"]
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
+# GPT-Neo's and MPT's tables: the same models, trees and checks are
+# tests/test_family_position_tables.py's, which CI runs; here with -m slow.
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow)
+                                  if n in ("gpt_neo", "mpt") else n for n in CONFIGS])
 def test_matches_oracle(name):
     tm = treefx.compile(model_of(name), backend="eager")
     check_against_oracle(tm, odd_forest(3, VOCAB))
