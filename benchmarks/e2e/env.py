@@ -81,7 +81,8 @@ _ARCH_TINY = {
 
 def build_model(env: Env, hidden: int, args):
     """HF Qwen3 (or Qwen3-Next: Gated DeltaNet + attention, 3:1) from a config, in training
-    mode: 16 heads, 8 KV heads, head_dim 128, intermediate 3 x hidden on the GPU; a tiny one in
+    mode: ``--heads`` heads (16), ``--kv-heads`` KV heads (8), head_dim 128, intermediate
+    3 x hidden on the GPU; a tiny one in
     the dry run. ``--arch deepseek_v2`` / ``gpt_oss``: those models' real layer shapes
     (:data:`ARCH_SHAPES`). Returns the model and its config."""
     if args.arch in ARCH_SHAPES:
@@ -98,8 +99,8 @@ def build_model(env: Env, hidden: int, args):
                    num_key_value_heads=2, head_dim=16)
     else:
         cfg = dict(vocab_size=args.vocab, hidden_size=hidden, intermediate_size=3 * hidden,
-                   num_hidden_layers=args.layers, num_attention_heads=16,
-                   num_key_value_heads=8, head_dim=128)
+                   num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                   num_key_value_heads=args.kv_heads, head_dim=128)
     extra = {}
     if args.arch == "qwen3_next":
         # Gated DeltaNet + attention, 3 : 1 as in Qwen3-Next, with a dense MLP in every layer.

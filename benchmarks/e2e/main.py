@@ -41,6 +41,10 @@ def parse_args(argv=None):
     p.add_argument("--methods", default=",".join(METHODS),
                    help=f"subset of {METHODS}, plus opt-in {EXTRA_METHODS}")
     p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--heads", type=int, default=16,
+                   help="attention heads of the qwen3 / qwen3_next models (head_dim 128; "
+                        "Qwen3-8B: --hidden 4096 --heads 32)")
+    p.add_argument("--kv-heads", type=int, default=8, help="their key/value heads")
     p.add_argument("--arch", choices=("qwen3", "qwen3_next", "deepseek_v2", "gpt_oss"),
                    default="qwen3",
                    help="qwen3 (attention), qwen3_next (Gated DeltaNet + attention, 3:1; "
