@@ -1,12 +1,20 @@
 """How evenly ``treefx.distributed.assign`` spreads real trees over ranks (CPU only).
 
     python -m benchmarks.balance --trees .data/swe200.jsonl [--worlds 2 4 8] [--per-rank 1 2 4]
+    python -m benchmarks.balance --trees .data/swe200.jsonl --rounds 32768
 
 Random steps of ``world × per_rank`` trees from the file (``treefx ingest`` output), each
 assigned with whole trees and with ``split=True``; reported per (world, trees per rank): the
 slowest rank's cost over the mean (median and worst over ``--steps`` steps; 1.0 is perfect),
 with the Qwen3-8B FLOP cost model (:data:`treefx.distributed.DEFAULT_COST`), and the slowest
 ``assign`` call.
+
+``--rounds BUDGET``: also the waiting of ``treefx.backward``'s rounds under FSDP2 (every rank
+runs its parts in common rounds, each as long as its largest part): each rank's trees packed
+in the order ``assign`` returns (``order="input"`` and ``"largest_first"``) and planned at
+the budget as ``treefx.backward`` plans them there; reported: the tokens of each round's
+largest part summed over the rounds, over the busiest rank's tokens (1.0: no rank waits;
+tokens stand in for time).
 """
 
 from __future__ import annotations
@@ -17,12 +25,25 @@ import random
 import statistics
 import time
 
+from treefx import parts
 from treefx.distributed import DEFAULT_COST, assign
+from treefx.layout import pack
 from treefx.tree import Tree
 
 
 def imbalance(ranks, mean: float) -> float:
     return max(DEFAULT_COST.of_batch(r) for r in ranks) / mean
+
+
+def rounds_over_busiest(ranks, budget: int) -> float:
+    """Under FSDP2 rounds: the sum over rounds of the largest part's tokens, over the busiest
+    rank's tokens (each rank's trees packed in the given order, planned at ``budget`` without
+    recompute parts, as treefx.backward does with FSDP2)."""
+    plans = [parts.plan(pack(r), budget, recompute=False) for r in ranks]
+    k = max(p.num_parts for p in plans)
+    rounds = sum(max(p.parts[i].num_tokens if i < p.num_parts else 0 for p in plans)
+                 for i in range(k))
+    return rounds / max(sum(x.num_tokens for x in p.parts) for p in plans)
 
 
 def main(argv=None):
@@ -33,33 +54,50 @@ def main(argv=None):
     p.add_argument("--per-rank", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rounds", type=int, default=None, metavar="BUDGET",
+                   help="also the rounds' waiting under FSDP2 at this token budget")
     p.add_argument("--out", default=None, help="JSON file")
     args = p.parse_args(argv)
     with open(args.trees) as f:
         trees = [Tree.from_dict(json.loads(line)) for line in f if line.strip()]
     rng = random.Random(args.seed)
     rows = []
-    print("world  trees/rank  whole: median  worst   split: median  worst   slowest assign s")
+    print("world  trees/rank  whole: median  worst   split: median  worst   slowest assign s"
+          + ("   rounds input: median worst   largest first: median worst"
+             if args.rounds else ""))
     for world in args.worlds:
         for per in args.per_rank:
-            whole, cut, secs = [], [], []
+            whole, cut, secs, r_in, r_lf = [], [], [], [], []
             for _ in range(args.steps):
                 step = rng.sample(trees, world * per)
                 mean = DEFAULT_COST.of_batch(step) / world
                 whole.append(imbalance(assign(step, world), mean))
+                if args.rounds:
+                    r_in.append(rounds_over_busiest(assign(step, world), args.rounds))
+                    r_lf.append(rounds_over_busiest(assign(step, world, order="largest_first"),
+                                                    args.rounds))
                 t0 = time.perf_counter()
                 cut.append(imbalance(assign(step, world, split=True), mean))
                 secs.append(time.perf_counter() - t0)
             row = dict(world=world, trees_per_rank=per, whole_median=statistics.median(whole),
                        whole_worst=max(whole), split_median=statistics.median(cut),
                        split_worst=max(cut), slowest_split_assign_s=max(secs))
+            if args.rounds:
+                row.update(rounds_input_median=statistics.median(r_in), rounds_input_worst=max(
+                    r_in), rounds_largest_first_median=statistics.median(r_lf),
+                    rounds_largest_first_worst=max(r_lf))
             rows.append(row)
             print(f"{world:5d}  {per:10d}  {row['whole_median']:13.3f}  {row['whole_worst']:5.3f}"
                   f"  {row['split_median']:13.3f}  {row['split_worst']:5.3f}"
-                  f"  {row['slowest_split_assign_s']:16.2f}", flush=True)
+                  f"  {row['slowest_split_assign_s']:16.2f}"
+                  + (f"   {row['rounds_input_median']:19.3f} {row['rounds_input_worst']:5.3f}"
+                     f"   {row['rounds_largest_first_median']:20.3f} "
+                     f"{row['rounds_largest_first_worst']:5.3f}" if args.rounds else ""),
+                  flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"trees": args.trees, "steps": args.steps, "seed": args.seed,
+                       "rounds_budget": args.rounds,
                        "cost": "DEFAULT_COST (Qwen3-8B FLOPs)", "rows": rows}, f, indent=1)
 
 

@@ -300,6 +300,9 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=None,
                    help="timed steps after the first (default 3; dry run 1)")
     p.add_argument("--lr", type=float, default=None, help="AdamW's (default 1e-6; dry run 1e-3)")
+    p.add_argument("--order", choices=("input", "largest_first"), default="largest_first",
+                   help="each rank's trees as treefx.distributed.assign(order=) returns them "
+                        "(runs before 2026-11-26 10:00: input)")
     p.add_argument("--grad-sync", choices=("last", "every"), default="last",
                    help="packing: reduce-scatter gradients on the last micro-batch only (FSDP2 "
                         "then holds unsharded float32 gradients) or on every one")
@@ -347,7 +350,7 @@ def main(argv=None):
     if len(trees) < world:
         raise SystemExit(f"{len(trees)} trees for {world} ranks: --tasks at least {world}")
     cost = treefx.distributed.CostModel.from_config(shape)
-    shares = treefx.distributed.assign(trees, world, cost=cost)
+    shares = treefx.distributed.assign(trees, world, cost=cost, order=args.order)
     mine = shares[rank]
     num_sequences = sum(t.num_sequences for t in trees)
     capacity = max(args.budget, max(int(t.sequence_lengths.max()) for t in trees))

@@ -94,6 +94,24 @@ def test_assign_is_deterministic_covers_every_tree_once_in_input_order():
     assert assign(trees[0], 1) == [[trees[0]]]
 
 
+def test_assign_largest_first_orders_each_rank_by_cost():
+    """order="largest_first": the same trees on each rank as input order, each rank's from the
+    most costly down (ties in input order); an unknown order is an error."""
+    trees = small_agent_trees(13, seed=5)
+    position = {id(t): i for i, t in enumerate(trees)}
+    for world in (1, 3, 5):
+        plain = assign(trees, world)
+        ordered = assign(trees, world, order="largest_first")
+        assert [sorted(map(id, p)) for p in ordered] == [sorted(map(id, p)) for p in plain]
+        for p in ordered:
+            keys = [(-DEFAULT_COST(t), position[id(t)]) for t in p]
+            assert keys == sorted(keys)
+        assert any([id(t) for t in p] != [id(t) for t in q] for p, q in zip(ordered, plain)) \
+            or world == 1 or all(len(p) == 1 for p in plain)
+    with pytest.raises(ValueError, match="order must be one of"):
+        assign(trees, 2, order="smallest_first")
+
+
 def test_assign_with_a_cost_model_of_tokens_only_balances_tokens():
     trees = small_agent_trees(20, seed=3)
     tokens_only = CostModel(per_token=1.0, per_pair=0.0)

@@ -322,8 +322,11 @@ DEFAULT_COST = CostModel(per_token=45_408_583_680.0, per_pair=2_064_384.0)
 # ---------------------------------------------------------------------- assign
 
 
+_ORDERS = ("input", "largest_first")
+
+
 def assign(trees, world_size: int, *, cost: CostModel | Callable[[Tree], float] | None = None,
-           split: bool = False) -> list[list[Tree]]:
+           split: bool = False, order: str = "input") -> list[list[Tree]]:
     """Split trees over ranks so that the ranks' step times are close.
 
     Split ``trees`` over ``world_size`` ranks so that their step times are close: LPT
@@ -350,7 +353,16 @@ def assign(trees, world_size: int, *, cost: CostModel | Callable[[Tree], float] 
     of a tree on the slowest rank helps; the returned lists then hold the pieces (new trees)
     in place of a tree that was cut, in input order. Fewer trees than ranks is accepted when
     the cuts give every rank something.
+
+    ``order``: ``"input"`` (default) keeps each rank's trees in input order;
+    ``"largest_first"`` puts them in decreasing order of cost (ties: input order). Under FSDP2
+    :func:`treefx.backward` runs the ranks' parts in common rounds, each as long as its
+    slowest part, so ranks whose parts come in the same order of size wait less (measured on
+    real agent trees in docs/distributed.md, "Rounds"). Pack the trees (and give
+    per-sequence values such as advantages) in the order returned.
     """
+    if order not in _ORDERS:
+        raise ValueError(f"order must be one of {_ORDERS}, got {order!r}")
     if not isinstance(world_size, numbers.Integral) or isinstance(world_size, bool):
         raise TypeError(f"world_size must be a positive integer, got {world_size!r} "
                         f"({type(world_size).__name__})")
@@ -384,6 +396,8 @@ def assign(trees, world_size: int, *, cost: CostModel | Callable[[Tree], float] 
             + ("" if split else "let assign cut trees (split=True), ")
             + "split large trees with treefx.partition, or use fewer ranks"
         )
+    if order == "largest_first":
+        return [[u.tree for u in sorted(r, key=lambda u: (-u.cost, u.key))] for r in ranks]
     return [[u.tree for u in sorted(r, key=lambda u: u.key)] for r in ranks]
 
 
