@@ -78,6 +78,35 @@ def test_checkpointing_dry_run_checks(tmp_path):
         assert res["verify"][name].get("passed") is True, res["verify"][name]
 
 
+@pytest.mark.slow  # ~1 min: TRL's GRPOTrainer and TreeGRPOTrainer, two cycles each
+@pytest.mark.filterwarnings("ignore")
+def test_grpo_dry_run_paths_agree(tmp_path):
+    """benchmarks.grpo on the CPU (tiny Qwen3, float32): TRL's GRPO step and treefx's on the
+    same rollouts give the same old and reference log-probs, step losses and gradients, and
+    the treefx path ran fewer tokens than the rows hold."""
+    pytest.importorskip("trl")
+    pytest.importorskip("datasets")
+    res = _run("grpo", "--verify", "on", out=tmp_path / "grpo.json")  # as on the GPU
+    cmp = res["comparison"]
+    assert cmp["same_first_batch"] and cmp["within_tolerance"], cmp
+    assert cmp["old_logprob_max_abs_err"] <= 1e-5 and cmp["ref_logprob_max_abs_err"] <= 1e-5
+    assert cmp["loss_max_rel_err"] <= 1e-5 and cmp["grad_max_rel_err"] <= 1e-5
+    assert len(cmp["step_losses_trl"]) == 2 * res["args"]["iterations"]
+    assert cmp["grad_params_compared"] == res["model"]["num_hidden_layers"] * 11 + 2
+    d, tree = res["data"], res["paths"]["treefx"]
+    assert tree["first_call_checks"]["policy"]["passed"]
+    assert tree["first_call_checks"]["reference"]["passed"]
+    passes = 2 + res["args"]["iterations"]  # old and reference log-probs, then the loss's
+    for c in tree["cycles"]:
+        assert c["tree_stats"]["sequence_tokens"] == passes * d["sequence_tokens"]
+        assert c["tree_stats"]["tree_tokens"] < c["tree_stats"]["sequence_tokens"]
+    for name in ("trl", "treefx"):
+        m = res["paths"][name]["median"]
+        assert m["cycle_ms"] > 0 and m["prep_ms"] > 0 and m["loss_backward_ms"] > 0, name
+        assert res["paths"][name]["first_cycle"]["micro_batches"] == 2 * res["args"]["iterations"]
+    assert "| TRL | treefx |" in res["table"]
+
+
 def test_profile_kinds_do_not_count_fused_kernels_as_copies():
     sys.path.insert(0, ROOT)
     try:

@@ -197,6 +197,24 @@ def test_tree_trainer_keeps_groups_together(checkpoint, tmp_path):
     _compare(tree, stock)
 
 
+def test_generation_batches_keep_one_graph_with_gradient_checkpointing(checkpoint, tmp_path):
+    """TRL switches gradient checkpointing off and on around each generation batch's no-grad
+    block, and transformers' ``gradient_checkpointing_enable`` adds a forward hook to the input
+    embeddings every time. A tree-compiled graph is guarded on those hooks: without
+    ``_keep_input_grad_hooks`` every generation batch recompiled the policy's graph (and past
+    Dynamo's recompile limit training stopped). Four generation batches: one hook, one graph."""
+    from treefx.integrations.trl import TreeGRPOTrainer
+
+    config = dict(per_device_train_batch_size=4, gradient_accumulation_steps=1,
+                  gradient_checkpointing=True, learning_rate=1e-4)
+    losses, _, _, trainer = _train(TreeGRPOTrainer, checkpoint, tmp_path, multi_turn=False,
+                                   steps=4, config=config)
+    assert len(losses) == 4 and trainer.model.is_gradient_checkpointing
+    assert len(trainer.model.get_input_embeddings()._forward_hooks) == 1
+    ((_, tm),) = trainer._tree_models.values()
+    assert tm.num_compilations == 1
+
+
 @pytest.mark.slow  # ~15 s; the cause is checked in tests/test_checkpointing.py
 def test_first_call_check_with_trls_bf16_and_gradient_checkpointing(checkpoint, tmp_path):
     """TRL's defaults, bfloat16 autocast and gradient checkpointing, with treefx's first-call

@@ -31,6 +31,7 @@ raises an ``ImportError`` naming the versions that work.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import warnings
 
@@ -201,6 +202,50 @@ def shuffle_groups(batch: dict, group_size: int) -> dict:
     return {k: permute(v) for k, v in batch.items()}
 
 
+_UNSET = object()
+
+
+def _registered(handle) -> bool:
+    hooks = handle.hooks_dict_ref()
+    return hooks is not None and handle.id in hooks
+
+
+@contextlib.contextmanager
+def _keep_input_grad_hooks(model: torch.nn.Module):
+    """Undo the forward hooks that transformers' ``gradient_checkpointing_enable`` adds to the
+    input embeddings inside this block, when the ones from before are still there.
+
+    TRL computes the old and reference log-probs inside ``disable_gradient_checkpointing``,
+    which turns checkpointing off and on again; each ``gradient_checkpointing_enable`` calls
+    ``enable_input_require_grads``, which registers one more ``make_inputs_require_grads``
+    hook on the embeddings, and ``gradient_checkpointing_disable`` removes it only for PEFT
+    models. So a plain model gains a hook per generation batch. Harmless in eager mode; but a
+    tree-compiled model's graph is guarded on the embeddings' hooks, so every generation batch
+    would recompile it and, past Dynamo's recompile limit, stop (``TreeCompileError``). The
+    added hooks duplicate the one kept, so removing them changes no value or gradient. Where
+    the earlier hooks were removed in the block (PEFT), nothing is undone."""
+    owners = [m for m in model.modules() if hasattr(m, "enable_input_require_grads")]
+    saved = [(m, m.__dict__.get("_require_grads_hooks", _UNSET),
+              m.__dict__.get("_require_grads_hook", _UNSET)) for m in owners]
+    try:
+        yield
+    finally:
+        for m, hooks, hook in saved:
+            now = m.__dict__.get("_require_grads_hooks", _UNSET)
+            if now is hooks or not isinstance(hooks, list) or not isinstance(now, list):
+                continue
+            if not all(_registered(h) for h in hooks):
+                continue
+            for h in now:
+                if all(h is not k for k in hooks):
+                    h.remove()
+            m._require_grads_hooks = hooks
+            if hook is _UNSET:
+                m.__dict__.pop("_require_grads_hook", None)
+            else:
+                m._require_grads_hook = hook
+
+
 class TreeGRPOTrainer(trl.GRPOTrainer):
     """``trl.GRPOTrainer`` whose model calls run on prefix trees (see the module's docstring).
 
@@ -279,6 +324,12 @@ class TreeGRPOTrainer(trl.GRPOTrainer):
             logps.append(lp)
             entropies.append(ent)
         return (torch.cat(logps, 0), torch.cat(entropies, 0) if compute_entropy else None, None)
+
+    def _generate_and_score_completions(self, inputs):
+        if not self.trees:
+            return super()._generate_and_score_completions(inputs)
+        with _keep_input_grad_hooks(self.accelerator.unwrap_model(self.model)):
+            return super()._generate_and_score_completions(inputs)
 
     def _prepare_inputs(self, generation_batch):
         # GRPOTrainer._prepare_inputs (TRL 1.16) with the row shuffle made a group shuffle.
