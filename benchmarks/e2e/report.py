@@ -120,6 +120,7 @@ def summarize(res) -> list[dict]:
                     if obo:
                         row["speedup_vs_one_by_one"] = obo / t
                     row["compilations"] = r.get("treefx_compilations_total")
+                    row["recurrence_on"] = r.get("recurrence_on")
                     row["graphs"] = r["dynamo_warmup"].get("unique_graphs", 0) + \
                         r["dynamo_timed"].get("unique_graphs", 0)
                     row["recompiles_timed"] = r["dynamo_timed"].get("unique_graphs", 0)
@@ -215,11 +216,12 @@ def print_table(res, rows) -> None:
           f"{m['transformers']} | {'CUDA events' if m['cuda'] else 'CPU wall clock'}, median of "
           f"{res['config']['reps']} after {res['config']['warmup']} warm-up | Mtok/s = baseline "
           f"tokens / step | % flop = share of the FLOP bound (attended pairs counted) | "
-          f"graphs = Dynamo graphs compiled for this row")
+          f"graphs = Dynamo graphs compiled for this row | rec. = the recurrent layers' kernel "
+          f"(fla: fla's variable-length kernels; torch: Hugging Face's torch kernel)")
     hdr = (f"{'model':10s} {'tree':8s} {'POR':>5s} {'N_tree':>7s} {'N_base':>7s} "
            f"{'bound':>5s} {'method':10s} {'step ms':>9s} {'Mtok/s':>7s} {'peak GiB':>8s} "
            f"{'x packed':>8s} {'x 1by1':>7s} {'% bound':>7s} {'% flop':>6s} {'graphs':>6s} "
-           f"{'tfx comp':>8s} {'dloss':>7s}")
+           f"{'tfx comp':>8s} {'dloss':>7s} {'rec.':>5s}")
     print(hdr)
     print("-" * len(hdr))
     for r in rows:
@@ -234,7 +236,8 @@ def print_table(res, rows) -> None:
               f"{f(r.get('speedup_vs_one_by_one'), '7.2f')} "
               f"{f(None if share is None else 100 * share, '7.1f')} "
               f"{f(None if fshare is None else 100 * fshare, '6.1f')} {r['graphs']:6d} "
-              f"{f(r['compilations'], '8d')} {f(r.get('loss_rel_diff_vs_packed'), '7.1e')}")
+              f"{f(r['compilations'], '8d')} {f(r.get('loss_rel_diff_vs_packed'), '7.1e')} "
+              f"{r.get('recurrence_on') or '-':>5s}")
 
 
 def conventions(args, env) -> dict:

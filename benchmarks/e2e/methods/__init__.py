@@ -11,6 +11,9 @@ METHODS = ("treefx", "packed", "hand", "one_by_one")
 # opt-in with --methods; treefx_standard: treefx.compile(..., interleave_heads=False), the
 # usual [heads, row] layout at the attention sites (treefx's default interleaves in training)
 EXTRA_METHODS = ("treefx_step", "packed_reset", "treefx_standard")
+# --arch qwen3_next / qwen3_5 by default: packing without a state reset would carry the
+# recurrent state from one sequence into the next
+HYBRID_METHODS = ("treefx", "packed_reset")
 
 MAKERS = {
     "treefx": tree.make,
