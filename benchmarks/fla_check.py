@@ -267,6 +267,7 @@ def model_case(dev, model_type, trees, budget, backend, bf16: bool) -> dict:
         model.zero_grad(set_to_none=True)
         ref_loss = treefx.reference.sequence_loss(model, trees, reduction="mean")
         ref_loss.backward()
+        ref_loss = ref_loss.detach()
         ref = _grads(model)
         floor = treefx.verification.oracle_floor_gradients(model, trees, reduction="mean")
     res["oracle_floor"] = _param_err(floor, ref)
@@ -287,6 +288,7 @@ def model_case(dev, model_type, trees, budget, backend, bf16: bool) -> dict:
         batch = treefx.pack(trees, reduction="mean").to(dev)
         loss = treefx.tree_loss(tm(batch), batch)
         loss.backward()
+        loss = loss.detach()
         row["whole"] = {"loss_rel": abs(float(loss) - float(ref_loss)) / abs(float(ref_loss)),
                         "grad": _param_err(_grads(m), ref)}
         m.zero_grad(set_to_none=True)
