@@ -356,6 +356,9 @@ def main(argv=None):
             failed.append(key)
         brief = {k: out[k] for k in ("worst", "tolerance", "kernel_runs", "fp32_tolerance",
                                      "passed_fp32", "passed_bf16", "passed") if k in out}
+        for label in ("fp32", "bf16"):
+            if isinstance(out.get(label), dict):
+                brief[label] = {k: out[label][k] for k in ("whole", "parts", "kernel_runs")}
         if "error" in out:
             brief["error"] = out["error"].strip().splitlines()[-1][:200]
         print(f"[{time.perf_counter() - t0:6.1f}s] {key}: {brief}", flush=True)
