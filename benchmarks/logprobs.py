@@ -5,6 +5,17 @@ tokens added a [vocab, hidden] float32 product into the weight's gradient).
 
     python -m benchmarks.logprobs                    # GPU: hidden 4096, vocab 151,936, bf16
     python -m benchmarks.logprobs --dry-run          # CPU: tiny shapes
+    python -m benchmarks.logprobs --paths 17187      # GPU: the output layer's three paths
+
+``--paths N``: at N tokens, the output layer of a training step (hidden states and the
+projection's weight requiring grad, every token trained) three ways, forward + backward and
+forward alone under ``torch.no_grad()``: the logits materialized (``F.linear``, then
+``tree_token_logprobs``, compiled by Inductor as in ``treefx.compile``'s default), the fused
+log-probabilities (``logits=False``: the backward recomputes the logits, four matrix
+products against three), and the fused loss (``@treefx.step``: its gradients made in the
+forward, three products); the matrix products alone (the three a materialized step needs) as
+the floor. Median of ``--reps`` after two warm-up calls, CUDA events; peak memory above the
+inputs.
 
 Per token count: the median time of forward + backward over ``--reps`` (after a warm-up), the
 peak memory above the inputs, and each backward's gradients against a float32 computation of
@@ -93,21 +104,113 @@ def run_case(n: int, hidden: int, vocab: int, dev: str, dtype, reps: int) -> dic
     return out
 
 
+def run_paths(n: int, hidden: int, vocab: int, dev: str, dtype, reps: int) -> dict:
+    """The output layer's paths at ``n`` tokens (see the module's docstring)."""
+    from benchmarks.timing import repeat
+    from treefx.ops.cross_entropy import fused_linear_tree_cross_entropy, tree_token_logprobs
+    from treefx.ops.logprobs import fused_linear_tree_logprobs
+
+    cuda = dev == "cuda"
+    g = torch.Generator(device=dev).manual_seed(n)
+    h = torch.randn(n, hidden, device=dev, dtype=dtype, generator=g).requires_grad_()
+    w = (torch.randn(vocab, hidden, device=dev, dtype=dtype, generator=g) / hidden ** 0.5
+         ).requires_grad_()
+    ids = torch.randint(0, vocab, (n,), device=dev, generator=g)
+    parent = torch.arange(n, device=dev) - 1
+    weights = torch.full((n,), 1.0 / n, device=dev)
+    upstream = -weights  # d(-Σ w·lp)/d lp: every token trained
+
+    def materialized(x, wt):
+        return tree_token_logprobs(F.linear(x, wt), ids, parent)
+
+    mat = torch.compile(materialized, dynamic=False) if cuda else materialized
+
+    def fwd_bwd(fn):
+        def call():
+            h.grad = w.grad = None
+            out = fn()
+            (out if out.dim() == 0 else (out * upstream).sum()).backward()
+        return call
+
+    def no_grad(fn):
+        def call():
+            with torch.no_grad():
+                fn()
+        return call
+
+    h_nograd = h.detach()
+
+    def matmuls():  # the three products of a materialized step, nothing else
+        with torch.no_grad():
+            z = F.linear(h_nograd, w)
+            z @ w
+            z.t() @ h_nograd
+
+    cases = {
+        "materialized": fwd_bwd(lambda: mat(h, w)),
+        "fused_logprobs": fwd_bwd(lambda: fused_linear_tree_logprobs(h, w, None, ids, parent)),
+        "fused_loss": fwd_bwd(lambda: fused_linear_tree_cross_entropy(h, w, None, ids, parent,
+                                                                      weights)),
+        "materialized_no_grad": no_grad(lambda: mat(h, w)),
+        "fused_logprobs_no_grad": no_grad(
+            lambda: fused_linear_tree_logprobs(h, w, None, ids, parent)),
+        "three_matmuls": matmuls,
+    }
+    out = {"tokens": n, "hidden": hidden, "vocab": vocab}
+    grads = {}
+    for name, fn in cases.items():
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+        times = repeat(fn, reps, cuda, warmup=2)
+        out[f"{name}_ms"] = statistics.median(times)
+        if cuda:
+            out[f"{name}_peak_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30
+        if h.grad is not None and not name.endswith("no_grad"):
+            grads[name] = (h.grad.clone(), w.grad.clone())
+        print(f"{n:6d} tokens {name:24s} {out[f'{name}_ms']:8.1f} ms"
+              + (f"  peak +{out[f'{name}_peak_gib']:.2f} GiB" if cuda else ""), flush=True)
+        h.grad = w.grad = None
+    ref = grads.get("materialized")
+    for name, (dh, dw) in grads.items():
+        if name != "materialized" and ref is not None:
+            out[f"{name}_dh_vs_materialized"] = _rel(dh, ref[0])
+            out[f"{name}_dw_vs_materialized"] = _rel(dw, ref[1])
+    for name in ("fused_logprobs", "fused_loss"):
+        out[f"{name}_x_materialized"] = out[f"{name}_ms"] / out["materialized_ms"]
+    out["fused_logprobs_no_grad_x_materialized"] = (out["fused_logprobs_no_grad_ms"]
+                                                    / out["materialized_no_grad_ms"])
+    print(f"{n:6d} tokens: fused log-probs {out['fused_logprobs_x_materialized']:.3f}x, "
+          f"fused loss {out['fused_loss_x_materialized']:.3f}x, no-grad log-probs "
+          f"{out['fused_logprobs_no_grad_x_materialized']:.3f}x the materialized path",
+          flush=True)
+    return out
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", default="883,8192,35530")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--profile", type=int, default=0,
                    help="also print the top kernels of the new backward at this many tokens")
+    p.add_argument("--paths", default="",
+                   help="comma-separated token counts: compare the output layer's paths there "
+                        "(see the module's docstring) instead of the two backwards")
     common.add_run_args(p, "CPU, tiny shapes")
     args = p.parse_args(argv)
     cuda = common.use_cuda(args.dry_run)
     dev = "cuda" if cuda else "cpu"
     hidden, vocab = (4096, 151936) if cuda else (64, 1024)
     tokens = [int(x) for x in args.tokens.split(",")] if cuda else [50, 300]
-    res = {"meta": common.run_meta(cuda), "args": vars(args), "hidden": hidden, "vocab": vocab,
-           "cases": [run_case(n, hidden, vocab, dev, torch.bfloat16, args.reps)
-                     for n in tokens]}
+    res = {"meta": common.run_meta(cuda), "args": vars(args), "hidden": hidden, "vocab": vocab}
+    if args.paths:
+        paths = [int(x) for x in args.paths.split(",")] if cuda else [300]
+        res["paths"] = [run_paths(n, hidden, vocab, dev, torch.bfloat16 if cuda else
+                                  torch.float32, args.reps) for n in paths]
+    else:
+        res["cases"] = [run_case(n, hidden, vocab, dev, torch.bfloat16, args.reps)
+                        for n in tokens]
     if args.profile and cuda:
         res["profile"] = profile_backward(args.profile, hidden, vocab)
     common.save_json(res, common.resolve_out(args, "logprobs", cuda))

@@ -30,7 +30,8 @@ def _run(module: str, *args: str, out) -> dict:
 @pytest.mark.slow  # 50 s; the other benchmarks' dry runs stay in CI
 @pytest.mark.filterwarnings("ignore")
 def test_e2e_dry_run_checks(tmp_path):
-    res = _run("e2e", "--por", "0.75", "--methods", "treefx,treefx_standard,packed,hand",
+    res = _run("e2e", "--por", "0.75", "--methods",
+               "treefx,treefx_standard,treefx_nologits,treefx_regional,packed,hand",
                out=tmp_path / "e2e.json")
     checks = res["dry_run_checks"]["por0.75"]
     for method in ("treefx", "packed", "hand"):
@@ -40,8 +41,12 @@ def test_e2e_dry_run_checks(tmp_path):
     assert flex["hand_blocks_match_tree_block_mask"] is True
     assert max(v for k, v in flex.items() if k.endswith("_max_abs")) < 1e-5
     run = res["runs"]["hidden64"]["por0.75"]
-    for method in ("treefx", "treefx_standard", "packed", "hand"):
+    for method in ("treefx", "treefx_standard", "treefx_nologits", "treefx_regional", "packed",
+                   "hand"):
         assert "step_ms" in run[method], (method, run[method].get("error", "")[-1500:])
+        # every treefx variant's loss is the tree's (the packed one's, to rounding)
+        assert abs(run[method]["loss"] - run["packed"]["loss"]) < 1e-5 * abs(
+            run["packed"]["loss"]), method
 
 
 @pytest.mark.slow
@@ -111,6 +116,39 @@ def test_flop_bound_counts_windows_and_active_experts():
     assert min(pairs, tree.bound) < flop_bound(info, gpt_oss) < max(pairs, tree.bound)
     assert flop_bound(tree_info(tree), gpt_oss) is None  # the window's pairs are missing
     assert flop_bound(info, dict(gpt_oss, arch="qwen3_next")) is None
+
+
+def test_model_flops_count_the_tree_for_treefx_and_the_sequences_for_baselines():
+    """The e2e report's model FLOPs: 6 per parameter-token (the output projection counted) and
+    attention at 3x its forward per attended pair, on the tree for every treefx variant and
+    on the sequences for packing."""
+    sys.path.insert(0, ROOT)
+    import treefx
+    from benchmarks.e2e.report import model_flops, tree_info
+
+    tree = treefx.Tree.from_sequences([[1] * 30 + [2] * 10, [1] * 30 + [3] * 12, [1] * 5])
+    info = tree_info(tree)
+    h, heads, kv, d, f, v, layers = 64, 4, 2, 16, 192, 128, 3
+    model = dict(arch="qwen3", hidden_size=h, num_attention_heads=heads, num_key_value_heads=kv,
+                 head_dim=d, intermediate_size=f, num_hidden_layers=layers, vocab_size=v)
+    params = layers * (2 * h * heads * d + 2 * h * kv * d + 3 * h * f) + h * v
+    per_pair = layers * 4 * d * heads
+    for method in ("treefx", "treefx_nologits", "treefx_step"):
+        assert model_flops(info, model, method) == \
+            6 * params * info["tokens"] + 3 * per_pair * info["tree_pairs"]
+    assert model_flops(info, model, "packed") == \
+        6 * params * info["baseline_tokens"] + 3 * per_pair * info["baseline_pairs"]
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_logprobs_paths_dry_run_agree(tmp_path):
+    """benchmarks.logprobs --paths on the CPU (float32): the fused log-probabilities' and the
+    fused loss's gradients equal the materialized path's."""
+    res = _run("logprobs", "--paths", "300", "--reps", "1", out=tmp_path / "lp.json")
+    (case,) = res["paths"]
+    for name in ("fused_logprobs", "fused_loss"):
+        assert case[f"{name}_dh_vs_materialized"] < 1e-5, name
+        assert case[f"{name}_dw_vs_materialized"] < 1e-5, name
 
 
 def _real_trees():

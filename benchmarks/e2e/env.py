@@ -107,11 +107,11 @@ _ARCH_TINY = {
 
 
 def build_model(env: Env, hidden: int, args):
-    """HF Qwen3 from a config, in training mode: 16 heads, 8 KV heads, head_dim 128,
-    intermediate 3 x hidden on the GPU; a tiny one in the dry run. ``--arch deepseek_v2`` /
-    ``gpt_oss`` / ``qwen3_next`` / ``qwen3_5``: those models' real layer shapes
-    (:data:`ARCH_SHAPES`; the hybrids with a Gated DeltaNet : attention ratio of 3 : 1).
-    Returns the model and its config."""
+    """HF Qwen3 from a config, in training mode: ``--heads`` heads (16), ``--kv-heads`` KV
+    heads (8), head_dim 128, intermediate 3 x hidden on the GPU; a tiny one in the dry run.
+    ``--arch deepseek_v2`` / ``gpt_oss`` / ``qwen3_next`` / ``qwen3_5``: those models' real
+    layer shapes (:data:`ARCH_SHAPES`; the hybrids with a Gated DeltaNet : attention ratio of
+    3 : 1). Returns the model and its config."""
     if args.arch in ARCH_SHAPES:
         shapes = _ARCH_TINY if env.dry else ARCH_SHAPES
         layers = (4 if args.arch in HYBRID_ARCHS else 2) if env.dry else args.layers
@@ -132,8 +132,8 @@ def build_model(env: Env, hidden: int, args):
                    head_dim=16)
     else:
         cfg = dict(vocab_size=args.vocab, hidden_size=hidden, intermediate_size=3 * hidden,
-                   num_hidden_layers=args.layers, num_attention_heads=16,
-                   num_key_value_heads=8, head_dim=128)
+                   num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                   num_key_value_heads=args.kv_heads, head_dim=128)
     model = common.hf_model(args.arch, dev=env.dev, dtype=env.dtype, seed=0, on_device=True,
                             use_cache=False, train=True, **cfg)
     return model, dict(cfg, arch=args.arch)

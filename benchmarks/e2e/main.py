@@ -42,6 +42,10 @@ def parse_args(argv=None):
                    help=f"subset of {METHODS}, plus opt-in {EXTRA_METHODS} (default: "
                         f"{','.join(METHODS)}; for the hybrids {','.join(HYBRID_METHODS)})")
     p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--heads", type=int, default=16,
+                   help="attention heads of the qwen3 model (head_dim 128; "
+                        "Qwen3-8B: --hidden 4096 --heads 32)")
+    p.add_argument("--kv-heads", type=int, default=8, help="its key/value heads")
     p.add_argument("--arch", choices=("qwen3", "qwen3_next", "qwen3_5", "deepseek_v2",
                                       "gpt_oss"),
                    default="qwen3",

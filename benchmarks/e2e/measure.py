@@ -9,7 +9,7 @@ import time
 import torch
 
 from ..common import counts_delta, dynamo_counts
-from ..timing import timed
+from ..timing import repeat, timed
 
 
 def measure(env, step, warmup: int, reps: int) -> dict:
@@ -46,6 +46,26 @@ def measure(env, step, warmup: int, reps: int) -> dict:
     if env.cuda:
         out["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
     return out
+
+
+def matmul_rate(env, cfg: dict, tokens: int, reps: int = 20) -> dict | None:
+    """The GPU's bf16 matrix-multiply rate, measured: ``torch.mm`` at the model's own shapes
+    for ``tokens`` rows (the MLP's up and down projections, the output projection) and at
+    8192^3; median of ``reps`` after 3 warm-up calls. None on the CPU."""
+    if not env.cuda:
+        return None
+    h, f, v = cfg["hidden_size"], cfg.get("intermediate_size", 3 * cfg["hidden_size"]), \
+        cfg["vocab_size"]
+    shapes = [(tokens, h, f), (tokens, f, h), (tokens, h, v), (8192, 8192, 8192)]
+    out = []
+    for m, k, n in shapes:
+        a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
+        ms = statistics.median(repeat(lambda: torch.mm(a, b), reps, True, warmup=3))
+        out.append({"m": m, "k": k, "n": n, "ms": ms, "tflops": 2 * m * k * n / ms / 1e9})
+        del a, b
+    torch.cuda.empty_cache()
+    return {"shapes": out, "max_tflops": max(s["tflops"] for s in out)}
 
 
 def cleanup(env, model=None):

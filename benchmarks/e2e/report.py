@@ -68,26 +68,46 @@ def _layers(model: dict) -> list[tuple[int, int, int | None]] | None:
     return None
 
 
-def flop_bound(info: dict, model: dict) -> float | None:
-    """Baseline FLOPs / tree FLOPs of a training step: 6 FLOPs per parameter a token uses
-    (MoE: its active experts; embedding lookups excluded, the output projection counted), and
-    per attended pair the layer's forward FLOPs, 3.5x that with the backward (windowed layers
-    count the pairs within their window). The speedup that equal kernel efficiency gives; the
-    token-count bound assumes attention costs nothing. None for an architecture without a
-    formula, or a window whose pairs the tree info lacks."""
+def _step_flops(info: dict, model: dict, side: str, per_pair_factor: float) -> float | None:
+    """FLOPs of one training step on ``side`` ("tree" or "baseline") tokens: 6 per parameter a
+    token uses (MoE: its active experts; embedding lookups excluded, the output projection
+    counted) and ``per_pair_factor`` times each layer's forward FLOPs per attended pair
+    (windowed layers count the pairs within their window). None for an architecture without
+    a formula, or a window whose pairs the tree info lacks."""
     layers = _layers(model)
     if layers is None:
         return None
     per_token = 6 * (sum(p for p, _, _ in layers) + model["hidden_size"] * model["vocab_size"])
-    tree = info["tokens"] * per_token
-    base = info["baseline_tokens"] * per_token
+    total = info["tokens" if side == "tree" else "baseline_tokens"] * per_token
     for _, per_pair, window in layers:
         key = "" if window is None else f"_w{window}"
         if f"tree_pairs{key}" not in info:
             return None
-        tree += 3.5 * per_pair * info[f"tree_pairs{key}"]
-        base += 3.5 * per_pair * info[f"baseline_pairs{key}"]
-    return base / tree
+        total += per_pair_factor * per_pair * info[f"{side}_pairs{key}"]
+    return total
+
+
+def flop_bound(info: dict, model: dict) -> float | None:
+    """Baseline FLOPs / tree FLOPs of a training step (:func:`_step_flops`), attention's
+    backward counted at 2.5x its forward (3.5x in all: FlashAttention recomputes the scores).
+    The speedup that equal kernel efficiency gives; the token-count bound assumes attention
+    costs nothing."""
+    tree = _step_flops(info, model, "tree", 3.5)
+    base = _step_flops(info, model, "baseline", 3.5)
+    return None if tree is None or base is None else base / tree
+
+
+# Methods that compute on the tree's tokens (the others on every sequence's own tokens).
+_ON_TREE = ("treefx", "treefx_step", "hand")
+
+
+def model_flops(info: dict, model: dict, method: str) -> float | None:
+    """The model FLOPs of one step of ``method`` (what utilization is usually counted in):
+    6 per parameter-token, attention at 3x its forward per attended pair (the scores'
+    recomputation in the backward not counted); on the tree's tokens and pairs for treefx and
+    the hand-written step, on the sequences' for the baselines."""
+    tree = method in _ON_TREE or method.startswith("treefx_")
+    return _step_flops(info, model, "tree" if tree else "baseline", 3.0)
 
 
 def summarize(res) -> list[dict]:
@@ -119,6 +139,15 @@ def summarize(res) -> list[dict]:
                             row["share_of_flop_bound"] = base / t / row["flop_bound"]
                     if obo:
                         row["speedup_vs_one_by_one"] = obo / t
+                    flops = model_flops(info, res["models"][key], name) \
+                        if "tree_pairs" in info and key in res.get("models", {}) else None
+                    if flops is not None:
+                        row["model_tflops_per_s"] = flops / (t / 1e3) / 1e12
+                        rate = (res.get("matmul_rate") or {}).get(key, {}).get("max_tflops")
+                        if rate:
+                            row["share_of_matmul_rate"] = row["model_tflops_per_s"] / rate
+                    if "first_step_s" in r:
+                        row["first_step_s"] = r["first_step_s"]
                     row["compilations"] = r.get("treefx_compilations_total")
                     row["recurrence_on"] = r.get("recurrence_on")
                     row["graphs"] = r["dynamo_warmup"].get("unique_graphs", 0) + \
@@ -216,27 +245,38 @@ def print_table(res, rows) -> None:
           f"{m['transformers']} | {'CUDA events' if m['cuda'] else 'CPU wall clock'}, median of "
           f"{res['config']['reps']} after {res['config']['warmup']} warm-up | Mtok/s = baseline "
           f"tokens / step | % flop = share of the FLOP bound (attended pairs counted) | "
-          f"graphs = Dynamo graphs compiled for this row | rec. = the recurrent layers' kernel "
-          f"(fla: fla's variable-length kernels; torch: Hugging Face's torch kernel)")
+          f"graphs = Dynamo graphs compiled for this row | TFLOP/s = model FLOPs (6 per "
+          f"parameter-token, attention 3x forward) / step | % mm = of the best bf16 matmul "
+          f"rate measured in this run | 1st s = first step (capture, compile, first-call "
+          f"check) | rec. = the recurrent layers' kernel (fla: fla's variable-length kernels; "
+          f"torch: Hugging Face's torch kernel)")
+    for key, mr in (res.get("matmul_rate") or {}).items():
+        print(f"bf16 matmul rate [{key}]: " + ", ".join(
+            f"{s['m']}x{s['k']}x{s['n']} {s['tflops']:.0f}" for s in mr["shapes"])
+            + f" TFLOP/s (max {mr['max_tflops']:.0f})")
     hdr = (f"{'model':10s} {'tree':8s} {'POR':>5s} {'N_tree':>7s} {'N_base':>7s} "
-           f"{'bound':>5s} {'method':10s} {'step ms':>9s} {'Mtok/s':>7s} {'peak GiB':>8s} "
+           f"{'bound':>5s} {'method':16s} {'step ms':>9s} {'Mtok/s':>7s} {'peak GiB':>8s} "
            f"{'x packed':>8s} {'x 1by1':>7s} {'% bound':>7s} {'% flop':>6s} {'graphs':>6s} "
-           f"{'tfx comp':>8s} {'dloss':>7s} {'rec.':>5s}")
+           f"{'tfx comp':>8s} {'dloss':>7s} {'TFLOP/s':>7s} {'% mm':>5s} {'1st s':>6s} "
+           f"{'rec.':>5s}")
     print(hdr)
     print("-" * len(hdr))
     for r in rows:
         head = (f"{r['model']:10s} {r['tree']:8s} {r['por']:5.3f} {r['tokens']:7d} "
-                f"{r['baseline_tokens']:7d} {r['bound']:5.2f} {r['method']:10s} ")
+                f"{r['baseline_tokens']:7d} {r['bound']:5.2f} {r['method']:16s} ")
         if "step_ms" not in r:
             print(head + r["status"])
             continue
         share, fshare = r.get("share_of_bound"), r.get("share_of_flop_bound")
+        mm = r.get("share_of_matmul_rate")
         print(head + f"{r['step_ms']:9.2f} {r['tokens_per_s'] / 1e6:7.3f} "
               f"{f(r['peak_gib'], '8.2f')} {f(r.get('speedup_vs_packed'), '8.2f')} "
               f"{f(r.get('speedup_vs_one_by_one'), '7.2f')} "
               f"{f(None if share is None else 100 * share, '7.1f')} "
               f"{f(None if fshare is None else 100 * fshare, '6.1f')} {r['graphs']:6d} "
               f"{f(r['compilations'], '8d')} {f(r.get('loss_rel_diff_vs_packed'), '7.1e')} "
+              f"{f(r.get('model_tflops_per_s'), '7.1f')} "
+              f"{f(None if mm is None else 100 * mm, '5.1f')} {f(r.get('first_step_s'), '6.1f')} "
               f"{r.get('recurrence_on') or '-':>5s}")
 
 
@@ -256,6 +296,13 @@ def conventions(args, env) -> dict:
         "packed_mask": "flex BlockMask from per-block doc ends (tree_block_tensors on "
                        "doc_end), mask_mod kv <= q < doc_end[kv]",
         "hand_mask": "compiled create_block_mask, mask_mod kv <= q < subtree_end[kv]",
+        "model_tflops_per_s": "model FLOPs of the step / step time: 6 per parameter-token "
+                              "(embedding lookups excluded, output projection counted), "
+                              "attention 3x its forward per attended pair; tree tokens and "
+                              "pairs for treefx/hand, the sequences' for the baselines",
+        "matmul_rate": "bf16 torch.mm at the model's shapes and 8192^3, median of 20 after "
+                       "3 warm-up, measured in the same run; share_of_matmul_rate = "
+                       "model_tflops_per_s / the best of them",
         "loss": f"chunked weighted cross-entropy, {env.chunk}-token chunks, each a "
                 "compiled call (packed, hand); treefx.tree_loss (treefx); per-sequence "
                 "mean CE (one_by_one)",

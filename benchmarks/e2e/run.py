@@ -13,7 +13,7 @@ from treefx.ops.recurrence import kernel_runs
 from ..common import counts_delta, dynamo_counts, save_json, stream_trees
 from .dry_checks import dry_checks
 from .env import build_model, set_attn, tree_attn_impl
-from .measure import cleanup, is_oom, measure
+from .measure import cleanup, is_oom, matmul_rate, measure
 from .methods import MAKERS, TREEFX_OBJECTS
 from .profile import profile_step
 
@@ -30,6 +30,9 @@ def run_hidden(env, args, hidden, trees, res, deadline, first_hidden) -> None:
     res["models"][key] = dict(cfg, layers=cfg["num_hidden_layers"],
                               params=sum(p.numel() for p in model.parameters()),
                               dtype=str(env.dtype))
+    if env.cuda:
+        tokens = max((t.num_tokens for t in trees.values()), default=8192)
+        res.setdefault("matmul_rate", {})[key] = matmul_rate(env, cfg, tokens)
     parts: dict = {"prepare": {}}
     for name in args.methods:
         parts["prepare"][name] = MAKERS[name](env, model, parts, args)
@@ -56,7 +59,13 @@ def run_hidden(env, args, hidden, trees, res, deadline, first_hidden) -> None:
                           f"{hg.get('gaps', 0)} gaps; largest: {hg.get('largest_gaps_us', [])[:6]}",
                           flush=True)
                 if name in TREEFX_OBJECTS:
-                    r["treefx_compilations_total"] = parts[TREEFX_OBJECTS[name]].num_compilations
+                    obj = parts[TREEFX_OBJECTS[name]]
+                    r["treefx_compilations_total"] = obj.num_compilations
+                    report = getattr(obj, "verification", None)
+                    # the first-call check, within the first step: the graph is compiled on
+                    # its probe, so this includes the compilation (TREEFX_VERIFY=0 runs give
+                    # the check's own cost by difference)
+                    r["first_call_check_s"] = getattr(report, "seconds", None)
                 slot[name] = r
                 msg = (f"{r['step_ms']:.1f} ms, first step {r['first_step_s']:.1f} s"
                        + (f", peak {r['peak_gib']:.1f} GiB" if "peak_gib" in r else "")

@@ -8,16 +8,16 @@ from __future__ import annotations
 from . import hand, one_by_one, packed, packed_reset, tree, tree_step
 
 METHODS = ("treefx", "packed", "hand", "one_by_one")
-# opt-in with --methods; treefx_standard: treefx.compile(..., interleave_heads=False), the
-# usual [heads, row] layout at the attention sites (treefx's default interleaves in training)
-EXTRA_METHODS = ("treefx_step", "packed_reset", "treefx_standard")
+# opt-in with --methods; the treefx_* variants: treefx.compile with one option changed
+# (methods/tree.py)
+EXTRA_METHODS = ("treefx_step", "packed_reset", *tree.VARIANTS)
 # --arch qwen3_next / qwen3_5 by default: packing without a state reset would carry the
 # recurrent state from one sequence into the next
 HYBRID_METHODS = ("treefx", "packed_reset")
 
 MAKERS = {
     "treefx": tree.make,
-    "treefx_standard": tree.make_standard,
+    **{name: make for name, (make, _) in tree.VARIANTS.items()},
     "treefx_step": tree_step.make,
     "packed": packed.make,
     "hand": hand.make,
@@ -26,5 +26,5 @@ MAKERS = {
 }
 
 # The parts entry holding each treefx method's compiled object (its num_compilations).
-TREEFX_OBJECTS = {"treefx": "treefx_model", "treefx_standard": "treefx_standard_model",
-                  "treefx_step": "treefx_step_fn"}
+TREEFX_OBJECTS = {"treefx": "treefx_model", "treefx_step": "treefx_step_fn",
+                  **{name: key for name, (_, key) in tree.VARIANTS.items()}}

@@ -1,6 +1,10 @@
 """treefx: ``treefx.pack(tree).to(dev)``, ``treefx.compile(model)`` (inductor),
-``treefx.tree_loss``. ``treefx_standard``: the same with ``interleave_heads=False`` (the usual
-[heads, row] layout at the attention sites; treefx interleaves the KV heads in training)."""
+``treefx.tree_loss``. Variants, each the same step with one option of ``treefx.compile``:
+``treefx_standard``: ``interleave_heads=False`` (the usual [heads, row] layout at the attention
+sites; treefx interleaves the KV heads in training); ``treefx_nologits``: ``logits=False``
+(the output projection fused with the log-softmax, the [tokens, vocab] logits never built);
+``treefx_regional`` / ``treefx_whole``: ``regional=True`` / ``False`` (one compiled piece per
+layer type, or the whole graph compiled at once)."""
 
 from __future__ import annotations
 
@@ -18,6 +22,25 @@ def make(env, model, parts, args=None, key="treefx_model", **options):
 
 def make_standard(env, model, parts, args=None):
     return make(env, model, parts, key="treefx_standard_model", interleave_heads=False)
+
+
+def make_nologits(env, model, parts, args=None):
+    return make(env, model, parts, key="treefx_nologits_model", logits=False)
+
+
+def make_regional(env, model, parts, args=None):
+    return make(env, model, parts, key="treefx_regional_model", regional=True)
+
+
+def make_whole(env, model, parts, args=None):
+    return make(env, model, parts, key="treefx_whole_model", regional=False)
+
+
+# Each variant's method name -> (maker, the parts entry holding its compiled model)
+VARIANTS = {"treefx_standard": (make_standard, "treefx_standard_model"),
+            "treefx_nologits": (make_nologits, "treefx_nologits_model"),
+            "treefx_regional": (make_regional, "treefx_regional_model"),
+            "treefx_whole": (make_whole, "treefx_whole_model")}
 
 
 def tree_step(env, model, tm, trees):
