@@ -419,3 +419,19 @@ def test_gdn_parts_check_dry_run(tmp_path):
     assert rc == 0
     rows = json.loads(out.read_text())["rows"]
     assert set(rows) == {"regional aot-eager whole", "regional aot-eager parts 16"}
+
+
+def test_fla_check_op_case_on_the_cpu():
+    """fla_check's tree-op case where fla cannot run (the CPU): the torch kernel's path,
+    exact against the float64 per-sequence recurrence (the Qwen3-Next layout of transformers
+    5.17: query and key expanded before the kernel, which every transformers version takes)."""
+    import torch
+
+    from benchmarks import fla_check
+
+    res = fla_check.op_case("cpu", torch.float32, "qwen3_next",
+                            fla_check.odd_trees(1024)["short"])
+    assert res["passed"], res
+    assert res["fla"]["use"] is False and "CUDA" in res["fla"]["reason"]
+    assert res["kernel_runs"] == {"qwen3_next_gated_delta_rule:padded": 1}
+    assert res["worst"] < 1e-5

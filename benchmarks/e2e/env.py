@@ -66,7 +66,26 @@ ARCH_SHAPES = {
     "gpt_oss": dict(hidden_size=2880, intermediate_size=2880, num_attention_heads=64,
                     num_key_value_heads=8, head_dim=64, num_local_experts=32,
                     num_experts_per_tok=4, sliding_window=128),
+    # Qwen3-Next-80B-A3B (transformers' Qwen3NextConfig defaults): hidden 2048, Gated DeltaNet
+    # with 16 key and 32 value heads of 128, 16 attention heads of 256 with 2 KV heads, conv 4,
+    # three Gated DeltaNet layers to one attention layer. Its MoE (512 experts of 512, 10 per
+    # token, a shared expert of 512) is a dense MLP of the active width here, 10 x 512 + 512.
+    "qwen3_next": dict(hidden_size=2048, intermediate_size=5632, num_attention_heads=16,
+                       num_key_value_heads=2, head_dim=256, linear_num_key_heads=16,
+                       linear_num_value_heads=32, linear_key_head_dim=128,
+                       linear_value_head_dim=128, linear_conv_kernel_dim=4, num_experts=0),
+    # Qwen3.5 (transformers' Qwen3_5TextConfig defaults, the 9B-class dense text model):
+    # hidden 4096, Gated DeltaNet with 16 key and 32 value heads of 128, 16 attention heads of
+    # 256 with 4 KV heads, intermediate 12288, three Gated DeltaNet layers to one attention.
+    "qwen3_5": dict(hidden_size=4096, intermediate_size=12288, num_attention_heads=16,
+                    num_key_value_heads=4, head_dim=256, linear_num_key_heads=16,
+                    linear_num_value_heads=32, linear_key_head_dim=128,
+                    linear_value_head_dim=128, linear_conv_kernel_dim=4),
 }
+# Hybrid architectures: Gated DeltaNet layers and attention layers, 3 : 1.
+HYBRID_ARCHS = ("qwen3_next", "qwen3_5")
+# The transformers model type of each --arch (the text model of Qwen3.5).
+MODEL_TYPES = {"qwen3_5": "qwen3_5_text"}
 _ARCH_TINY = {
     "deepseek_v2": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4,
                         num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=16,
@@ -76,44 +95,45 @@ _ARCH_TINY = {
     "gpt_oss": dict(hidden_size=64, intermediate_size=64, num_attention_heads=4,
                     num_key_value_heads=2, head_dim=16, num_local_experts=4,
                     num_experts_per_tok=2, sliding_window=16),
+    "qwen3_next": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
+                       linear_num_value_heads=4, linear_key_head_dim=16,
+                       linear_value_head_dim=16, linear_conv_kernel_dim=4, num_experts=0),
+    "qwen3_5": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
+                    linear_num_value_heads=4, linear_key_head_dim=16,
+                    linear_value_head_dim=16, linear_conv_kernel_dim=4),
 }
 
 
 def build_model(env: Env, hidden: int, args):
-    """HF Qwen3 (or Qwen3-Next: Gated DeltaNet + attention, 3:1) from a config, in training
-    mode: ``--heads`` heads (16), ``--kv-heads`` KV heads (8), head_dim 128, intermediate
-    3 x hidden on the GPU; a tiny one in
-    the dry run. ``--arch deepseek_v2`` / ``gpt_oss``: those models' real layer shapes
-    (:data:`ARCH_SHAPES`). Returns the model and its config."""
+    """HF Qwen3 from a config, in training mode: ``--heads`` heads (16), ``--kv-heads`` KV
+    heads (8), head_dim 128, intermediate 3 x hidden on the GPU; a tiny one in the dry run.
+    ``--arch deepseek_v2`` / ``gpt_oss`` / ``qwen3_next`` / ``qwen3_5``: those models' real
+    layer shapes (:data:`ARCH_SHAPES`; the hybrids with a Gated DeltaNet : attention ratio of
+    3 : 1). Returns the model and its config."""
     if args.arch in ARCH_SHAPES:
         shapes = _ARCH_TINY if env.dry else ARCH_SHAPES
-        cfg = dict(shapes[args.arch], vocab_size=args.vocab,
-                   num_hidden_layers=2 if env.dry else args.layers)
+        layers = (4 if args.arch in HYBRID_ARCHS else 2) if env.dry else args.layers
+        cfg = dict(shapes[args.arch], vocab_size=args.vocab, num_hidden_layers=layers)
+        if args.arch in HYBRID_ARCHS:
+            cfg["layer_types"] = [("full_attention" if i % 4 == 3 else "linear_attention")
+                                  for i in range(layers)]
+            if args.arch == "qwen3_next":
+                cfg["mlp_only_layers"] = list(range(layers))
         attn = "eager" if args.arch in _EAGER_ONLY else "sdpa"
-        model = common.hf_model(args.arch, dev=env.dev, dtype=env.dtype, seed=0,
-                                on_device=True, use_cache=False, train=True, attn=attn, **cfg)
+        model = common.hf_model(MODEL_TYPES.get(args.arch, args.arch), dev=env.dev,
+                                dtype=env.dtype, seed=0, on_device=True, use_cache=False,
+                                train=True, attn=attn, **cfg)
         return model, dict(cfg, arch=args.arch)
     if env.dry:
         cfg = dict(vocab_size=args.vocab, hidden_size=64, intermediate_size=192,
-                   num_hidden_layers=2 if args.arch == "qwen3" else 4, num_attention_heads=4,
-                   num_key_value_heads=2, head_dim=16)
+                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                   head_dim=16)
     else:
         cfg = dict(vocab_size=args.vocab, hidden_size=hidden, intermediate_size=3 * hidden,
                    num_hidden_layers=args.layers, num_attention_heads=args.heads,
                    num_key_value_heads=args.kv_heads, head_dim=128)
-    extra = {}
-    if args.arch == "qwen3_next":
-        # Gated DeltaNet + attention, 3 : 1 as in Qwen3-Next, with a dense MLP in every layer.
-        layers = cfg["num_hidden_layers"]
-        kdim = cfg["head_dim"]
-        extra = dict(linear_num_key_heads=max(1, hidden // 128) if not env.dry else 2,
-                     linear_num_value_heads=2 * (max(1, hidden // 128) if not env.dry else 2),
-                     linear_key_head_dim=kdim, linear_value_head_dim=kdim,
-                     linear_conv_kernel_dim=4, num_experts=0,
-                     mlp_only_layers=list(range(layers)),
-                     layer_types=[("full_attention" if i % 4 == 3 else "linear_attention")
-                                  for i in range(layers)])
-    cfg.update(extra)
     model = common.hf_model(args.arch, dev=env.dev, dtype=env.dtype, seed=0, on_device=True,
                             use_cache=False, train=True, **cfg)
     return model, dict(cfg, arch=args.arch)

@@ -12,9 +12,9 @@ import torch
 from .. import common
 from . import run
 from .dry_checks import print_dry_checks
-from .env import Env
+from .env import HYBRID_ARCHS, Env
 from .mask_build import mask_build_bench
-from .methods import EXTRA_METHODS, METHODS
+from .methods import EXTRA_METHODS, HYBRID_METHODS, METHODS
 from .report import conventions, print_table, summarize, targets, tree_info
 
 
@@ -38,18 +38,23 @@ def parse_args(argv=None):
     p.add_argument("--por", default="0.3,0.5,0.75,0.85", help="target POR of each tree")
     p.add_argument("--scale", type=float, default=1.0,
                    help="multiplies all token lengths (tree size ~ proportional)")
-    p.add_argument("--methods", default=",".join(METHODS),
-                   help=f"subset of {METHODS}, plus opt-in {EXTRA_METHODS}")
+    p.add_argument("--methods", default=None,
+                   help=f"subset of {METHODS}, plus opt-in {EXTRA_METHODS} (default: "
+                        f"{','.join(METHODS)}; for the hybrids {','.join(HYBRID_METHODS)})")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--heads", type=int, default=16,
-                   help="attention heads of the qwen3 / qwen3_next models (head_dim 128; "
+                   help="attention heads of the qwen3 model (head_dim 128; "
                         "Qwen3-8B: --hidden 4096 --heads 32)")
-    p.add_argument("--kv-heads", type=int, default=8, help="their key/value heads")
-    p.add_argument("--arch", choices=("qwen3", "qwen3_next", "deepseek_v2", "gpt_oss"),
+    p.add_argument("--kv-heads", type=int, default=8, help="its key/value heads")
+    p.add_argument("--arch", choices=("qwen3", "qwen3_next", "qwen3_5", "deepseek_v2",
+                                      "gpt_oss"),
                    default="qwen3",
-                   help="qwen3 (attention), qwen3_next (Gated DeltaNet + attention, 3:1; "
-                        "compare treefx with packed_reset), or the layer shapes of "
-                        "DeepSeek-V2-Lite (MLA + MoE) or gpt-oss-20b (sinks, windows, MoE)")
+                   help="qwen3 (attention; --hidden), or real layer shapes: qwen3_next "
+                        "(Qwen3-Next-80B-A3B's, Gated DeltaNet + attention, 3:1, MoE as a "
+                        "dense MLP of the active width) and qwen3_5 (Qwen3.5's dense text "
+                        "model; both 16 key / 32 value heads; treefx against packed_reset, "
+                        "each on fla where known good), DeepSeek-V2-Lite (MLA + MoE) or "
+                        "gpt-oss-20b (sinks, windows, MoE)")
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--reps", type=int, default=5)
@@ -69,6 +74,8 @@ def parse_args(argv=None):
     p.add_argument("--cpu-backend", default="aot_eager",
                    help="torch.compile backend for the baselines in --dry-run")
     args = p.parse_args(argv)
+    if args.methods is None:
+        args.methods = ",".join(HYBRID_METHODS if args.arch in HYBRID_ARCHS else METHODS)
     args.methods = [m for m in args.methods.split(",") if m]
     for m in args.methods:
         if m not in METHODS + EXTRA_METHODS:

@@ -149,6 +149,7 @@ def summarize(res) -> list[dict]:
                     if "first_step_s" in r:
                         row["first_step_s"] = r["first_step_s"]
                     row["compilations"] = r.get("treefx_compilations_total")
+                    row["recurrence_on"] = r.get("recurrence_on")
                     row["graphs"] = r["dynamo_warmup"].get("unique_graphs", 0) + \
                         r["dynamo_timed"].get("unique_graphs", 0)
                     row["recompiles_timed"] = r["dynamo_timed"].get("unique_graphs", 0)
@@ -247,7 +248,8 @@ def print_table(res, rows) -> None:
           f"graphs = Dynamo graphs compiled for this row | TFLOP/s = model FLOPs (6 per "
           f"parameter-token, attention 3x forward) / step | % mm = of the best bf16 matmul "
           f"rate measured in this run | 1st s = first step (capture, compile, first-call "
-          f"check)")
+          f"check) | rec. = the recurrent layers' kernel (fla: fla's variable-length kernels; "
+          f"torch: Hugging Face's torch kernel)")
     for key, mr in (res.get("matmul_rate") or {}).items():
         print(f"bf16 matmul rate [{key}]: " + ", ".join(
             f"{s['m']}x{s['k']}x{s['n']} {s['tflops']:.0f}" for s in mr["shapes"])
@@ -255,7 +257,8 @@ def print_table(res, rows) -> None:
     hdr = (f"{'model':10s} {'tree':8s} {'POR':>5s} {'N_tree':>7s} {'N_base':>7s} "
            f"{'bound':>5s} {'method':16s} {'step ms':>9s} {'Mtok/s':>7s} {'peak GiB':>8s} "
            f"{'x packed':>8s} {'x 1by1':>7s} {'% bound':>7s} {'% flop':>6s} {'graphs':>6s} "
-           f"{'tfx comp':>8s} {'dloss':>7s} {'TFLOP/s':>7s} {'% mm':>5s} {'1st s':>6s}")
+           f"{'tfx comp':>8s} {'dloss':>7s} {'TFLOP/s':>7s} {'% mm':>5s} {'1st s':>6s} "
+           f"{'rec.':>5s}")
     print(hdr)
     print("-" * len(hdr))
     for r in rows:
@@ -273,7 +276,8 @@ def print_table(res, rows) -> None:
               f"{f(None if fshare is None else 100 * fshare, '6.1f')} {r['graphs']:6d} "
               f"{f(r['compilations'], '8d')} {f(r.get('loss_rel_diff_vs_packed'), '7.1e')} "
               f"{f(r.get('model_tflops_per_s'), '7.1f')} "
-              f"{f(None if mm is None else 100 * mm, '5.1f')} {f(r.get('first_step_s'), '6.1f')}")
+              f"{f(None if mm is None else 100 * mm, '5.1f')} {f(r.get('first_step_s'), '6.1f')} "
+              f"{r.get('recurrence_on') or '-':>5s}")
 
 
 def conventions(args, env) -> dict:

@@ -8,6 +8,7 @@ import traceback
 import torch
 
 import treefx
+from treefx.ops.recurrence import kernel_runs
 
 from ..common import counts_delta, dynamo_counts, save_json, stream_trees
 from .dry_checks import dry_checks
@@ -48,7 +49,9 @@ def run_hidden(env, args, hidden, trees, res, deadline, first_hidden) -> None:
                 continue
             try:
                 step = parts["prepare"][name](tree)
+                runs0 = kernel_runs()
                 r = measure(env, step, warmup, reps)
+                r.update(recurrence_paths(runs0, kernel_runs()))
                 if args.profile and env.cuda:
                     r["profile"] = profile_step(env, step)
                     hg = r["profile"]["host_gaps"]
@@ -65,7 +68,9 @@ def run_hidden(env, args, hidden, trees, res, deadline, first_hidden) -> None:
                     r["first_call_check_s"] = getattr(report, "seconds", None)
                 slot[name] = r
                 msg = (f"{r['step_ms']:.1f} ms, first step {r['first_step_s']:.1f} s"
-                       + (f", peak {r['peak_gib']:.1f} GiB" if "peak_gib" in r else ""))
+                       + (f", peak {r['peak_gib']:.1f} GiB" if "peak_gib" in r else "")
+                       + (f", recurrence on {r['recurrence_on']}" if "recurrence_on" in r
+                          else ""))
             except Exception as e:
                 slot[name] = {"error": traceback.format_exc()[-4000:]}
                 msg = "FAILED: " + (str(e).strip().splitlines() or [""])[0][:200]
@@ -93,6 +98,20 @@ def run_hidden(env, args, hidden, trees, res, deadline, first_hidden) -> None:
         torch._dynamo.reset()
     except Exception:
         pass
+
+
+def recurrence_paths(before: dict, after: dict) -> dict:
+    """Which kernel path the tree recurrences took during a measurement (treefx's counts of
+    tree runs per recurrence and path): ``recurrence_kernels`` {"name:path": runs} and
+    ``recurrence_on``: "fla" (every run on the variable-length path, fla's kernels), "torch"
+    (none: Hugging Face's torch kernel) or "mixed"; nothing for a model without one."""
+    delta = {f"{n}:{p}": after[(n, p)] - before.get((n, p), 0) for n, p in after
+             if after[(n, p)] != before.get((n, p), 0)}
+    if not delta:
+        return {}
+    fast = sum(v for k, v in delta.items() if k.endswith(":varlen"))
+    on = "fla" if fast == sum(delta.values()) else "torch" if fast == 0 else "mixed"
+    return {"recurrence_kernels": delta, "recurrence_on": on}
 
 
 def stream_check(env, args, model, parts) -> dict:

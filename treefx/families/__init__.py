@@ -4,6 +4,7 @@ package registers them all."""
 
 from . import (
     deepseek_indexer,
+    fla,
     gpt_oss_sinks,
     hf_recurrent,
     merged_heads,
@@ -11,5 +12,5 @@ from . import (
     position_tables,
 )
 
-__all__ = ["deepseek_indexer", "gpt_oss_sinks", "hf_recurrent", "merged_heads", "minimax",
+__all__ = ["deepseek_indexer", "fla", "gpt_oss_sinks", "hf_recurrent", "merged_heads", "minimax",
            "position_tables"]

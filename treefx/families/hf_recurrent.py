@@ -5,8 +5,9 @@ and lazily, once transformers is imported, in the modeling modules known today."
 
 from __future__ import annotations
 
+import functools
 import importlib
-import importlib.util
+import inspect
 
 from ..compiler.recurrences import (
     Recurrence,
@@ -15,6 +16,7 @@ from ..compiler.recurrences import (
     register_kernel_family,
 )
 from ..ops.selective_scan import selective_scan
+from . import fla
 
 __all__ = ["FAMILIES", "MODELS", "register_builtins"]
 
@@ -26,46 +28,40 @@ def _import(path: str):
         return None
 
 
-def _fla_gated_delta_rule(seq: dict, static: dict, initial_state, cu_seqlens):
-    """Gated DeltaNet over variable-length nodes with fla's chunked kernel (CUDA)."""
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-
-    extra = {k: static[k] for k in ("scale", "use_qk_l2norm_in_kernel")
-             if static.get(k) is not None}
-    return chunk_gated_delta_rule(seq["query"], seq["key"], seq["value"], g=seq["g"],
-                                  beta=seq["beta"], initial_state=initial_state,
-                                  output_final_state=True, cu_seqlens=cu_seqlens, **extra)
-
-
-def _has_fla() -> bool:
-    return importlib.util.find_spec("fla") is not None
-
-
-def _delta_rule(name: str, fn, varlen=None) -> Recurrence:
+def _delta_rule(name: str, fn, kernel: str) -> Recurrence:
     """A delta-rule kernel in Gated DeltaNet's signature: ``(query, key, value, g, beta, ...,
     initial_state, output_final_state)``, each [B, N, ...]. ``g`` is a log decay (0: keep the
-    state), ``beta`` the update rate (0: no update), so zeros pad a node neutrally."""
+    state), ``beta`` the update rate (0: no update), so zeros pad a node neutrally.
+
+    On the GPU the tree runs fla's chunked kernel ``kernel`` where :mod:`.fla` says its
+    gradients are right (:func:`.fla.use_fla`, which announces a fallback), else the torch
+    kernel. Hugging Face wraps its torch kernels so that they call fla's themselves when fla
+    is installed, with no such check (and, in transformers 5.24, with fewer key than value
+    heads, which fla 0.4 does not take): the tree runs the torch function under the wrapper
+    (``inspect.unwrap``); the model's own calls are left as they are."""
+    torch_fn = inspect.unwrap(fn)
     return Recurrence(
         name=name,
         fn=fn,
         seq_args={"query": 1, "key": 1, "value": 1, "g": 1, "beta": 1},
         output_like="value",
         neutral={"g": 0.0, "beta": 0.0},
-        varlen=varlen,
+        varlen=getattr(fla, kernel),
+        varlen_check=functools.partial(fla.use_fla, kernel),
+        tree_fn=torch_fn if torch_fn is not fn else None,
     )
 
 
 def _gated_delta_rule(owner: str, fn) -> Recurrence:
     """Hugging Face's torch Gated DeltaNet kernel (``torch_chunk_gated_delta_rule``)."""
-    return _delta_rule(f"{owner}_gated_delta_rule", fn,
-                       varlen=_fla_gated_delta_rule if _has_fla() else None)
+    return _delta_rule(f"{owner}_gated_delta_rule", fn, "gated_delta_rule")
 
 
 def _kimi_delta_attention(owner: str, fn) -> Recurrence:
     """Hugging Face's torch Kimi Delta Attention kernel (``chunk_kimi_delta_attention``,
     Kimi-Linear and Bailing-hybrid): the gated delta rule with a decay per key channel
     (``g`` [B, N, H, K] instead of [B, N, H])."""
-    return _delta_rule(f"{owner}_kimi_delta_attention", fn)
+    return _delta_rule(f"{owner}_kimi_delta_attention", fn, "kimi_delta_attention")
 
 
 def _mamba2_chunk_scan(owner: str, fn) -> Recurrence:

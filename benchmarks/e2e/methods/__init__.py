@@ -11,6 +11,9 @@ METHODS = ("treefx", "packed", "hand", "one_by_one")
 # opt-in with --methods; the treefx_* variants: treefx.compile with one option changed
 # (methods/tree.py)
 EXTRA_METHODS = ("treefx_step", "packed_reset", *tree.VARIANTS)
+# --arch qwen3_next / qwen3_5 by default: packing without a state reset would carry the
+# recurrent state from one sequence into the next
+HYBRID_METHODS = ("treefx", "packed_reset")
 
 MAKERS = {
     "treefx": tree.make,

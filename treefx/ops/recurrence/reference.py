@@ -26,7 +26,19 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-__all__ = ["Recurrence", "tree_nodes", "tree_recurrence", "padding_is_neutral"]
+__all__ = ["Recurrence", "kernel_runs", "tree_nodes", "tree_recurrence", "padding_is_neutral"]
+
+# (recurrence name, "varlen" | "padded" | "grouped") -> tree runs in this process: which
+# kernel path ran (a benchmark reports it, so a result cannot silently be on the slow path).
+_RUNS: dict[tuple[str, str], int] = {}
+
+
+def kernel_runs() -> dict[tuple[str, str], int]:
+    """How many tree runs of each recurrence took each path in this process: ``varlen`` (the
+    kernel's variable-length form, e.g. fla's), ``padded`` (the kernel itself, a depth as a
+    padded batch) or ``grouped`` (the kernel itself, nodes of equal length together).
+    Differences of two calls tell what a piece of work ran."""
+    return dict(_RUNS)
 
 
 @dataclass
@@ -50,6 +62,9 @@ class Recurrence:
       node or None (all zero), ``static`` the other arguments by name. Built in for Gated
       DeltaNet when flash-linear-attention (fla) is installed;
     - ``varlen_devices``: the device types ``varlen`` runs on (others take the padded path);
+    - ``varlen_check``: optional ``varlen_check(seq, static) -> bool``, asked before each tree
+      run on those devices: whether ``varlen`` may run these arguments (the fla family says no
+      where fla's gradients are not known to be right, and announces it); no: padded path;
     - ``tree_fn``: the function run over the tree in place of ``fn``, for a kernel without an
       initial-state parameter (Hugging Face's Mamba selective scan starts from zeros). It takes
       ``fn``'s arguments by the same names, plus ``initial_state`` and ``output_final_state``;
@@ -67,6 +82,7 @@ class Recurrence:
     output_like: str = ""  # the seq arg whose shape and dtype the output has (default: first)
     varlen: Callable | None = None
     varlen_devices: tuple[str, ...] = ("cuda",)
+    varlen_check: Callable | None = None
     tree_fn: Callable | None = None
     marker: Callable | None = None
     signature: inspect.Signature | None = None
@@ -185,14 +201,17 @@ def run_tree(rec: Recurrence, parent_token: torch.Tensor, args: tuple, kwargs: d
     if static.get("cu_seqlens") is not None:
         raise ValueError(f"{rec.name}: the model passes cu_seqlens (packed sequences); a tree "
                          "row is one sequence of nodes, pass a plain batch of 1")
-    fast = rec.varlen is not None and all(t.device.type in rec.varlen_devices
-                                          for t in seq.values())
+    fast = (rec.varlen is not None
+            and all(t.device.type in rec.varlen_devices for t in seq.values())
+            and (rec.varlen_check is None or bool(rec.varlen_check(seq, static))))
     final: dict[int, torch.Tensor] = {}
     outputs: dict[int, torch.Tensor] = {}
     levels: dict[int, list[int]] = {}
     for i, d in enumerate(depth):  # one pass: deep trees have many levels
         levels.setdefault(d, []).append(i)
     neutral = fast or padding_is_neutral(rec, seq, static)
+    path = (rec.name, "varlen" if fast else "padded" if neutral else "grouped")
+    _RUNS[path] = _RUNS.get(path, 0) + 1
     for level in range(len(levels)):
         nodes = levels[level]
         # Without neutral padding, nodes of one length run together (no padding at all).
