@@ -1,6 +1,8 @@
 #!/bin/bash
 # Issue 36 (speed where users feel it) on a machine with four GPUs, one job per GPU at the same
-# time, in one call of the device tool (under its 10-minute limit), from the repository root.
+# time, in calls of the device tool (under its 10-minute limit), from the repository root:
+# `bash benchmarks/speed_check.sh a` (carry nothing), then `... b` (carry .whl: fla and TRL).
+# Stage a:
 # Every e2e run: Qwen3-8B-shaped layers (hidden 4096, 32 heads, 8 KV heads, head_dim 128,
 # intermediate 12288, vocab 151,936), bf16, the POR 0.75 agent tree; its JSON and log in $OUT.
 #   GPU 0, first steps in fresh processes with empty compile caches (TORCHINDUCTOR_CACHE_DIR,
@@ -11,6 +13,12 @@
 #   GPU 2, the output layer's paths (benchmarks.logprobs --paths), then 36 layers (a quarter
 #     of the tree) regional and whole-graph, first steps with empty caches
 #   GPU 3, $GPU3 if set (another benchmark's command line, run as is)
+# Stage b:
+#   GPU 0, fla 0.4.2 installed (.whl/fla): benchmarks.fla_check, then e2e --arch qwen3_5
+#   GPU 1, e2e --arch qwen3_next (treefx on fla beside packing on fla's varlen kernels)
+#   GPU 2, TRL's GRPO step with and without treefx (benchmarks.grpo; TRL from .whl/grpo)
+#   GPU 3, the output layer's paths again and the e2e step of logits=False and @treefx.step
+#     beside the default (after the fused loss's larger chunks)
 set -u
 export PYTHONUNBUFFERED=1
 SHAPE="--hidden 4096 --heads 32 --kv-heads 8 --vocab 151936 --por 0.75 --stream 0 --mask-reps 0"
@@ -23,6 +31,8 @@ cold() {  # cold <name> <gpu> <seconds> <e2e args...>: a fresh process, empty co
   echo "e2e $name rc=$?"; grep -E "^hidden|FAILED|bf16 matmul" $OUT/e2e_$name.log | tail -n 8
 }
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+case ${1:-a} in
+a)
 (cold first_default 0 170 --layers 4 --methods treefx --warmup 1 --reps 3
  cold first_regional 0 170 --layers 4 --methods treefx_regional --warmup 1 --reps 3
  TREEFX_VERIFY=0 cold first_noverify 0 170 --layers 4 --methods treefx --warmup 1 \
@@ -41,3 +51,29 @@ if [ -n "${GPU3:-}" ]; then
    echo "gpu3 rc=$?"; tail -n 30 $OUT/gpu3.log) &
 fi
 wait
+  ;;
+b)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir .whl/fla/*.whl
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/grpo \
+    .whl/grpo/*.whl
+  (CUDA_VISIBLE_DEVICES=0 timeout 330 python3 -m benchmarks.fla_check --out $OUT/fla_check.json \
+     > $OUT/fla_check.log 2>&1; echo "fla_check rc=$?"; tail -n 25 $OUT/fla_check.log
+   CUDA_VISIBLE_DEVICES=0 timeout 240 python3 -m benchmarks.e2e --arch qwen3_5 --layers 4 \
+     --por 0.75 --quick --stream 0 --mask-reps 0 --out $OUT/e2e_qwen3_5.json \
+     > $OUT/e2e_qwen3_5.log 2>&1
+   echo "e2e qwen3_5 rc=$?"; grep -E "^hidden|FAILED|rec" $OUT/e2e_qwen3_5.log | tail -n 6) &
+  (CUDA_VISIBLE_DEVICES=1 timeout 560 python3 -m benchmarks.e2e --arch qwen3_next --layers 4 \
+     --por 0.75 --quick --stream 0 --mask-reps 0 --out $OUT/e2e_qwen3_next.json \
+     > $OUT/e2e_qwen3_next.log 2>&1
+   echo "e2e qwen3_next rc=$?"; grep -E "^hidden|FAILED|rec" $OUT/e2e_qwen3_next.log | tail -n 6) &
+  (CUDA_VISIBLE_DEVICES=2 PYTHONPATH=/tmp/grpo timeout 560 python3 -m benchmarks.grpo \
+     --out $OUT/grpo.json > $OUT/grpo.log 2>&1
+   echo "grpo rc=$?"; tail -n 25 $OUT/grpo.log) &
+  (CUDA_VISIBLE_DEVICES=3 timeout 120 python3 -m benchmarks.logprobs --paths 17187 --reps 5 \
+     --out $OUT/logprobs_paths_b.json > $OUT/logprobs_paths_b.log 2>&1
+   echo "logprobs rc=$?"; grep -E "tokens " $OUT/logprobs_paths_b.log | tail -n 7
+   cold steps_b 3 420 --layers 4 --warmup 2 --reps 5 --budget 400 \
+     --methods treefx,treefx_nologits,treefx_step) &
+  wait
+  ;;
+esac

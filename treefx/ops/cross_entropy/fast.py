@@ -28,6 +28,47 @@ def _chunk(n_vocab: int) -> int:
     return max(1, CHUNK_ELEMENTS // max(n_vocab, 1))
 
 
+def _grad_chunk(n_vocab: int) -> int:
+    """Tokens per chunk when the gradients are made: four times the loss-only chunk, so the
+    weight's float32 gradient ([vocab, hidden], 2.5 GB at an 8B model's output layer) is read
+    and written once per ~3.5k tokens rather than per ~900 (on an H100 at 17k tokens that
+    traffic made the fused loss 2x the materialized path). The chunk's logits and their
+    gradient stay in the weights' dtype: two [C, vocab] tensors of ``4 · CHUNK_ELEMENTS``
+    elements (1 GiB each in bf16)."""
+    return max(1, 4 * CHUNK_ELEMENTS // max(n_vocab, 1))
+
+
+_MM_OUT_DTYPE = [True]  # torch.mm(..., out_dtype=) works here (CUDA, torch >= 2.8)
+_ADDMM_OUT_DTYPE = [True]  # torch.addmm(..., out_dtype=, out=) works here
+
+
+def mm_acc(a: torch.Tensor, b: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
+    """``a @ b`` in ``acc``: on the GPU a bf16/fp16 product comes out of the matrix multiply in
+    float32 (its sums are not rounded to the inputs' dtype first); elsewhere the product is
+    rounded to the inputs' dtype, then widened."""
+    if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16) and acc == torch.float32 \
+            and _MM_OUT_DTYPE[0]:
+        try:
+            return torch.mm(a, b, out_dtype=acc)
+        except (TypeError, RuntimeError, NotImplementedError):
+            _MM_OUT_DTYPE[0] = False
+    return (a @ b).to(acc)
+
+
+def add_mm_acc(into: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``into += a @ b`` with ``into`` in float32 (or float64): on the GPU one matrix multiply
+    that reads and writes ``into`` once (cuBLAS accumulates into it); elsewhere the product is
+    made, then added (three passes over ``into``'s size)."""
+    if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16) and \
+            into.dtype == torch.float32 and _ADDMM_OUT_DTYPE[0]:
+        try:
+            torch.addmm(into, a, b, out_dtype=torch.float32, out=into)
+            return
+        except (TypeError, RuntimeError, NotImplementedError):
+            _ADDMM_OUT_DTYPE[0] = False
+    into += mm_acc(a, b, into.dtype)
+
+
 def _acc(h: torch.Tensor) -> torch.dtype:
     """Accumulation dtype: float32, or float64 for float64 inputs."""
     return torch.promote_types(h.dtype, torch.float32)
@@ -40,8 +81,10 @@ def _prepare(h, parent, ids, weights):
     return h.reshape(-1, h.shape[-1]), row, ids.reshape(-1), w
 
 
-def _loss_and_dlogits(logits, ids, w, acc: torch.dtype, want_grad: bool):
-    """One chunk's weighted loss and (if wanted) d loss / d logits = w · (softmax − onehot)."""
+def _loss_and_dlogits(logits, ids, w, acc: torch.dtype, want_grad: bool,
+                      out: torch.dtype | None = None):
+    """One chunk's weighted loss and (if wanted) d loss / d logits = w · (softmax − onehot),
+    computed in ``acc`` and returned in ``out`` (default ``acc``)."""
     lg = logits.to(acc)
     lse = torch.logsumexp(lg, dim=-1)
     picked = lg.gather(1, ids[:, None])[:, 0]
@@ -50,7 +93,7 @@ def _loss_and_dlogits(logits, ids, w, acc: torch.dtype, want_grad: bool):
         return loss, None
     d = torch.exp(lg - lse[:, None])
     d = d - torch.nn.functional.one_hot(ids, lg.shape[-1]).to(acc)
-    return loss, d * w[:, None]
+    return loss, (d * w[:, None]).to(out or acc)
 
 
 _COMPILED = None
@@ -80,21 +123,24 @@ def _chunks(h, weight, bias, ids, parent, weights, want_grad: bool, want_weight:
         dw = torch.zeros(weight.shape if want_weight else (0,), dtype=acc, device=h.device)
         db = torch.zeros(weight.shape[0] if bias is not None and want_weight else 0, dtype=acc,
                          device=h.device)
-    step = _chunk(weight.shape[0])
+    step = _grad_chunk(weight.shape[0]) if want_grad else _chunk(weight.shape[0])
     pointwise = _pointwise_compiled() if h.is_cuda else _loss_and_dlogits
+    # the logits' gradient in the weights' dtype (the products take it so), or in acc for a
+    # bias, whose gradient sums it
+    d_dtype = acc if bias is not None and want_weight else weight.dtype
     for s in range(0, n, step):
         e = min(s + step, n)
         hc = h2[row[s:e]]
         logits = torch.nn.functional.linear(hc, weight, bias)
-        loss_c, d = pointwise(logits, ids[s:e], w[s:e], acc, want_grad)
+        loss_c, d = pointwise(logits, ids[s:e], w[s:e], acc, want_grad, d_dtype)
         total += loss_c
         if not want_grad:
             continue
         dc = d.to(weight.dtype)
-        dh.index_add_(0, row[s:e], (dc @ weight).to(acc))
+        dh.index_add_(0, row[s:e], mm_acc(dc, weight, acc))
         if not want_weight:
             continue
-        dw += (dc.t() @ hc).to(acc)
+        add_mm_acc(dw, dc.t(), hc)
         if bias is not None:
             db += d.sum(0)
     if not want_grad:

@@ -94,37 +94,6 @@ _TOKEN_BLOCK = 1 << 14
 _SLICE_ALIGN = 128
 
 
-_MM_OUT_DTYPE = [True]  # torch.mm(..., out_dtype=) works here (CUDA, torch >= 2.8)
-_ADDMM_OUT_DTYPE = [True]  # torch.addmm(..., out_dtype=, out=) works here
-
-
-def _add_mm_acc(into: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """``into += a @ b`` with ``into`` in float32: on the GPU one matrix multiply that reads
-    and writes ``into`` once (cuBLAS accumulates into it); elsewhere the product is made,
-    then added (three passes over ``into``'s size)."""
-    if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16) and \
-            into.dtype == torch.float32 and _ADDMM_OUT_DTYPE[0]:
-        try:
-            torch.addmm(into, a, b, out_dtype=torch.float32, out=into)
-            return
-        except (TypeError, RuntimeError, NotImplementedError):
-            _ADDMM_OUT_DTYPE[0] = False
-    into += _mm_acc(a, b, into.dtype)
-
-
-def _mm_acc(a: torch.Tensor, b: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
-    """``a @ b`` in ``acc``: on the GPU a bf16/fp16 product comes out of the matrix multiply in
-    float32 (its sums are not rounded to the inputs' dtype first); elsewhere the product is
-    rounded to the inputs' dtype, then widened."""
-    if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16) and acc == torch.float32 \
-            and _MM_OUT_DTYPE[0]:
-        try:
-            return torch.mm(a, b, out_dtype=acc)
-        except (TypeError, RuntimeError, NotImplementedError):
-            _MM_OUT_DTYPE[0] = False
-    return (a @ b).to(acc)
-
-
 def _slice_grad(logits, lse, g, label, hit, acc: torch.dtype, out: torch.dtype):
     """d lp / d z · g on one [T, Vs] slice of the logits: ``g · (onehot(y) − softmax(z))``,
     the onehot where the label ``label`` (relative to the slice) lies in it (``hit``);
@@ -189,14 +158,14 @@ def _backward(grad, h, weight, bias, ids, parent, lse, need_h: bool, need_weight
                            acc if need_bias else weight.dtype)
             dc = d.to(weight.dtype)
             if need_h:
-                _add_mm_acc(dh_t, dc, w_s)
+                ce_fast.add_mm_acc(dh_t, dc, w_s)
             if need_weight:
                 if into:
                     grad_into[v0:v1].addmm_(dc.t(), hc)
                 elif len(blocks) == 1:
                     torch.mm(dc.t(), hc, out=dw[v0:v1])
                 else:
-                    _add_mm_acc(dw[v0:v1], dc.t(), hc)
+                    ce_fast.add_mm_acc(dw[v0:v1], dc.t(), hc)
             if need_bias:
                 db[v0:v1] += d.sum(0)
         if need_h:
