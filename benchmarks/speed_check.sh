@@ -77,3 +77,24 @@ b)
   wait
   ;;
 esac
+# Stage c (diagnosis; run as `bash benchmarks/speed_check.sh c`, carry .whl/fla):
+#   GPU 0: 2 layers, first-call check on, Dynamo's recompile reasons and treefx's log
+#   GPU 1: benchmarks.fla_check with a longer limit
+#   GPU 2: e2e qwen3_next, treefx alone, check off, --profile (GPU time by kernel kind)
+#   GPU 3: 36 layers regional with the check off (what compiling costs at depth)
+if [ "${1:-}" = c ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir .whl/fla/*.whl
+  (TORCH_LOGS=recompiles,graph_breaks cold diag_recompile 0 300 --layers 2 --log \
+     --methods treefx --warmup 1 --reps 2
+   grep -iE "recompil|guard|triggered|compiled a|verif|probe|first-call" $OUT/e2e_diag_recompile.log \
+     | head -n 30) &
+  (CUDA_VISIBLE_DEVICES=1 timeout 560 python3 -m benchmarks.fla_check \
+     --out $OUT/fla_check.json > $OUT/fla_check.log 2>&1; echo "fla_check rc=$?"
+   tail -n 40 $OUT/fla_check.log) &
+  (TREEFX_VERIFY=0 cold next_profile 2 560 --arch qwen3_next --layers 4 --methods treefx \
+     --quick --profile
+   grep -A25 "GPU idle\|by kind" $OUT/e2e_next_profile.log | head -n 40) &
+  (TREEFX_VERIFY=0 cold l36_noverify 3 300 --layers 36 --scale 0.25 \
+     --methods treefx_regional --warmup 1 --reps 2) &
+  wait
+fi

@@ -71,6 +71,8 @@ def parse_args(argv=None):
                    help="seconds; measurements not started by then are skipped (recorded)")
     p.add_argument("--quick", action="store_true",
                    help="hidden 1024 only, 1 warm-up + 3 reps, 20 mask reps")
+    p.add_argument("--log", action="store_true",
+                   help="print treefx's log (INFO): its captures, compilations, checks")
     p.add_argument("--cpu-backend", default="aot_eager",
                    help="torch.compile backend for the baselines in --dry-run")
     args = p.parse_args(argv)
@@ -96,6 +98,10 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.log:
+        import logging
+        logging.basicConfig(format="%(asctime)s %(name)s %(message)s")
+        logging.getLogger("treefx").setLevel(logging.INFO)
     t_start = run.START = time.perf_counter()
     deadline = t_start + args.budget
     env = Env(args)
