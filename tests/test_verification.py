@@ -32,6 +32,10 @@ def model(**kw):
 @pytest.fixture
 def without_positions_pass(monkeypatch):
     """A planted defect: the model keeps DFS indices as its positions."""
+    _drop_positions_pass(monkeypatch)
+
+
+def _drop_positions_pass(monkeypatch):
     monkeypatch.setattr(treefx.compiler.pipeline, "PASSES",
                         tuple(p for p in treefx.compiler.pipeline.PASSES
                               if p[0] != "positions"))
@@ -56,6 +60,37 @@ def test_passes_on_an_exact_model():
     assert report.compared_params == report.total_params == len(list(model().parameters()))
     assert report.max_logprob_error < 1e-5 and report.max_grad_error < 1e-4
     assert "passed" in str(report) and report.tolerance == tolerance_for(torch.float32)
+
+
+@pytest.mark.parametrize("planted", [False, True])
+def test_probe_padded_to_the_batch_length_checks_the_same(planted, monkeypatch):
+    """pad_to: the tree side runs the probe on a row padded with inert tokens to the first
+    batch's length (what a compiled model's first call does through Inductor, so that it
+    compiles once); the verdict, the errors and the reported tokens are the probe's own, on
+    an exact model and on a planted defect alike."""
+    from treefx.verification import verify_compiled
+
+    seen = []
+
+    def tree_run(tm):
+        def run(batch, params):
+            seen.append((batch.num_tokens, batch.num_real_tokens))
+            lp = tm(batch).token_logprobs
+            return lp, []
+        return run
+
+    if planted:  # the defect of without_positions_pass
+        _drop_positions_pass(monkeypatch)
+    tm = treefx.compile(model(), backend="eager", verify=False)
+    plain = verify_compiled(tm, grads=False, raise_on_failure=False)
+    padded = verify_compiled(tm, grads=False, raise_on_failure=False, tree_run=tree_run(tm),
+                             pad_to=plain.num_tokens + 37)
+    assert seen == [(plain.num_tokens + 37, plain.num_tokens)]
+    assert padded.num_tokens == plain.num_tokens
+    assert padded.passed == plain.passed == (not planted)
+    assert abs(padded.max_logprob_error - plain.max_logprob_error) <= 1e-6 + \
+        1e-4 * plain.max_logprob_error
+    assert padded.worst_token == plain.worst_token
 
 
 def test_catches_a_planted_defect(without_positions_pass):

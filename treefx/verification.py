@@ -389,7 +389,8 @@ def verify_compiled(tm, trees=None, *, reduction: str = "mean", grads: bool = Tr
                     params="auto", tolerance: Tolerance | None = None, seed: int = 0,
                     reference: torch.nn.Module | None = None,
                     raise_on_failure: bool = True, tree_run=None,
-                    vocab_size: int | None = None) -> VerificationReport:
+                    vocab_size: int | None = None, pad_to: int | None = None
+                    ) -> VerificationReport:
     """Compare a tree-compiled model with the unmodified model run on each sequence alone
     (``treefx.verify`` compiles a module first).
 
@@ -404,6 +405,12 @@ def verify_compiled(tm, trees=None, *, reduction: str = "mean", grads: bool = Tr
     runs, for another entry point than ``tm(batch)`` (:func:`treefx.backward`'s parts); it
     may write ``.grad`` (restored after). ``vocab_size``: the probe's token ids are below it
     (default :func:`probe_vocab_size`, with the largest id of a batch ``tm`` ran on).
+    ``pad_to``: the tree side's row padded with inert tokens (weight 0, each its own root) to
+    this many tokens, when the forest has fewer: a compiled model's first call checks on a
+    row as long as the batch it was called with, so that the graph compiled for the probe is
+    the one the batch runs (Inductor picks 32-bit indexing for a short row and recompiles
+    for a batch whose [tokens, vocab] logits pass 2^31 elements: 45 s of a 4-layer 8B-shaped
+    model's first step on an H100).
 
     Returns a :class:`VerificationReport`; raises :class:`TreeVerificationError` naming the
     worst token and parameter when over tolerance (unless ``raise_on_failure=False``). The
@@ -427,6 +434,8 @@ def verify_compiled(tm, trees=None, *, reduction: str = "mean", grads: bool = Tr
         trees = probe_forest(vocab_size, min_tokens=2 * blocks + 1, seed=seed)
     tol = tolerance or tolerance_for(dtype)
     batch = pack(trees, reduction=reduction)
+    if pad_to is not None and pad_to > batch.num_tokens:
+        batch = pack(trees, reduction=reduction, pad_to_multiple=int(pad_to))
     if device.type != "cpu":
         batch = batch.to(device)
     total = sum(p.numel() for p in net.parameters() if p.requires_grad)
@@ -489,7 +498,7 @@ def verify_compiled(tm, trees=None, *, reduction: str = "mean", grads: bool = Tr
     grad_floor = max(_grad_errors(chosen, g_ext, g_ref, tol).values(), default=0.0)
     report = VerificationReport(
         dtype=dtype, tolerance=tol, num_trees=len(trees), num_sequences=batch.num_sequences,
-        num_tokens=batch.num_tokens, max_logprob_error=worst, worst_token=worst_at,
+        num_tokens=batch.num_real_tokens, max_logprob_error=worst, worst_token=worst_at,
         grad_errors=grad_errors, compared_params=len(chosen), total_params=len(list(
             p for p in net.parameters() if p.requires_grad)),
         seconds=time.perf_counter() - t0, logprob_floor=floor, grad_floor=grad_floor)

@@ -176,7 +176,7 @@ class TreeModel(torch.nn.Module):
             self._note_token_ids(batch)
         if self.verify_on_first_call:
             self.verify_on_first_call = False
-            self._verify_first_call()
+            self._verify_first_call(batch)
         logits, token_logprobs = self.engine(batch.device, self.model, batch.input_ids,
                                              tree_info(batch), dynamic=(1, 2),
                                              discover_in=self.model, root=self._root[0])
@@ -192,10 +192,14 @@ class TreeModel(torch.nn.Module):
         if top >= 0:
             self.largest_token_id = max(top, self.largest_token_id or 0)
 
-    def _verify_first_call(self) -> None:
+    def _verify_first_call(self, batch: TreeBatch) -> None:
         """The probe check (:mod:`treefx.verification`) through this model's own compiled graph,
-        with gradients when the call computes them, before the user's first batch."""
+        with gradients when the call computes them, before the user's first batch. Through
+        Inductor the probe's row is padded to the batch's length (``pad_to``): compiled on a
+        short row, the graph would be compiled again for the batch."""
         grads = torch.is_grad_enabled()
+        pad_to = batch.num_tokens if self.engine.resolve_backend(batch.device) == "inductor" \
+            else None
         kind = regional_mod.distributed_kind(self.model, self._root[0] if self._root[0]
                                              is not self.model else None)
         if kind is not None and grads:
@@ -204,7 +208,7 @@ class TreeModel(torch.nn.Module):
             log.info("first-call check under %s: log-probabilities only", kind.upper())
             grads = False
         try:
-            self.verification = verification.verify_compiled(self, grads=grads)
+            self.verification = verification.verify_compiled(self, grads=grads, pad_to=pad_to)
         except verification.VerificationUnavailable as e:
             self.verification = str(e)
             log.warning("%s", e)
