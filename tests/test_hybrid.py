@@ -353,7 +353,8 @@ def test_traced_hf_hybrid_forward(model_type):
 def _per_node_varlen(rec):
     """A varlen form built from the padded kernel, one node at a time: checks the plumbing of
     the fast path (concatenation, offsets, per-node states, splitting) on the CPU."""
-    def varlen(seq, static, init, cu):
+    def varlen(seq, static, init, cu, cu_cpu):
+        assert cu_cpu.device.type == "cpu" and torch.equal(cu_cpu, cu.cpu())
         outs, fins = [], []
         for j in range(len(cu) - 1):
             a, b = int(cu[j]), int(cu[j + 1])

@@ -56,11 +56,13 @@ class Recurrence:
       returns ``output`` alone rather than ``(output, None)``;
     - ``output_like``: the seq arg whose shape and dtype ``output`` has (default: the first);
     - ``varlen``: optional fast path for CUDA tensors. ``varlen(seq, static, initial_state,
-      cu_seqlens) -> (output, final_state)`` runs many nodes at once without padding: ``seq``
-      holds the seq args with batch 1 and the nodes laid end to end along their sequence dims,
-      ``cu_seqlens`` (int64, n + 1) where each node starts, ``initial_state`` one state per
-      node or None (all zero), ``static`` the other arguments by name. Built in for Gated
-      DeltaNet when flash-linear-attention (fla) is installed;
+      cu_seqlens, cu_seqlens_cpu) -> (output, final_state)`` runs many nodes at once without
+      padding: ``seq`` holds the seq args with batch 1 and the nodes laid end to end along
+      their sequence dims, ``cu_seqlens`` (int64, n + 1, on the tensors' device) where each
+      node starts and ``cu_seqlens_cpu`` the same on the host (a kernel that plans its chunks
+      from it reads nothing back from the device), ``initial_state`` one state per node or
+      None (all zero), ``static`` the other arguments by name. Built in for Gated DeltaNet
+      when flash-linear-attention (fla) is installed;
     - ``varlen_devices``: the device types ``varlen`` runs on (others take the padded path);
     - ``varlen_check``: optional ``varlen_check(seq, static) -> bool``, asked before each tree
       run on those devices: whether ``varlen`` may run these arguments (the fla family says no
@@ -312,7 +314,7 @@ def _level_varlen(rec, seq, static, init, nodes, starts, lengths):
                                   for i in nodes], dim=rec.seq_args[name])
                  for name, t in seq.items()}
     sizes = [lengths[i] for i in nodes]
-    cu = torch.tensor([0, *itertools.accumulate(sizes)], dtype=torch.int64,
-                      device=next(iter(seq.values())).device)
-    out, fin = rec.varlen(chunk, static, init, cu)
+    cu_cpu = torch.tensor([0, *itertools.accumulate(sizes)], dtype=torch.int64)
+    cu = cu_cpu.to(next(iter(seq.values())).device, non_blocking=True)
+    out, fin = rec.varlen(chunk, static, init, cu, cu_cpu)
     return list(out.split(sizes, dim=rec.output_seq_dim)), fin
