@@ -96,16 +96,20 @@ def _loss_and_dlogits(logits, ids, w, acc: torch.dtype, want_grad: bool,
     return loss, (d * w[:, None]).to(out or acc)
 
 
-_COMPILED = None
+_GPU_COMPILED: dict = {}
 
 
-def _pointwise_compiled():
-    """The chunk's pointwise math as one fused kernel on the GPU (a handful of passes over
-    the [C, V] logits instead of one per op); compiled once, dynamic in the chunk length."""
-    global _COMPILED
-    if _COMPILED is None:
-        _COMPILED = torch.compile(_loss_and_dlogits, dynamic=True)
-    return _COMPILED
+def gpu_compiled(fn, cuda: bool):
+    """``fn`` for a chunk of logits: on the GPU compiled once (dynamic in every length), so a
+    chunk's pointwise math and reductions are one fused kernel that reads the chunk once
+    instead of one pass per op; ``fn`` itself on the CPU. Shared by the fused loss and the
+    fused log-probabilities (:mod:`treefx.ops.logprobs.fast`)."""
+    if not cuda:
+        return fn
+    compiled = _GPU_COMPILED.get(fn)
+    if compiled is None:
+        compiled = _GPU_COMPILED[fn] = torch.compile(fn, dynamic=True)
+    return compiled
 
 
 def _chunks(h, weight, bias, ids, parent, weights, want_grad: bool, want_weight: bool = True):
@@ -124,7 +128,7 @@ def _chunks(h, weight, bias, ids, parent, weights, want_grad: bool, want_weight:
         db = torch.zeros(weight.shape[0] if bias is not None and want_weight else 0, dtype=acc,
                          device=h.device)
     step = _grad_chunk(weight.shape[0]) if want_grad else _chunk(weight.shape[0])
-    pointwise = _pointwise_compiled() if h.is_cuda else _loss_and_dlogits
+    pointwise = gpu_compiled(_loss_and_dlogits, h.is_cuda)
     # the logits' gradient in the weights' dtype (the products take it so), or in acc for a
     # bias, whose gradient sums it
     d_dtype = acc if bias is not None and want_weight else weight.dtype

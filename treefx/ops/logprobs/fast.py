@@ -47,22 +47,6 @@ def _lse_and_pick(logits, ids, acc: torch.dtype):
     return torch.logsumexp(lg, dim=-1), lg.gather(1, ids[:, None])[:, 0]
 
 
-_LSE_COMPILED = None
-
-
-def _lse_fn(cuda: bool):
-    """On the GPU one fused reduction that reads the chunk's logits once in their own dtype
-    (eager, the float32 copy alone wrote and read the chunk twice more: [883, 151,936] per
-    chunk at an 8B model's vocabulary); compiled once, dynamic in the chunk length. Eager on
-    the CPU."""
-    global _LSE_COMPILED
-    if not cuda:
-        return _lse_and_pick
-    if _LSE_COMPILED is None:
-        _LSE_COMPILED = torch.compile(_lse_and_pick, dynamic=True)
-    return _LSE_COMPILED
-
-
 def _forward(h, weight, bias, ids, parent):
     acc = _acc(h)
     h2 = h.reshape(-1, h.shape[-1])
@@ -72,7 +56,9 @@ def _forward(h, weight, bias, ids, parent):
     lp = torch.zeros(n, dtype=acc, device=h.device)
     lse = torch.zeros(n, dtype=acc, device=h.device)
     step = _chunk(weight.shape[0])
-    lse_fn = _lse_fn(h.is_cuda)
+    # on the GPU one reduction reading the chunk's logits once in their own dtype (eagerly,
+    # the float32 copy alone wrote and read [883, 151,936] twice more per chunk)
+    lse_fn = ce_fast.gpu_compiled(_lse_and_pick, h.is_cuda)
     for s in range(0, n, step):
         e = min(s + step, n)
         lse_c, picked = lse_fn(F.linear(h2[row[s:e]], weight, bias), ids[s:e], acc)
@@ -102,21 +88,6 @@ def _slice_grad(logits, lse, g, label, hit, acc: torch.dtype, out: torch.dtype):
     return d.scatter_add(1, label[:, None], (g * hit.to(acc))[:, None]).to(out)
 
 
-_SLICE_GRAD_COMPILED = None
-
-
-def _slice_grad_fn(cuda: bool):
-    """On the GPU the slice's pointwise math as one fused kernel (compiled once, dynamic in
-    both lengths), like the fused loss's (:mod:`treefx.ops.cross_entropy.fast`); eager on the
-    CPU."""
-    global _SLICE_GRAD_COMPILED
-    if not cuda:
-        return _slice_grad
-    if _SLICE_GRAD_COMPILED is None:
-        _SLICE_GRAD_COMPILED = torch.compile(_slice_grad, dynamic=True)
-    return _SLICE_GRAD_COMPILED
-
-
 def _backward(grad, h, weight, bias, ids, parent, lse, need_h: bool, need_weight: bool,
               need_bias: bool, all_rows: bool = False, grad_into: torch.Tensor | None = None):
     """(d/d h, d/d weight, d/d bias); with ``grad_into`` (the weight's ``.grad``) the weight's
@@ -134,7 +105,7 @@ def _backward(grad, h, weight, bias, ids, parent, lse, need_h: bool, need_weight
         torch.nonzero(g).reshape(-1)
     n_tok, n_vocab = tokens.shape[0], weight.shape[0]
     blocks = list(range(0, n_tok, _TOKEN_BLOCK))
-    slice_grad = _slice_grad_fn(h.is_cuda)
+    slice_grad = ce_fast.gpu_compiled(_slice_grad, h.is_cuda)
     # one block: each weight slice's gradient is written straight into the result (or added
     # straight into ``grad_into``); several: summed over blocks in ``acc``, then rounded once
     into = grad_into is not None and need_weight and len(blocks) <= 1
