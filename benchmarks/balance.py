@@ -12,9 +12,11 @@ with the Qwen3-8B FLOP cost model (:data:`treefx.distributed.DEFAULT_COST`), and
 ``--rounds BUDGET``: also the waiting of ``treefx.backward``'s rounds under FSDP2 (every rank
 runs its parts in common rounds, each as long as its largest part): each rank's trees packed
 in the order ``assign`` returns (``order="input"`` and ``"largest_first"``) and planned at
-the budget as ``treefx.backward`` plans them there; reported: the tokens of each round's
-largest part summed over the rounds, over the busiest rank's tokens (1.0: no rank waits;
-tokens stand in for time).
+the budget, each rank alone (as ``treefx.backward`` did until 2026-11-26), and (``even``)
+largest first, then replanned so that every rank has as many parts, as even as its trees
+allow (what ``treefx.backward`` does since, :func:`treefx.parts.plan_even`); reported:
+the tokens of each round's largest part summed over the rounds, over the busiest rank's
+tokens (1.0: no rank waits; tokens stand in for time).
 """
 
 from __future__ import annotations
@@ -35,11 +37,17 @@ def imbalance(ranks, mean: float) -> float:
     return max(DEFAULT_COST.of_batch(r) for r in ranks) / mean
 
 
-def rounds_over_busiest(ranks, budget: int) -> float:
+def rounds_over_busiest(ranks, budget: int, even: bool = False) -> float:
     """Under FSDP2 rounds: the sum over rounds of the largest part's tokens, over the busiest
     rank's tokens (each rank's trees packed in the given order, planned at ``budget`` without
-    recompute parts, as treefx.backward does with FSDP2)."""
-    plans = [parts.plan(pack(r), budget, recompute=False) for r in ranks]
+    recompute parts, as treefx.backward did with FSDP2 before 2026-11-26; ``even``: then
+    replanned to the largest count as evenly as the trees allow, as it does since
+    (:func:`treefx.parts.plan_even`))."""
+    batches = [pack(r) for r in ranks]
+    plans = [parts.plan(b, budget, recompute=False) for b in batches]
+    if even:
+        k = max(p.num_parts for p in plans)
+        plans = [parts.plan_even(b, budget, k, recompute=False) for b in batches]
     k = max(p.num_parts for p in plans)
     rounds = sum(max(p.parts[i].num_tokens if i < p.num_parts else 0 for p in plans)
                  for i in range(k))
@@ -63,19 +71,20 @@ def main(argv=None):
     rng = random.Random(args.seed)
     rows = []
     print("world  trees/rank  whole: median  worst   split: median  worst   slowest assign s"
-          + ("   rounds input: median worst   largest first: median worst"
+          + ("   rounds input: median worst   largest first: median worst   even: median worst"
              if args.rounds else ""))
     for world in args.worlds:
         for per in args.per_rank:
-            whole, cut, secs, r_in, r_lf = [], [], [], [], []
+            whole, cut, secs, r_in, r_lf, r_ev = [], [], [], [], [], []
             for _ in range(args.steps):
                 step = rng.sample(trees, world * per)
                 mean = DEFAULT_COST.of_batch(step) / world
                 whole.append(imbalance(assign(step, world), mean))
                 if args.rounds:
                     r_in.append(rounds_over_busiest(assign(step, world), args.rounds))
-                    r_lf.append(rounds_over_busiest(assign(step, world, order="largest_first"),
-                                                    args.rounds))
+                    lf = assign(step, world, order="largest_first")
+                    r_lf.append(rounds_over_busiest(lf, args.rounds))
+                    r_ev.append(rounds_over_busiest(lf, args.rounds, even=True))
                 t0 = time.perf_counter()
                 cut.append(imbalance(assign(step, world, split=True), mean))
                 secs.append(time.perf_counter() - t0)
@@ -85,14 +94,17 @@ def main(argv=None):
             if args.rounds:
                 row.update(rounds_input_median=statistics.median(r_in), rounds_input_worst=max(
                     r_in), rounds_largest_first_median=statistics.median(r_lf),
-                    rounds_largest_first_worst=max(r_lf))
+                    rounds_largest_first_worst=max(r_lf),
+                    rounds_even_median=statistics.median(r_ev), rounds_even_worst=max(r_ev))
             rows.append(row)
             print(f"{world:5d}  {per:10d}  {row['whole_median']:13.3f}  {row['whole_worst']:5.3f}"
                   f"  {row['split_median']:13.3f}  {row['split_worst']:5.3f}"
                   f"  {row['slowest_split_assign_s']:16.2f}"
                   + (f"   {row['rounds_input_median']:19.3f} {row['rounds_input_worst']:5.3f}"
                      f"   {row['rounds_largest_first_median']:20.3f} "
-                     f"{row['rounds_largest_first_worst']:5.3f}" if args.rounds else ""),
+                     f"{row['rounds_largest_first_worst']:5.3f}"
+                     f"   {row['rounds_even_median']:11.3f} {row['rounds_even_worst']:5.3f}"
+                     if args.rounds else ""),
                   flush=True)
     if args.out:
         with open(args.out, "w") as f:

@@ -204,6 +204,34 @@ def test_rl_objective_in_parts_equals_the_whole_batch(shared):
         torch.testing.assert_close(got[n], g, atol=1e-6, rtol=1e-4)
 
 
+def test_plan_even_keeps_the_count_and_evens_the_parts():
+    """plan_even: at most the given number of parts, the largest no larger than plan's at
+    the budget (and smaller where the trees allow), every token in one part, within the
+    budget; a count below plan's gives plan's own; trained in parts it is exact (FSDP2's
+    rounds use it, tests/test_distributed_parts.py)."""
+    trees = [treefx.synth.agent_tree(i, vocab_size=VOCAB, rollouts=2, system_len=(6, 12),
+                                     prompt_len=(3, 8), think_len=(3, 9), answer_len=(2, 5),
+                                     tool_len=(3, 9)) for i in range(3)]
+    batch = treefx.pack(trees)
+    budget = batch.num_tokens // 2
+    first = parts.plan(batch, budget, recompute=False)
+    assert first.num_parts >= 2
+    largest = max(p.num_tokens for p in first.parts)
+    gained = False
+    for k in range(first.num_parts, first.num_parts + 4):
+        even = parts.plan_even(batch, budget, k, recompute=False)
+        assert even.num_parts <= k and even.max_tokens <= budget
+        assert even.parts[0].start == 0 and even.parts[-1].end == batch.num_tokens
+        assert all(a.end == b.start for a, b in zip(even.parts, even.parts[1:]))
+        assert max(p.num_tokens for p in even.parts) <= largest
+        assert even.peak_held_tokens() <= max(first.peak_held_tokens(), budget)
+        gained |= max(p.num_tokens for p in even.parts) < largest
+    assert gained
+    assert parts.plan_even(batch, budget, 1, recompute=False).num_parts == first.num_parts
+    with pytest.raises(ValueError, match="num_parts"):
+        parts.plan_even(batch, budget, 0)
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_plan_covers_the_row_and_bounds_memory(seed, monkeypatch):
     rng = np.random.default_rng(seed)

@@ -58,7 +58,7 @@ import torch
 
 from .layout import TreeBatch
 
-__all__ = ["Part", "PartPlan", "plan"]
+__all__ = ["Part", "PartPlan", "plan", "plan_even"]
 
 
 @dataclass(eq=False)
@@ -304,6 +304,38 @@ def plan(batch: TreeBatch, max_tokens: int, *, block_size: int = 128,
             entry_of_token=entry_of, exits=exits, label_rows=rows, label_tokens=pred,
             release=int(se[s:e].max()), open=is_open, recompute=rec))
     return PartPlan(batch=batch, parts=parts, max_tokens=max_tokens, part_of_token=part_of)
+
+
+def plan_even(batch: TreeBatch, max_tokens: int, num_parts: int, *, block_size: int = 128,
+              recompute: bool = True) -> PartPlan:
+    """The plan of at most ``num_parts`` parts whose largest part is smallest: :func:`plan` at
+    the smallest budget between ``tokens / num_parts`` and ``max_tokens`` that keeps the count
+    (found by bisection; the count falls as the budget grows, and the plan at ``max_tokens`` is
+    taken where no smaller budget keeps it, or where that one would hold more tokens at once).
+    Under FSDP2 :func:`treefx.backward` runs every rank's parts in common rounds, each as long
+    as its largest part: ranks that cut their trees into as many even parts wait less for
+    each other (a rank's first plan may have fewer parts, of very different sizes)."""
+    max_tokens = _check_budget(max_tokens)
+    if not isinstance(num_parts, numbers.Integral) or isinstance(num_parts, bool) \
+            or num_parts < 1:
+        raise ValueError(f"num_parts must be a positive integer, got {num_parts!r}")
+    first = plan(batch, max_tokens, block_size=block_size, recompute=recompute)
+    if first.num_parts > num_parts:
+        return first
+    best = first
+    lo, hi = max(1, -(-batch.num_tokens // int(num_parts))), max_tokens - 1
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        candidate = plan(batch, mid, block_size=block_size, recompute=recompute)
+        if candidate.num_parts <= num_parts:
+            best, hi = candidate, mid - 1
+        else:
+            lo = mid + 1
+    if best is not first and (best.recompute_tokens > first.recompute_tokens
+                              or best.peak_held_tokens() > max(first.peak_held_tokens(),
+                                                               max_tokens)):
+        return first
+    return best
 
 
 def _no_single_tokens(ranges):

@@ -391,7 +391,9 @@ def backward(tm: TreeModel, trees: Tree | Iterable[Tree] | TreeBatch | None, *,
     number of parts; the gathered gradients equal one process on all trees whole, and the
     returned loss is the rank's (their mean over ranks is the global batch's). Under FSDP2 the
     ranks run their parts in common rounds, a rank without a part to run in a round running a
-    two-token part of zero weight, so that their collectives pair up; gradients go through
+    two-token part of zero weight, so that their collectives pair up; a round lasts as long
+    as its largest part, so every rank cuts its trees into as many parts as the rank with the
+    most, as evenly as they allow within ``max_tokens`` (:func:`treefx.parts.plan_even`); gradients go through
     autograd (FSDP reduce-scatters them in every part's backward). Under DDP the parts run on
     the inner module and the gradients are averaged over the group once, at the end (a
     wrapper with a communication hook or mixed precision is refused). See
@@ -594,9 +596,23 @@ def _rounds(run: _Run, group) -> None:
     The dummies left at the end run their backwards together."""
     import torch.distributed as dist
 
-    mine = "".join(e for e, _ in run.events)
-    strings: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(strings, mine, group=group)
+    def exchange() -> list:
+        mine = "".join(e for e, _ in run.events)
+        strings: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(strings, mine, group=group)
+        return strings
+
+    strings = exchange()
+    # Every round lasts as long as its largest part: each rank cuts its trees into as many
+    # parts as the rank with the most, as evenly as its trees allow (parts.plan_even), and
+    # the event strings are exchanged again. Counted on real agent trees (benchmarks.balance
+    # --rounds; medians over random steps of 2-8 ranks with 1-4 trees each), the rounds'
+    # largest parts summed to 1.17-1.81x the busiest rank's tokens with each rank's own
+    # plan, 1.00-1.49x so.
+    most = max(s.count("F") for s in strings)
+    if most > 1:
+        run.even_parts(most)
+        strings = exchange()
     # _Run plans without recompute parts under FSDP2; should one come, every rank sees it
     # here and all refuse together
     if any("R" in s for s in strings):
@@ -643,6 +659,7 @@ class _Run:
             # Under FSDP2 no recompute parts: a recompute part's backward gathers the layers
             # for its second forward too, once more than another rank's backward in that
             # round. What the budget cannot hold there is held (as before recompute parts).
+            self.max_tokens = max_tokens
             self.plan = parts_mod.plan(batch, max_tokens, block_size=runner.plan.block_size,
                                        recompute=not collective)
             if collective and self.plan.peak_held_tokens() > max_tokens:
@@ -669,6 +686,23 @@ class _Run:
         self.total = torch.zeros((), dtype=torch.float64, device=device)
         self.dtype = next(target.parameters()).dtype
         self.min_tokens = 3 if step is not None else 2
+
+    def even_parts(self, num_parts: int) -> None:
+        """Under FSDP2, before the rounds: the plan replaced by the one with at most
+        ``num_parts`` parts (the most any rank has) whose largest part is smallest
+        (:func:`treefx.parts.plan_even`), within the same budget."""
+        if self.plan is None or not self.collective:
+            return
+        even = parts_mod.plan_even(self.plan.batch, self.max_tokens, num_parts,
+                                   block_size=self.runner.plan.block_size, recompute=False)
+        if even is not self.plan and even.num_parts <= num_parts:
+            log.info("treefx.backward under FSDP2: %d part(s) of at most %d tokens, as many "
+                     "as the rank with the most (%d), largest %d (was %d part(s), largest %d)",
+                     even.num_parts, even.max_tokens, num_parts,
+                     max(p.num_tokens for p in even.parts), self.plan.num_parts,
+                     max(p.num_tokens for p in self.plan.parts))
+            self.plan = even
+            self.events = _events(even)
 
     def _weights(self, batch: TreeBatch):
         if self.step is not None:  # the step's "sum" and "mean" weights
