@@ -115,7 +115,15 @@ def test_shape_guards_are_checked_on_every_call():
     long = [treefx.Tree.from_sequences([[1 + (i + j) % 60 for j in range(30)]
                                         for i in range(4)])]
     batch = treefx.pack(long)
-    assert not graph.accepts((batch.input_ids, treefx.run.engine.tree_info(batch)))
+    def call_args(b):  # as the engine calls a capture: the model, the ids, the tree tensors
+        return (tm.model, b.input_ids, treefx.run.engine.tree_info(b))
+
+    fits = treefx.pack(small)
+    assert graph.accepts(call_args(fits)) and graph.failed_guard(call_args(fits)) is None
+    # refused for its shape guard (not for anything else), which the log then names
+    assert not graph.accepts(call_args(batch))
+    assert "<=" in graph.failed_guard(call_args(batch)) or \
+        "outside" in graph.failed_guard(call_args(batch))
     with pytest.raises(treefx.TreeCompileError, match=r"row of \d+ tokens.*table's length"):
         tm(batch)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 import traceback
 
@@ -52,6 +53,10 @@ def run_hidden(env, args, hidden, trees, res, deadline, first_hidden) -> None:
                 runs0 = kernel_runs()
                 r = measure(env, step, warmup, reps)
                 r.update(recurrence_paths(runs0, kernel_runs()))
+                if not math.isfinite(r["loss"]):
+                    # a wrong result, not a timing: reported as a failure (a regional run
+                    # once gave an infinite loss on the GPU, BENCHMARKS.md "First step")
+                    raise FloatingPointError(f"the step's loss is {r['loss']}")
                 if args.profile and env.cuda:
                     r["profile"] = profile_step(env, step)
                     hg = r["profile"]["host_gaps"]

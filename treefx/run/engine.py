@@ -266,6 +266,13 @@ class TreeEngine:
                     "regional execution: 8 captures for one model state and none accepts "
                     f"this batch ({args[dynamic[0]].shape[-1]} tokens); Dynamo's shape "
                     "guards on the token count keep failing")
+            if graphs:
+                # another capture for this model state: say which guard the earlier ones
+                # failed (a shape guard on the token count, such as Inductor's 32-bit indexing
+                # bound, recompiles every layer piece)
+                log.info("regional execution: capturing again for %d tokens; the earlier "
+                         "capture(s) failed: %s", args[dynamic[0]].shape[-1],
+                         "; ".join(g.failed_guard(args) or "?" for g in graphs))
             regional.check_hooks(model, root)
             graph = self._capture_regional(backend, args, dynamic, model)
             graphs.append(graph)

@@ -660,6 +660,25 @@ class RegionalGraph:
         self._ok_sizes.add(sizes)
         return True
 
+    def failed_guard(self, args) -> str | None:
+        """Which of this capture's shape guards ``args`` fail, in words (None: none of them;
+        the difference is elsewhere, in a dtype, a device or a constant)."""
+        if len(args) != self.num_args:
+            return f"{len(args)} arguments, captured with {self.num_args}"
+        try:
+            values = self._values(args)
+        except Exception:
+            return None
+        for g in self.guards:
+            if g[0] == "expr" and not bool(g[1].xreplace(values)):
+                return f"guard {g[1]}"
+            if g[0] == "range":
+                lo, hi = g[2].lower, g[2].upper
+                value = values[g[1]]
+                if (lo.is_finite and value < lo) or (hi.is_finite and value > hi):
+                    return f"{g[1]} = {value} outside [{lo}, {hi}]"
+        return None
+
     def _values(self, args) -> dict:
         """Each size symbol's value in this call (sympy integers)."""
         import sympy
