@@ -308,9 +308,10 @@ def plan(batch: TreeBatch, max_tokens: int, *, block_size: int = 128,
 
 def plan_even(batch: TreeBatch, max_tokens: int, num_parts: int, *, block_size: int = 128,
               recompute: bool = True) -> PartPlan:
-    """The plan of at most ``num_parts`` parts whose largest part is smallest: :func:`plan` at
-    the smallest budget between ``tokens / num_parts`` and ``max_tokens`` that keeps the count
-    (found by bisection; the count falls as the budget grows, and the plan at ``max_tokens`` is
+    """Plan at most ``num_parts`` parts, the largest as small as the trees allow.
+
+    :func:`plan` at the smallest budget between ``tokens / num_parts`` and ``max_tokens`` that
+    keeps the count (found by bisection; the count falls as the budget grows, and the plan at ``max_tokens`` is
     taken where no smaller budget keeps it, or where that one would hold more tokens at once).
     Under FSDP2 :func:`treefx.backward` runs every rank's parts in common rounds, each as long
     as its largest part: ranks that cut their trees into as many even parts wait less for
