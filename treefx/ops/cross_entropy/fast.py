@@ -39,7 +39,24 @@ def _grad_chunk(n_vocab: int) -> int:
 
 
 _MM_OUT_DTYPE = [True]  # torch.mm(..., out_dtype=) works here (CUDA, torch >= 2.8)
-_ADDMM_OUT_DTYPE = [True]  # torch.addmm(..., out_dtype=, out=) works here
+_ADDMM_OUT_DTYPE = [None]  # torch.addmm(..., out_dtype=, out=) accumulates right here
+
+
+def _addmm_in_place_works(device: torch.device) -> bool:
+    """Once per process, before the first use: whether ``torch.addmm(c, a, b, out_dtype=
+    float32, out=c)`` with bf16 ``a``, ``b`` adds into ``c`` (a row slice of a larger tensor,
+    as the gradients use it) what a separate product and sum give. A torch that rejects the
+    call, or gets it wrong, takes the separate product."""
+    try:
+        g = torch.Generator(device=device).manual_seed(0)
+        a = torch.randn(96, 64, device=device, generator=g).to(torch.bfloat16)
+        b = torch.randn(64, 40, device=device, generator=g).to(torch.bfloat16)
+        big = torch.randn(3, 96, 40, device=device, generator=g)
+        want = big[1] + a.float() @ b.float()
+        torch.addmm(big[1], a, b, out_dtype=torch.float32, out=big[1])
+        return bool(torch.allclose(big[1], want, rtol=1e-3, atol=1e-3))
+    except (TypeError, RuntimeError, NotImplementedError):
+        return False
 
 
 def mm_acc(a: torch.Tensor, b: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
@@ -60,12 +77,12 @@ def add_mm_acc(into: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     that reads and writes ``into`` once (cuBLAS accumulates into it); elsewhere the product is
     made, then added (three passes over ``into``'s size)."""
     if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16) and \
-            into.dtype == torch.float32 and _ADDMM_OUT_DTYPE[0]:
-        try:
+            into.dtype == torch.float32:
+        if _ADDMM_OUT_DTYPE[0] is None:
+            _ADDMM_OUT_DTYPE[0] = _addmm_in_place_works(a.device)
+        if _ADDMM_OUT_DTYPE[0]:
             torch.addmm(into, a, b, out_dtype=torch.float32, out=into)
             return
-        except (TypeError, RuntimeError, NotImplementedError):
-            _ADDMM_OUT_DTYPE[0] = False
     into += mm_acc(a, b, into.dtype)
 
 
