@@ -1,9 +1,11 @@
 """``treefx.backward`` (trees in parts) on several processes: FSDP2 (``fully_shard`` per decoder
 layer and root) and DDP, two CPU processes on the gloo backend.
 
-The ranks cut their trees into different numbers of parts (rank 0 holds the largest tree and a
-budget of a few tokens, rank 1 the rest in one part each), or one rank has no trees at all, or
-``assign(split=True)`` cuts one tree across the ranks.
+The ranks plan their trees into different numbers of parts (rank 0 holds the largest tree and a
+budget of a few tokens, rank 1 the rest in one part each; under FSDP2 ``treefx.backward`` then
+replans rank 1 to as many parts as rank 0, ``treefx.parts.plan_even``, so parts of different
+sizes and contexts meet in every round), or one rank has no trees at all (every round of it a
+dummy), or ``assign(split=True)`` cuts one tree across the ranks.
 The oracle is the unmodified model run on each sequence of the union of all ranks' trees in one
 process, with the global mean over sequences: every rank's gathered gradients
 (``full_tensor()`` under FSDP, the reduced ``.grad`` under DDP) and the mean of the ranks'
