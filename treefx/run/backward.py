@@ -610,7 +610,7 @@ def _rounds(run: _Run, group) -> None:
     # largest parts summed to 1.17-1.81x the busiest rank's tokens with each rank's own
     # plan, 1.00-1.49x so.
     most = max(s.count("F") for s in strings)
-    if most > 1:
+    if most > 1 and len(strings) > 1:
         run.even_parts(most)
         strings = exchange()
     # _Run plans without recompute parts under FSDP2; should one come, every rank sees it
