@@ -608,7 +608,7 @@ def _rounds(run: _Run, group) -> None:
     # the event strings are exchanged again. Counted on real agent trees (benchmarks.balance
     # --rounds; medians over random steps of 2-8 ranks with 1-4 trees each), the rounds'
     # largest parts summed to 1.17-1.81x the busiest rank's tokens with each rank's own
-    # plan, 1.00-1.49x so.
+    # plan, 1.00-1.50x so.
     most = max(s.count("F") for s in strings)
     if most > 1 and len(strings) > 1:
         run.even_parts(most)
