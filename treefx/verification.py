@@ -433,9 +433,8 @@ def verify_compiled(tm, trees=None, *, reduction: str = "mean", grads: bool = Tr
         blocks = tm.engine.block_size if device.type == "cuda" else 0
         trees = probe_forest(vocab_size, min_tokens=2 * blocks + 1, seed=seed)
     tol = tolerance or tolerance_for(dtype)
-    batch = pack(trees, reduction=reduction)
-    if pad_to is not None and pad_to > batch.num_tokens:
-        batch = pack(trees, reduction=reduction, pad_to_multiple=int(pad_to))
+    pad = pad_to is not None and pad_to > sum(t.num_tokens for t in trees)
+    batch = pack(trees, reduction=reduction, pad_to_multiple=int(pad_to) if pad else None)
     if device.type != "cpu":
         batch = batch.to(device)
     total = sum(p.numel() for p in net.parameters() if p.requires_grad)
