@@ -128,6 +128,68 @@ def test_shape_guards_are_checked_on_every_call():
         tm(batch)
 
 
+def test_a_guard_added_after_the_capture_is_checked():
+    """Compiling can add shape guards after the capture's were read (a backward AOTAutograd
+    compiles at its first call: Inductor's 32-bit indexing guard ``V*s0 <= 2**31-1``). Such a
+    guard, taken here on the capture's shape environment as Inductor takes it, refuses a call
+    that fails it."""
+    import sympy
+
+    model = hf_model("mistral", "sdpa")
+    tm = treefx.compile(model, backend="eager", regional=True, verify=False)
+    small = treefx.pack([treefx.Tree.from_sequences([[1, 2, 3, 4], [1, 2, 5]])])
+    tm(small)
+    (graph,) = _graphs(tm)
+    args = (tm.model, small.input_ids, treefx.run.engine.tree_info(small))
+    assert graph.accepts(args)
+    (sym,) = [s for s, (i, d) in graph.symbols.items() if (i, d) == graph.dims[0]]
+    limit = small.input_ids.shape[-1] + 5
+    from torch._inductor.sizevars import SizeVarAllocator
+
+    SizeVarAllocator(graph.fake_mode.shape_env).check_leq(sym, limit)  # as Inductor guards
+    longer = treefx.pack([treefx.Tree.from_sequences([list(range(1, limit + 3))])])
+    assert not graph.accepts((tm.model, longer.input_ids, treefx.run.engine.tree_info(longer)))
+    assert "<=" in graph.failed_guard((tm.model, longer.input_ids,
+                                       treefx.run.engine.tree_info(longer)))
+    assert graph.accepts(args)
+
+
+def test_the_backward_is_compiled_with_the_forward():
+    """treefx's backends compile a graph's backward when they compile its forward, before any
+    backward runs, so its guards are among those a capture reads (see the test above). Here a
+    graph on a tensor of symbolic size and no size inputs, as regional execution compiles a
+    piece: AOTAutograd would otherwise compile its backward at the first backward call."""
+    from torch._dynamo.source import ConstantSource
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import (DimDynamic, ShapeEnv,
+                                                       StatelessSymbolicContext)
+
+    class Sin(torch.nn.Module):
+        def forward(self, x):
+            return (x.sin(),)
+
+    calls = []
+    real = treefx.run.backends._as_is
+
+    def recording(gm, example_inputs):
+        calls.append(gm)
+        return real(gm, example_inputs)
+
+    x = torch.randn(7, 4, requires_grad=True)
+    fake = FakeTensorMode(shape_env=ShapeEnv()).from_tensor(
+        x, source=ConstantSource("x"), symbolic_context=StatelessSymbolicContext(
+            dynamic_sizes=[DimDynamic.DYNAMIC, DimDynamic.STATIC]))
+    assert isinstance(fake.shape[0], torch.SymInt)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(treefx.run.backends, "_as_is", recording)
+        fn = treefx.run.backends.compile_graph("aot-eager", torch.fx.symbolic_trace(Sin()),
+                                               [fake])
+        assert len(calls) == 2, "forward and backward, before anything runs"
+        fn(x)[0].sum().backward()
+    assert len(calls) == 2
+    torch.testing.assert_close(x.grad, x.detach().cos())
+
+
 def test_blocks_are_the_decoder_layers():
     model = hf_model("qwen3", "sdpa")
     assert list(regional.find_blocks(model)) == ["model.layers.0", "model.layers.1"]

@@ -15,6 +15,8 @@ treefx's own tests of that path (``tests/test_compile.py``, ``tests/test_parts.p
 
 from __future__ import annotations
 
+import contextlib
+
 import logging
 import os
 
@@ -77,16 +79,42 @@ def lowering(backend: str) -> str:
 
 
 def compile_graph(backend: str, gm: fx.GraphModule, example_inputs):
-    """The rewritten graph, compiled for ``backend``: a callable."""
+    """The rewritten graph, compiled for ``backend``: a callable. Its backward is compiled
+    now, with the forward (:func:`backward_compiled_now`)."""
     if backend == "inductor":
         from torch._inductor.compile_fx import compile_fx
 
-        return compile_fx(gm, example_inputs, config_patches=inductor_patches())
+        with backward_compiled_now():
+            return compile_fx(gm, example_inputs, config_patches=inductor_patches())
     if backend == "aot-eager":
         from torch._functorch.aot_autograd import aot_module_simplified
 
-        return aot_module_simplified(gm, example_inputs, fw_compiler=_as_is, bw_compiler=_as_is)
+        with backward_compiled_now():
+            return aot_module_simplified(gm, example_inputs, fw_compiler=_as_is,
+                                         bw_compiler=_as_is)
     return gm.forward
+
+
+@contextlib.contextmanager
+def backward_compiled_now():
+    """AOTAutograd compiles the backward with the forward, not at its first backward call.
+
+    Why: compiling adds shape guards. Inductor's Triton code indexes in 32 bits only under a
+    guard such as ``151936*s0 <= 2**31-1``, taken where the capture's sizes fit. AOTAutograd
+    compiles a backward lazily when the forward saves no sizes for it (often so for a piece of
+    a regional graph), and then its guards arrive after the capture's guards were read, and its
+    compiled form can reach Inductor's caches under the forward's guards alone: a later call
+    past 2**31 elements would pass the guards and run the 32-bit backward. Compiled now, every
+    guard is known when the capture is checked against the next call. Where this torch lacks
+    the switch, regional graphs still read guards that arrive later
+    (:meth:`treefx.run.regional.RegionalGraph.accepts`)."""
+    from torch._functorch import config as functorch_config
+
+    if not hasattr(functorch_config, "force_non_lazy_backward_lowering"):
+        yield
+        return
+    with functorch_config.patch(force_non_lazy_backward_lowering=True):
+        yield
 
 
 def _as_is(gm, example_inputs):

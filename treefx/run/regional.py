@@ -509,9 +509,8 @@ def build(gm: fx.GraphModule, example_inputs, *, backend: str, model: torch.nn.M
     graph.call_consts = {i: a for i, a in enumerate(call_args)
                          if not isinstance(a, torch.Tensor)}
     graph.dims = dims
-    graph.symbols, graph.derived, graph.guards = _shape_guards(
-        fake_mode, graph.call_fakes, dims,
-        [sources[ph].value for ph in placeholders if sources[ph].kind == "size"])
+    graph.size_exprs = [sources[ph].value for ph in placeholders if sources[ph].kind == "size"]
+    graph.read_guards()
     n_blocks = sum(p.block is not None for p in pieces)
     log.info("regional execution: %d piece(s), %d block call(s), %d distinct compiled "
              "(%.1f s)", len(pieces), n_blocks, len(cache), time.perf_counter() - t0)
@@ -619,7 +618,20 @@ class RegionalGraph:
     num_compiled: int = 0
     return_spec: object = None
     return_leaves: list = field(default_factory=list)
+    size_exprs: list = field(default_factory=list)  # sizes the graph takes as inputs
     _ok_sizes: set = field(default_factory=set)
+    _guards_read: int = -1  # how many guards the shape environment held when they were read
+
+    def read_guards(self) -> None:
+        """(Re)read Dynamo's shape guards from the capture's shape environment."""
+        self.symbols, self.derived, self.guards = _shape_guards(
+            self.fake_mode, self.call_fakes, self.dims, self.size_exprs)
+        self._guards_read = self._num_guards()
+        self._ok_sizes.clear()
+
+    def _num_guards(self) -> int:
+        env = getattr(self.fake_mode, "shape_env", None)
+        return len(env.guards) if env is not None else 0
 
     def accepts(self, args) -> bool:
         """Whether these call arguments satisfy the capture's guards (dtypes, devices, ranks,
@@ -644,6 +656,11 @@ class RegionalGraph:
                     return False
             elif a is not v:
                 return False
+        if self._num_guards() != self._guards_read:
+            # a compilation after the capture (a lazily compiled backward) added guards
+            log.info("regional execution: %d shape guard(s) added since the capture; read "
+                     "again", self._num_guards() - self._guards_read)
+            self.read_guards()
         sizes = tuple(int(args[i].shape[d]) for i, d in self.dims)
         if sizes in self._ok_sizes:
             return True
