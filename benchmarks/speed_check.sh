@@ -98,3 +98,32 @@ if [ "${1:-}" = c ]; then
      --methods treefx_regional --warmup 1 --reps 2) &
   wait
 fi
+# Stage d (after the regional fix and the padded probe; `... d`, carry .whl/fla): results in
+# $OUT/d.tgz (the device tool returns at most 8 files), the logs' heads on stdout
+#   GPU 0: 4 layers, default compile (check on), empty caches, Dynamo's recompile reasons (one
+#     compilation expected now); then regional at the 17k-token tree, empty caches, check on,
+#     with the recompilation stream (8 trees of other sizes): a finite loss, exact steps
+#   GPU 1: benchmarks.fla_check --cases op;  GPU 2: --cases model
+#   GPU 3: e2e qwen3_next (treefx on fla beside packing on fla's varlen kernels), cu_seqlens_cpu
+if [ "${1:-}" = d ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir .whl/fla/*.whl
+  RES=$OUT; OUT=/tmp/d; mkdir -p $OUT
+  (TORCH_LOGS=recompiles cold first_default 0 200 --layers 4 --methods treefx --warmup 1 \
+     --reps 3 --log
+   grep -ciE "recompiling function" $OUT/e2e_first_default.log | sed 's/^/recompilations: /'
+   grep -iE "Recompiling|triggered by|first step" $OUT/e2e_first_default.log | head -n 8
+   cold regional 0 330 --layers 4 --methods treefx_regional,treefx --warmup 2 --reps 3 \
+     --stream 8 --log
+   grep -iE "regional|loss|stream|non-finite" $OUT/e2e_regional.log | head -n 20) &
+  (CUDA_VISIBLE_DEVICES=1 timeout 560 python3 -m benchmarks.fla_check --cases op \
+     --out $OUT/fla_op.json > $OUT/fla_op.log 2>&1; echo "fla op rc=$?"
+   tail -n 25 $OUT/fla_op.log) &
+  (CUDA_VISIBLE_DEVICES=2 timeout 560 python3 -m benchmarks.fla_check --cases model \
+     --out $OUT/fla_model.json > $OUT/fla_model.log 2>&1; echo "fla model rc=$?"
+   tail -n 25 $OUT/fla_model.log) &
+  (CUDA_VISIBLE_DEVICES=3 timeout 560 python3 -m benchmarks.e2e --arch qwen3_next --layers 4 \
+     --por 0.75 --quick --stream 0 --mask-reps 0 --out $OUT/e2e_next.json > $OUT/e2e_next.log 2>&1
+   echo "e2e qwen3_next rc=$?"; grep -E "^hidden|FAILED|rec|first" $OUT/e2e_next.log | tail -n 8) &
+  wait
+  tar czf $RES/d.tgz -C $OUT .
+fi
