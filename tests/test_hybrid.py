@@ -367,12 +367,19 @@ def _per_node_varlen(rec):
     return varlen
 
 
+def _in_threes(seq, static, sizes):
+    """At most 3 nodes a call (as fla's grid limit splits a level of thousands of nodes)."""
+    return [min(3, len(sizes) - i) for i in range(0, len(sizes), 3)]
+
+
+@pytest.mark.parametrize("split", [None, _in_threes], ids=["one_call", "calls_of_three"])
 @pytest.mark.parametrize("trees", [[SHORT_NODES], odd_forest(32, VOCAB)], ids=["short", "forest"])
-def test_varlen_path_matches_padded_path(trees):
+def test_varlen_path_matches_padded_path(trees, split):
     import dataclasses
 
     padded = recurrence("qwen3_next_gated_delta_rule")
-    fast = dataclasses.replace(padded, varlen=_per_node_varlen(padded), varlen_devices=("cpu",))
+    fast = dataclasses.replace(padded, varlen=_per_node_varlen(padded), varlen_devices=("cpu",),
+                               varlen_split=split)
     batch = treefx.pack(trees)
     n, g = batch.num_tokens, torch.Generator().manual_seed(1)
     inputs = [torch.randn(1, n, 2, 8, dtype=torch.float64, generator=g).requires_grad_()
@@ -388,6 +395,20 @@ def test_varlen_path_matches_padded_path(trees):
     torch.testing.assert_close(results[1][0], results[0][0], atol=1e-6, rtol=1e-6)
     for a, b in zip(results[1][1], results[0][1]):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+
+def test_fla_calls_stay_within_the_cuda_grid():
+    """fla launches nodes x heads blocks on a grid axis of at most 65,535: a level of 3,000
+    one-token roots (a row padded to a batch's length) at 32 value heads runs in two calls,
+    and chunks of 64 tokens are counted too; the hybrid models' recurrences use the split."""
+    from treefx.families import fla
+
+    v = torch.empty(1, 0, 32, 128)
+    assert fla.split_calls({"value": v}, {}, [1] * 3000) == [2047, 953]
+    assert fla.split_calls({"value": v}, {}, [100, 5]) == [2]
+    assert fla.split_calls({"value": torch.empty(1, 0, 1, 8)}, {},
+                           [64 * 40_000, 64 * 30_000, 1]) == [1, 2]
+    assert recurrence("qwen3_next_gated_delta_rule").varlen_split is fla.split_calls
 
 
 def test_model_passing_cu_seqlens_is_refused():

@@ -262,6 +262,34 @@ def _extra(static: dict) -> dict:
             if static.get(k) is not None}
 
 
+# CUDA's grid: at most 65,535 blocks along its second and third axes. fla 0.4 launches
+# (sequences x heads) blocks on one of them in its state kernels (chunk_delta_h, chunk_h,
+# fused_recurrent) and (chunks of 64 tokens) on one in others (chunk_o); past that the
+# launch fails ("invalid argument"). A level of many nodes (a forest of short trees, a row
+# padded with thousands of one-token roots) is therefore run in several calls.
+GRID_AXIS = 65_535
+CHUNK = 64
+
+
+def split_calls(seq: dict, static: dict, sizes: list[int]) -> list[int]:
+    """How many nodes of ``sizes`` tokens (in order) each fla call takes
+    (:class:`treefx.ops.recurrence.Recurrence`'s ``varlen_split``): at most
+    ``GRID_AXIS // heads`` nodes and ``GRID_AXIS`` chunks of 64 tokens a call."""
+    heads = seq["value"].shape[-2]
+    most = max(1, GRID_AXIS // heads)
+    counts, n, chunks = [], 0, 0
+    for size in sizes:
+        c = -(-size // CHUNK)
+        if n and (n + 1 > most or chunks + c > GRID_AXIS):
+            counts.append(n)
+            n, chunks = 0, 0
+        n += 1
+        chunks += c
+    if n:
+        counts.append(n)
+    return counts
+
+
 _TAKES_CPU_SEQLENS: dict = {}
 
 

@@ -48,6 +48,7 @@ def _delta_rule(name: str, fn, kernel: str) -> Recurrence:
         neutral={"g": 0.0, "beta": 0.0},
         varlen=getattr(fla, kernel),
         varlen_check=functools.partial(fla.use_fla, kernel),
+        varlen_split=fla.split_calls,
         tree_fn=torch_fn if torch_fn is not fn else None,
     )
 

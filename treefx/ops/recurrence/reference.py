@@ -63,6 +63,10 @@ class Recurrence:
       from it reads nothing back from the device), ``initial_state`` one state per node or
       None (all zero), ``static`` the other arguments by name. Built in for Gated DeltaNet
       when flash-linear-attention (fla) is installed;
+    - ``varlen_split``: optional ``varlen_split(seq, static, sizes) -> counts``: how many
+      nodes (of the given token counts, in order) each ``varlen`` call takes, for a kernel
+      with limits per call (fla launches nodes x heads blocks on a CUDA grid axis of at most
+      65,535); None: all nodes of a level in one call;
     - ``varlen_devices``: the device types ``varlen`` runs on (others take the padded path);
     - ``varlen_check``: optional ``varlen_check(seq, static) -> bool``, asked before each tree
       run on those devices: whether ``varlen`` may run these arguments (the fla family says no
@@ -85,6 +89,7 @@ class Recurrence:
     varlen: Callable | None = None
     varlen_devices: tuple[str, ...] = ("cuda",)
     varlen_check: Callable | None = None
+    varlen_split: Callable | None = None
     tree_fn: Callable | None = None
     marker: Callable | None = None
     signature: inspect.Signature | None = None
@@ -304,7 +309,25 @@ def _level_padded(rec, seq, static, init, nodes, starts, lengths):
 
 
 def _level_varlen(rec, seq, static, init, nodes, starts, lengths):
-    """One depth through the kernel's variable-length form: nodes end to end, no padding."""
+    """One depth through the kernel's variable-length form: nodes end to end, no padding; in
+    as many calls as the kernel's limits per call need (``rec.varlen_split``)."""
+    counts = [len(nodes)] if rec.varlen_split is None else \
+        list(rec.varlen_split(seq, static, [lengths[i] for i in nodes]))
+    if sum(counts) != len(nodes) or any(c <= 0 for c in counts):
+        raise ValueError(f"{rec.name}: varlen_split gave {counts} for {len(nodes)} nodes")
+    if len(counts) == 1:
+        return _varlen_call(rec, seq, static, init, nodes, starts, lengths)
+    outs, fins, at = [], [], 0
+    for c in counts:
+        out, fin = _varlen_call(rec, seq, static, None if init is None else init[at:at + c],
+                                nodes[at:at + c], starts, lengths)
+        outs += out
+        fins.append(fin)
+        at += c
+    return outs, torch.cat(fins)
+
+
+def _varlen_call(rec, seq, static, init, nodes, starts, lengths):
     if all(starts[b] == starts[a] + lengths[a] for a, b in zip(nodes, nodes[1:])):
         chunk = {name: t.narrow(rec.seq_args[name], starts[nodes[0]],
                                 sum(lengths[i] for i in nodes))
