@@ -80,19 +80,20 @@ def odd_trees(vocab: int) -> dict[str, list[treefx.Tree]]:
 # ----------------------------------------------------------------------------- op level
 
 def gdn_float64(q, k, v, g, beta):
-    """Gated DeltaNet token by token in float64 ([1, T, H, *]; q/k already at the value
-    heads), query and key L2-normalised as Hugging Face and fla do: the reference."""
-    q, k, v, g, beta = (x[0].double() for x in (q, k, v, g, beta))
+    """Gated DeltaNet token by token in float64 ([B, T, H, *]: B sequences of T tokens, each
+    from a zero state; q/k already at the value heads), query and key L2-normalised as
+    Hugging Face and fla do: the reference. One step runs all B sequences."""
+    q, k, v, g, beta = (x.double() for x in (q, k, v, g, beta))
     q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6) * q.shape[-1] ** -0.5
     k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
-    state = q.new_zeros(q.shape[1], q.shape[2], v.shape[2])
+    state = q.new_zeros(q.shape[0], q.shape[2], q.shape[3], v.shape[3])
     out = []
-    for t in range(q.shape[0]):
-        state = state * g[t].exp()[:, None, None]
-        delta = (v[t] - torch.einsum("hk,hkv->hv", k[t], state)) * beta[t][:, None]
-        state = state + torch.einsum("hk,hv->hkv", k[t], delta)
-        out.append(torch.einsum("hk,hkv->hv", q[t], state))
-    return torch.stack(out)[None]
+    for t in range(q.shape[1]):
+        state = state * g[:, t].exp()[..., None, None]
+        delta = (v[:, t] - torch.einsum("bhk,bhkv->bhv", k[:, t], state)) * beta[:, t, :, None]
+        state = state + torch.einsum("bhk,bhv->bhkv", k[:, t], delta)
+        out.append(torch.einsum("bhk,bhkv->bhv", q[:, t], state))
+    return torch.stack(out, 1)
 
 
 def _expand(q, k, hv):
@@ -160,9 +161,29 @@ def op_case(dev, dtype, layout, trees) -> dict:
     def leaf(x, dt):
         return x.detach().to(dt).requires_grad_()
 
+    def reference(xs):
+        """per_sequence's result for the float64 recurrence, every sequence in one batch
+        (right-padded; a padded step's output is not read): as many steps as the longest
+        sequence, not as all sequences' tokens (a GPU is launch-bound on such steps)."""
+        length = max(len(idx) for idx in idxs)
+
+        def padded(x):
+            return torch.stack([torch.cat([x[0, idx], x.new_zeros(length - len(idx),
+                                                                  *x.shape[2:])])
+                                for idx in idxs])
+
+        q_, k_, *rest = (padded(x) for x in xs)
+        o = gdn_float64(*_expand(q_, k_, hv), *rest)
+        out = torch.zeros(1, n, hv, d, dtype=torch.float64, device=dev)
+        total = 0
+        for j, idx in enumerate(idxs):
+            oj = o[j, :len(idx)]
+            out[0, idx] = oj.detach()
+            total = total + (oj * probe[0, idx].double() / mult[idx, None, None]).sum()
+        return out, total
+
     x64 = [leaf(x, torch.float64) for x in base]
-    ref_out, ref_total = per_sequence(lambda q_, k_, *r: gdn_float64(*_expand(q_, k_, hv), *r),
-                                      x64)
+    ref_out, ref_total = reference(x64)
     ref_grads = grads_of(ref_total, x64)
 
     def errors(out, grads):
