@@ -348,6 +348,10 @@ def main(argv=None):
     p.add_argument("--budget", type=int, default=None, help="parts' token budget (default 96)")
     p.add_argument("--backend", default=None, help="treefx backend (default: inductor on CUDA)")
     p.add_argument("--no-bf16", action="store_true")
+    p.add_argument("--op-dtypes", default=None,
+                   help="the op level's dtypes among float32,bfloat16 (default both on the GPU; "
+                        "fla autotunes each dtype's kernels anew, minutes each: split them "
+                        "over processes)")
     args = p.parse_args(argv)
     cuda = common.use_cuda(args.dry_run)
     dev = "cuda" if cuda else "cpu"
@@ -387,6 +391,8 @@ def main(argv=None):
 
     if "op" in cases:
         dtypes = [torch.float32] + ([torch.bfloat16] if cuda and not args.no_bf16 else [])
+        if args.op_dtypes:
+            dtypes = [d for d in dtypes if str(d)[6:] in args.op_dtypes.split(",")]
         for layout in ("qwen3_next", "qwen3_5"):
             for dtype in dtypes:
                 for name, forest in trees.items():

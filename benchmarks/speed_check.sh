@@ -127,3 +127,22 @@ if [ "${1:-}" = d ]; then
   wait
   tar czf $RES/d.tgz -C $OUT .
 fi
+# Stage e (`... e`, carry .whl/fla; results in $OUT/e.tgz): fla autotunes every kernel per
+# dtype (and per variable-length or not) on first use, minutes each, so fla_check is split
+#   GPU 0: e2e qwen3_next (after the fix that runs a level in calls within CUDA's grid)
+#   GPU 1: fla_check op, float32;  GPU 2: op, bfloat16;  GPU 3: model (float32, bf16)
+if [ "${1:-}" = e ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir .whl/fla/*.whl
+  RES=$OUT; OUT=/tmp/e; mkdir -p $OUT
+  (CUDA_VISIBLE_DEVICES=0 timeout 520 python3 -m benchmarks.e2e --arch qwen3_next --layers 4 \
+     --por 0.75 --quick --stream 0 --mask-reps 0 --out $OUT/e2e_next.json > $OUT/e2e_next.log 2>&1
+   echo "e2e qwen3_next rc=$?"; grep -E "^hidden|FAILED|rec|first" $OUT/e2e_next.log | tail -n 8) &
+  for j in "1 op float32" "2 op bfloat16" "3 model"; do
+    set -- $j
+    (CUDA_VISIBLE_DEVICES=$1 timeout 520 python3 -m benchmarks.fla_check --cases $2 \
+       ${3:+--op-dtypes $3} --out $OUT/fla_$2$3.json > $OUT/fla_$2$3.log 2>&1
+     echo "fla $2 $3 rc=$?"; grep -E "^\[|total" $OUT/fla_$2$3.log | cut -c1-300) &
+  done
+  wait
+  tar czf $RES/e.tgz -C $OUT .
+fi

@@ -10,6 +10,7 @@
 #   b: the same scaling run on four GPUs, then the full-depth Qwen3-8B on four GPUs (budget
 #      32,768, gradients reduce-scattered every micro-batch: H100 memory); the second half of
 #      the zoo on the CPU
+#   d: the scaling runs again after assign's largest_first order and plan_even (see the case)
 #   c: benchmarks.distributed_check on two GPUs: the FSDP2 hybrid exactness case, the DDP one,
 #      and the speed cases
 set -u
@@ -54,6 +55,19 @@ b)
   mg 8b_x4 0,1,2,3 4 29502 330 $DATA --shape qwen3-8b \
     --budget 32768 --steps 2 --grad-sync every --time-limit 260
   wait
+  ;;
+d)  # scaling again with assign(order="largest_first") and plan_even (treefx.backward): one GPU
+    # (treefx alone: the step whose share of linear the others are) on GPU 0, two on GPUs 1-2,
+    # fla_check's op level on GPU 3 at the same time; then four GPUs
+  RES=$OUT; OUT=/tmp/d; mkdir -p $OUT
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir .whl/fla/*.whl
+  mg l8_x1 0 1 29501 200 $SCALE --methods treefx --time-limit 150 &
+  mg l8_x2 1,2 2 29502 260 $SCALE --time-limit 220 &
+  (CUDA_VISIBLE_DEVICES=3 timeout 250 python3 -m benchmarks.fla_check --cases op \
+     --out $OUT/fla_op.json > $OUT/fla_op.log 2>&1; echo "fla op rc=$?"; tail -n 8 $OUT/fla_op.log) &
+  wait
+  mg l8_x4 0,1,2,3 4 29503 260 $SCALE --time-limit 200
+  tar czf $RES/x4d.tgz -C $OUT .
   ;;
 c)
   CUDA_VISIBLE_DEVICES=0,1 timeout 560 torchrun --nproc_per_node=2 \
