@@ -353,17 +353,17 @@ def test_traced_hf_hybrid_forward(model_type):
 def _per_node_varlen(rec):
     """A varlen form built from the padded kernel, one node at a time: checks the plumbing of
     the fast path (concatenation, offsets, per-node states, splitting) on the CPU."""
-    def varlen(seq, static, init, cu, cu_cpu):
+    def varlen(seq, static, init, cu, cu_cpu, final=True):
         assert cu_cpu.device.type == "cpu" and torch.equal(cu_cpu, cu.cpu())
         outs, fins = [], []
         for j in range(len(cu) - 1):
             a, b = int(cu[j]), int(cu[j + 1])
             out, fin = rec.fn(**{n: t[:, a:b] for n, t in seq.items()}, **static,
                               initial_state=None if init is None else init[j:j + 1],
-                              output_final_state=True)
+                              output_final_state=final)
             outs.append(out)
             fins.append(fin)
-        return torch.cat(outs, dim=1), torch.cat(fins)
+        return torch.cat(outs, dim=1), torch.cat(fins) if final else None
     return varlen
 
 
@@ -378,8 +378,9 @@ def test_varlen_path_matches_padded_path(trees, split):
     import dataclasses
 
     padded = recurrence("qwen3_next_gated_delta_rule")
+    # varlen_check off: fla's own check (use_fla) says no on the CPU
     fast = dataclasses.replace(padded, varlen=_per_node_varlen(padded), varlen_devices=("cpu",),
-                               varlen_split=split)
+                               varlen_check=None, varlen_split=split)
     batch = treefx.pack(trees)
     n, g = batch.num_tokens, torch.Generator().manual_seed(1)
     inputs = [torch.randn(1, n, 2, 8, dtype=torch.float64, generator=g).requires_grad_()
@@ -387,14 +388,52 @@ def test_varlen_path_matches_padded_path(trees, split):
     inputs += [(-torch.rand(1, n, 2, dtype=torch.float64, generator=g)).requires_grad_(),
                torch.rand(1, n, 2, dtype=torch.float64, generator=g).requires_grad_()]
     probe = torch.randn(1, n, 2, 8, dtype=torch.float64, generator=g)
+    from treefx.ops.recurrence import kernel_runs
+
     results = []
-    for rec in (padded, fast):
+    for rec, path in ((padded, "padded"), (fast, "varlen")):
+        before = kernel_runs().get((rec.name, path), 0)
         out, _ = tree_recurrence(rec, batch.parent_token, inputs[:3],
                                  dict(g=inputs[3], beta=inputs[4], use_qk_l2norm_in_kernel=True))
+        assert kernel_runs().get((rec.name, path), 0) == before + 1, path
         results.append((out, torch.autograd.grad((out * probe).sum(), inputs)))
     torch.testing.assert_close(results[1][0], results[0][0], atol=1e-6, rtol=1e-6)
     for a, b in zip(results[1][1], results[0][1]):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("fast", [False, True], ids=["padded", "varlen"])
+def test_final_states_only_where_a_node_hands_one_on(fast):
+    """A row padded with one-token roots (the first-call probe at a batch's length) or a
+    forest of many leaves: final states (2 MiB each at 32 heads of 128 channels) are kept only
+    for nodes with children, and a kernel call whose nodes have none is asked for none."""
+    import dataclasses
+
+    from treefx.ops.recurrence.reference import run_tree
+
+    padded = recurrence("qwen3_next_gated_delta_rule")
+    asked = []
+
+    def counting(fn):
+        def run(*a, **kw):
+            asked.append(kw.get("output_final_state", kw.get("final")))
+            return fn(*a, **kw)
+        return run
+
+    rec = dataclasses.replace(padded, varlen=counting(_per_node_varlen(padded)),
+                              varlen_devices=("cpu",), varlen_check=None) if fast else \
+        dataclasses.replace(padded, tree_fn=counting(padded.run))
+    trees = [SHORT_NODES] + [treefx.Tree.from_sequences([[5]]) for _ in range(40)]
+    batch = treefx.pack(trees, pad_to_multiple=128)
+    n, g = batch.num_tokens, torch.Generator().manual_seed(1)
+    xs = [torch.randn(1, n, 2, 8, dtype=torch.float64, generator=g) for _ in range(3)]
+    kw = dict(g=-torch.rand(1, n, 2, dtype=torch.float64, generator=g),
+              beta=torch.rand(1, n, 2, dtype=torch.float64, generator=g))
+    row, final, (starts, lengths, parents, depth) = run_tree(rec, batch.parent_token, xs, kw)
+    assert set(final) == {p for p in parents if p >= 0}
+    assert len(starts) > 100 and False in asked and True in asked
+    ref, _ = tree_recurrence(padded, batch.parent_token, xs, kw)
+    torch.testing.assert_close(row, ref, atol=1e-12, rtol=1e-12)
 
 
 def test_fla_calls_stay_within_the_cuda_grid():

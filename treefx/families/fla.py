@@ -305,29 +305,31 @@ def _cpu_seqlens(fn, cu_seqlens_cpu) -> dict:
     return {"cu_seqlens_cpu": cu_seqlens_cpu} if takes and cu_seqlens_cpu is not None else {}
 
 
-def gated_delta_rule(seq: dict, static: dict, initial_state, cu_seqlens, cu_seqlens_cpu=None):
+def gated_delta_rule(seq: dict, static: dict, initial_state, cu_seqlens, cu_seqlens_cpu=None,
+                     final: bool = True):
     """Gated DeltaNet over variable-length nodes (:class:`treefx.ops.recurrence.Recurrence`'s
     ``varlen``): fla's ``chunk_gated_delta_rule``, query and key expanded to the value heads.
     ``cu_seqlens_cpu``: the host copy, from which fla plans its chunks without reading
     ``cu_seqlens`` back (on an H100 that read was most of the GPU's idle time in a hybrid's
-    step: 114 of 357 ms in gaps, mostly in fla's calls)."""
+    step: 114 of 357 ms in gaps, mostly in fla's calls). ``final``: whether to compute the
+    nodes' final states."""
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
     q, k = expand_heads(seq["query"], seq["key"], seq["value"].shape[-2])
     return chunk_gated_delta_rule(q, k, seq["value"], g=seq["g"], beta=seq["beta"],
-                                  initial_state=initial_state, output_final_state=True,
+                                  initial_state=initial_state, output_final_state=final,
                                   cu_seqlens=cu_seqlens,
                                   **_cpu_seqlens(chunk_gated_delta_rule, cu_seqlens_cpu),
                                   **_extra(static))
 
 
 def kimi_delta_attention(seq: dict, static: dict, initial_state, cu_seqlens,
-                         cu_seqlens_cpu=None):
+                         cu_seqlens_cpu=None, final: bool = True):
     """Kimi Delta Attention (a log decay per key channel, ``g`` [B, N, H, K]; as many key as
     value heads) over variable-length nodes: fla's ``chunk_kda``."""
     from fla.ops.kda import chunk_kda
 
     return chunk_kda(seq["query"], seq["key"], seq["value"], g=seq["g"], beta=seq["beta"],
-                     initial_state=initial_state, output_final_state=True,
+                     initial_state=initial_state, output_final_state=final,
                      cu_seqlens=cu_seqlens, **_cpu_seqlens(chunk_kda, cu_seqlens_cpu),
                      **_extra(static))

@@ -33,9 +33,9 @@ def tree_recurrence_part(rec: Recurrence, parent_local: torch.Tensor, state_entr
         return context_states[e] if e >= 0 else None
 
     nodes = tree_nodes(parent_local, ends=exit_rows)
-    row, final, nodes = run_tree(rec, parent_local, args, kwargs, root_state, nodes)
-    starts, lengths = nodes[0], nodes[1]
-    end_of = {s + ln - 1: i for i, (s, ln) in enumerate(zip(starts, lengths))}
+    end_of = {s + ln - 1: i for i, (s, ln) in enumerate(zip(nodes[0], nodes[1]))}
+    row, final, nodes = run_tree(rec, parent_local, args, kwargs, root_state, nodes,
+                                 keep=[end_of[t] for t in exit_rows if t in end_of])
     exits = []
     for t in exit_rows:
         if t not in end_of:

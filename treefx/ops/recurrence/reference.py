@@ -56,7 +56,8 @@ class Recurrence:
       returns ``output`` alone rather than ``(output, None)``;
     - ``output_like``: the seq arg whose shape and dtype ``output`` has (default: the first);
     - ``varlen``: optional fast path for CUDA tensors. ``varlen(seq, static, initial_state,
-      cu_seqlens, cu_seqlens_cpu) -> (output, final_state)`` runs many nodes at once without
+      cu_seqlens, cu_seqlens_cpu, final=True) -> (output, final_state or None)`` runs many
+      nodes at once without
       padding: ``seq`` holds the seq args with batch 1 and the nodes laid end to end along
       their sequence dims, ``cu_seqlens`` (int64, n + 1, on the tensors' device) where each
       node starts and ``cu_seqlens_cpu`` the same on the host (a kernel that plans its chunks
@@ -189,9 +190,13 @@ def tree_recurrence(rec: Recurrence, parent_token: torch.Tensor, args: tuple, kw
 
 
 def run_tree(rec: Recurrence, parent_token: torch.Tensor, args: tuple, kwargs: dict,
-              root_state=None, nodes=None):
+              root_state=None, nodes=None, keep=()):
     """(output row, final state per node, (starts, lengths, parents, depth)); a root node's
-    initial state is ``root_state(its first token)`` (None: zeros)."""
+    initial state is ``root_state(its first token)`` (None: zeros). Final states are kept
+    for the nodes with children and the nodes in ``keep``, and computed only where a kernel
+    call has such a node: a state is heads x key x value channels (2 MiB in float32 at 32
+    heads of 128), so the states of thousands of leaves (a forest of short trees, a row
+    padded with one-token roots) would not fit."""
     bound = rec.bind(args, kwargs)
     if bound.get(rec.initial_state) is not None:
         raise ValueError(f"{rec.name}: an initial state given by the model (a cache?) cannot be "
@@ -216,6 +221,7 @@ def run_tree(rec: Recurrence, parent_token: torch.Tensor, args: tuple, kwargs: d
     levels: dict[int, list[int]] = {}
     for i, d in enumerate(depth):  # one pass: deep trees have many levels
         levels.setdefault(d, []).append(i)
+    needed = {p for p in parents if p >= 0} | set(keep)
     neutral = fast or padding_is_neutral(rec, seq, static)
     path = (rec.name, "varlen" if fast else "padded" if neutral else "grouped")
     _RUNS[path] = _RUNS.get(path, 0) + 1
@@ -234,12 +240,12 @@ def run_tree(rec: Recurrence, parent_token: torch.Tensor, args: tuple, kwargs: d
                     like = next(g for g in given if g is not None)
                     init = torch.stack([g if g is not None else torch.zeros_like(like)
                                         for g in given])
-            if fast:
-                out, fin = _level_varlen(rec, seq, static, init, group, starts, lengths)
-            else:
-                out, fin = _level_padded(rec, seq, static, init, group, starts, lengths)
+            want = [i in needed for i in group]
+            level_fn = _level_varlen if fast else _level_padded
+            out, fin = level_fn(rec, seq, static, init, group, starts, lengths, want)
             for j, i in enumerate(group):
-                final[i] = fin[j]
+                if want[j]:
+                    final[i] = fin[j]
                 outputs[i] = out[j]
     row = torch.cat([outputs[i] for i in range(len(starts))], dim=rec.output_seq_dim)
     return row, final, (starts, lengths, parents, depth)
@@ -291,7 +297,22 @@ def padding_is_neutral(rec: Recurrence, seq: dict, static: dict) -> bool:
     return _NEUTRAL[key]
 
 
-def _level_padded(rec, seq, static, init, nodes, starts, lengths):
+def _wanted_states(fin, want) -> list:
+    """The final states of the wanted nodes (others None), copied out of ``fin`` unless all
+    are wanted (a view would keep every node's state alive)."""
+    if fin is None or not any(want):
+        return [None] * len(want)
+    if all(want):
+        return list(fin.unbind(0))
+    rows = [j for j, w in enumerate(want) if w]
+    kept = fin[torch.tensor(rows, device=fin.device)]
+    out = [None] * len(want)
+    for r, j in enumerate(rows):
+        out[j] = kept[r]
+    return out
+
+
+def _level_padded(rec, seq, static, init, nodes, starts, lengths, want):
     """One depth as a batch, each node right-padded with neutral tokens to the longest."""
     width = max(lengths[i] for i in nodes)
     chunk = {
@@ -302,32 +323,37 @@ def _level_padded(rec, seq, static, init, nodes, starts, lengths):
         ])
         for name, t in seq.items()
     }
-    out, fin = rec.run(**chunk, **static, **{rec.initial_state: init,
-                                            rec.output_final_state: True})
+    final = any(want)
+    res = rec.run(**chunk, **static, **{rec.initial_state: init,
+                                        rec.output_final_state: final})
+    if final or not rec.bare_output_without_state:
+        out, fin = res
+    else:
+        out, fin = res, None
     return [out[j:j + 1].narrow(rec.output_seq_dim, 0, lengths[i])
-            for j, i in enumerate(nodes)], fin
+            for j, i in enumerate(nodes)], _wanted_states(fin, want)
 
 
-def _level_varlen(rec, seq, static, init, nodes, starts, lengths):
+def _level_varlen(rec, seq, static, init, nodes, starts, lengths, want):
     """One depth through the kernel's variable-length form: nodes end to end, no padding; in
-    as many calls as the kernel's limits per call need (``rec.varlen_split``)."""
+    as many calls as the kernel's limits per call need (``rec.varlen_split``); a call with no
+    wanted final state asks for none."""
     counts = [len(nodes)] if rec.varlen_split is None else \
         list(rec.varlen_split(seq, static, [lengths[i] for i in nodes]))
     if sum(counts) != len(nodes) or any(c <= 0 for c in counts):
         raise ValueError(f"{rec.name}: varlen_split gave {counts} for {len(nodes)} nodes")
-    if len(counts) == 1:
-        return _varlen_call(rec, seq, static, init, nodes, starts, lengths)
     outs, fins, at = [], [], 0
     for c in counts:
+        w = want[at:at + c]
         out, fin = _varlen_call(rec, seq, static, None if init is None else init[at:at + c],
-                                nodes[at:at + c], starts, lengths)
+                                nodes[at:at + c], starts, lengths, any(w))
         outs += out
-        fins.append(fin)
+        fins += _wanted_states(fin, w)
         at += c
-    return outs, torch.cat(fins)
+    return outs, fins
 
 
-def _varlen_call(rec, seq, static, init, nodes, starts, lengths):
+def _varlen_call(rec, seq, static, init, nodes, starts, lengths, final):
     if all(starts[b] == starts[a] + lengths[a] for a, b in zip(nodes, nodes[1:])):
         chunk = {name: t.narrow(rec.seq_args[name], starts[nodes[0]],
                                 sum(lengths[i] for i in nodes))
@@ -339,5 +365,5 @@ def _varlen_call(rec, seq, static, init, nodes, starts, lengths):
     sizes = [lengths[i] for i in nodes]
     cu_cpu = torch.tensor([0, *itertools.accumulate(sizes)], dtype=torch.int64)
     cu = cu_cpu.to(next(iter(seq.values())).device, non_blocking=True)
-    out, fin = rec.varlen(chunk, static, init, cu, cu_cpu)
+    out, fin = rec.varlen(chunk, static, init, cu, cu_cpu, final=final)
     return list(out.split(sizes, dim=rec.output_seq_dim)), fin
