@@ -50,6 +50,7 @@ heads × head dim × dtype size (and each causal conv's input width × dtype siz
 
 from __future__ import annotations
 
+import bisect
 import numbers
 from dataclasses import dataclass
 
@@ -153,7 +154,79 @@ def _check_budget(max_tokens) -> int:
     return int(max_tokens)
 
 
-def _units(node_offset, node_length, node_parent, subtree_end_of_node, max_tokens):
+class _Shape:
+    """What planning reads of a batch, whatever the budget, computed once: :func:`plan_even`
+    plans the same batch at about log2(max_tokens) budgets, and none of this depends on the
+    budget. The tree tensors on the host; per node (lists of ints, read one at a time by
+    :func:`_units`): its first token, its length, its subtree's size, its parent, its
+    children (and the roots) in node order, its largest child subtree and its children's
+    second largest breakpoint (see :func:`_kept`)."""
+
+    def __init__(self, batch: TreeBatch):
+        self.batch = batch
+        self.parent = batch.parent_token.cpu().numpy()
+        self.subtree_end = se = batch.subtree_end.cpu().numpy()
+        self.n_real = batch.num_real_tokens
+        self.num_tokens = batch.num_tokens
+        self.node_offset = off = batch.node_offset.cpu().numpy()
+        self.node_length = ln = batch.node_length.cpu().numpy()
+        npar = batch.node_parent.cpu().numpy()
+        n = len(off)
+        self.offset = off.tolist()
+        self.length = length = ln.astype(np.int64).tolist()
+        self.size = size = (se[off] - off).tolist()
+        self.node_parent = npar.tolist()
+        self.children = children = [[] for _ in range(n)]
+        self.roots = roots = []
+        for i, p in enumerate(self.node_parent):
+            (children[p] if p >= 0 else roots).append(i)
+        # the two largest "breakpoints" of each subtree (see _kept): the longest path's tokens,
+        # then the next one not sharing its top; nodes in DFS order, so children after parents
+        top1, top2 = [0] * n, [0] * n
+        self.second = second = [0] * n  # the children's second largest, for _kept
+        self.largest = largest = [0] * n  # the largest child subtree
+        for v in range(n - 1, -1, -1):
+            kids = children[v]
+            if not kids:
+                top1[v] = length[v]
+                continue
+            best = sorted((x for c in kids for x in (top1[c], top2[c])), reverse=True)[:2]
+            best += [0] * (2 - len(best))
+            top1[v], top2[v], second[v] = length[v] + best[0], best[1], best[1]
+            largest[v] = max(size[c] for c in kids)
+        self._by_parent = None
+        self._node_of = None
+
+    def context(self, s: int) -> np.ndarray:
+        """Tokens on the path from the root to token ``s``, ``s`` excluded (ascending): its
+        ancestor nodes' tokens, then those of its own node before it."""
+        if self._node_of is None:
+            self._node_of = np.repeat(np.arange(len(self.offset)), self.node_length)
+        v = int(self._node_of[s])
+        path = []
+        p = self.node_parent[v]
+        while p >= 0:
+            path.append(p)
+            p = self.node_parent[p]
+        path.reverse()
+        lens = self.node_length[path].astype(np.int64)
+        # each ancestor's tokens: its offset, then one more per token
+        shift = np.repeat(self.node_offset[path] - (np.cumsum(lens) - lens), lens)
+        head = shift + np.arange(len(shift), dtype=np.int64)
+        return np.concatenate([head, np.arange(self.offset[v], s)]).astype(np.int64)
+
+    def predicted(self, s: int, e: int) -> np.ndarray:
+        """The tokens whose predecessor lies in ``[s, e)``, ascending: a slice of the tokens
+        sorted by predecessor (one sort for every part, not a pass over the row each)."""
+        if self._by_parent is None:
+            order = np.argsort(self.parent, kind="stable")
+            self._by_parent = order, self.parent[order]
+        order, sorted_parent = self._by_parent
+        lo, hi = np.searchsorted(sorted_parent, (s, e))
+        return np.sort(order[lo:hi])
+
+
+def _units(shape: _Shape, max_tokens: int):
     """(start, end, open, recompute, room) ranges in DFS order: closed subtrees that fit the
     room left, open nodes' tokens in chunks. ``room`` = ``max_tokens`` minus the open tokens
     *kept* above the unit (held with their activations), never below a quarter of
@@ -161,39 +234,27 @@ def _units(node_offset, node_length, node_parent, subtree_end_of_node, max_token
     tokens as leave its children the room they need (:func:`_kept`); the rest, first in the
     node, are recompute chunks of at most
     the room. A leaf node longer than the room recomputes all but its last ``room`` tokens,
-    which run last and are held by nothing after them."""
+    which run last and are held by nothing after them. Only the open nodes and their
+    children are visited: what depends on the budget (the tree's own quantities are
+    ``shape``'s)."""
     floor = max(1, max_tokens // 4)
-    n = len(node_offset)
-    length = node_length.astype(np.int64)
-    children: list[list[int]] = [[] for _ in range(n)]
-    roots = []
-    for i, p in enumerate(node_parent.tolist()):
-        (children[p] if p >= 0 else roots).append(i)
-    # the two largest "breakpoints" of each subtree (see _kept): the longest path's tokens,
-    # then the next one not sharing its top; nodes in DFS order, so children after parents
-    top1 = np.zeros(n, dtype=np.int64)
-    top2 = np.zeros(n, dtype=np.int64)
-    second = np.zeros(n, dtype=np.int64)  # the children's second largest, for _kept
-    for v in range(n - 1, -1, -1):
-        best = sorted((x for c in children[v] for x in (top1[c], top2[c])), reverse=True)[:2]
-        best += [0] * (2 - len(best))
-        top1[v], top2[v], second[v] = length[v] + best[0], best[1], best[1]
+    offset, length, sizes = shape.offset, shape.length, shape.size
+    children, second, largest = shape.children, shape.second, shape.largest
     units = []
-    stack = [(v, 0) for v in roots[::-1]]
+    stack = [(v, 0) for v in shape.roots[::-1]]
     while stack:
         v, kept = stack.pop()
-        off = int(node_offset[v])
+        off = offset[v]
         room = max_tokens - kept
-        size = int(subtree_end_of_node[v]) - off
+        size = sizes[v]
         if size <= room:
             units.append((off, off + size, False, False, room))
             continue
-        own = int(length[v])
+        own = length[v]
         if children[v]:
             # the room the children need: a quarter of the budget (parts large enough), or
             # less when every child's subtree fits in less (then all of them are closed)
-            largest = max(int(subtree_end_of_node[c] - node_offset[c]) for c in children[v])
-            keep = _kept(own, room, max(int(second[v]), min(floor, largest)), floor)
+            keep = _kept(own, room, max(second[v], min(floor, largest[v])), floor)
             rest = own - keep
             if rest == 1 and keep > 2:
                 keep, rest = keep - 1, 2  # no chunk of one token (see _no_single_tokens)
@@ -256,17 +317,18 @@ def plan(batch: TreeBatch, max_tokens: int, *, block_size: int = 128,
     max_tokens = _check_budget(max_tokens)
     if not isinstance(batch, TreeBatch):
         raise TypeError(f"expected a treefx.TreeBatch, got {type(batch).__name__}")
-    parent = batch.parent_token.cpu().numpy()
-    se = batch.subtree_end.cpu().numpy()
-    n_real = batch.num_real_tokens
-    off = batch.node_offset.cpu().numpy()
-    ln = batch.node_length.cpu().numpy()
-    npar = batch.node_parent.cpu().numpy()
-    units = _units(off, ln, npar, se[off], max_tokens)
+    shape = _Shape(batch)
+    return _build(shape, _ranges(shape, max_tokens, recompute), max_tokens, block_size)
+
+
+def _ranges(shape: _Shape, max_tokens: int, recompute: bool):
+    """The parts' (start, end, open, recompute) in DFS order, without building them: all
+    :func:`plan_even`'s bisection needs (their count)."""
+    units = _units(shape, max_tokens)
     if not recompute:
         units = [(s, e, o, False, room) for s, e, o, _, room in units]
     # Padding tokens (each its own root) close the row as closed units of one token each.
-    units += [(t, t + 1, False, False, max_tokens) for t in range(n_real, batch.num_tokens)]
+    units += [(t, t + 1, False, False, max_tokens) for t in range(shape.n_real, shape.num_tokens)]
 
     ranges: list[tuple[int, int, bool, bool, int]] = []
     for s, e, is_open, rec, room in units:
@@ -275,18 +337,19 @@ def plan(batch: TreeBatch, max_tokens: int, *, block_size: int = 128,
             ranges[-1] = (ranges[-1][0], e, False, False, min(ranges[-1][4], room))
         else:
             ranges.append((s, e, is_open, rec, room))
-    ranges = _fewer_parts(_no_single_tokens(ranges), se, max_tokens)
-    n = batch.num_tokens
+    return _fewer_parts(_no_single_tokens(ranges), shape.subtree_end, max_tokens)
+
+
+def _build(shape: _Shape, ranges, max_tokens: int, block_size: int) -> PartPlan:
+    """The plan of the given ranges: each part's context, entries, exits and labels."""
+    batch, parent, se, n_real = shape.batch, shape.parent, shape.subtree_end, shape.n_real
+    n = shape.num_tokens
     part_of = np.empty(n, dtype=np.int64)
     for j, (s, e, _, _) in enumerate(ranges):
         part_of[s:e] = j
-    # node of each token, for the context paths
-    node_of = np.repeat(np.arange(len(off)), ln)
-    has_succ = np.zeros(n, dtype=bool)
-    later_child = parent >= 0
     parts = []
     for j, (s, e, is_open, rec) in enumerate(ranges):
-        ctx = _path_before(s, node_of, off, ln, npar) if s < n_real else np.zeros(0, np.int64)
+        ctx = shape.context(s) if s < n_real else np.zeros(0, np.int64)
         pad = max(block_size, -(-len(ctx) // block_size) * block_size)
         par = parent[s:e]
         ext = (par >= 0) & (par < s)
@@ -294,11 +357,10 @@ def plan(batch: TreeBatch, max_tokens: int, *, block_size: int = 128,
         entry_of = np.full(e - s, -1, dtype=np.int64)
         entry_of[ext] = inv
         # predicted tokens: every token whose predecessor lies in [s, e)
-        pred = np.flatnonzero(later_child & (parent >= s) & (parent < e))
+        pred = shape.predicted(s, e)
         rows = parent[pred] - s
         succ_later = pred[pred >= e]
         exits = np.unique(parent[succ_later])
-        has_succ[exits] = True
         parts.append(Part(
             index=j, start=s, end=e, context=ctx, context_pad=pad, entries=entries,
             entry_of_token=entry_of, exits=exits, label_rows=rows, label_tokens=pred,
@@ -320,23 +382,29 @@ def plan_even(batch: TreeBatch, max_tokens: int, num_parts: int, *, block_size: 
     if not isinstance(num_parts, numbers.Integral) or isinstance(num_parts, bool) \
             or num_parts < 1:
         raise ValueError(f"num_parts must be a positive integer, got {num_parts!r}")
-    first = plan(batch, max_tokens, block_size=block_size, recompute=recompute)
+    if not isinstance(batch, TreeBatch):
+        raise TypeError(f"expected a treefx.TreeBatch, got {type(batch).__name__}")
+    shape = _Shape(batch)  # once for every budget tried
+    first = _build(shape, _ranges(shape, max_tokens, recompute), max_tokens, block_size)
     if first.num_parts > num_parts:
         return first
-    best = first
-    # About log2(max_tokens) plans: a plan of 35k tokens takes a few ms on a CPU core, one of
-    # 100-130k tokens 0.03-0.12 s (its _fewer_parts), so 0.5-1.5 s a step at that size.
+    # About log2(max_tokens) budgets, each only cut into ranges (the count is all the
+    # bisection reads); the plan is built once, at the budget found. A 128k-token tree of
+    # 115 calls: about 15 budgets, a few ms each (they were 0.03-0.12 s each, whole plans).
+    best = None
     lo, hi = max(1, -(-batch.num_tokens // int(num_parts))), max_tokens - 1
     while lo <= hi:
         mid = (lo + hi) // 2
-        candidate = plan(batch, mid, block_size=block_size, recompute=recompute)
-        if candidate.num_parts <= num_parts:
-            best, hi = candidate, mid - 1
+        candidate = _ranges(shape, mid, recompute)
+        if len(candidate) <= num_parts:
+            best, hi = (candidate, mid), mid - 1
         else:
             lo = mid + 1
-    if best is not first and (best.recompute_tokens > first.recompute_tokens
-                              or best.peak_held_tokens() > max(first.peak_held_tokens(),
-                                                               max_tokens)):
+    if best is None:
+        return first
+    best = _build(shape, best[0], best[1], block_size)
+    if best.recompute_tokens > first.recompute_tokens or \
+            best.peak_held_tokens() > max(first.peak_held_tokens(), max_tokens):
         return first
     return best
 
@@ -368,21 +436,42 @@ def _no_single_tokens(ranges):
     return [tuple(r[:4]) for r in out]
 
 
+def _free(starts, release) -> list[int]:
+    """Per part i (lists of ints, ``release[i] >= starts[i + 1]``): the point of the row
+    after which it is freed when parts run as :func:`schedule` runs them, the largest release
+    of the parts it reaches: itself, its readers (later parts starting before its release),
+    theirs, and so on. The parts reached from i are those of ``[i, m)`` for some m, and the
+    ranges of two parts are nested or apart; right to left, a stack holds the ranges not yet
+    reached from a part on their left (the nearest on top) with their largest release: part i
+    takes those that start before its release (one pass, not a range maximum per part)."""
+    n = len(starts)
+    free = [0] * n
+    blocks: list[tuple[int, int]] = []  # (first part, free), the nearest last
+    for i in range(n - 1, -1, -1):
+        k = bisect.bisect_left(starts, release[i], i + 1)  # the parts before k read part i
+        f = release[i]
+        while blocks and blocks[-1][0] < k:
+            f = max(f, blocks.pop()[1])
+        blocks.append((i, f))
+        free[i] = f
+    return free
+
+
 def _held_tokens(starts: np.ndarray, ends: np.ndarray, release: np.ndarray,
-                 recompute: np.ndarray | None = None) -> np.ndarray:
+                 recompute: np.ndarray | None = None, free=None) -> np.ndarray:
     """Tokens holding activations during each part's forward when parts run as
     :func:`schedule` runs them: part i is freed after the first part that ends at or past its
     release and those of its readers (later parts starting before its release), so it is
-    held during part j > i while that point lies after j's start. A *recompute* part
-    (``recompute[i]``) holds activations during its own forward only (and during its
-    backward, when no more is held than during its forward: see :meth:`PartPlan.peak_held_tokens`)."""
+    held during part j > i while that point (:func:`_free`) lies after j's start. A
+    *recompute* part (``recompute[i]``) holds activations during its own forward only (and
+    during its backward, when no more is held than during its forward: see
+    :meth:`PartPlan.peak_held_tokens`). ``free``: :func:`_free`'s, when known."""
     n = len(starts)
-    free = release.copy()
-    for i in range(n - 1, -1, -1):
-        k = int(np.searchsorted(starts, release[i]))
-        if k > i + 1:
-            free[i] = max(release[i], free[i + 1:k].max())
-    last = np.searchsorted(starts, free)  # held during parts i .. last-1
+    starts = np.asarray(starts, dtype=np.int64)
+    ends = np.asarray(ends, dtype=np.int64)
+    if free is None:
+        free = _free(starts.tolist(), np.asarray(release).tolist())
+    last = np.searchsorted(starts, np.asarray(free, dtype=np.int64))  # held: parts i .. last-1
     own = np.arange(n) + 1
     last = np.maximum(last, own)
     if recompute is not None:
@@ -401,45 +490,69 @@ def _fewer_parts(ranges, subtree_end, max_tokens: int):
     node's tokens share a part with what precedes them where that part may be held longer.
     A recompute part is merged with nothing (its tokens, and only those, are recomputed),
     and no part held past its end may hold a recompute part's release inside it (that would
-    keep the recompute part's keys and values after its subtree is done, off the open path)."""
+    keep the recompute part's keys and values after its subtree is done, off the open path).
+
+    ``ranges`` tile the row. What is held is counted once, then updated at each merge (not
+    counted again: that made planning quadratic in the parts). Held during part j is
+    ``size_j`` plus the size of every earlier part p, not a recompute part, with
+    ``free_p > start_j`` (:func:`_free`). Merging parts i and i + 1 into m (neither a
+    recompute part) leaves what is held during the parts before i as it was, holds
+    ``held[i] + size_{i+1}`` during m, and adds one amount to what is held during the parts
+    after, those that start in one interval:
+
+    - part i + 1 reads part i (``free_i > end_i``): m is freed at ``free_i``, and part i + 1's
+      ``size_{i+1}`` is now held during the parts starting in ``[free_{i+1}, free_i)``;
+    - it does not (``free_i = end_i``): m is freed at ``free_{i+1}``, and so is every earlier
+      part freed within part i (those held during part i, not during part i + 1): during the
+      parts starting before ``free_{i+1}``, ``size_i`` and those parts are now held too,
+      ``held[i] - size_i - (held[i+1] - size_{i+1})`` tokens.
+
+    The merge is kept when neither m nor those parts hold more than the bound, exactly as
+    when everything held is counted again after it."""
     if len(ranges) < 2:
         return ranges
-    starts = np.array([r[0] for r in ranges], dtype=np.int64)
-    ends = np.array([r[1] for r in ranges], dtype=np.int64)
-    release = np.array([subtree_end[s:e].max() for s, e, _, _ in ranges], dtype=np.int64)
-    rec = np.array([r[3] for r in ranges], dtype=bool)
-    rec_release = np.unique(release[rec])
-    bound = max(max_tokens, int(_held_tokens(starts, ends, release, rec).max()))
+    ranges = list(ranges)
+    starts = [r[0] for r in ranges]
+    ends = [r[1] for r in ranges]
+    release = np.maximum.reduceat(subtree_end[:ends[-1]], starts).tolist()
+    rec = [bool(r[3]) for r in ranges]
+    rec_release = sorted({r for r, c in zip(release, rec) if c})
+    free = _free(starts, release)
+    held = _held_tokens(starts, ends, release, rec, free).tolist()
+    bound = max(max_tokens, max(held))
     i = 0
     while i + 1 < len(starts):
         s, e = starts[i], ends[i + 1]
         rel = max(release[i], release[i + 1])
-        straddles = rel > e and np.any((rec_release > s) & (rec_release < e))
+        if rel > e:  # a recompute part's release inside the merged part
+            k = bisect.bisect_right(rec_release, s)
+            straddles = k < len(rec_release) and rec_release[k] < e
+        else:
+            straddles = False
         if e - s <= max_tokens and not rec[i] and not rec[i + 1] and not straddles:
-            st = np.delete(starts, i + 1)
-            en = np.delete(ends, i)
-            re = np.delete(release, i + 1)
-            re[i] = rel
-            rc = np.delete(rec, i + 1)
-            if _held_tokens(st, en, re, rc).max() <= bound:
-                starts, ends, release, rec = st, en, re, rc
-                ranges = ranges[:i] + [(ranges[i][0], ranges[i + 1][1],
-                                        ranges[i][2] or ranges[i + 1][2], False)] + \
-                    ranges[i + 2:]
+            size = ends[i + 1] - starts[i + 1]
+            if free[i] > ends[i]:
+                add, lo, hi = size, free[i + 1], free[i]
+            else:
+                add, lo, hi = held[i] + size - held[i + 1], ends[i + 1], free[i + 1]
+            a = bisect.bisect_left(starts, lo, i + 2)
+            b = bisect.bisect_left(starts, hi, a)
+            peak = held[i] + size
+            if a < b:
+                peak = max(peak, max(held[a:b]) + add)
+            if peak <= bound:
+                for j in range(a, b):
+                    held[j] += add
+                held[i] += size
+                free[i] = max(free[i], free[i + 1])
+                release[i], ends[i] = rel, e
+                ranges[i] = (ranges[i][0], ranges[i + 1][1], ranges[i][2] or ranges[i + 1][2],
+                             False)
+                for x in (starts, ends, release, rec, free, held, ranges):
+                    del x[i + 1]
                 continue
         i += 1
     return ranges
-
-
-def _path_before(s: int, node_of, off, ln, npar) -> np.ndarray:
-    """Tokens on the path from the root to token ``s``, ``s`` excluded (ascending)."""
-    v = int(node_of[s])
-    pieces = [np.arange(int(off[v]), s)]
-    p = int(npar[v])
-    while p >= 0:
-        pieces.append(np.arange(int(off[p]), int(off[p]) + int(ln[p])))
-        p = int(npar[p])
-    return np.concatenate(pieces[::-1]).astype(np.int64)
 
 
 def schedule(plan: PartPlan):
