@@ -138,7 +138,7 @@ if [ "${1:-}" = e ]; then
      --por 0.75 --quick --stream 0 --mask-reps 0 --out $OUT/e2e_next.json > $OUT/e2e_next.log 2>&1
    echo "e2e qwen3_next rc=$?"; grep -E "^hidden|FAILED|rec|first" $OUT/e2e_next.log | tail -n 8) &
   for j in "1 op float32" "2 op bfloat16" "3 model"; do
-    set -- $j
+    set -- $j ""  # "" : the third word for the model level (set -u)
     (CUDA_VISIBLE_DEVICES=$1 timeout 520 python3 -m benchmarks.fla_check --cases $2 \
        ${3:+--op-dtypes $3} --out $OUT/fla_$2$3.json > $OUT/fla_$2$3.log 2>&1
      echo "fla $2 $3 rc=$?"; grep -E "^\[|total" $OUT/fla_$2$3.log | cut -c1-300) &
