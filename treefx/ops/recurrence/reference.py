@@ -56,14 +56,15 @@ class Recurrence:
       returns ``output`` alone rather than ``(output, None)``;
     - ``output_like``: the seq arg whose shape and dtype ``output`` has (default: the first);
     - ``varlen``: optional fast path for CUDA tensors. ``varlen(seq, static, initial_state,
-      cu_seqlens, cu_seqlens_cpu, final=True) -> (output, final_state or None)`` runs many
-      nodes at once without
+      cu_seqlens, cu_seqlens_cpu) -> (output, final_state)`` runs many nodes at once without
       padding: ``seq`` holds the seq args with batch 1 and the nodes laid end to end along
       their sequence dims, ``cu_seqlens`` (int64, n + 1, on the tensors' device) where each
       node starts and ``cu_seqlens_cpu`` the same on the host (a kernel that plans its chunks
       from it reads nothing back from the device), ``initial_state`` one state per node or
-      None (all zero), ``static`` the other arguments by name. Built in for Gated DeltaNet
-      when flash-linear-attention (fla) is installed;
+      None (all zero), ``static`` the other arguments by name. A ``varlen`` that takes a
+      keyword ``final`` is called with ``final=False`` where no node of the call hands its
+      state on, and may then return ``(output, None)``. Built in for Gated DeltaNet when
+      flash-linear-attention (fla) is installed;
     - ``varlen_split``: optional ``varlen_split(seq, static, sizes) -> counts``: how many
       nodes (of the given token counts, in order) each ``varlen`` call takes, for a kernel
       with limits per call (fla launches nodes x heads blocks on a CUDA grid axis of at most
@@ -353,6 +354,19 @@ def _level_varlen(rec, seq, static, init, nodes, starts, lengths, want):
     return outs, fins
 
 
+_TAKES_FINAL: dict = {}
+
+
+def _takes_final(fn) -> bool:
+    """Whether a ``varlen`` function takes the keyword ``final`` (older ones do not)."""
+    if fn not in _TAKES_FINAL:
+        try:
+            _TAKES_FINAL[fn] = "final" in inspect.signature(fn).parameters
+        except (TypeError, ValueError):
+            _TAKES_FINAL[fn] = False
+    return _TAKES_FINAL[fn]
+
+
 def _varlen_call(rec, seq, static, init, nodes, starts, lengths, final):
     if all(starts[b] == starts[a] + lengths[a] for a, b in zip(nodes, nodes[1:])):
         chunk = {name: t.narrow(rec.seq_args[name], starts[nodes[0]],
@@ -365,5 +379,6 @@ def _varlen_call(rec, seq, static, init, nodes, starts, lengths, final):
     sizes = [lengths[i] for i in nodes]
     cu_cpu = torch.tensor([0, *itertools.accumulate(sizes)], dtype=torch.int64)
     cu = cu_cpu.to(next(iter(seq.values())).device, non_blocking=True)
-    out, fin = rec.varlen(chunk, static, init, cu, cu_cpu, final=final)
+    extra = {} if final or not _takes_final(rec.varlen) else {"final": False}
+    out, fin = rec.varlen(chunk, static, init, cu, cu_cpu, **extra)
     return list(out.split(sizes, dim=rec.output_seq_dim)), fin
