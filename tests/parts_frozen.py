@@ -1,163 +1,19 @@
 """A frozen copy of ``treefx/parts.py``'s planner as it was before it was made faster
-(commit c811ca2): :func:`plan` and :func:`plan_even` with their helpers, word for word but
-for the import of ``TreeBatch`` and without ``part_tensors``. ``tests/test_parts_planner.py``
-checks that the package's planner gives exactly the plans this one gives. Do not edit.
-
-The original module docstring follows.
-
-Cut a packed tree row into parts that fit a token budget, each token computed once.
-
-Redundancy-free parts: a packed tree row cut into parts that fit a token budget, each token
-computed once (see :func:`treefx.backward`, which runs them).
-
-A part is a contiguous range ``[start, end)`` of the DFS row; boundaries may fall anywhere,
-inside a node too (a sequence longer than the budget becomes a chain of parts). What a part
-needs from earlier parts is what its tokens read of their **ancestors** there, and every such
-ancestor is an ancestor of the part's first token (a token before ``start`` whose subtree holds
-a later token holds ``start`` too): its *context* is the path from the root to ``start``.
-
-- Context tokens: their keys and values (and conv inputs) at every site, read from the parts
-  that computed them. They sit before the part's own tokens in an *extended row*
-  ``[context (padded to a block multiple); part]`` whose tree tensors (positions, parents,
-  subtree ends) are in that row's coordinates, so the tree mask stays the interval test.
-- Entries: the part's tokens whose predecessor lies in an earlier part; each starts its node
-  from the recurrent state after that predecessor, an *exit* of the earlier part (a token with
-  a successor in a later part).
-- Labels: the log-probability of token t is read from its predecessor's logits, so it belongs
-  to the part of the predecessor: a part predicts every token whose predecessor it holds, its
-  own and the first tokens of later parts.
-
-Planning (:func:`plan`): a part of *closed* units (whole subtrees) is finished, forward and
-backward, as soon as it ran; a part of an *open* node's own tokens (a node whose subtree does
-not fit) is held until the node's subtree is done. The planner bounds the tokens holding
-activations at once by ``max_tokens``, whatever the tree's shape (a comb-shaped agent tree,
-whose whole trunk is open; a sequence longer than the budget): below *kept* open tokens
-``K``, a subtree that fits in the room ``max_tokens - K`` is a closed unit (consecutive ones
-share a part while they fit), a larger one is open. An open node keeps as many of its tokens
-(held with their activations; its children then plan with them added to ``K``) as leave its
-children the room they need, and never so many that the room drops below a quarter of
-``max_tokens`` (parts stay large enough to keep a GPU busy) unless each child's subtree fits
-in less; its other tokens, first in the
-node, are *recompute* parts: their forward keeps no activations, only what later parts read
-(their keys, values and conv inputs at every site, their exit states), and their backward
-runs the forward again first. A leaf node longer than the room recomputes all but its last
-``room`` tokens. How many to keep is exact for the fewest recomputed tokens (without the
-quarter's floor and the rounding of chunks: see ``_kept``): a node keeps down to its
-children's second largest "breakpoint", so on a comb the trunk keeps what leaves the longest
-completion below room, and a chain keeps nothing. Nothing is recomputed while every root-to-leaf
-path leaves a quarter of ``max_tokens``.
-
-The keys and values of the *open path* (the context a part reads: the root to its first
-token) are kept whatever the budget, since later parts attend to them:
-:meth:`PartPlan.peak_context_tokens` is the longest, beside
-:meth:`PartPlan.peak_held_tokens` (activations, at most ``max_tokens``) and
-:attr:`PartPlan.recompute_tokens`. Bytes per open-path token: attention layers × 2 × KV
-heads × head dim × dtype size (and each causal conv's input width × dtype size).
-"""
+(commit c811ca2): the functions that changed (:func:`plan`, :func:`plan_even`, ``_units``,
+``_held_tokens``, ``_fewer_parts``, ``_path_before``), word for word; what did not change
+(``Part``, ``PartPlan``, ``_kept``, ``_chunks``, ...) is imported from the package.
+``tests/test_parts_planner.py`` checks that the package's planner gives exactly the plans this
+one gives. Do not edit."""
 
 from __future__ import annotations
 
 import numbers
-from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from treefx.layout import TreeBatch
-
-__all__ = ["Part", "PartPlan", "plan", "plan_even"]
-
-
-@dataclass(eq=False)
-class Part:
-    """One part of a plan: a range of the DFS row and what it reads from earlier parts.
-
-    One part of a :class:`PartPlan` (numpy arrays on the host; indices into the DFS row
-    unless said otherwise).
-
-    ``start``/``end``: its tokens. ``context``: the path from the root to ``start``
-    (ascending), whose keys and values it reads. ``entries``: predecessors in earlier parts
-    of its tokens (ascending), whose exit states start its nodes; ``entry_of_token`` [n]:
-    which entry each token's predecessor is, -1 where it is not in an earlier part. ``exits``:
-    its tokens with a successor in a later part (ascending). ``label_rows`` / ``label_tokens``:
-    the tokens it predicts (the tree tokens whose predecessor it holds) and, for each, the
-    predecessor's row in the part. ``release``: the end of the last subtree that starts in
-    it; its backward waits until every token before that ran. ``context_pad``: the context
-    row length, padded to a multiple of the block size (at least one block). ``open``: it
-    holds tokens of a node whose subtree does not fit the room (held until that subtree is
-    done). ``recompute``: its forward keeps no activations (only what later parts read: its
-    own keys, values and conv inputs and its exit states), and its backward runs the forward
-    again first; only open parts held beyond the budget are."""
-
-    index: int
-    start: int
-    end: int
-    context: np.ndarray
-    context_pad: int
-    entries: np.ndarray
-    entry_of_token: np.ndarray
-    exits: np.ndarray
-    label_rows: np.ndarray
-    label_tokens: np.ndarray
-    release: int
-    open: bool
-    recompute: bool = False
-
-    @property
-    def num_tokens(self) -> int:
-        return self.end - self.start
-
-
-@dataclass(eq=False)
-class PartPlan:
-    """The parts of one packed batch, in DFS order.
-
-    ``max_tokens``: the budget.
-    ``part_of_token`` [N]: which part holds each token."""
-
-    batch: TreeBatch
-    parts: list[Part]
-    max_tokens: int
-    part_of_token: np.ndarray
-
-    @property
-    def num_parts(self) -> int:
-        return len(self.parts)
-
-    @property
-    def recompute_tokens(self) -> int:
-        """Tokens whose forward runs twice: those of the recompute parts (without keeping
-        activations, then again with them at their backward)."""
-        return sum(p.num_tokens for p in self.parts if p.recompute)
-
-    def peak_held_tokens(self) -> int:
-        """The most tokens whose activations are held at once when the parts run in order and
-        each part's backward runs as soon as nothing after it reads it (what
-        :func:`treefx.backward` does): the current part's and those of the parts held
-        for their backward, but not of recompute parts other than the current one (they
-        hold no activations between their forward and their backward). At most
-        ``max_tokens``. A recompute part's backward, which builds its activations again,
-        holds no more than its forward did (the parts held then were all held then too)."""
-        peak = 0
-        for j, held in schedule(self):
-            peak = max(peak, sum(self.parts[i].num_tokens for i in held
-                                 if i == j or not self.parts[i].recompute))
-        return peak
-
-    def peak_context_tokens(self) -> int:
-        """The longest *open path*: the most context tokens a part reads, the keys and values
-        (and conv inputs) earlier parts keep for it at every site, whatever the budget. They
-        are the held recompute parts' own columns (which lie on that path) and part of the
-        held parts'. Bytes: tokens × layers × 2 × KV heads × head dim × dtype size for the
-        keys and values."""
-        return max((len(p.context) for p in self.parts), default=0)
-
-
-def _check_budget(max_tokens) -> int:
-    if not isinstance(max_tokens, numbers.Integral) or isinstance(max_tokens, bool) \
-            or max_tokens < 1:
-        raise ValueError(f"max_tokens must be a positive integer, got {max_tokens!r}")
-    return int(max_tokens)
+from treefx.parts import (Part, PartPlan, _check_budget, _chunks, _kept,  # noqa: F401
+                          _no_single_tokens)
 
 
 def _units(node_offset, node_length, node_parent, subtree_end_of_node, max_tokens):
@@ -217,37 +73,6 @@ def _units(node_offset, node_length, node_parent, subtree_end_of_node, max_token
         if children[v]:
             stack.extend((c, kept + keep) for c in children[v][::-1])
     return units
-
-
-def _kept(own: int, room: int, need: int, floor: int) -> int:
-    """How many of an open node's ``own`` tokens to keep (held with their activations while
-    its subtree runs; the rest are recomputed), with ``room`` left under the budget and
-    ``need`` the room its children should keep (``floor``: a quarter of the budget).
-
-    The fewest recomputed tokens of a subtree as a function of its room r is convex,
-    piecewise linear and non-increasing: sum over a multiset of "breakpoints" b of
-    max(0, b - r) (a leaf of length L: {L}; a node of length R: its children's multisets
-    together, with the largest raised by R, since keeping its tokens or those of the
-    deepest path below costs the same). Keeping x of the node's tokens saves x and costs
-    the children's function at r - x, whose slope is minus the number of breakpoints above
-    r - x: keeping pays while at most one lies above, that is down to the children's second
-    largest breakpoint. Among equal costs the planner keeps tokens as high in the tree as it
-    can (a kept part's attention saves its context's keys and values: the shorter, the
-    better). A kept piece smaller than a sixteenth of the budget is not split off (a part
-    of its own costs more than recomputing it)."""
-    keep = max(0, min(own, room - need))
-    if keep < own and keep < max(1, floor // 4):
-        keep = 0
-    return keep
-
-
-def _chunks(total: int, room: int) -> list[int]:
-    """``total`` tokens in the fewest chunks of at most ``room``, as equal as can be."""
-    if total <= 0:
-        return []
-    k = -(-total // room)
-    q, r = divmod(total, k)
-    return [q + 1] * r + [q] * (k - r)
 
 
 def plan(batch: TreeBatch, max_tokens: int, *, block_size: int = 128,
@@ -348,33 +173,6 @@ def plan_even(batch: TreeBatch, max_tokens: int, num_parts: int, *, block_size: 
     return best
 
 
-def _no_single_tokens(ranges):
-    """Closed parts of one token merged into an adjacent closed part that has room (both
-    finish right after their forward, so the memory bound holds). A graph compiled for a row
-    of one token is specialized to it (Dynamo guards sizes 0 and 1), so every such part would
-    compile anew; the rest (an open node's single token, which must stay on its own to be
-    released with its subtree) is padded with one inert token (:func:`part_tensors`)."""
-    out = [list(r) for r in ranges]
-    i = 0
-    while i < len(out):
-        s, e, is_open, _, room = out[i]
-        if e - s != 1 or is_open:
-            i += 1
-            continue
-        nxt = out[i + 1] if i + 1 < len(out) else None
-        prv = out[i - 1] if i > 0 else None
-        if nxt is not None and not nxt[2] and nxt[1] - s <= min(room, nxt[4]):
-            out[i + 1] = [s, nxt[1], False, False, min(room, nxt[4])]
-            del out[i]
-            continue
-        if prv is not None and not prv[2] and e - prv[0] <= min(room, prv[4]):
-            out[i - 1] = [prv[0], e, False, False, min(room, prv[4])]
-            del out[i]
-            continue
-        i += 1
-    return [tuple(r[:4]) for r in out]
-
-
 def _held_tokens(starts: np.ndarray, ends: np.ndarray, release: np.ndarray,
                  recompute: np.ndarray | None = None) -> np.ndarray:
     """Tokens holding activations during each part's forward when parts run as
@@ -448,35 +246,3 @@ def _path_before(s: int, node_of, off, ln, npar) -> np.ndarray:
         p = int(npar[p])
     return np.concatenate(pieces[::-1]).astype(np.int64)
 
-
-def schedule(plan: PartPlan):
-    """(part index, parts holding activations after its forward) in run order: after the
-    forward of part j, every part that is *released* (its subtrees are done: ``release`` at or
-    before the end of part j) and whose readers are all finished runs its backward. Yields
-    after each forward and lists what is held then (before those backwards)."""
-    parts = plan.parts
-    held: list[int] = []
-    for j, part in enumerate(parts):
-        held.append(j)
-        yield j, list(held)
-        done = set(ready(plan, held, part.end))
-        held = [i for i in held if i not in done]
-
-
-def ready(plan: PartPlan, held: list[int], cursor: int) -> list[int]:
-    """The held parts whose backward may run once the row up to ``cursor`` ran, latest
-    first: a part is released at ``cursor`` and every later part that reads it (starts
-    before its release) has run its backward (or runs it in this round, before it)."""
-    parts = plan.parts
-    out: list[int] = []
-    still = set(held)
-    for i in sorted(held, reverse=True):
-        p = parts[i]
-        if p.release > cursor:
-            continue
-        readers = [k for k in still if k > i and parts[k].start < p.release]
-        if readers:
-            continue
-        out.append(i)
-        still.discard(i)
-    return out
