@@ -440,8 +440,9 @@ def test_fla_check_op_case_on_the_cpu():
 @pytest.mark.slow  # ~45 s on 2 cores: two regional captures through aot-eager
 def test_regional_recapture_dry_run():
     """The script the GPU runs for regional execution captured twice (a batch, then a larger
-    one), on the CPU: both captures agree with the eager backend."""
+    one), on the CPU: both batches agree with the eager backend (one capture serves both on
+    the CPU, whose code indexes in 64 bits; on the GPU the larger batch is captured anew)."""
     proc = subprocess.run([sys.executable, "-m", "benchmarks.regional_recapture", "--dry-run"],
                           capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert "2 capture(s)" in proc.stdout and "PASSED" in proc.stdout
+    assert proc.stdout.count("  agree") == 2 and "PASSED" in proc.stdout
