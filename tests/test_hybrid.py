@@ -429,14 +429,20 @@ def test_final_states_only_where_a_node_hands_one_on(fast):
     trees = [SHORT_NODES] + [treefx.Tree.from_sequences([[5]]) for _ in range(40)]
     batch = treefx.pack(trees, pad_to_multiple=128)
     n, g = batch.num_tokens, torch.Generator().manual_seed(1)
-    xs = [torch.randn(1, n, 2, 8, dtype=torch.float64, generator=g) for _ in range(3)]
-    kw = dict(g=-torch.rand(1, n, 2, dtype=torch.float64, generator=g),
-              beta=torch.rand(1, n, 2, dtype=torch.float64, generator=g))
+    xs = [torch.randn(1, n, 2, 8, dtype=torch.float64, generator=g).requires_grad_()
+          for _ in range(3)]
+    kw = dict(g=(-torch.rand(1, n, 2, dtype=torch.float64, generator=g)).requires_grad_(),
+              beta=torch.rand(1, n, 2, dtype=torch.float64, generator=g).requires_grad_())
+    inputs = [*xs, kw["g"], kw["beta"]]
+    probe = torch.randn(1, n, 2, 8, dtype=torch.float64, generator=g)
     row, final, (starts, lengths, parents, depth) = run_tree(rec, batch.parent_token, xs, kw)
     assert set(final) == {p for p in parents if p >= 0}
     assert len(starts) > 100 and False in asked and True in asked
     ref, _ = tree_recurrence(padded, batch.parent_token, xs, kw)
     torch.testing.assert_close(row, ref, atol=1e-12, rtol=1e-12)
+    for a, b in zip(torch.autograd.grad((row * probe).sum(), inputs),
+                    torch.autograd.grad((ref * probe).sum(), inputs)):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12)
 
 
 def test_fla_calls_stay_within_the_cuda_grid():

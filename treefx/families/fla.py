@@ -37,7 +37,6 @@ import functools
 import importlib
 import importlib.metadata
 import importlib.util
-import inspect
 import logging
 import os
 import re
@@ -45,6 +44,8 @@ import warnings
 from dataclasses import dataclass
 
 import torch
+
+from ..ops.recurrence.reference import takes_keyword
 
 __all__ = ["ENV", "Decision", "Environment", "FlaFallbackWarning", "decide", "environment",
            "expand_heads", "gate", "gated_delta_rule", "kimi_delta_attention", "use_fla"]
@@ -290,18 +291,9 @@ def split_calls(seq: dict, static: dict, sizes: list[int]) -> list[int]:
     return counts
 
 
-_TAKES_CPU_SEQLENS: dict = {}
-
-
 def _cpu_seqlens(fn, cu_seqlens_cpu) -> dict:
     """``cu_seqlens_cpu=`` for an fla kernel that takes it (fla 0.4.2 does), else nothing."""
-    takes = _TAKES_CPU_SEQLENS.get(fn)
-    if takes is None:
-        try:
-            takes = "cu_seqlens_cpu" in inspect.signature(fn).parameters
-        except (TypeError, ValueError):
-            takes = False
-        _TAKES_CPU_SEQLENS[fn] = takes
+    takes = takes_keyword(fn, "cu_seqlens_cpu")
     return {"cu_seqlens_cpu": cu_seqlens_cpu} if takes and cu_seqlens_cpu is not None else {}
 
 

@@ -16,7 +16,6 @@ treefx's own tests of that path (``tests/test_compile.py``, ``tests/test_parts.p
 from __future__ import annotations
 
 import contextlib
-
 import logging
 import os
 

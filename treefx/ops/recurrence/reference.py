@@ -354,17 +354,19 @@ def _level_varlen(rec, seq, static, init, nodes, starts, lengths, want):
     return outs, fins
 
 
-_TAKES_FINAL: dict = {}
+_TAKES: dict = {}  # (function, keyword) -> whether it takes it
 
 
-def _takes_final(fn) -> bool:
-    """Whether a ``varlen`` function takes the keyword ``final`` (older ones do not)."""
-    if fn not in _TAKES_FINAL:
+def takes_keyword(fn, name: str) -> bool:
+    """Whether ``fn`` takes the keyword ``name`` (a ``varlen`` function ``final``, an fla
+    kernel ``cu_seqlens_cpu``: older ones do not); read once per function."""
+    key = (fn, name)
+    if key not in _TAKES:
         try:
-            _TAKES_FINAL[fn] = "final" in inspect.signature(fn).parameters
+            _TAKES[key] = name in inspect.signature(fn).parameters
         except (TypeError, ValueError):
-            _TAKES_FINAL[fn] = False
-    return _TAKES_FINAL[fn]
+            _TAKES[key] = False
+    return _TAKES[key]
 
 
 def _varlen_call(rec, seq, static, init, nodes, starts, lengths, final):
@@ -379,6 +381,6 @@ def _varlen_call(rec, seq, static, init, nodes, starts, lengths, final):
     sizes = [lengths[i] for i in nodes]
     cu_cpu = torch.tensor([0, *itertools.accumulate(sizes)], dtype=torch.int64)
     cu = cu_cpu.to(next(iter(seq.values())).device, non_blocking=True)
-    extra = {} if final or not _takes_final(rec.varlen) else {"final": False}
+    extra = {} if final or not takes_keyword(rec.varlen, "final") else {"final": False}
     out, fin = rec.varlen(chunk, static, init, cu, cu_cpu, **extra)
     return list(out.split(sizes, dim=rec.output_seq_dim)), fin
