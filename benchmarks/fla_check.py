@@ -352,6 +352,8 @@ def main(argv=None):
                    help="the op level's dtypes among float32,bfloat16 (default both on the GPU; "
                         "fla autotunes each dtype's kernels anew, minutes each: split them "
                         "over processes)")
+    p.add_argument("--op-layouts", default="qwen3_next,qwen3_5",
+                   help="the op level's layouts (split them over processes too)")
     args = p.parse_args(argv)
     cuda = common.use_cuda(args.dry_run)
     dev = "cuda" if cuda else "cpu"
@@ -393,7 +395,7 @@ def main(argv=None):
         dtypes = [torch.float32] + ([torch.bfloat16] if cuda and not args.no_bf16 else [])
         if args.op_dtypes:
             dtypes = [d for d in dtypes if str(d)[6:] in args.op_dtypes.split(",")]
-        for layout in ("qwen3_next", "qwen3_5"):
+        for layout in args.op_layouts.split(","):
             for dtype in dtypes:
                 for name, forest in trees.items():
                     record(f"op-{layout}-{str(dtype)[6:]}-{name}",

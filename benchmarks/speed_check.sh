@@ -146,3 +146,29 @@ if [ "${1:-}" = e ]; then
   wait
   tar czf $RES/e.tgz -C $OUT .
 fi
+# Stage f (`... f`, carry .whl/fla; results in $OUT/f.tgz): what stage e left
+#   GPU 0: e2e qwen3_next (treefx on fla, after the grid split and the final-states fix)
+#   GPU 1: fla_check op, float32, the Qwen3-Next layout;  GPU 2: the same, the Qwen3.5 layout
+#   GPU 3: benchmarks.regional_recapture (regional captured twice, across Inductor's 32-bit
+#     indexing guard); then 36 layers (a quarter of the tree), regional with full logits and
+#     with logits=False, in one fresh process with empty caches (first step broken down)
+if [ "${1:-}" = f ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir .whl/fla/*.whl
+  RES=$OUT; OUT=/tmp/f; mkdir -p $OUT
+  (CUDA_VISIBLE_DEVICES=0 timeout 540 python3 -m benchmarks.e2e --arch qwen3_next --layers 4 \
+     --por 0.75 --quick --stream 0 --mask-reps 0 --out $OUT/e2e_next.json > $OUT/e2e_next.log 2>&1
+   echo "e2e qwen3_next rc=$?"; grep -E "^hidden|FAILED|rec|first" $OUT/e2e_next.log | tail -n 8) &
+  for j in "1 qwen3_next" "2 qwen3_5"; do
+    set -- $j
+    (CUDA_VISIBLE_DEVICES=$1 timeout 540 python3 -m benchmarks.fla_check --cases op \
+       --op-dtypes float32 --op-layouts $2 --out $OUT/fla_op_f32_$2.json \
+       > $OUT/fla_op_f32_$2.log 2>&1
+     echo "fla op float32 $2 rc=$?"; grep -E "^\[|total" $OUT/fla_op_f32_$2.log | cut -c1-300) &
+  done
+  (CUDA_VISIBLE_DEVICES=3 timeout 170 python3 -m benchmarks.regional_recapture \
+     > $OUT/recapture.log 2>&1; echo "regional_recapture rc=$?"; tail -n 12 $OUT/recapture.log
+   cold l36_logits 3 360 --layers 36 --scale 0.25 \
+     --methods treefx_regional,treefx_regional_nologits --warmup 1 --reps 3) &
+  wait
+  tar czf $RES/f.tgz -C $OUT .
+fi

@@ -71,8 +71,15 @@ def run_hidden(env, args, hidden, trees, res, deadline, first_hidden) -> None:
                     # its probe, so this includes the compilation (TREEFX_VERIFY=0 runs give
                     # the check's own cost by difference)
                     r["first_call_check_s"] = getattr(report, "seconds", None)
+                    # where the first step went: treefx's passes, the backend's compilation,
+                    # the check's own runs (the rest: Dynamo's trace and the runs)
+                    r["treefx_timings_s"] = {k: round(v, 2) for k, v in obj.timings.items()}
+                    r["compile_metrics_s"] = compile_metrics()
                 slot[name] = r
                 msg = (f"{r['step_ms']:.1f} ms, first step {r['first_step_s']:.1f} s"
+                       + (" (" + ", ".join(f"{k} {v:.1f} s" for k, v in
+                                          r["treefx_timings_s"].items()) + ")"
+                          if "treefx_timings_s" in r else "")
                        + (f", peak {r['peak_gib']:.1f} GiB" if "peak_gib" in r else "")
                        + (f", recurrence on {r['recurrence_on']}" if "recurrence_on" in r
                           else ""))
@@ -146,3 +153,17 @@ def stream_check(env, args, model, parts) -> dict:
           f"tokens): further compilations "
           f"{out.get('further_compilations', 'FAILED')}", flush=True)
     return out
+
+
+def compile_metrics(top: int = 14) -> dict[str, float]:
+    """torch.compile's own timers, process-wide so far (seconds; the largest ``top``):
+    ``_compile.compile_inner`` is Dynamo's whole time, ``bytecode_tracing`` its trace,
+    ``OutputGraph.call_user_compiler`` the backend (treefx's passes, AOTAutograd, Inductor),
+    ``async_compile.wait`` the wait for Triton's compile workers."""
+    try:
+        from torch._dynamo.utils import compilation_time_metrics
+    except ImportError:
+        return {}
+    sums = {k: sum(v) for k, v in compilation_time_metrics.items() if not k.startswith("pass.")}
+    return {k: round(v, 2) for k, v in sorted(sums.items(), key=lambda kv: -kv[1])[:top]}
+

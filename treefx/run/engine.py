@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 import types
 import weakref
 from dataclasses import replace
@@ -73,6 +74,11 @@ class TreeEngine:
         self._regional: dict[tuple, list] = {}  # guard key -> captured regional graphs
         self.compiled: list[Compiled] = []
         self._runs = 0
+        # seconds spent so far, by phase: "passes" (treefx's rewrite of each capture), "compile"
+        # (the backend: AOTAutograd, Inductor, Triton), "check" (the first-call check); the
+        # rest of a first call is Dynamo's trace and the run itself
+        self.timings: dict[str, float] = {"passes": 0.0, "compile": 0.0, "check": 0.0}
+        self._timing_stack: list[float] = []
         self._callables: dict[str, object] = {}
         self._prepared: weakref.WeakSet = weakref.WeakSet()  # models made ready for capture
 
@@ -121,9 +127,26 @@ class TreeEngine:
         ctx = _context(gm, backend, self.plan, real)
         compiled = Compiled(ctx, backend)
         self.compiled.append(compiled)
-        compiled.part = run_passes(ctx)
+        with self.timed("passes"):
+            compiled.part = run_passes(ctx)
         ctx.done = True
         return compiled
+
+    @contextlib.contextmanager
+    def timed(self, phase: str):
+        """Add the block's wall time to ``timings[phase]``, less that of the phases timed
+        inside it (the first-call check compiles the graph on its probe: "compile", not
+        "check")."""
+        t0 = time.perf_counter()
+        self._timing_stack.append(0.0)
+        try:
+            yield
+        finally:
+            took = time.perf_counter() - t0
+            inner = self._timing_stack.pop()
+            self.timings[phase] = self.timings.get(phase, 0.0) + took - inner
+            if self._timing_stack:
+                self._timing_stack[-1] += took
 
     def _dynamo_backend(self, backend: str):
         def compile_graph(gm: fx.GraphModule, example_inputs):
@@ -137,7 +160,8 @@ class TreeEngine:
                     return [torch.empty(0) for _ in _graph_outputs(compiled.context.gm)]
 
                 return run
-            fn = backends.compile_graph(backend, compiled.context.gm, example_inputs)
+            with self.timed("compile"):
+                fn = backends.compile_graph(backend, compiled.context.gm, example_inputs)
             compiled.fn = fn
 
             def run(*args):
@@ -305,8 +329,10 @@ class TreeEngine:
         def compile_graph(gm: fx.GraphModule, example_inputs):
             compiled = self._capture(gm, example_inputs, backend)
             ctx = compiled.context
-            holder["graph"] = regional.build(ctx.gm, example_inputs, backend=backend,
-                                             model=model, call_args=args, token_args=dynamic)
+            with self.timed("compile"):
+                holder["graph"] = regional.build(ctx.gm, example_inputs, backend=backend,
+                                                 model=model, call_args=args,
+                                                 token_args=dynamic)
             log.info("compiled a regional tree graph (%s backend, %d so far)", backend,
                      self.num_compilations)
 

@@ -164,6 +164,13 @@ class TreeModel(torch.nn.Module):
         return self.engine.num_compilations
 
     @property
+    def timings(self) -> dict[str, float]:
+        """Seconds spent so far in treefx's passes (``passes``), the backend's compilation
+        (``compile``: AOTAutograd, Inductor, Triton) and the first-call check (``check``); the
+        rest of a first call is Dynamo's trace and the run."""
+        return dict(self.engine.timings)
+
+    @property
     def contexts(self) -> list[GraphContext]:
         return self.engine.contexts
 
@@ -176,7 +183,8 @@ class TreeModel(torch.nn.Module):
             self._note_token_ids(batch)
         if self.verify_on_first_call:
             self.verify_on_first_call = False
-            self._verify_first_call(batch)
+            with self.engine.timed("check"):
+                self._verify_first_call(batch)
         logits, token_logprobs = self.engine(batch.device, self.model, batch.input_ids,
                                              tree_info(batch), dynamic=(1, 2),
                                              discover_in=self.model, root=self._root[0])

@@ -75,6 +75,12 @@ class TreeStep:
         return self.engine.num_compilations
 
     @property
+    def timings(self) -> dict[str, float]:
+        """Seconds spent so far in treefx's passes and the backend's compilation
+        (:attr:`treefx.TreeModel.timings`)."""
+        return dict(self.engine.timings)
+
+    @property
     def contexts(self):
         return self.engine.contexts
 

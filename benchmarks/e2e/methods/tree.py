@@ -4,7 +4,8 @@
 sites; treefx interleaves the KV heads in training); ``treefx_nologits``: ``logits=False``
 (the output projection fused with the log-softmax, the [tokens, vocab] logits never built);
 ``treefx_regional`` / ``treefx_whole``: ``regional=True`` / ``False`` (one compiled piece per
-layer type, or the whole graph compiled at once)."""
+layer type, or the whole graph compiled at once); ``treefx_regional_nologits``: both
+``regional=True`` and ``logits=False`` (deep models, whose whole graph compiles slowly)."""
 
 from __future__ import annotations
 
@@ -36,11 +37,18 @@ def make_whole(env, model, parts, args=None):
     return make(env, model, parts, key="treefx_whole_model", regional=False)
 
 
+def make_regional_nologits(env, model, parts, args=None):
+    return make(env, model, parts, key="treefx_regional_nologits_model", regional=True,
+                logits=False)
+
+
 # Each variant's method name -> (maker, the parts entry holding its compiled model)
 VARIANTS = {"treefx_standard": (make_standard, "treefx_standard_model"),
             "treefx_nologits": (make_nologits, "treefx_nologits_model"),
             "treefx_regional": (make_regional, "treefx_regional_model"),
-            "treefx_whole": (make_whole, "treefx_whole_model")}
+            "treefx_whole": (make_whole, "treefx_whole_model"),
+            "treefx_regional_nologits": (make_regional_nologits,
+                                         "treefx_regional_nologits_model")}
 
 
 def tree_step(env, model, tm, trees):
