@@ -13,6 +13,11 @@
 #   d: the scaling runs again after assign's largest_first order and plan_even (see the case)
 #   c: benchmarks.distributed_check on two GPUs: the FSDP2 hybrid exactness case, the DDP one,
 #      and the speed cases
+#   e: c on GPUs 0-1 (no fla: the float32 exactness cases compare with HF's torch kernel); on
+#      GPU 2 fla_check's float32 op level with TF32 products (TRITON_F32_DEFAULT=tf32: with
+#      ieee no case finished in 540 s); on GPU 3 fla_check's model level in bf16 against the float32 oracle (fla from
+#      .whl/fla, installed for these two jobs alone)
+#   f: the full-depth Qwen3-8B on four GPUs again, after largest_first and plan_even
 set -u
 stage=$1
 export PYTHONUNBUFFERED=1
@@ -68,6 +73,29 @@ d)  # scaling again with assign(order="largest_first") and plan_even (treefx.bac
   wait
   mg l8_x4 0,1,2,3 4 29503 260 $SCALE --time-limit 200
   tar czf $RES/x4d.tgz -C $OUT .
+  ;;
+e)
+  RES=$OUT; OUT=/tmp/e; mkdir -p $OUT
+  python3 -m pip uninstall -q -y fla-core flash-linear-attention 2>/dev/null  # an earlier stage's
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/fla \
+    .whl/fla/*.whl
+  (CUDA_VISIBLE_DEVICES=0,1 timeout 570 torchrun --nproc_per_node=2 --master_port=29505 \
+     -m benchmarks.distributed_check --time-limit 470 --out $OUT/distributed_check.json \
+     > $OUT/dc.log 2>&1
+   echo "distributed_check rc=$?"; grep -E "verdict|PASS|FAIL|step|bound" $OUT/dc.log | tail -n 20) &
+  (CUDA_VISIBLE_DEVICES=2 PYTHONPATH=/tmp/fla TRITON_F32_DEFAULT=tf32 timeout 570 \
+     python3 -m benchmarks.fla_check --cases op --op-dtypes float32 \
+     --out $OUT/fla_op_f32_tf32.json > $OUT/fla_op_f32_tf32.log 2>&1
+   echo "fla op float32 (tf32) rc=$?"; grep -E "^\[|total" $OUT/fla_op_f32_tf32.log | cut -c1-300) &
+  (CUDA_VISIBLE_DEVICES=3 PYTHONPATH=/tmp/fla timeout 570 python3 -m benchmarks.fla_check \
+     --cases model --model-dtypes bfloat16 --out $OUT/fla_model.json > $OUT/fla_model.log 2>&1
+   echo "fla model rc=$?"; grep -E "^\[|total" $OUT/fla_model.log | cut -c1-400) &
+  wait
+  tar czf $RES/x4e.tgz -C $OUT .
+  ;;
+f)
+  mg 8b_x4 0,1,2,3 4 29502 540 $DATA --shape qwen3-8b \
+    --budget 32768 --steps 2 --grad-sync every --time-limit 460
   ;;
 c)
   CUDA_VISIBLE_DEVICES=0,1 timeout 560 torchrun --nproc_per_node=2 \
