@@ -18,6 +18,8 @@
 #      ieee no case finished in 540 s); on GPU 3 fla_check's model level in bf16 against the float32 oracle (fla from
 #      .whl/fla, installed for these two jobs alone)
 #   f: the full-depth Qwen3-8B on four GPUs again, after largest_first and plan_even
+#   g: f with one timed step, then distributed_check's hybrid speed case on GPUs 0-1 (after
+#      the fix for a second model's capture in one process)
 set -u
 stage=$1
 export PYTHONUNBUFFERED=1
@@ -96,6 +98,17 @@ e)
 f)
   mg 8b_x4 0,1,2,3 4 29502 540 $DATA --shape qwen3-8b \
     --budget 32768 --steps 2 --grad-sync every --time-limit 460
+  ;;
+g)
+  RES=$OUT; OUT=/tmp/g; mkdir -p $OUT
+  mg 8b_x4 0,1,2,3 4 29502 320 $DATA --shape qwen3-8b \
+    --budget 32768 --steps 1 --grad-sync every --time-limit 240
+  CUDA_VISIBLE_DEVICES=0,1 timeout 170 torchrun --nproc_per_node=2 --master_port=29506 \
+    -m benchmarks.distributed_check --cases fsdp-hybrid-speed --time-limit 150 \
+    --out $OUT/distributed_check_hybrid_speed.json > $OUT/dc_hybrid_speed.log 2>&1
+  echo "distributed_check hybrid speed rc=$?"
+  grep -E "treefx:|packing:|share|verdict" $OUT/dc_hybrid_speed.log | cut -c1-300
+  tar czf $RES/x4g.tgz -C $OUT .
   ;;
 c)
   CUDA_VISIBLE_DEVICES=0,1 timeout 560 torchrun --nproc_per_node=2 \

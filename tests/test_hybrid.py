@@ -575,3 +575,47 @@ def test_traced_recurrence_has_the_kernels_output_dtype(model_type):
         val = example(n)
         val = val[0] if isinstance(val, tuple) else val
         assert val.dtype == torch.float32, n.name
+
+
+def test_two_fsdp2_hybrids_of_other_widths_in_one_process(tmp_path):
+    """Two Qwen3-Next models of different widths, each sharded by FSDP2 (a group of one
+    process, gloo), compiled one after the other. FSDP2's parameters enter the graph as plain
+    inputs, and Dynamo's automatic dynamic shapes remember sizes by function name: when every
+    engine's captured function had the same name, the second model was traced with its widths
+    symbolic and its causal conv1d refused (found on two H100s, distributed_check's hybrid
+    speed case after its exactness case). Both train exactly, with static widths."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)
+    try:
+        for heads in (2, 4):
+            cfg = _gdn_config("qwen3_next")
+            cfg.linear_num_key_heads, cfg.linear_num_value_heads = heads, 2 * heads
+            cfg._attn_implementation = "sdpa"
+            torch.manual_seed(0)
+            model = transformers.AutoModelForCausalLM.from_config(cfg)
+            trees = [SHORT_NODES, odd_tree(32, VOCAB)]
+            model.zero_grad(set_to_none=True)
+            ref_loss = treefx.reference.sequence_loss(model, trees, reduction="mean")
+            ref_loss.backward()
+            ref = {n: p.grad.clone() for n, p in model.named_parameters()}
+            model.zero_grad(set_to_none=True)
+            for layer in model.model.layers:
+                fully_shard(layer)
+            fully_shard(model)
+            tm = treefx.compile(model, backend="eager", verify=False)
+            batch = treefx.pack(trees, reduction="mean")
+            loss = treefx.tree_loss(tm(batch), batch)
+            loss.backward()
+            torch.testing.assert_close(loss, ref_loss, atol=1e-5, rtol=1e-5)
+            for name, p in model.named_parameters():
+                torch.testing.assert_close(p.grad.full_tensor(), ref[name], rtol=1e-4,
+                                           atol=1e-6)
+            convs = [n for ctx in tm.contexts for n in ctx.gm.graph.nodes
+                     if n.op == "call_function" and "conv1d" in str(n.target)]
+            assert convs and all(isinstance(n.kwargs.get("groups", n.args[6] if len(n.args)
+                                                         > 6 else 1), int) for n in convs)
+    finally:
+        dist.destroy_process_group()

@@ -12,6 +12,7 @@ share this engine.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import time
 import types
@@ -38,13 +39,22 @@ __all__ = ["TreeEngine", "check_batch", "fresh_function", "tree_info", "unwrap_c
 log = logging.getLogger("treefx")
 
 
+_FRESH = itertools.count()
+
+
 def fresh_function(fn, tag: int):
-    """A copy of ``fn`` (with its closure) under a code object of its own, named after ``tag``.
+    """A copy of ``fn`` (with its closure) under a code object of its own, named after ``tag``
+    and a number no other copy in this process has.
 
     Its own code object gives it its own Dynamo cache, so many compiled models never share or
     exhaust one function's recompile limit (which would fall back to the untransformed model).
+    Its own name keeps Dynamo's automatic dynamic shapes, which remember sizes by file, line
+    and name, from carrying over from another model's capture: a second model of other widths
+    (under FSDP2, whose parameters enter the graph as plain inputs) would otherwise be traced
+    with its widths symbolic.
     """
-    code = fn.__code__.replace(co_name=f"treefx_{fn.__name__.strip('_')}_{tag}")
+    code = fn.__code__.replace(
+        co_name=f"treefx_{fn.__name__.strip('_')}_{tag}_{next(_FRESH)}")
     return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__,
                               fn.__closure__)
 

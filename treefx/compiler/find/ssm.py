@@ -43,12 +43,16 @@ def _causal_conv_site(ctx: GraphContext, conv: fx.Node):
     groups = arg(conv, 6, "groups", 1)
     wv, xv = example(w), example(x)
     k = wv.shape[-1]
-    norm = lambda v: v[0] if isinstance(v, (list, tuple)) else v  # noqa: E731
-    if norm(stride) != 1 or norm(dilation) != 1:
+
+    def norm(v):  # a size as traced: an int, or a SymInt where the widths are symbolic
+        v = v[0] if isinstance(v, (list, tuple)) else v
+        return example(v) if isinstance(v, fx.Node) else v
+
+    if not same_size(norm(stride), 1) or not same_size(norm(dilation), 1):
         raise _fail(conv, f"a conv1d with stride {stride} and dilation {dilation}")
-    if groups != xv.shape[1] or wv.shape[1] != 1:
+    if not same_size(norm(groups), xv.shape[1]) or not same_size(wv.shape[1], 1):
         raise _fail(conv, "a conv1d that is not depthwise (groups != channels)")
-    if norm(padding) != k - 1:
+    if not same_size(norm(padding), k - 1):
         raise _fail(conv, f"a conv1d with padding {padding}, not the causal K-1 = {k - 1}")
     users = list(conv.users)
     if len(users) == 1 and is_call(users[0], operator.getitem):
