@@ -53,7 +53,8 @@ class Plan:
     ``backend``: as the user asked ("auto", "eager", "inductor", ...; resolved per device by
     the engine). ``block_size``, ``kernel_options``, ``interleave_heads``: FlexAttention's.
     ``regional``: one compiled graph per repeated block (True), the whole graph (False), or as
-    the model's wrapping says (None). ``mode``: "tree" (a compiled model on a whole batch),
+    the model's wrapping and the backend say (None: regional under FSDP2 or DDP, and for a
+    compiled model through Inductor). ``mode``: "tree" (a compiled model on a whole batch),
     "step" (a ``@treefx.step`` function), "part" / "part-step" (a part of a tree, run by
     :func:`treefx.backward`). For parts: ``grad_params``, the parameters whose ``.grad`` the
     part's graph is given (in the order of its ``grads`` input) and may add its gradients into

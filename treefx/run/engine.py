@@ -41,6 +41,10 @@ log = logging.getLogger("treefx")
 
 _FRESH = itertools.count()
 
+# The backends on which a compiled model (treefx.compile, regional=None) runs regionally
+# without FSDP2 or DDP: where each layer type compiled once saves compile time (Inductor).
+REGIONAL_BY_DEFAULT = ("inductor",)
+
 
 def fresh_function(fn, tag: int):
     """A copy of ``fn`` (with its closure) under a code object of its own, named after ``tag``
@@ -82,6 +86,7 @@ class TreeEngine:
             kernel_options=MappingProxyType(kernel_options),
             interleave_heads=check_interleave_heads(plan.interleave_heads, kernel_options))
         self._regional: dict[tuple, list] = {}  # guard key -> captured regional graphs
+        self._regional_off: set[int] = set()  # models whose default regional capture failed
         self.compiled: list[Compiled] = []
         self._runs = 0
         # seconds spent so far, by phase: "passes" (treefx's rewrite of each capture), "compile"
@@ -198,8 +203,18 @@ class TreeEngine:
             return self._call(backend, args, dynamic, discover_in, root)
 
     def _call(self, backend, args, dynamic, discover_in, root):
-        if discover_in is not None and self.uses_regions(discover_in, root):
-            return self._call_regional(backend, args, dynamic, discover_in, root)
+        if discover_in is not None and self.uses_regions(discover_in, root, backend):
+            if not self._by_default(discover_in, root):
+                return self._call_regional(backend, args, dynamic, discover_in, root)
+            try:
+                return self._call_regional(backend, args, dynamic, discover_in, root)
+            except TreeCompileError as e:
+                if not str(e).startswith("regional execution"):
+                    raise
+                # chosen by default, not asked for: the whole graph instead, said once
+                self._regional_off.add(id(discover_in))
+                log.warning("treefx: running the whole graph, not layer by layer: %s",
+                            str(e).splitlines()[0])
         if backend not in self._callables:
             self._callables[backend] = torch.compile(
                 self.make_traced(len(self._callables)), backend=self._dynamo_backend(backend),
@@ -218,16 +233,29 @@ class TreeEngine:
             )
         return out
 
-    def uses_regions(self, model: torch.nn.Module, root=None) -> bool:
+    def uses_regions(self, model: torch.nn.Module, root=None, backend: str | None = None
+                     ) -> bool:
         """Whether calls run regionally: ``regional=True``, or (``None``) a model sharded with
-        FSDP2 or wrapped in DDP. ``regional=False`` with either is an error."""
+        FSDP2 or wrapped in DDP, or a compiled model (``treefx.compile``) through Inductor whose
+        decoder layers regional execution finds (each layer type compiled once: the same
+        step time, a first step that does not grow with depth). ``regional=False`` with FSDP2
+        or DDP is an error."""
         kind = regional.distributed_kind(model, root if root is not model else None)
         if self.plan.regional is False and kind is not None:
             raise TreeCompileError(
                 f"regional=False, but the model is wrapped for {kind.upper()}, whose hooks run "
                 "around each module call: treefx runs such a model regionally (leave "
                 "regional=None)")
-        return bool(self.plan.regional) or kind is not None
+        if self.plan.regional is not None or kind is not None:
+            return bool(self.plan.regional) or kind is not None
+        return (backend in REGIONAL_BY_DEFAULT and self.plan.mode == "tree"
+                and id(model) not in self._regional_off and _has_layers(model))
+
+    def _by_default(self, model, root) -> bool:
+        """Regional execution chosen by ``regional=None`` for a model FSDP2 and DDP leave
+        alone (a regional capture that fails then falls back to the whole graph)."""
+        return self.plan.regional is None and regional.distributed_kind(
+            model, root if root is not model else None) is None
 
     @contextlib.contextmanager
     def _errors(self, args, dynamic):
@@ -277,7 +305,7 @@ class TreeEngine:
         """Whether a call with ``args`` would capture a regional graph first (a capture of an
         FSDP2 model gathers every unit: a collective the other ranks must match, see
         :func:`treefx.backward`). False for a call that does not run regionally."""
-        if not self.uses_regions(discover_in, root):
+        if not self.uses_regions(discover_in, root, self.resolve_backend(device)):
             return False
         if self.plan.find_layout:
             return True
@@ -498,3 +526,9 @@ def _graph_break_error(fn, args, err) -> GraphBreakError:
     return GraphBreakError(
         f"the model cannot be captured as one graph; treefx needs the whole forward to rewrite "
         f"it. Graph breaks:\n{listing}", breaks=reasons)
+
+
+def _has_layers(model: torch.nn.Module) -> bool:
+    """Whether regional execution finds two decoder layers or more in ``model``."""
+    return len(regional.find_blocks(model)) >= 2
+

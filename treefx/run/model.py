@@ -330,8 +330,12 @@ def compile(model: torch.nn.Module, *, backend: str = "auto", block_size: int = 
     is compiled once (compile time does not grow with depth), and each layer runs through its
     module's own call, where FSDP2 gathers and frees its parameters and DDP reduces its
     gradients. ``None`` (default): for a model sharded with ``fully_shard`` or wrapped in
-    ``DistributedDataParallel`` (pass the wrapper; ``.model`` is its inner module);
-    ``True``: always; ``False``: never (an error for such a model).
+    ``DistributedDataParallel`` (pass the wrapper; ``.model`` is its inner module), and
+    through Inductor (the GPU) for a model with two decoder layers or more (the same step
+    time as the whole graph, a first step that does not grow with depth; where regional
+    execution refuses the model, e.g. hooks on a layer, the whole graph runs instead, with a
+    warning); ``True``: always; ``False``: never, the whole graph compiled at once (an error
+    for a model under FSDP2 or DDP).
     """
     return TreeModel(model, backend, block_size=block_size, pass_position_ids=pass_position_ids,
                      kernel_options=kernel_options, interleave_heads=interleave_heads,
