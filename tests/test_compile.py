@@ -264,18 +264,21 @@ def test_inductor_graphs_get_treefx_config_patches(monkeypatch):
 
     monkeypatch.setattr(cfx, "compile_fx", fake_compile_fx)
     monkeypatch.setenv("TREEFX_INDUCTOR_ON_CPU", "1")
-    tm = treefx.compile(tiny_decoder(vocab_size=VOCAB), backend="inductor")
-    with torch.no_grad():
-        tm(treefx.pack(odd_tree(3, VOCAB)))
     from torch._inductor import config
 
-    assert len(seen) == 1
     want = {}
     if hasattr(config.triton, "mix_order_reduction_non_strict_mode"):
         want["triton.mix_order_reduction_non_strict_mode"] = True
     if hasattr(config, "emulate_precision_casts"):  # low-precision rounding as in eager
         want["emulate_precision_casts"] = True
-    assert seen[0] == want
+    # the whole graph: one compilation; regional (the default): one per piece, each patched
+    for regional, pieces in ((False, 1), (None, 3)):
+        seen.clear()
+        tm = treefx.compile(tiny_decoder(vocab_size=VOCAB), backend="inductor",
+                            regional=regional)
+        with torch.no_grad():
+            tm(treefx.pack(odd_tree(3, VOCAB)))
+        assert len(seen) == pieces and all(s == want for s in seen)
 
 
 def test_block_counts_exact_in_a_compiled_graph_under_autocast():

@@ -14,7 +14,8 @@ import torch
 from .layout import check_num_sequences
 from .tree import Tree
 
-__all__ = ["logits_of", "output_vocab_size", "sequence_logprobs", "sequence_loss", "vocab_size"]
+__all__ = ["logits_of", "logprob_loss", "output_vocab_size", "sequence_logprobs", "sequence_loss",
+           "vocab_size"]
 
 
 def logits_of(output) -> torch.Tensor:
@@ -104,12 +105,22 @@ def sequence_loss(model: torch.nn.Module, tree, *, reduction: str = "sum",
     adds 0), ω_p the tree's sequence weights and P = ``num_sequences``: by default the number of
     sequences given, or a global count as for :func:`treefx.pack` (its batch of the same trees
     and ``num_sequences`` has this loss). Differentiable."""
+    trees = _trees(tree)
+    return logprob_loss(trees, sequence_logprobs(model, trees), reduction=reduction,
+                        num_sequences=num_sequences, device=_device(model))
+
+
+def logprob_loss(tree, logprobs: list[torch.Tensor], *, reduction: str = "sum",
+                 num_sequences: int | None = None, device=None) -> torch.Tensor:
+    """:func:`sequence_loss` from the sequences' log-probabilities (as
+    :func:`sequence_logprobs` returns them, in its order): one forward gives both."""
     if reduction not in ("sum", "mean"):
         raise ValueError(f"reduction must be 'sum' or 'mean', got {reduction!r}")
     trees = _trees(tree)
     normalizer = check_num_sequences(num_sequences, sum(t.num_sequences for t in trees))
-    logps = iter(sequence_logprobs(model, trees))
-    total = torch.zeros((), device=_device(model))
+    logps = iter(logprobs)
+    total = torch.zeros((), device=device if device is not None else
+                        (logprobs[0].device if logprobs else None))
     for t in trees:
         for i in range(t.num_sequences):
             lp = next(logps)

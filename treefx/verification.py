@@ -465,20 +465,11 @@ def verify_compiled(tm, trees=None, *, reduction: str = "mean", grads: bool = Tr
         if tree_run is None:
             g_tree = _grads(lambda: weighted_logprob_loss(tree_lp, batch.loss_weights),
                             chosen, net) if chosen else []
-        with torch.no_grad():
-            ref_lp = oracle_mod.sequence_logprobs(oracle, trees)
-        g_ref = []
-        if chosen:
-            g_ref = _grads(lambda: oracle_mod.sequence_loss(oracle, trees, reduction=reduction),
-                           ref_chosen, oracle)
+        ref_lp, g_ref = _oracle_run(oracle, trees, reduction, ref_chosen)
         # The oracle's own floor: the same computation in other shapes, rounded differently.
         extended = _extended(trees, vocab_size, seed)
-        with _rounding_noise(oracle, seed), torch.no_grad():
-            ext_lp = oracle_mod.sequence_logprobs(oracle, extended)
         with _rounding_noise(oracle, seed):
-            g_ext = _grads(lambda: oracle_mod.sequence_loss(oracle, extended,
-                                                            reduction=reduction),
-                           ref_chosen, oracle) if chosen else []
+            ext_lp, g_ext = _oracle_run(oracle, extended, reduction, ref_chosen)
     lp = tree_lp.detach()
     worst, worst_at = 0.0, None
     for i, ref in enumerate(ref_lp):
@@ -508,6 +499,25 @@ def verify_compiled(tm, trees=None, *, reduction: str = "mean", grads: bool = Tr
             "model runs along the tokens in a way treefx did not rewrite. Please report it "
             "with `treefx explain` output.", report)
     return report
+
+
+def _oracle_run(oracle, trees, reduction, chosen):
+    """The per-sequence log-probabilities and, for ``chosen`` parameters, the gradients of the
+    per-sequence loss, from one forward per sequence (the loss is made from the
+    log-probabilities): ``(logprobs, gradients)``."""
+    if not chosen:
+        with torch.no_grad():
+            return oracle_mod.sequence_logprobs(oracle, trees), []
+    kept = []
+
+    def loss():
+        lps = oracle_mod.sequence_logprobs(oracle, trees)
+        kept[:] = [lp.detach() for lp in lps]
+        return oracle_mod.logprob_loss(trees, lps, reduction=reduction,
+                                       device=next(oracle.parameters()).device)
+
+    grads = _grads(loss, chosen, oracle)
+    return kept, grads
 
 
 @contextlib.contextmanager
