@@ -30,6 +30,12 @@ cold() {  # cold <name> <gpu> <seconds> <e2e args...>: a fresh process, empty co
     --out $OUT/e2e_$name.json > $OUT/e2e_$name.log 2>&1
   echo "e2e $name rc=$?"; grep -E "^hidden|FAILED|bf16 matmul" $OUT/e2e_$name.log | tail -n 8
 }
+next_e2e() {  # next_e2e <gpu> <seconds>: e2e qwen3_next, treefx on fla beside packing on
+  # fla's variable-length kernels (packed_reset), into $OUT/e2e_next.*
+  CUDA_VISIBLE_DEVICES=$1 timeout $2 python3 -m benchmarks.e2e --arch qwen3_next --layers 4 \
+    --por 0.75 --quick --stream 0 --mask-reps 0 --out $OUT/e2e_next.json > $OUT/e2e_next.log 2>&1
+  echo "e2e qwen3_next rc=$?"; grep -E "^hidden|FAILED|rec|first" $OUT/e2e_next.log | tail -n 8
+}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 case ${1:-a} in
 a)
@@ -121,9 +127,7 @@ if [ "${1:-}" = d ]; then
   (CUDA_VISIBLE_DEVICES=2 timeout 560 python3 -m benchmarks.fla_check --cases model \
      --out $OUT/fla_model.json > $OUT/fla_model.log 2>&1; echo "fla model rc=$?"
    tail -n 25 $OUT/fla_model.log) &
-  (CUDA_VISIBLE_DEVICES=3 timeout 560 python3 -m benchmarks.e2e --arch qwen3_next --layers 4 \
-     --por 0.75 --quick --stream 0 --mask-reps 0 --out $OUT/e2e_next.json > $OUT/e2e_next.log 2>&1
-   echo "e2e qwen3_next rc=$?"; grep -E "^hidden|FAILED|rec|first" $OUT/e2e_next.log | tail -n 8) &
+  next_e2e 3 560 &
   wait
   tar czf $RES/d.tgz -C $OUT .
 fi
@@ -134,9 +138,7 @@ fi
 if [ "${1:-}" = e ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir .whl/fla/*.whl
   RES=$OUT; OUT=/tmp/e; mkdir -p $OUT
-  (CUDA_VISIBLE_DEVICES=0 timeout 520 python3 -m benchmarks.e2e --arch qwen3_next --layers 4 \
-     --por 0.75 --quick --stream 0 --mask-reps 0 --out $OUT/e2e_next.json > $OUT/e2e_next.log 2>&1
-   echo "e2e qwen3_next rc=$?"; grep -E "^hidden|FAILED|rec|first" $OUT/e2e_next.log | tail -n 8) &
+  next_e2e 0 520 &
   for j in "1 op float32" "2 op bfloat16" "3 model"; do
     set -- $j ""  # "" : the third word for the model level (set -u)
     (CUDA_VISIBLE_DEVICES=$1 timeout 520 python3 -m benchmarks.fla_check --cases $2 \
@@ -155,9 +157,7 @@ fi
 if [ "${1:-}" = f ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir .whl/fla/*.whl
   RES=$OUT; OUT=/tmp/f; mkdir -p $OUT
-  (CUDA_VISIBLE_DEVICES=0 timeout 540 python3 -m benchmarks.e2e --arch qwen3_next --layers 4 \
-     --por 0.75 --quick --stream 0 --mask-reps 0 --out $OUT/e2e_next.json > $OUT/e2e_next.log 2>&1
-   echo "e2e qwen3_next rc=$?"; grep -E "^hidden|FAILED|rec|first" $OUT/e2e_next.log | tail -n 8) &
+  next_e2e 0 540 &
   for j in "1 qwen3_next" "2 qwen3_5"; do
     set -- $j
     (CUDA_VISIBLE_DEVICES=$1 timeout 540 python3 -m benchmarks.fla_check --cases op \
