@@ -210,7 +210,7 @@ def test_regional_is_the_default_through_inductor(monkeypatch, caplog):
     """``regional=None``: a compiled model runs layer by layer on Inductor (the GPU), the whole
     graph on the eager backend; a step function and parts keep the whole graph. A default
     regional capture that regional execution refuses (hooks on a layer) falls back to the whole
-    graph, with a warning. On the CPU the Inductor case is stood in for by aot-eager."""
+    graph, with a warning. On the CPU the eager backend stands in for Inductor."""
     from treefx.run import engine as engine_mod
 
     model = hf_model("qwen3", "sdpa")
@@ -221,16 +221,17 @@ def test_regional_is_the_default_through_inductor(monkeypatch, caplog):
     step = treefx.step(lambda m, b: m(**b).loss)
     assert not step.engine.uses_regions(model, None, "inductor")
 
-    monkeypatch.setattr(engine_mod, "REGIONAL_BY_DEFAULT", ("aot-eager",))
-    tm = treefx.compile(model, backend="aot-eager", verify=False)
-    check_against_oracle(tm, odd_forest(3, VOCAB))
+    monkeypatch.setattr(engine_mod, "REGIONAL_BY_DEFAULT", ("eager",))
+    trees = odd_forest(3, VOCAB)
+    tm = treefx.compile(model, backend="eager", verify=False)
+    assert treefx.verify(tm, trees, params="all").passed
     assert _graphs(tm)
 
     hooked = hf_model("qwen3", "sdpa")
     hooked.model.layers[0].register_forward_hook(lambda m, a, o: None)
-    tm = treefx.compile(hooked, backend="aot-eager", verify=False)
+    tm = treefx.compile(hooked, backend="eager", verify=False)
     with caplog.at_level("WARNING", logger="treefx"):
-        check_against_oracle(tm, odd_forest(3, VOCAB))
+        assert treefx.verify(tm, trees, params="all").passed
     assert not _graphs(tm)
     assert "whole graph, not layer by layer" in caplog.text and "forward hooks" in caplog.text
 

@@ -112,8 +112,10 @@ def sequence_loss(model: torch.nn.Module, tree, *, reduction: str = "sum",
 
 def logprob_loss(tree, logprobs: list[torch.Tensor], *, reduction: str = "sum",
                  num_sequences: int | None = None, device=None) -> torch.Tensor:
-    """:func:`sequence_loss` from the sequences' log-probabilities (as
-    :func:`sequence_logprobs` returns them, in its order): one forward gives both."""
+    """The per-sequence loss made from the sequences' log-probabilities.
+
+    The loss of :func:`sequence_loss`, from ``logprobs`` as :func:`sequence_logprobs` returns
+    them (in its order): one forward gives both."""
     if reduction not in ("sum", "mean"):
         raise ValueError(f"reduction must be 'sum' or 'mean', got {reduction!r}")
     trees = _trees(tree)
