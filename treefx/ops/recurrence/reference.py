@@ -306,7 +306,9 @@ def _wanted_states(fin, want) -> list:
     if all(want):
         return list(fin.unbind(0))
     rows = [j for j, w in enumerate(want) if w]
-    kept = fin[torch.tensor(rows, device=fin.device)]
+    # views stacked, not an index tensor made on the host: copying one to the GPU waits for
+    # the GPU to finish its queue (a stall per level and layer on a hybrid's step)
+    kept = torch.stack([fin[j] for j in rows])
     out = [None] * len(want)
     for r, j in enumerate(rows):
         out[j] = kept[r]
