@@ -30,11 +30,15 @@ cold() {  # cold <name> <gpu> <seconds> <e2e args...>: a fresh process, empty co
     --out $OUT/e2e_$name.json > $OUT/e2e_$name.log 2>&1
   echo "e2e $name rc=$?"; grep -E "^hidden|FAILED|bf16 matmul" $OUT/e2e_$name.log | tail -n 8
 }
-next_e2e() {  # next_e2e <gpu> <seconds>: e2e qwen3_next, treefx on fla beside packing on
-  # fla's variable-length kernels (packed_reset), into $OUT/e2e_next.*
-  CUDA_VISIBLE_DEVICES=$1 timeout $2 python3 -m benchmarks.e2e --arch qwen3_next --layers 4 \
-    --por 0.75 --quick --stream 0 --mask-reps 0 --out $OUT/e2e_next.json > $OUT/e2e_next.log 2>&1
-  echo "e2e qwen3_next rc=$?"; grep -E "^hidden|FAILED|rec|first" $OUT/e2e_next.log | tail -n 8
+next_e2e() {  # next_e2e <gpu> <seconds> [name [args...]]: e2e qwen3_next at its own shape
+  # (hidden 2048, vocab 32k), treefx on fla beside packing on fla's variable-length kernels
+  # (packed_reset) unless args say otherwise, into $OUT/e2e_<name>.* (default name: next)
+  local gpu=$1 limit=$2 name=${3:-next}; shift 3 2>/dev/null || shift $#
+  CUDA_VISIBLE_DEVICES=$gpu timeout $limit python3 -m benchmarks.e2e --arch qwen3_next \
+    --layers 4 --por 0.75 --quick --stream 0 --mask-reps 0 "$@" --out $OUT/e2e_$name.json \
+    > $OUT/e2e_$name.log 2>&1
+  echo "e2e qwen3_next $name rc=$?"
+  grep -E "^hidden|FAILED|rec|first|GPU idle" $OUT/e2e_$name.log | tail -n 8
 }
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 case ${1:-a} in
@@ -171,4 +175,27 @@ if [ "${1:-}" = f ]; then
      --methods treefx_regional,treefx_regional_nologits --warmup 1 --reps 3) &
   wait
   tar czf $RES/f.tgz -C $OUT .
+fi
+# Stage g (`... g`, carry .whl/fla; results in $OUT/g.tgz): after regional became the default
+# on Inductor, the check's oracle went to one forward per sequence, and the per-level stall in
+# the final states was removed
+#   GPU 0: e2e qwen3_next (treefx on fla beside packing on fla)
+#   GPU 1: first steps with empty caches, the default treefx.compile (regional, check on): 4
+#     layers, then 36 layers (a quarter of the tree)
+#   GPU 2: fla_check's model level, bf16 against the float32 oracle
+#   GPU 3: e2e qwen3_next, treefx alone, check off, --profile (the GPU's idle gaps; at the
+#     arch's own vocab of 32k: stage c's profile ran at $SHAPE's 151,936)
+if [ "${1:-}" = g ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir .whl/fla/*.whl
+  RES=$OUT; OUT=/tmp/g; mkdir -p $OUT
+  next_e2e 0 560 &
+  (cold first_default 1 200 --layers 4 --methods treefx --warmup 1 --reps 3
+   cold l36_default 1 330 --layers 36 --scale 0.25 --methods treefx,treefx_nologits \
+     --warmup 1 --reps 3) &
+  (CUDA_VISIBLE_DEVICES=2 timeout 560 python3 -m benchmarks.fla_check --cases model \
+     --model-dtypes bfloat16 --out $OUT/fla_model.json > $OUT/fla_model.log 2>&1
+   echo "fla model rc=$?"; grep -E "^\[|total" $OUT/fla_model.log | cut -c1-400) &
+  TREEFX_VERIFY=0 next_e2e 3 560 next_profile --methods treefx --profile &
+  wait
+  tar czf $RES/g.tgz -C $OUT .
 fi

@@ -20,6 +20,7 @@
 #   f: the full-depth Qwen3-8B on four GPUs again, after largest_first and plan_even
 #   g: f with one timed step, then distributed_check's hybrid speed case on GPUs 0-1 (after
 #      the fix for a second model's capture in one process)
+#   h: f with a time limit that leaves packing a timed step (g's 240 s did not)
 set -u
 stage=$1
 export PYTHONUNBUFFERED=1
@@ -109,6 +110,10 @@ g)
   echo "distributed_check hybrid speed rc=$?"
   grep -E "treefx:|packing:|share|verdict" $OUT/dc_hybrid_speed.log | cut -c1-300
   tar czf $RES/x4g.tgz -C $OUT .
+  ;;
+h)
+  mg 8b_x4 0,1,2,3 4 29502 560 $DATA --shape qwen3-8b \
+    --budget 32768 --steps 1 --grad-sync every --time-limit 420
   ;;
 c)
   CUDA_VISIBLE_DEVICES=0,1 timeout 560 torchrun --nproc_per_node=2 \

@@ -87,6 +87,7 @@ class TreeEngine:
             interleave_heads=check_interleave_heads(plan.interleave_heads, kernel_options))
         self._regional: dict[tuple, list] = {}  # guard key -> captured regional graphs
         self._regional_off: set[int] = set()  # models whose default regional capture failed
+        self._layered: dict[int, bool] = {}  # model -> two decoder layers or more
         self.compiled: list[Compiled] = []
         self._runs = 0
         # seconds spent so far, by phase: "passes" (treefx's rewrite of each capture), "compile"
@@ -248,8 +249,12 @@ class TreeEngine:
                 "regional=None)")
         if self.plan.regional is not None or kind is not None:
             return bool(self.plan.regional) or kind is not None
-        return (backend in REGIONAL_BY_DEFAULT and self.plan.mode == "tree"
-                and id(model) not in self._regional_off and _has_layers(model))
+        if backend not in REGIONAL_BY_DEFAULT or self.plan.mode != "tree" or \
+                id(model) in self._regional_off:
+            return False
+        if id(model) not in self._layered:  # read once: a walk over every module
+            self._layered[id(model)] = len(regional.find_blocks(model)) >= 2
+        return self._layered[id(model)]
 
     def _by_default(self, model, root) -> bool:
         """Regional execution chosen by ``regional=None`` for a model FSDP2 and DDP leave
@@ -526,9 +531,3 @@ def _graph_break_error(fn, args, err) -> GraphBreakError:
     return GraphBreakError(
         f"the model cannot be captured as one graph; treefx needs the whole forward to rewrite "
         f"it. Graph breaks:\n{listing}", breaks=reasons)
-
-
-def _has_layers(model: torch.nn.Module) -> bool:
-    """Whether regional execution finds two decoder layers or more in ``model``."""
-    return len(regional.find_blocks(model)) >= 2
-
