@@ -40,6 +40,15 @@ next_e2e() {  # next_e2e <gpu> <seconds> [name [args...]]: e2e qwen3_next at its
   echo "e2e qwen3_next $name rc=$?"
   grep -E "^hidden|FAILED|rec|first|GPU idle" $OUT/e2e_$name.log | tail -n 8
 }
+install_fla() {  # fla 0.4.2 from .whl/fla (carried)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir .whl/fla/*.whl
+}
+with_fla() {  # with_fla <stage>: fla installed, results gathered in /tmp/<stage> (the device
+  # tool returns at most 8 files: `results <stage>` packs them into $OUT/<stage>.tgz)
+  install_fla
+  RES=$OUT; OUT=/tmp/$1; mkdir -p $OUT
+}
+results() { tar czf $RES/$1.tgz -C $OUT .; }
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 case ${1:-a} in
 a)
@@ -63,7 +72,7 @@ fi
 wait
   ;;
 b)
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir .whl/fla/*.whl
+  install_fla
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/grpo \
     .whl/grpo/*.whl
   (CUDA_VISIBLE_DEVICES=0 timeout 330 python3 -m benchmarks.fla_check --out $OUT/fla_check.json \
@@ -93,7 +102,7 @@ esac
 #   GPU 2: e2e qwen3_next, treefx alone, check off, --profile (GPU time by kernel kind)
 #   GPU 3: 36 layers regional with the check off (what compiling costs at depth)
 if [ "${1:-}" = c ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir .whl/fla/*.whl
+  install_fla
   (TORCH_LOGS=recompiles,graph_breaks cold diag_recompile 0 300 --layers 2 --log \
      --methods treefx --warmup 1 --reps 2
    grep -iE "recompil|guard|triggered|compiled a|verif|probe|first-call" $OUT/e2e_diag_recompile.log \
@@ -116,8 +125,7 @@ fi
 #   GPU 1: benchmarks.fla_check --cases op;  GPU 2: --cases model
 #   GPU 3: e2e qwen3_next (treefx on fla beside packing on fla's varlen kernels), cu_seqlens_cpu
 if [ "${1:-}" = d ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir .whl/fla/*.whl
-  RES=$OUT; OUT=/tmp/d; mkdir -p $OUT
+  with_fla d
   (TORCH_LOGS=recompiles cold first_default 0 200 --layers 4 --methods treefx --warmup 1 \
      --reps 3 --log
    grep -ciE "recompiling function" $OUT/e2e_first_default.log | sed 's/^/recompilations: /'
@@ -133,15 +141,14 @@ if [ "${1:-}" = d ]; then
    tail -n 25 $OUT/fla_model.log) &
   next_e2e 3 560 &
   wait
-  tar czf $RES/d.tgz -C $OUT .
+  results d
 fi
 # Stage e (`... e`, carry .whl/fla; results in $OUT/e.tgz): fla autotunes every kernel per
 # dtype (and per variable-length or not) on first use, minutes each, so fla_check is split
 #   GPU 0: e2e qwen3_next (after the fix that runs a level in calls within CUDA's grid)
 #   GPU 1: fla_check op, float32;  GPU 2: op, bfloat16;  GPU 3: model (float32, bf16)
 if [ "${1:-}" = e ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir .whl/fla/*.whl
-  RES=$OUT; OUT=/tmp/e; mkdir -p $OUT
+  with_fla e
   next_e2e 0 520 &
   for j in "1 op float32" "2 op bfloat16" "3 model"; do
     set -- $j ""  # "" : the third word for the model level (set -u)
@@ -150,7 +157,7 @@ if [ "${1:-}" = e ]; then
      echo "fla $2 $3 rc=$?"; grep -E "^\[|total" $OUT/fla_$2$3.log | cut -c1-300) &
   done
   wait
-  tar czf $RES/e.tgz -C $OUT .
+  results e
 fi
 # Stage f (`... f`, carry .whl/fla; results in $OUT/f.tgz): what stage e left
 #   GPU 0: e2e qwen3_next (treefx on fla, after the grid split and the final-states fix)
@@ -159,8 +166,7 @@ fi
 #     indexing guard); then 36 layers (a quarter of the tree), regional with full logits and
 #     with logits=False, in one fresh process with empty caches (first step broken down)
 if [ "${1:-}" = f ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir .whl/fla/*.whl
-  RES=$OUT; OUT=/tmp/f; mkdir -p $OUT
+  with_fla f
   next_e2e 0 540 &
   for j in "1 qwen3_next" "2 qwen3_5"; do
     set -- $j
@@ -174,7 +180,7 @@ if [ "${1:-}" = f ]; then
    cold l36_logits 3 360 --layers 36 --scale 0.25 \
      --methods treefx_regional,treefx_regional_nologits --warmup 1 --reps 3) &
   wait
-  tar czf $RES/f.tgz -C $OUT .
+  results f
 fi
 # Stage g (`... g`, carry .whl/fla; results in $OUT/g.tgz): after regional became the default
 # on Inductor, the check's oracle went to one forward per sequence, and the per-level stall in
@@ -186,8 +192,7 @@ fi
 #   GPU 3: e2e qwen3_next, treefx alone, check off, --profile (the GPU's idle gaps; at the
 #     arch's own vocab of 32k: stage c's profile ran at $SHAPE's 151,936)
 if [ "${1:-}" = g ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir .whl/fla/*.whl
-  RES=$OUT; OUT=/tmp/g; mkdir -p $OUT
+  with_fla g
   next_e2e 0 560 &
   (cold first_default 1 200 --layers 4 --methods treefx --warmup 1 --reps 3
    cold l36_default 1 330 --layers 36 --scale 0.25 --methods treefx,treefx_nologits \
@@ -197,5 +202,5 @@ if [ "${1:-}" = g ]; then
    echo "fla model rc=$?"; grep -E "^\[|total" $OUT/fla_model.log | cut -c1-400) &
   TREEFX_VERIFY=0 next_e2e 3 560 next_profile --methods treefx --profile &
   wait
-  tar czf $RES/g.tgz -C $OUT .
+  results g
 fi

@@ -205,14 +205,15 @@ class TreeEngine:
 
     def _call(self, backend, args, dynamic, discover_in, root):
         if discover_in is not None and self.uses_regions(discover_in, root, backend):
-            if not self._by_default(discover_in, root):
-                return self._call_regional(backend, args, dynamic, discover_in, root)
             try:
                 return self._call_regional(backend, args, dynamic, discover_in, root)
             except TreeCompileError as e:
-                if not str(e).startswith("regional execution"):
+                # regional execution chosen by default (regional=None, no FSDP2 or DDP), not
+                # asked for: the whole graph instead, said once
+                if self.plan.regional is not None or not str(e).startswith(
+                        "regional execution") or regional.distributed_kind(
+                        discover_in, root if root is not discover_in else None) is not None:
                     raise
-                # chosen by default, not asked for: the whole graph instead, said once
                 self._regional_off.add(id(discover_in))
                 log.warning("treefx: running the whole graph, not layer by layer: %s",
                             str(e).splitlines()[0])
@@ -255,12 +256,6 @@ class TreeEngine:
         if id(model) not in self._layered:  # read once: a walk over every module
             self._layered[id(model)] = len(regional.find_blocks(model)) >= 2
         return self._layered[id(model)]
-
-    def _by_default(self, model, root) -> bool:
-        """Regional execution chosen by ``regional=None`` for a model FSDP2 and DDP leave
-        alone (a regional capture that fails then falls back to the whole graph)."""
-        return self.plan.regional is None and regional.distributed_kind(
-            model, root if root is not model else None) is None
 
     @contextlib.contextmanager
     def _errors(self, args, dynamic):
