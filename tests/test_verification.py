@@ -214,8 +214,24 @@ def test_floor_perturbs_the_embeddings_by_one_rounding():
     rel = ((noisy.float() - plain.float()).abs() / plain.float().abs().clamp_min(1e-30))
     assert 0 < rel.max() <= torch.finfo(torch.bfloat16).eps
     assert torch.equal(emb(ids), plain)
-    report = treefx.verify(m, backend="eager", grads=False)
-    assert report.logprob_floor > 0
+    report = treefx.verify(m, backend="eager", grads=False, floor=True)
+    assert report.floor_measured and report.logprob_floor > 0
+
+
+def test_floor_measured_only_where_the_dtype_tolerance_is_missed():
+    """By default the oracle's floor (one more per-sequence run) is measured only where the
+    comparison misses the dtype's tolerance: a pass within it needs none."""
+    m = model()
+    within = treefx.verify(m, backend="eager")
+    assert within.passed and not within.floor_measured and within.logprob_floor == 0
+    assert set(within.stage_seconds) == {"tree", "oracle"}
+    assert "floor not needed" in str(within)
+    tight = treefx.verify(m, backend="eager", tolerance=Tolerance(0.0, 0.0),
+                          raise_on_failure=False)
+    assert tight.floor_measured and tight.logprob_floor > 0 and "floor" in tight.stage_seconds
+    never = treefx.verify(m, backend="eager", tolerance=Tolerance(0.0, 0.0), floor=False,
+                          raise_on_failure=False)
+    assert not never.floor_measured and not never.passed
 
 
 # ------------------------------------------------------------------ explain and the command line

@@ -71,6 +71,10 @@ def run_hidden(env, args, hidden, trees, res, deadline, first_hidden) -> None:
                     # its probe, so this includes the compilation (TREEFX_VERIFY=0 runs give
                     # the check's own cost by difference)
                     r["first_call_check_s"] = getattr(report, "seconds", None)
+                    # the check's stages: the tree run (Dynamo's trace and the compilation
+                    # included), the oracle, the oracle's floor (only where needed)
+                    r["check_stages_s"] = {k: round(v, 2) for k, v in
+                                           getattr(report, "stage_seconds", {}).items()}
                     # where the first step went: treefx's passes, the backend's compilation,
                     # the check's own runs (the rest: Dynamo's trace and the runs)
                     r["treefx_timings_s"] = {k: round(v, 2) for k, v in obj.timings.items()}
