@@ -23,8 +23,9 @@ set -u
 export PYTHONUNBUFFERED=1
 SHAPE="--hidden 4096 --heads 32 --kv-heads 8 --vocab 151936 --por 0.75 --stream 0 --mask-reps 0"
 cold() {  # cold <name> <gpu> <seconds> <e2e args...>: a fresh process, empty compile caches
+  # (or those in $CACHE when set: a restart with warm caches)
   local name=$1 gpu=$2 limit=$3; shift 3
-  local dir; dir=$(mktemp -d)
+  local dir=${CACHE:-}; [ -n "$dir" ] || dir=$(mktemp -d)
   CUDA_VISIBLE_DEVICES=$gpu TORCHINDUCTOR_CACHE_DIR=$dir/inductor \
     TRITON_CACHE_DIR=$dir/triton timeout $limit python3 -m benchmarks.e2e $SHAPE "$@" \
     --out $OUT/e2e_$name.json > $OUT/e2e_$name.log 2>&1
@@ -203,4 +204,22 @@ if [ "${1:-}" = g ]; then
   TREEFX_VERIFY=0 next_e2e 3 560 next_profile --methods treefx --profile &
   wait
   results g
+fi
+# Stage h (`... h` on a machine with two GPUs, carry .whl/fla; results in $OUT/h.tgz): after
+# the check's floor run became conditional (one oracle run fewer where the check passes) and the
+# check's time split by stage
+#   GPU 0: e2e qwen3_next (treefx on fla beside packing on fla), the check on
+#   GPU 1: first steps, the default treefx.compile (regional, check on): 4 layers with empty
+#     caches, then a restart of the same run (a fresh process, the caches the first left:
+#     what a user restarting a job waits), then 36 layers (a quarter of the tree), empty caches
+if [ "${1:-}" = h ]; then
+  with_fla h
+  next_e2e 0 560 &
+  (c4=$(mktemp -d)
+   CACHE=$c4 cold first_default 1 200 --layers 4 --methods treefx --warmup 1 --reps 3
+   CACHE=$c4 cold first_restart 1 150 --layers 4 --methods treefx --warmup 1 --reps 3
+   cold l36_default 1 300 --layers 36 --scale 0.25 --methods treefx,treefx_nologits \
+     --warmup 1 --reps 3) &
+  wait
+  results h
 fi

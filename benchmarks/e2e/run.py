@@ -79,11 +79,16 @@ def run_hidden(env, args, hidden, trees, res, deadline, first_hidden) -> None:
                     # the check's own runs (the rest: Dynamo's trace and the runs)
                     r["treefx_timings_s"] = {k: round(v, 2) for k, v in obj.timings.items()}
                     r["compile_metrics_s"] = compile_metrics()
+                    r["compile_cache"] = compile_cache_counters()
                 slot[name] = r
                 msg = (f"{r['step_ms']:.1f} ms, first step {r['first_step_s']:.1f} s"
                        + (" (" + ", ".join(f"{k} {v:.1f} s" for k, v in
                                           r["treefx_timings_s"].items()) + ")"
                           if "treefx_timings_s" in r else "")
+                       + ("; check " + ", ".join(f"{k} {v:.1f} s" for k, v in
+                                                r["check_stages_s"].items())
+                          if r.get("check_stages_s") else "")
+                       + (f"; caches {r['compile_cache']}" if r.get("compile_cache") else "")
                        + (f", peak {r['peak_gib']:.1f} GiB" if "peak_gib" in r else "")
                        + (f", recurrence on {r['recurrence_on']}" if "recurrence_on" in r
                           else ""))
@@ -156,6 +161,21 @@ def stream_check(env, args, model, parts) -> dict:
     print(f"stream of {len(trees)} trees ({min(sizes, default=0)}-{max(sizes, default=0)} "
           f"tokens): further compilations "
           f"{out.get('further_compilations', 'FAILED')}", flush=True)
+    return out
+
+
+def compile_cache_counters() -> dict[str, int]:
+    """Hits and misses of torch.compile's on-disk caches, process-wide so far (Inductor's FX
+    graph cache, AOTAutograd's cache): a restart with warm caches should hit."""
+    try:
+        from torch._dynamo.utils import counters
+    except ImportError:
+        return {}
+    out = {}
+    for group in ("inductor", "aot_autograd"):
+        for k, v in counters[group].items():
+            if "cache" in k and ("hit" in k or "miss" in k or "bypass" in k):
+                out[f"{group}.{k}"] = int(v)
     return out
 
 
