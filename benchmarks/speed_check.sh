@@ -223,3 +223,18 @@ if [ "${1:-}" = h ]; then
   wait
   results h
 fi
+# Stage i (`... i` on two GPUs, carry .whl/fla; results in $OUT/i.tgz): stage h's qwen3_next run
+# spent its limit in fla's autotuning (the check's oracle on fla's fixed-length kernels, the
+# tree on its variable-length ones) before packing ran; fla's autotuning choices kept on disk
+# (TRITON_CACHE_AUTOTUNING=1, Triton's own switch)
+#   GPU 0: e2e qwen3_next, packing on fla first (its autotuning is most of what treefx needs),
+#     then treefx on fla, the check off (stage h ran it)
+#   GPU 1: e2e qwen3_next, treefx alone, the check off, --profile (at the arch's vocab of 32k)
+if [ "${1:-}" = i ]; then
+  with_fla i
+  export TRITON_CACHE_AUTOTUNING=1
+  TREEFX_VERIFY=0 next_e2e 0 570 next --methods packed_reset,treefx --budget 550 &
+  TREEFX_VERIFY=0 next_e2e 1 560 next_profile --methods treefx --profile &
+  wait
+  results i
+fi

@@ -468,9 +468,9 @@ def _context(gm: fx.GraphModule, backend: str, plan: Plan, real_inputs) -> Graph
     g = gm.graph
     fake = example(info)
     with g.inserting_after(placeholders[-1]):
-        se = g.call_function(_row, (info, 2))
+        se = g.call_function(torch.ops.aten.select.int, (info, 0, 2))
     with g.inserting_after(placeholders[-1]):
-        pos = g.call_function(_row, (info, 0))
+        pos = g.call_function(torch.ops.aten.select.int, (info, 0, 0))
     with fake.fake_mode if hasattr(fake, "fake_mode") else contextlib.nullcontext():
         pos.meta["example_value"] = fake[0]
         se.meta["example_value"] = fake[2]
@@ -502,10 +502,6 @@ def _user_frame(err: BaseException) -> str:
         return "no frame outside torch"
     f = frames[-1]
     return f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno}  {(f.line or '').strip()}"
-
-
-def _row(tree_info: torch.Tensor, i: int) -> torch.Tensor:
-    return tree_info[i]
 
 
 def _graph_break_error(fn, args, err) -> GraphBreakError:
