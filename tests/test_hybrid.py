@@ -405,6 +405,47 @@ def test_varlen_path_matches_padded_path(trees, split):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
 
 
+def _autograd_nodes(t: torch.Tensor) -> list:
+    """The nodes of the autograd graph behind ``t``."""
+    seen, todo = {}, [t.grad_fn]
+    while todo:
+        fn = todo.pop()
+        if fn is None or fn in seen:
+            continue
+        seen[fn] = None
+        todo += [f for f, _ in fn.next_functions]
+    return list(seen)
+
+
+@pytest.mark.parametrize("fast", [False, True], ids=["padded", "varlen"])
+def test_the_recomputed_backward_cuts_each_input_once(fast):
+    """The traced op's backward recomputes the tree recurrence under autograd. Its inputs are
+    cut into nodes by one split each (backward: one cat of the pieces' gradients), its
+    per-node outputs and states taken from one split / unbind per call: a slice per node would
+    give each a zero tensor the size of the whole input, all added up in the backward
+    (O(nodes x tokens): 40% of Qwen3-Next's GPU step at 17k tokens)."""
+    import dataclasses
+
+    padded = recurrence("qwen3_next_gated_delta_rule")
+    rec = padded if not fast else dataclasses.replace(
+        padded, varlen=_per_node_varlen(padded), varlen_devices=("cpu",), varlen_check=None)
+    batch = treefx.pack(odd_forest(32, VOCAB))
+    n, g = batch.num_tokens, torch.Generator().manual_seed(1)
+    inputs = [torch.randn(1, n, 2, 8, generator=g).requires_grad_() for _ in range(3)]
+    inputs += [(-torch.rand(1, n, 2, generator=g)).requires_grad_(),
+               torch.rand(1, n, 2, generator=g).requires_grad_()]
+    out, _ = tree_recurrence(rec, batch.parent_token, inputs[:3],
+                             dict(g=inputs[3], beta=inputs[4], use_qk_l2norm_in_kernel=True))
+    nodes = _autograd_nodes(out)
+    # a slice or an index of a whole input row (n tokens) makes a zero row in the backward
+    whole = [type(f).__name__ for f in nodes if type(f).__name__ in (
+        "SliceBackward0", "NarrowBackward0", "SelectBackward0", "IndexBackward0")
+        and n in tuple(getattr(f, "_saved_self_sym_sizes", ()))]
+    assert not whole, whole
+    cuts = [f for f in nodes if type(f).__name__.startswith("Split")]
+    assert len(cuts) >= len(inputs)
+
+
 @pytest.mark.parametrize("fast", [False, True], ids=["padded", "varlen"])
 def test_final_states_only_where_a_node_hands_one_on(fast):
     """A row padded with one-token roots (the first-call probe at a batch's length) or a

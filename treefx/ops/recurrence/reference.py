@@ -224,6 +224,11 @@ def run_tree(rec: Recurrence, parent_token: torch.Tensor, args: tuple, kwargs: d
         levels.setdefault(d, []).append(i)
     needed = {p for p in parents if p >= 0} | set(keep)
     neutral = fast or padding_is_neutral(rec, seq, static)
+    # Each seq arg cut into its nodes once (the nodes tile the row in DFS order). Under
+    # autograd (the op's backward recomputes this) a split has one backward, a cat of the
+    # pieces' gradients; a narrow per node would make a zero row per node and add them all
+    # up: on Qwen3-Next's step on the H100, 40% of its GPU time.
+    pieces = {name: t.split(lengths, dim=rec.seq_args[name]) for name, t in seq.items()}
     path = (rec.name, "varlen" if fast else "padded" if neutral else "grouped")
     _RUNS[path] = _RUNS.get(path, 0) + 1
     for level in range(len(levels)):
@@ -243,7 +248,7 @@ def run_tree(rec: Recurrence, parent_token: torch.Tensor, args: tuple, kwargs: d
                                         for g in given])
             want = [i in needed for i in group]
             level_fn = _level_varlen if fast else _level_padded
-            out, fin = level_fn(rec, seq, static, init, group, starts, lengths, want)
+            out, fin = level_fn(rec, pieces, static, init, group, starts, lengths, want)
             for j, i in enumerate(group):
                 if want[j]:
                     final[i] = fin[j]
@@ -307,24 +312,27 @@ def _wanted_states(fin, want) -> list:
         return list(fin.unbind(0))
     rows = [j for j, w in enumerate(want) if w]
     # views stacked, not an index tensor made on the host: copying one to the GPU waits for
-    # the GPU to finish its queue (a stall per level and layer on a hybrid's step)
-    kept = torch.stack([fin[j] for j in rows])
+    # the GPU to finish its queue (a stall per level and layer on a hybrid's step); views of
+    # one unbind, whose backward is one stack (an index per row would make a zero tensor of
+    # all the level's states per row under autograd)
+    views = fin.unbind(0)
+    kept = torch.stack([views[j] for j in rows])
     out = [None] * len(want)
     for r, j in enumerate(rows):
         out[j] = kept[r]
     return out
 
 
-def _level_padded(rec, seq, static, init, nodes, starts, lengths, want):
-    """One depth as a batch, each node right-padded with neutral tokens to the longest."""
+def _level_padded(rec, pieces, static, init, nodes, starts, lengths, want):
+    """One depth as a batch, each node right-padded with neutral tokens to the longest
+    (``pieces``: each seq arg's nodes)."""
     width = max(lengths[i] for i in nodes)
     chunk = {
         name: torch.cat([
-            _pad_seq(t.narrow(rec.seq_args[name], starts[i], lengths[i]),
-                     rec.seq_args[name], width, rec.neutral.get(name, 0.0))
+            _pad_seq(p[i], rec.seq_args[name], width, rec.neutral.get(name, 0.0))
             for i in nodes
         ])
-        for name, t in seq.items()
+        for name, p in pieces.items()
     }
     final = any(want)
     res = rec.run(**chunk, **static, **{rec.initial_state: init,
@@ -333,23 +341,26 @@ def _level_padded(rec, seq, static, init, nodes, starts, lengths, want):
         out, fin = res
     else:
         out, fin = res, None
-    return [out[j:j + 1].narrow(rec.output_seq_dim, 0, lengths[i])
+    rows = out.split(1)  # (one backward for all rows, as for the inputs)
+    return [rows[j].narrow(rec.output_seq_dim, 0, lengths[i])
             for j, i in enumerate(nodes)], _wanted_states(fin, want)
 
 
-def _level_varlen(rec, seq, static, init, nodes, starts, lengths, want):
+def _level_varlen(rec, pieces, static, init, nodes, starts, lengths, want):
     """One depth through the kernel's variable-length form: nodes end to end, no padding; in
     as many calls as the kernel's limits per call need (``rec.varlen_split``); a call with no
-    wanted final state asks for none."""
+    wanted final state asks for none (``pieces``: each seq arg's nodes)."""
     counts = [len(nodes)] if rec.varlen_split is None else \
-        list(rec.varlen_split(seq, static, [lengths[i] for i in nodes]))
+        list(rec.varlen_split({n: p[nodes[0]] for n, p in pieces.items()}, static,
+                              [lengths[i] for i in nodes]))
     if sum(counts) != len(nodes) or any(c <= 0 for c in counts):
         raise ValueError(f"{rec.name}: varlen_split gave {counts} for {len(nodes)} nodes")
     outs, fins, at = [], [], 0
     for c in counts:
         w = want[at:at + c]
-        out, fin = _varlen_call(rec, seq, static, None if init is None else init[at:at + c],
-                                nodes[at:at + c], starts, lengths, any(w))
+        out, fin = _varlen_call(rec, pieces, static,
+                                None if init is None else init[at:at + c],
+                                nodes[at:at + c], lengths, any(w))
         outs += out
         fins += _wanted_states(fin, w)
         at += c
@@ -371,18 +382,15 @@ def takes_keyword(fn, name: str) -> bool:
     return _TAKES[key]
 
 
-def _varlen_call(rec, seq, static, init, nodes, starts, lengths, final):
-    if all(starts[b] == starts[a] + lengths[a] for a, b in zip(nodes, nodes[1:])):
-        chunk = {name: t.narrow(rec.seq_args[name], starts[nodes[0]],
-                                sum(lengths[i] for i in nodes))
-                 for name, t in seq.items()}  # contiguous in the row (a chain, one node)
+def _varlen_call(rec, pieces, static, init, nodes, lengths, final):
+    if len(nodes) == 1:
+        chunk = {name: p[nodes[0]] for name, p in pieces.items()}
     else:
-        chunk = {name: torch.cat([t.narrow(rec.seq_args[name], starts[i], lengths[i])
-                                  for i in nodes], dim=rec.seq_args[name])
-                 for name, t in seq.items()}
+        chunk = {name: torch.cat([p[i] for i in nodes], dim=rec.seq_args[name])
+                 for name, p in pieces.items()}
     sizes = [lengths[i] for i in nodes]
     cu_cpu = torch.tensor([0, *itertools.accumulate(sizes)], dtype=torch.int64)
-    cu = cu_cpu.to(next(iter(seq.values())).device, non_blocking=True)
+    cu = cu_cpu.to(next(iter(chunk.values())).device, non_blocking=True)
     extra = {} if final or not takes_keyword(rec.varlen, "final") else {"final": False}
     out, fin = rec.varlen(chunk, static, init, cu, cu_cpu, **extra)
     return list(out.split(sizes, dim=rec.output_seq_dim)), fin
