@@ -238,3 +238,16 @@ if [ "${1:-}" = i ]; then
   wait
   results i
 fi
+# Stage j (`... j` on two GPUs, carry .whl/fla; results in $OUT/j.tgz): after the tree
+# recurrence's recomputed backward stopped making a zero row per node (stage i's profile:
+# 41.8 ms of bf16 adds and 13.8 ms of fills in a 263 ms step). No TRITON_CACHE_AUTOTUNING:
+# stage i's packing run, the first in its process with it on, hit an illegal memory access
+#   GPU 0: e2e qwen3_next, treefx on fla then packing on fla, the check off
+#   GPU 1: e2e qwen3_next, treefx on fla alone, the first-call check on (exactness of the path)
+if [ "${1:-}" = j ]; then
+  with_fla j
+  TREEFX_VERIFY=0 next_e2e 0 575 next --methods treefx,packed_reset --budget 560 &
+  next_e2e 1 575 next_checked --methods treefx --budget 560 &
+  wait
+  results j
+fi
