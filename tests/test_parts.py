@@ -42,7 +42,9 @@ def _check(tm, trees, max_tokens, *, rtol=1e-4):
 @pytest.mark.parametrize("name,budgets", [
     ("qwen3", (3, 7, 1000)),   # from "shorter than most sequences" to "the whole tree"
     ("gpt2", (5,)),
-    ("mistral", (3,)),         # a window of 3 positions crossing part boundaries
+    # a window of 3 positions crossing part boundaries (in CI through FlexAttention's part
+    # graph: test_flex_part_sites_leave_blocks_beyond_the_window_out)
+    pytest.param("mistral", (3,), marks=pytest.mark.slow),
 ])
 def test_parts_match_the_oracle(name, budgets, shared):
     if name == "qwen3":
@@ -495,6 +497,7 @@ def test_regional_parts_match_the_oracle():
     assert len(runner.engine._regional) == 1
 
 
+@pytest.mark.slow  # in CI: tests/test_distributed_parts.py, FSDP2 and DDP on two processes
 def test_ddp_and_fsdp2_models_train_in_parts(tmp_path):
     """In a group of one process (gloo): a DDP model's parts run on its inner module and its
     first call is probed there (no collective); an FSDP2 model's parts run regionally, not
@@ -553,7 +556,9 @@ def test_bad_arguments():
         treefx.backward(tm, treefx.pack(odd_forest(3, VOCAB)), max_tokens=8, reduction="sum")
 
 
-@pytest.mark.parametrize("name", [pytest.param("qwen3", marks=pytest.mark.slow), "mistral"])
+# slow: in CI the window case below runs Mistral's part graph this way (and checks the layout)
+@pytest.mark.parametrize("name", [pytest.param("qwen3", marks=pytest.mark.slow),
+                                  pytest.param("mistral", marks=pytest.mark.slow)])
 def test_flex_attention_part_sites_match_the_oracle(name, monkeypatch):
     """The inductor backend's part graph (FlexAttention over [context; part], the window as
     its mask_mod), run op by op on the CPU: FlexAttention's eager form differentiates there,
@@ -601,6 +606,10 @@ def test_flex_part_sites_leave_blocks_beyond_the_window_out(monkeypatch):
     notes = [r.note for r in runners(tm)[0].engine.contexts[-1].log
              if r.pass_name == "attention"]
     assert notes and all("beyond its window (2)" in n for n in notes), notes
+    # in training the KV heads are interleaved along the query and key rows, as whole trees
+    ops = [n.target for n in runners(tm)[0].engine.contexts[-1].graph.nodes
+           if isinstance(n.target, TreePartFlexAttention)]
+    assert ops and all(op.layouts == {"interleaved"} for op in ops)
 
 
 def test_first_call_checks_the_part_graph(monkeypatch):
