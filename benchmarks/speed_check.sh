@@ -251,3 +251,15 @@ if [ "${1:-}" = j ]; then
   wait
   results j
 fi
+# Stage k (`... k` on one GPU, nothing carried; results in $OUT/k.tgz): after AOTAutograd's
+# on-disk cache was told treefx's callables (treefx.run.backends.cacheable_patch), a restart
+# should skip AOTAutograd's trace and partition: 4 layers with empty caches (the host idle
+# this time), then the same run restarted with the caches the first left
+if [ "${1:-}" = k ]; then
+  RES=$OUT; OUT=/tmp/k; mkdir -p $OUT
+  c4=$(mktemp -d)
+  CACHE=$c4 cold first_cold 0 130 --layers 4 --methods treefx --warmup 1 --reps 2
+  CACHE=$c4 cold first_restart 0 90 --layers 4 --methods treefx --warmup 1 --reps 2
+  grep -hE "first step" $OUT/*.log | cut -c1-400
+  results k
+fi

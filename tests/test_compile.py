@@ -278,7 +278,10 @@ def test_inductor_graphs_get_treefx_config_patches(monkeypatch):
                             regional=regional)
         with torch.no_grad():
             tm(treefx.pack(odd_tree(3, VOCAB)))
-        assert len(seen) == pieces and all(s == want for s in seen)
+        # (and AOTAutograd's cache told treefx's callables: tests/test_compile_cache.py)
+        assert len(seen) == pieces and all(
+            {k: v for k, v in s.items() if k != "unsafe_marked_cacheable_functions"} == want
+            for s in seen)
 
 
 def test_block_counts_exact_in_a_compiled_graph_under_autocast():

@@ -84,7 +84,8 @@ def compile_graph(backend: str, gm: fx.GraphModule, example_inputs):
         from torch._inductor.compile_fx import compile_fx
 
         with backward_compiled_now():
-            return compile_fx(gm, example_inputs, config_patches=inductor_patches())
+            return compile_fx(gm, example_inputs,
+                              config_patches={**inductor_patches(), **cacheable_patch(gm)})
     if backend == "aot-eager":
         from torch._functorch.aot_autograd import aot_module_simplified
 
@@ -139,6 +140,132 @@ def inductor_patches() -> dict:
     if hasattr(config, "emulate_precision_casts"):
         patches["emulate_precision_casts"] = True
     return patches
+
+
+# ------------------------------------------------------------ AOTAutograd's on-disk cache
+#
+# AOTAutograd keeps a compiled graph on disk (a restarted job skips tracing, partitioning and
+# Inductor), keyed by the graph's code, which names what each node calls. It refuses a graph
+# that calls a Python callable it does not know to be pure (a treefx function, a site object),
+# as it cannot tell what its behaviour depends on. treefx's in-graph functions depend on
+# treefx's source alone; a site object (an attention site with its scale, block size, kernel
+# options, ...) on its attributes as well. So: a function is marked cacheable under a key of
+# treefx's source and the versions of the packages its graphs call into; a site object whose
+# attributes are plain data (numbers, strings, dtypes, and containers of them) is given a name
+# made from a hash of its class and attributes, bound under that name in its module (the
+# cache's pickler names it by import path) and marked the same way. A site holding anything
+# else (a model's mask or score function, a recurrence's kernel) is left alone: that graph is
+# not cached, as before.
+
+
+def _plain(x) -> bool:
+    if x is None or isinstance(x, (bool, int, float, str, torch.dtype)):
+        return True
+    if isinstance(x, (tuple, list, set, frozenset)):
+        return all(_plain(v) for v in x)
+    if isinstance(x, dict):
+        return all(_plain(k) and _plain(v) for k, v in x.items())
+    return False
+
+
+def _state_repr(x) -> str:
+    if isinstance(x, dict):
+        return "{" + ",".join(f"{_state_repr(k)}:{_state_repr(v)}" for k, v in
+                              sorted(x.items(), key=lambda kv: repr(kv[0]))) + "}"
+    if isinstance(x, (set, frozenset)):
+        return "set(" + ",".join(sorted(_state_repr(v) for v in x)) + ")"
+    if isinstance(x, (tuple, list)):
+        return type(x).__name__ + "(" + ",".join(_state_repr(v) for v in x) + ")"
+    return repr(x)
+
+
+def _state_digest(target) -> str | None:
+    """A hash of a site object's class and attributes, None where an attribute is not plain
+    data."""
+    import hashlib
+
+    state = {k: v for k, v in vars(target).items() if k not in ("__name__", "__reduce__")}
+    if not all(_plain(v) for v in state.values()):
+        return None
+    text = f"{type(target).__module__}.{type(target).__qualname__}|{_state_repr(state)}"
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def cacheable_patch(gm: fx.GraphModule) -> dict:
+    """Inductor's ``unsafe_marked_cacheable_functions`` for the treefx callables ``gm`` calls,
+    keyed by :func:`source_key` (nothing if any of them cannot be named, or where this torch
+    lacks the setting): see the comment above. A site object is bound in its module as
+    ``<name>_site_<hash of its state>_<k>`` (the k-th of that state in ``gm``), the name its
+    ``__reduce__`` gives the cache's pickler; its ``__name__`` is left as it is."""
+    import sys
+
+    from torch._inductor import config
+
+    if not isinstance(getattr(config, "unsafe_marked_cacheable_functions", None), dict):
+        return {}
+    names, seen = set(), {}
+    for mod in gm.modules():
+        if not isinstance(mod, fx.GraphModule):
+            continue
+        for n in mod.graph.nodes:
+            t = n.target
+            if n.op != "call_function" or isinstance(t, (
+                    torch._ops.OpOverload, torch._ops.OpOverloadPacket,
+                    torch._ops.HigherOrderOperator)):
+                continue
+            module = getattr(t, "__module__", None) or ""
+            if not (module == "treefx" or module.startswith("treefx.")):
+                continue
+            owner, name = sys.modules.get(module), getattr(t, "__name__", None)
+            if owner is None or not isinstance(name, str):
+                return {}
+            if getattr(t, "__code__", None) is not None:  # a plain function of treefx
+                if getattr(owner, name, None) is not t:
+                    return {}
+            elif not isinstance(t, type) and hasattr(t, "__dict__"):  # a site object
+                if id(t) not in seen:
+                    digest = _state_digest(t)
+                    if digest is None:
+                        return {}
+                    k = sum(1 for d in seen.values() if d[0] == digest)
+                    bound = f"{name}_site_{digest}_{k}"
+                    seen[id(t)] = (digest, bound)
+                    setattr(owner, bound, t)
+                    t.__reduce__ = (lambda b=bound: b)
+            else:
+                return {}
+            names.add(f"{module}.{name}")
+    if not names:
+        return {}
+    key = source_key()
+    return {"unsafe_marked_cacheable_functions": {
+        **config.unsafe_marked_cacheable_functions, **{n: key for n in sorted(names)}}}
+
+
+_SOURCE_KEY: list[str] = []
+
+
+def source_key() -> str:
+    """A hash of treefx's source files and of the versions of torch, fla and transformers:
+    what a cached trace of treefx's callables depends on besides their own state."""
+    if not _SOURCE_KEY:
+        import hashlib
+        import importlib.metadata as md
+        import pathlib
+
+        h = hashlib.sha256()
+        root = pathlib.Path(__file__).resolve().parents[1]
+        for path in sorted(root.rglob("*.py")):
+            h.update(str(path.relative_to(root)).encode())
+            h.update(path.read_bytes())
+        h.update(torch.__version__.encode())
+        for dist in ("flash-linear-attention", "fla-core", "transformers"):
+            try:
+                h.update(f"{dist}={md.version(dist)}".encode())
+            except md.PackageNotFoundError:
+                pass
+        _SOURCE_KEY.append(h.hexdigest()[:32])
+    return _SOURCE_KEY[0]
 
 
 def capture_config():

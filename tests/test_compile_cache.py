@@ -1,0 +1,97 @@
+"""AOTAutograd's on-disk cache for treefx's graphs (``treefx.run.backends.cacheable_patch``):
+a restarted job finds its compiled graphs again, and a graph whose sites differ in anything
+that changes what they compute never gets another's.
+
+Inductor itself is replaced by a recorder here (its CPU code does not compile tree graphs):
+what is checked is the setting treefx hands it and how the sites are named for the cache's
+key. That the key is the same in a fresh process was checked by hand (two runs of one model,
+one key); the restart's time on the GPU is in BENCHMARKS.md ("First step and compile time").
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+from support import VOCAB, hf_model
+
+import treefx
+from treefx.run import backends
+from treefx.tools.synth import odd_forest
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture
+def recorded(monkeypatch):
+    """Compile through the inductor backend's path on the CPU, Inductor replaced by a
+    recorder of the config patches treefx passes: a list of (graph, patches)."""
+    import torch._inductor.compile_fx as cfx
+
+    seen = []
+
+    def record(gm, example_inputs, config_patches=None):
+        seen.append((gm, dict(config_patches or {})))
+        return gm.forward
+
+    monkeypatch.setattr(cfx, "compile_fx", record)
+    monkeypatch.setenv("TREEFX_INDUCTOR_ON_CPU", "1")
+    return seen
+
+
+def _run(model, **options):
+    tm = treefx.compile(model, backend="inductor", verify=False, regional=False, **options)
+    with torch.no_grad():
+        tm(treefx.pack(odd_forest(2, VOCAB)))
+
+
+def _marked(seen) -> dict:
+    return seen[-1][1].get("unsafe_marked_cacheable_functions", {})
+
+
+def _sites(gm) -> list:
+    """The graph's site objects (named for the cache), in node order."""
+    return [n.target for n in gm.graph.nodes if n.op == "call_function"
+            and "__reduce__" in getattr(n.target, "__dict__", {})]
+
+
+def _site_names(gm) -> list[str]:
+    """The names the cache's pickler gives the graph's site objects, in node order."""
+    return [t.__reduce__() for t in _sites(gm)]
+
+
+def test_a_plain_model_is_cacheable_under_treefx_source_key(recorded):
+    _run(hf_model("qwen3", "sdpa"))
+    gm, _ = recorded[-1]
+    marked = _marked(recorded)
+    assert marked and set(marked.values()) == {backends.source_key()}
+    names = _site_names(gm)
+    assert names  # the attention sites, named by their state
+    for t in _sites(gm):
+        owner = sys.modules[type(t).__module__]
+        assert getattr(owner, t.__reduce__()) is t
+        assert f"{type(t).__module__}.{t.__name__}" in marked
+    # sites of one state in one graph get their own names (one per occurrence)
+    assert len(set(names)) == len(names)
+
+
+def test_site_names_follow_their_state(recorded):
+    """The same model compiled again names its sites the same (the key a restart finds);
+    another block size or kernel option names them otherwise (another key)."""
+    _run(hf_model("qwen3", "sdpa"))
+    first = _site_names(recorded[-1][0])
+    _run(hf_model("qwen3", "sdpa"))
+    assert _site_names(recorded[-1][0]) == first
+    _run(hf_model("qwen3", "sdpa"), block_size=64)
+    assert not set(_site_names(recorded[-1][0])) & set(first)
+    _run(hf_model("qwen3", "sdpa"), kernel_options={"BLOCK_M": 64, "BLOCK_N": 64})
+    assert not set(_site_names(recorded[-1][0])) & set(first)
+
+
+def test_sites_holding_functions_are_not_cached(recorded):
+    """A site holding a callable (Mistral's sliding window as its mask function) cannot be
+    named by its state: the graph goes without the setting (AOTAutograd's cache bypasses it,
+    as it did before)."""
+    _run(hf_model("mistral", "sdpa"))
+    assert _marked(recorded) == {}
