@@ -61,26 +61,21 @@ def _site_names(gm) -> list[str]:
     return [t.__reduce__() for t in _sites(gm)]
 
 
-def test_a_plain_model_is_cacheable_under_treefx_source_key(recorded):
+def test_sites_are_named_by_their_state_under_treefx_source_key(recorded):
+    """A plain model's graph is marked cacheable under treefx's source key, its sites bound
+    in their modules under names of their state, one per occurrence. The same model compiled
+    again names them the same (the key a restart finds); another block size or kernel option
+    names them otherwise (another key)."""
     _run(hf_model("qwen3", "sdpa"))
     gm, _ = recorded[-1]
     marked = _marked(recorded)
     assert marked and set(marked.values()) == {backends.source_key()}
-    names = _site_names(gm)
-    assert names  # the attention sites, named by their state
+    first = _site_names(gm)
+    assert first and len(set(first)) == len(first)  # the attention sites, one name each
     for t in _sites(gm):
         owner = sys.modules[type(t).__module__]
         assert getattr(owner, t.__reduce__()) is t
         assert f"{type(t).__module__}.{t.__name__}" in marked
-    # sites of one state in one graph get their own names (one per occurrence)
-    assert len(set(names)) == len(names)
-
-
-def test_site_names_follow_their_state(recorded):
-    """The same model compiled again names its sites the same (the key a restart finds);
-    another block size or kernel option names them otherwise (another key)."""
-    _run(hf_model("qwen3", "sdpa"))
-    first = _site_names(recorded[-1][0])
     _run(hf_model("qwen3", "sdpa"))
     assert _site_names(recorded[-1][0]) == first
     _run(hf_model("qwen3", "sdpa"), block_size=64)
