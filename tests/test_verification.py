@@ -232,6 +232,8 @@ def test_floor_measured_only_where_the_dtype_tolerance_is_missed():
     never = treefx.verify(m, backend="eager", tolerance=Tolerance(0.0, 0.0), floor=False,
                           raise_on_failure=False)
     assert not never.floor_measured and not never.passed
+    with pytest.raises(ValueError, match="floor must be True, False or 'auto'"):
+        treefx.verify(m, backend="eager", floor="always")
 
 
 # ------------------------------------------------------------------ explain and the command line

@@ -248,7 +248,7 @@ def run_tree(rec: Recurrence, parent_token: torch.Tensor, args: tuple, kwargs: d
                                         for g in given])
             want = [i in needed for i in group]
             level_fn = _level_varlen if fast else _level_padded
-            out, fin = level_fn(rec, pieces, static, init, group, starts, lengths, want)
+            out, fin = level_fn(rec, pieces, static, init, group, lengths, want)
             for j, i in enumerate(group):
                 if want[j]:
                     final[i] = fin[j]
@@ -323,7 +323,7 @@ def _wanted_states(fin, want) -> list:
     return out
 
 
-def _level_padded(rec, pieces, static, init, nodes, starts, lengths, want):
+def _level_padded(rec, pieces, static, init, nodes, lengths, want):
     """One depth as a batch, each node right-padded with neutral tokens to the longest
     (``pieces``: each seq arg's nodes)."""
     width = max(lengths[i] for i in nodes)
@@ -346,7 +346,7 @@ def _level_padded(rec, pieces, static, init, nodes, starts, lengths, want):
             for j, i in enumerate(nodes)], _wanted_states(fin, want)
 
 
-def _level_varlen(rec, pieces, static, init, nodes, starts, lengths, want):
+def _level_varlen(rec, pieces, static, init, nodes, lengths, want):
     """One depth through the kernel's variable-length form: nodes end to end, no padding; in
     as many calls as the kernel's limits per call need (``rec.varlen_split``); a call with no
     wanted final state asks for none (``pieces``: each seq arg's nodes)."""
