@@ -766,7 +766,12 @@ def run_model(model_type: str, *, dtype: str = "float32", checkpointing: bool = 
         torch._dynamo.reset()
         phase(f"build {dt}")
         try:
-            model = build_model(model_type, getattr(torch, dt), checkpointing=checkpointing)
+            # The float64 follow-up without checkpointing: under float64_throughout a
+            # checkpoint's recomputation in the backward runs outside the mode, in float32,
+            # and torch.utils.checkpoint refuses the mismatch (oracle and tree alike).
+            # Checkpointing changes no arithmetic; the float32 run exercised it.
+            model = build_model(model_type, getattr(torch, dt),
+                                checkpointing=checkpointing and dt != "float64")
         except Exception as e:
             return {"status": "config failed", "stage": "build", **_exception_info(e)}
         result.setdefault("class", type(model).__name__)
@@ -783,6 +788,8 @@ def run_model(model_type: str, *, dtype: str = "float32", checkpointing: bool = 
                           phase=lambda name: phase(f"{name} {dt}"))
         if mode.lifted:
             setup.insert(0, "float32 casts lifted")
+        if checkpointing:
+            setup.append("without checkpointing")
         if setup:
             res["setup"] = setup
         return res
@@ -1021,7 +1028,8 @@ def markdown_section(results: list[dict], *, command: str, date: str, dtype: str
         f"`treefx.verification.oracle_floor_gradients`, the oracle's gradients computed "
         f"another way); a float32 failure is re-run in float64 (log-prob {lp64:g}, gradient "
         f"{g64:g}, the same floor rule; float64 throughout: the model's casts to float32 "
-        f"lifted, MoE experts `batched_mm`): within them it is `rounding`, outside `WRONG`",
+        f"lifted, MoE experts `batched_mm`, activation checkpointing off): within them it "
+        f"is `rounding`, outside `WRONG`",
         "- treefx's first-call self-check (`verify`): "
         + ("off (`--no-verify`)" if verify is False else
            "on (its default); a model it refuses (`TreeVerificationError`) is run again "
