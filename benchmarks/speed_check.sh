@@ -263,3 +263,22 @@ if [ "${1:-}" = k ]; then
   grep -hE "first step" $OUT/*.log | cut -c1-400
   results k
 fi
+# Stage l (`... l` on one GPU, carry .whl/fla; results in $OUT/l.tgz): after the traced graphs'
+# tree conv became the row's conv fixed at node boundaries (one opaque op; the gather's
+# scatter-add backward and strided reads were ~40 ms of stage i's 234 ms of GPU time) and
+# fla's cu_seqlens travel pinned:
+#   e2e qwen3_next, treefx on fla then packing on fla, the check off (the side-by-side figure)
+#   the conv's two forms alone (time, error against float64)
+#   gpu_check's hybrid cases on Hugging Face's torch kernels (fla removed): exactness of the
+#   new conv through Inductor against the oracle, float32 and bf16
+if [ "${1:-}" = l ]; then
+  with_fla l
+  TREEFX_VERIFY=0 next_e2e 0 380 next --methods treefx,packed_reset --budget 370
+  CUDA_VISIBLE_DEVICES=0 timeout 60 python3 -m benchmarks.conv_check --out $OUT/conv_check.json \
+    > $OUT/conv_check.log 2>&1; echo "conv_check rc=$?"; tail -n 5 $OUT/conv_check.log
+  python3 -m pip uninstall -q -y flash-linear-attention fla-core
+  CUDA_VISIBLE_DEVICES=0 timeout 130 python3 -m benchmarks.gpu_check --cases hybrid-fp32,hybrid-bf16 \
+    --out $OUT/gpu_check_hybrid.json > $OUT/gpu_check_hybrid.log 2>&1
+  echo "gpu_check rc=$?"; grep -iE "pass|fail|err" $OUT/gpu_check_hybrid.log | tail -n 12
+  results l
+fi

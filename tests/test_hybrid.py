@@ -53,6 +53,36 @@ def test_tree_conv1d_matches_each_sequence_alone(k, trees):
         torch.testing.assert_close(a, r, atol=1e-10, rtol=1e-10)
 
 
+@pytest.mark.parametrize("k", [2, 4, 6])
+@pytest.mark.parametrize("trees", [[SHORT_NODES], odd_forest(33, VOCAB)], ids=["short", "forest"])
+def test_fast_tree_conv1d_is_the_reference(k, trees):
+    """The traced graphs' conv (the row's conv, boundary tokens recomputed; one custom op whose
+    backward recomputes it) against the gather over every token: values and the gradients of
+    input, weight and bias, float64. Only tokens near a node start are recomputed."""
+    from treefx.ops.conv import boundary_taps, tree_causal_conv1d_op
+    from treefx.ops.recurrence import tree_nodes
+
+    batch = treefx.pack(trees)
+    g = torch.Generator().manual_seed(k)
+    c = 5
+    x = torch.randn(2, c, batch.num_tokens, dtype=torch.float64, generator=g, requires_grad=True)
+    w = torch.randn(c, 1, k, dtype=torch.float64, generator=g, requires_grad=True)
+    b = torch.randn(c, dtype=torch.float64, generator=g, requires_grad=True)
+    probe = torch.randn(x.shape, dtype=torch.float64, generator=g)
+    ref = tree_causal_conv1d(x, w, b, batch.parent_token)
+    grads_ref = torch.autograd.grad((ref * probe).sum(), (x, w, b))
+    for bias in (b, None):
+        got = tree_causal_conv1d_op(x, w, bias, batch.parent_token)
+        want = ref if bias is not None else ref - b.detach()[None, :, None]
+        torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
+    got = tree_causal_conv1d_op(x, w, b, batch.parent_token)
+    for a, r in zip(torch.autograd.grad((got * probe).sum(), (x, w, b)), grads_ref):
+        torch.testing.assert_close(a, r, atol=1e-12, rtol=1e-12)
+    pos, taps = boundary_taps(batch.parent_token.numpy(), k)
+    starts, lengths, _, _ = tree_nodes(batch.parent_token)
+    assert 0 < len(pos) <= (k - 1) * len(starts) and taps.shape == (k, len(pos))
+
+
 def _multiplicity(batch) -> torch.Tensor:
     """How many sequences run through each token."""
     m = torch.zeros(batch.num_tokens, dtype=torch.float64)
@@ -70,11 +100,11 @@ def test_tree_nodes_splits_at_branches():
 def test_tree_nodes_reuses_an_unchanged_row_only(monkeypatch):
     """One host copy per row: the same unchanged row (or a view of it) is not copied again;
     a changed row, another row with other values, or one at another place is."""
-    import treefx.ops.recurrence.reference as rmod
+    import treefx.ops.host_row as hmod
 
     copies = []
-    compute = rmod._tree_nodes
-    monkeypatch.setattr(rmod, "_tree_nodes", lambda t: copies.append(1) or compute(t))
+    copy = hmod.host_row
+    monkeypatch.setattr(hmod, "host_row", lambda t: copies.append(1) or copy(t))
     info = torch.stack([torch.zeros(8, dtype=torch.long),
                         torch.tensor([-1, 0, 1, 2, 1, 4, -1, 6]),
                         torch.zeros(8, dtype=torch.long)])

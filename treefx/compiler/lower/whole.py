@@ -11,7 +11,7 @@ import torch.fx as fx
 
 from ...mask import dense_tree_mask, tree_block_tensors
 from ...ops.attention import TreeFlexAttention, TreeScoredAttention, tree_attention_dense
-from ...ops.conv import tree_causal_conv1d
+from ...ops.conv import tree_causal_conv1d, tree_causal_conv1d_op
 from ...ops.recurrence import TracedTreeRecurrence, tree_recurrence
 from ...ops.scan import tree_cumsum
 from ..graph import GraphContext, arg, attention_error, describe, example, set_example
@@ -235,11 +235,18 @@ def path_sum(ctx: GraphContext, site: PathSumSite) -> fx.Node:
 
 
 def conv(ctx: GraphContext, site: ConvSite) -> fx.Node:
-    """A causal conv1d reading each token's tree predecessors."""
+    """A causal conv1d reading each token's tree predecessors: plain torch eagerly, the row's
+    conv fixed at node boundaries (one opaque op) in traced graphs."""
     parent = ctx.parent_token()
     with ctx.graph.inserting_before(site.cut):
-        new = ctx.graph.call_function(tree_causal_conv1d,
-                                      (site.x, site.weight, site.bias, parent))
+        if ctx.backend == "eager":
+            new = ctx.graph.call_function(tree_causal_conv1d,
+                                          (site.x, site.weight, site.bias, parent))
+        else:
+            out = site.cut.meta.get("example_value")
+            new = ctx.graph.call_function(
+                tree_causal_conv1d_op, (site.x, site.weight, site.bias, parent),
+                {"dtype": out.dtype if isinstance(out, torch.Tensor) else None})
     return replace_conv(ctx, site, new)
 
 

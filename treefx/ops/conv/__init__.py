@@ -1,7 +1,10 @@
-"""Tree causal depthwise conv1d: over the whole tree (:mod:`.reference`, plain torch) and over
-a part of a tree with its context (:mod:`.part`)."""
+"""Tree causal depthwise conv1d: over the whole tree (:mod:`.reference`, plain torch; :mod:`.fast`,
+the row's conv fixed at node boundaries, one opaque op for traced graphs) and over a part of a
+tree with its context (:mod:`.part`)."""
 
+from .fast import boundary_taps, tree_causal_conv1d_fast, tree_causal_conv1d_op
 from .part import tree_causal_conv1d_context
 from .reference import ancestor_table, tree_causal_conv1d
 
-__all__ = ["ancestor_table", "tree_causal_conv1d", "tree_causal_conv1d_context"]
+__all__ = ["ancestor_table", "boundary_taps", "tree_causal_conv1d", "tree_causal_conv1d_context",
+           "tree_causal_conv1d_fast", "tree_causal_conv1d_op"]

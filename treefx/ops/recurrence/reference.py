@@ -26,6 +26,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..host_row import derived, host_row
+
 __all__ = ["Recurrence", "kernel_runs", "tree_nodes", "tree_recurrence", "padding_is_neutral"]
 
 # (recurrence name, "varlen" | "padded" | "grouped") -> tree runs in this process: which
@@ -110,49 +112,17 @@ class Recurrence:
         return out
 
 
-class _LastRow:
-    """The nodes of the last row seen, so that the recurrence layers of one step (forward and
-    recomputed backward) copy the row to the host once, not once per call: on a GPU each copy
-    waits for all queued work.
-
-    A hit needs the same storage, offset, shape, strides and version counter. The row tensor
-    is held, so its memory cannot be handed to another tensor while it is the key, and any
-    in-place change to it (or to a view of it) bumps the version counter; a change made
-    behind torch's back (through a NumPy array sharing its memory) would not be seen, which is
-    why treefx hands this function rows it built itself. ``entry`` is one
-    (key, row, nodes) tuple, replaced whole (a reader on another thread never sees a key with
-    another row's nodes)."""
-
-    entry: tuple | None = None
-
-
-def _row_key(t: torch.Tensor):
-    try:
-        return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape),
-                t.stride(), t._version)
-    except Exception:  # tensors without storage (fake, functional wrappers): no caching
-        return None
-
-
 def tree_nodes(parent_token: torch.Tensor, ends=None):
     """(starts, lengths, parent node, depth in nodes) of the tree's nodes, DFS order, as
     tuples (the structure is data: this runs eagerly, one host copy of the row, reused while
     the same unchanged row comes back). ``ends``: tokens that must end a node (a part's exit
     tokens, whose state is handed on; :mod:`.part`); computed afresh then, not reused."""
     if ends is not None:
-        return _tree_nodes(parent_token, ends)
-    key = _row_key(parent_token)
-    entry = _LastRow.entry
-    if key is not None and entry is not None and entry[0] == key:
-        return entry[2]
-    nodes = _tree_nodes(parent_token)
-    if key is not None:
-        _LastRow.entry = (key, parent_token, nodes)
-    return nodes
+        return _tree_nodes(host_row(parent_token), ends)
+    return derived(parent_token, "recurrence nodes", _tree_nodes)
 
 
-def _tree_nodes(parent_token: torch.Tensor, ends=None):
-    par = parent_token.detach().cpu().numpy().astype(np.int64, copy=False)
+def _tree_nodes(par: np.ndarray, ends=None):
     n = par.shape[0]
     children = np.bincount(par[par >= 0], minlength=n)
     if ends is not None:  # tokens that must end a node (their state is handed on)
@@ -390,7 +360,9 @@ def _varlen_call(rec, pieces, static, init, nodes, lengths, final):
                  for name, p in pieces.items()}
     sizes = [lengths[i] for i in nodes]
     cu_cpu = torch.tensor([0, *itertools.accumulate(sizes)], dtype=torch.int64)
-    cu = cu_cpu.to(next(iter(chunk.values())).device, non_blocking=True)
+    device = next(iter(chunk.values())).device
+    # Pinned: a copy from pageable memory would wait for the device's queue first.
+    cu = (cu_cpu.pin_memory() if device.type == "cuda" else cu_cpu).to(device, non_blocking=True)
     extra = {} if final or not takes_keyword(rec.varlen, "final") else {"final": False}
     out, fin = rec.varlen(chunk, static, init, cu, cu_cpu, **extra)
     return list(out.split(sizes, dim=rec.output_seq_dim)), fin
