@@ -1,6 +1,6 @@
 """The tree conv1d's two forms on one device: the gather over every token
 (``treefx.ops.conv.tree_causal_conv1d``, compiled by Inductor as the traced graphs used to run
-it) against the row's conv fixed at node boundaries (``tree_causal_conv1d_op``, the opaque op
+it) against the row's conv fixed at node boundaries (``tree_causal_conv1d_fast``, the opaque op
 they run now): forward + backward time, and both against a float64 run of the reference.
 
     python -m benchmarks.conv_check [--channels 8192] [--por 0.75] [--out RESULT.json]
@@ -17,7 +17,7 @@ import json
 import torch
 
 import treefx
-from treefx.ops.conv import boundary_taps, tree_causal_conv1d, tree_causal_conv1d_op
+from treefx.ops.conv import boundary_taps, tree_causal_conv1d, tree_causal_conv1d_fast
 
 from .common import make_tree
 
@@ -69,16 +69,18 @@ def main(argv=None) -> dict:
     ref64 = _step(tree_causal_conv1d, *(leaf(t, torch.float64) for t in (x64, w64, b64)),
                   parent, probe.double())
     compiled = torch.compile(tree_causal_conv1d, dynamic=True)
+    fast = torch.compile(tree_causal_conv1d_fast, dynamic=True)
     for dtype in (torch.float32, torch.bfloat16):
         name = str(dtype).removeprefix("torch.")
         ins = [leaf(t, dtype) for t in (x64, w64, b64)]
-        for form, fn in (("gather_inductor", compiled), ("boundary_op", tree_causal_conv1d_op)):
+        for form, fn in (("gather_inductor", compiled), ("boundary_inductor", fast),
+                         ("boundary_eager", tree_causal_conv1d_fast)):
             got = _step(fn, *ins, parent, probe)
             err = max(float((a.double() - r).abs().max() / r.abs().max())
                       for a, r in zip(got, ref64))
             ms = _time(_step, (fn, *ins, parent, probe), args.reps) if dev == "cuda" else 0.0
             res[f"{form}_{name}"] = {"fwd_bwd_ms": ms, "max_rel_err_vs_float64": err}
-            print(f"{form:16} {name:9} fwd+bwd {ms:7.3f} ms  max error vs float64 {err:.2e}",
+            print(f"{form:18} {name:9} fwd+bwd {ms:7.3f} ms  max error vs float64 {err:.2e}",
                   flush=True)
     if args.out:
         with open(args.out, "w") as f:

@@ -282,3 +282,12 @@ if [ "${1:-}" = l ]; then
   echo "gpu_check rc=$?"; grep -iE "pass|fail|err" $OUT/gpu_check_hybrid.log | tail -n 12
   results l
 fi
+# Stage m (`... m` on one GPU, carry .whl/fla; results in $OUT/m.tgz): stage l's side by side
+# did not reach packing in 380 s (treefx's first step, fla autotuning, 294 s), and the row's
+# conv is now K shifted products that Inductor fuses (cuDNN's grouped conv1d was most of the
+# op's 15 ms in stage l's conv_check): treefx then packing on fla, one process, the check off
+if [ "${1:-}" = m ]; then
+  with_fla m
+  TREEFX_VERIFY=0 next_e2e 0 570 next --methods treefx,packed_reset --budget 560
+  results m
+fi

@@ -56,10 +56,11 @@ def test_tree_conv1d_matches_each_sequence_alone(k, trees):
 @pytest.mark.parametrize("k", [2, 4, 6])
 @pytest.mark.parametrize("trees", [[SHORT_NODES], odd_forest(33, VOCAB)], ids=["short", "forest"])
 def test_fast_tree_conv1d_is_the_reference(k, trees):
-    """The traced graphs' conv (the row's conv, boundary tokens recomputed; one custom op whose
-    backward recomputes it) against the gather over every token: values and the gradients of
-    input, weight and bias, float64. Only tokens near a node start are recomputed."""
-    from treefx.ops.conv import boundary_taps, tree_causal_conv1d_op
+    """The traced graphs' conv (the row's conv, then the boundary tokens recomputed by a custom
+    op whose backward recomputes them) against the gather over every token: values and the
+    gradients of input, weight and bias, float64, eagerly and traced by AOTAutograd. Only
+    tokens near a node start are recomputed."""
+    from treefx.ops.conv import boundary_taps, tree_causal_conv1d_fast
     from treefx.ops.recurrence import tree_nodes
 
     batch = treefx.pack(trees)
@@ -72,12 +73,16 @@ def test_fast_tree_conv1d_is_the_reference(k, trees):
     ref = tree_causal_conv1d(x, w, b, batch.parent_token)
     grads_ref = torch.autograd.grad((ref * probe).sum(), (x, w, b))
     for bias in (b, None):
-        got = tree_causal_conv1d_op(x, w, bias, batch.parent_token)
+        got = tree_causal_conv1d_fast(x, w, bias, batch.parent_token)
         want = ref if bias is not None else ref - b.detach()[None, :, None]
         torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
-    got = tree_causal_conv1d_op(x, w, b, batch.parent_token)
-    for a, r in zip(torch.autograd.grad((got * probe).sum(), (x, w, b)), grads_ref):
-        torch.testing.assert_close(a, r, atol=1e-12, rtol=1e-12)
+    traced = torch.compile(tree_causal_conv1d_fast, backend="aot_eager", fullgraph=True,
+                           dynamic=True)
+    for fn in (tree_causal_conv1d_fast, traced):
+        got = fn(x, w, b, batch.parent_token)
+        torch.testing.assert_close(got, ref, atol=1e-12, rtol=0)
+        for a, r in zip(torch.autograd.grad((got * probe).sum(), (x, w, b)), grads_ref):
+            torch.testing.assert_close(a, r, atol=1e-12, rtol=1e-12)
     pos, taps = boundary_taps(batch.parent_token.numpy(), k)
     starts, lengths, _, _ = tree_nodes(batch.parent_token)
     assert 0 < len(pos) <= (k - 1) * len(starts) and taps.shape == (k, len(pos))

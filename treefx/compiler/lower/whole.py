@@ -11,7 +11,7 @@ import torch.fx as fx
 
 from ...mask import dense_tree_mask, tree_block_tensors
 from ...ops.attention import TreeFlexAttention, TreeScoredAttention, tree_attention_dense
-from ...ops.conv import tree_causal_conv1d, tree_causal_conv1d_op
+from ...ops.conv import tree_causal_conv1d, tree_causal_conv1d_fast
 from ...ops.recurrence import TracedTreeRecurrence, tree_recurrence
 from ...ops.scan import tree_cumsum
 from ..graph import GraphContext, arg, attention_error, describe, example, set_example
@@ -245,7 +245,7 @@ def conv(ctx: GraphContext, site: ConvSite) -> fx.Node:
         else:
             out = site.cut.meta.get("example_value")
             new = ctx.graph.call_function(
-                tree_causal_conv1d_op, (site.x, site.weight, site.bias, parent),
+                tree_causal_conv1d_fast, (site.x, site.weight, site.bias, parent),
                 {"dtype": out.dtype if isinstance(out, torch.Tensor) else None})
     return replace_conv(ctx, site, new)
 
