@@ -291,3 +291,13 @@ if [ "${1:-}" = m ]; then
   TREEFX_VERIFY=0 next_e2e 0 570 next --methods treefx,packed_reset --budget 560
   results m
 fi
+# Stage n (`... n` on one GPU, carry .whl/fla; results in $OUT/n.tgz): stage m's side by side
+# (treefx 161.2 ms, packing on fla 517.8 ms: 3.21x, 80.3% of the bound) profiled, both methods,
+# to see where the tree's step stays above a quarter of packing's; then the conv's forms alone
+if [ "${1:-}" = n ]; then
+  with_fla n
+  TREEFX_VERIFY=0 next_e2e 0 500 next_profile --methods treefx,packed_reset --budget 490 --profile
+  CUDA_VISIBLE_DEVICES=0 timeout 70 python3 -m benchmarks.conv_check --out $OUT/conv_check.json \
+    > $OUT/conv_check.log 2>&1; echo "conv_check rc=$?"; tail -n 7 $OUT/conv_check.log
+  results n
+fi
