@@ -301,3 +301,16 @@ if [ "${1:-}" = n ]; then
     > $OUT/conv_check.log 2>&1; echo "conv_check rc=$?"; tail -n 7 $OUT/conv_check.log
   results n
 fi
+# Stage o (`... o` on one GPU, carry .whl/fla; results in $OUT/o.tgz): exactness of the new
+# conv on the GPU where stage l ran out of time: gpu_check's bf16 hybrid case on Hugging
+# Face's torch kernels (fla not yet installed), then e2e qwen3_next with treefx alone on fla,
+# the first-call check on (log-probs and gradients against each sequence alone)
+if [ "${1:-}" = o ]; then
+  RES=$OUT; OUT=/tmp/o; mkdir -p $OUT
+  CUDA_VISIBLE_DEVICES=0 timeout 150 python3 -m benchmarks.gpu_check --cases hybrid-bf16 \
+    --out $OUT/gpu_check_hybrid_bf16.json > $OUT/gpu_check_hybrid_bf16.log 2>&1
+  echo "gpu_check rc=$?"; grep -E "^hybrid" $OUT/gpu_check_hybrid_bf16.log | tail -n 4
+  install_fla
+  next_e2e 0 430 next_checked --methods treefx --budget 420
+  results o
+fi
