@@ -4,7 +4,8 @@ tree) side by side, the folder's ``__init__`` re-exporting its public names. An 
 form is one module.
 
     attention/       tree attention: reference (SDPA, scored), flex (FlexAttention), part
-    conv/            tree causal conv1d: reference, part
+    conv/            tree causal conv1d: reference, fast (the row's conv fixed at node
+                     boundaries), part
     cross_entropy/   tree loss: reference (materialized logits), fast (fused, chunked)
     logprobs/        per-token log-probabilities: reference, fast (fused), site (graph node)
     lightning/       MiniMax lightning attention: reference (per token), fast (chunked)
@@ -15,4 +16,5 @@ form is one module.
     grad_into        a linear layer whose weight gradient is added into ``.grad``
     embedding        the input embedding of a part (its gradient to the part's rows)
     part_context     the context buffer of a part: every site's inputs as columns
+    host_row         what eager ops in a traced graph derive from the parent row on the host
 """
