@@ -99,7 +99,8 @@ def _multiplicity(batch) -> torch.Tensor:
 def test_tree_nodes_splits_at_branches():
     batch = treefx.pack(treefx.Tree.from_sequences([[1, 2, 3, 4, 5], [1, 2, 3, 6, 7, 8]]))
     starts, lengths, parents, depth = tree_nodes(batch.parent_token)
-    assert (starts, lengths, parents, depth) == ((0, 3, 5), (3, 2, 3), (-1, 0, 0), (0, 1, 1))
+    # the larger child first (treefx.pack lays a node's children largest subtree first)
+    assert (starts, lengths, parents, depth) == ((0, 3, 6), (3, 3, 2), (-1, 0, 0), (0, 1, 1))
 
 
 def test_tree_nodes_reuses_an_unchanged_row_only(monkeypatch):

@@ -327,9 +327,9 @@ def test_forest_weights_are_the_mean_over_all_its_sequences():
     small = Tree.from_sequences([[1, 2]])
     big = Tree.from_sequences([[3, 4], [3, 5], [3, 5, 6]])
     b = pack([small, big], weight_dtype=torch.float64)
-    # DFS: 1 2 | 3 4 5 6
-    assert b.input_ids[0].tolist() == [1, 2, 3, 4, 5, 6]
-    assert b.loss_weights.tolist() == [0.0, 0.25, 0.0, 0.25, 0.5, 0.25]
+    # DFS, a node's larger child first: 1 2 | 3 5 6 4
+    assert b.input_ids[0].tolist() == [1, 2, 3, 5, 6, 4]
+    assert b.loss_weights.tolist() == [0.0, 0.25, 0.0, 0.5, 0.25, 0.25]
 
 
 def test_num_sequences_is_checked():
@@ -649,3 +649,30 @@ def test_to_cuda_without_cuda_says_so():
         batch.to("cuda")
     with pytest.raises(RuntimeError, match=r"^batch.to\('cuda:0'\): CUDA is not available"):
         batch.to(torch.device("cuda", 0))
+
+
+def test_children_are_laid_out_largest_subtree_first():
+    """A comb (each call's completion a leaf off the growing conversation) whose leaves sort
+    before the trunk by token id: the trunk still comes first at every branch, so it stays one
+    contiguous run and the tree mask's blocks stay close to its pairs."""
+    from treefx.distributed import attended_pairs
+    from treefx.mask import tree_block_tensors
+
+    trunk, seqs = [], []
+    for call in range(12):
+        trunk = trunk + [100 + call] * 40  # the conversation grows with large ids
+        seqs.append(trunk + [1 + call] * 30)  # the completion starts with a small id
+    tree = Tree.from_sequences(seqs)
+    b = pack(tree)
+    offs, lens, par = (b.node_offset.tolist(), b.node_length.tolist(), b.node_parent.tolist())
+    size = list(lens)
+    for i in range(len(par) - 1, -1, -1):
+        if par[i] >= 0:
+            size[par[i]] += size[i]
+    for p in range(len(par)):
+        kids = [i for i in range(len(par)) if par[i] == p]
+        assert [size[k] for k in kids] == sorted((size[k] for k in kids), reverse=True)
+        assert not kids or offs[kids[0]] == offs[p] + lens[p]  # the largest right after it
+    kv, _, full, _, _ = tree_block_tensors(b.subtree_end, 16)
+    computed = (int(kv.sum()) + int(full.sum())) * 16 * 16
+    assert computed <= 1.1 * attended_pairs(tree)

@@ -23,12 +23,12 @@ def _listed(num, idx, rows, cols):
 
 
 def long_trees(vocab: int, seed: int = 0) -> list[treefx.Tree]:
-    """A tree of sequences up to ~70 tokens sharing prefixes of every length (many blocks of
+    """A tree of sequences up to ~130 tokens sharing prefixes of every length (many blocks of
     16 beyond a window of a few tokens), and the odd forest."""
     rng = random.Random(seed)
-    base = [rng.randrange(4, vocab) for _ in range(30)]
-    seqs = [base[:rng.randrange(1, 30)] + [rng.randrange(4, vocab)
-                                           for _ in range(rng.randrange(1, 40))]
+    base = [rng.randrange(4, vocab) for _ in range(60)]
+    seqs = [base[:rng.randrange(1, 60)] + [rng.randrange(4, vocab)
+                                           for _ in range(rng.randrange(1, 70))]
             for _ in range(4)]
     return [treefx.Tree.from_sequences(seqs), *odd_forest(seed + 2, vocab)]
 
