@@ -16,29 +16,20 @@ import torch
 
 import treefx
 from treefx.distributed import attended_pairs
+from treefx.layout import _dfs_order
 from treefx.mask import tree_block_tensors
 
 
 def subtree_end(tree: treefx.Tree, children_order) -> torch.Tensor:
     """The layout's ``subtree_end`` row for a preorder whose children come in
     ``children_order(children, subtree sizes)``."""
-    parents, lens = tree.parents, tree.segment_lengths.astype(np.int64)
-    n = len(parents)
+    lens = tree.segment_lengths.astype(np.int64)
+    order = _dfs_order(tree.parents, lens, children_order)
     sub = lens.copy()
-    for i in range(n - 1, -1, -1):
-        if parents[i] >= 0:
-            sub[parents[i]] += sub[i]
-    children: list[list[int]] = [[] for _ in range(n)]
-    roots = []
-    for i, p in enumerate(parents.tolist()):
-        (children[p] if p >= 0 else roots).append(i)
-    order, stack = [], roots[::-1]
-    while stack:
-        v = stack.pop()
-        order.append(v)
-        stack.extend(children_order(children[v], sub)[::-1])
-    order = np.asarray(order)
-    starts = np.zeros(n, dtype=np.int64)
+    for i in range(len(lens) - 1, -1, -1):
+        if tree.parents[i] >= 0:
+            sub[tree.parents[i]] += sub[i]
+    starts = np.zeros(len(lens), dtype=np.int64)
     starts[order] = np.concatenate([[0], np.cumsum(lens[order])[:-1]])
     return torch.from_numpy(np.repeat((starts + sub)[order], lens[order]))
 

@@ -218,7 +218,7 @@ def grouped_copy(tensors: list[torch.Tensor], device: torch.device,
 
 
 
-def _dfs_order(parents: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+def _dfs_order(parents: np.ndarray, lengths: np.ndarray, children_order=None) -> np.ndarray:
     """Preorder of the nodes, a node's children largest subtree first (by tokens; ties in index
     order).
 
@@ -244,7 +244,9 @@ def _dfs_order(parents: np.ndarray, lengths: np.ndarray) -> np.ndarray:
         v = stack.pop()
         order.append(v)
         kids = children[v]
-        if len(kids) > 1:
+        if children_order is not None:  # (children, subtree sizes) -> their order
+            kids = children_order(kids, sub)
+        elif len(kids) > 1:
             kids = sorted(kids, key=lambda c: -sub[c])
         stack.extend(kids[::-1])
     return np.asarray(order, dtype=np.int64)
