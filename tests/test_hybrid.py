@@ -31,15 +31,22 @@ def per_sequence(batch, fn):
             for i in range(batch.num_sequences)]
 
 
+def _conv_inputs(batch, k: int, c: int = 5):
+    """A generator seeded by ``k`` and float64 leaves for a width-``k`` conv over ``batch``:
+    input [2, c, N], weight [c, 1, k], bias [c] (the generator goes on to draw probes)."""
+    g = torch.Generator().manual_seed(k)
+    x = torch.randn(2, c, batch.num_tokens, dtype=torch.float64, generator=g, requires_grad=True)
+    w = torch.randn(c, 1, k, dtype=torch.float64, generator=g, requires_grad=True)
+    b = torch.randn(c, dtype=torch.float64, generator=g, requires_grad=True)
+    return g, (x, w, b)
+
+
 @pytest.mark.parametrize("k", [2, 4, 6])
 @pytest.mark.parametrize("trees", [[SHORT_NODES], odd_forest(30, VOCAB)], ids=["short", "forest"])
 def test_tree_conv1d_matches_each_sequence_alone(k, trees):
     batch = treefx.pack(trees)
-    g = torch.Generator().manual_seed(k)
-    c = 5
-    x = torch.randn(2, c, batch.num_tokens, dtype=torch.float64, generator=g, requires_grad=True)
-    w = torch.randn(c, 1, k, dtype=torch.float64, generator=g, requires_grad=True)
-    b = torch.randn(c, dtype=torch.float64, generator=g, requires_grad=True)
+    g, (x, w, b) = _conv_inputs(batch, k)
+    c = x.shape[1]
     out = tree_causal_conv1d(x, w, b, batch.parent_token)
     probe = torch.randn(out.shape, dtype=torch.float64, generator=g)
     grads_tree = torch.autograd.grad((out * probe).sum(), (x, w, b))
@@ -64,11 +71,7 @@ def test_fast_tree_conv1d_is_the_reference(k, trees):
     from treefx.ops.recurrence import tree_nodes
 
     batch = treefx.pack(trees)
-    g = torch.Generator().manual_seed(k)
-    c = 5
-    x = torch.randn(2, c, batch.num_tokens, dtype=torch.float64, generator=g, requires_grad=True)
-    w = torch.randn(c, 1, k, dtype=torch.float64, generator=g, requires_grad=True)
-    b = torch.randn(c, dtype=torch.float64, generator=g, requires_grad=True)
+    g, (x, w, b) = _conv_inputs(batch, k)
     probe = torch.randn(x.shape, dtype=torch.float64, generator=g)
     ref = tree_causal_conv1d(x, w, b, batch.parent_token)
     grads_ref = torch.autograd.grad((ref * probe).sum(), (x, w, b))
