@@ -29,6 +29,9 @@ loss over its loss mask), no optimizer step, each step from no gradients:
 
 - ``treefx``: ``treefx.backward(tm, tree, max_tokens=--budget)``: the tree in parts of at
   most ``--budget`` tokens, every unique token computed once.
+- ``treefx_whole`` (a diagnostic, where the tree fits the budget): the tree in one forward
+  and backward of the compiled model (``treefx.tree_loss(tm(batch), batch).backward()``), to
+  tell what ``treefx.backward``'s part engine costs on a tree that is one part.
 - ``packing``, the baseline real trainers use: every call laid out as its own sequence,
   the sequences packed first-fit-decreasing into micro-batches of at most
   ``max(--budget, longest call)`` tokens, each micro-batch one forward and backward with a
@@ -340,6 +343,13 @@ def run_task(index: int, tree: treefx.Tree, tm, model, args, cuda: bool, dev: st
     def tree_step():
         return treefx.backward(tm, batch, max_tokens=budget)
 
+    whole_batch = batch.to(dev) if "treefx_whole" in args.methods else None
+
+    def whole_step():  # the tree in one forward and backward, as a tree that fits one part
+        loss = treefx.tree_loss(tm(whole_batch), whole_batch)
+        loss.backward()
+        return loss.detach()
+
     def run_micro(batches):
         total = torch.zeros((), dtype=torch.float64, device=dev)
         for b in batches:
@@ -355,6 +365,9 @@ def run_task(index: int, tree: treefx.Tree, tm, model, args, cuda: bool, dev: st
                 st = timed(tree_step, model, cuda, args.warmup, args.reps)
                 st.update(parts=plan.num_parts, peak_held_tokens=plan.peak_held_tokens(),
                           tokens=tree.num_tokens, host_pack_ms=pack_tree_ms)
+            elif name == "treefx_whole":
+                st = timed(whole_step, model, cuda, args.warmup, args.reps)
+                st.update(tokens=tree.num_tokens, host_pack_ms=pack_tree_ms)
             else:
                 dev_batches = [b.to(dev) for b in micro]
                 largest = max(dev_batches, key=lambda b: b.num_tokens)
@@ -378,6 +391,8 @@ def run_task(index: int, tree: treefx.Tree, tm, model, args, cuda: bool, dev: st
         if oom is not None:  # outside the handler: its traceback no longer holds the tensors
             if name == "packing":
                 dev_batches = largest = None
+            if name == "treefx_whole":
+                whole_batch = None
             methods[name] = {"status": "oom", "error": oom}
         _free(model, cuda)
     row["methods"] = methods
@@ -394,6 +409,12 @@ def run_task(index: int, tree: treefx.Tree, tm, model, args, cuda: bool, dev: st
             rel = _grad_rel(grads["treefx"], grads["packing"])
             row["grad_rel_diff"] = rel
             row["grads_agree"] = bool(rel) and max(rel.values()) <= args.grad_tol
+    if {"treefx_whole", "packing"} <= ok:
+        w = methods["treefx_whole"]
+        row["whole_speedup"] = methods["packing"]["step_ms"] / w["step_ms"]
+        row["whole_share_of_bound"] = row["whole_speedup"] / row["bound"]
+        row["whole_loss_rel_diff"] = abs(w["loss"] - methods["packing"]["loss"]) / max(
+            abs(methods["packing"]["loss"]), 1e-30)
     return row
 
 
@@ -425,6 +446,15 @@ def summary(rows: list[dict]) -> dict:
         # all tasks one after the other: sequence tokens (as trainers count them) per second
         overall_sequence_tokens_per_s={"treefx": seq / t_tree, "packing": seq / t_pack},
         overall_speedup=t_pack / t_tree)
+    whole = [r for r in both if "whole_share_of_bound" in r]
+    if whole:  # the tree in one forward and backward beside treefx.backward's one part
+        out.update(
+            whole_median_share_of_bound=statistics.median(r["whole_share_of_bound"]
+                                                          for r in whole),
+            whole_worst_share_of_bound=min(r["whole_share_of_bound"] for r in whole),
+            whole_over_backward_median=statistics.median(
+                r["methods"]["treefx"]["step_ms"] / r["methods"]["treefx_whole"]["step_ms"]
+                for r in whole))
     if all("grads_agree" in r for r in both):
         out["grads_agree"] = all(r["grads_agree"] for r in both)
         out["max_grad_rel_diff"] = max(max(r["grad_rel_diff"].values()) for r in both)
@@ -508,9 +538,10 @@ def main(argv=None):
     if args.reps < 1 or args.packing_reps < 1:
         p.error("--reps and --packing-reps must be at least 1")
     args.methods = [m for m in args.methods.split(",") if m]
-    bad = set(args.methods) - {"treefx", "packing"}
+    bad = set(args.methods) - {"treefx", "packing", "treefx_whole"}
     if bad or not args.methods:
-        p.error(f"--methods: treefx and/or packing, got {sorted(bad) or 'none'}")
+        p.error(f"--methods: treefx, treefx_whole and/or packing, got "
+                f"{sorted(bad) or 'none'}")
     cuda = common.use_cuda(args.dry_run)
     dev = "cuda" if cuda else "cpu"
     backend = "inductor" if cuda else "eager"
@@ -586,9 +617,9 @@ def _line(r: dict) -> str:
         if st["status"] != "ok":
             return f"  {name} OOM"
         n = st.get("parts", st.get("micro_batches"))
+        what = "whole" if n is None else f"{n} {'parts' if 'parts' in st else 'mb'}"
         mem = f" {st['peak_gib']:.1f} GiB" if st["peak_gib"] is not None else ""
-        return f"  {name} {st['step_ms']:9.1f} ms ({n} {'parts' if 'parts' in st else 'mb'}" \
-               f"{mem})"
+        return f"  {name} {st['step_ms']:9.1f} ms ({what}{mem})"
 
     tail = ""
     if "speedup" in r:
@@ -597,7 +628,9 @@ def _line(r: dict) -> str:
         if "grad_rel_diff" in r:
             tail += f", grad diff {max(r['grad_rel_diff'].values()):.1e}" \
                     f"{'' if r['grads_agree'] else ' DISAGREE'}"
-    return head + one("treefx") + one("packing") + tail
+    if "whole_speedup" in r:
+        tail += f"; whole {r['whole_speedup']:.2f}x = {r['whole_share_of_bound']:.0%}"
+    return head + one("treefx") + one("treefx_whole") + one("packing") + tail
 
 
 def _summary_lines(s: dict) -> str:
@@ -613,6 +646,11 @@ def _summary_lines(s: dict) -> str:
                      f"{s['losses_agree']} (max rel diff {s['max_loss_rel_diff']:.1e})"
                      + (f"; gradients agree: {s['grads_agree']} (max rel diff "
                         f"{s['max_grad_rel_diff']:.1e})" if "grads_agree" in s else ""))
+    if "whole_median_share_of_bound" in s:
+        lines.append(f"treefx_whole (one forward and backward): median "
+                     f"{s['whole_median_share_of_bound']:.1%} of the bound, worst "
+                     f"{s['whole_worst_share_of_bound']:.1%}; treefx.backward / whole step: "
+                     f"median {s['whole_over_backward_median']:.3f}")
     return "\n".join(lines)
 
 

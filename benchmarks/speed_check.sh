@@ -314,3 +314,25 @@ if [ "${1:-}" = o ]; then
   next_e2e 0 430 next_checked --methods treefx --budget 420
   results o
 fi
+# Stage p (`... p` on four GPUs, carry .whl/fla and .data; results in $OUT/p.tgz): after the
+# tree recurrence's op keeps its forward's autograd graph for its backward instead of
+# recomputing the forward there (a third of fla's per-level calls a step)
+#   GPU 0: e2e qwen3_next, treefx on fla then packing on fla, the check off (side by side;
+#     the JSON counts the recurrence's backward calls that used the kept graph)
+#   GPUs 1-3: the 40 SWE tasks of BENCHMARKS.md's real-trajectory run (issue 34) in three
+#     shards: treefx.backward beside the tree in one forward and backward (treefx_whole, every
+#     tree fits one part at this budget) and packing
+if [ "${1:-}" = p ]; then
+  with_fla p
+  TREEFX_VERIFY=0 next_e2e 0 575 next --methods treefx,packed_reset --budget 560 &
+  for j in "1 0:14" "2 14:27" "3 27:40"; do
+    set -- $j
+    (CUDA_VISIBLE_DEVICES=$1 TREEFX_VERIFY=0 timeout 575 python3 -m benchmarks.real_trees \
+       --trees .data/swe200.jsonl --sample 40 --seed 0 --slice $2 --budget 65536 \
+       --check-grads --methods treefx,treefx_whole,packing --time-limit 530 \
+       --out $OUT/real_trees_$1.json > $OUT/real_trees_$1.log 2>&1
+     echo "real_trees $2 rc=$?"; tail -n 5 $OUT/real_trees_$1.log | cut -c1-400) &
+  done
+  wait
+  results p
+fi

@@ -583,17 +583,34 @@ def decayed_sum(x, a, initial_state=None, output_final_state=False):
     return out, (fin if output_final_state else None)
 
 
-def test_traced_recurrence_runs_classic_autograd_functions():
-    """The traced op's backward recomputes the forward under plain autograd inside a custom
-    op: kernels written as classic autograd.Functions (fla's) must differentiate there too."""
+def _decayed_sum_site(keep: bool, kernel=None):
     from treefx.compiler.recurrences import Recurrence
     from treefx.ops.recurrence import TracedTreeRecurrence, register_site
 
-    rec = Recurrence(name="decayed_sum_test", fn=decayed_sum, seq_args={"x": 1, "a": 1},
+    fn = kernel or decayed_sum
+    rec = Recurrence(name=f"decayed_sum_test_{fn.__name__}", fn=fn, seq_args={"x": 1, "a": 1},
                      neutral={"a": 1.0})
     rec.signature = __import__("inspect").signature(decayed_sum)
     rec.output_like = "x"
-    op = TracedTreeRecurrence(register_site(rec, ["x", "a"], {}))
+    return rec, TracedTreeRecurrence(register_site(rec, ["x", "a"], {}), keep=keep)
+
+
+@pytest.mark.parametrize("outer", [None, "checkpoint"])
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("keep", [False, True], ids=["recomputed", "kept"])
+def test_traced_recurrence_runs_classic_autograd_functions(keep, backend, outer):
+    """The traced op runs the kernels under plain autograd inside a custom op, in its forward
+    (``keep``: the graph kept for the backward) or recomputed in its backward: kernels
+    written as classic autograd.Functions (fla's) must differentiate there too. This one saves
+    an input and its own output, as kernels do: the op must hand the compiled graph tensors
+    the kept graph does not read. ``outer``: the compiled call runs under a non-reentrant
+    checkpoint (its saved-tensor hooks around the op: the kept graph's tensors dropped and
+    recomputed with the rest)."""
+    from torch.utils.checkpoint import checkpoint
+
+    from treefx.ops.recurrence import backward_paths
+
+    rec, op = _decayed_sum_site(keep)
     batch = treefx.pack(odd_forest(33, VOCAB))
     g = torch.Generator().manual_seed(2)
     x = torch.randn(1, batch.num_tokens, 3, dtype=torch.float64, generator=g, requires_grad=True)
@@ -601,16 +618,53 @@ def test_traced_recurrence_runs_classic_autograd_functions():
     probe = torch.randn(x.shape, dtype=torch.float64, generator=g)
 
     def loss(parent, x, a):
-        return (op(parent, x, a)[0] * probe).sum()
+        # the graph writes over its buffers after the op (an in-place scale of the output)
+        out = op(parent, x * 1.0, a + 0.0)[0]
+        return (out.mul_(2.0) * probe).sum()
 
-    got = torch.autograd.grad(torch.compile(loss, backend="aot_eager", fullgraph=True)(
-        batch.parent_token, x, a), (x, a))
+    compiled = torch.compile(loss, backend=backend, fullgraph=True)
+    before = backward_paths()
+    if outer == "checkpoint":  # the forward runs twice: once, and again in the backward
+        got = torch.autograd.grad(checkpoint(compiled, batch.parent_token, x, a,
+                                             use_reentrant=False), (x, a))
+    else:
+        got = torch.autograd.grad(compiled(batch.parent_token, x, a), (x, a))
+    after = backward_paths()
+    path = "kept" if keep else "recomputed"
+    assert after[path] == before[path] + 1 and sum(after.values()) == sum(before.values()) + 1
     want_out, _ = tree_recurrence(rec, batch.parent_token, (x, a), {})
-    want = torch.autograd.grad((want_out * probe).sum(), (x, a))
+    want = torch.autograd.grad((want_out * 2.0 * probe).sum(), (x, a))
     for w in want:
         assert w.abs().sum() > 0
     for a_, w in zip(got, want):
         torch.testing.assert_close(a_, w, atol=1e-10, rtol=1e-10)
+
+
+def test_a_forward_without_its_backward_frees_the_kept_graph():
+    """A step abandoned after its forward (an evaluation with gradients on, an error before
+    the backward) must not keep the kernels' graph alive: it rides on a tensor AOTAutograd
+    holds for the backward, and dies with it."""
+    import gc
+    import weakref
+
+    seen = []
+
+    def watched(x, a, initial_state=None, output_final_state=False):
+        if a.requires_grad:  # (not the probe of whether padding is neutral)
+            seen.append(weakref.ref(a))  # the kernel saves it for its backward
+        return decayed_sum(x, a, initial_state, output_final_state)
+
+    _, op = _decayed_sum_site(True, watched)
+    batch = treefx.pack(odd_forest(33, VOCAB))
+    x = torch.randn(1, batch.num_tokens, 3, dtype=torch.float64, requires_grad=True)
+    a = torch.rand(1, batch.num_tokens, 3, dtype=torch.float64, requires_grad=True)
+    compiled = torch.compile(lambda p, x, a: op(p, x, a)[0].sum(), backend="aot_eager",
+                             fullgraph=True)
+    out = compiled(batch.parent_token, x, a)
+    assert seen and all(r() is not None for r in seen)  # kept while the backward may come
+    del out
+    gc.collect()
+    assert all(r() is None for r in seen)
 
 
 def test_capture_does_not_run_the_kernel_on_fake_tensors():

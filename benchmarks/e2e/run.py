@@ -9,7 +9,7 @@ import traceback
 import torch
 
 import treefx
-from treefx.ops.recurrence import kernel_runs
+from treefx.ops.recurrence import backward_paths, kernel_runs
 
 from ..common import counts_delta, dynamo_counts, save_json, stream_trees
 from .dry_checks import dry_checks
@@ -50,9 +50,12 @@ def run_hidden(env, args, hidden, trees, res, deadline, first_hidden) -> None:
                 continue
             try:
                 step = parts["prepare"][name](tree)
-                runs0 = kernel_runs()
+                runs0, back0 = kernel_runs(), backward_paths()
                 r = measure(env, step, warmup, reps)
                 r.update(recurrence_paths(runs0, kernel_runs()))
+                if "recurrence_kernels" in r:  # its backward: the forward's graph or recomputed
+                    r["recurrence_backward"] = {k: v - back0[k]
+                                                for k, v in backward_paths().items()}
                 if not math.isfinite(r["loss"]):
                     # a wrong result, not a timing: reported as a failure (a regional run
                     # once gave an infinite loss on the GPU, BENCHMARKS.md "First step")

@@ -215,7 +215,9 @@ def recurrence(ctx: GraphContext, site: RecurrenceSite) -> fx.Node:
             new = g.call_function(TreeRecurrenceCall(rec), (parent, *node.args), node.kwargs)
         else:
             key, tensors = traced_site(rec, node)
-            new = g.call_function(TracedTreeRecurrence(key), (parent, *tensors))
+            # a graph traced with gradients on keeps the kernels' graph for its backward
+            new = g.call_function(TracedTreeRecurrence(key, keep=torch.is_grad_enabled()),
+                                  (parent, *tensors))
     return replace_recurrence(ctx, site, new)
 
 

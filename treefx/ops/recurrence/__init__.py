@@ -6,8 +6,9 @@ custom op that traced graphs call (:mod:`.traced`), and both for a part of a tre
 from .part import TracedTreeRecurrencePart, tree_recurrence_part
 from .reference import (Recurrence, kernel_runs, padding_is_neutral, tree_nodes,
                         tree_recurrence)
-from .traced import TracedTreeRecurrence, register_site
+from .traced import TracedTreeRecurrence, backward_paths, register_site
 
-__all__ = ["Recurrence", "TracedTreeRecurrence", "TracedTreeRecurrencePart", "kernel_runs",
+__all__ = ["Recurrence", "TracedTreeRecurrence", "TracedTreeRecurrencePart", "backward_paths",
+           "kernel_runs",
            "padding_is_neutral", "register_site", "tree_nodes", "tree_recurrence",
            "tree_recurrence_part"]

@@ -2,10 +2,13 @@
 
 Under AOTAutograd / Inductor the tree structure is data (it comes from parent_token), so the
 per-depth loop (:func:`.reference.tree_recurrence`) cannot be traced. The recurrence then runs
-as one opaque custom op: its fake implementation gives the output's shape, its backward
-recomputes the forward under autograd (the kernels' own torch code) and differentiates it.
-Each graph site's non-tensor arguments are registered under a key (:func:`register_site`),
-which the op is called with; :mod:`.part` has the same for a part of a tree.
+as one opaque custom op: its fake implementation gives the output's shape. In a graph that computes
+gradients the op runs the kernels under autograd and keeps their graph for its backward
+(:func:`run_keeping`, :func:`kept_grads`); otherwise it runs them without autograd, and a
+backward (never expected) would recompute the forward under autograd and differentiate it
+(:func:`recomputed_grads`). Each graph site's non-tensor arguments are registered under a key
+(:func:`register_site`), which the op is called with; :mod:`.part` has the same for a part of
+a tree.
 """
 
 from __future__ import annotations
@@ -14,10 +17,11 @@ import torch
 
 from .reference import Recurrence, tree_recurrence
 
-__all__ = ["TracedSite", "TracedTreeRecurrence", "output_dtype", "recomputed_grads",
-           "register_site", "site"]
+__all__ = ["TracedSite", "TracedTreeRecurrence", "backward_paths", "kept_grads",
+           "output_dtype", "recomputed_grads", "register_site", "run_keeping", "site"]
 
 _SITES: dict[str, tuple] = {}  # key -> (recurrence, tensor argument names, static arguments)
+_PATHS = {"kept": 0, "recomputed": 0}  # backward calls that used a kept graph / recomputed
 
 
 def register_site(rec: Recurrence, tensor_names: list[str], static: dict,
@@ -75,6 +79,7 @@ def _(key, parent_token, tensors):
 @torch.library.custom_op("treefx::tree_recurrence_backward", mutates_args=())
 def _tree_recurrence_backward(key: str, parent_token: torch.Tensor, tensors: list[torch.Tensor],
                               grad: torch.Tensor) -> list[torch.Tensor]:
+    _PATHS["recomputed"] += 1
     return recomputed_grads(lambda xs: [_run_site(key, parent_token, xs)], tensors, [grad])
 
 
@@ -106,6 +111,69 @@ def _(key, parent_token, tensors, grad):
     return [t.new_empty(t.shape) for t in tensors]
 
 
+# ---------------------------------------------------------------------------- kept graphs
+#
+# Recomputing the forward in the backward runs every kernel call twice: on a hybrid's step on
+# fla, a third of its per-level kernel calls (host time the GPU waits for). A graph that
+# computes gradients instead runs the forward under autograd once and keeps that graph for
+# the backward op. A custom op returns only tensors, so the graph rides on one: a tiny
+# "handle" output carries it as a Python attribute, and it lives exactly as long as AOTAutograd
+# keeps the handle for the backward (a forward whose handle is not kept, e.g. one the
+# partitioner recomputes under activation checkpointing, frees its graph at once). The
+# kernels' saved tensors must not alias buffers the compiled graph may reuse, so the graph
+# runs on copies of the inputs that the op owns and returns; the backward reads those.
+
+def backward_paths() -> dict[str, int]:
+    """How many backward calls of the recurrence ops in this process used the forward's kept
+    graph (``kept``) and how many recomputed the forward (``recomputed``: a graph without
+    gradients at trace time, or a kept graph already used, e.g. a second backward)."""
+    return dict(_PATHS)
+
+
+def run_keeping(run, tensors: list[torch.Tensor]
+                ) -> tuple[list[torch.Tensor], torch.Tensor, list[torch.Tensor]]:
+    """(the outputs of ``run(tensors)``, a handle carrying their autograd graph, copies of
+    ``tensors`` the graph reads), for :func:`kept_grads`. ``run``'s outputs must be fresh
+    tensors no kernel saved (a cat or stack last), as the op hands them to the compiled
+    graph, which may write over them once they are dead."""
+    floats = [i for i, t in enumerate(tensors) if t.is_floating_point()]
+    owned = [t.clone() for t in tensors]
+    leaves = list(owned)
+    for i in floats:
+        leaves[i] = owned[i].detach().requires_grad_()
+    readmit = torch._C._SetExcludeDispatchKeyGuard(torch._C.DispatchKey.AutogradFunctionality,
+                                                   False)
+    # Saved-tensor hooks around the caller (a checkpoint outside the compiled code,
+    # offloading) apply to this graph as to any other the call records.
+    with readmit, torch.enable_grad():
+        outs = run(leaves)
+    # edges, not the outputs: holding an output would keep its memory until the backward
+    edges = [(torch.autograd.graph.get_gradient_edge(o), o.dtype) if o.requires_grad else None
+             for o in outs]
+    handle = torch.zeros(0, dtype=torch.int64)
+    handle._treefx_kept = (edges, [leaves[i] for i in floats], floats)
+    return [o.detach() for o in outs], handle, owned
+
+
+def kept_grads(handle: torch.Tensor, run, owned: list[torch.Tensor],
+               grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The gradients :func:`recomputed_grads` gives, from the graph :func:`run_keeping`
+    kept on ``handle`` (used once, then freed); recomputed where it is gone."""
+    kept = getattr(handle, "_treefx_kept", None)
+    if kept is None:
+        _PATHS["recomputed"] += 1
+        return recomputed_grads(run, owned, grads)
+    del handle._treefx_kept
+    _PATHS["kept"] += 1
+    edges, leaves, floats = kept
+    pairs = [(e, g) for e, g in zip(edges, grads) if e is not None]
+    got = torch.autograd.grad([e for (e, _), _ in pairs], leaves,
+                              [g.to(dtype) for (_, dtype), g in pairs], allow_unused=True)
+    by_index = dict(zip(floats, got))
+    return [by_index[i].contiguous() if by_index.get(i) is not None else t.new_zeros(t.shape)
+            for i, t in enumerate(owned)]
+
+
 def _setup(ctx, inputs, output):
     key, parent_token, tensors = inputs
     ctx.key = key
@@ -119,6 +187,54 @@ def _backward(ctx, grad):
 
 
 _tree_recurrence_op.register_autograd(_backward, setup_context=_setup)
+
+
+@torch.library.custom_op("treefx::tree_recurrence_kept", mutates_args=())
+def _tree_recurrence_kept(key: str, parent_token: torch.Tensor, tensors: list[torch.Tensor]
+                          ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    (out,), handle, owned = run_keeping(lambda xs: [_run_site(key, parent_token, xs)], tensors)
+    want = output_dtype(key, tensors)
+    if out.dtype != want:
+        raise RuntimeError(f"treefx recurrence {key}: the kernel returned {out.dtype} where "
+                           f"the traced graph expects {want}")
+    return out.contiguous(), handle, owned
+
+
+@_tree_recurrence_kept.register_fake
+def _(key, parent_token, tensors):
+    rec, names, _, _ = _SITES[key]
+    like = tensors[names.index(rec.output_like)]
+    return (like.new_empty(like.shape, dtype=output_dtype(key, tensors)),
+            torch.empty(0, dtype=torch.int64), [t.new_empty(t.shape) for t in tensors])
+
+
+@torch.library.custom_op("treefx::tree_recurrence_kept_backward", mutates_args=())
+def _tree_recurrence_kept_backward(key: str, parent_token: torch.Tensor, handle: torch.Tensor,
+                                   owned: list[torch.Tensor], grad: torch.Tensor
+                                   ) -> list[torch.Tensor]:
+    return kept_grads(handle, lambda xs: [_run_site(key, parent_token, xs)], owned, [grad])
+
+
+@_tree_recurrence_kept_backward.register_fake
+def _(key, parent_token, handle, owned, grad):
+    return [t.new_empty(t.shape) for t in owned]
+
+
+def _kept_setup(ctx, inputs, output):
+    key, parent_token, _ = inputs
+    _, handle, owned = output
+    ctx.key = key
+    ctx.save_for_backward(parent_token, handle, *owned)
+
+
+def _kept_backward(ctx, grad, _grad_handle, _grad_owned):
+    parent_token, handle, *owned = ctx.saved_tensors
+    grads = _tree_recurrence_kept_backward(ctx.key, parent_token, handle, owned,
+                                           grad.contiguous())
+    return None, None, [g if t.is_floating_point() else None for g, t in zip(grads, owned)]
+
+
+_tree_recurrence_kept.register_autograd(_kept_backward, setup_context=_kept_setup)
 
 
 class TracedSite:
@@ -136,8 +252,19 @@ class TracedSite:
 
 
 class TracedTreeRecurrence(TracedSite):
-    """The custom op over a whole tree, returning what the kernel returns."""
+    """The custom op over a whole tree, returning what the kernel returns; ``keep``: the
+    forward keeps its autograd graph for the backward (a graph traced with gradients on),
+    else the backward would recompute it."""
+
+    def __init__(self, key: str, keep: bool = False):
+        super().__init__(key)
+        self.keep = keep
+        if keep:
+            self.__name__ += "_kept"
 
     def __call__(self, parent_token, *tensors):
-        out = _tree_recurrence_op(self.key, parent_token, list(tensors))
+        if self.keep:
+            out = _tree_recurrence_kept(self.key, parent_token, list(tensors))[0]
+        else:
+            out = _tree_recurrence_op(self.key, parent_token, list(tensors))
         return out if self.rec.bare_output_without_state else (out, None)
