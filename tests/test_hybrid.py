@@ -640,6 +640,22 @@ def test_traced_recurrence_runs_classic_autograd_functions(keep, backend, outer)
         torch.testing.assert_close(a_, w, atol=1e-10, rtol=1e-10)
 
 
+@pytest.mark.parametrize("keep", [False, True], ids=["recomputed", "kept"])
+def test_recurrence_op_passes_opcheck(keep):
+    """torch.library.opcheck on the traced op (schema, fake kernel against the real one,
+    autograd through AOTAutograd), with an input of other strides than a contiguous one: the
+    fake kernel promises contiguous outputs, and Inductor asserts them on the GPU."""
+    from treefx.ops.recurrence import traced
+
+    _, op = _decayed_sum_site(keep)
+    batch = treefx.pack(odd_forest(33, VOCAB))
+    n = batch.num_tokens
+    x = torch.randn(1, 3, n, dtype=torch.float64).transpose(1, 2).requires_grad_()
+    a = torch.rand(1, n, 3, dtype=torch.float64, requires_grad=True)
+    fn = traced._tree_recurrence_kept if keep else traced._tree_recurrence_op
+    torch.library.opcheck(fn, (op.key, batch.parent_token, [x, a]))
+
+
 def test_a_forward_without_its_backward_frees_the_kept_graph():
     """A step abandoned after its forward (an evaluation with gradients on, an error before
     the backward) must not keep the kernels' graph alive: it rides on a tensor AOTAutograd

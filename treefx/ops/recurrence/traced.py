@@ -137,7 +137,7 @@ def run_keeping(run, tensors: list[torch.Tensor]
     tensors no kernel saved (a cat or stack last), as the op hands them to the compiled
     graph, which may write over them once they are dead."""
     floats = [i for i, t in enumerate(tensors) if t.is_floating_point()]
-    owned = [t.clone() for t in tensors]
+    owned = [t.clone(memory_format=torch.contiguous_format) for t in tensors]
     leaves = list(owned)
     for i in floats:
         leaves[i] = owned[i].detach().requires_grad_()
