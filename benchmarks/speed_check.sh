@@ -336,3 +336,29 @@ if [ "${1:-}" = p ]; then
   wait
   results p
 fi
+# Stage q (`... q` on four GPUs, carry .whl/fla; results in $OUT/q.tgz): stage p's e2e failed
+# (the kept graph's copies kept their inputs' strides; the fake kernel promised contiguous).
+# fla installed for the fla jobs alone (/tmp/fla); at most 16 compile threads a job
+#   GPU 0: e2e qwen3_next side by side, treefx on fla then packing on fla, the check off
+#   GPU 1: treefx on fla alone, the first-call check on (bf16, against each sequence alone)
+#   GPU 2: gpu_check's hybrid cases without fla (Hugging Face's torch kernels through
+#     Inductor): float32 and bf16 against the float32 oracle
+#   GPU 3: GPU 0's treefx run with the recurrence's backward recomputing its forward (the
+#     path before the change), at the same time, to set the two against each other
+if [ "${1:-}" = q ]; then
+  RES=$OUT; OUT=/tmp/q; mkdir -p $OUT
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/fla \
+    .whl/fla/*.whl
+  export TORCHINDUCTOR_COMPILE_THREADS=16
+  PYTHONPATH=/tmp/fla TREEFX_VERIFY=0 next_e2e 0 530 next --methods treefx,packed_reset \
+    --budget 515 &
+  PYTHONPATH=/tmp/fla next_e2e 1 530 next_checked --methods treefx --budget 515 &
+  (CUDA_VISIBLE_DEVICES=2 timeout 530 python3 -m benchmarks.gpu_check \
+     --cases hybrid-fp32,hybrid-bf16 --out $OUT/gpu_check_hybrid.json \
+     > $OUT/gpu_check_hybrid.log 2>&1
+   echo "gpu_check rc=$?"; grep -E "^hybrid" $OUT/gpu_check_hybrid.log | tail -n 8) &
+  PYTHONPATH=/tmp/fla TREEFX_VERIFY=0 next_e2e 3 530 next_recompute --methods treefx \
+    --budget 515 --recompute-recurrence &
+  wait
+  results q
+fi

@@ -67,6 +67,9 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--profile", action="store_true",
                    help="also profile each measured step: GPU time by kernel kind")
+    p.add_argument("--recompute-recurrence", action="store_true",
+                   help="the tree recurrence's backward recomputes its forward (treefx's "
+                        "behaviour before it kept the forward's graph): to measure that change")
     p.add_argument("--budget", type=float, default=480.0,
                    help="seconds; measurements not started by then are skipped (recorded)")
     p.add_argument("--quick", action="store_true",
@@ -98,6 +101,9 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.recompute_recurrence:
+        from treefx.ops.recurrence import traced
+        traced.KEEP_FORWARD_GRAPH = False
     if args.log:
         import logging
         logging.basicConfig(format="%(asctime)s %(name)s %(message)s")

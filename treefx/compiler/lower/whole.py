@@ -12,7 +12,7 @@ import torch.fx as fx
 from ...mask import dense_tree_mask, tree_block_tensors
 from ...ops.attention import TreeFlexAttention, TreeScoredAttention, tree_attention_dense
 from ...ops.conv import tree_causal_conv1d, tree_causal_conv1d_fast
-from ...ops.recurrence import TracedTreeRecurrence, tree_recurrence
+from ...ops.recurrence import TracedTreeRecurrence, traced, tree_recurrence
 from ...ops.scan import tree_cumsum
 from ..graph import GraphContext, arg, attention_error, describe, example, set_example
 from ..mask_lift import LiftedScore, MaskLiftError, implied_by_tree, lift_mask
@@ -216,8 +216,8 @@ def recurrence(ctx: GraphContext, site: RecurrenceSite) -> fx.Node:
         else:
             key, tensors = traced_site(rec, node)
             # a graph traced with gradients on keeps the kernels' graph for its backward
-            new = g.call_function(TracedTreeRecurrence(key, keep=torch.is_grad_enabled()),
-                                  (parent, *tensors))
+            keep = torch.is_grad_enabled() and traced.KEEP_FORWARD_GRAPH
+            new = g.call_function(TracedTreeRecurrence(key, keep=keep), (parent, *tensors))
     return replace_recurrence(ctx, site, new)
 
 

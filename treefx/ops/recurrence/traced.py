@@ -22,6 +22,9 @@ __all__ = ["TracedSite", "TracedTreeRecurrence", "backward_paths", "kept_grads",
 
 _SITES: dict[str, tuple] = {}  # key -> (recurrence, tensor argument names, static arguments)
 _PATHS = {"kept": 0, "recomputed": 0}  # backward calls that used a kept graph / recomputed
+# Graphs traced with gradients on keep the forward's graph (False: recompute it, as before;
+# benchmarks.e2e --recompute-recurrence measures the difference)
+KEEP_FORWARD_GRAPH = True
 
 
 def register_site(rec: Recurrence, tensor_names: list[str], static: dict,
