@@ -324,7 +324,8 @@ fi
 #     tree fits one part at this budget) and packing
 if [ "${1:-}" = p ]; then
   with_fla p
-  TREEFX_VERIFY=0 next_e2e 0 575 next --methods treefx,packed_reset --budget 560 &
+  TREEFX_VERIFY=0 next_e2e 0 575 next --methods treefx,packed_reset --budget 560 \
+    --recurrence-backward kept &
   for j in "1 0:14" "2 14:27" "3 27:40"; do
     set -- $j
     (CUDA_VISIBLE_DEVICES=$1 TREEFX_VERIFY=0 timeout 575 python3 -m benchmarks.real_trees \
@@ -338,6 +339,8 @@ if [ "${1:-}" = p ]; then
 fi
 # Stage q (`... q` on four GPUs, carry .whl/fla; results in $OUT/q.tgz): stage p's e2e failed
 # (the kept graph's copies kept their inputs' strides; the fake kernel promised contiguous).
+# The kept graph was treefx's default when this ran; it is opt-in now (GPU 0's packing stopped
+# with an illegal memory access), hence the explicit switches.
 # fla installed for the fla jobs alone (/tmp/fla); at most 16 compile threads a job
 #   GPU 0: e2e qwen3_next side by side, treefx on fla then packing on fla, the check off
 #   GPU 1: treefx on fla alone, the first-call check on (bf16, against each sequence alone)
@@ -351,14 +354,15 @@ if [ "${1:-}" = q ]; then
     .whl/fla/*.whl
   export TORCHINDUCTOR_COMPILE_THREADS=16
   PYTHONPATH=/tmp/fla TREEFX_VERIFY=0 next_e2e 0 530 next --methods treefx,packed_reset \
-    --budget 515 &
-  PYTHONPATH=/tmp/fla next_e2e 1 530 next_checked --methods treefx --budget 515 &
-  (CUDA_VISIBLE_DEVICES=2 timeout 530 python3 -m benchmarks.gpu_check \
+    --budget 515 --recurrence-backward kept &
+  PYTHONPATH=/tmp/fla next_e2e 1 530 next_checked --methods treefx --budget 515 \
+    --recurrence-backward kept &
+  (CUDA_VISIBLE_DEVICES=2 TREEFX_KEEP_RECURRENCE_GRAPH=1 timeout 530 python3 -m benchmarks.gpu_check \
      --cases hybrid-fp32,hybrid-bf16 --out $OUT/gpu_check_hybrid.json \
      > $OUT/gpu_check_hybrid.log 2>&1
    echo "gpu_check rc=$?"; grep -E "^hybrid" $OUT/gpu_check_hybrid.log | tail -n 8) &
   PYTHONPATH=/tmp/fla TREEFX_VERIFY=0 next_e2e 3 530 next_recompute --methods treefx \
-    --budget 515 --recompute-recurrence &
+    --budget 515 --recurrence-backward recompute &
   wait
   results q
 fi

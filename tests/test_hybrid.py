@@ -380,6 +380,51 @@ def test_traced_recurrence_matches_oracle():
     assert len(ops) == 2 and all("tree_recurrence_op_" in op for op in ops)
 
 
+class _Checkpointed(torch.nn.Module):
+    """A layer run under a non-reentrant ``torch.utils.checkpoint`` (user code)."""
+
+    def __init__(self, layer):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, *args):
+        from torch.utils.checkpoint import checkpoint
+        return checkpoint(self.layer, *args, use_reentrant=False)
+
+
+@pytest.mark.parametrize("checkpointed", [False, True], ids=["plain", "checkpointed"])
+def test_kept_recurrence_graph_matches_oracle(monkeypatch, checkpointed):
+    """``TREEFX_KEEP_RECURRENCE_GRAPH=1``: the traced recurrence keeps its forward's graph for
+    the backward (no recomputed forward); values and gradients against the oracle, every
+    backward on the kept graph (under checkpointing the forward runs again in the backward,
+    and that run's graph is the one used)."""
+    from treefx.models import tiny_hybrid
+    from treefx.ops.recurrence import backward_paths
+
+    monkeypatch.setenv("TREEFX_KEEP_RECURRENCE_GRAPH", "1")
+    torch.manual_seed(0)
+    model = tiny_hybrid(("gdn", "gdn"), vocab_size=VOCAB)
+    if checkpointed:
+        model.layers = torch.nn.ModuleList(_Checkpointed(layer) for layer in model.layers)
+    tm = treefx.compile(model, backend="aot-eager")
+    before = backward_paths()
+    check_against_oracle(tm, [SHORT_NODES, odd_tree(38, VOCAB)])
+    after = backward_paths()
+    assert after["kept"] > before["kept"] and after["recomputed"] == before["recomputed"]
+    ops = [r.after for r in tm.contexts[0].log if "recurrence" in r.note]
+    assert len(ops) == 2 and all("_kept(" in op for op in ops)
+
+
+def test_keeping_the_recurrence_graph_is_opt_in(monkeypatch):
+    from treefx.ops.recurrence.traced import keeps_forward_graph
+
+    monkeypatch.delenv("TREEFX_KEEP_RECURRENCE_GRAPH", raising=False)
+    assert not keeps_forward_graph()
+    monkeypatch.setenv("TREEFX_KEEP_RECURRENCE_GRAPH", "yes")
+    with pytest.raises(ValueError, match="must be 0 or 1"):
+        keeps_forward_graph()
+
+
 @pytest.mark.parametrize("model_type", ["qwen3_next"])
 def test_traced_hf_hybrid_forward(model_type):
     """HF Qwen3-Next through the inductor backend's graph (FlexAttention and the traced

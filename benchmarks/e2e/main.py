@@ -4,6 +4,7 @@ docstring for what it measures)."""
 from __future__ import annotations
 
 import argparse
+import os
 import time
 import traceback
 
@@ -67,9 +68,11 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--profile", action="store_true",
                    help="also profile each measured step: GPU time by kernel kind")
-    p.add_argument("--recompute-recurrence", action="store_true",
-                   help="the tree recurrence's backward recomputes its forward (treefx's "
-                        "behaviour before it kept the forward's graph): to measure that change")
+    p.add_argument("--recurrence-backward", choices=("default", "kept", "recompute"),
+                   default="default",
+                   help="the tree recurrence's backward: the forward's graph kept "
+                        "(TREEFX_KEEP_RECURRENCE_GRAPH=1) or the forward recomputed; default: "
+                        "as the environment says")
     p.add_argument("--budget", type=float, default=480.0,
                    help="seconds; measurements not started by then are skipped (recorded)")
     p.add_argument("--quick", action="store_true",
@@ -101,9 +104,9 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    if args.recompute_recurrence:
-        from treefx.ops.recurrence import traced
-        traced.KEEP_FORWARD_GRAPH = False
+    if args.recurrence_backward != "default":
+        os.environ["TREEFX_KEEP_RECURRENCE_GRAPH"] = \
+            "1" if args.recurrence_backward == "kept" else "0"
     if args.log:
         import logging
         logging.basicConfig(format="%(asctime)s %(name)s %(message)s")

@@ -215,8 +215,9 @@ def recurrence(ctx: GraphContext, site: RecurrenceSite) -> fx.Node:
             new = g.call_function(TreeRecurrenceCall(rec), (parent, *node.args), node.kwargs)
         else:
             key, tensors = traced_site(rec, node)
-            # a graph traced with gradients on keeps the kernels' graph for its backward
-            keep = torch.is_grad_enabled() and traced.KEEP_FORWARD_GRAPH
+            # opted in, a graph traced with gradients on keeps the kernels' graph for its
+            # backward (else the backward recomputes the forward)
+            keep = torch.is_grad_enabled() and traced.keeps_forward_graph()
             new = g.call_function(TracedTreeRecurrence(key, keep=keep), (parent, *tensors))
     return replace_recurrence(ctx, site, new)
 

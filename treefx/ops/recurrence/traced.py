@@ -2,29 +2,41 @@
 
 Under AOTAutograd / Inductor the tree structure is data (it comes from parent_token), so the
 per-depth loop (:func:`.reference.tree_recurrence`) cannot be traced. The recurrence then runs
-as one opaque custom op: its fake implementation gives the output's shape. In a graph that computes
-gradients the op runs the kernels under autograd and keeps their graph for its backward
-(:func:`run_keeping`, :func:`kept_grads`); otherwise it runs them without autograd, and a
-backward (never expected) would recompute the forward under autograd and differentiate it
-(:func:`recomputed_grads`). Each graph site's non-tensor arguments are registered under a key
+as one opaque custom op: its fake implementation gives the output's shape. By default it runs the kernels
+without autograd and its backward recomputes the forward under autograd and differentiates it
+(:func:`recomputed_grads`). Opted in (:func:`keeps_forward_graph`), a graph traced with
+gradients on runs the kernels under autograd in the forward and keeps their graph for the
+backward (:func:`run_keeping`, :func:`kept_grads`): each kernel call runs once, not twice. Each graph site's non-tensor arguments are registered under a key
 (:func:`register_site`), which the op is called with; :mod:`.part` has the same for a part of
 a tree.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from .reference import Recurrence, tree_recurrence
 
-__all__ = ["TracedSite", "TracedTreeRecurrence", "backward_paths", "kept_grads",
-           "output_dtype", "recomputed_grads", "register_site", "run_keeping", "site"]
+__all__ = ["TracedSite", "TracedTreeRecurrence", "backward_paths", "keeps_forward_graph",
+           "kept_grads", "output_dtype", "recomputed_grads", "register_site", "run_keeping",
+           "site"]
 
 _SITES: dict[str, tuple] = {}  # key -> (recurrence, tensor argument names, static arguments)
 _PATHS = {"kept": 0, "recomputed": 0}  # backward calls that used a kept graph / recomputed
-# Graphs traced with gradients on keep the forward's graph (False: recompute it, as before;
-# benchmarks.e2e --recompute-recurrence measures the difference)
-KEEP_FORWARD_GRAPH = True
+
+
+def keeps_forward_graph() -> bool:
+    """Whether graphs traced with gradients on keep the recurrence's forward graph for its
+    backward: opt-in, ``TREEFX_KEEP_RECURRENCE_GRAPH=1`` (read when a graph is traced). Off by
+    default until it has run clean on the GPU beside packing on fla: the one side-by-side run
+    with it on (BENCHMARKS.md, "Hybrids on fla's kernels") had packing stop with an illegal
+    memory access, which packing on fla has also done once without it; not yet told apart."""
+    value = os.environ.get("TREEFX_KEEP_RECURRENCE_GRAPH", "0").strip()
+    if value not in ("0", "1"):
+        raise ValueError(f"TREEFX_KEEP_RECURRENCE_GRAPH must be 0 or 1, got {value!r}")
+    return value == "1"
 
 
 def register_site(rec: Recurrence, tensor_names: list[str], static: dict,
