@@ -20,8 +20,10 @@ rollout, no forks, completions masked).
 Model: Hugging Face Qwen3 with Qwen3-8B-shaped layers (hidden 4096, 32 heads, 8 KV heads,
 head_dim 128, intermediate 12288, vocab 151,936, untied), ``--layers`` of them, bf16, random
 weights; token ids must be below the vocabulary. Compiled once, ``treefx.compile(model,
-logits=False, verify=False)`` (Inductor on the GPU, eager on the CPU), and shared by both
-methods. ``--dry-run``: the same code on the CPU, a tiny float32 Qwen3 (hidden 64, vocab 1024,
+logits=False, verify=False)`` (Inductor on the GPU, eager on the CPU; ``--regional`` sets its
+``regional=``), and shared by both methods. Since regional execution became the default
+(2026-11-26), a compiled model runs whole trees and packing's micro-batches one layer graph at a
+time on Inductor, while ``treefx.backward``'s parts run the whole part graph. ``--dry-run``: the same code on the CPU, a tiny float32 Qwen3 (hidden 64, vocab 1024,
 or Qwen3's vocabulary when a tree's ids need it), the eager backend; its times say nothing.
 
 Methods, per task, the same loss (the mean over the task's calls of each call's mean token
@@ -508,6 +510,10 @@ def main(argv=None):
                    help="tokens per part / micro-batch (default 16384; dry run 96)")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--methods", default="treefx,packing")
+    p.add_argument("--regional", choices=("default", "on", "off"), default="default",
+                   help="treefx.compile's regional= for the shared model: default (None: "
+                        "whole trees and packing's micro-batches regional on Inductor, "
+                        "treefx.backward's parts whole-graph), on (parts too), off")
     p.add_argument("--warmup", type=int, default=1, help="treefx's full warm-up steps per task")
     p.add_argument("--reps", type=int, default=3, help="treefx's timed steps per task")
     p.add_argument("--packing-warmup", type=int, default=0,
@@ -567,7 +573,8 @@ def main(argv=None):
           f"{args.layers} layers, {dtype}, {backend}", flush=True)
     model = common.hf_model("qwen3", dev=dev, dtype=dtype, on_device=cuda,
                             num_hidden_layers=args.layers, **shape)
-    tm = treefx.compile(model, backend=backend, logits=False, verify=False)
+    regional = {"default": None, "on": True, "off": False}[args.regional]
+    tm = treefx.compile(model, backend=backend, logits=False, verify=False, regional=regional)
     res["setup_s"] = time.perf_counter() - start
     ran = []  # (wall seconds, sequence tokens) of the tasks run
     for k, (index, tree) in enumerate(tasks):

@@ -366,3 +366,29 @@ if [ "${1:-}" = q ]; then
   wait
   results q
 fi
+# Stage r (`... r` on one GPU, carry .data; results in $OUT/r.tgz; not yet run): issue 34's
+# SWE tasks lost their share of the bound because packing got faster (regional execution
+# became the default for whole batches: packing's micro-batches 7.4% faster, treefx.backward's
+# parts unchanged). Does the part graph gain the same run regionally? The first 14 of the 40
+# tasks, alone on the GPU, with regional=True (the parts regional too), then regional=False.
+if [ "${1:-}" = r ]; then
+  RES=$OUT; OUT=/tmp/r; mkdir -p $OUT
+  for reg in on off; do
+    TREEFX_VERIFY=0 timeout 285 python3 -m benchmarks.real_trees --trees .data/swe200.jsonl \
+      --sample 40 --seed 0 --slice 0:14 --budget 65536 --methods treefx,packing \
+      --regional $reg --time-limit 260 --out $OUT/real_trees_regional_$reg.json \
+      > $OUT/real_trees_regional_$reg.log 2>&1
+    echo "real_trees --regional $reg rc=$?"; tail -n 3 $OUT/real_trees_regional_$reg.log
+  done
+  results r
+fi
+# Stage s (`... s` on one GPU, carry .whl/fla; results in $OUT/s.tgz; not yet run): stage q's
+# packing on fla stopped with an illegal memory access with the recurrence's forward graph
+# kept (opt-in since). Packing on fla first, then treefx, the kept graph on, alone on the GPU
+# (a warm-up and three timed steps each): clean, the kept graph can become the default
+if [ "${1:-}" = s ]; then
+  with_fla s
+  TREEFX_VERIFY=0 next_e2e 0 575 next_kept --methods packed_reset,treefx --budget 560 \
+    --recurrence-backward kept
+  results s
+fi
