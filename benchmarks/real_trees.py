@@ -22,9 +22,10 @@ head_dim 128, intermediate 12288, vocab 151,936, untied), ``--layers`` of them, 
 weights; token ids must be below the vocabulary. Compiled once, ``treefx.compile(model,
 logits=False, verify=False)`` (Inductor on the GPU, eager on the CPU; ``--regional`` sets its
 ``regional=``), and shared by both methods. Since regional execution became the default
-(2026-11-26), a compiled model runs whole trees and packing's micro-batches one layer graph at a
-time on Inductor, while ``treefx.backward``'s parts run the whole part graph. ``--dry-run``: the same code on the CPU, a tiny float32 Qwen3 (hidden 64, vocab 1024,
-or Qwen3's vocabulary when a tree's ids need it), the eager backend; its times say nothing.
+(2026-11-26), a compiled model runs whole trees and packing's micro-batches one layer graph at
+a time on Inductor, while ``treefx.backward``'s parts run the whole part graph. ``--dry-run``:
+the same code on the CPU, a tiny float32 Qwen3 (hidden 64, vocab 1024, or Qwen3's vocabulary
+when a tree's ids need it), the eager backend; its times say nothing.
 
 Methods, per task, the same loss (the mean over the task's calls of each call's mean token
 loss over its loss mask), no optimizer step, each step from no gradients:

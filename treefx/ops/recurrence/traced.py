@@ -2,11 +2,12 @@
 
 Under AOTAutograd / Inductor the tree structure is data (it comes from parent_token), so the
 per-depth loop (:func:`.reference.tree_recurrence`) cannot be traced. The recurrence then runs
-as one opaque custom op: its fake implementation gives the output's shape. By default it runs the kernels
-without autograd and its backward recomputes the forward under autograd and differentiates it
-(:func:`recomputed_grads`). Opted in (:func:`keeps_forward_graph`), a graph traced with
-gradients on runs the kernels under autograd in the forward and keeps their graph for the
-backward (:func:`run_keeping`, :func:`kept_grads`): each kernel call runs once, not twice. Each graph site's non-tensor arguments are registered under a key
+as one opaque custom op: its fake implementation gives the output's shape. By default it runs
+the kernels without autograd and its backward recomputes the forward under autograd and
+differentiates it (:func:`recomputed_grads`). Opted in (:func:`keeps_forward_graph`), a graph
+traced with gradients on runs the kernels under autograd in the forward and keeps their graph
+for the backward (:func:`run_keeping`, :func:`kept_grads`): each kernel call runs once, not
+twice. Each graph site's non-tensor arguments are registered under a key
 (:func:`register_site`), which the op is called with; :mod:`.part` has the same for a part of
 a tree.
 """
@@ -129,9 +130,9 @@ def _(key, parent_token, tensors, grad):
 # ---------------------------------------------------------------------------- kept graphs
 #
 # Recomputing the forward in the backward runs every kernel call twice: on a hybrid's step on
-# fla, a third of its per-level kernel calls (host time the GPU waits for). A graph that
-# computes gradients instead runs the forward under autograd once and keeps that graph for
-# the backward op. A custom op returns only tensors, so the graph rides on one: a tiny
+# fla, a third of its per-level kernel calls (host time the GPU waits for). Opted in, a graph
+# that computes gradients instead runs the forward under autograd once and keeps that graph
+# for the backward op. A custom op returns only tensors, so the graph rides on one: a tiny
 # "handle" output carries it as a Python attribute, and it lives exactly as long as AOTAutograd
 # keeps the handle for the backward (a forward whose handle is not kept, e.g. one the
 # partitioner recomputes under activation checkpointing, frees its graph at once). The
@@ -140,8 +141,8 @@ def _(key, parent_token, tensors, grad):
 
 def backward_paths() -> dict[str, int]:
     """How many backward calls of the recurrence ops in this process used the forward's kept
-    graph (``kept``) and how many recomputed the forward (``recomputed``: a graph without
-    gradients at trace time, or a kept graph already used, e.g. a second backward)."""
+    graph (``kept``) and how many recomputed the forward (``recomputed``: the default, a graph
+    traced without gradients, or a kept graph already used, e.g. by a second backward)."""
     return dict(_PATHS)
 
 
