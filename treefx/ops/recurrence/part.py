@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from .reference import Recurrence, run_tree, tree_nodes
-from .traced import _PATHS, TracedSite, output_dtype, recomputed_grads, site
+from .traced import TracedSite, output_dtype, recomputed_backward, site
 
 __all__ = ["TracedTreeRecurrencePart", "tree_recurrence_part"]
 
@@ -82,8 +82,7 @@ def _tree_recurrence_part_backward(key: str, parent_local: torch.Tensor,
     def run(xs):
         return list(_run_part_site(key, parent_local, state_entry, state_exit, xs[0], xs[1:]))
 
-    _PATHS["recomputed"] += 1
-    return recomputed_grads(run, [context_states, *tensors], [grad_out, grad_exits])
+    return recomputed_backward(run, [context_states, *tensors], [grad_out, grad_exits])
 
 
 @_tree_recurrence_part_backward.register_fake

@@ -21,8 +21,8 @@ import torch
 from .reference import Recurrence, tree_recurrence
 
 __all__ = ["TracedSite", "TracedTreeRecurrence", "backward_paths", "keeps_forward_graph",
-           "kept_grads", "output_dtype", "recomputed_grads", "register_site", "run_keeping",
-           "site"]
+           "kept_grads", "output_dtype", "recomputed_backward", "recomputed_grads",
+           "register_site", "run_keeping", "site"]
 
 _SITES: dict[str, tuple] = {}  # key -> (recurrence, tensor argument names, static arguments)
 _PATHS = {"kept": 0, "recomputed": 0}  # backward calls that used a kept graph / recomputed
@@ -95,8 +95,15 @@ def _(key, parent_token, tensors):
 @torch.library.custom_op("treefx::tree_recurrence_backward", mutates_args=())
 def _tree_recurrence_backward(key: str, parent_token: torch.Tensor, tensors: list[torch.Tensor],
                               grad: torch.Tensor) -> list[torch.Tensor]:
+    return recomputed_backward(lambda xs: [_run_site(key, parent_token, xs)], tensors, [grad])
+
+
+def recomputed_backward(run, tensors: list[torch.Tensor], grads: list[torch.Tensor]
+                        ) -> list[torch.Tensor]:
+    """A recurrence op's backward by :func:`recomputed_grads`, counted in
+    :func:`backward_paths`."""
     _PATHS["recomputed"] += 1
-    return recomputed_grads(lambda xs: [_run_site(key, parent_token, xs)], tensors, [grad])
+    return recomputed_grads(run, tensors, grads)
 
 
 def recomputed_grads(run, tensors: list[torch.Tensor], grads: list[torch.Tensor]
@@ -177,8 +184,7 @@ def kept_grads(handle: torch.Tensor, run, owned: list[torch.Tensor],
     kept on ``handle`` (used once, then freed); recomputed where it is gone."""
     kept = getattr(handle, "_treefx_kept", None)
     if kept is None:
-        _PATHS["recomputed"] += 1
-        return recomputed_grads(run, owned, grads)
+        return recomputed_backward(run, owned, grads)
     del handle._treefx_kept
     _PATHS["kept"] += 1
     edges, leaves, floats = kept
