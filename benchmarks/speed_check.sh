@@ -369,13 +369,15 @@ fi
 # Stage r (`... r` on one GPU, carry .data; results in $OUT/r.tgz; not yet run): issue 34's
 # SWE tasks lost their share of the bound because packing got faster (regional execution
 # became the default for whole batches: packing's micro-batches 7.4% faster, treefx.backward's
-# parts unchanged). Does the part graph gain the same run regionally? The first 14 of the 40
-# tasks, alone on the GPU, with regional=True (the parts regional too), then regional=False.
+# parts unchanged). Does the part graph gain the same run regionally? The first 7 of the 40
+# tasks, alone on the GPU, with regional=True (the parts regional too; packing as by default),
+# then regional=False (packing's micro-batches whole-graph, as on 2026-11-25); set against
+# real_trees_swe14_alone_2026-11-26_h100.json (the default) task by task.
 if [ "${1:-}" = r ]; then
   RES=$OUT; OUT=/tmp/r; mkdir -p $OUT
   for reg in on off; do
     TREEFX_VERIFY=0 timeout 285 python3 -m benchmarks.real_trees --trees .data/swe200.jsonl \
-      --sample 40 --seed 0 --slice 0:14 --budget 65536 --methods treefx,packing \
+      --sample 40 --seed 0 --slice 0:7 --budget 65536 --methods treefx,packing \
       --regional $reg --time-limit 260 --out $OUT/real_trees_regional_$reg.json \
       > $OUT/real_trees_regional_$reg.log 2>&1
     echo "real_trees --regional $reg rc=$?"; tail -n 3 $OUT/real_trees_regional_$reg.log
