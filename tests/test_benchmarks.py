@@ -240,6 +240,29 @@ def test_real_trees_refuses_ids_beyond_the_vocabulary(tmp_path):
 
 
 @pytest.mark.filterwarnings("ignore")
+def test_real_trees_whole_step_beside_the_parts(tmp_path):
+    """``treefx_whole`` (the tree in one forward and backward) beside ``treefx.backward`` and
+    packing: the same loss, its share of the bound, the summary's comparison."""
+    rt = _real_trees()
+    _comb_file(tmp_path / "t.jsonl", n=1)
+    out = tmp_path / "res.json"
+    rt.main(["--dry-run", "--trees", str(tmp_path / "t.jsonl"), "--layers", "1", "--budget",
+             "4096", "--reps", "1", "--methods", "treefx,treefx_whole,packing",
+             "--regional", "off", "--out", str(out)])
+    with open(out) as f:
+        res = json.load(f)
+    (r,) = res["tasks"]
+    t, w, p = (r["methods"][m] for m in ("treefx", "treefx_whole", "packing"))
+    assert t["parts"] == 1 and "parts" not in w and w["tokens"] == t["tokens"]
+    assert w["loss"] == pytest.approx(t["loss"], rel=1e-5)
+    assert w["loss"] == pytest.approx(p["loss"], rel=1e-5)
+    assert r["whole_speedup"] == pytest.approx(p["step_ms"] / w["step_ms"])
+    assert r["whole_share_of_bound"] == pytest.approx(r["whole_speedup"] / r["bound"])
+    s = res["summary"]
+    assert s["whole_over_backward_median"] == pytest.approx(t["step_ms"] / w["step_ms"])
+    assert res["args"]["regional"] == "off"
+
+
 def test_real_trees_dry_run(tmp_path, monkeypatch):
     """The experiment on the CPU: two comb trees from a file, both methods, the losses and a
     few gradients equal (float32), every figure in the result file; a third task whose packing
