@@ -415,6 +415,42 @@ def test_kept_recurrence_graph_matches_oracle(monkeypatch, checkpointed):
     assert len(ops) == 2 and all("_kept(" in op for op in ops)
 
 
+@pytest.mark.slow
+def test_kept_recurrence_graph_through_inductor_equals_the_recomputed(monkeypatch):
+    """Through Inductor's generated code (on the CPU: its buffer reuse and in-place kernels,
+    regional pieces), three steps of a tree and of a forest of separate sequences (packing's
+    shape): the kept graph's losses and gradients equal the recomputed path's (float32)."""
+    from treefx.models import tiny_hybrid
+    from treefx.ops.recurrence import backward_paths
+
+    monkeypatch.setenv("TREEFX_INDUCTOR_ON_CPU", "1")
+    tree = treefx.pack([odd_tree(38, VOCAB), odd_tree(39, VOCAB)])
+    forest = treefx.pack([treefx.Tree.from_sequences([s]) for seed in (40, 41)
+                          for s in odd_tree(seed, VOCAB).sequences])
+
+    def steps(keep: str):
+        monkeypatch.setenv("TREEFX_KEEP_RECURRENCE_GRAPH", keep)
+        torch.manual_seed(0)
+        model = tiny_hybrid(("gdn", "gdn", "gdn"), vocab_size=VOCAB)
+        tm = treefx.compile(model, backend="inductor", verify=False)
+        got = []
+        for _ in range(3):
+            for b in (tree, forest):
+                model.zero_grad(set_to_none=True)
+                loss = treefx.tree_loss(tm(b), b)
+                loss.backward()
+                got.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+        return got
+
+    before = backward_paths()
+    kept = steps("1")
+    assert backward_paths()["kept"] - before["kept"] == 18  # 3 layers x 6 steps
+    for (lk, gk), (lr, gr) in zip(kept, steps("0")):
+        torch.testing.assert_close(lk, lr, rtol=1e-6, atol=0)
+        for a, b in zip(gk, gr):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 def test_keeping_the_recurrence_graph_is_opt_in(monkeypatch):
     from treefx.ops.recurrence.traced import keeps_forward_graph
 
