@@ -9,6 +9,5 @@ from .reference import (Recurrence, kernel_runs, padding_is_neutral, tree_nodes,
 from .traced import TracedTreeRecurrence, backward_paths, register_site
 
 __all__ = ["Recurrence", "TracedTreeRecurrence", "TracedTreeRecurrencePart", "backward_paths",
-           "kernel_runs",
-           "padding_is_neutral", "register_site", "tree_nodes", "tree_recurrence",
-           "tree_recurrence_part"]
+           "kernel_runs", "padding_is_neutral", "register_site", "tree_nodes",
+           "tree_recurrence", "tree_recurrence_part"]
