@@ -16,7 +16,7 @@ import torch
 
 import treefx
 from treefx.distributed import attended_pairs
-from treefx.layout import _dfs_order
+from treefx.layout import _dfs_order, subtree_tokens
 from treefx.mask import tree_block_tensors
 
 
@@ -25,10 +25,7 @@ def subtree_end(tree: treefx.Tree, children_order) -> torch.Tensor:
     ``children_order(children, subtree sizes)``."""
     lens = tree.segment_lengths.astype(np.int64)
     order = _dfs_order(tree.parents, lens, children_order)
-    sub = lens.copy()
-    for i in range(len(lens) - 1, -1, -1):
-        if tree.parents[i] >= 0:
-            sub[tree.parents[i]] += sub[i]
+    sub = subtree_tokens(tree.parents, lens)
     starts = np.zeros(len(lens), dtype=np.int64)
     starts[order] = np.concatenate([[0], np.cumsum(lens[order])[:-1]])
     return torch.from_numpy(np.repeat((starts + sub)[order], lens[order]))

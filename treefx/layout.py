@@ -218,6 +218,16 @@ def grouped_copy(tensors: list[torch.Tensor], device: torch.device,
 
 
 
+def subtree_tokens(parents: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Each node's subtree size in tokens (its own and its descendants'); a tree's nodes come
+    parents first (each child after its parent)."""
+    sub = np.asarray(lengths, dtype=np.int64).copy()
+    for i in range(len(parents) - 1, -1, -1):
+        if parents[i] >= 0:
+            sub[parents[i]] += sub[i]
+    return sub
+
+
 def _dfs_order(parents: np.ndarray, lengths: np.ndarray, children_order=None) -> np.ndarray:
     """Preorder of the nodes, a node's children largest subtree first (by tokens; ties in index
     order).
@@ -231,10 +241,7 @@ def _dfs_order(parents: np.ndarray, lengths: np.ndarray, children_order=None) ->
     computes 7-28% more attention blocks than the pairs need, against 1-3% this way
     (``benchmarks/layout_blocks.py``)."""
     n = len(parents)
-    sub = np.asarray(lengths, dtype=np.int64).copy()
-    for i in range(n - 1, -1, -1):  # parents first: each child after its parent
-        if parents[i] >= 0:
-            sub[parents[i]] += sub[i]
+    sub = subtree_tokens(parents, lengths)
     children: list[list[int]] = [[] for _ in range(n)]
     roots = []
     for i, p in enumerate(parents.tolist()):

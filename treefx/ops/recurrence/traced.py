@@ -106,27 +106,45 @@ def recomputed_backward(run, tensors: list[torch.Tensor], grads: list[torch.Tens
     return recomputed_grads(run, tensors, grads)
 
 
+def _autograd_leaves(tensors: list[torch.Tensor]) -> tuple[list[int], list[torch.Tensor]]:
+    """(the indices of the float tensors, ``tensors`` with those detached and requiring grad:
+    the leaves a kernel runs on under autograd)."""
+    floats = [i for i, t in enumerate(tensors) if t.is_floating_point()]
+    leaves = list(tensors)
+    for i in floats:
+        leaves[i] = tensors[i].detach().requires_grad_()
+    return floats, leaves
+
+
+def _autograd_inside_op():
+    """A custom op's body runs below the autograd dispatch key; re-admitting it (with grad
+    mode on) lets plain autograd record the kernel's torch ops and classic
+    autograd.Functions (fla's kernels) alike."""
+    readmit = torch._C._SetExcludeDispatchKeyGuard(torch._C.DispatchKey.AutogradFunctionality,
+                                                   False)
+    return readmit, torch.enable_grad()
+
+
+def _per_tensor(floats: list[int], got, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """One gradient per tensor: ``got`` for the floats, zeros for integer and unused ones."""
+    by_index = dict(zip(floats, got))
+    return [by_index[i].contiguous() if by_index.get(i) is not None else t.new_zeros(t.shape)
+            for i, t in enumerate(tensors)]
+
+
 def recomputed_grads(run, tensors: list[torch.Tensor], grads: list[torch.Tensor]
                       ) -> list[torch.Tensor]:
     """The gradients of ``run(tensors)`` (a list of outputs) for the upstream ``grads``, one
     per tensor (zeros for integer tensors and unused ones): the forward recomputed under
-    autograd and differentiated. A custom op's body runs below the autograd dispatch key;
-    re-admitting it lets plain autograd record the kernel's torch ops and classic
-    autograd.Functions (fla's kernels) alike."""
-    floats = [i for i, t in enumerate(tensors) if t.is_floating_point()]
-    readmit = torch._C._SetExcludeDispatchKeyGuard(torch._C.DispatchKey.AutogradFunctionality,
-                                                   False)
-    with readmit, torch.enable_grad():
-        full = list(tensors)
-        for i in floats:
-            full[i] = tensors[i].detach().requires_grad_()
+    autograd inside the op's body and differentiated."""
+    floats, full = _autograd_leaves(tensors)
+    readmit, grad_mode = _autograd_inside_op()
+    with readmit, grad_mode:
         outs = run(full)
         got = torch.autograd.grad(outs, [full[i] for i in floats],
                                   [g.to(o.dtype) for g, o in zip(grads, outs)],
                                   allow_unused=True)
-    by_index = dict(zip(floats, got))
-    return [by_index[i].contiguous() if by_index.get(i) is not None else t.new_zeros(t.shape)
-            for i, t in enumerate(tensors)]
+    return _per_tensor(floats, got, tensors)
 
 
 @_tree_recurrence_backward.register_fake
@@ -159,16 +177,12 @@ def run_keeping(run, tensors: list[torch.Tensor]
     ``tensors`` the graph reads), for :func:`kept_grads`. ``run``'s outputs must be fresh
     tensors no kernel saved (a cat or stack last), as the op hands them to the compiled
     graph, which may write over them once they are dead."""
-    floats = [i for i, t in enumerate(tensors) if t.is_floating_point()]
     owned = [t.clone(memory_format=torch.contiguous_format) for t in tensors]
-    leaves = list(owned)
-    for i in floats:
-        leaves[i] = owned[i].detach().requires_grad_()
-    readmit = torch._C._SetExcludeDispatchKeyGuard(torch._C.DispatchKey.AutogradFunctionality,
-                                                   False)
+    floats, leaves = _autograd_leaves(owned)
+    readmit, grad_mode = _autograd_inside_op()
     # Saved-tensor hooks around the caller (a checkpoint outside the compiled code,
     # offloading) apply to this graph as to any other the call records.
-    with readmit, torch.enable_grad():
+    with readmit, grad_mode:
         outs = run(leaves)
     # edges, not the outputs: holding an output would keep its memory until the backward
     edges = [(torch.autograd.graph.get_gradient_edge(o), o.dtype) if o.requires_grad else None
@@ -191,9 +205,7 @@ def kept_grads(handle: torch.Tensor, run, owned: list[torch.Tensor],
     pairs = [(e, g) for e, g in zip(edges, grads) if e is not None]
     got = torch.autograd.grad([e for (e, _), _ in pairs], leaves,
                               [g.to(dtype) for (_, dtype), g in pairs], allow_unused=True)
-    by_index = dict(zip(floats, got))
-    return [by_index[i].contiguous() if by_index.get(i) is not None else t.new_zeros(t.shape)
-            for i, t in enumerate(owned)]
+    return _per_tensor(floats, got, owned)
 
 
 def _setup(ctx, inputs, output):
