@@ -394,3 +394,15 @@ if [ "${1:-}" = s ]; then
     --recurrence-backward kept
   results s
 fi
+# Stage t (`... t` on one GPU, carry .whl/fla; results in $OUT/t.tgz): stage s ran clean (no
+# illegal memory access: packing on fla 482.1 ms, treefx 174.9 ms, both with the kept graph).
+# Before the kept graph becomes the default, the two backwards alone on one GPU, one process
+# each, one after the other: treefx on fla with the forward recomputed, then kept
+if [ "${1:-}" = t ]; then
+  with_fla t
+  for how in recompute kept; do
+    TREEFX_VERIFY=0 next_e2e 0 290 next_$how --methods treefx --budget 280 \
+      --recurrence-backward $how
+  done
+  results t
+fi

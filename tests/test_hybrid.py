@@ -392,16 +392,17 @@ class _Checkpointed(torch.nn.Module):
         return checkpoint(self.layer, *args, use_reentrant=False)
 
 
+@pytest.mark.parametrize("keep", ["1", "0"], ids=["kept", "recomputed"])
 @pytest.mark.parametrize("checkpointed", [False, True], ids=["plain", "checkpointed"])
-def test_kept_recurrence_graph_matches_oracle(monkeypatch, checkpointed):
-    """``TREEFX_KEEP_RECURRENCE_GRAPH=1``: the traced recurrence keeps its forward's graph for
-    the backward (no recomputed forward); values and gradients against the oracle, every
-    backward on the kept graph (under checkpointing the forward runs again in the backward,
-    and that run's graph is the one used)."""
+def test_recurrence_backward_matches_oracle(monkeypatch, checkpointed, keep):
+    """The traced recurrence's backward on the forward's kept graph (the default) or on a
+    recomputed forward (``TREEFX_KEEP_RECURRENCE_GRAPH=0``): values and gradients against the
+    oracle, every backward on the path asked for (under checkpointing the forward runs again
+    in the backward, and that run's graph is the one used)."""
     from treefx.models import tiny_hybrid
     from treefx.ops.recurrence import backward_paths
 
-    monkeypatch.setenv("TREEFX_KEEP_RECURRENCE_GRAPH", "1")
+    monkeypatch.setenv("TREEFX_KEEP_RECURRENCE_GRAPH", keep)
     torch.manual_seed(0)
     model = tiny_hybrid(("gdn", "gdn"), vocab_size=VOCAB)
     if checkpointed:
@@ -410,9 +411,10 @@ def test_kept_recurrence_graph_matches_oracle(monkeypatch, checkpointed):
     before = backward_paths()
     check_against_oracle(tm, [SHORT_NODES, odd_tree(38, VOCAB)])
     after = backward_paths()
-    assert after["kept"] > before["kept"] and after["recomputed"] == before["recomputed"]
+    used, unused = ("kept", "recomputed") if keep == "1" else ("recomputed", "kept")
+    assert after[used] > before[used] and after[unused] == before[unused]
     ops = [r.after for r in tm.contexts[0].log if "recurrence" in r.note]
-    assert len(ops) == 2 and all("_kept(" in op for op in ops)
+    assert len(ops) == 2 and all(("_kept(" in op) == (keep == "1") for op in ops)
 
 
 @pytest.mark.slow
@@ -451,10 +453,12 @@ def test_kept_recurrence_graph_through_inductor_equals_the_recomputed(monkeypatc
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
-def test_keeping_the_recurrence_graph_is_opt_in(monkeypatch):
+def test_keeping_the_recurrence_graph_is_the_default(monkeypatch):
     from treefx.ops.recurrence.traced import keeps_forward_graph
 
     monkeypatch.delenv("TREEFX_KEEP_RECURRENCE_GRAPH", raising=False)
+    assert keeps_forward_graph()
+    monkeypatch.setenv("TREEFX_KEEP_RECURRENCE_GRAPH", "0")
     assert not keeps_forward_graph()
     monkeypatch.setenv("TREEFX_KEEP_RECURRENCE_GRAPH", "yes")
     with pytest.raises(ValueError, match="must be 0 or 1"):

@@ -71,8 +71,8 @@ def parse_args(argv=None):
     p.add_argument("--recurrence-backward", choices=("default", "kept", "recompute"),
                    default="default",
                    help="the tree recurrence's backward: the forward's graph kept "
-                        "(TREEFX_KEEP_RECURRENCE_GRAPH=1) or the forward recomputed; default: "
-                        "as the environment says")
+                        "(TREEFX_KEEP_RECURRENCE_GRAPH=1, treefx's default) or the forward "
+                        "recomputed (=0); default: as the environment says")
     p.add_argument("--budget", type=float, default=480.0,
                    help="seconds; measurements not started by then are skipped (recorded)")
     p.add_argument("--quick", action="store_true",

@@ -215,8 +215,8 @@ def recurrence(ctx: GraphContext, site: RecurrenceSite) -> fx.Node:
             new = g.call_function(TreeRecurrenceCall(rec), (parent, *node.args), node.kwargs)
         else:
             key, tensors = traced_site(rec, node)
-            # opted in, a graph traced with gradients on keeps the kernels' graph for its
-            # backward (else the backward recomputes the forward)
+            # a graph traced with gradients on keeps the kernels' graph for its backward
+            # (TREEFX_KEEP_RECURRENCE_GRAPH=0: the backward recomputes the forward)
             keep = torch.is_grad_enabled() and traced.keeps_forward_graph()
             new = g.call_function(TracedTreeRecurrence(key, keep=keep), (parent, *tensors))
     return replace_recurrence(ctx, site, new)

@@ -2,12 +2,13 @@
 
 Under AOTAutograd / Inductor the tree structure is data (it comes from parent_token), so the
 per-depth loop (:func:`.reference.tree_recurrence`) cannot be traced. The recurrence then runs
-as one opaque custom op: its fake implementation gives the output's shape. By default it runs
-the kernels without autograd and its backward recomputes the forward under autograd and
-differentiates it (:func:`recomputed_grads`). Opted in (:func:`keeps_forward_graph`), a graph
-traced with gradients on runs the kernels under autograd in the forward and keeps their graph
-for the backward (:func:`run_keeping`, :func:`kept_grads`): each kernel call runs once, not
-twice. Each graph site's non-tensor arguments are registered under a key
+as one opaque custom op: its fake implementation gives the output's shape. By default
+(:func:`keeps_forward_graph`) a graph traced with gradients on runs the kernels under autograd
+in the forward and keeps their graph for the backward (:func:`run_keeping`,
+:func:`kept_grads`): each kernel call runs once. With ``TREEFX_KEEP_RECURRENCE_GRAPH=0`` (and
+for a graph traced without gradients) the op runs the kernels without autograd and its
+backward recomputes the forward under autograd and differentiates it
+(:func:`recomputed_grads`). Each graph site's non-tensor arguments are registered under a key
 (:func:`register_site`), which the op is called with; :mod:`.part` has the same for a part of
 a tree.
 """
@@ -30,11 +31,10 @@ _PATHS = {"kept": 0, "recomputed": 0}  # backward calls that used a kept graph /
 
 def keeps_forward_graph() -> bool:
     """Whether graphs traced with gradients on keep the recurrence's forward graph for its
-    backward: opt-in, ``TREEFX_KEEP_RECURRENCE_GRAPH=1`` (read when a graph is traced). Off by
-    default until it has run clean on the GPU beside packing on fla: the one side-by-side run
-    with it on (BENCHMARKS.md, "Hybrids on fla's kernels") had packing stop with an illegal
-    memory access, which packing on fla has also done once without it; not yet told apart."""
-    value = os.environ.get("TREEFX_KEEP_RECURRENCE_GRAPH", "0").strip()
+    backward (read when a graph is traced): yes by default, ``TREEFX_KEEP_RECURRENCE_GRAPH=0``
+    recomputes the forward in the backward instead (the path before 2026-11-27: the same
+    values, every kernel call run twice; BENCHMARKS.md, "Hybrids on fla's kernels")."""
+    value = os.environ.get("TREEFX_KEEP_RECURRENCE_GRAPH", "1").strip()
     if value not in ("0", "1"):
         raise ValueError(f"TREEFX_KEEP_RECURRENCE_GRAPH must be 0 or 1, got {value!r}")
     return value == "1"
