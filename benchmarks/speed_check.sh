@@ -406,3 +406,20 @@ if [ "${1:-}" = t ]; then
   done
   results t
 fi
+# Stage u (`... u` on one GPU, carry .data; results in $OUT/u.tgz): treefx.backward's own loss
+# now made in the part graph with the output projection (its gradients in the forward: three
+# products with the output weight, not four). Its exactness in float32 through Inductor
+# (benchmarks.parts' check: five model families against the oracle), then the first 7 of the
+# 40 SWE tasks beside packing as in stage r (set against stage r's regional=on run and the
+# swe14 run of 2026-11-26, task by task)
+if [ "${1:-}" = u ]; then
+  RES=$OUT; OUT=/tmp/u; mkdir -p $OUT
+  timeout 200 python3 -m benchmarks.parts --methods "" --out $OUT/parts_exact.json \
+    > $OUT/parts_exact.log 2>&1
+  echo "parts exactness rc=$?"; grep -E "^exactness" $OUT/parts_exact.log | tail -n 15
+  TREEFX_VERIFY=0 timeout 340 python3 -m benchmarks.real_trees --trees .data/swe200.jsonl \
+    --sample 40 --seed 0 --slice 0:7 --budget 65536 --methods treefx,packing --check-grads \
+    --time-limit 315 --out $OUT/real_trees_own_loss.json > $OUT/real_trees_own_loss.log 2>&1
+  echo "real_trees rc=$?"; tail -n 3 $OUT/real_trees_own_loss.log
+  results u
+fi

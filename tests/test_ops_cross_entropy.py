@@ -23,12 +23,16 @@ def test_fused_matches_reference(monkeypatch, dtype, bias, n):
     parent[n // 2] = n // 4 - 1  # a branch: predecessor far back (or a second root)
     weights = torch.rand(n, dtype=dtype, generator=g)
     params = [h, w] + ([b] if bias else [])
-    fused = ce.fused_linear_tree_cross_entropy(h, w, b, ids, parent, weights)
+    fused, lp = ce.fused_linear_tree_loss_and_logprobs(h, w, b, ids, parent, weights)
     ref = ce.linear_tree_cross_entropy_reference(h, w, b, ids, parent, weights)
     tol = dict(atol=1e-10, rtol=1e-10) if dtype == torch.float64 else dict(atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(fused, ref, **tol)
     for a, r in zip(torch.autograd.grad(fused, params), torch.autograd.grad(ref, params)):
         torch.testing.assert_close(a, r, **tol)
+    # the by-product: each token's log-probability (0 at a root), detached
+    logits = torch.nn.functional.linear(h, w, b).to(lp.dtype)
+    torch.testing.assert_close(lp, ce.tree_token_logprobs(logits, ids, parent).detach(), **tol)
+    assert not lp.requires_grad and fused.requires_grad
 
 
 def test_fused_traces_under_compile():
@@ -71,7 +75,7 @@ def test_frozen_projection_is_not_differentiated(bias):
     torch.testing.assert_close(fused, ref)
     torch.testing.assert_close(got, expected)
     op = torch.ops.treefx.linear_tree_ce_with_grad.default
-    _, _, dw, db = op(h, w, b, ids, parent, weights, False)
+    _, _, _, dw, db = op(h, w, b, ids, parent, weights, False)
     assert dw.numel() == 0 and db.numel() == 0
     for want_weight in (False, True):
         torch.library.opcheck(op, (h, w.requires_grad_(want_weight), b, ids, parent, weights,

@@ -497,6 +497,69 @@ def test_regional_parts_match_the_oracle():
     assert len(runner.engine._regional) == 1
 
 
+def test_parts_make_their_own_loss_fused_with_the_output_projection():
+    """treefx.backward's own objective (no ``loss_fn``): each part's graph makes its tree loss
+    with the output projection (its gradients made in the forward: three products with the
+    output weight, not four), the log-probabilities a by-product the first-call check reads;
+    with a ``loss_fn`` the graph hands out differentiable log-probabilities. Both equal the
+    oracle, and each other."""
+    from treefx.ops.cross_entropy import fused_linear_tree_loss_and_logprobs
+    from treefx.ops.logprobs import fused_linear_tree_logprobs
+
+    model = hf_model("qwen3", "sdpa")
+    tm = treefx.compile(model, backend="aot-eager", verify=True)
+    trees = odd_forest(3, VOCAB)
+    _check(tm, trees, 7, rtol=1e-5)
+    (own,) = runners(tm)
+    assert own.own_loss and own.verification.passed
+    targets = {n.target for n in own.engine.contexts[-1].graph.nodes}
+    assert fused_linear_tree_loss_and_logprobs in targets
+    assert fused_linear_tree_logprobs not in targets
+    own_loss = treefx.backward(tm, trees, max_tokens=7)
+    first = grads(model)
+    loss = treefx.backward(tm, trees, max_tokens=7, loss_fn=treefx.tree_loss)
+    lp_runner = [r for r in runners(tm) if not r.own_loss]
+    assert len(lp_runner) == 1 and lp_runner[0].verification.passed
+    targets = {n.target for n in lp_runner[0].engine.contexts[-1].graph.nodes}
+    assert fused_linear_tree_logprobs in targets
+    second = grads(model)
+    assert set(second) == set(first) and first
+    for name, g in second.items():
+        torch.testing.assert_close(g, first[name], rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(loss, own_loss, rtol=1e-6, atol=0)
+
+
+def test_parts_keep_the_whole_graph_by_default(monkeypatch):
+    """``regional=None``: where a compiled model's whole batches run layer by layer (Inductor,
+    two decoder layers or more), its parts still run the whole part graph, with their weights'
+    gradients added into ``.grad`` by the graph (regional parts: the xfail below). The eager
+    backend stands in for Inductor on the CPU."""
+    from treefx.run import engine as engine_mod
+
+    monkeypatch.setattr(engine_mod, "REGIONAL_BY_DEFAULT", ("eager",))
+    tm = treefx.compile(hf_model("qwen3", "sdpa"), backend="eager", verify=False)
+    assert tm.engine.uses_regions(tm.model, None, "eager")
+    _check(tm, odd_forest(3, VOCAB), 7, rtol=1e-5)
+    (runner,) = runners(tm)
+    assert not runner.autograd_only and runner.engine.plan.grad_params
+    assert not runner.engine._regional
+
+
+@pytest.mark.xfail(strict=True, reason="found 2026-11-27, not fixed: regional capture of a "
+                   "part whose FlexAttention site lists only the key blocks within a sliding "
+                   "window pads by a data-dependent block count, which the fake run of "
+                   "regional execution cannot (aten.constant_pad_nd meta: 'SymIntArrayRef "
+                   "expected to contain only concrete integers'); an error, not a wrong result")
+def test_regional_parts_with_a_sliding_window(monkeypatch):
+    from test_window_blocks import long_trees
+
+    monkeypatch.setattr(treefx.run.backends, "compile_graph", lambda backend, gm, ex: gm.forward)
+    monkeypatch.setenv("TREEFX_INDUCTOR_ON_CPU", "1")
+    tm = treefx.compile(hf_model("mistral", "sdpa"), backend="inductor", verify=False,
+                        block_size=16, regional=True)
+    _check(tm, long_trees(VOCAB), 48)
+
+
 @pytest.mark.slow  # in CI: tests/test_distributed_parts.py, FSDP2 and DDP on two processes
 def test_ddp_and_fsdp2_models_train_in_parts(tmp_path):
     """In a group of one process (gloo): a DDP model's parts run on its inner module and its
@@ -707,10 +770,13 @@ def _routed(tm):
                 for n in nodes))
 
 
-def test_weight_gradients_are_added_into_grad_by_the_parts_backward():
-    """Every linear layer's weight and the output projection add their gradients into the
-    parameter's ``.grad`` in a part's backward (autograd gets no per-part gradient of them to
-    add): the same ``.grad`` tensors, holding what was there plus the oracle's gradient."""
+@pytest.mark.parametrize("own_loss", [True, False], ids=["own-loss", "loss_fn"])
+def test_weight_gradients_are_added_into_grad_by_the_parts_backward(own_loss):
+    """Every linear layer's weight adds its gradient into the parameter's ``.grad`` in a
+    part's backward (autograd gets no per-part gradient of them to add), and so does the
+    output projection of the fused log-probabilities (with a ``loss_fn``); that of
+    treefx.backward's own loss, made in the forward, goes through autograd. The same ``.grad``
+    tensors, holding what was there plus the oracle's gradient."""
     model = hf_model("qwen3", "sdpa")
     tm = treefx.compile(model, backend="eager", verify=False)
     trees = odd_forest(3, VOCAB)
@@ -720,9 +786,10 @@ def test_weight_gradients_are_added_into_grad_by_the_parts_backward():
     for n, p in model.named_parameters():
         p.grad = before[n].clone()
     held = {n: p.grad for n, p in model.named_parameters()}
-    treefx.backward(tm, trees, max_tokens=5)
+    treefx.backward(tm, trees, max_tokens=5,
+                    loss_fn=None if own_loss else treefx.tree_loss)
     linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
-    assert _routed(tm) == (linears - 1, 1)  # the output projection is the fused site
+    assert _routed(tm) == (linears - 1, 0 if own_loss else 1)
     for n, p in model.named_parameters():
         assert p.grad is held[n], n
         # each part's addition into a .grad of N(0, 1) values rounds by up to 2.4e-7 (36
@@ -785,7 +852,7 @@ def test_checkpointed_layers_add_their_weight_gradients_into_grad_under_aot_auto
     tm = treefx.compile(model, backend="aot-eager", verify=False)
     _check(tm, odd_forest(3, VOCAB), 5)
     linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
-    assert _routed(tm) == (linears - 1, 1)
+    assert _routed(tm) == (linears - 1, 0)  # the output projection: treefx.backward's own loss
 
 
 def test_parts_under_autocast_leave_the_weight_gradients_to_autograd():

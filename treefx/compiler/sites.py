@@ -112,3 +112,4 @@ class LogprobsSite:
     ids: fx.Node
     parent: fx.Node
     proj: tuple | None
+    weights: fx.Node | None = None  # a loss site (token_loss_site): the tokens' loss weights

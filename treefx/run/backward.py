@@ -40,9 +40,10 @@ import torch
 
 from .. import parts as parts_mod
 from . import regional
-from .engine import TreeEngine, check_batch
+from . import backends
+from .engine import TreeEngine, check_batch, regional_by_default
 from ..layout import TreeBatch, move_tensors, pack
-from ..ops.logprobs import register_site, token_logprobs_site
+from ..ops.logprobs import register_site, token_logprobs_site, token_loss_site
 from ..compiler import TreeCompileError
 from ..compiler.lower.parts import PartLayoutMismatch, has_grad_hooks, part_outputs
 from ..plan import PartLayout, Plan
@@ -65,10 +66,30 @@ def _register() -> None:
         _REGISTERED = True
 
 
-def part_forward(opts: dict):
+def part_forward(opts: dict, loss: bool = False):
     """The function a compiled model's part captures: the model on the part's tokens, their
     log-probabilities at their predecessors, and the part's own columns and exit states (the
-    marker the passes replace, :func:`treefx.compiler.lower.parts.part_outputs`)."""
+    marker the passes replace, :func:`treefx.compiler.lower.parts.part_outputs`). ``loss``:
+    the part's tree loss made in the graph from its tokens' weights (``loss_weights`` [1, m],
+    an input after ``labels``; not named ``tree_weights``, which marks a step's graph),
+    returned first, the log-probabilities last and detached
+    (:func:`treefx.ops.logprobs.token_loss_site`: the output projection's gradients made in
+    the forward, one product fewer than differentiating the log-probabilities)."""
+    if loss:
+        def tree_part_loss(model, input_ids, tree_info, part_info, ctx_tok, ctx_state,
+                           state_entry, state_exit, labels, loss_weights, emb_sink, grads):
+            torch._check(tree_info.shape[1] == input_ids.shape[1])
+            torch._check(state_entry.shape[0] == input_ids.shape[1])
+            torch._check(ctx_tok.shape[0] == part_info.shape[1])
+            torch._check(loss_weights.shape[1] == labels.shape[1])
+            logits = model_logits(model, opts, input_ids, tree_info)
+            total, lp = token_loss_site(logits, labels[1], labels[0], loss_weights[0])
+            own, exits = part_outputs(input_ids, ctx_tok, ctx_state, state_exit, part_info,
+                                      state_entry, tree_info, emb_sink, grads)
+            return total, own, exits, lp
+
+        return tree_part_loss
+
     def tree_part(model, input_ids, tree_info, part_info, ctx_tok, ctx_state, state_entry,
                   state_exit, labels, emb_sink, grads):
         torch._check(tree_info.shape[1] == input_ids.shape[1])
@@ -114,10 +135,14 @@ class PartRunner:
     first forward (without autograd) runs through ``no_grad_engine``, the same plan captured
     on its own, so that ``engine`` holds the graphs that train."""
 
-    def __init__(self, model: torch.nn.Module, fn, plan: Plan, *, verify: bool):
+    def __init__(self, model: torch.nn.Module, fn, plan: Plan, *, verify: bool,
+                 own_loss: bool = False):
         _register()
         self.fn = fn
         self.plan = plan
+        # the graph makes treefx.tree_loss itself (part_forward(loss=True)): it takes the
+        # tokens' weights and returns (loss, own, exits, log-probabilities)
+        self.own_loss = own_loss
         self.engine: TreeEngine | None = None
         self.no_grad_engine: TreeEngine | None = None
         self.layout: PartLayout | None = None
@@ -137,11 +162,15 @@ class PartRunner:
         # candidates (offered) before the layout is found, then those it takes (the engine's)
         self.grad_key = None
         self.offered: tuple = ()
-        # Run regionally (FSDP2, regional=True), gradients go through autograd only: an FSDP2
-        # parameter's .grad is a shard (the graph runs on the gathered parameters, FSDP
-        # reduce-scatters what autograd accumulates there), and a regional graph takes no
-        # list of .grad buffers per call.
-        self.autograd_only = bool(plan.regional) or bool(regional.fsdp_units(model))
+        # Run regionally (FSDP2, regional=True, or by default through Inductor), gradients go
+        # through autograd only: an FSDP2 parameter's .grad is a shard (the graph runs on the
+        # gathered parameters, FSDP reduce-scatters what autograd accumulates there), and a
+        # regional graph takes no list of .grad buffers per call. (A default regional run that
+        # falls back to the whole graph keeps autograd's gradients: the same values.)
+        first = next(model.parameters(), None)
+        device = first.device if first is not None else torch.device("cpu")
+        self.autograd_only = bool(plan.regional) or bool(regional.fsdp_units(model)) or \
+            regional_by_default(plan, model, backends.resolve(plan.backend, device))
         if self.autograd_only:
             self.plan = replace(plan, route_embedding=False)
 
@@ -191,7 +220,7 @@ class PartRunner:
         args = (self.model, t["input_ids"], t["tree_info"], t["part_info"], ctx_tok, ctx_state,
                 t["state_entry"], t["state_exit"], t["labels"])
         dynamic = (1, 2, 3, (4, 0), (5, 0), 6, 7, 8)
-        if self.step:  # the label weights last
+        if self.step or self.own_loss:  # the label weights last
             args += (t["tree_weights"],)
             dynamic += (9,)
         dynamic += ((len(args), 0),)
@@ -255,7 +284,8 @@ class PartRunner:
             self.embedding = next((c.part.embedding for c in engine.compiled
                                    if c.part is not None and c.part.embedding is not None),
                                   None)
-        return out[:3]
+        # a graph that makes its own loss hands on its log-probabilities too
+        return out[:4] if self.own_loss else out[:3]
 
 
 def _own_version(t: torch.Tensor) -> torch.Tensor:
@@ -294,12 +324,17 @@ def runners(owner) -> list[PartRunner]:
     return [found] if isinstance(found, PartRunner) else list(found.values())
 
 
-def _runner(tm: TreeModel) -> PartRunner:
-    runner = _RUNNERS.get(tm)
+def _runner(tm: TreeModel, own_loss: bool) -> PartRunner:
+    """The part graph of ``tm``: making treefx.tree_loss itself (``own_loss``: ``backward``'s
+    own objective) or handing out log-probabilities (for a ``loss_fn``). The first call of
+    either for ``tm`` is checked against the oracle (``verify``)."""
+    by_kind = _RUNNERS.setdefault(tm, {})
+    runner = by_kind.get(own_loss)
     if runner is None:
-        runner = PartRunner(tm.model, part_forward(tm.opts), replace(tm.plan, mode="part"),
-                            verify=tm.verify_requested)
-        _RUNNERS[tm] = runner
+        runner = PartRunner(tm.model, part_forward(tm.opts, loss=own_loss),
+                            replace(tm.plan, mode="part"), verify=tm.verify_requested,
+                            own_loss=own_loss)
+        by_kind[own_loss] = runner
     return runner
 
 
@@ -445,7 +480,8 @@ def backward(tm: TreeModel, trees: Tree | Iterable[Tree] | TreeBatch | None, *,
     kind = regional.distributed_kind(target, root if root is not target else None)
     wrapper = regional.unwrap_ddp(root)[1] if kind == "ddp" else None
     group = _group(kind, target, wrapper)
-    runner = _runner(tm) if step is None else _step_runner(step, target)
+    runner = _runner(tm, own_loss=loss_fn is None) if step is None else \
+        _step_runner(step, target)
     if runner.verify:
         runner.verify = False
         if kind == "fsdp":
@@ -648,8 +684,12 @@ class _Run:
     collectives in step, :func:`_rounds`), the loss so far."""
 
     def __init__(self, runner: PartRunner, batch: TreeBatch | None, max_tokens: int,
-                 target: torch.nn.Module, *, step, loss_fn, collective: bool):
+                 target: torch.nn.Module, *, step, loss_fn, collective: bool,
+                 on_logprobs: Callable | None = None):
         self.runner, self.step, self.loss_fn = runner, step, loss_fn
+        # called with each part's log-probabilities from a graph that makes its own loss,
+        # in the forward that builds the backward's graph (the first-call check records them)
+        self.on_logprobs = on_logprobs
         self.model = target
         self.collective = collective
         self.device = device = next(target.parameters()).device
@@ -734,23 +774,28 @@ class _Run:
             self._dummy_forward(group)
             return
         plan, part = self.plan, self.plan.parts[j]
-        t = _to_device(plan, part, self.device, self.weights, min_tokens=self.min_tokens)
+        t = _to_device(plan, part, self.device, self.weights, min_tokens=self.min_tokens,
+                       every_label=self.on_logprobs is not None)
         # a recompute part's forward keeps no graph; its backward runs it again (_backward)
-        rerun = _rerun(self.runner, plan, part, t, self.held, self.device, self._loss)
+        rerun = _rerun(self.runner, plan, part, t, self.held, self.device, self._loss,
+                       self._report)
         with torch.no_grad() if part.recompute else contextlib.nullcontext():
-            lp, own, exits = _forward(self.runner, plan, part, t, self.held, self.device,
-                                      self.created, self._agree(group))
-            loss = self._loss(lp, t)
+            first, own, exits, *lps = _forward(self.runner, plan, part, t, self.held,
+                                               self.device, self.created, self._agree(group))
+            loss = self._loss(first, t)
+        if lps and not part.recompute:
+            self._report(lps[0], t)
         if j == 0 and plan.recompute_tokens:
             _check_recompute(self.runner)
         self.total = self.total + loss.detach().to(self.total.dtype)
-        self.dtype = lp.dtype
+        self.dtype = first.dtype
         self.held[j] = _hold(part, loss, own, exits, t, rerun)
 
     def _loss(self, lp: torch.Tensor, t: dict) -> torch.Tensor:
-        """A part's loss from its log-probabilities: the step's, treefx.tree_loss over its
-        trained tokens, or ``loss_fn`` on the part's batch."""
-        if self.step is not None:
+        """A part's loss from its graph's first output: the loss itself (a step's, or
+        treefx.tree_loss made in the graph), or from its log-probabilities treefx.tree_loss
+        over its trained tokens or ``loss_fn`` on the part's batch."""
+        if self.step is not None or self.runner.own_loss:
             loss = lp
         elif self.loss_fn is None:  # treefx.tree_loss over the part's trained tokens
             w = t["tree_weights"][0]
@@ -760,8 +805,7 @@ class _Run:
             toks = t["label_tokens"]
             mask = torch.zeros(full.num_tokens, dtype=torch.bool, device=self.device)
             mask.index_fill_(0, toks, True)  # `mask[toks] = True` copies from the host: a sync
-            values = torch.zeros(full.num_tokens, dtype=lp.dtype, device=self.device)
-            values = values.index_put((toks,), lp[:toks.shape[0]])
+            values = self._row(lp, t)
             part_batch = _part_batch(full, mask, self.incidence)
             loss = self.loss_fn(TreeOutput(None, values), part_batch)
         if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
@@ -769,6 +813,18 @@ class _Run:
                     if self.step is not None else "loss_fn must return a scalar tensor")
             raise TypeError(f"treefx.backward: {what}; got {type(loss).__name__}")
         return loss
+
+    def _row(self, lp: torch.Tensor, t: dict) -> torch.Tensor:
+        """The part's log-probabilities (over its predicted tokens, ``t["label_tokens"]``) in
+        the batch's row [N], 0 elsewhere."""
+        toks = t["label_tokens"]
+        values = torch.zeros(self.full.num_tokens, dtype=lp.dtype, device=self.device)
+        return values.index_put((toks,), lp[:toks.shape[0]])
+
+    def _report(self, lp: torch.Tensor, t: dict) -> None:
+        """``on_logprobs`` of the part's log-probabilities in the batch's row."""
+        if self.on_logprobs is not None:
+            self.on_logprobs(self._row(lp.detach(), t))
 
     def _dummy_forward(self, group) -> None:
         """The forward of a two-token tree whose loss is backpropagated with a zero gradient:
@@ -781,9 +837,9 @@ class _Run:
         plan = self.dummy_plan
         part = plan.parts[0]
         t = _to_device(plan, part, self.device, self.dummy_weights, min_tokens=self.min_tokens)
-        lp, own, exits = _forward(self.runner, plan, part, t, {}, self.device, self.created,
-                                  self._agree(group))
-        self.dummies.append(_Held(lp.sum(), own, exits, own.detach().requires_grad_(),
+        first, own, exits, *_ = _forward(self.runner, plan, part, t, {}, self.device,
+                                         self.created, self._agree(group))
+        self.dummies.append(_Held(first.sum(), own, exits, own.detach().requires_grad_(),
                                   exits.detach().requires_grad_(), t["emb_sink"],
                                   t["emb_rows"], t["emb_inverse"], dummy=True))
 
@@ -799,17 +855,19 @@ class _Run:
 
 
 def _to_device(plan, part, device, weights: torch.Tensor | None = None, *,
-               min_tokens: int = 2) -> dict:
+               min_tokens: int = 2, every_label: bool = False) -> dict:
     """The part's tensors and the indices its context is gathered with, moved in one pinned,
     non-blocking copy per dtype: a plain copy from pageable memory would wait for the GPU to
     finish the previous part, so the host could not prepare this one meanwhile. ``weights``
     [R, N] (on the host): the part predicts only the tokens with a nonzero weight in some
     row, and their columns become ``tree_weights`` [R, m] (zero where ``labels`` is
-    padded). ``min_tokens``: see :func:`treefx.parts.part_tensors`."""
+    padded; ``every_label``: every token with a predecessor, weighted or not, as the
+    first-call check reads every log-probability). ``min_tokens``: see
+    :func:`treefx.parts.part_tensors`."""
     keep = None
     if weights is not None:
         mine = weights[:, torch.from_numpy(part.label_tokens)]
-        keep = (mine != 0).any(0)
+        keep = (mine != 0).any(0) | every_label
         mine = mine[:, keep]
         keep = keep.numpy()
     t = parts_mod.part_tensors(plan, part, min_tokens=min_tokens, keep_labels=keep)
@@ -836,13 +894,15 @@ def _to_device(plan, part, device, weights: torch.Tensor | None = None, *,
 def _verify_first_call(tm: TreeModel, runner: PartRunner) -> None:
     """The probe check (:func:`treefx.verification.verify_compiled`) with the tree side run in
     parts: the probe forest cut at a third of its tokens (boundaries inside nodes, context and
-    state crossing them), log-probabilities and gradients against each sequence alone. The
-    model's ``.grad``, buffers and random state are left as they were."""
+    state crossing them), log-probabilities and gradients against each sequence alone, through
+    ``runner``'s graph (one that makes treefx.tree_loss itself, or one handing out
+    log-probabilities for a ``loss_fn``, with treefx.tree_loss as that). The model's ``.grad``,
+    buffers and random state are left as they were."""
     from .. import verification
     from ..verification import VerificationUnavailable
 
     def tree_run(batch, chosen):
-        lps = []
+        lps = []  # each part's, in the batch's row
 
         def record(out, b):
             # each part's log-probabilities once: a recompute part's loss is computed twice,
@@ -857,7 +917,8 @@ def _verify_first_call(tm: TreeModel, runner: PartRunner) -> None:
             with torch.enable_grad():
                 # this process's parts alone (a DDP model's inner module: no collective)
                 run = _Run(runner, batch.to("cpu"), max(3, batch.num_tokens // 3), tm.model,
-                           step=None, loss_fn=record, collective=False)
+                           step=None, loss_fn=None if runner.own_loss else record,
+                           collective=False, on_logprobs=lps.append)
                 for event, i in run.events:
                     run.forward(i) if event == "F" else run.backward(i)
                 run.finish()
@@ -920,14 +981,19 @@ def _gather_states(plan, part, held, width, dtype, device) -> torch.Tensor:
     return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
 
 
-def _rerun(runner: PartRunner, plan, part, t: dict, held: dict, device, part_loss):
+def _rerun(runner: PartRunner, plan, part, t: dict, held: dict, device, part_loss,
+           on_logprobs=None):
     """A recompute part's forward again, with a graph, for its backward: its context read
     from the same leaves of the parts still held (so their gradients arrive through this
-    graph only: the first forward built none), its loss by ``part_loss``."""
+    graph only: the first forward built none), its loss by ``part_loss``; ``on_logprobs``
+    (a graph that makes its own loss): called with the log-probabilities of this run and
+    ``t``."""
     def rerun():
         with torch.enable_grad():
-            lp, own, exits = _forward(runner, plan, part, t, held, device)
-            return part_loss(lp, t), own, exits, t["emb_sink"]
+            first, own, exits, *lps = _forward(runner, plan, part, t, held, device)
+            if lps:
+                on_logprobs(lps[0], t)
+            return part_loss(first, t), own, exits, t["emb_sink"]
 
     return rerun
 

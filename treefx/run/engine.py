@@ -44,6 +44,11 @@ _FRESH = itertools.count()
 # The backends on which a compiled model (treefx.compile, regional=None) runs regionally
 # without FSDP2 or DDP: where each layer type compiled once saves compile time (Inductor).
 REGIONAL_BY_DEFAULT = ("inductor",)
+# the modes that run regionally by default through those backends: a compiled model on whole
+# batches. Not yet its parts (treefx.backward): on the H100 they ran 1-4% faster regionally
+# (BENCHMARKS.md, "Real agent trajectories"), but a model with a sliding window fails to
+# capture regionally in parts (tests/test_parts.py, the xfail beside the window test)
+REGIONAL_MODES = ("tree",)
 
 
 def fresh_function(fn, tag: int):
@@ -61,6 +66,17 @@ def fresh_function(fn, tag: int):
         co_name=f"treefx_{fn.__name__.strip('_')}_{tag}_{next(_FRESH)}")
     return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__,
                               fn.__closure__)
+
+
+def _regional_default_applies(plan: Plan, backend: str) -> bool:
+    return plan.regional is None and backend in REGIONAL_BY_DEFAULT and \
+        plan.mode in REGIONAL_MODES
+
+
+def regional_by_default(plan: Plan, model: torch.nn.Module, backend: str) -> bool:
+    """Whether ``regional=None`` runs ``model`` layer by layer: a compiled model's whole batches
+    (``REGIONAL_MODES``) through Inductor, with two decoder layers or more."""
+    return _regional_default_applies(plan, backend) and len(regional.find_blocks(model)) >= 2
 
 
 class TreeEngine:
@@ -250,8 +266,7 @@ class TreeEngine:
                 "regional=None)")
         if self.plan.regional is not None or kind is not None:
             return bool(self.plan.regional) or kind is not None
-        if backend not in REGIONAL_BY_DEFAULT or self.plan.mode != "tree" or \
-                id(model) in self._regional_off:
+        if not _regional_default_applies(self.plan, backend) or id(model) in self._regional_off:
             return False
         if id(model) not in self._layered:  # read once: a walk over every module
             self._layered[id(model)] = len(regional.find_blocks(model)) >= 2

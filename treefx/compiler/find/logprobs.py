@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from ...ops.logprobs import token_logprobs_site
+from ...ops.logprobs import token_logprobs_site, token_loss_site
 from ..graph import GraphContext, describe, is_call
 from ..sites import LogprobsSite
 from .loss import LINEAR, projection_only_for, strip_reshapes
@@ -24,12 +24,14 @@ __all__ = ["sites", "why_not_fused"]
 
 
 def sites(ctx: GraphContext):
-    """Every log-probability site of ``ctx``'s graph (the marker
-    :func:`treefx.ops.logprobs.token_logprobs_site`)."""
-    for site in [n for n in ctx.graph.nodes if is_call(n, token_logprobs_site)]:
-        logits, ids, parent = site.args
+    """Every log-probability site of ``ctx``'s graph (the markers
+    :func:`treefx.ops.logprobs.token_logprobs_site` and, in a part graph that makes its own
+    loss, :func:`treefx.ops.logprobs.token_loss_site`)."""
+    for site in [n for n in ctx.graph.nodes if is_call(n, token_logprobs_site, token_loss_site)]:
+        logits, ids, parent, *weights = site.args
         yield LogprobsSite(site, logits, ids, parent,
-                           projection_only_for(strip_reshapes(logits), site))
+                           projection_only_for(strip_reshapes(logits), site),
+                           weights[0] if weights else None)
 
 
 def why_not_fused(logits: fx.Node) -> str:

@@ -15,7 +15,9 @@ import torch.fx as fx
 from ...ops.attention import sink_rescale
 from ...ops.cross_entropy import (
     fused_linear_tree_cross_entropy,
+    fused_linear_tree_loss_and_logprobs,
     tree_cross_entropy,
+    tree_cross_entropy_and_logprobs,
     tree_token_logprobs,
 )
 from ...ops.logprobs import fused_linear_tree_logprobs
@@ -392,24 +394,33 @@ def emit_loss(ctx: GraphContext, site: LossSite, parent: fx.Node, ids: fx.Node) 
 
 
 def emit_logprobs(ctx: GraphContext, site: LogprobsSite, in_part: bool) -> fx.Node:
-    """The log-probabilities of ``site``: fused with the output projection when the logits
-    feed nothing else (``in_part``: a part's labels are mostly trained tokens, so its
-    backward takes every row, without a host synchronization), else from the logits with a
-    warning."""
+    """The log-probabilities of ``site`` (a loss site: the weighted loss and the
+    log-probabilities): fused with the output projection when the logits feed nothing else
+    (``in_part``: a part's labels are mostly trained tokens, so its backward takes every row,
+    without a host synchronization), else from the logits with a warning."""
     g = ctx.graph
     node, logits, ids, parent = site.node, site.logits, site.ids, site.parent
+    loss = site.weights is not None
     with g.inserting_before(node):
         if site.proj is not None:
             h, weight, bias = site.proj
-            new = g.call_function(fused_linear_tree_logprobs,
-                                  (h, weight, bias, ids, parent, in_part))
+            if loss:  # the loss's gradients made in its forward: no second pass
+                new = g.call_function(fused_linear_tree_loss_and_logprobs,
+                                      (h, weight, bias, ids, parent, site.weights))
+            else:
+                new = g.call_function(fused_linear_tree_logprobs,
+                                      (h, weight, bias, ids, parent, in_part))
             note = "fused with the output projection: the logits are not built"
         else:
-            new = g.call_function(tree_token_logprobs, (logits, ids, parent))
+            if loss:
+                new = g.call_function(tree_cross_entropy_and_logprobs,
+                                      (logits, ids, parent, site.weights))
+            else:
+                new = g.call_function(tree_token_logprobs, (logits, ids, parent))
             note = f"the logits are built: {why_not_fused(logits)}"
             log.warning("treefx.compile(logits=False): %s", note)
     new.meta["example_value"] = node.meta.get("example_value")
-    ctx.record("logprobs", node, describe(new), note=note)
+    ctx.record("logprobs", node, describe(new), note=("the loss, " if loss else "") + note)
     node.replace_all_uses_with(new)
     g.erase_node(node)
     return new

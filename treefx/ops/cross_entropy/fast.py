@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["CHUNK_ELEMENTS", "fused_linear_tree_cross_entropy"]
+__all__ = ["CHUNK_ELEMENTS", "fused_linear_tree_cross_entropy",
+           "fused_linear_tree_loss_and_logprobs"]
 
 # Logits per chunk: 128M floats (512 MiB in float32). One setting for the fused loss and the
 # fused log-probabilities (:mod:`treefx.ops.logprobs.fast`), read at call time.
@@ -100,17 +101,18 @@ def _prepare(h, parent, ids, weights):
 
 def _loss_and_dlogits(logits, ids, w, acc: torch.dtype, want_grad: bool,
                       out: torch.dtype | None = None):
-    """One chunk's weighted loss and (if wanted) d loss / d logits = w · (softmax − onehot),
-    computed in ``acc`` and returned in ``out`` (default ``acc``)."""
+    """One chunk's weighted loss, its tokens' log-probabilities and (if wanted) d loss /
+    d logits = w · (softmax − onehot), computed in ``acc`` and returned in ``out`` (default
+    ``acc``)."""
     lg = logits.to(acc)
     lse = torch.logsumexp(lg, dim=-1)
-    picked = lg.gather(1, ids[:, None])[:, 0]
-    loss = (w * (lse - picked)).sum()
+    lp = lg.gather(1, ids[:, None])[:, 0] - lse
+    loss = -(w * lp).sum()
     if not want_grad:
-        return loss, None
+        return loss, lp, None
     d = torch.exp(lg - lse[:, None])
     d = d - torch.nn.functional.one_hot(ids, lg.shape[-1]).to(acc)
-    return loss, (d * w[:, None]).to(out or acc)
+    return loss, lp, (d * w[:, None]).to(out or acc)
 
 
 _GPU_COMPILED: dict = {}
@@ -130,14 +132,17 @@ def gpu_compiled(fn, cuda: bool):
 
 
 def _chunks(h, weight, bias, ids, parent, weights, want_grad: bool, want_weight: bool = True):
-    """One pass over chunks of tokens: the loss and, if ``want_grad``, its gradients for an
-    upstream gradient of 1 (scaled in the backward). Computing them here, while each chunk's
-    logits exist, saves recomputing the logits in the backward. ``want_weight=False`` (a frozen
-    projection, as under LoRA): the weight's and bias' gradients are empty, not computed."""
+    """One pass over chunks of tokens: the loss, each token's log-probability (0 without a
+    predecessor; a by-product, not differentiated) and, if ``want_grad``, the loss's gradients
+    for an upstream gradient of 1 (scaled in the backward). Computing them here, while each
+    chunk's logits exist, saves recomputing the logits in the backward. ``want_weight=False``
+    (a frozen projection, as under LoRA): the weight's and bias' gradients are empty, not
+    computed."""
     h2, row, ids, w = _prepare(h, parent, ids, weights)
     n = ids.shape[0]
     acc = _acc(h)
     total = torch.zeros((), dtype=acc, device=h.device)
+    lp = torch.zeros(n, dtype=acc, device=h.device)
     dh = dw = db = None
     if want_grad:
         dh = torch.zeros(h2.shape, dtype=acc, device=h.device)
@@ -153,7 +158,7 @@ def _chunks(h, weight, bias, ids, parent, weights, want_grad: bool, want_weight:
         e = min(s + step, n)
         hc = h2[row[s:e]]
         logits = torch.nn.functional.linear(hc, weight, bias)
-        loss_c, d = pointwise(logits, ids[s:e], w[s:e], acc, want_grad, d_dtype)
+        loss_c, lp[s:e], d = pointwise(logits, ids[s:e], w[s:e], acc, want_grad, d_dtype)
         total += loss_c
         if not want_grad:
             continue
@@ -164,39 +169,42 @@ def _chunks(h, weight, bias, ids, parent, weights, want_grad: bool, want_weight:
         add_mm_acc(dw, dc.t(), hc)
         if bias is not None:
             db += d.sum(0)
+    lp = torch.where(parent.reshape(-1) >= 0, lp, torch.zeros_like(lp))
     if not want_grad:
-        return total, None, None, None
-    return (total, dh.to(h.dtype).reshape(h.shape), dw.to(weight.dtype),
+        return total, lp, None, None, None
+    return (total, lp, dh.to(h.dtype).reshape(h.shape), dw.to(weight.dtype),
             db.to(weight.dtype))
 
 
 @torch.library.custom_op("treefx::linear_tree_ce", mutates_args=())
 def _linear_tree_ce(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                     ids: torch.Tensor, parent: torch.Tensor, weights: torch.Tensor
-                    ) -> torch.Tensor:
-    """The loss alone (no gradient wanted)."""
-    return _chunks(h, weight, bias, ids, parent, weights, False)[0]
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The loss and the tokens' log-probabilities (no gradient wanted)."""
+    return _chunks(h, weight, bias, ids, parent, weights, False)[:2]
 
 
 @_linear_tree_ce.register_fake
 def _(h, weight, bias, ids, parent, weights):
-    return h.new_empty((), dtype=_acc(h))
+    return h.new_empty((), dtype=_acc(h)), h.new_empty(ids.numel(), dtype=_acc(h))
 
 
 @torch.library.custom_op("treefx::linear_tree_ce_with_grad", mutates_args=())
 def _linear_tree_ce_with_grad(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                               ids: torch.Tensor, parent: torch.Tensor, weights: torch.Tensor,
                               want_weight: bool
-                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(loss, d loss/d h, d loss/d weight, d loss/d bias (empty without a bias)); the last two
-    empty without ``want_weight``."""
-    loss, dh, dw, db = _chunks(h, weight, bias, ids, parent, weights, True, want_weight)
-    return loss, dh, dw, db
+                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                         torch.Tensor]:
+    """(loss, the tokens' log-probabilities, d loss/d h, d loss/d weight, d loss/d bias (empty
+    without a bias)); the last two empty without ``want_weight``."""
+    loss, lp, dh, dw, db = _chunks(h, weight, bias, ids, parent, weights, True, want_weight)
+    return loss, lp, dh, dw, db
 
 
 @_linear_tree_ce_with_grad.register_fake
 def _(h, weight, bias, ids, parent, weights, want_weight):
-    return (h.new_empty((), dtype=_acc(h)), torch.empty_like(h),
+    return (h.new_empty((), dtype=_acc(h)), h.new_empty(ids.numel(), dtype=_acc(h)),
+            torch.empty_like(h),
             torch.empty_like(weight) if want_weight else weight.new_empty(0),
             weight.new_empty(weight.shape[0] if bias is not None and want_weight else 0))
 
@@ -204,10 +212,10 @@ def _(h, weight, bias, ids, parent, weights, want_weight):
 def _setup(ctx, inputs, output):
     ctx.has_bias = inputs[2] is not None
     ctx.want_weight = inputs[6]
-    ctx.save_for_backward(*output[1:])
+    ctx.save_for_backward(*output[2:])
 
 
-def _backward(ctx, grad_loss, _dh, _dw, _db):
+def _backward(ctx, grad_loss, _lp, _dh, _dw, _db):
     dh, dw, db = ctx.saved_tensors
     if not ctx.want_weight:
         return grad_loss.to(dh.dtype) * dh, None, None, None, None, None, None
@@ -226,10 +234,25 @@ def fused_linear_tree_cross_entropy(h: torch.Tensor, weight: torch.Tensor,
     ``weight`` [V, D] (``bias`` [V] or None), without materializing the logits. Gradients flow
     to ``h``, ``weight`` and ``bias`` (computed in the forward, chunk by chunk); ``weights``
     are constants (the tree's loss weights)."""
+    return fused_linear_tree_loss_and_logprobs(h, weight, bias, input_ids, parent_token,
+                                               weights)[0]
+
+
+def fused_linear_tree_loss_and_logprobs(h: torch.Tensor, weight: torch.Tensor,
+                                        bias: torch.Tensor | None, input_ids: torch.Tensor,
+                                        parent_token: torch.Tensor, weights: torch.Tensor
+                                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(:func:`fused_linear_tree_cross_entropy`'s loss, each token's log-probability [N]):
+    the log-probabilities are a by-product of the loss's chunks (float32, 0 for a token
+    without a predecessor), detached: the loss's gradients are made in the forward for the
+    loss alone, so nothing may differentiate them (a loss built from them gets no gradient,
+    not a wrong one)."""
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (h, weight, bias))
     if needs_grad:
         want_weight = weight.requires_grad or bias is not None and bias.requires_grad
-        return _linear_tree_ce_with_grad(h, weight, bias, input_ids, parent_token,
-                                         weights.detach(), want_weight)[0]
-    return _linear_tree_ce(h, weight, bias, input_ids, parent_token, weights.detach())
+        loss, lp = _linear_tree_ce_with_grad(h, weight, bias, input_ids, parent_token,
+                                             weights.detach(), want_weight)[:2]
+    else:
+        loss, lp = _linear_tree_ce(h, weight, bias, input_ids, parent_token, weights.detach())
+    return loss, lp.detach()

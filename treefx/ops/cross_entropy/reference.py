@@ -14,6 +14,7 @@ import torch
 __all__ = [
     "linear_tree_cross_entropy_reference",
     "tree_cross_entropy",
+    "tree_cross_entropy_and_logprobs",
     "tree_token_logprobs",
     "weighted_logprob_loss",
 ]
@@ -48,6 +49,15 @@ def tree_cross_entropy(logits: torch.Tensor, input_ids: torch.Tensor, parent_tok
     a predecessor (see :func:`tree_token_logprobs`)."""
     lp = tree_token_logprobs(logits, input_ids, parent_token)
     return -(weights.to(lp.dtype) * lp).sum()
+
+
+def tree_cross_entropy_and_logprobs(logits: torch.Tensor, input_ids: torch.Tensor,
+                                    parent_token: torch.Tensor, weights: torch.Tensor
+                                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(:func:`tree_cross_entropy`, the tokens' log-probabilities detached): the plain form of
+    :func:`.fast.fused_linear_tree_loss_and_logprobs`."""
+    lp = tree_token_logprobs(logits, input_ids, parent_token)
+    return -(weights.to(lp.dtype) * lp).sum(), lp.detach()
 
 
 def linear_tree_cross_entropy_reference(h, weight, bias, input_ids, parent_token, weights):

@@ -5,7 +5,7 @@ captured as (:mod:`.site`)."""
 
 from .fast import fused_linear_tree_logprobs
 from .reference import linear_tree_logprobs_reference
-from .site import register_site, token_logprobs_site
+from .site import register_site, token_logprobs_site, token_loss_site
 
 __all__ = ["fused_linear_tree_logprobs", "linear_tree_logprobs_reference", "register_site",
-           "token_logprobs_site"]
+           "token_logprobs_site", "token_loss_site"]

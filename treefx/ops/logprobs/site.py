@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import torch
 
-from ..cross_entropy.reference import tree_token_logprobs
+from ..cross_entropy.reference import tree_cross_entropy_and_logprobs, tree_token_logprobs
 
-__all__ = ["register_site", "token_logprobs_site"]
+__all__ = ["register_site", "token_logprobs_site", "token_loss_site"]
 
 
 def token_logprobs_site(logits: torch.Tensor, input_ids: torch.Tensor,
@@ -21,6 +21,17 @@ def token_logprobs_site(logits: torch.Tensor, input_ids: torch.Tensor,
     return tree_token_logprobs(logits, input_ids, parent_token)
 
 
+def token_loss_site(logits: torch.Tensor, input_ids: torch.Tensor, parent_token: torch.Tensor,
+                    weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where a part graph of :func:`treefx.backward` makes its own loss, the weighted tree loss
+    ``-Σ_t weights[t] · lp_t``, beside the log-probabilities (detached): one node, which the
+    logprobs pass replaces by :func:`treefx.ops.cross_entropy.fused_linear_tree_loss_and_logprobs`
+    when the logits are the output projection and feed nothing else (the loss's gradients
+    made in the forward: three products with the output weight, not the four the
+    log-probabilities' own backward needs), else by its plain form on the logits."""
+    return tree_cross_entropy_and_logprobs(logits, input_ids, parent_token, weights)
+
+
 _registered = False
 
 
@@ -31,4 +42,5 @@ def register_site() -> None:
     global _registered
     if not _registered:
         torch._dynamo.allow_in_graph(token_logprobs_site)
+        torch._dynamo.allow_in_graph(token_loss_site)
         _registered = True
