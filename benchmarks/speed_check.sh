@@ -423,3 +423,13 @@ if [ "${1:-}" = u ]; then
   echo "real_trees rc=$?"; tail -n 3 $OUT/real_trees_own_loss.log
   results u
 fi
+# Stage v (`... v` on one GPU, carry .data; results in $OUT/v.tgz): stage u's SWE run for tasks
+# 8 to 14 of the 40 (the rest of the 14 of 2026-11-26's run)
+if [ "${1:-}" = v ]; then
+  RES=$OUT; OUT=/tmp/v; mkdir -p $OUT
+  TREEFX_VERIFY=0 timeout 560 python3 -m benchmarks.real_trees --trees .data/swe200.jsonl \
+    --sample 40 --seed 0 --slice 7:14 --budget 65536 --methods treefx,packing --check-grads \
+    --time-limit 530 --out $OUT/real_trees_own_loss_b.json > $OUT/real_trees_own_loss_b.log 2>&1
+  echo "real_trees rc=$?"; tail -n 3 $OUT/real_trees_own_loss_b.log
+  results v
+fi
