@@ -433,3 +433,24 @@ if [ "${1:-}" = v ]; then
   echo "real_trees rc=$?"; tail -n 3 $OUT/real_trees_own_loss_b.log
   results v
 fi
+# Stage w / x (`... w`, `... x` on one GPU, carry .data; results in $OUT/w.tgz, x.tgz): parts
+# run regionally by default (and a part's interleaved rows padded by concatenation). w: the
+# float32 exactness of parts through Inductor for Mistral (a window: the regional capture this
+# fixed) and Qwen3, then the first 7 SWE tasks; x: tasks 8 to 14
+if [ "${1:-}" = w ] || [ "${1:-}" = x ]; then
+  RES=$OUT; OUT=/tmp/$1; mkdir -p $OUT
+  if [ "$1" = w ]; then
+    timeout 170 python3 -m benchmarks.parts --methods "" --exactness-models mistral,qwen3 \
+      --out $OUT/parts_exact.json > $OUT/parts_exact.log 2>&1
+    echo "parts exactness rc=$?"; grep -E "^exactness" $OUT/parts_exact.log | tail -n 8
+    slice=0:7; limit=330
+  else
+    slice=7:14; limit=540
+  fi
+  TREEFX_VERIFY=0 timeout $limit python3 -m benchmarks.real_trees --trees .data/swe200.jsonl \
+    --sample 40 --seed 0 --slice $slice --budget 65536 --methods treefx,packing --check-grads \
+    --time-limit $((limit - 25)) --out $OUT/real_trees_regional_parts.json \
+    > $OUT/real_trees_regional_parts.log 2>&1
+  echo "real_trees rc=$?"; tail -n 3 $OUT/real_trees_regional_parts.log
+  results $1
+fi

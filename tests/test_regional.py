@@ -208,8 +208,8 @@ def test_regional_false_is_the_whole_graph():
 
 def test_regional_is_the_default_through_inductor(monkeypatch, caplog):
     """``regional=None``: a compiled model runs layer by layer on Inductor (the GPU), the whole
-    graph on the eager backend; a step function keeps the whole graph (parts too:
-    tests/test_parts.py::test_parts_keep_the_whole_graph_by_default). A default
+    graph on the eager backend; a step function keeps the whole graph (parts run regionally:
+    tests/test_parts.py::test_parts_run_regionally_by_default_where_whole_batches_do). A default
     regional capture that regional execution refuses (hooks on a layer) falls back to the whole
     graph, with a warning. On the CPU the eager backend stands in for Inductor."""
     from treefx.run import engine as engine_mod

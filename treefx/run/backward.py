@@ -66,6 +66,17 @@ def _register() -> None:
         _REGISTERED = True
 
 
+def _check_part_shapes(input_ids, tree_info, part_info, ctx_tok, state_entry, labels,
+                       weights=None) -> None:
+    """The sizes a part graph's inputs share (told to Dynamo: the token count, the context's,
+    the labels')."""
+    torch._check(tree_info.shape[1] == input_ids.shape[1])
+    torch._check(state_entry.shape[0] == input_ids.shape[1])
+    torch._check(ctx_tok.shape[0] == part_info.shape[1])
+    if weights is not None:
+        torch._check(weights.shape[1] == labels.shape[1])
+
+
 def part_forward(opts: dict, loss: bool = False):
     """The function a compiled model's part captures: the model on the part's tokens, their
     log-probabilities at their predecessors, and the part's own columns and exit states (the
@@ -78,10 +89,8 @@ def part_forward(opts: dict, loss: bool = False):
     if loss:
         def tree_part_loss(model, input_ids, tree_info, part_info, ctx_tok, ctx_state,
                            state_entry, state_exit, labels, loss_weights, emb_sink, grads):
-            torch._check(tree_info.shape[1] == input_ids.shape[1])
-            torch._check(state_entry.shape[0] == input_ids.shape[1])
-            torch._check(ctx_tok.shape[0] == part_info.shape[1])
-            torch._check(loss_weights.shape[1] == labels.shape[1])
+            _check_part_shapes(input_ids, tree_info, part_info, ctx_tok, state_entry, labels,
+                               loss_weights)
             logits = model_logits(model, opts, input_ids, tree_info)
             total, lp = token_loss_site(logits, labels[1], labels[0], loss_weights[0])
             own, exits = part_outputs(input_ids, ctx_tok, ctx_state, state_exit, part_info,
@@ -92,9 +101,7 @@ def part_forward(opts: dict, loss: bool = False):
 
     def tree_part(model, input_ids, tree_info, part_info, ctx_tok, ctx_state, state_entry,
                   state_exit, labels, emb_sink, grads):
-        torch._check(tree_info.shape[1] == input_ids.shape[1])
-        torch._check(state_entry.shape[0] == input_ids.shape[1])
-        torch._check(ctx_tok.shape[0] == part_info.shape[1])
+        _check_part_shapes(input_ids, tree_info, part_info, ctx_tok, state_entry, labels)
         logits = model_logits(model, opts, input_ids, tree_info)
         lp = token_logprobs_site(logits, labels[1], labels[0])
         own, exits = part_outputs(input_ids, ctx_tok, ctx_state, state_exit, part_info,
@@ -111,10 +118,8 @@ def part_step_function(user_fn):
     checks the cross-entropy's shape, not their values)."""
     def tree_part_step(model, input_ids, tree_info, part_info, ctx_tok, ctx_state,
                        state_entry, state_exit, labels, tree_weights, emb_sink, grads):
-        torch._check(tree_info.shape[1] == input_ids.shape[1])
-        torch._check(state_entry.shape[0] == input_ids.shape[1])
-        torch._check(ctx_tok.shape[0] == part_info.shape[1])
-        torch._check(tree_weights.shape[1] == labels.shape[1])
+        _check_part_shapes(input_ids, tree_info, part_info, ctx_tok, state_entry, labels,
+                           tree_weights)
         result = user_fn(model, step_batch(input_ids, tree_info, tree_info[1] >= 0))
         own, exits = part_outputs(input_ids, ctx_tok, ctx_state, state_exit, part_info,
                                   state_entry, tree_info, emb_sink, grads)

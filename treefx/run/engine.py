@@ -45,10 +45,9 @@ _FRESH = itertools.count()
 # without FSDP2 or DDP: where each layer type compiled once saves compile time (Inductor).
 REGIONAL_BY_DEFAULT = ("inductor",)
 # the modes that run regionally by default through those backends: a compiled model on whole
-# batches. Not yet its parts (treefx.backward): on the H100 they ran 1-4% faster regionally
-# (BENCHMARKS.md, "Real agent trajectories"), but a model with a sliding window fails to
-# capture regionally in parts (tests/test_parts.py, the xfail beside the window test)
-REGIONAL_MODES = ("tree",)
+# batches and on parts of trees (treefx.backward: 1-4% faster per step on the H100, BENCHMARKS.md
+# "Real agent trajectories", and a first step that does not compile the whole stack)
+REGIONAL_MODES = ("tree", "part")
 
 
 def fresh_function(fn, tag: int):
@@ -75,7 +74,8 @@ def _regional_default_applies(plan: Plan, backend: str) -> bool:
 
 def regional_by_default(plan: Plan, model: torch.nn.Module, backend: str) -> bool:
     """Whether ``regional=None`` runs ``model`` layer by layer: a compiled model's whole batches
-    (``REGIONAL_MODES``) through Inductor, with two decoder layers or more."""
+    and parts (``REGIONAL_MODES``; not a step function) through Inductor, with two decoder
+    layers or more."""
     return _regional_default_applies(plan, backend) and len(regional.find_blocks(model)) >= 2
 
 
@@ -223,11 +223,13 @@ class TreeEngine:
         if discover_in is not None and self.uses_regions(discover_in, root, backend):
             try:
                 return self._call_regional(backend, args, dynamic, discover_in, root)
-            except TreeCompileError as e:
+            except (TreeCompileError, torch._dynamo.exc.BackendCompilerFailed) as e:
                 # regional execution chosen by default (regional=None, no FSDP2 or DDP), not
-                # asked for: the whole graph instead, said once
-                if self.plan.regional is not None or not str(e).startswith(
-                        "regional execution") or regional.distributed_kind(
+                # asked for, that refuses the model or whose capture fails to compile (before
+                # any of it ran): the whole graph instead, said once
+                refused = isinstance(e, torch._dynamo.exc.BackendCompilerFailed) or \
+                    str(e).startswith("regional execution")
+                if self.plan.regional is not None or not refused or regional.distributed_kind(
                         discover_in, root if root is not discover_in else None) is not None:
                     raise
                 self._regional_off.add(id(discover_in))

@@ -114,12 +114,20 @@ def interleaved_block_mask(std, kv_heads: int, length, mask_mod):
                      **parts)
 
 
-def heads_to_row(x: torch.Tensor, kv_heads: int, nb: int, block: int) -> torch.Tensor:
+def heads_to_row(x: torch.Tensor, kv_heads: int, nb: int, block: int, *,
+                 pad_by_cat: bool = False) -> torch.Tensor:
     """[B, kv_heads * r, N, D] -> [B, r, nb * kv_heads * block, D]: the row zero-padded to
-    ``nb`` blocks, block ``b`` of KV head ``g`` at row block ``b * kv_heads + g``."""
+    ``nb`` blocks, block ``b`` of KV head ``g`` at row block ``b * kv_heads + g``.
+    ``pad_by_cat``: the zeros concatenated rather than padded, for a block count known only
+    when the op runs (a part's key blocks): regional execution runs each piece once on fake
+    tensors outside any trace, where ``constant_pad_nd``'s kernel wants concrete sizes."""
     bsz, heads, n, d = x.shape
     r = heads // kv_heads
-    x = F.pad(x, (0, 0, 0, nb * block - n)).view(bsz, kv_heads, r, nb, block, d)
+    if pad_by_cat:
+        x = torch.cat([x, x.new_zeros(bsz, heads, nb * block - n, d)], dim=2)
+    else:
+        x = F.pad(x, (0, 0, 0, nb * block - n))
+    x = x.view(bsz, kv_heads, r, nb, block, d)
     return x.permute(0, 2, 3, 1, 4, 5).reshape(bsz, r, nb * kv_heads * block, d)
 
 

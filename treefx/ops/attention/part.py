@@ -149,8 +149,9 @@ class TreePartFlexAttention(FlexSite):
             block_mask = interleaved_block_mask(
                 block_mask, hk, (nbq * hk * bs, nbk * hk * bs),
                 self._interleaved_mask_mod(hk, q.shape[1] // hk))
-            qw = heads_to_row(qw, hk, nbq, bs)
-            keys, values = (heads_to_row(x, hk, nbk, bs) for x in (keys, values))
+            qw = heads_to_row(qw, hk, nbq, bs, pad_by_cat=True)
+            keys, values = (heads_to_row(x, hk, nbk, bs, pad_by_cat=True)
+                            for x in (keys, values))
         out = self._call_flex(qw, keys, values, block_mask, score_mod, score_bufs, mask_bufs)
         if self.return_lse:
             out, lse = out
