@@ -23,7 +23,7 @@ weights; token ids must be below the vocabulary. Compiled once, ``treefx.compile
 logits=False, verify=False)`` (Inductor on the GPU, eager on the CPU; ``--regional`` sets its
 ``regional=``), and shared by both methods. Since regional execution became the default
 (2026-11-26), a compiled model runs whole trees and packing's micro-batches one layer graph at
-a time on Inductor, while ``treefx.backward``'s parts run the whole part graph. ``--dry-run``:
+a time on Inductor, and ``treefx.backward``'s parts too (since 2026-11-27). ``--dry-run``:
 the same code on the CPU, a tiny float32 Qwen3 (hidden 64, vocab 1024, or Qwen3's vocabulary
 when a tree's ids need it), the eager backend; its times say nothing.
 
@@ -513,8 +513,8 @@ def main(argv=None):
     p.add_argument("--methods", default="treefx,packing")
     p.add_argument("--regional", choices=("default", "on", "off"), default="default",
                    help="treefx.compile's regional= for the shared model: default (None: "
-                        "whole trees and packing's micro-batches regional on Inductor, "
-                        "treefx.backward's parts whole-graph), on (parts too), off")
+                        "whole trees, treefx.backward's parts and packing's micro-batches "
+                        "regional on Inductor), on, off")
     p.add_argument("--warmup", type=int, default=1, help="treefx's full warm-up steps per task")
     p.add_argument("--reps", type=int, default=3, help="treefx's timed steps per task")
     p.add_argument("--packing-warmup", type=int, default=0,
