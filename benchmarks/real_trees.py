@@ -515,6 +515,10 @@ def main(argv=None):
                    help="treefx.compile's regional= for the shared model: default (None: "
                         "whole trees, treefx.backward's parts and packing's micro-batches "
                         "regional on Inductor), on, off")
+    p.add_argument("--verify", action="store_true",
+                   help="treefx.compile(verify=True): treefx.backward's first call checks its "
+                        "part graph on a probe forest against each sequence alone (the "
+                        "report in the JSON's 'verification')")
     p.add_argument("--warmup", type=int, default=1, help="treefx's full warm-up steps per task")
     p.add_argument("--reps", type=int, default=3, help="treefx's timed steps per task")
     p.add_argument("--packing-warmup", type=int, default=0,
@@ -575,7 +579,8 @@ def main(argv=None):
     model = common.hf_model("qwen3", dev=dev, dtype=dtype, on_device=cuda,
                             num_hidden_layers=args.layers, **shape)
     regional = {"default": None, "on": True, "off": False}[args.regional]
-    tm = treefx.compile(model, backend=backend, logits=False, verify=False, regional=regional)
+    tm = treefx.compile(model, backend=backend, logits=False, verify=args.verify,
+                        regional=regional)
     res["setup_s"] = time.perf_counter() - start
     ran = []  # (wall seconds, sequence tokens) of the tasks run
     for k, (index, tree) in enumerate(tasks):
@@ -599,6 +604,13 @@ def main(argv=None):
         if "methods" in row:
             ran.append((row["wall_s"], row["sequence_tokens"]))
         res["tasks"].append(row)
+        if args.verify and "verification" not in res:
+            from treefx.run.backward import runners
+
+            found = [str(r.verification) for r in runners(tm) if r.verification is not None]
+            if found:
+                res["verification"] = found
+                print("first-call check of the part graph:", *found, sep="\n  ", flush=True)
         res["summary"] = summary(res["tasks"])
         res["elapsed_s"] = time.perf_counter() - start
         common.save_json(res, out)

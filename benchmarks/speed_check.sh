@@ -454,3 +454,14 @@ if [ "${1:-}" = w ] || [ "${1:-}" = x ]; then
   echo "real_trees rc=$?"; tail -n 3 $OUT/real_trees_regional_parts.log
   results $1
 fi
+# Stage y (`... y` on one GPU, carry .data; results in $OUT/y.tgz): treefx.backward's default
+# path as a user gets it, the first-call check on (its own loss, the parts regional), bf16:
+# the first 2 SWE tasks, treefx alone
+if [ "${1:-}" = y ]; then
+  RES=$OUT; OUT=/tmp/y; mkdir -p $OUT
+  timeout 400 python3 -m benchmarks.real_trees --trees .data/swe200.jsonl --sample 40 --seed 0 \
+    --slice 0:2 --budget 65536 --methods treefx --verify --time-limit 380 \
+    --out $OUT/real_trees_verify.json > $OUT/real_trees_verify.log 2>&1
+  echo "real_trees rc=$?"; grep -v pow_by_natural $OUT/real_trees_verify.log | tail -n 8 | cut -c1-600
+  results y
+fi
