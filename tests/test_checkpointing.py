@@ -298,3 +298,14 @@ def test_dropout_in_a_region_keeps_its_draws():
     tm = treefx.compile(model, backend="eager")
     with pytest.raises(treefx.verification.VerificationUnavailable, match="random"):
         treefx.verify(tm, odd_forest(9, VOCAB))
+
+
+def test_a_checkpointed_layer_that_stores_keys_for_later_layers_is_exact():
+    """Gemma 4 (and Gemma 3n) layers store their keys and values in a dict that later layers
+    read (KV sharing). Inside a checkpointed layer that write is a side effect Dynamo refused
+    to trace (a graph break: treefx refused the model with checkpointing on); captured with it
+    done once in the forward, the model equals the oracle, values and every gradient."""
+    from treefx.tools import zoo
+
+    r = zoo.run_model("gemma4_text", checkpointing=True)
+    assert r["status"] == "exact", r

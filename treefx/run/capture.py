@@ -41,6 +41,15 @@ def capture_environment(model: torch.nn.Module | None, plan: Plan, *,
         if regional_capture:
             stack.enter_context(regional.capture_state(model))
             stack.enter_context(torch._dynamo.config.patch(optimize_ddp=False))
+        if hasattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
+            # a checkpointed layer that writes a Python container (Gemma 3n / Gemma 4 store
+            # their shared keys and values in a dict for later layers) is captured, its
+            # write done in the forward and not again when the backward recomputes the layer
+            # (else a graph break, which treefx refuses); what later layers read is the
+            # forward's tensors. Exact against the oracle in the zoo with checkpointing
+            # (docs/zoo.md); the first-call check compares every such model's gradients.
+            stack.enter_context(torch._dynamo.config.patch(
+                skip_fwd_side_effects_in_bwd_under_checkpoint=True))
         stack.enter_context(capture_patches())
         stack.enter_context(without_input_grad_hooks(model))
         stack.enter_context(backends.capture_config())
