@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+import transformers
 from support import VOCAB, grads, hf_model
 
 import treefx
@@ -527,6 +528,25 @@ def test_parts_make_their_own_loss_fused_with_the_output_projection():
     for name, g in second.items():
         torch.testing.assert_close(g, first[name], rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(loss, own_loss, rtol=1e-6, atol=0)
+
+
+def test_parts_own_loss_on_logits_the_model_transforms():
+    """A final softcap: the logits are not the output projection's, so the part's own loss is
+    made from the built logits (with a warning), and still equals the oracle (Gemma 2's
+    softcaps and window)."""
+    cfg = transformers.AutoConfig.for_model(
+        "gemma2", vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, final_logit_softcapping=30.0,
+        attn_logit_softcapping=50.0, sliding_window=5)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    tm = treefx.compile(transformers.AutoModelForCausalLM.from_config(cfg), backend="aot-eager",
+                        verify=True)
+    _check(tm, odd_forest(3, VOCAB), 7)
+    (runner,) = runners(tm)
+    assert runner.own_loss and runner.verification.passed
+    notes = [r.note for r in runner.engine.contexts[-1].log if r.pass_name == "logprobs"]
+    assert notes and all(n.startswith("the loss, the logits are built") for n in notes), notes
 
 
 def test_parts_run_regionally_by_default_where_whole_batches_do(monkeypatch):
