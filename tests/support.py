@@ -26,6 +26,11 @@ HF_CONFIGS = {
                     head_dim=8, sliding_window=3),
     "gpt2": dict(model_type="gpt2", n_embd=32, n_layer=2, n_head=4, n_positions=64,
                  attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0),
+    # Scores and logits the model transforms itself: softcaps, and a window of 5.
+    "gemma2": dict(model_type="gemma2", hidden_size=32, intermediate_size=64,
+                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                   head_dim=8, final_logit_softcapping=30.0, attn_logit_softcapping=50.0,
+                   sliding_window=5),
 }
 
 

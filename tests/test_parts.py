@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-import transformers
 from support import VOCAB, grads, hf_model
 
 import treefx
@@ -534,14 +533,7 @@ def test_parts_own_loss_on_logits_the_model_transforms():
     """A final softcap: the logits are not the output projection's, so the part's own loss is
     made from the built logits (with a warning), and still equals the oracle (Gemma 2's
     softcaps and window)."""
-    cfg = transformers.AutoConfig.for_model(
-        "gemma2", vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, final_logit_softcapping=30.0,
-        attn_logit_softcapping=50.0, sliding_window=5)
-    cfg._attn_implementation = "eager"
-    torch.manual_seed(0)
-    tm = treefx.compile(transformers.AutoModelForCausalLM.from_config(cfg), backend="aot-eager",
-                        verify=True)
+    tm = treefx.compile(hf_model("gemma2", "eager"), backend="aot-eager", verify=True)
     _check(tm, odd_forest(3, VOCAB), 7)
     (runner,) = runners(tm)
     assert runner.own_loss and runner.verification.passed
