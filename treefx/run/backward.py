@@ -692,8 +692,8 @@ class _Run:
                  target: torch.nn.Module, *, step, loss_fn, collective: bool,
                  on_logprobs: Callable | None = None):
         self.runner, self.step, self.loss_fn = runner, step, loss_fn
-        # called with each part's log-probabilities from a graph that makes its own loss,
-        # in the forward that builds the backward's graph (the first-call check records them)
+        # called with each part's log-probabilities in the batch's row, in the forward that
+        # builds the backward's graph (the first-call check records them)
         self.on_logprobs = on_logprobs
         self.model = target
         self.collective = collective
@@ -785,11 +785,11 @@ class _Run:
         rerun = _rerun(self.runner, plan, part, t, self.held, self.device, self._loss,
                        self._report)
         with torch.no_grad() if part.recompute else contextlib.nullcontext():
-            first, own, exits, *lps = _forward(self.runner, plan, part, t, self.held,
-                                               self.device, self.created, self._agree(group))
+            first, own, exits, *rest = _forward(self.runner, plan, part, t, self.held,
+                                                self.device, self.created, self._agree(group))
             loss = self._loss(first, t)
-        if lps and not part.recompute:
-            self._report(lps[0], t)
+        if not part.recompute:
+            self._report(first, rest, t)
         if j == 0 and plan.recompute_tokens:
             _check_recompute(self.runner)
         self.total = self.total + loss.detach().to(self.total.dtype)
@@ -798,13 +798,10 @@ class _Run:
 
     def _loss(self, lp: torch.Tensor, t: dict) -> torch.Tensor:
         """A part's loss from its graph's first output: the loss itself (a step's, or
-        treefx.tree_loss made in the graph), or from its log-probabilities treefx.tree_loss
-        over its trained tokens or ``loss_fn`` on the part's batch."""
+        treefx.tree_loss made in the graph), or ``loss_fn`` on the part's batch from its
+        log-probabilities."""
         if self.step is not None or self.runner.own_loss:
             loss = lp
-        elif self.loss_fn is None:  # treefx.tree_loss over the part's trained tokens
-            w = t["tree_weights"][0]
-            loss = -(w.to(lp.dtype) * lp[:w.shape[0]]).sum()
         else:
             full = self.full
             toks = t["label_tokens"]
@@ -826,10 +823,14 @@ class _Run:
         values = torch.zeros(self.full.num_tokens, dtype=lp.dtype, device=self.device)
         return values.index_put((toks,), lp[:toks.shape[0]])
 
-    def _report(self, lp: torch.Tensor, t: dict) -> None:
-        """``on_logprobs`` of the part's log-probabilities in the batch's row."""
-        if self.on_logprobs is not None:
-            self.on_logprobs(self._row(lp.detach(), t))
+    def _report(self, first: torch.Tensor, rest: list, t: dict) -> None:
+        """``on_logprobs`` of the part's log-probabilities in the batch's row, from its graph's
+        outputs: the last of a graph that makes its own loss, else the first (a step's graph
+        hands out none)."""
+        if self.on_logprobs is None or self.step is not None:
+            return
+        lp = rest[0] if self.runner.own_loss else first
+        self.on_logprobs(self._row(lp.detach(), t))
 
     def _dummy_forward(self, group) -> None:
         """The forward of a two-token tree whose loss is backpropagated with a zero gradient:
@@ -907,22 +908,16 @@ def _verify_first_call(tm: TreeModel, runner: PartRunner) -> None:
     from ..verification import VerificationUnavailable
 
     def tree_run(batch, chosen):
-        lps = []  # each part's, in the batch's row
-
-        def record(out, b):
-            # each part's log-probabilities once: a recompute part's loss is computed twice,
-            # first without autograd (not recorded), then in its backward's second forward
-            if torch.is_grad_enabled():
-                lps.append(out.token_logprobs.detach())
-            return tree_loss(out, b)
-
+        # each part's log-probabilities in the batch's row, once: a recompute part's forward
+        # runs twice, first without autograd (not reported), then in its backward
+        lps = []
         for _, p in chosen:
             p.grad = None
         try:
             with torch.enable_grad():
                 # this process's parts alone (a DDP model's inner module: no collective)
                 run = _Run(runner, batch.to("cpu"), max(3, batch.num_tokens // 3), tm.model,
-                           step=None, loss_fn=None if runner.own_loss else record,
+                           step=None, loss_fn=None if runner.own_loss else tree_loss,
                            collective=False, on_logprobs=lps.append)
                 for event, i in run.events:
                     run.forward(i) if event == "F" else run.backward(i)
@@ -986,18 +981,15 @@ def _gather_states(plan, part, held, width, dtype, device) -> torch.Tensor:
     return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
 
 
-def _rerun(runner: PartRunner, plan, part, t: dict, held: dict, device, part_loss,
-           on_logprobs=None):
+def _rerun(runner: PartRunner, plan, part, t: dict, held: dict, device, part_loss, report):
     """A recompute part's forward again, with a graph, for its backward: its context read
     from the same leaves of the parts still held (so their gradients arrive through this
-    graph only: the first forward built none), its loss by ``part_loss``; ``on_logprobs``
-    (a graph that makes its own loss): called with the log-probabilities of this run and
-    ``t``."""
+    graph only: the first forward built none), its loss by ``part_loss``; ``report`` (as
+    :meth:`_Run._report`) told of this run's outputs."""
     def rerun():
         with torch.enable_grad():
-            first, own, exits, *lps = _forward(runner, plan, part, t, held, device)
-            if lps:
-                on_logprobs(lps[0], t)
+            first, own, exits, *rest = _forward(runner, plan, part, t, held, device)
+            report(first, rest, t)
             return part_loss(first, t), own, exits, t["emb_sink"]
 
     return rerun
