@@ -28,7 +28,8 @@ Two levels, each case in its own try/except (failures keep their traceback in th
   the float32 oracle, beside the bf16 per-sequence run (fla) against it. Parameter errors:
   ``max |g - ref| / max(max |ref|, 1e-3 x the largest |ref| of the model)``.
 
-Every case records which kernel path the tree took (``kernel_runs``: ``varlen`` is fla,
+Every case records which kernel path the tree took (``kernel_runs``: ``varlen`` is fla depth by
+depth, ``tree`` fla in one pass per stage (:mod:`treefx.families.fla_tree`),
 ``padded`` the torch kernel) and fla's decision with its reason; the JSON has the versions.
 """
 

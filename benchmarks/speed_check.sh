@@ -465,3 +465,24 @@ if [ "${1:-}" = y ]; then
   echo "real_trees rc=$?"; grep -v pow_by_natural $OUT/real_trees_verify.log | tail -n 8 | cut -c1-600
   results y
 fi
+# Stage z1 / z2 (one GPU, carry .whl/fla; results in $OUT/z1.tgz, z2.tgz): fla's Gated DeltaNet
+# over the whole tree in one pass per stage (treefx.families.fla_tree).
+#   z1: benchmarks.fla_tree_check: float32 and bf16 against fla depth by depth and a float64
+#       walk along the tree (root states given, final states handed out), then both paths'
+#       forward and backward timed at Qwen3-Next's heads on the e2e tree and on its sequences
+#       packed; fla autotunes its kernels in it (compiled kernels stay in Triton's cache for z2
+#       while the machine is held)
+#   z2: e2e qwen3_next side by side in one process: packing on fla's variable-length kernels,
+#       treefx (one pass per stage), treefx with fla depth by depth (TREEFX_FLA_TREE=0)
+if [ "${1:-}" = z1 ]; then
+  with_fla z1
+  timeout 560 python3 -m benchmarks.fla_tree_check ${Z1_ARGS:-} --out $OUT/fla_tree_check.json \
+    > $OUT/fla_tree_check.log 2>&1
+  echo "fla_tree_check rc=$?"; tail -n 30 $OUT/fla_tree_check.log | cut -c1-400
+  results z1
+fi
+if [ "${1:-}" = z2 ]; then
+  with_fla z2
+  next_e2e 0 570 next_tree --methods packed_reset,treefx,treefx_depthwise
+  results z2
+fi

@@ -127,13 +127,14 @@ def run_hidden(env, args, hidden, trees, res, deadline, first_hidden) -> None:
 def recurrence_paths(before: dict, after: dict) -> dict:
     """Which kernel path the tree recurrences took during a measurement (treefx's counts of
     tree runs per recurrence and path): ``recurrence_kernels`` {"name:path": runs} and
-    ``recurrence_on``: "fla" (every run on the variable-length path, fla's kernels), "torch"
-    (none: Hugging Face's torch kernel) or "mixed"; nothing for a model without one."""
+    ``recurrence_on``: "fla" (every run on fla's kernels: the variable-length path depth by
+    depth, or the tree in one pass per stage), "torch" (none: Hugging Face's torch kernel) or
+    "mixed"; nothing for a model without one."""
     delta = {f"{n}:{p}": after[(n, p)] - before.get((n, p), 0) for n, p in after
              if after[(n, p)] != before.get((n, p), 0)}
     if not delta:
         return {}
-    fast = sum(v for k, v in delta.items() if k.endswith(":varlen"))
+    fast = sum(v for k, v in delta.items() if k.endswith((":varlen", ":tree")))
     on = "fla" if fast == sum(delta.values()) else "torch" if fast == 0 else "mixed"
     return {"recurrence_kernels": delta, "recurrence_on": on}
 

@@ -16,7 +16,7 @@ from ..compiler.recurrences import (
     register_kernel_family,
 )
 from ..ops.selective_scan import selective_scan
-from . import fla
+from . import fla, fla_tree
 
 __all__ = ["FAMILIES", "MODELS", "register_builtins"]
 
@@ -49,6 +49,7 @@ def _delta_rule(name: str, fn, kernel: str) -> Recurrence:
         varlen=getattr(fla, kernel),
         varlen_check=functools.partial(fla.use_fla, kernel),
         varlen_split=fla.split_calls,
+        tree_varlen=fla_tree.tree_gated_delta_rule if kernel == "gated_delta_rule" else None,
         tree_fn=torch_fn if torch_fn is not fn else None,
     )
 

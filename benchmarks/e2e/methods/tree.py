@@ -5,9 +5,14 @@ sites; treefx interleaves the KV heads in training); ``treefx_nologits``: ``logi
 (the output projection fused with the log-softmax, the [tokens, vocab] logits never built);
 ``treefx_regional`` / ``treefx_whole``: ``regional=True`` / ``False`` (one compiled piece per
 layer type, or the whole graph compiled at once); ``treefx_regional_nologits``: both
-``regional=True`` and ``logits=False`` (deep models, whose whole graph compiles slowly)."""
+``regional=True`` and ``logits=False`` (deep models, whose whole graph compiles slowly);
+``treefx_depthwise`` (hybrids on fla): the default model with fla's Gated DeltaNet run depth by
+depth (``TREEFX_FLA_TREE=0``: fla's whole pipeline per tree depth), not in one pass per stage
+(:mod:`treefx.families.fla_tree`); it shares ``treefx``'s compiled model when both run."""
 
 from __future__ import annotations
+
+import os
 
 import treefx
 
@@ -42,13 +47,37 @@ def make_regional_nologits(env, model, parts, args=None):
                 logits=False)
 
 
+def make_depthwise(env, model, parts, args=None):
+    from treefx.families.fla_tree import ENV
+
+    tm = parts.get("treefx_model") or treefx.compile(model, backend=env.tree_backend)
+    parts["treefx_depthwise_model"] = tm
+
+    def prepare(trees):
+        inner = tree_step(env, model, tm, trees)
+
+        def step():
+            old = os.environ.get(ENV)
+            os.environ[ENV] = "0"
+            try:
+                return inner()
+            finally:
+                if old is None:
+                    os.environ.pop(ENV, None)
+                else:
+                    os.environ[ENV] = old
+        return step
+    return prepare
+
+
 # Each variant's method name -> (maker, the parts entry holding its compiled model)
 VARIANTS = {"treefx_standard": (make_standard, "treefx_standard_model"),
             "treefx_nologits": (make_nologits, "treefx_nologits_model"),
             "treefx_regional": (make_regional, "treefx_regional_model"),
             "treefx_whole": (make_whole, "treefx_whole_model"),
             "treefx_regional_nologits": (make_regional_nologits,
-                                         "treefx_regional_nologits_model")}
+                                         "treefx_regional_nologits_model"),
+            "treefx_depthwise": (make_depthwise, "treefx_depthwise_model")}
 
 
 def tree_step(env, model, tm, trees):

@@ -75,6 +75,12 @@ class Recurrence:
     - ``varlen_check``: optional ``varlen_check(seq, static) -> bool``, asked before each tree
       run on those devices: whether ``varlen`` may run these arguments (the fla family says no
       where fla's gradients are not known to be right, and announces it); no: padded path;
+    - ``tree_varlen``: optional, for the same devices as ``varlen``: the whole tree in one go,
+      ``tree_varlen(seq, static, nodes, root_init, keep) -> (output row, {node: final state})``
+      with ``seq`` the DFS row's seq args, ``nodes`` (starts, lengths, parents, depth),
+      ``root_init`` the depth-0 nodes' initial states (or None: zeros) and final states for
+      the nodes ``keep``; it returns None where it does not apply (the level loop runs).
+      Built in for Gated DeltaNet on fla 0.4.2 (:mod:`treefx.families.fla_tree`);
     - ``tree_fn``: the function run over the tree in place of ``fn``, for a kernel without an
       initial-state parameter (Hugging Face's Mamba selective scan starts from zeros). It takes
       ``fn``'s arguments by the same names, plus ``initial_state`` and ``output_final_state``;
@@ -94,6 +100,7 @@ class Recurrence:
     varlen_devices: tuple[str, ...] = ("cuda",)
     varlen_check: Callable | None = None
     varlen_split: Callable | None = None
+    tree_varlen: Callable | None = None
     tree_fn: Callable | None = None
     marker: Callable | None = None
     signature: inspect.Signature | None = None
@@ -187,6 +194,13 @@ def run_tree(rec: Recurrence, parent_token: torch.Tensor, args: tuple, kwargs: d
     fast = (rec.varlen is not None
             and all(t.device.type in rec.varlen_devices for t in seq.values())
             and (rec.varlen_check is None or bool(rec.varlen_check(seq, static))))
+    if fast and rec.tree_varlen is not None:
+        whole = rec.tree_varlen(seq, static, (starts, lengths, parents, depth),
+                                _root_init([starts[i] for i, d in enumerate(depth) if d == 0],
+                                           root_state), tuple(keep))
+        if whole is not None:
+            _RUNS[(rec.name, "tree")] = _RUNS.get((rec.name, "tree"), 0) + 1
+            return whole[0], whole[1], (starts, lengths, parents, depth)
     final: dict[int, torch.Tensor] = {}
     outputs: dict[int, torch.Tensor] = {}
     levels: dict[int, list[int]] = {}
@@ -209,13 +223,7 @@ def run_tree(rec: Recurrence, parent_token: torch.Tensor, args: tuple, kwargs: d
             if level > 0:
                 init = torch.stack([final[parents[i]] for i in group])
             else:
-                given = [root_state(starts[i]) if root_state is not None else None
-                         for i in group]
-                init = None
-                if any(g is not None for g in given):
-                    like = next(g for g in given if g is not None)
-                    init = torch.stack([g if g is not None else torch.zeros_like(like)
-                                        for g in given])
+                init = _root_init([starts[i] for i in group], root_state)
             want = [i in needed for i in group]
             level_fn = _level_varlen if fast else _level_padded
             out, fin = level_fn(rec, pieces, static, init, group, lengths, want)
@@ -225,6 +233,16 @@ def run_tree(rec: Recurrence, parent_token: torch.Tensor, args: tuple, kwargs: d
                 outputs[i] = out[j]
     row = torch.cat([outputs[i] for i in range(len(starts))], dim=rec.output_seq_dim)
     return row, final, (starts, lengths, parents, depth)
+
+
+def _root_init(starts, root_state):
+    """The initial states of root nodes starting at ``starts``, stacked (zeros for a root
+    ``root_state`` gives none), or None where all start from zeros."""
+    given = [root_state(s) if root_state is not None else None for s in starts]
+    if all(g is None for g in given):
+        return None
+    like = next(g for g in given if g is not None)
+    return torch.stack([g if g is not None else torch.zeros_like(like) for g in given])
 
 
 def _by_length(nodes, lengths) -> list[list[int]]:

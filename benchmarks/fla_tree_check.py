@@ -1,0 +1,245 @@
+"""Gated DeltaNet over a tree on fla in one pass per stage (treefx.families.fla_tree) against
+fla depth by depth and a float64 recurrence walked token by token along the tree; then both
+paths timed.
+
+    python -m benchmarks.fla_tree_check            # GPU, fla 0.4.2 installed
+
+Exactness (float32, ``TRITON_F32_DEFAULT=ieee``, and bf16): odd trees (single-token nodes,
+nodes across 64-token chunks, a forest, four depths), the roots started from given states and
+some nodes' final states handed out, as a part of a tree runs. Errors are
+``max |x - ref| / max |ref|`` of the output, the final states handed out and the gradients of
+every input (query, key, value, gate, beta, root states) for a random linear objective. The
+one-pass path passes where its error is within 2x the depth-by-depth path's + 1e-6 (float32)
+or + 1e-3 (bf16): the same fla stages, run in another grouping.
+
+Timing: forward and backward of the tree recurrence op as a compiled graph runs it
+(``run_tree``), Qwen3-Next's heads (16 key heads expanded to 32 value heads of 128), bf16,
+on the e2e benchmark's POR 0.75 agent tree (17,187 tokens, 36 nodes, 7 depths), median of
+``--reps``; beside it each sequence packed end to end as one variable-length call (what a
+packing trainer's layer runs, 68,762 tokens).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+import traceback
+
+os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+import treefx  # noqa: E402
+
+from . import common  # noqa: E402
+from .fla_check import _rel, odd_trees  # noqa: E402
+
+
+def _walk_float64(q, k, v, g, beta, parent, root_state):
+    """The tree's Gated DeltaNet in float64, token by token in DFS order: a token's state is
+    its predecessor's after it, a root's ``root_state(t)`` (or zeros). q/k at the value heads
+    and L2-normalised here; returns (output [T, H, V], state after each token)."""
+    q, k, v, g, beta = (x.double() for x in (q, k, v, g, beta))
+    q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6) * q.shape[-1] ** -0.5
+    k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    after, out = [], []
+    for t in range(q.shape[0]):
+        p = int(parent[t])
+        s = after[p] if p >= 0 else root_state(t)
+        s = s * g[t].exp()[:, None, None]
+        delta = (v[t] - torch.einsum("hk,hkv->hv", k[t], s)) * beta[t, :, None]
+        s = s + torch.einsum("hk,hv->hkv", k[t], delta)
+        after.append(s)
+        out.append(torch.einsum("hk,hkv->hv", q[t], s))
+    return torch.stack(out), after
+
+
+def _recurrence(one_pass: bool, cpu: bool = False):
+    """Qwen3-Next's registered recurrence; without its one-pass path (``one_pass=False``: fla
+    depth by depth); ``cpu``: fla's path taken on CPU tensors too (under Triton's interpreter,
+    :mod:`benchmarks.fla_tree_interpret`)."""
+    from dataclasses import replace
+
+    from treefx.compiler.recurrences import recurrence
+
+    rec = recurrence("qwen3_next_gated_delta_rule")
+    if not one_pass:
+        rec = replace(rec, tree_varlen=None)
+    if cpu:
+        rec = replace(rec, varlen_devices=("cpu",), varlen_check=None)
+    return rec
+
+
+def exact_case(dev, dtype, trees, seed: int = 0) -> dict:
+    from treefx.ops.recurrence import kernel_runs
+    from treefx.ops.recurrence.reference import run_tree, tree_nodes
+
+    batch = treefx.pack(trees).to(dev)
+    parent = batch.parent_token[0] if batch.parent_token.dim() > 1 else batch.parent_token
+    n, hv, d = batch.num_tokens, 4, 128
+    gen = torch.Generator(device=dev).manual_seed(seed)
+
+    def rand(*shape):
+        return torch.randn(*shape, device=dev, generator=gen)
+
+    starts, lengths, parents, depth = tree_nodes(parent)
+    roots = [i for i, dp in enumerate(depth) if dp == 0]
+    leaves = [i for i in range(len(starts)) if i not in set(parents)]
+    keep = sorted({roots[0], leaves[0], leaves[-1], len(starts) // 2})
+    base = [rand(1, n, hv, d), rand(1, n, hv, d), rand(1, n, hv, d),
+            -torch.rand(1, n, hv, device=dev, generator=gen) * 0.5 - 0.01,
+            torch.rand(1, n, hv, device=dev, generator=gen),
+            rand(len(roots), hv, d, d) * 0.1]
+    probe, probe_fin = rand(n, hv, d).double(), rand(len(keep), hv, d, d).double()
+    row_of = {starts[r]: j for j, r in enumerate(roots)}
+
+    def leaf(x, dt):
+        return x.detach().to(dt).requires_grad_()
+
+    x64 = [leaf(x, torch.float64) for x in base]
+    out, after = _walk_float64(*(x[0] for x in x64[:5]), parent.tolist(),
+                               lambda t: x64[5][row_of[t]])
+    fin = torch.stack([after[starts[i] + lengths[i] - 1] for i in keep])
+    total = (out * probe).sum() + (fin * probe_fin).sum()
+    ref = [out.detach(), fin.detach(), *torch.autograd.grad(total, x64)]
+    names = ("out", "final", "dq", "dk", "dv", "dg", "dbeta", "dh0")
+    res = {"tokens": n, "nodes": len(starts), "depths": max(depth) + 1, "dtype": str(dtype)}
+    for label, one_pass in (("depth_by_depth", False), ("one_pass", True)):
+        xs = [leaf(base[0], dtype), leaf(base[1], dtype), leaf(base[2], dtype),
+              leaf(base[3], torch.float32), leaf(base[4], dtype), leaf(base[5], torch.float32)]
+        before = kernel_runs()
+        row, final, _ = run_tree(
+            _recurrence(one_pass, cpu=dev == "cpu"), parent, tuple(xs[:3]),
+            dict(g=xs[3], beta=xs[4], use_qk_l2norm_in_kernel=True),
+            root_state=lambda t: xs[5][row_of[t]] if t in row_of else None,
+            nodes=(starts, lengths, parents, depth), keep=keep)
+        o = row[0] if isinstance(row, tuple) else row
+        f = torch.stack([final[i] for i in keep])
+        total = (o[0].double() * probe).sum() + (f.double() * probe_fin).sum()
+        got = [o[0], f, *torch.autograd.grad(total, xs)]
+        res[label] = {nm: _rel(a, r) for nm, a, r in zip(names, got, ref)}
+        after_runs = kernel_runs()
+        res[label]["paths"] = sorted(p for (nm, p), c in after_runs.items()
+                                     if c != before.get((nm, p), 0))
+    slack = 1e-6 if dtype == torch.float32 else 1e-3
+    res["passed"] = all(res["one_pass"][nm] <= 2 * res["depth_by_depth"][nm] + slack
+                        for nm in names) and res["one_pass"]["paths"] == ["tree"]
+    return res
+
+
+def timing(dev, reps: int) -> dict:
+    from treefx.ops.recurrence.reference import run_tree, tree_nodes
+
+    res = {}
+    tree = common.make_tree(0.75, 1.0, 32000)
+    cases = {"tree": treefx.pack(tree).to(dev),
+             "packed": treefx.pack([treefx.Tree.from_sequences([s])
+                                    for s in tree.sequences]).to(dev)}
+    gen = torch.Generator(device=dev).manual_seed(0)
+    for name, batch in cases.items():
+        parent = batch.parent_token[0] if batch.parent_token.dim() > 1 else batch.parent_token
+        n = batch.num_tokens
+        nodes = tree_nodes(parent)
+        xs = [torch.randn(1, n, 16, 128, device=dev, generator=gen, dtype=torch.bfloat16),
+              torch.randn(1, n, 16, 128, device=dev, generator=gen, dtype=torch.bfloat16),
+              torch.randn(1, n, 32, 128, device=dev, generator=gen, dtype=torch.bfloat16),
+              -torch.rand(1, n, 32, device=dev, generator=gen) * 0.5,
+              torch.rand(1, n, 32, device=dev, generator=gen, dtype=torch.bfloat16)]
+        grad = torch.randn(1, n, 32, 128, device=dev, generator=gen, dtype=torch.bfloat16)
+        for label, one_pass in (("depth_by_depth", False), ("one_pass", True)):
+            rec = _recurrence(one_pass)
+            leaves = [x.detach().requires_grad_() for x in xs]
+
+            def step():
+                q, k = leaves[0].repeat_interleave(2, -2), leaves[1].repeat_interleave(2, -2)
+                row, _, _ = run_tree(rec, parent, (q, k, leaves[2]),
+                                     dict(g=leaves[3], beta=leaves[4],
+                                          use_qk_l2norm_in_kernel=True), nodes=nodes)
+                o = row[0] if isinstance(row, tuple) else row
+                torch.autograd.backward(o, grad)
+
+            t0 = time.perf_counter()
+            step()
+            torch.cuda.synchronize()
+            print(f"  {name:6s} {label:15s} first step {time.perf_counter() - t0:.1f} s",
+                  flush=True)
+            for _ in range(2):
+                step()
+            times = []
+            for _ in range(reps):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                step()
+                torch.cuda.synchronize()
+                times.append((time.perf_counter() - t0) * 1e3)
+            res[f"{name}/{label}"] = {"ms": statistics.median(times), "tokens": n,
+                                      "nodes": len(nodes[0]),
+                                      "depths": max(nodes[3]) + 1}
+            print(f"  {name:6s} {label:15s} {res[f'{name}/{label}']['ms']:7.2f} ms "
+                  f"({n} tokens, {len(nodes[0])} nodes, {max(nodes[3]) + 1} depths)", flush=True)
+    return res
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m benchmarks.fla_tree_check",
+                                description=__doc__.split("\n\n")[0])
+    common.add_run_args(p, "not available: fla's kernels need a GPU")
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--trace-after", type=float, default=None,
+                   help="print every thread's stack after this many seconds (where it waits)")
+    p.add_argument("--cases", default="exact,timing")
+    p.add_argument("--dtypes", default="float32,bfloat16",
+                   help="exactness dtypes (fla autotunes each dtype's kernels anew, minutes each)")
+    args = p.parse_args(argv)
+    if args.trace_after:
+        import faulthandler
+        faulthandler.dump_traceback_later(args.trace_after, repeat=True)
+    cuda = common.use_cuda(args.dry_run)
+    if not cuda:
+        raise SystemExit("fla_tree_check needs a GPU with fla installed")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    common.resolve_out(args, "fla_tree_check", cuda)
+    from treefx.families import fla, fla_tree
+
+    res = {**common.run_meta(cuda), "TRITON_F32_DEFAULT": os.environ.get("TRITON_F32_DEFAULT"),
+           "fla_environment": fla.environment(torch.device("cuda")).describe(),
+           "one_pass_available": fla_tree.kernels() is not None, "cases": {}}
+    print(res["fla_environment"], "one pass:", res["one_pass_available"], flush=True)
+    t0 = time.perf_counter()
+    failed = []
+    if "exact" in args.cases:
+        trees = odd_trees(1024)
+        rng = np.random.default_rng(0)
+        deep = [treefx.Tree.from_sequences([[int(t) for t in rng.integers(3, 1000, n)]
+                                            for n in (40, 90, 200)])]
+        for dtype in [getattr(torch, d) for d in args.dtypes.split(",") if d]:
+            for name, forest in {**trees, "separate-sequences": deep}.items():
+                key = f"{str(dtype)[6:]}-{name}"
+                try:
+                    out = exact_case("cuda", dtype, forest)
+                except Exception:
+                    out = {"error": traceback.format_exc()[-3000:], "passed": False}
+                res["cases"][key] = out
+                if not out.get("passed"):
+                    failed.append(key)
+                brief = {k: (max(v for kk, v in out[k].items() if kk != "paths")
+                             if isinstance(out.get(k), dict) else out.get(k))
+                         for k in ("depth_by_depth", "one_pass", "passed")}
+                print(f"[{time.perf_counter() - t0:6.1f}s] {key}: {brief}"
+                      + (f" {out['error'].strip().splitlines()[-1][:200]}" if "error" in out
+                         else ""), flush=True)
+                common.save_json(res, args.out)
+    if "timing" in args.cases:
+        res["timing"] = timing("cuda", args.reps)
+    res["failed"] = failed
+    res["total_s"] = time.perf_counter() - t0
+    common.save_json(res, args.out)
+    print(f"total {res['total_s']:.0f} s; {'all passed' if not failed else f'FAILED: {failed}'};"
+          f" JSON: {args.out}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+"""The one-pass Gated DeltaNet tree path (treefx.families.fla_tree) on the CPU, through fla's
+own Triton kernels run by Triton's interpreter (``TRITON_INTERPRET=1``), against fla depth by
+depth and a float64 walk along the tree (:func:`benchmarks.fla_tree_check.exact_case`), float32:
+
+    python -m benchmarks.fla_tree_interpret [short long-nodes forest three-sequences]
+
+Needs fla 0.4.2, Triton and NumPy < 2.3 (the interpreter turns one-element arrays into Python
+numbers, which newer NumPy refuses) importable; no GPU. Slow (the interpreter runs every
+program of every kernel in Python): about 10 s for the short tree, minutes for the forest.
+The kernels run as written, with three adjustments for the interpreter, none to their
+arithmetic: autotuning takes the first configuration (it cannot time kernels), fla's
+per-device context is skipped (no CUDA device), and in two state kernels the loop counter,
+a Python int under the interpreter, is used as is where the compiled kernel casts it to int64
+(``i_t.to(tl.int64)``). Exit status 1 if any case fails.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import ast  # noqa: E402
+import contextlib  # noqa: E402
+import inspect  # noqa: E402
+import json  # noqa: E402
+import linecache  # noqa: E402
+import sys  # noqa: E402
+import textwrap  # noqa: E402
+
+
+def _interpreter_adjustments() -> None:
+    import triton.runtime.autotuner as autotuner
+
+    autotuner.Autotuner.do_bench = property(
+        lambda self: (lambda fn, quantiles=None: [1.0, 1.0, 1.0]))
+    import fla.utils
+
+    fla.utils.custom_device_ctx = lambda index: contextlib.nullcontext()
+    from fla.ops.common import chunk_delta_h
+
+    for name in ("chunk_gated_delta_rule_fwd_kernel_h_blockdim64",
+                 "chunk_gated_delta_rule_bwd_kernel_dhu_blockdim64"):
+        f = getattr(chunk_delta_h, name)
+        while not hasattr(f, "arg_names") or hasattr(f.fn, "fn"):
+            f = f.fn  # autotuner / heuristics -> the interpreted function
+        tree = ast.parse(textwrap.dedent(inspect.getsource(f.fn)))
+        tree.body[0].decorator_list = []
+        src = ast.unparse(tree).replace("i_t.to(tl.int64)", "i_t")
+        scope = dict(f.fn.__globals__)
+        filename = f"<{name}, adjusted for the interpreter>"
+        linecache.cache[filename] = (len(src), None, src.splitlines(True), filename)
+        exec(compile(src, filename, "exec"), scope)
+        f.fn = f.rewriter.fn = scope[name]
+
+
+def main(argv=None) -> int:
+    import numpy as np
+
+    if tuple(int(x) for x in np.__version__.split(".")[:2]) >= (2, 3):
+        raise SystemExit(f"NumPy {np.__version__}: Triton's interpreter needs NumPy < 2.3")
+    _interpreter_adjustments()
+    import torch
+
+    import treefx
+    from benchmarks.fla_check import odd_trees
+    from benchmarks.fla_tree_check import exact_case
+    from treefx.families import fla_tree
+
+    if fla_tree.kernels() is None:
+        raise SystemExit("fla's internals are not those of fla 0.4.2 (or fla is missing)")
+    trees = odd_trees(1024)
+    rng = np.random.default_rng(0)
+    trees["separate-sequences"] = [treefx.Tree.from_sequences(
+        [[int(t) for t in rng.integers(3, 1000, n)] for n in (40, 90, 200)])]
+    names = (argv if argv is not None else sys.argv[1:]) or ["short", "separate-sequences"]
+    failed = []
+    for name in names:
+        res = exact_case("cpu", torch.float32, trees[name])
+        worst = {k: max(v for kk, v in res[k].items() if kk != "paths")
+                 for k in ("depth_by_depth", "one_pass")}
+        print(json.dumps({"case": name, "tokens": res["tokens"], "nodes": res["nodes"],
+                          "depths": res["depths"], "worst": worst,
+                          "paths": res["one_pass"]["paths"], "passed": res["passed"]}),
+              flush=True)
+        if not res["passed"]:
+            failed.append(name)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,104 @@
+"""Gated DeltaNet over a whole tree on fla in one pass per stage (treefx.families.fla_tree):
+the depth-ordered layout it plans on the host, and where it steps aside. fla's kernels need a
+GPU or Triton's interpreter: the values and gradients are checked by
+``benchmarks/fla_tree_check.py`` (GPU) and ``benchmarks/fla_tree_interpret.py`` (CPU)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from treefx.families import fla_tree
+from treefx.ops.recurrence.reference import _tree_nodes
+
+
+def _random_row(seed: int) -> np.ndarray:
+    """A DFS row of a forest of two random trees, node lengths across 64-token chunks and of
+    one token, up to four depths."""
+    rng = np.random.default_rng(seed)
+    par: list[int] = []
+
+    def node(parent_tok, depth):
+        first = len(par)
+        for t in range(int(rng.choice([1, 3, 17, 64, 65, 129]))):
+            par.append(parent_tok if t == 0 else first + t - 1)
+        last = len(par) - 1
+        if depth < 3:
+            for _ in range(int(rng.integers(0, 4))):
+                node(last, depth + 1)
+
+    node(-1, 0)
+    node(-1, 0)
+    return np.asarray(par)
+
+
+def _chunks(lengths) -> list[tuple[int, int]]:
+    return [(i, c) for i, n in enumerate(lengths) for c in range(-(-n // 64))]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_plan_lays_the_tree_out_depth_by_depth(seed):
+    row = _random_row(seed)
+    assert seed or max(_tree_nodes(row)[3]) >= 2  # a tree whose DFS and depth orders differ
+    nodes = _tree_nodes(row)
+    starts, lengths, parents, depth = nodes
+    keep = tuple(sorted({0, len(starts) - 1, len(starts) // 2}))
+    p = fla_tree.plan(nodes, keep, heads=4, device="cpu")
+    order = sorted(range(len(starts)), key=lambda i: (depth[i], i))
+    tokens = [t for i in order for t in range(starts[i], starts[i] + lengths[i])]
+    if order == list(range(len(starts))):
+        assert p.perm is None and p.inv is None
+    else:
+        assert p.perm.tolist() == tokens
+        assert p.inv[p.perm].tolist() == list(range(len(row)))
+    cu = np.concatenate([[0], np.cumsum([lengths[i] for i in order])])
+    assert p.cu.tolist() == cu.tolist()
+    assert [tuple(x) for x in p.ci.tolist()] == _chunks([lengths[i] for i in order])
+    at, kept = 0, []
+    for d, lv in enumerate(p.levels):
+        mine = [i for i in order if depth[i] == d]
+        assert (lv.a, lv.b, lv.n) == (int(cu[at]), int(cu[at + len(mine)]), len(mine))
+        assert lv.cu.tolist() == (cu[at:at + len(mine) + 1] - cu[at]).tolist()
+        assert [tuple(x) for x in lv.ci.tolist()] == _chunks([lengths[i] for i in mine])
+        if d == 0:
+            assert lv.parent_rows is None
+        else:  # each node's row among the depth above's nodes is its parent's
+            above = [i for i in order if depth[i] == d - 1]
+            assert [above[r] for r in lv.parent_rows.tolist()] == [parents[i] for i in mine]
+        has_children = any(parents[j] in mine for j in range(len(starts)))
+        assert lv.final == (has_children or any(i in keep for i in mine))
+        rows = [] if lv.keep_rows is None else lv.keep_rows.tolist()
+        assert [mine[r] for r in rows] == [i for i in mine if i in keep]
+        assert lv.keep_at == len(kept)
+        kept += [mine[r] for r in rows]
+        at += len(mine)
+    assert p.keep_nodes == kept and sorted(kept) == list(keep)
+
+
+def test_a_tree_past_cudas_grid_takes_the_depth_by_depth_path():
+    # 40,000 one-token roots x 2 heads: one state pass would launch 80,000 blocks on an axis
+    row = np.full(40_000, -1)
+    assert fla_tree.plan(_tree_nodes(row), (), heads=2, device="cpu") is None
+    assert fla_tree.plan(_tree_nodes(row[:1000]), (), heads=2, device="cpu") is not None
+
+
+def test_the_one_pass_path_steps_aside_without_fla_0_4_2_or_when_turned_off(monkeypatch):
+    row = _random_row(0)
+    nodes = _tree_nodes(row)
+    n = len(row)
+    seq = {name: torch.zeros(1, n, 2, 8) for name in ("query", "key", "value")}
+    seq.update(g=torch.zeros(1, n, 2), beta=torch.zeros(1, n, 2))
+    monkeypatch.setitem(fla_tree._KERNELS, "k", None)  # fla missing or another version
+    assert fla_tree.tree_gated_delta_rule(seq, {}, nodes, None, ()) is None
+    monkeypatch.setenv(fla_tree.ENV, "0")
+    monkeypatch.setitem(fla_tree._KERNELS, "k", {"not": "used"})
+    assert fla_tree.tree_gated_delta_rule(seq, {}, nodes, None, ()) is None
+
+
+def test_the_checked_fla_is_the_gates_known_good_one():
+    from treefx.families import fla
+
+    for version in fla_tree.CHECKED_FLA:
+        ok, _ = fla.gate("gated_delta_rule", version, "3.6.0", (9, 0), False, 128)
+        assert ok
