@@ -474,15 +474,28 @@ fi
 #       while the machine is held)
 #   z2: e2e qwen3_next side by side in one process: packing on fla's variable-length kernels,
 #       treefx (one pass per stage), treefx with fla depth by depth (TREEFX_FLA_TREE=0)
+# Both keep Triton's cache in .cache/triton (ignored: kept between the device tool's calls
+# while the machine is held) and bring fla's autotuning choices back (triton_autotune.tgz:
+# a few KB; unpacked into .cache/triton and carried, a fresh machine compiles only the chosen
+# configuration of each kernel, not every one).
+z_cache() {
+  export TRITON_CACHE_DIR=$PWD/.cache/triton; mkdir -p $TRITON_CACHE_DIR
+  echo "Triton cache: $(find $TRITON_CACHE_DIR -name '*.autotune.json' | wc -l) autotuning choices"
+}
+z_autotune_back() {
+  (cd .cache && find triton -name '*.autotune.json' | tar czf $RES/triton_autotune.tgz -T -)
+}
 if [ "${1:-}" = z1 ]; then
+  z_cache
   with_fla z1
-  timeout 560 python3 -m benchmarks.fla_tree_check ${Z1_ARGS:-} --out $OUT/fla_tree_check.json \
+  timeout -k 10 560 python3 -m benchmarks.fla_tree_check ${Z1_ARGS:-} --trace-after 540 --out $OUT/fla_tree_check.json \
     > $OUT/fla_tree_check.log 2>&1
   echo "fla_tree_check rc=$?"; tail -n 30 $OUT/fla_tree_check.log | cut -c1-400
-  results z1
+  results z1; z_autotune_back
 fi
 if [ "${1:-}" = z2 ]; then
+  z_cache
   with_fla z2
   next_e2e 0 570 next_tree --methods packed_reset,treefx,treefx_depthwise
-  results z2
+  results z2; z_autotune_back
 fi
