@@ -467,7 +467,9 @@ if [ "${1:-}" = y ]; then
 fi
 # Stage z1 / z2 (one GPU, carry .whl/fla; results in $OUT/z1.tgz, z2.tgz): fla's Gated DeltaNet
 # over the whole tree in one pass per stage (treefx.families.fla_tree).
-#   z1: benchmarks.fla_tree_check: float32 and bf16 against fla depth by depth and a float64
+#   z1: benchmarks.fla_tree_check (by default bf16 at Qwen3-Next's 32 value heads: the kernels
+#       z2 autotunes too; Z1_ARGS="--dtypes float32" for float32, which autotunes for > 560 s):
+#       against fla depth by depth and a float64
 #       walk along the tree (root states given, final states handed out), then both paths'
 #       forward and backward timed at Qwen3-Next's heads on the e2e tree and on its sequences
 #       packed; fla autotunes its kernels in it (compiled kernels stay in Triton's cache for z2
@@ -488,7 +490,8 @@ z_autotune_back() {
 if [ "${1:-}" = z1 ]; then
   z_cache
   with_fla z1
-  timeout -k 10 560 python3 -m benchmarks.fla_tree_check ${Z1_ARGS:-} --trace-after 540 --out $OUT/fla_tree_check.json \
+  timeout -k 10 560 python3 -m benchmarks.fla_tree_check ${Z1_ARGS:---dtypes bfloat16 --value-heads 32} \
+    --trace-after 540 --out $OUT/fla_tree_check.json \
     > $OUT/fla_tree_check.log 2>&1
   echo "fla_tree_check rc=$?"; tail -n 30 $OUT/fla_tree_check.log | cut -c1-400
   results z1; z_autotune_back
