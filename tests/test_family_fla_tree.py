@@ -102,3 +102,44 @@ def test_the_checked_fla_is_the_gates_known_good_one():
     for version in fla_tree.CHECKED_FLA:
         ok, _ = fla.gate("gated_delta_rule", version, "3.6.0", (9, 0), False, 128)
         assert ok
+
+
+def test_run_tree_hands_the_whole_tree_to_tree_varlen():
+    """run_tree gives a recurrence's ``tree_varlen`` the DFS row, the nodes, the depth-0
+    nodes' initial states (zeros where ``root_state`` gives none; None where it gives none at
+    all) and the nodes whose final states it must hand back, and returns its result as is."""
+    import dataclasses
+
+    from treefx.compiler.recurrences import recurrence
+    from treefx.ops.recurrence import kernel_runs
+    from treefx.ops.recurrence.reference import run_tree
+
+    row = _random_row(1)
+    nodes = _tree_nodes(row)
+    starts, _, _, depth = nodes
+    n = len(row)
+    seen = []
+    out = torch.randn(1, n, 2, 8)
+    fin = {3: torch.randn(2, 8, 8)}
+
+    def whole(seq, static, got_nodes, root_init, keep):
+        seen.append((seq, static, got_nodes, root_init, keep))
+        return out, fin
+
+    rec = dataclasses.replace(recurrence("qwen3_next_gated_delta_rule"), tree_varlen=whole,
+                              varlen_devices=("cpu",), varlen_check=None)
+    x = [torch.randn(1, n, 2, 8) for _ in range(3)]
+    roots = [i for i, d in enumerate(depth) if d == 0]
+    state = torch.randn(2, 8, 8)
+    kwargs = dict(g=torch.zeros(1, n, 2), beta=torch.zeros(1, n, 2), use_qk_l2norm_in_kernel=True)
+    before = kernel_runs().get((rec.name, "tree"), 0)
+    got = run_tree(rec, torch.from_numpy(row), tuple(x), kwargs, nodes=nodes, keep=[3],
+                   root_state=lambda t: state if t == starts[roots[1]] else None)
+    assert got[0] is out and got[1] is fin and got[2] == nodes
+    assert kernel_runs()[(rec.name, "tree")] == before + 1
+    seq, static, got_nodes, root_init, keep = seen[0]
+    assert seq["query"] is x[0] and static["use_qk_l2norm_in_kernel"] and keep == (3,)
+    assert got_nodes == nodes and root_init.shape == (len(roots), 2, 8, 8)
+    assert torch.equal(root_init[1], state) and not root_init[0].any()
+    run_tree(rec, torch.from_numpy(row), tuple(x), kwargs, nodes=nodes)
+    assert seen[1][3] is None and seen[1][4] == ()

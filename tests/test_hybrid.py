@@ -507,7 +507,7 @@ def test_varlen_path_matches_padded_path(trees, split):
     padded = recurrence("qwen3_next_gated_delta_rule")
     # varlen_check off: fla's own check (use_fla) says no on the CPU
     fast = dataclasses.replace(padded, varlen=_per_node_varlen(padded), varlen_devices=("cpu",),
-                               varlen_check=None, varlen_split=split)
+                               varlen_check=None, varlen_split=split, tree_varlen=None)
     batch = treefx.pack(trees)
     n, g = batch.num_tokens, torch.Generator().manual_seed(1)
     inputs = [torch.randn(1, n, 2, 8, dtype=torch.float64, generator=g).requires_grad_()
@@ -552,7 +552,8 @@ def test_the_recomputed_backward_cuts_each_input_once(fast):
 
     padded = recurrence("qwen3_next_gated_delta_rule")
     rec = padded if not fast else dataclasses.replace(
-        padded, varlen=_per_node_varlen(padded), varlen_devices=("cpu",), varlen_check=None)
+        padded, varlen=_per_node_varlen(padded), varlen_devices=("cpu",), varlen_check=None,
+        tree_varlen=None)
     batch = treefx.pack(odd_forest(32, VOCAB))
     n, g = batch.num_tokens, torch.Generator().manual_seed(1)
     inputs = [torch.randn(1, n, 2, 8, generator=g).requires_grad_() for _ in range(3)]
@@ -590,7 +591,8 @@ def test_final_states_only_where_a_node_hands_one_on(fast):
         return run
 
     rec = dataclasses.replace(padded, varlen=counting(_per_node_varlen(padded)),
-                              varlen_devices=("cpu",), varlen_check=None) if fast else \
+                              varlen_devices=("cpu",), varlen_check=None,
+                              tree_varlen=None) if fast else \
         dataclasses.replace(padded, tree_fn=counting(padded.run))
     trees = [SHORT_NODES] + [treefx.Tree.from_sequences([[5]]) for _ in range(40)]
     batch = treefx.pack(trees, pad_to_multiple=128)
