@@ -248,8 +248,9 @@ def print_table(res, rows) -> None:
           f"graphs = Dynamo graphs compiled for this row | TFLOP/s = model FLOPs (6 per "
           f"parameter-token, attention 3x forward) / step | % mm = of the best bf16 matmul "
           f"rate measured in this run | 1st s = first step (capture, compile, first-call "
-          f"check) | rec. = the recurrent layers' kernel (fla: fla's variable-length kernels; "
-          f"torch: Hugging Face's torch kernel)")
+          f"check) | rec. = the recurrent layers' kernel (fla: fla's kernels, by tree depth "
+          f"or in one pass, as recurrence_kernels in the JSON says; torch: Hugging Face's "
+          f"torch kernel)")
     for key, mr in (res.get("matmul_rate") or {}).items():
         print(f"bf16 matmul rate [{key}]: " + ", ".join(
             f"{s['m']}x{s['k']}x{s['n']} {s['tflops']:.0f}" for s in mr["shapes"])
