@@ -480,12 +480,15 @@ fi
 # while the machine is held) and bring fla's autotuning choices back (triton_autotune.tgz:
 # a few KB; unpacked into .cache/triton and carried, a fresh machine compiles only the chosen
 # configuration of each kernel, not every one).
+# On 2026-11-27 z2 was killed (SIGKILL: host memory?) at 288 s in packing's first step with the
+# cache here; cause not known. ZCACHE=/tmp/triton puts it elsewhere.
 z_cache() {
-  export TRITON_CACHE_DIR=$PWD/.cache/triton; mkdir -p $TRITON_CACHE_DIR
+  export TRITON_CACHE_DIR=${ZCACHE:-$PWD/.cache/triton}; mkdir -p $TRITON_CACHE_DIR
   echo "Triton cache: $(find $TRITON_CACHE_DIR -name '*.autotune.json' | wc -l) autotuning choices"
 }
 z_autotune_back() {
-  (cd .cache && find triton -name '*.autotune.json' | tar czf $RES/triton_autotune.tgz -T -)
+  (cd $TRITON_CACHE_DIR/.. && find $(basename $TRITON_CACHE_DIR) -name '*.autotune.json' \
+     | tar czf $RES/triton_autotune.tgz -T -)
 }
 if [ "${1:-}" = z1 ]; then
   z_cache
