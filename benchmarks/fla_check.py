@@ -22,8 +22,8 @@ Two levels, each case in its own try/except (failures keep their traceback in th
 - ``model``: HF Qwen3-Next and Qwen3.5 (text) from configs (2 Gated DeltaNet + 1 attention
   layers, 2 key / 4 value heads of 128 channels), ``treefx.compile``: loss and every
   parameter gradient of the whole forest and of ``treefx.backward`` in parts (a small
-  budget), against the per-sequence oracle with Hugging Face's torch kernel (its fla call
-  swapped out for the oracle), beside the oracle's floor (``oracle_floor_gradients``) and the
+  budget), against the per-sequence oracle with Hugging Face's torch kernel (treefx's oracle
+  runs the torch function beneath HF's fla wrapper), beside the oracle's floor (``oracle_floor_gradients``) and the
   per-sequence run on fla (HF's own fla call). bf16: the bf16 model through treefx against
   the float32 oracle, beside the bf16 per-sequence run (fla) against it. Parameter errors:
   ``max |g - ref| / max(max |ref|, 1e-3 x the largest |ref| of the model)``.
@@ -247,23 +247,20 @@ def _config(model_type: str, vocab: int) -> dict:
 
 
 @contextlib.contextmanager
-def torch_kernel_oracle(model):
-    """Hugging Face's GDN layers call fla themselves when it is installed: the oracle runs
-    the torch kernel under that wrapper instead (the module's global swapped while it runs)."""
-    import sys
+def model_kernel_oracle():
+    """The per-sequence run as the model calls its kernel (Hugging Face's fla call when fla is
+    installed): the oracle's switch to the torch kernel beneath that wrapper
+    (:func:`treefx.families.hf_recurrent.reference_kernels`) left out while it runs."""
+    from treefx import reference
+    from treefx.families.hf_recurrent import reference_kernels
 
-    saved = []
-    for name in {type(m).__module__ for m in model.modules()}:
-        mod = sys.modules.get(name)
-        fn = getattr(mod, "torch_chunk_gated_delta_rule", None)
-        if fn is not None and inspect.unwrap(fn) is not fn:
-            saved.append((mod, fn))
-            mod.torch_chunk_gated_delta_rule = inspect.unwrap(fn)
+    switches = reference._ORACLE_ATTENTION
+    at = switches.index(reference_kernels)
+    switches.remove(reference_kernels)
     try:
         yield
     finally:
-        for mod, fn in saved:
-            mod.torch_chunk_gated_delta_rule = fn
+        switches.insert(at, reference_kernels)
 
 
 def _grads(model) -> dict:
@@ -285,17 +282,18 @@ def model_case(dev, model_type, trees, budget, backend, bf16: bool, fp32: bool =
                             **_config(model_type, vocab))
     res: dict = {"model": model_type, "tokens": sum(t.num_tokens for t in trees),
                  "budget": budget, "backend": backend}
-    with torch_kernel_oracle(model):
-        model.zero_grad(set_to_none=True)
-        ref_loss = treefx.reference.sequence_loss(model, trees, reduction="mean")
-        ref_loss.backward()
-        ref_loss = ref_loss.detach()
-        ref = _grads(model)
-        floor = treefx.verification.oracle_floor_gradients(model, trees, reduction="mean")
+    # the oracle: the torch kernel beneath Hugging Face's fla wrapper (treefx.reference does so)
+    model.zero_grad(set_to_none=True)
+    ref_loss = treefx.reference.sequence_loss(model, trees, reduction="mean")
+    ref_loss.backward()
+    ref_loss = ref_loss.detach()
+    ref = _grads(model)
+    floor = treefx.verification.oracle_floor_gradients(model, trees, reduction="mean")
     res["oracle_floor"] = _param_err(floor, ref)
     try:  # the per-sequence run as the model calls its kernel (fla, when HF finds it)
         model.zero_grad(set_to_none=True)
-        treefx.reference.sequence_loss(model, trees, reduction="mean").backward()
+        with model_kernel_oracle():
+            treefx.reference.sequence_loss(model, trees, reduction="mean").backward()
         res["per_sequence_model_kernel"] = _param_err(_grads(model), ref)
     except Exception as e:  # noqa: BLE001 - recorded (fla of another version may refuse)
         res["per_sequence_model_kernel"] = f"failed: {str(e).splitlines()[0][:300]}"
@@ -321,7 +319,8 @@ def model_case(dev, model_type, trees, budget, backend, bf16: bool, fp32: bool =
         if label == "bf16":
             try:
                 m.zero_grad(set_to_none=True)
-                treefx.reference.sequence_loss(m, trees, reduction="mean").backward()
+                with model_kernel_oracle():
+                    treefx.reference.sequence_loss(m, trees, reduction="mean").backward()
                 row["per_sequence_bf16_vs_fp32_oracle"] = _param_err(_grads(m), ref)
             except Exception as e:  # noqa: BLE001
                 row["per_sequence_bf16_vs_fp32_oracle"] = f"failed: {str(e)[:300]}"

@@ -42,3 +42,38 @@ def test_a_model_built_from_its_config_is_discovered_and_exact():
     rep = treefx.verify(treefx.compile(model, backend="eager", verify=False),
                         odd_forest(2, vocab), reduction="mean")
     assert rep.passed, rep
+
+
+def test_the_oracle_runs_the_torch_kernel_beneath_hugging_faces_fla_wrapper(monkeypatch):
+    """Hugging Face wraps its Gated DeltaNet so that it calls fla whenever fla is installed,
+    unchecked. The oracle runs the torch function beneath the wrapper (the reference, shared
+    with nothing the tree runs); the model's own calls outside the oracle go through it."""
+    import functools
+    import sys
+
+    from treefx.tools.synth import odd_forest
+    from treefx.tools.zoo import build_model
+
+    model = build_model("qwen3_next")
+    mod = sys.modules[type(model.model.layers[0].linear_attn).__module__]
+    torch_fn = mod.torch_chunk_gated_delta_rule
+    calls = []
+
+    @functools.wraps(torch_fn)
+    def fla_wrapper(*args, **kwargs):  # what the hub fallback does when fla is installed
+        calls.append(1)
+        return torch_fn(*args, **kwargs)
+
+    monkeypatch.setattr(mod, "torch_chunk_gated_delta_rule", fla_wrapper)
+    vocab = model.get_input_embeddings().num_embeddings
+    trees = odd_forest(2, vocab)
+    loss = treefx.reference.sequence_loss(model, trees, reduction="mean")
+    loss.backward()
+    assert not calls and mod.torch_chunk_gated_delta_rule is fla_wrapper
+    with torch.no_grad():
+        model(torch.tensor([trees[0].sequence(0)]))
+    assert calls  # the model's own call, outside the oracle
+    rep = treefx.verify(treefx.compile(model, backend="eager", verify=False), trees,
+                        reduction="mean")
+    assert rep.passed, rep
+    assert len(calls) == 1  # the check's oracle ran beneath the wrapper too

@@ -54,7 +54,9 @@ def register_oracle_attention(switch) -> None:
     """Have the oracle run every model within ``switch(model)``, a context manager: a model
     family's switch to an attention that runs each sequence alone on this device (a Hugging
     Face flex-attention model on the CPU runs its eager attention:
-    :mod:`treefx.families.hf_flex`, which registers it when imported)."""
+    :mod:`treefx.families.hf_flex`, which registers it when imported), or to its reference
+    kernels (Hugging Face's torch Gated DeltaNet beneath its fla wrapper:
+    :mod:`treefx.families.hf_recurrent`)."""
     if switch not in _ORACLE_ATTENTION:
         _ORACLE_ATTENTION.append(switch)
 

@@ -5,9 +5,11 @@ and lazily, once transformers is imported, in the modeling modules known today."
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import inspect
+import sys
 
 from ..compiler.recurrences import (
     Recurrence,
@@ -16,6 +18,7 @@ from ..compiler.recurrences import (
     register_kernel_family,
 )
 from ..ops.selective_scan import selective_scan
+from ..reference import register_oracle_attention
 from . import fla, fla_tree
 
 __all__ = ["FAMILIES", "MODELS", "register_builtins"]
@@ -128,3 +131,38 @@ def register_builtins() -> None:
 for _attr, _make in FAMILIES.items():
     register_kernel_family(_attr, _make)
 add_builtins(register_builtins)
+
+
+# The kernels Hugging Face wraps in its hub-kernel fallback (which calls fla's kernel whenever
+# fla is installed, without treefx's checks): the oracle runs the torch function beneath.
+ORACLE_KERNELS = (*FAMILIES, "torch_recurrent_gated_delta_rule")
+
+
+@contextlib.contextmanager
+def reference_kernels(model):
+    """How the oracle runs a model's recurrent layers (registered with
+    :func:`treefx.reference.register_oracle_attention`): while each sequence runs alone, a
+    kernel the model's modeling module wraps (Hugging Face's hub-kernel fallback: fla's kernel
+    whenever fla is installed, unchecked) runs the torch function beneath the wrapper, Hugging
+    Face's reference implementation. So the oracle does not share a kernel with the tree,
+    which runs fla where treefx's checks allow it (a kernel's error cannot hide on both
+    sides), fla's gradients are never taken from an fla and GPU combination known to give
+    wrong ones, and the first-call check autotunes no fla kernels of its own (minutes on an
+    H100). The modules' globals are restored after; models without such a wrapper run as
+    they are."""
+    swapped = []
+    try:
+        for name in {type(m).__module__ for m in model.modules()}:
+            mod = sys.modules.get(name)
+            for attr in ORACLE_KERNELS:
+                fn = getattr(mod, attr, None)
+                if callable(fn) and inspect.unwrap(fn) is not fn:
+                    swapped.append((mod, attr, fn))
+                    setattr(mod, attr, inspect.unwrap(fn))
+        yield
+    finally:
+        for mod, attr, fn in reversed(swapped):
+            setattr(mod, attr, fn)
+
+
+register_oracle_attention(reference_kernels)
