@@ -143,3 +143,15 @@ def test_run_tree_hands_the_whole_tree_to_tree_varlen():
     assert torch.equal(root_init[1], state) and not root_init[0].any()
     run_tree(rec, torch.from_numpy(row), tuple(x), kwargs, nodes=nodes)
     assert seen[1][3] is None and seen[1][4] == ()
+
+
+def test_a_plan_made_under_inference_mode_serves_a_later_step_with_autograd():
+    """Log-probabilities under torch.inference_mode(), then a training step on the same tree:
+    the plan is reused, so its index tensors must not be inference tensors (autograd saves
+    them)."""
+    nodes = _tree_nodes(_random_row(0))
+    with torch.inference_mode():
+        p = fla_tree.plan(nodes, (0,), heads=2, device="cpu")
+    x = torch.randn(len(p.perm), 3, requires_grad=True)
+    x.index_select(0, p.perm).sum().backward()
+    assert not p.perm.is_inference() and not p.levels[1].parent_rows.is_inference()

@@ -91,6 +91,23 @@ def test_fast_tree_conv1d_is_the_reference(k, trees):
     assert 0 < len(pos) <= (k - 1) * len(starts) and taps.shape == (k, len(pos))
 
 
+def test_the_conv_after_inference_mode_trains_on_the_same_row():
+    """Log-probabilities under torch.inference_mode(), then a training step on the same row:
+    the boundary taps cached for the row must not be inference tensors (autograd saves the
+    index)."""
+    from treefx.ops.conv import tree_causal_conv1d_fast
+
+    batch = treefx.pack([SHORT_NODES])
+    g, (x, w, b) = _conv_inputs(batch, 4)
+    with torch.inference_mode():
+        tree_causal_conv1d_fast(x.detach(), w.detach(), b.detach(), batch.parent_token)
+    out = tree_causal_conv1d_fast(x, w, b, batch.parent_token)
+    grads = torch.autograd.grad(out.sum(), (x, w, b))
+    ref = tree_causal_conv1d(x, w, b, batch.parent_token)
+    for a, r in zip(grads, torch.autograd.grad(ref.sum(), (x, w, b))):
+        torch.testing.assert_close(a, r, atol=1e-12, rtol=1e-12)
+
+
 def _multiplicity(batch) -> torch.Tensor:
     """How many sequences run through each token."""
     m = torch.zeros(batch.num_tokens, dtype=torch.float64)

@@ -177,6 +177,11 @@ def plan(nodes, keep, heads: int, device) -> TreePlan | None:
 def _move(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
     """The arrays on ``device`` in one copy (from pinned memory on a GPU: a copy from pageable
     memory would wait for the device's queue first), as views of one buffer."""
+    with torch.inference_mode(False):  # reused by a later step of the same tree with autograd
+        return _move_normal(arrays, device)
+
+
+def _move_normal(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
     sizes = [a.size for a in arrays]
     flat = torch.from_numpy(np.concatenate([a.reshape(-1) for a in arrays]))
     if device.type == "cuda":

@@ -56,12 +56,15 @@ def _device_taps(parent_token: torch.Tensor, k: int):
     pinned copy, not waiting for the device's queue)."""
     def compute(row):
         pos, taps = boundary_taps(row, k)
-        both = torch.from_numpy(np.concatenate([pos, taps.reshape(-1)]))
-        if parent_token.device.type == "cuda":
-            both = both.pin_memory()
-        both = both.to(parent_token.device, non_blocking=True)
-        m = pos.shape[0]
-        return both[:m], both[m:].view(k, m)
+        # not inference tensors, made under torch.inference_mode (log-probabilities) and
+        # reused by a training step of the same row, whose autograd saves them
+        with torch.inference_mode(False):
+            both = torch.from_numpy(np.concatenate([pos, taps.reshape(-1)]))
+            if parent_token.device.type == "cuda":
+                both = both.pin_memory()
+            both = both.to(parent_token.device, non_blocking=True)
+            m = pos.shape[0]
+            return both[:m], both[m:].view(k, m)
 
     return derived(parent_token, ("conv boundary taps", k), compute)
 
