@@ -34,6 +34,8 @@ import os
 import numpy as np
 import torch
 
+from ..layout import move_tensors
+
 __all__ = ["CHECKED_FLA", "ENV", "TreePlan", "kernels", "plan", "tree_gated_delta_rule"]
 
 CHECKED_FLA = ("0.4.2",)
@@ -164,35 +166,17 @@ def plan(nodes, keep, heads: int, device) -> TreePlan | None:
         if kept:
             host.append(((j, "keep_rows"), np.asarray(kept, dtype=np.int64)))
         p.levels.append(lv)
-    moved = _move([np.ascontiguousarray(a, dtype=np.int64) for _, a in host],
-                  torch.device(device))
+    # one pinned copy; not inference tensors (a plan made under torch.inference_mode serves
+    # a later step of the same tree whose autograd saves them)
+    with torch.inference_mode(False):
+        moved = move_tensors([torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
+                              for _, a in host], torch.device(device))
     for (name, _), t in zip(host, moved):
         if isinstance(name, tuple):
             setattr(p.levels[name[0]], name[1], t)
         else:
             setattr(p, name, t)
     return p
-
-
-def _move(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
-    """The arrays on ``device`` in one copy (from pinned memory on a GPU: a copy from pageable
-    memory would wait for the device's queue first), as views of one buffer."""
-    with torch.inference_mode(False):  # reused by a later step of the same tree with autograd
-        return _move_normal(arrays, device)
-
-
-def _move_normal(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
-    sizes = [a.size for a in arrays]
-    flat = torch.from_numpy(np.concatenate([a.reshape(-1) for a in arrays]))
-    if device.type == "cuda":
-        flat = flat.pin_memory().to(device, non_blocking=True)
-    else:
-        flat = flat.to(device)
-    out, at = [], 0
-    for a, size in zip(arrays, sizes):
-        out.append(flat[at:at + size].view(a.shape))
-        at += size
-    return out
 
 
 def _state_pass(kn: dict, p: TreePlan, k, w, u, g, h0, *, inits=None, final: bool = True):
@@ -218,8 +202,12 @@ def _state_pass(kn: dict, p: TreePlan, k, w, u, g, h0, *, inits=None, final: boo
         fins.append(fin)
         used.append(init)
         prev = fin
-    cat = (lambda xs: xs[0]) if len(hs) == 1 else (lambda xs: torch.cat(xs, 1))
-    return cat(hs), cat(vs), fins, used
+    return _cat(hs), _cat(vs), fins, used
+
+
+def _cat(xs: list[torch.Tensor]) -> torch.Tensor:
+    """Per-depth pieces along the token / chunk dim, one piece as it is."""
+    return xs[0] if len(xs) == 1 else torch.cat(xs, 1)
 
 
 def _permute(x: torch.Tensor, index) -> torch.Tensor:
@@ -307,8 +295,7 @@ class _TreeGatedDeltaRule(torch.autograd.Function):
             dhs[j], dh0, dvs[j] = kn["bwd_dhu"](
                 q=q[:, sl], k=k[:, sl], w=w[:, sl], g=g[:, sl], h0=inits[j], dht=dht,
                 do=do[:, sl], dv=dv[:, sl], scale=scale, cu_seqlens=lv.cu, chunk_indices=lv.ci)
-        cat = (lambda xs: xs[0]) if len(dhs) == 1 else (lambda xs: torch.cat(xs, 1))
-        dh, dv = cat(dhs), cat(dvs)
+        dh, dv = _cat(dhs), _cat(dvs)
         dq, dk, dw, dg = kn["bwd_dqkwg"](q=q, k=k, v=v_new, w=w, g=g, h=h, dv=dv, do=do, dh=dh,
                                          scale=scale, cu_seqlens=p.cu, chunk_indices=p.ci)
         dk2, dv, db, dg2 = kn["wy_bwd"](k=k, v=v, beta=beta, g=g, A=A, dw=dw, du=dv,

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ...layout import move_tensors
 from ..host_row import derived
 from ..recurrence.traced import recomputed_grads
 
@@ -59,12 +60,8 @@ def _device_taps(parent_token: torch.Tensor, k: int):
         # not inference tensors, made under torch.inference_mode (log-probabilities) and
         # reused by a training step of the same row, whose autograd saves them
         with torch.inference_mode(False):
-            both = torch.from_numpy(np.concatenate([pos, taps.reshape(-1)]))
-            if parent_token.device.type == "cuda":
-                both = both.pin_memory()
-            both = both.to(parent_token.device, non_blocking=True)
-            m = pos.shape[0]
-            return both[:m], both[m:].view(k, m)
+            return tuple(move_tensors([torch.from_numpy(pos), torch.from_numpy(taps)],
+                                      parent_token.device))
 
     return derived(parent_token, ("conv boundary taps", k), compute)
 
