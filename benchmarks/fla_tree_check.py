@@ -17,6 +17,11 @@ Timing: forward and backward of the tree recurrence op as a compiled graph runs 
 on the e2e benchmark's POR 0.75 agent tree (17,187 tokens, 36 nodes, 7 depths), median of
 ``--reps``; beside it each sequence packed end to end as one variable-length call (what a
 packing trainer's layer runs, 68,762 tokens).
+
+``--first-config`` (exactness only): each fla kernel runs the first of its autotuning
+configurations that compiles and runs, not the fastest of all of them, so the check compiles
+one configuration per kernel instead of every one (fla's cold autotuning took more than 560 s
+for the float32 kernels alone). The arithmetic is the kernels' own; no choice is kept on disk.
 """
 
 from __future__ import annotations
@@ -183,6 +188,31 @@ def timing(dev, reps: int) -> dict:
     return res
 
 
+def first_working_config() -> None:
+    """Every Triton autotuner (fla's kernels) takes the first configuration that compiles and
+    runs instead of timing all of them; nothing is kept in Triton's autotuning cache, so a
+    later tuned run is not handed these choices."""
+    import math
+
+    from triton.runtime import autotuner
+
+    run, bench = autotuner.Autotuner.run, autotuner.Autotuner._bench
+
+    def first_run(self, *args, **kwargs):
+        self.cache_results = False
+        self._treefx_found = False
+        return run(self, *args, **kwargs)
+
+    def first_bench(self, *args, config, **meta):
+        if self._treefx_found:
+            return [math.inf] * 3
+        out = bench(self, *args, config=config, **meta)
+        self._treefx_found = math.isfinite(out[0] if isinstance(out, (list, tuple)) else out)
+        return out
+
+    autotuner.Autotuner.run, autotuner.Autotuner._bench = first_run, first_bench
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m benchmarks.fla_tree_check",
                                 description=__doc__.split("\n\n")[0])
@@ -194,9 +224,16 @@ def main(argv=None):
     p.add_argument("--value-heads", type=int, default=4,
                    help="heads of the exactness cases (32: Qwen3-Next's, whose kernels the "
                         "timing and the e2e run autotune too)")
+    p.add_argument("--first-config", action="store_true",
+                   help="each fla kernel runs its first configuration that compiles (exactness "
+                        "without fla's minutes of autotuning; not for timing)")
     p.add_argument("--dtypes", default="float32,bfloat16",
                    help="exactness dtypes (fla autotunes each dtype's kernels anew, minutes each)")
     args = p.parse_args(argv)
+    if args.first_config:
+        if "timing" in args.cases:
+            raise SystemExit("--first-config is for exactness: its kernels are not tuned")
+        first_working_config()
     if args.trace_after:
         import faulthandler
         faulthandler.dump_traceback_later(args.trace_after, repeat=True)
@@ -209,7 +246,8 @@ def main(argv=None):
 
     res = {**common.run_meta(cuda), "TRITON_F32_DEFAULT": os.environ.get("TRITON_F32_DEFAULT"),
            "fla_environment": fla.environment(torch.device("cuda")).describe(),
-           "one_pass_available": fla_tree.kernels() is not None, "cases": {}}
+           "one_pass_available": fla_tree.kernels() is not None,
+           "first_config": args.first_config, "cases": {}}
     print(res["fla_environment"], "one pass:", res["one_pass_available"], flush=True)
     t0 = time.perf_counter()
     failed = []

@@ -505,3 +505,29 @@ if [ "${1:-}" = z2 ]; then
   next_e2e 0 570 next_tree --methods packed_reset,treefx,treefx_depthwise
   results z2; z_autotune_back
 fi
+# Stage z4 (`... z4` on four GPUs, carry .whl/fla; results in $OUT/z4.tgz): stages z1 and z2 at
+# once, one job a GPU, one Triton cache shared by the four (each compiled kernel is compiled
+# once, by whichever job gets there first; the tuned jobs keep fla's autotuning choices on disk)
+#   GPU 0: e2e qwen3_next side by side, the check off: packing on fla, treefx (one pass per
+#     stage), treefx with fla depth by depth (TREEFX_FLA_TREE=0)
+#   GPU 1: fla_tree_check's timing (the op alone, bf16, tuned: one pass, depth by depth, packed)
+#   GPU 2: e2e qwen3_next, treefx alone, the first-call check on (the one-pass path against each
+#     sequence alone in the model, bf16; the first step with the oracle on HF's torch kernel)
+#   GPU 3: fla_tree_check's exactness, float32 and bf16 at 32 value heads, each kernel on its
+#     first working configuration (--first-config: no autotuning)
+if [ "${1:-}" = z4 ]; then
+  z_cache
+  with_fla z4
+  next_e2e 0 575 next_tree --methods packed_reset,treefx,treefx_depthwise --budget 560 &
+  (CUDA_VISIBLE_DEVICES=1 timeout -k 10 570 python3 -m benchmarks.fla_tree_check \
+     --cases timing --trace-after 560 --out $OUT/fla_tree_timing.json \
+     > $OUT/fla_tree_timing.log 2>&1
+   echo "fla_tree_check timing rc=$?"; tail -n 12 $OUT/fla_tree_timing.log | cut -c1-300) &
+  next_e2e 2 575 next_checked --methods treefx --budget 560 &
+  (CUDA_VISIBLE_DEVICES=3 timeout -k 10 570 python3 -m benchmarks.fla_tree_check \
+     --cases exact --first-config --dtypes float32,bfloat16 --value-heads 32 \
+     --trace-after 560 --out $OUT/fla_tree_exact.json > $OUT/fla_tree_exact.log 2>&1
+   echo "fla_tree_check exact rc=$?"; tail -n 14 $OUT/fla_tree_exact.log | cut -c1-400) &
+  wait
+  results z4; z_autotune_back
+fi
