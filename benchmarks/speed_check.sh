@@ -531,3 +531,33 @@ if [ "${1:-}" = z4 ]; then
   wait
   results z4; z_autotune_back
 fi
+# Stage z5 (`... z5` on four GPUs, carry .whl/fla and .cache/triton with z4's autotuning choices
+# unpacked into it; results in $OUT/z5.tgz). z4 (2026-11-27): the op's timing ran (one pass
+# 17.83 ms, depth by depth 31.95 ms; the first call of the depth path 424.7 s of fla
+# autotuning), the e2e check-on run failed in the kept graph's backward on torch 2.11 (a
+# gradient edge on a Python autograd.Function's node: fixed, traced._edge), the side by side
+# and the exactness runs printed nothing within their limits (float32 went first). Now:
+#   GPU 0: e2e qwen3_next side by side, the check off (as z4)
+#   GPU 1: fla_tree_check's timing (as z4), then its bf16 exactness with fla's tuned kernels
+#   GPU 2: e2e qwen3_next, treefx alone, the first-call check on (as z4)
+#   GPU 3: fla_tree_check's exactness, bf16 then float32 in separate processes, each kernel on
+#     its first working configuration; stacks printed after 200 s where it is still running
+if [ "${1:-}" = z5 ]; then
+  L=${Z5_LIMIT:-470}
+  z_cache
+  with_fla z5
+  next_e2e 0 $L next_tree --methods packed_reset,treefx,treefx_depthwise --budget $((L - 15)) &
+  (CUDA_VISIBLE_DEVICES=1 timeout -k 10 $L python3 -m benchmarks.fla_tree_check \
+     --cases timing,exact --dtypes bfloat16 --value-heads 32 --trace-after $((L - 60)) \
+     --out $OUT/fla_tree_timing.json > $OUT/fla_tree_timing.log 2>&1
+   echo "fla_tree_check timing rc=$?"; tail -n 12 $OUT/fla_tree_timing.log | cut -c1-300) &
+  next_e2e 2 $L next_checked --methods treefx --budget $((L - 15)) &
+  (for dt in bfloat16 float32; do
+     CUDA_VISIBLE_DEVICES=3 timeout -k 10 $((L / 2)) python3 -m benchmarks.fla_tree_check \
+       --cases exact --first-config --dtypes $dt --value-heads 32 --trace-after 200 \
+       --out $OUT/fla_tree_exact_$dt.json > $OUT/fla_tree_exact_$dt.log 2>&1
+     echo "fla_tree_check exact $dt rc=$?"; tail -n 8 $OUT/fla_tree_exact_$dt.log | cut -c1-400
+   done) &
+  wait
+  results z5; z_autotune_back
+fi

@@ -434,6 +434,44 @@ def test_recurrence_backward_matches_oracle(monkeypatch, checkpointed, keep):
     assert len(ops) == 2 and all(("_kept(" in op) == (keep == "1") for op in ops)
 
 
+class _Sine(torch.autograd.Function):
+    """A kernel made as fla's are: a Python autograd.Function whose output leaves the op."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x.sin()
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return grad * x.cos()
+
+
+def test_kept_graph_of_an_output_made_by_a_python_function(monkeypatch):
+    """torch 2.11 will not read a Python autograd.Function node's input metadata, which
+    ``torch.autograd.grad`` reads for a gradient edge: the kept graph of an output made by
+    one (fla's kernels, the one-pass tree) goes through a view of it. torch 2.11's refusal is
+    simulated here (newer torch reads that metadata); the gradient is the function's own."""
+    from treefx.ops.recurrence import traced
+
+    readable = traced._readable_metadata
+    monkeypatch.setattr(traced, "_readable_metadata", lambda node: not isinstance(
+        node, torch.autograd.function.BackwardCFunction) and readable(node))
+    x = torch.randn(7, dtype=torch.float64)
+    grad = torch.randn(7, dtype=torch.float64)
+
+    def run(xs):
+        return [_Sine.apply(xs[0] * 3.0)]
+
+    (out,), handle, owned = traced.run_keeping(run, [x])
+    (edge, _), = handle._treefx_kept[0]
+    assert not isinstance(edge.node, torch.autograd.function.BackwardCFunction)
+    out.zero_()  # the op hands its output out: the kept graph must not read it
+    (got,) = traced.kept_grads(handle, run, owned, [grad])
+    torch.testing.assert_close(got, grad * 3.0 * torch.cos(3.0 * x), rtol=1e-12, atol=0)
+
+
 @pytest.mark.slow
 def test_kept_recurrence_graph_through_inductor_equals_the_recomputed(monkeypatch):
     """Through Inductor's generated code (on the CPU: its buffer reuse and in-place kernels,

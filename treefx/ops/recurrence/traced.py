@@ -185,11 +185,31 @@ def run_keeping(run, tensors: list[torch.Tensor]
     with readmit, grad_mode:
         outs = run(leaves)
     # edges, not the outputs: holding an output would keep its memory until the backward
-    edges = [(torch.autograd.graph.get_gradient_edge(o), o.dtype) if o.requires_grad else None
-             for o in outs]
+    edges = [(_edge(o), o.dtype) if o.requires_grad else None for o in outs]
     handle = torch.zeros(0, dtype=torch.int64)
     handle._treefx_kept = (edges, [leaves[i] for i in floats], floats)
     return [o.detach() for o in outs], handle, owned
+
+
+def _readable_metadata(node) -> bool:
+    """Whether ``torch.autograd.grad`` can read the shapes of ``node``'s inputs, as it does for
+    a gradient edge: torch 2.11 refuses that for a Python autograd.Function's node."""
+    try:
+        node._input_metadata
+    except RuntimeError:
+        return False
+    return True
+
+
+def _edge(out: torch.Tensor):
+    """``out``'s gradient edge, through a view of it where its node is one whose metadata
+    ``torch.autograd.grad`` cannot read (an output made by a Python autograd.Function: fla's,
+    the one-pass tree's). The view's node is a C++ one; it saves nothing, so ``out`` stays
+    free to be handed out."""
+    edge = torch.autograd.graph.get_gradient_edge(out)
+    if _readable_metadata(edge.node):
+        return edge
+    return torch.autograd.graph.get_gradient_edge(out.view_as(out))
 
 
 def kept_grads(handle: torch.Tensor, run, owned: list[torch.Tensor],
