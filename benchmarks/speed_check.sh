@@ -561,3 +561,28 @@ if [ "${1:-}" = z5 ]; then
   wait
   results z5; z_autotune_back
 fi
+# Stage z6 (`... z6` on four GPUs, carry .whl/fla and .cache/triton with z5's autotuning choices;
+# results in $OUT/z6.tgz). z5 (2026-11-27): bf16 exactness of the one-pass path passed on the
+# H100 (its errors equal depth by depth's to every digit), the op timed (one pass 13.67 ms,
+# depth by depth 33.68 ms; packed 32.67 ms), float32 stopped in Triton's compile of fla's float32
+# dhu kernel (make_llir, > 200 s for one configuration), the check-on e2e failed again (the
+# Function's node held weakly: fixed, traced._edge keeps a view's node), and the side by side
+# printed nothing in 470 s (packing's first step on a host shared by four jobs). Now every GPU
+# runs an e2e of Qwen3-Next's shapes on fla, so that some order finishes within the limit:
+#   GPU 0: packing on fla, treefx (one pass), treefx depth by depth; the check off
+#   GPU 1: treefx (one pass), packing on fla; the check off
+#   GPU 2: treefx alone, the first-call check on (exactness in the model, the first step)
+#   GPU 3: treefx depth by depth, treefx (one pass); the check off
+if [ "${1:-}" = z6 ]; then
+  L=${Z6_LIMIT:-495}
+  z_cache
+  with_fla z6
+  TREEFX_VERIFY=0 next_e2e 0 $L next_tree --methods packed_reset,treefx,treefx_depthwise \
+    --budget $((L - 15)) &
+  TREEFX_VERIFY=0 next_e2e 1 $L next_tree_b --methods treefx,packed_reset --budget $((L - 15)) &
+  next_e2e 2 $L next_checked --methods treefx --budget $((L - 15)) &
+  TREEFX_VERIFY=0 next_e2e 3 $L next_paths --methods treefx_depthwise,treefx \
+    --budget $((L - 15)) &
+  wait
+  results z6; z_autotune_back
+fi

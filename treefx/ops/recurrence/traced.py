@@ -191,23 +191,15 @@ def run_keeping(run, tensors: list[torch.Tensor]
     return [o.detach() for o in outs], handle, owned
 
 
-def _readable_metadata(node) -> bool:
-    """Whether ``torch.autograd.grad`` can read the shapes of ``node``'s inputs, as it does for
-    a gradient edge: torch 2.11 refuses that for a Python autograd.Function's node."""
-    try:
-        node._input_metadata
-    except RuntimeError:
-        return False
-    return True
-
-
 def _edge(out: torch.Tensor):
-    """``out``'s gradient edge, through a view of it where its node is one whose metadata
-    ``torch.autograd.grad`` cannot read (an output made by a Python autograd.Function: fla's,
-    the one-pass tree's). The view's node is a C++ one; it saves nothing, so ``out`` stays
-    free to be handed out."""
+    """``out``'s gradient edge, one that keeps the graph behind it alive. An output made by a
+    Python autograd.Function (fla's kernels, the one-pass tree) has a node whose Python object
+    holds it only weakly on torch 2.11: with the output handed out and dropped, the node is
+    freed and the backward fails ("Attribute '_input_metadata' is invalid ..."). A view of
+    the output has a C++ node that holds the Function's node; it saves nothing, so ``out``
+    stays free to be handed out."""
     edge = torch.autograd.graph.get_gradient_edge(out)
-    if _readable_metadata(edge.node):
+    if not isinstance(edge.node, torch.autograd.function.BackwardCFunction):
         return edge
     return torch.autograd.graph.get_gradient_edge(out.view_as(out))
 
