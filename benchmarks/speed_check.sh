@@ -586,3 +586,21 @@ if [ "${1:-}" = z6 ]; then
   wait
   results z6; z_autotune_back
 fi
+# Stage z7 (`... z7` on four GPUs, carry .whl/fla and .cache/triton with z6's choices; results in
+# $OUT/z7.tgz; Z7_LIMIT seconds a job). z6 (2026-11-27): treefx depth by depth 174.3 / 181.1 ms
+# (first step 86.4 s with the cache), every one-pass run failed: the view _edge added was made
+# outside the op's autograd-recording block (no grad_fn there). Fixed; the same four jobs,
+# shorter: GPU 0 treefx then packing, GPU 1 packing then treefx, GPU 2 treefx with the check on,
+# GPU 3 treefx then treefx depth by depth (all but GPU 2 with the check off)
+if [ "${1:-}" = z7 ]; then
+  L=${Z7_LIMIT:-225}
+  z_cache
+  with_fla z7
+  TREEFX_VERIFY=0 next_e2e 0 $L next_tree --methods treefx,packed_reset --budget $((L - 10)) &
+  TREEFX_VERIFY=0 next_e2e 1 $L next_tree_b --methods packed_reset,treefx --budget $((L - 10)) &
+  next_e2e 2 $L next_checked --methods treefx --budget $((L - 10)) &
+  TREEFX_VERIFY=0 next_e2e 3 $L next_paths --methods treefx,treefx_depthwise \
+    --budget $((L - 10)) &
+  wait
+  results z7
+fi

@@ -453,7 +453,8 @@ def test_kept_graph_of_an_output_made_by_a_python_function():
     one-pass tree) must hold that Function's node: on torch 2.11 a gradient edge on such a
     node holds it weakly, so once the op hands its output out and drops it, the node is gone
     (its backward failed on the H100). The edge kept is a C++ node's (a view's, which holds
-    the Function's node); the gradient is the Function's own, after the output was dropped."""
+    the Function's node, made where autograd records inside the op's body); the gradient is
+    the Function's own, after the output was dropped."""
     import gc
 
     from treefx.ops.recurrence import traced
@@ -464,7 +465,8 @@ def test_kept_graph_of_an_output_made_by_a_python_function():
     def run(xs):
         return [_Sine.apply(xs[0] * 3.0)]
 
-    outs, handle, owned = traced.run_keeping(run, [x])
+    with torch._C._AutoDispatchBelowAutograd():  # where a custom op's body runs
+        outs, handle, owned = traced.run_keeping(run, [x])
     (edge, _), = handle._treefx_kept[0]
     assert not isinstance(edge.node, torch.autograd.function.BackwardCFunction)
     assert isinstance(edge.node.next_functions[0][0], torch.autograd.function.BackwardCFunction)

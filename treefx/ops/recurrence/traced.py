@@ -184,8 +184,9 @@ def run_keeping(run, tensors: list[torch.Tensor]
     # offloading) apply to this graph as to any other the call records.
     with readmit, grad_mode:
         outs = run(leaves)
-    # edges, not the outputs: holding an output would keep its memory until the backward
-    edges = [(_edge(o), o.dtype) if o.requires_grad else None for o in outs]
+        # edges, not the outputs: holding an output would keep its memory until the backward
+        # (made here, where autograd records: _edge may add a view)
+        edges = [(_edge(o), o.dtype) if o.requires_grad else None for o in outs]
     handle = torch.zeros(0, dtype=torch.int64)
     handle._treefx_kept = (edges, [leaves[i] for i in floats], floats)
     return [o.detach() for o in outs], handle, owned
@@ -201,7 +202,7 @@ def _edge(out: torch.Tensor):
     edge = torch.autograd.graph.get_gradient_edge(out)
     if not isinstance(edge.node, torch.autograd.function.BackwardCFunction):
         return edge
-    return torch.autograd.graph.get_gradient_edge(out.view_as(out))
+    return torch.autograd.graph.GradientEdge(out.view_as(out).grad_fn, 0)
 
 
 def kept_grads(handle: torch.Tensor, run, owned: list[torch.Tensor],
