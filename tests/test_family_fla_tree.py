@@ -96,6 +96,22 @@ def test_the_one_pass_path_steps_aside_without_fla_0_4_2_or_when_turned_off(monk
     assert fla_tree.tree_gated_delta_rule(seq, {}, nodes, None, ()) is None
 
 
+def test_a_row_of_separate_sequences_runs_flas_own_entry_point(monkeypatch):
+    """Roots alone (separate sequences, packing's layout) step aside to fla's own
+    variable-length call: no plan is made, no stage of this path runs."""
+    row = np.concatenate([np.r_[-1, np.arange(n - 1)] + s for s, n in ((0, 5), (5, 70), (75, 1))])
+    row[[0, 5, 75]] = -1
+    nodes = _tree_nodes(row)
+    assert max(nodes[3]) == 0 and len(nodes[0]) == 3
+    n = len(row)
+    seq = {name: torch.zeros(1, n, 2, 8) for name in ("query", "key", "value")}
+    seq.update(g=torch.zeros(1, n, 2), beta=torch.zeros(1, n, 2))
+    monkeypatch.delenv(fla_tree.ENV, raising=False)
+    monkeypatch.setitem(fla_tree._KERNELS, "k", {"not": "used"})
+    monkeypatch.setattr(fla_tree, "plan", lambda *a, **k: pytest.fail("planned"))
+    assert fla_tree.tree_gated_delta_rule(seq, {}, nodes, None, ()) is None
+
+
 def test_the_checked_fla_is_the_gates_known_good_one():
     from treefx.families import fla
 

@@ -328,9 +328,16 @@ def tree_gated_delta_rule(seq: dict, static: dict, nodes, root_init, keep):
     whole tree (``seq``: the DFS row's query, key, value, g, beta; ``nodes``: starts, lengths,
     parents, depth; ``root_init``: the depth-0 nodes' initial states or None) in one pass per
     stage. Returns (output row, {node: final state} for the nodes ``keep``), or None where this
-    path does not apply (an fla other than :data:`CHECKED_FLA`, a tree past CUDA's grid)."""
+    path does not apply: an fla other than :data:`CHECKED_FLA`, a tree past CUDA's grid, or a
+    row of roots alone (separate sequences, packing's layout), which fla's own variable-length
+    entry point runs in one call anyway. Its stages are these, so the gain is small there
+    (the op at Qwen3-Next's heads on 68,762 packed tokens, H100: 32.7 against 36.1 ms), and in
+    the one e2e run of packing's layout on this path (2026-11-27, z7) both processes stopped
+    with an illegal memory access whose cause is not known (packing on fla's own entry point
+    stopped so twice before, [fla-12], [fla-16], and ran clean in [fla-20]): such rows run
+    what a packing trainer runs."""
     if os.environ.get(ENV, "").strip().lower() in ("0", "off", "false", "no") or \
-            kernels() is None:
+            kernels() is None or max(nodes[3], default=0) == 0:
         return None
     from .fla import expand_heads
 
