@@ -481,7 +481,10 @@ fi
 # a few KB; unpacked into .cache/triton and carried, a fresh machine compiles only the chosen
 # configuration of each kernel, not every one).
 # On 2026-11-27 z2 was killed (SIGKILL: host memory?) at 288 s in packing's first step with the
-# cache here; cause not known. ZCACHE=/tmp/triton puts it elsewhere.
+# cache here; cause not known. ZCACHE=/tmp/triton puts it elsewhere. fla 0.4.2's choices on an
+# H100 at Qwen3-Next's heads (bf16) are kept in benchmarks/cache/fla_0.4.2_h100_triton_autotune.tgz:
+# `mkdir -p .cache && tar xzf benchmarks/cache/fla_0.4.2_h100_triton_autotune.tgz -C .cache`,
+# then carry .cache/triton (without them fla's first bf16 step autotuned for 425 s, stage z4).
 z_cache() {
   export TRITON_CACHE_DIR=${ZCACHE:-$PWD/.cache/triton}; mkdir -p $TRITON_CACHE_DIR
   echo "Triton cache: $(find $TRITON_CACHE_DIR -name '*.autotune.json' | wc -l) autotuning choices"
@@ -603,4 +606,22 @@ if [ "${1:-}" = z7 ]; then
     --budget $((L - 10)) &
   wait
   results z7
+fi
+# Stage z8 (`... z8` on one GPU, carry .whl/fla and .cache/triton: `mkdir -p .cache && tar xzf
+# benchmarks/cache/fla_0.4.2_h100_triton_autotune.tgz -C .cache`; results in $OUT/z8.tgz; not
+# yet run). z7 (2026-11-27): treefx in one pass per stage 136.6-143.0 ms, depth by depth 181.8
+# ms; packing on fla stopped with an illegal memory access in both processes that ran it (then
+# on the one-pass path; a row of roots alone takes fla's own call since). Now, alone on the GPU:
+#   packing on fla then treefx side by side, the check off (the share of the bound against
+#   packing on fla, issue 36's target); if packing stops again, packing alone once more with
+#   CUDA_LAUNCH_BLOCKING=1, so the error names the kernel that faults
+if [ "${1:-}" = z8 ]; then
+  z_cache
+  with_fla z8
+  TREEFX_VERIFY=0 next_e2e 0 400 next_side_by_side --methods packed_reset,treefx --budget 390
+  if grep -q "FAILED.*packed_reset" $OUT/e2e_next_side_by_side.log; then
+    CUDA_LAUNCH_BLOCKING=1 TREEFX_VERIFY=0 next_e2e 0 170 next_packing_blocking \
+      --methods packed_reset --budget 160
+  fi
+  results z8
 fi
