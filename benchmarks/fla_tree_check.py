@@ -248,12 +248,13 @@ def main(argv=None):
         raise SystemExit("fla_tree_check needs a GPU with fla installed")
     torch.backends.cuda.matmul.allow_tf32 = False
     common.resolve_out(args, "fla_tree_check", cuda)
-    from treefx.families import fla, fla_tree
+    from treefx.families import fla, fla_l2norm, fla_tree
 
     res = {**common.run_meta(cuda), "TRITON_F32_DEFAULT": os.environ.get("TRITON_F32_DEFAULT"),
            "fla_environment": fla.environment(torch.device("cuda")).describe(),
            "one_pass_available": fla_tree.kernels() is not None,
-           "first_config": args.first_config, "cases": {}}
+           "first_config": args.first_config,
+           "l2norm_fixed_key": fla_l2norm.available(), "cases": {}}
     print(res["fla_environment"], "one pass:", res["one_pass_available"], flush=True)
     t0 = time.perf_counter()
     failed = []

@@ -73,7 +73,8 @@ def main(argv=None) -> int:
     rng = np.random.default_rng(0)
     trees["separate-sequences"] = [treefx.Tree.from_sequences(
         [[int(t) for t in rng.integers(3, 1000, n)] for n in (40, 90, 200)])]
-    names = (argv if argv is not None else sys.argv[1:]) or ["short", "separate-sequences"]
+    names = [n for n in (argv if argv is not None else sys.argv[1:]) if n != "l2norm-long"] \
+        or ["short", "separate-sequences"]
     failed = []
     if "model" in names:  # HF Qwen3-Next whole and in parts (treefx.backward), fla's path
         names = [n for n in names if n != "model"]
@@ -98,6 +99,30 @@ def main(argv=None) -> int:
               flush=True)
         if not res["passed"]:
             failed.append(name)
+    # fla's L2-norm kernels ran with their row-length key fixed: one tuning per width, dtype
+    from fla.modules import l2norm as fla_l2norm_kernels
+
+    from treefx.families import fla_l2norm
+
+    keys = {k[:2] for kern in (fla_l2norm_kernels.l2norm_fwd_kernel,
+                               fla_l2norm_kernels.l2norm_bwd_kernel) for k in kern.cache}
+    print(json.dumps({"case": "l2norm-keys", "fixed_key": fla_l2norm.available(),
+                      "keys (width, row-length key)": sorted(keys)}), flush=True)
+    if not fla_l2norm.available() or keys - {(128, fla_l2norm.FIXED_NB)}:
+        failed.append("l2norm-keys")
+    if "l2norm-long" in (argv if argv is not None else sys.argv[1:]):
+        # 80,000 rows, where fla's wrapper hands its kernels another key (NB = 2): the fixed
+        # key's output, 1/norm and gradient equal fla's own, bit for bit
+        g = torch.Generator().manual_seed(0)
+        x, dy = (torch.randn(20_000, 4, 128, generator=g) for _ in range(2))
+        y, r = fla_l2norm.l2norm_fwd(x)
+        y0, r0 = fla_l2norm_kernels.l2norm_fwd(x)
+        dx, dx0 = fla_l2norm.l2norm_bwd(y, r, dy), fla_l2norm_kernels.l2norm_bwd(y0, r0, dy)
+        same = all(torch.equal(a, b) for a, b in ((y, y0), (r, r0), (dx, dx0)))
+        print(json.dumps({"case": "l2norm-long", "rows": 80_000, "equal to fla's": same}),
+              flush=True)
+        if not same:
+            failed.append("l2norm-long")
     return 1 if failed else 0
 
 

@@ -46,6 +46,7 @@ from dataclasses import dataclass
 import torch
 
 from ..ops.recurrence.reference import takes_keyword
+from . import fla_l2norm
 
 __all__ = ["ENV", "Decision", "Environment", "FlaFallbackWarning", "decide", "environment",
            "expand_heads", "gate", "gated_delta_rule", "kimi_delta_attention", "use_fla"]
@@ -308,11 +309,17 @@ def gated_delta_rule(seq: dict, static: dict, initial_state, cu_seqlens, cu_seql
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
     q, k = expand_heads(seq["query"], seq["key"], seq["value"].shape[-2])
+    extra = _extra(static)
+    if extra.get("use_qk_l2norm_in_kernel") and fla_l2norm.available():
+        # fla's own L2-norm kernels, keyed by head width only (fla keys them by row length
+        # too, and autotunes again at every new band of lengths): the same arithmetic
+        q, k = fla_l2norm.l2norm(q), fla_l2norm.l2norm(k)
+        extra["use_qk_l2norm_in_kernel"] = False
     return chunk_gated_delta_rule(q, k, seq["value"], g=seq["g"], beta=seq["beta"],
                                   initial_state=initial_state, output_final_state=final,
                                   cu_seqlens=cu_seqlens,
                                   **_cpu_seqlens(chunk_gated_delta_rule, cu_seqlens_cpu),
-                                  **_extra(static))
+                                  **extra)
 
 
 def kimi_delta_attention(seq: dict, static: dict, initial_state, cu_seqlens,

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from ..layout import move_tensors
+from . import fla_l2norm
 
 __all__ = ["CHECKED_FLA", "ENV", "TreePlan", "kernels", "plan", "tree_gated_delta_rule"]
 
@@ -80,6 +81,8 @@ def kernels() -> dict | None:
             if not all("chunk_indices" in inspect.signature(f).parameters
                        for k, f in found.items() if not k.startswith("l2norm")):
                 found = None
+            elif fla_l2norm.available():  # the same kernels, tuned once per head width
+                found.update(l2norm_fwd=fla_l2norm.l2norm_fwd, l2norm_bwd=fla_l2norm.l2norm_bwd)
         except (ImportError, AttributeError, TypeError, ValueError):
             found = None
     _KERNELS["k"] = found
