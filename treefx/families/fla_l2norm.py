@@ -21,11 +21,14 @@ head wider than the kernels' limit (512), keeps fla's own wrapper.
 from __future__ import annotations
 
 import inspect
+import os
 import re
 
 import torch
 
-__all__ = ["FIXED_NB", "L2Norm", "available", "l2norm", "l2norm_bwd", "l2norm_fwd"]
+__all__ = ["ENV", "FIXED_NB", "L2Norm", "available", "l2norm", "l2norm_bwd", "l2norm_fwd"]
+
+ENV = "TREEFX_FLA_L2NORM"  # 0: fla's own L2-norm wrapper (a tuning per band of row lengths)
 
 FIXED_NB = 1  # the constant handed to fla's kernels in place of cdiv(rows, 65,536)
 EPS = 1e-6  # fla's default, which chunk_gated_delta_rule uses
@@ -76,7 +79,10 @@ def _kernels():
 
 
 def available() -> bool:
-    """Whether the fixed-key kernels can run (fla with the kernels described above)."""
+    """Whether the fixed-key kernels run: fla with the kernels described above, and not turned
+    off (``TREEFX_FLA_L2NORM=0``: fla's own wrapper and keys, as before)."""
+    if os.environ.get(ENV, "").strip().lower() in ("0", "off", "false", "no"):
+        return False
     return _kernels() is not None
 
 

@@ -81,8 +81,6 @@ def kernels() -> dict | None:
             if not all("chunk_indices" in inspect.signature(f).parameters
                        for k, f in found.items() if not k.startswith("l2norm")):
                 found = None
-            elif fla_l2norm.available():  # the same kernels, tuned once per head width
-                found.update(l2norm_fwd=fla_l2norm.l2norm_fwd, l2norm_bwd=fla_l2norm.l2norm_bwd)
         except (ImportError, AttributeError, TypeError, ValueError):
             found = None
     _KERNELS["k"] = found
@@ -244,9 +242,13 @@ class _TreeGatedDeltaRule(torch.autograd.Function):
         kn = kernels()
         q, k, v, g, beta = (_permute(x.contiguous(), p.perm) for x in (q, k, v, g, beta))
         q_rstd = k_rstd = None
-        if l2norm:
-            q, q_rstd = kn["l2norm_fwd"](q)
-            k, k_rstd = kn["l2norm_fwd"](k)
+        ctx.l2norm_bwd = None
+        if l2norm:  # fla's kernels, tuned once per head width where fla_l2norm can
+            fixed = fla_l2norm.available()
+            l2_fwd = fla_l2norm.l2norm_fwd if fixed else kn["l2norm_fwd"]
+            ctx.l2norm_bwd = fla_l2norm.l2norm_bwd if fixed else kn["l2norm_bwd"]
+            q, q_rstd = l2_fwd(q)
+            k, k_rstd = l2_fwd(k)
         g = kn["cumsum"](g, chunk_size=CHUNK, cu_seqlens=p.cu, chunk_indices=p.ci)
         A = kn["kkt"](k=k, g=g, beta=beta, cu_seqlens=p.cu, output_dtype=torch.float32,
                       chunk_indices=p.ci)
@@ -308,8 +310,8 @@ class _TreeGatedDeltaRule(torch.autograd.Function):
         dg = kn["cumsum"](dg, chunk_size=CHUNK, reverse=True, cu_seqlens=p.cu,
                           chunk_indices=p.ci)
         if ctx.l2norm:
-            dq = kn["l2norm_bwd"](q, q_rstd, dq)
-            dk = kn["l2norm_bwd"](k, k_rstd, dk)
+            dq = ctx.l2norm_bwd(q, q_rstd, dq)
+            dk = ctx.l2norm_bwd(k, k_rstd, dk)
         grads = [_permute(x, p.inv).to(dt)
                  for x, dt in zip((dq, dk, dv, dg, db), ctx.dtypes)]
         dh0_roots = None if ctx.h0_dtype is None or dh0 is None else dh0.to(ctx.h0_dtype)
