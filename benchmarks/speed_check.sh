@@ -629,3 +629,18 @@ if [ "${1:-}" = z8 ]; then
   fi
   results z8
 fi
+# Stage z9 (`... z9` on one GPU, carry .whl/fla and .cache/triton as z8; results in $OUT/z9.tgz;
+# not yet run): Qwen3.5's shape (hidden 4096, 16 key / 32 value heads; [fla-1]'s packing ran out
+# of memory with 68,762 tokens in one row) side by side with packing on fla in micro-batches of
+# 32,768 tokens, gradients accumulated (packed_reset --pack-budget), the check off; fla autotunes
+# the kernels of this width anew (no choices kept for it yet)
+if [ "${1:-}" = z9 ]; then
+  z_cache
+  with_fla z9
+  CUDA_VISIBLE_DEVICES=0 TREEFX_VERIFY=0 timeout 570 python3 -m benchmarks.e2e --arch qwen3_5 \
+    --layers 4 --por 0.75 --quick --stream 0 --mask-reps 0 --methods packed_reset,treefx \
+    --pack-budget 32768 --budget 550 --out $OUT/e2e_qwen3_5_side_by_side.json \
+    > $OUT/e2e_qwen3_5_side_by_side.log 2>&1
+  echo "e2e qwen3_5 rc=$?"; grep -E "^hidden|FAILED|rec" $OUT/e2e_qwen3_5_side_by_side.log | tail -n 6
+  results z9; z_autotune_back
+fi

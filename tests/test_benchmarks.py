@@ -49,6 +49,23 @@ def test_e2e_dry_run_checks(tmp_path):
             run["packed"]["loss"]), method
 
 
+@pytest.mark.filterwarnings("ignore")
+def test_e2e_packing_of_a_hybrid_in_micro_batches(tmp_path):
+    """``packed_reset --pack-budget``: the sequences in micro-batches of the budget (as a
+    trainer packs where one row of every sequence would not fit), gradients accumulated; the
+    step's loss is the mean over all sequences, the tree's."""
+    res = _run("e2e", "--arch", "qwen3_next", "--layers", "2", "--por", "0.75", "--stream",
+               "0", "--mask-reps", "0", "--methods", "packed_reset,treefx", "--pack-budget",
+               "400", out=tmp_path / "e2e.json")
+    run = res["runs"]["hidden64"]["por0.75"]
+    packed, tree = run["packed_reset"], run["treefx"]
+    assert "step_ms" in packed, packed.get("error", "")[-1500:]
+    sizes, info = packed["micro_batch_tokens"], res["trees"]["por0.75"]
+    assert len(sizes) > 1 and max(sizes) <= max(400, info["max_seq_len"])
+    assert sum(sizes) == info["baseline_tokens"]
+    assert abs(packed["loss"] - tree["loss"]) < 1e-5 * abs(tree["loss"])
+
+
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore")
 def test_attention_dry_run_checks(tmp_path):

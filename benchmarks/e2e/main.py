@@ -73,6 +73,10 @@ def parse_args(argv=None):
                    help="the tree recurrence's backward: the forward's graph kept "
                         "(TREEFX_KEEP_RECURRENCE_GRAPH=1, treefx's default) or the forward "
                         "recomputed (=0); default: as the environment says")
+    p.add_argument("--pack-budget", type=int, default=0,
+                   help="packed_reset: micro-batches of at most max(N, longest sequence) "
+                        "tokens (first-fit decreasing), gradients accumulated, as trainers "
+                        "pack; 0: every sequence in one row")
     p.add_argument("--budget", type=float, default=480.0,
                    help="seconds; measurements not started by then are skipped (recorded)")
     p.add_argument("--quick", action="store_true",

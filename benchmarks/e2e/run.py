@@ -52,6 +52,8 @@ def run_hidden(env, args, hidden, trees, res, deadline, first_hidden) -> None:
                 step = parts["prepare"][name](tree)
                 runs0, back0 = kernel_runs(), backward_paths()
                 r = measure(env, step, warmup, reps)
+                if getattr(step, "micro_batches", None):  # packed_reset --pack-budget
+                    r["micro_batch_tokens"] = step.micro_batches
                 r.update(recurrence_paths(runs0, kernel_runs()))
                 if "recurrence_kernels" in r:  # its backward: the forward's graph or recomputed
                     r["recurrence_backward"] = {k: v - back0[k]
