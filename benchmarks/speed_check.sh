@@ -613,7 +613,8 @@ fi
 # ms; packing on fla stopped with an illegal memory access in both processes that ran it (then
 # on the one-pass path; a row of roots alone takes fla's own call since). Now, alone on the GPU:
 #   packing on fla then treefx side by side, the check off (the share of the bound against
-#   packing on fla, issue 36's target), then a stream of 4 trees of other sizes through the
+#   packing on fla, issue 36's target), treefx with the chunk states kept for the backward
+#   (TREEFX_FLA_TREE_KEEP_STATES=1: no state pass recomputed), then a stream of 4 trees of other sizes through the
 #   compiled treefx model (each step's wall time: fla's L2 norm now tuned once per head width,
 #   treefx.families.fla_l2norm; with fla's own keys a new band of lengths took 82 s in z5);
 #   if packing stops again, packing alone once more with CUDA_LAUNCH_BLOCKING=1, so the error
@@ -621,8 +622,8 @@ fi
 if [ "${1:-}" = z8 ]; then
   z_cache
   with_fla z8
-  TREEFX_VERIFY=0 next_e2e 0 400 next_side_by_side --methods packed_reset,treefx --budget 390 \
-    --stream 4
+  TREEFX_VERIFY=0 next_e2e 0 400 next_side_by_side \
+    --methods packed_reset,treefx,treefx_keep_states --budget 390 --stream 4
   if grep -q "FAILED.*packed_reset" $OUT/e2e_next_side_by_side.log; then
     CUDA_LAUNCH_BLOCKING=1 TREEFX_VERIFY=0 next_e2e 0 170 next_packing_blocking \
       --methods packed_reset --budget 160

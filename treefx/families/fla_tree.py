@@ -41,6 +41,7 @@ __all__ = ["CHECKED_FLA", "ENV", "TreePlan", "kernels", "plan", "tree_gated_delt
 
 CHECKED_FLA = ("0.4.2",)
 ENV = "TREEFX_FLA_TREE"  # 0: fla depth by depth (its whole pipeline per depth), as before
+KEEP_ENV = "TREEFX_FLA_TREE_KEEP_STATES"  # 1: the forward's chunk states kept for the backward
 CHUNK = 64
 GRID_AXIS = 65_535  # CUDA's limit on a grid's second and third axes (see .fla.GRID_AXIS)
 
@@ -267,7 +268,13 @@ class _TreeGatedDeltaRule(torch.autograd.Function):
         ctx.h0_dtype = None if h0 is None else h0.dtype
         ctx.dtypes = (q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype)
         ctx.has_init = [x is not None for x in inits]
+        # fla recomputes w, the chunk states and the new values in the backward; kept (opt-in),
+        # the backward skips that recomputation (its state pass per depth and the w/u stage)
+        # for T x H x (K + V) + chunks x H x K x V more memory a layer
+        ctx.keep_states = os.environ.get(KEEP_ENV, "").strip().lower() in ("1", "on", "true",
+                                                                           "yes")
         ctx.save_for_backward(q, q_rstd, k, k_rstd, v, g, beta, A,
+                              *([w, h, v_new] if ctx.keep_states else []),
                               *[x for x in inits if x is not None])
         return _permute(o.to(q.dtype), p.inv), final
 
@@ -275,11 +282,15 @@ class _TreeGatedDeltaRule(torch.autograd.Function):
     def _backward(ctx, do, dfinal):
         kn, p, scale = kernels(), ctx.p, ctx.scale
         q, q_rstd, k, k_rstd, v, g, beta, A, *saved = ctx.saved_tensors
+        if ctx.keep_states:
+            w, h, v_new, *saved = saved
         it = iter(saved)
         inits = [next(it) if has else None for has in ctx.has_init]
         do = _permute(do.contiguous(), p.perm)
-        w, u = kn["w_u"](k=k, v=v, beta=beta, A=A, g=g, cu_seqlens=p.cu, chunk_indices=p.ci)
-        h, v_new, _, _ = _state_pass(kn, p, k, w, u, g, None, inits=inits, final=False)
+        if not ctx.keep_states:
+            w, u = kn["w_u"](k=k, v=v, beta=beta, A=A, g=g, cu_seqlens=p.cu,
+                             chunk_indices=p.ci)
+            h, v_new, _, _ = _state_pass(kn, p, k, w, u, g, None, inits=inits, final=False)
         dv = kn["bwd_dv_local"](q=q, k=k, g=g, do=do, scale=scale, cu_seqlens=p.cu,
                                 chunk_indices=p.ci)
         dhs, dvs = [None] * len(p.levels), [None] * len(p.levels)

@@ -8,7 +8,9 @@ layer type, or the whole graph compiled at once); ``treefx_regional_nologits``: 
 ``regional=True`` and ``logits=False`` (deep models, whose whole graph compiles slowly);
 ``treefx_depthwise`` (hybrids on fla): the default model with fla's Gated DeltaNet run depth by
 depth (``TREEFX_FLA_TREE=0``: fla's whole pipeline per tree depth), not in one pass per stage
-(:mod:`treefx.families.fla_tree`); it shares ``treefx``'s compiled model when both run."""
+(:mod:`treefx.families.fla_tree`); ``treefx_keep_states`` (hybrids on fla, one pass): the
+forward's chunk states kept for the backward instead of recomputed
+(``TREEFX_FLA_TREE_KEEP_STATES=1``). Both share ``treefx``'s compiled model when it runs."""
 
 from __future__ import annotations
 
@@ -47,27 +49,39 @@ def make_regional_nologits(env, model, parts, args=None):
                 logits=False)
 
 
-def make_depthwise(env, model, parts, args=None):
-    from treefx.families.fla_tree import ENV
-
+def _with_env(env, model, parts, key: str, name: str, value: str):
+    """The default compiled model (shared with ``treefx`` when both run), each step run with
+    the environment variable ``name`` set to ``value`` (a switch read at run time)."""
     tm = parts.get("treefx_model") or treefx.compile(model, backend=env.tree_backend)
-    parts["treefx_depthwise_model"] = tm
+    parts[key] = tm
 
     def prepare(trees):
         inner = tree_step(env, model, tm, trees)
 
         def step():
-            old = os.environ.get(ENV)
-            os.environ[ENV] = "0"
+            old = os.environ.get(name)
+            os.environ[name] = value
             try:
                 return inner()
             finally:
                 if old is None:
-                    os.environ.pop(ENV, None)
+                    os.environ.pop(name, None)
                 else:
-                    os.environ[ENV] = old
+                    os.environ[name] = old
         return step
     return prepare
+
+
+def make_depthwise(env, model, parts, args=None):
+    from treefx.families.fla_tree import ENV
+
+    return _with_env(env, model, parts, "treefx_depthwise_model", ENV, "0")
+
+
+def make_keep_states(env, model, parts, args=None):
+    from treefx.families.fla_tree import KEEP_ENV
+
+    return _with_env(env, model, parts, "treefx_keep_states_model", KEEP_ENV, "1")
 
 
 # Each variant's method name -> (maker, the parts entry holding its compiled model)
@@ -77,7 +91,8 @@ VARIANTS = {"treefx_standard": (make_standard, "treefx_standard_model"),
             "treefx_whole": (make_whole, "treefx_whole_model"),
             "treefx_regional_nologits": (make_regional_nologits,
                                          "treefx_regional_nologits_model"),
-            "treefx_depthwise": (make_depthwise, "treefx_depthwise_model")}
+            "treefx_depthwise": (make_depthwise, "treefx_depthwise_model"),
+            "treefx_keep_states": (make_keep_states, "treefx_keep_states_model")}
 
 
 def tree_step(env, model, tm, trees):
