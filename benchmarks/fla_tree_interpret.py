@@ -76,19 +76,23 @@ def main(argv=None) -> int:
     names = [n for n in (argv if argv is not None else sys.argv[1:]) if n != "l2norm-long"] \
         or ["short", "separate-sequences"]
     failed = []
-    if "model" in names:  # HF Qwen3-Next whole and in parts (treefx.backward), fla's path
-        names = [n for n in names if n != "model"]
+    for case, backend in (("model", "eager"), ("model-traced", "aot-eager")):
+        # HF Qwen3-Next whole and in parts (treefx.backward) on fla's path; model-traced:
+        # through AOTAutograd (the recurrence as the traced graph's op, its kept graph)
+        if case not in names:
+            continue
+        names = [n for n in names if n != case]
         from benchmarks.fla_check import model_case
         from treefx.compiler.recurrences import recurrence
 
         rec = recurrence("qwen3_next_gated_delta_rule")
         rec.varlen_devices, rec.varlen_check = ("cpu",), None
-        res = model_case("cpu", "qwen3_next", trees["forest"], 96, "eager", bf16=False)
-        print(json.dumps({"case": "model-qwen3_next", **{k: res.get(k) for k in (
+        res = model_case("cpu", "qwen3_next", trees["forest"], 96, backend, bf16=False)
+        print(json.dumps({"case": f"{case}-qwen3_next", **{k: res.get(k) for k in (
             "fp32", "oracle_floor", "fp32_tolerance", "passed_fp32")}}, default=str),
             flush=True)
         if not res.get("passed_fp32"):
-            failed.append("model")
+            failed.append(case)
     for name in names:
         res = exact_case("cpu", torch.float32, trees[name])
         worst = {k: max(v for kk, v in res[k].items() if kk != "paths")

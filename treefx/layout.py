@@ -214,10 +214,6 @@ def grouped_copy(tensors: list[torch.Tensor], device: torch.device,
     return out
 
 
-
-
-
-
 def subtree_tokens(parents: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """Each node's subtree size in tokens (its own and its descendants'); a tree's nodes come
     parents first (each child after its parent)."""
