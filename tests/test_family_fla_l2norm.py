@@ -40,7 +40,8 @@ def _fake_fla(monkeypatch, body: str):
 
 
 def test_the_key_is_fixed_only_where_the_kernel_never_reads_it(monkeypatch):
-    _fake_fla(monkeypatch, "p = tl.make_block_ptr(x, (T, D), (D, 1), (i_t * BT, 0), (BT, BD), (1, 0))")
+    _fake_fla(monkeypatch,
+              "p = tl.make_block_ptr(x, (T, D), (D, 1), (i_t * BT, 0), (BT, BD), (1, 0))")
     assert fla_l2norm.available()
     monkeypatch.setenv(fla_l2norm.ENV, "0")  # turned off: fla's own wrapper
     assert not fla_l2norm.available()

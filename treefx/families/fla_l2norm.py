@@ -11,9 +11,9 @@ real agent trees (10k-120k tokens) meets a new band at most steps for a long whi
 
 Here the same two kernels run with ``NB`` fixed, so they are tuned and compiled once per head
 width and dtype: the arithmetic is fla's (the same kernel body; which configuration the tuning
-picks may change the order of a row's sum, as fla's own tuning at another length may). Used by the one-pass tree
-path (:mod:`.fla_tree`) and by fla's depth-by-depth call (:func:`.fla.gated_delta_rule`, which
-then hands fla query and key already normalised). An fla whose kernels are not these (the
+picks may change the order of a row's sum, as fla's own tuning at another length may). Used
+by the one-pass tree path (:mod:`.fla_tree`) and by fla's depth-by-depth call
+(:func:`.fla.gated_delta_rule`, which then hands fla query and key already normalised). An fla whose kernels are not these (the
 row-length key a parameter that the kernel's body never reads, checked on its source), or a
 head wider than the kernels' limit (512), keeps fla's own wrapper.
 """
