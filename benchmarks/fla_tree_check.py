@@ -21,7 +21,9 @@ Timing: forward and backward of the tree recurrence op as a compiled graph runs 
 (``run_tree``), Qwen3-Next's heads (16 key heads expanded to 32 value heads of 128), bf16,
 on the e2e benchmark's POR 0.75 agent tree (17,187 tokens, 36 nodes, 7 depths), median of
 ``--reps``; beside it each sequence packed end to end as one variable-length call (what a
-packing trainer's layer runs, 68,762 tokens; on both paths fla's own call since 2026-11-27).
+packing trainer's layer runs, 68,762 tokens; on both paths fla's own call since 2026-11-27);
+and the one-pass path with its forward's chunk states kept for the backward
+(``TREEFX_FLA_TREE_KEEP_STATES=1``).
 
 ``--first-config`` (exactness only): each fla kernel runs the first of its autotuning
 configurations that compiles and runs, not the fastest of all of them, so the check compiles
@@ -142,6 +144,7 @@ def exact_case(dev, dtype, trees, seed: int = 0, value_heads: int = 4) -> dict:
 
 
 def timing(dev, reps: int) -> dict:
+    from treefx.families.fla_tree import KEEP_ENV
     from treefx.ops.recurrence.reference import run_tree, tree_nodes
 
     res = {}
@@ -160,7 +163,9 @@ def timing(dev, reps: int) -> dict:
               -torch.rand(1, n, 32, device=dev, generator=gen) * 0.5,
               torch.rand(1, n, 32, device=dev, generator=gen, dtype=torch.bfloat16)]
         grad = torch.randn(1, n, 32, 128, device=dev, generator=gen, dtype=torch.bfloat16)
-        for label, one_pass in (("depth_by_depth", False), ("one_pass", True)):
+        for label, one_pass in (("depth_by_depth", False), ("one_pass", True),
+                                ("one_pass_keep_states", True)):
+            os.environ[KEEP_ENV] = "1" if label.endswith("keep_states") else "0"
             rec = _recurrence(one_pass)
             leaves = [x.detach().requires_grad_() for x in xs]
 
@@ -191,6 +196,7 @@ def timing(dev, reps: int) -> dict:
                                       "depths": max(nodes[3]) + 1}
             print(f"  {name:6s} {label:15s} {res[f'{name}/{label}']['ms']:7.2f} ms "
                   f"({n} tokens, {len(nodes[0])} nodes, {max(nodes[3]) + 1} depths)", flush=True)
+    os.environ.pop(KEEP_ENV, None)
     return res
 
 
