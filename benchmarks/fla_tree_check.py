@@ -119,7 +119,11 @@ def exact_case(dev, dtype, trees, seed: int = 0, value_heads: int = 4) -> dict:
     ref = [out.detach(), fin.detach(), *torch.autograd.grad(total, x64)]
     names = ("out", "final", "dq", "dk", "dv", "dg", "dbeta", "dh0")
     res = {"tokens": n, "nodes": len(starts), "depths": max(depth) + 1, "dtype": str(dtype)}
-    for label, one_pass in (("depth_by_depth", False), ("one_pass", True)):
+    from treefx.families.fla_tree import KEEP_ENV
+
+    for label, one_pass in (("depth_by_depth", False), ("one_pass", True),
+                            ("one_pass_keep_states", True)):
+        os.environ[KEEP_ENV] = "1" if label.endswith("keep_states") else "0"
         xs = [leaf(base[0], dtype), leaf(base[1], dtype), leaf(base[2], dtype),
               leaf(base[3], torch.float32), leaf(base[4], dtype), leaf(base[5], torch.float32)]
         before = kernel_runs()
@@ -136,10 +140,14 @@ def exact_case(dev, dtype, trees, seed: int = 0, value_heads: int = 4) -> dict:
         after_runs = kernel_runs()
         res[label]["paths"] = sorted(p for (nm, p), c in after_runs.items()
                                      if c != before.get((nm, p), 0))
+    os.environ.pop(KEEP_ENV, None)
     slack = 1e-6 if dtype == torch.float32 else 1e-3
     res["passed"] = all(res["one_pass"][nm] <= 2 * res["depth_by_depth"][nm] + slack
                         for nm in names) and res["one_pass"]["paths"] == (
         ["tree"] if res["depths"] > 1 else ["varlen"])  # roots alone: fla's own call
+    # the kept chunk states are the recomputed ones: every error the same
+    res["keep_states_equal"] = res["one_pass_keep_states"] == res["one_pass"]
+    res["passed"] = res["passed"] and res["keep_states_equal"]
     return res
 
 
