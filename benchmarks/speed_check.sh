@@ -645,3 +645,32 @@ if [ "${1:-}" = z9 ]; then
   echo "e2e qwen3_5 rc=$?"; grep -E "^hidden|FAILED|rec" $OUT/e2e_qwen3_5_side_by_side.log | tail -n 6
   results z9; z_autotune_back
 fi
+# Stage z10 (`... z10` on four GPUs, carry .whl/fla and .cache/triton as z8; results in
+# $OUT/z10.tgz; not yet run): z8 and z9 at once, with the op's timing and a blocking packing run
+#   GPU 0: z8's side by side (packing on fla, treefx, treefx with kept chunk states, a stream)
+#   GPU 1: z9's Qwen3.5 shape against packing on fla in micro-batches of 32,768 tokens
+#   GPU 2: fla_tree_check bf16 exactness (kept states equal) and timing (the three one-pass
+#     variants and depth by depth)
+#   GPU 3: packing on fla alone with CUDA_LAUNCH_BLOCKING=1 (the kernel that faults, if any)
+# The host is shared by four jobs: the step is host-bound, so set GPU 0's figures against
+# each other only.
+if [ "${1:-}" = z10 ]; then
+  L=${Z10_LIMIT:-540}
+  z_cache
+  with_fla z10
+  TREEFX_VERIFY=0 next_e2e 0 $L next_side_by_side \
+    --methods packed_reset,treefx,treefx_keep_states --budget $((L - 15)) --stream 4 &
+  (CUDA_VISIBLE_DEVICES=1 TREEFX_VERIFY=0 timeout $L python3 -m benchmarks.e2e --arch qwen3_5 \
+     --layers 4 --por 0.75 --quick --stream 0 --mask-reps 0 --methods packed_reset,treefx \
+     --pack-budget 32768 --budget $((L - 20)) --out $OUT/e2e_qwen3_5_side_by_side.json \
+     > $OUT/e2e_qwen3_5_side_by_side.log 2>&1
+   echo "e2e qwen3_5 rc=$?"; grep -E "^hidden|FAILED" $OUT/e2e_qwen3_5_side_by_side.log | tail -n 4) &
+  (CUDA_VISIBLE_DEVICES=2 timeout -k 10 $L python3 -m benchmarks.fla_tree_check \
+     --cases exact,timing --dtypes bfloat16 --value-heads 32 --trace-after $((L - 60)) \
+     --out $OUT/fla_tree_check.json > $OUT/fla_tree_check.log 2>&1
+   echo "fla_tree_check rc=$?"; tail -n 14 $OUT/fla_tree_check.log | cut -c1-300) &
+  CUDA_LAUNCH_BLOCKING=1 TREEFX_VERIFY=0 next_e2e 3 $L next_packing_blocking \
+    --methods packed_reset --budget $((L - 15)) &
+  wait
+  results z10; z_autotune_back
+fi
