@@ -13,9 +13,10 @@ Here the same two kernels run with ``NB`` fixed, so they are tuned and compiled 
 width and dtype: the arithmetic is fla's (the same kernel body; which configuration the tuning
 picks may change the order of a row's sum, as fla's own tuning at another length may). Used
 by the one-pass tree path (:mod:`.fla_tree`) and by fla's depth-by-depth call
-(:func:`.fla.gated_delta_rule`, which then hands fla query and key already normalised). An fla whose kernels are not these (the
-row-length key a parameter that the kernel's body never reads, checked on its source), or a
-head wider than the kernels' limit (512), keeps fla's own wrapper.
+(:func:`.fla.gated_delta_rule`, which then hands fla query and key already normalised). An
+fla whose kernels are not these (the row-length key a parameter that the kernel's body never
+reads, checked on its source), or a head wider than the kernels' limit (512), keeps fla's own
+wrapper.
 """
 
 from __future__ import annotations

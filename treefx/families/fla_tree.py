@@ -37,7 +37,8 @@ import torch
 from ..layout import move_tensors
 from . import fla_l2norm
 
-__all__ = ["CHECKED_FLA", "ENV", "TreePlan", "kernels", "plan", "tree_gated_delta_rule"]
+__all__ = ["CHECKED_FLA", "ENV", "KEEP_ENV", "TreePlan", "kernels", "plan",
+           "tree_gated_delta_rule"]
 
 CHECKED_FLA = ("0.4.2",)
 ENV = "TREEFX_FLA_TREE"  # 0: fla depth by depth (its whole pipeline per depth), as before
