@@ -950,3 +950,28 @@ def test_gated_deltanet_gradients_are_exact_in_float64(monkeypatch):
             r = ref[name].grad
             err = float((p.grad - r).abs().max()) / max(float(r.abs().max()), 1e-3 * scale)
             assert err < 1e-7, (name, err)  # float64 kernel: ~5e-9; float32 kernel: 1.4e-6
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot-eager"])
+def test_padding_in_chains_is_inert_for_a_hybrid(backend):
+    """A row padded in root chains (``pad_node_tokens``, as the first-call check pads its
+    probe) gives the real tokens the log-probabilities and the parameters the gradients of
+    one root a pad token: the conv, the recurrence and attention see no pad chain."""
+    from treefx.models import tiny_hybrid
+
+    torch.manual_seed(0)
+    model = tiny_hybrid(("gdn", "attention"), vocab_size=VOCAB).double()
+    tm = treefx.compile(model, backend=backend, verify=False)
+    trees = odd_forest(7, VOCAB)
+    got = []
+    for node in (1, 9):
+        batch = treefx.pack(trees, pad_to_multiple=64, pad_node_tokens=node)
+        assert batch.num_padding > 9
+        model.zero_grad(set_to_none=True)
+        out = tm(batch)
+        treefx.tree_loss(out, batch).backward()
+        got.append((out.token_logprobs[:batch.num_real_tokens].detach(),
+                    [p.grad.clone() for p in model.parameters()]))
+    torch.testing.assert_close(got[1][0], got[0][0], rtol=1e-12, atol=1e-12)
+    for a, b in zip(got[1][1], got[0][1]):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)

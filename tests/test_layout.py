@@ -209,6 +209,30 @@ def test_pack_non_preorder_nodes_hand_checked():
         batch.sequence_index(-1)
 
 
+def test_pack_pads_in_nodes_of_the_asked_length():
+    """``pad_node_tokens``: the padding comes as root chains of up to that many tokens (seen by
+    no real token, weight 0), the real tokens laid out as with one root a pad token."""
+    from treefx.ops.recurrence.reference import tree_nodes
+
+    trees = [Tree.from_sequences([[1, 2, 3], [1, 2, 4, 5]]), Tree.from_sequences([[7, 8]])]
+    one = pack(trees, pad_to_multiple=16)  # 7 real tokens, 9 pad tokens
+    chains = pack(trees, pad_to_multiple=16, pad_node_tokens=4)
+    n_real, n = one.num_real_tokens, one.num_tokens
+    assert (chains.num_real_tokens, chains.num_tokens) == (n_real, n) == (7, 16)
+    for name in ("parent_token", "subtree_end", "loss_weights", "tree_index"):
+        assert torch.equal(getattr(chains, name)[:n_real], getattr(one, name)[:n_real]), name
+    assert torch.equal(chains.input_ids, one.input_ids)
+    assert chains.position_ids[0, n_real:].tolist() == [0, 1, 2, 3, 0, 1, 2, 3, 0]
+    assert chains.parent_token[n_real:].tolist() == [-1, 7, 8, 9, -1, 11, 12, 13, -1]
+    assert chains.subtree_end[n_real:].tolist() == [11] * 4 + [15] * 4 + [16]
+    assert (chains.loss_weights[n_real:] == 0).all() and (chains.tree_index[n_real:] == -1).all()
+    dense = chains.dense_mask()
+    assert not dense[:n_real, n_real:].any() and not dense[n_real:, :n_real].any()
+    assert len(tree_nodes(chains.parent_token)[0]) == len(tree_nodes(one.parent_token)[0]) - 6
+    with pytest.raises(ValueError, match="pad_node_tokens"):
+        pack(trees, pad_to_multiple=16, pad_node_tokens=0)
+
+
 def test_pack_single_tree_and_generator():
     tree = Tree.from_sequences([[1, 2], [1, 3]])
     a = pack(tree)

@@ -310,6 +310,7 @@ def pack(
     pad_token_id: int = 0,
     weight_dtype: torch.dtype = torch.float64,
     loss_scale: float = 1.0,
+    pad_node_tokens: int = 1,
 ) -> TreeBatch:
     """Lay one tree or a forest of trees out depth-first as one row of tokens.
 
@@ -331,8 +332,13 @@ def pack(
     With DDP / FSDP, which average gradients over ranks, each rank's loss is also multiplied
     by the world size (``loss_scale``; :func:`treefx.distributed.pack` sets both). The parts
     of :func:`treefx.partition` take the whole tree's count.
-    ``pad_to_multiple``: pad the row with inert tokens (weight 0, each sees only itself)
+    ``pad_to_multiple``: pad the row with inert tokens (weight 0, seen by no real token)
     to a multiple of this, with token id ``pad_token_id`` (a non-negative integer).
+    ``pad_node_tokens``: the padding comes in nodes of up to this many tokens, each a root of
+    its own chain (positions 0, 1, ...: keep it within the model's positions); 1, the
+    default: each pad token its own root. A recurrent layer runs node by node, so a row
+    padded with thousands of one-token roots hands it thousands of sequences; longer pad
+    nodes make a few.
     ``loss_weights`` come out in ``weight_dtype``, a floating dtype (float64 by default, so
     weights summed over many sequences stay exact); a weight that it turns into 0 or inf
     (float16 and small weights over a large count, say) raises a ``ValueError``, for the other
@@ -358,6 +364,9 @@ def pack(
         or pad_to_multiple <= 0
     ):
         raise ValueError(f"pad_to_multiple must be a positive integer, got {pad_to_multiple!r}")
+    if not isinstance(pad_node_tokens, numbers.Integral) or isinstance(pad_node_tokens, bool) \
+            or pad_node_tokens <= 0:
+        raise ValueError(f"pad_node_tokens must be a positive integer, got {pad_node_tokens!r}")
     pad_token_id = _check_pad_token_id(pad_token_id)
     if not isinstance(weight_dtype, torch.dtype) or not weight_dtype.is_floating_point:
         raise ValueError(
@@ -419,10 +428,11 @@ def pack(
         k = total - num_real
         if k:
             ar = np.arange(num_real, total)
+            rel = np.arange(k) % int(pad_node_tokens)  # a pad token's place in its node
             ids.append(np.full(k, pad_token_id))
-            pos.append(np.zeros(k, dtype=np.int64))
-            par.append(np.full(k, -1))
-            send.append(ar + 1)
+            pos.append(rel)
+            par.append(np.where(rel == 0, -1, ar - 1))
+            send.append(np.minimum(ar - rel + int(pad_node_tokens), total))
             for r in _REDUCTIONS:
                 wts[r].append(np.zeros(k))
             tix.append(np.full(k, -1))

@@ -412,8 +412,8 @@ def verify_compiled(tm, trees=None, *, reduction: str = "mean", grads: bool = Tr
     runs, for another entry point than ``tm(batch)`` (:func:`treefx.backward`'s parts); it
     may write ``.grad`` (restored after). ``vocab_size``: the probe's token ids are below it
     (default :func:`probe_vocab_size`, with the largest id of a batch ``tm`` ran on).
-    ``pad_to``: the tree side's row padded with inert tokens (weight 0, each its own root) to
-    this many tokens, when the forest has fewer: a compiled model's first call checks on a
+    ``pad_to``: the tree side's row padded with inert tokens (weight 0, in root nodes as long
+    as the forest's longest sequence) to this many tokens, when the forest has fewer: a compiled model's first call checks on a
     row as long as the batch it was called with, so that the graph compiled for the probe is
     the one the batch runs (Inductor picks 32-bit indexing for a short row and recompiles
     for a batch whose [tokens, vocab] logits pass 2^31 elements: 45 s of a 4-layer 8B-shaped
@@ -441,7 +441,11 @@ def verify_compiled(tm, trees=None, *, reduction: str = "mean", grads: bool = Tr
         trees = probe_forest(vocab_size, min_tokens=2 * blocks + 1, seed=seed)
     tol = tolerance or tolerance_for(dtype)
     pad = pad_to is not None and pad_to > sum(t.num_tokens for t in trees)
-    batch = pack(trees, reduction=reduction, pad_to_multiple=int(pad_to) if pad else None)
+    # the padding in nodes as long as the probe's longest sequence (positions the model runs
+    # on the probe anyway), not one root a token: a recurrent layer runs per node
+    longest = max((int(t.sequence_lengths.max()) for t in trees if t.num_sequences), default=1)
+    batch = pack(trees, reduction=reduction, pad_to_multiple=int(pad_to) if pad else None,
+                 pad_node_tokens=max(1, longest))
     if device.type != "cpu":
         batch = batch.to(device)
     total = sum(p.numel() for p in net.parameters() if p.requires_grad)
