@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import itertools
 
 import pytest
 import torch
@@ -559,7 +560,10 @@ def _in_threes(seq, static, sizes):
 
 
 @pytest.mark.parametrize("split", [None, _in_threes], ids=["one_call", "calls_of_three"])
-@pytest.mark.parametrize("trees", [[SHORT_NODES], odd_forest(32, VOCAB)], ids=["short", "forest"])
+@pytest.mark.parametrize("trees", [
+    [SHORT_NODES], odd_forest(32, VOCAB),
+    [treefx.Tree.from_sequences([s]) for s in odd_tree(33, VOCAB).sequences],
+], ids=["short", "forest", "roots_alone"])
 def test_varlen_path_matches_padded_path(trees, split):
     import dataclasses
 
@@ -975,3 +979,51 @@ def test_padding_in_chains_is_inert_for_a_hybrid(backend):
     torch.testing.assert_close(got[1][0], got[0][0], rtol=1e-12, atol=1e-12)
     for a, b in zip(got[1][1], got[0][1]):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_a_row_of_roots_alone_goes_to_the_kernel_as_it_is():
+    """Separate sequences (packing's layout) in one variable-length call on the row itself: no
+    copy of the inputs into nodes and back; root states given and final states handed out
+    (a part of a forest) equal the level path's (each node split out and concatenated)."""
+    import dataclasses
+
+    from treefx.ops.recurrence.reference import run_tree
+
+    padded = recurrence("qwen3_next_gated_delta_rule")
+    calls = []
+
+    def recording(seq, static, init, cu, cu_cpu, final=True):
+        calls.append((seq["value"].data_ptr(), cu_cpu.tolist()))
+        return _per_node_varlen(padded)(seq, static, init, cu, cu_cpu, final=final)
+
+    fast = dataclasses.replace(padded, varlen=recording, varlen_devices=("cpu",),
+                               varlen_check=None, tree_varlen=None)
+    seqs = odd_tree(34, VOCAB).sequences
+    batch = treefx.pack([treefx.Tree.from_sequences([s]) for s in seqs])
+    n, g = batch.num_tokens, torch.Generator().manual_seed(2)
+    xs = [torch.randn(1, n, 2, 8, dtype=torch.float64, generator=g).requires_grad_()
+          for _ in range(3)]
+    kw = dict(g=(-torch.rand(1, n, 2, dtype=torch.float64, generator=g)).requires_grad_(),
+              beta=torch.rand(1, n, 2, dtype=torch.float64, generator=g).requires_grad_(),
+              use_qk_l2norm_in_kernel=True)
+    h0 = torch.randn(len(seqs), 2, 8, 8, dtype=torch.float64, generator=g).requires_grad_()
+    starts = [int(s) for s in torch.nonzero(batch.parent_token < 0)[:, 0]]
+    keep = (0, len(seqs) - 1)
+    got = []
+    for rec in (fast, dataclasses.replace(fast, varlen_split=_in_threes)):  # row; levels
+        calls.clear()
+        row, final, _ = run_tree(rec, batch.parent_token, xs, kw, keep=keep,
+                                 root_state=lambda t: h0[starts.index(t)])
+        fin = torch.stack([final[i] for i in keep])
+        grads = torch.autograd.grad(row.sum() + (fin * fin).sum(),
+                                    [*xs, kw["g"], kw["beta"], h0])
+        got.append((row, fin, grads, list(calls)))
+    (row, fin, grads, one), (row2, fin2, grads2, several) = got
+    assert len(one) == 1 and one[0][0] == xs[2].data_ptr()  # the row itself, one call
+    assert one[0][1] == [0, *itertools.accumulate(len(s) for s in seqs)]
+    assert len(several) > 1
+    # Hugging Face's kernel computes in float32 (its floor), whatever the inputs' dtype
+    torch.testing.assert_close(row, row2, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(fin, fin2, rtol=1e-6, atol=1e-6)
+    for a, b in zip(grads, grads2):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)

@@ -201,6 +201,11 @@ def run_tree(rec: Recurrence, parent_token: torch.Tensor, args: tuple, kwargs: d
         if whole is not None:
             _RUNS[(rec.name, "tree")] = _RUNS.get((rec.name, "tree"), 0) + 1
             return whole[0], whole[1], (starts, lengths, parents, depth)
+    if fast and max(depth, default=0) == 0:
+        whole = _roots_in_one_call(rec, seq, static, starts, lengths, root_state, keep)
+        if whole is not None:
+            _RUNS[(rec.name, "varlen")] = _RUNS.get((rec.name, "varlen"), 0) + 1
+            return whole[0], whole[1], (starts, lengths, parents, depth)
     final: dict[int, torch.Tensor] = {}
     outputs: dict[int, torch.Tensor] = {}
     levels: dict[int, list[int]] = {}
@@ -233,6 +238,25 @@ def run_tree(rec: Recurrence, parent_token: torch.Tensor, args: tuple, kwargs: d
                 outputs[i] = out[j]
     row = torch.cat([outputs[i] for i in range(len(starts))], dim=rec.output_seq_dim)
     return row, final, (starts, lengths, parents, depth)
+
+
+def _roots_in_one_call(rec, seq, static, starts, lengths, root_state, keep):
+    """A row of roots alone (separate sequences: packing's layout, a batch of plain
+    sequences) through one variable-length call on the row as it is, as a packing trainer
+    calls the kernel: no split into nodes and no concatenation back, which copied every input
+    and the output once more and cost Python per node. (output row, {node: final state} for
+    ``keep``), or None where the kernel's limits need several calls (the level path splits)."""
+    sizes = list(lengths)
+    if rec.varlen_split is not None and len(list(rec.varlen_split(seq, static, sizes))) != 1:
+        return None
+    want = [False] * len(sizes)
+    for i in keep:  # roots hand no state to children: only the asked ones are kept
+        want[i] = True
+    cu, cu_cpu = _offsets(sizes, next(iter(seq.values())).device)
+    extra = {} if any(want) or not takes_keyword(rec.varlen, "final") else {"final": False}
+    out, fin = rec.varlen(seq, static, _root_init(list(starts), root_state), cu, cu_cpu,
+                          **extra)
+    return out, {i: s for i, s in enumerate(_wanted_states(fin, want)) if s is not None}
 
 
 def _root_init(starts, root_state):
@@ -370,6 +394,15 @@ def takes_keyword(fn, name: str) -> bool:
     return _TAKES[key]
 
 
+def _offsets(sizes: list[int], device: torch.device):
+    """(cumulative offsets of ``sizes`` on ``device``, the same on the host), as a
+    variable-length kernel takes them."""
+    cu_cpu = torch.tensor([0, *itertools.accumulate(sizes)], dtype=torch.int64)
+    # Pinned: a copy from pageable memory would wait for the device's queue first.
+    cu = (cu_cpu.pin_memory() if device.type == "cuda" else cu_cpu).to(device, non_blocking=True)
+    return cu, cu_cpu
+
+
 def _varlen_call(rec, pieces, static, init, nodes, lengths, final):
     if len(nodes) == 1:
         chunk = {name: p[nodes[0]] for name, p in pieces.items()}
@@ -377,10 +410,7 @@ def _varlen_call(rec, pieces, static, init, nodes, lengths, final):
         chunk = {name: torch.cat([p[i] for i in nodes], dim=rec.seq_args[name])
                  for name, p in pieces.items()}
     sizes = [lengths[i] for i in nodes]
-    cu_cpu = torch.tensor([0, *itertools.accumulate(sizes)], dtype=torch.int64)
-    device = next(iter(chunk.values())).device
-    # Pinned: a copy from pageable memory would wait for the device's queue first.
-    cu = (cu_cpu.pin_memory() if device.type == "cuda" else cu_cpu).to(device, non_blocking=True)
+    cu, cu_cpu = _offsets(sizes, next(iter(chunk.values())).device)
     extra = {} if final or not takes_keyword(rec.varlen, "final") else {"final": False}
     out, fin = rec.varlen(chunk, static, init, cu, cu_cpu, **extra)
     return list(out.split(sizes, dim=rec.output_seq_dim)), fin
