@@ -1027,3 +1027,27 @@ def test_a_row_of_roots_alone_goes_to_the_kernel_as_it_is():
     torch.testing.assert_close(fin, fin2, rtol=1e-6, atol=1e-6)
     for a, b in zip(grads, grads2):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("separate", [True, False], ids=["roots_alone", "trees"])
+def test_hugging_face_qwen3_next_on_the_variable_length_path_equals_the_oracle(monkeypatch,
+                                                                              separate):
+    """Hugging Face's Qwen3-Next with its Gated DeltaNet on the variable-length path (fla's
+    form, emulated here on the CPU one node at a time by Hugging Face's own kernel): a batch of
+    separate sequences, handed to the kernel as the row it is, and a forest of trees, run level
+    by level; log-probabilities and every gradient against each sequence run alone."""
+    from treefx.ops.recurrence import kernel_runs
+    from treefx.tools.zoo import build_model
+
+    model = build_model("qwen3_next")  # float32: Hugging Face's kernel computes in it anyway
+    rec = recurrence("qwen3_next_gated_delta_rule")
+    for name, value in (("varlen", _per_node_varlen(rec)), ("varlen_devices", ("cpu",)),
+                        ("varlen_check", None), ("tree_varlen", None)):
+        monkeypatch.setattr(rec, name, value)
+    vocab = model.get_input_embeddings().num_embeddings
+    trees = odd_forest(35, vocab)
+    if separate:
+        trees = [treefx.Tree.from_sequences([s]) for t in trees for s in t.sequences]
+    before = kernel_runs().get((rec.name, "varlen"), 0)
+    check_against_oracle(treefx.compile(model, backend="eager", verify=False), trees)
+    assert kernel_runs().get((rec.name, "varlen"), 0) > before
