@@ -49,7 +49,8 @@ from ..ops.recurrence.reference import takes_keyword
 from . import fla_l2norm
 
 __all__ = ["ENV", "Decision", "Environment", "FlaFallbackWarning", "decide", "environment",
-           "expand_heads", "gate", "gated_delta_rule", "kimi_delta_attention", "use_fla"]
+           "expand_heads", "fla_distribution_version", "gate", "gated_delta_rule",
+           "kimi_delta_attention", "use_fla"]
 
 log = logging.getLogger("treefx")
 
@@ -152,6 +153,7 @@ class Decision:
 
 
 def _dist_version(*names: str) -> str | None:
+    """The installed version of the first of the distributions ``names`` found (None: none)."""
     for name in names:
         try:
             return importlib.metadata.version(name)
@@ -160,11 +162,17 @@ def _dist_version(*names: str) -> str | None:
     return None
 
 
+def fla_distribution_version() -> str | None:
+    """The installed fla distribution's version (fla-core, else flash-linear-attention), as
+    pip records it; None where neither is installed."""
+    return _dist_version("fla-core", "flash-linear-attention")
+
+
 @functools.lru_cache(maxsize=None)
 def _installed() -> tuple[str | None, str | None, bool]:
     fla = None
     if importlib.util.find_spec("fla") is not None:
-        fla = _dist_version("fla-core", "flash-linear-attention")
+        fla = fla_distribution_version()
         if fla is None:  # a source checkout on the path
             try:
                 fla = getattr(importlib.import_module("fla"), "__version__", None) or "0"

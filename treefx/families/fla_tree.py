@@ -27,7 +27,6 @@ depth-by-depth path (:func:`kernels` says None).
 from __future__ import annotations
 
 import contextlib
-import importlib.metadata
 import inspect
 import os
 
@@ -36,6 +35,7 @@ import torch
 
 from ..layout import move_tensors
 from . import fla_l2norm
+from .fla import fla_distribution_version
 
 __all__ = ["CHECKED_FLA", "ENV", "KEEP_ENV", "TreePlan", "kernels", "plan",
            "tree_gated_delta_rule"]
@@ -49,15 +49,6 @@ GRID_AXIS = 65_535  # CUDA's limit on a grid's second and third axes (see .fla.G
 _KERNELS: dict = {}
 
 
-def _fla_version() -> str | None:
-    for name in ("fla-core", "flash-linear-attention"):
-        try:
-            return importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return None
-
-
 def kernels() -> dict | None:
     """fla's stage functions by name, or None where the installed fla is not one whose
     internals this module was written and checked against (:data:`CHECKED_FLA`), or lacks
@@ -65,7 +56,7 @@ def kernels() -> dict | None:
     if "k" in _KERNELS:
         return _KERNELS["k"]
     found = None
-    if _fla_version() in CHECKED_FLA:
+    if fla_distribution_version() in CHECKED_FLA:
         try:
             from fla.modules.l2norm import l2norm_bwd, l2norm_fwd
             from fla.ops.common.chunk_delta_h import (chunk_gated_delta_rule_bwd_dhu,
