@@ -646,7 +646,7 @@ if [ "${1:-}" = z9 ]; then
   results z9; z_autotune_back
 fi
 # Stage z10 (`... z10` on four GPUs, carry .whl/fla and .cache/triton as z8; results in
-# $OUT/z10.tgz; not yet run): z8 and z9 at once, with the op's timing and a blocking packing run
+# $OUT/z10.tgz; run 2026-11-27, [fla-24]): z8 and z9 at once, with the op's timing and a blocking packing run
 #   GPU 0: z8's side by side (packing on fla, treefx, treefx with kept chunk states, a stream)
 #   GPU 1: z9's Qwen3.5 shape against packing on fla in micro-batches of 32,768 tokens
 #   GPU 2: fla_tree_check bf16 exactness (kept states equal) and timing (the three one-pass
@@ -673,4 +673,71 @@ if [ "${1:-}" = z10 ]; then
     --methods packed_reset --budget $((L - 15)) &
   wait
   results z10; z_autotune_back
+fi
+# Stage z11 (`... z11` on four GPUs, carry .whl/fla and .cache/triton as z8; results in
+# $OUT/z11.tgz). z10 (2026-11-27, [fla-24]): packing on fla ran clean in both processes (one
+# under CUDA_LAUNCH_BLOCKING); Qwen3-Next's shape 141.7 ms against packing's 634.0 ms (111.9%
+# of the bound), Qwen3.5's 271.0 ms against 973.9 ms in 32k micro-batches (89.8%), four jobs
+# on the host. Now each side by side again with the kept chunk states beside, other orders:
+#   GPU 0: Qwen3.5's shape: packing on fla (32k micro-batches), treefx, treefx with kept states
+#   GPU 1: Qwen3-Next's shape: treefx with kept states, treefx, packing on fla
+#   GPU 2: dense, Qwen3-8B-shaped layers x4, vocab 151,936: treefx then packing, profiled (GPU
+#     time by kernel kind: where the step's time goes against the measured matmul rate)
+#   GPU 3: Qwen3.5's shape, treefx with the first-call check on (value heads > key heads
+#     through the one-pass path, against each sequence alone, bf16), its first step
+if [ "${1:-}" = z11 ]; then
+  L=${Z11_LIMIT:-420}
+  z_cache
+  with_fla z11
+  q35() {  # q35 <gpu> <name> [args...]: e2e at Qwen3.5's shape, 4 layers
+    local gpu=$1 name=$2; shift 2
+    CUDA_VISIBLE_DEVICES=$gpu timeout $L python3 -m benchmarks.e2e --arch qwen3_5 --layers 4 \
+      --por 0.75 --quick --stream 0 --mask-reps 0 "$@" --budget $((L - 20)) \
+      --out $OUT/e2e_$name.json > $OUT/e2e_$name.log 2>&1
+    echo "e2e $name rc=$?"; grep -E "^hidden|FAILED|passed|failed" $OUT/e2e_$name.log | tail -n 5
+  }
+  TREEFX_VERIFY=0 q35 0 qwen3_5_side_by_side --methods packed_reset,treefx,treefx_keep_states \
+    --pack-budget 32768 &
+  TREEFX_VERIFY=0 next_e2e 1 $L next_side_by_side \
+    --methods treefx_keep_states,treefx,packed_reset --budget $((L - 15)) &
+  (CUDA_VISIBLE_DEVICES=2 TREEFX_VERIFY=0 timeout $L python3 -m benchmarks.e2e --hidden 4096 \
+     --heads 32 --kv-heads 8 --vocab 151936 --por 0.75 --layers 4 --quick --stream 0 \
+     --mask-reps 0 --methods treefx,packed --profile --budget $((L - 20)) \
+     --out $OUT/e2e_dense_profile.json > $OUT/e2e_dense_profile.log 2>&1
+   echo "e2e dense profile rc=$?"; grep -E "^hidden|FAILED" $OUT/e2e_dense_profile.log | tail -n 3) &
+  q35 3 qwen3_5_checked --methods treefx &
+  wait
+  for f in $OUT/*.log; do sed -i '/pow_by_natural/d' $f; done
+  results z11
+fi
+# Stage z12 (`... z12` on four GPUs, carry .whl/fla and .cache/triton as z8; results in
+# $OUT/z12.tgz). z11 (2026-11-27, [fla-25]): packing on fla stopped with an illegal memory
+# access again, run after treefx in the same process (treefx_keep_states, treefx,
+# packed_reset); run first or alone it ran clean (z10, 2 of 2). packed_reset calls the same
+# compiled model as the treefx method (its regional capture of the 17,187-token tree, 32-bit
+# indexing at vocab 32k: 550M logits; packing's row has 2.2G). Which one it is, four ways:
+#   GPU 0: treefx then packing, CUDA_LAUNCH_BLOCKING=1, treefx's log (the faulting kernel)
+#   GPU 1: the same with Inductor's and AOTAutograd's caches off, treefx's log
+#   GPU 2: the same with fla's tensor cache off (FLA_DISABLE_TENSOR_CACHE=1)
+#   GPU 3: treefx with kept states (a model of its own) then packing (compiled anew): no
+#     compiled model shared
+if [ "${1:-}" = z12 ]; then
+  L=${Z12_LIMIT:-300}
+  z_cache
+  with_fla z12
+  CUDA_LAUNCH_BLOCKING=1 TREEFX_VERIFY=0 next_e2e 0 $L after_blocking \
+    --methods treefx,packed_reset --log --budget $((L - 10)) &
+  TORCHINDUCTOR_FX_GRAPH_CACHE=0 TORCHINDUCTOR_AUTOGRAD_CACHE=0 TREEFX_VERIFY=0 \
+    next_e2e 1 $L after_nocache --methods treefx,packed_reset --log --budget $((L - 10)) &
+  FLA_DISABLE_TENSOR_CACHE=1 TREEFX_VERIFY=0 next_e2e 2 $L after_fla_nocache \
+    --methods treefx,packed_reset --budget $((L - 10)) &
+  TREEFX_VERIFY=0 next_e2e 3 $L after_own_model --methods treefx_keep_states,packed_reset \
+    --budget $((L - 10)) &
+  wait
+  for f in $OUT/*.log; do sed -i '/pow_by_natural/d' $f; done
+  for f in $OUT/e2e_after_*.log; do
+    echo "== $f"; grep -nE "rror|FAILED|captur|recompil|File \"|^hidden" $f | grep -v "^.*mask build" \
+      | tail -n 14 | cut -c1-240
+  done
+  results z12
 fi
