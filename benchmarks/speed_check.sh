@@ -741,3 +741,36 @@ if [ "${1:-}" = z12 ]; then
   done
   results z12
 fi
+# Stage z13 (`... z13` on four GPUs, carry .whl/fla and .cache/triton as z8; results in
+# $OUT/z13.tgz). z12 (2026-11-27, [fla-26]): packing after treefx stopped with an illegal
+# memory access whenever Inductor's caches were on (after the same compiled model, or after
+# another model in the same process) and ran clean with them off; the regional capture had
+# refused the 68,762-token call (guard 32000*s70 <= 2147483647) and captured again, and the
+# new capture's pieces hit the cache entries of the 17,187-token ones: a piece takes no size
+# inputs, so its entry kept no guards. Since, compile_graph passes such a graph its sizes
+# (treefx.run.backends.size_inputs). Now, caches on:
+#   GPU 0: Qwen3-Next's shape, treefx then packing on fla (z12's failing order, side by side)
+#   GPU 1: the same with kept chunk states (a model of its own) then packing
+#   GPU 2: dense Qwen3-8B-shaped layers x4, the first step with empty caches, then restarted
+#     with the caches it left (that the caches still serve regional pieces)
+#   GPU 3: dense Qwen3, hidden 2048, vocab 32k, treefx then packing through the same model
+#     (the same crossing of 2**31 logits without fla)
+if [ "${1:-}" = z13 ]; then
+  L=${Z13_LIMIT:-300}
+  z_cache
+  with_fla z13
+  TREEFX_VERIFY=0 next_e2e 0 $L after_fixed --methods treefx,packed_reset --budget $((L - 10)) &
+  TREEFX_VERIFY=0 next_e2e 1 $L after_fixed_own --methods treefx_keep_states,packed_reset \
+    --budget $((L - 10)) &
+  (c4=$(mktemp -d)
+   CACHE=$c4 cold first_cold 2 150 --layers 4 --methods treefx --warmup 1 --reps 2
+   CACHE=$c4 cold first_restart 2 100 --layers 4 --methods treefx --warmup 1 --reps 2
+   grep -hE "first step" $OUT/e2e_first_*.log | cut -c1-300) &
+  (CUDA_VISIBLE_DEVICES=3 TREEFX_VERIFY=0 timeout $L python3 -m benchmarks.e2e --hidden 2048 \
+     --por 0.75 --layers 4 --quick --stream 0 --mask-reps 0 --methods treefx,packed_reset \
+     --budget $((L - 10)) --out $OUT/e2e_dense_after.json > $OUT/e2e_dense_after.log 2>&1
+   echo "e2e dense after rc=$?"; grep -E "^hidden|FAILED" $OUT/e2e_dense_after.log | tail -n 3) &
+  wait
+  for f in $OUT/*.log; do sed -i '/pow_by_natural/d' $f; done
+  results z13
+fi

@@ -132,3 +132,77 @@ def test_a_fresh_process_computes_the_same_cache_key(tmp_path):
         assert found, log[-2000:]
         keys.append(found[0])
     assert keys[0] == keys[1]
+
+
+# ------------------------------------------------ a cached graph's guards cover its sizes
+
+def _symbolic(x: torch.Tensor, shape_env, dynamic: list[bool]):
+    """A fake of ``x`` in ``shape_env``'s fake mode, its dims in ``dynamic`` symbolic."""
+    from torch._dynamo.source import ConstantSource
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, StatelessSymbolicContext
+
+    mode = FakeTensorMode(shape_env=shape_env)
+    return mode, mode.from_tensor(x, source=ConstantSource("x"), symbolic_context=(
+        StatelessSymbolicContext(dynamic_sizes=[
+            DimDynamic.DYNAMIC if d else DimDynamic.STATIC for d in dynamic])))
+
+
+def test_size_inputs_name_each_symbol_of_the_tensors_once():
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    _, x = _symbolic(torch.randn(7, 4), ShapeEnv(), [True, False])
+    assert backends.size_inputs([x]) == [(0, 0)]
+    assert backends.size_inputs([x, x.shape[0]]) == []  # an integer input carries it
+    assert backends.size_inputs([torch.randn(3), x, x[1:]]) == [(1, 0)]
+    assert backends.size_inputs([torch.randn(3)]) == []
+    # a symbol only inside another size (s0 * 4) and no input's dimension: cannot be passed
+    assert backends.size_inputs([x.reshape(-1)]) is None
+
+
+class _Sin(torch.nn.Module):
+    def forward(self, x):
+        return (x.sin(),)
+
+
+def _compile_cold_then_again(tmp_path, monkeypatch, first: int, second: int, limit: int):
+    """Compile ``_Sin`` through the inductor backend on a tensor of ``first`` rows under the
+    guard rows <= ``limit`` (as Inductor's 32-bit indexing takes one), then in a fresh shape
+    environment on ``second`` rows; (Inductor's FX-graph-cache hits of the second, its
+    output on real data)."""
+    from torch._dynamo.utils import counters
+    from torch._inductor import config as inductor_config
+    from torch._inductor.sizevars import SizeVarAllocator
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    gm = torch.fx.symbolic_trace(_Sin())
+    fns = []
+    with inductor_config.patch(fx_graph_cache=True, force_disable_caches=False):
+        for rows, guard in ((first, True), (second, False)):
+            mode, fake = _symbolic(torch.randn(rows, 4), ShapeEnv(), [True, False])
+            if guard:
+                SizeVarAllocator(mode.shape_env).check_leq(fake.shape[0].node.expr, limit)
+            counters.clear()
+            with torch._guards.tracing(torch._guards.TracingContext(mode)):
+                fns.append(backends.compile_graph("inductor", gm, [fake]))
+    x = torch.randn(second, 4)
+    return counters["inductor"]["fxgraph_cache_hit"], fns[-1](x)[0], x
+
+
+def test_a_cached_graph_is_not_handed_out_past_its_guards(tmp_path, monkeypatch):
+    """A graph on a tensor of symbolic size and no integer inputs (a regional piece) keeps
+    the guards its compilation took in Inductor's cache: a later compilation at a size past
+    them compiles anew (before, the entry had no guards and was handed out at any size: on
+    the H100 a 32-bit output layer ran a 68,762-token row, an illegal memory access)."""
+    hits, out, x = _compile_cold_then_again(tmp_path, monkeypatch, 7, 50, 10)
+    assert hits == 0
+    torch.testing.assert_close(out, x.sin())
+
+
+def test_a_cached_graph_is_found_again_within_its_guards(tmp_path, monkeypatch):
+    """The sizes passed for the guards leave the cache working: the same graph within the
+    guards is a hit."""
+    hits, out, x = _compile_cold_then_again(tmp_path, monkeypatch, 7, 9, 10)
+    assert hits == 1
+    torch.testing.assert_close(out, x.sin())

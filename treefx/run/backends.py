@@ -80,19 +80,93 @@ def lowering(backend: str) -> str:
 def compile_graph(backend: str, gm: fx.GraphModule, example_inputs):
     """The rewritten graph, compiled for ``backend``: a callable. Its backward is compiled
     now, with the forward (:func:`backward_compiled_now`)."""
+    if backend not in ("inductor", "aot-eager"):
+        return gm.forward
+    sizes = size_inputs(example_inputs)
+    patches = {}
+    if sizes is None:  # a size no input's dimension is: no cached code for this graph
+        log.info("treefx: a graph whose input sizes are not all given as sizes is compiled "
+                 "without Inductor's caches")
+        patches = {"fx_graph_cache": False}
+    elif sizes:
+        gm = with_size_inputs(gm, example_inputs, sizes)
+        example_inputs = [*example_inputs, *(example_inputs[j].shape[d] for j, d in sizes)]
     if backend == "inductor":
         from torch._inductor.compile_fx import compile_fx
 
-        with backward_compiled_now():
-            return compile_fx(gm, example_inputs,
-                              config_patches={**inductor_patches(), **cacheable_patch(gm)})
-    if backend == "aot-eager":
+        with backward_compiled_now(), _autograd_cache(sizes is not None):
+            fn = compile_fx(gm, example_inputs, config_patches={
+                **inductor_patches(), **cacheable_patch(gm), **patches})
+    else:
         from torch._functorch.aot_autograd import aot_module_simplified
 
         with backward_compiled_now():
-            return aot_module_simplified(gm, example_inputs, fw_compiler=_as_is,
-                                         bw_compiler=_as_is)
-    return gm.forward
+            fn = aot_module_simplified(gm, example_inputs, fw_compiler=_as_is,
+                                       bw_compiler=_as_is)
+    if not sizes:
+        return fn
+
+    def call(*args):
+        return fn(*args, *(args[j].shape[d] for j, d in sizes))
+
+    return call
+
+
+# ------------------------------------------------------------ sizes as inputs
+#
+# Inductor's and AOTAutograd's caches keep a compiled graph with the shape guards its
+# compilation took (Inductor indexes a kernel in 32 bits only under a guard such as
+# ``32000*s70 <= 2**31-1``), and check them against a later graph's sizes before handing it
+# out. They read those sizes from the graph's integer inputs only: a graph Dynamo makes takes
+# every symbolic size of its tensors as one, but a piece of a regional graph takes tensors
+# alone. Its cache entry then had no guards at all, and a later graph of the same code hit
+# it at any size: on an H100, packing's 68,762-token row ran the 32-bit output layer compiled
+# for a 17,187-token tree and stopped with an illegal memory access (2026-11-27, stage z12 of
+# benchmarks/speed_check.sh). So a graph whose tensors' sizes use a symbol that no integer
+# input carries is compiled with one more input per such symbol, filled from its tensors'
+# sizes on every call.
+
+
+def size_inputs(example_inputs) -> list[tuple[int, int]] | None:
+    """For each backed size symbol the tensor inputs' sizes, strides or offsets use and no
+    integer input is, in order of first use: the (input, dimension) whose size it is; None
+    where one is no input's dimension (then the sizes cannot be passed)."""
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    given = {x.node.expr for x in example_inputs
+             if isinstance(x, torch.SymInt) and x.node.expr.is_Symbol}
+    dims: dict = {}
+    missing: list = []
+    for j, x in enumerate(example_inputs):
+        if not isinstance(x, torch.Tensor):
+            continue
+        for d, n in enumerate(x.shape):
+            if isinstance(n, torch.SymInt) and n.node.expr.is_Symbol:
+                dims.setdefault(n.node.expr, (j, d))
+        for e in (*x.shape, *x.stride(), x.storage_offset()):
+            if not isinstance(e, torch.SymInt):
+                continue
+            unbacked = free_unbacked_symbols(e)
+            for s in sorted(e.node.expr.free_symbols, key=str):
+                if s not in given and s not in unbacked and s not in missing:
+                    missing.append(s)
+    if any(s not in dims for s in missing):
+        return None
+    return [dims[s] for s in missing]
+
+
+def with_size_inputs(gm: fx.GraphModule, example_inputs, sizes) -> fx.GraphModule:
+    """A copy of ``gm`` taking ``sizes`` (:func:`size_inputs`) as further integer inputs after
+    its own (read by nothing: there for the caches' guards)."""
+    g = fx.Graph()
+    value = g.graph_copy(gm.graph, {})
+    first = next((n for n in g.nodes if n.op != "placeholder"), None)
+    for k, (j, d) in enumerate(sizes):
+        with g.inserting_before(first):  # None: at the end, where the output follows
+            ph = g.placeholder(f"treefx_size_{k}")
+        ph.meta["example_value"] = ph.meta["val"] = example_inputs[j].shape[d]
+    g.output(value)
+    return fx.GraphModule(gm, g)
 
 
 @contextlib.contextmanager
@@ -114,6 +188,18 @@ def backward_compiled_now():
         yield
         return
     with functorch_config.patch(force_non_lazy_backward_lowering=True):
+        yield
+
+
+@contextlib.contextmanager
+def _autograd_cache(on: bool):
+    """AOTAutograd's cache as set, or off (``on`` False) for one compilation."""
+    from torch._functorch import config as functorch_config
+
+    if on or not hasattr(functorch_config, "enable_autograd_cache"):
+        yield
+        return
+    with functorch_config.patch(enable_autograd_cache=False):
         yield
 
 
