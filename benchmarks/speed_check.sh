@@ -774,3 +774,32 @@ if [ "${1:-}" = z13 ]; then
   for f in $OUT/*.log; do sed -i '/pow_by_natural/d' $f; done
   results z13
 fi
+# Stage z14 (`... z14` on four GPUs, carry .whl/fla and .cache/triton as z8; results in
+# $OUT/z14.tgz): exactness through Inductor after compile_graph began giving regional pieces
+# their sizes as inputs (stage z13), the four jobs sharing one Inductor cache folder:
+#   GPU 0: gpu_check's regional, Qwen3 float32/bf16, Mistral's window and families cases
+#   GPU 1: parts' float32 exactness through Inductor (Qwen3, Mistral, Qwen3-Next on Hugging
+#     Face's torch kernels, Gemma 2, gpt-oss), parts regional
+#   GPU 2: regional_recapture: a first batch under 2**31 logits, then one past it
+#   GPU 3: gpu_check's hybrid cases on Hugging Face's torch kernels (TREEFX_FLA=0)
+if [ "${1:-}" = z14 ]; then
+  L=${Z14_LIMIT:-290}
+  z_cache
+  with_fla z14
+  gc() {  # gc <gpu> <name> <cases>: gpu_check
+    CUDA_VISIBLE_DEVICES=$1 timeout $L python3 -m benchmarks.gpu_check --cases $3 \
+      --out $OUT/gpu_check_$2.json > $OUT/gpu_check_$2.log 2>&1
+    echo "gpu_check $2 rc=$?"; grep -iE "pass|fail|error" $OUT/gpu_check_$2.log | tail -n 12 | cut -c1-250
+  }
+  gc 0 dense regional,qwen3-fp32,qwen3-bf16,mistral-window,families &
+  (CUDA_VISIBLE_DEVICES=1 TREEFX_FLA=0 timeout $L python3 -m benchmarks.parts --methods "" \
+     --out $OUT/parts_exactness.json > $OUT/parts_exactness.log 2>&1
+   echo "parts rc=$?"; grep -iE "pass|fail|error|within" $OUT/parts_exactness.log | tail -n 12 | cut -c1-250) &
+  (CUDA_VISIBLE_DEVICES=2 timeout $L python3 -m benchmarks.regional_recapture \
+     > $OUT/regional_recapture.log 2>&1
+   echo "regional_recapture rc=$?"; tail -n 8 $OUT/regional_recapture.log | cut -c1-250) &
+  TREEFX_FLA=0 gc 3 hybrid hybrid-fp32,hybrid-bf16 &
+  wait
+  for f in $OUT/*.log; do sed -i '/pow_by_natural/d' $f; done
+  results z14
+fi
