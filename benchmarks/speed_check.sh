@@ -803,3 +803,19 @@ if [ "${1:-}" = z14 ]; then
   for f in $OUT/*.log; do sed -i '/pow_by_natural/d' $f; done
   results z14
 fi
+# Stage z15 (`... z15` on one GPU, carry .whl/fla and .cache/triton as z8; results in
+# $OUT/z15.tgz): Qwen3.5's shapes alone on the host, packing on fla in 32k micro-batches,
+# treefx and treefx with kept chunk states side by side, each profiled (GPU time by kernel
+# kind: where treefx's step goes against packing's; the default sat at 89.7-89.8% of the
+# bound on a shared host in z10/z11)
+if [ "${1:-}" = z15 ]; then
+  z_cache
+  with_fla z15
+  CUDA_VISIBLE_DEVICES=0 TREEFX_VERIFY=0 timeout 520 python3 -m benchmarks.e2e --arch qwen3_5 \
+    --layers 4 --por 0.75 --quick --stream 0 --mask-reps 0 --profile \
+    --methods packed_reset,treefx,treefx_keep_states --pack-budget 32768 --budget 500 \
+    --out $OUT/e2e_qwen3_5_profile.json > $OUT/e2e_qwen3_5_profile.log 2>&1
+  echo "e2e qwen3_5 profile rc=$?"; grep -E "^hidden|FAILED" $OUT/e2e_qwen3_5_profile.log | tail -n 4
+  sed -i '/pow_by_natural/d' $OUT/*.log
+  results z15
+fi
