@@ -819,3 +819,24 @@ if [ "${1:-}" = z15 ]; then
   sed -i '/pow_by_natural/d' $OUT/*.log
   results z15
 fi
+# Stage z16 (`... z16` on one GPU, carry .whl/fla and .cache/triton as z8; results in
+# $OUT/z16.tgz). z15 (2026-11-27, [fla-28]): at Qwen3.5's shapes 52 ms of treefx's 274 ms
+# step (165 ms of packing's 976) ran in cuBLAS's unaligned sm75 kernels: the conv's input
+# gradient came back [C, N] (rows of N elements, N odd) into the projection's backward. The
+# tree conv now computes with the tokens first (treefx.ops.conv.fast). Now, alone on the GPU:
+#   Qwen3.5's shapes, packing on fla in 32k micro-batches, treefx, treefx with kept states,
+#     profiled (the unaligned kernels gone?)
+#   Qwen3-Next's shapes, treefx with the first-call check on (exactness in the model after
+#     the conv's change), then packing on fla
+if [ "${1:-}" = z16 ]; then
+  z_cache
+  with_fla z16
+  CUDA_VISIBLE_DEVICES=0 TREEFX_VERIFY=0 timeout 300 python3 -m benchmarks.e2e --arch qwen3_5 \
+    --layers 4 --por 0.75 --quick --stream 0 --mask-reps 0 --profile \
+    --methods packed_reset,treefx,treefx_keep_states --pack-budget 32768 --budget 290 \
+    --out $OUT/e2e_qwen3_5_profile.json > $OUT/e2e_qwen3_5_profile.log 2>&1
+  echo "e2e qwen3_5 profile rc=$?"; grep -E "^hidden|FAILED" $OUT/e2e_qwen3_5_profile.log | tail -n 4
+  next_e2e 0 230 next_checked --methods treefx,packed_reset --budget 220
+  sed -i '/pow_by_natural/d' $OUT/*.log
+  results z16
+fi

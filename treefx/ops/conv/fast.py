@@ -71,24 +71,38 @@ def causal_conv1d_row(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     ``out[t] = Σ_j w[:, j] · x[t − (K−1) + j]``, zeros before the row. Written as K shifted
     products (not ``F.conv1d``): in a traced graph Inductor fuses them into one kernel each
     way, accumulating in float32; cuDNN's grouped conv1d took ~15 ms forward + backward at
-    8,192 channels and 17k tokens on the H100 (``benchmarks/conv_check.py``)."""
-    k, n = w.shape[-1], x.shape[-1]
-    xp = F.pad(x, (k - 1, 0))
-    out = xp[..., 0:n] * w[:, 0, None]
+    8,192 channels and 17k tokens on the H100 (``benchmarks/conv_check.py``). Computed on
+    ``x``'s [B, N, C] transpose (:func:`_row_conv_tokens_first`) and returned as its [B, C, N]
+    view."""
+    return _row_conv_tokens_first(x.transpose(1, 2), w).transpose(1, 2)
+
+
+def _row_conv_tokens_first(xt: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """:func:`causal_conv1d_row` on ``xt`` [B, N, C]: tokens before channels, the layout of
+    the projection that feeds a model's conv (Hugging Face transposes it to [B, C, N] for
+    ``nn.Conv1d``). Every tensor of the conv, forward and backward, then has the tokens
+    first, so the input's gradient reaches the projection's backward products with rows of C
+    elements. Computed on the [B, C, N] layout, that gradient came back with rows of N
+    elements, and where N is odd (most trees) cuBLAS fell back to its unaligned kernels: on an
+    H100 at Qwen3.5's shapes, 52 ms of a 274 ms step (2026-11-27, stage z15)."""
+    k, n = w.shape[-1], xt.shape[1]
+    xp = F.pad(xt, (0, 0, k - 1, 0))
+    out = xp[:, 0:n] * w[:, 0]
     for j in range(1, k):
-        out = out + xp[..., j:j + n] * w[:, j, None]
+        out = out + xp[:, j:j + n] * w[:, j]
     return out
 
 
-def _fix(out_row, x, w, parent_token):
-    """``out_row`` with the boundary tokens recomputed from their tree ancestors."""
+def _fix(out_row, xt, w, parent_token):
+    """``out_row`` [B, N, C] with the boundary tokens recomputed from their tree ancestors
+    (``xt`` [B, N, C])."""
     pos, taps = _device_taps(parent_token, w.shape[-1])
     if not pos.numel():
         return out_row
-    xz = F.pad(x, (0, 1))  # index N: the zero column above the root
-    with torch.autocast(x.device.type, enabled=False):  # in the graph's dtype, as out_row
-        fix = torch.einsum("bcim,ci->bcm", xz[:, :, taps], w.flip(-1))
-    return out_row.index_copy(-1, pos, fix.to(out_row.dtype))
+    xz = F.pad(xt, (0, 0, 0, 1))  # token N: the zero row above the root
+    with torch.autocast(xt.device.type, enabled=False):  # in the graph's dtype, as out_row
+        fix = torch.einsum("bimc,ci->bmc", xz[:, taps], w.flip(-1))
+    return out_row.index_copy(1, pos, fix.to(out_row.dtype))
 
 
 @torch.library.custom_op("treefx::tree_conv1d_boundary", mutates_args=())
@@ -136,11 +150,12 @@ def tree_causal_conv1d_fast(x: torch.Tensor, weight: torch.Tensor, bias: torch.T
     (:func:`causal_conv1d_row`, plain torch that Inductor fuses), then one opaque op that
     recomputes the boundary tokens. ``x`` [B, C, N], ``weight`` [C, 1, K] or [C, K]; inputs in
     ``dtype``, the dtype the model's conv computed in (which autocast may have chosen; default
-    ``x``'s)."""
+    ``x``'s). Computed with the tokens first (:func:`_row_conv_tokens_first`); the result is
+    the [B, C, N] view of a [B, N, C] tensor."""
     dtype = dtype or x.dtype
-    x = x.to(dtype)
+    xt = x.to(dtype).transpose(1, 2)
     w = weight.reshape(weight.shape[0], weight.shape[-1]).to(dtype)
-    out = _boundary_op(causal_conv1d_row(x, w), x, w, parent_token)
+    out = _boundary_op(_row_conv_tokens_first(xt, w), xt, w, parent_token)
     if bias is not None:
-        out = out + bias.to(dtype)[None, :, None]
-    return out
+        out = out + bias.to(dtype)
+    return out.transpose(1, 2)

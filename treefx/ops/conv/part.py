@@ -18,15 +18,19 @@ def tree_causal_conv1d_context(x_context: torch.Tensor, x: torch.Tensor, weight:
     w = weight.reshape(weight.shape[0], weight.shape[-1])  # [C, K]
     k = w.shape[-1]
     a = x_context.shape[-1]
-    xe = torch.cat([x_context.to(x.dtype), x, torch.zeros_like(x[..., :1])], dim=-1)
+    # tokens first, as the projection feeding the conv lays them out (see .fast): the
+    # input's gradient then reaches that projection's backward with rows of C elements
+    xt = x.transpose(1, 2)
+    xe = torch.cat([x_context.to(x.dtype).transpose(1, 2), xt, torch.zeros_like(xt[:, :1])],
+                   dim=1)
     rows = [torch.arange(a, a + x.shape[-1], device=x.device)]
     for _ in range(k - 1):
         prev = rows[-1]
         rows.append(torch.where(prev >= 0, parent_ext[prev.clamp(min=0)],
                                 torch.full_like(prev, -1)))
     anc = torch.stack(rows)  # [K, n]
-    idx = torch.where(anc >= 0, anc, torch.full_like(anc, xe.shape[-1] - 1))
-    out = torch.einsum("bcit,ci->bct", xe[:, :, idx], w.flip(-1))
+    idx = torch.where(anc >= 0, anc, torch.full_like(anc, xe.shape[1] - 1))
+    out = torch.einsum("bitc,ci->btc", xe[:, idx], w.flip(-1))
     if bias is not None:
-        out = out + bias[None, :, None]
-    return out
+        out = out + bias
+    return out.transpose(1, 2)
