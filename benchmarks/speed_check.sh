@@ -840,3 +840,25 @@ if [ "${1:-}" = z16 ]; then
   sed -i '/pow_by_natural/d' $OUT/*.log
   results z16
 fi
+# Stage z17 (`... z17` on one GPU, nothing carried; results in $OUT/z17.tgz): where the cold
+# first step of 4 Qwen3-8B-shaped layers goes (47.5 s in [fla-27]: compilation 27.1 s, and
+# 16.5 s of the check's tree run besides its compilation), under cProfile, empty caches; the
+# profile's top functions by cumulative and by own time
+if [ "${1:-}" = z17 ]; then
+  RES=$OUT; OUT=/tmp/z17; mkdir -p $OUT
+  d=$(mktemp -d)
+  CUDA_VISIBLE_DEVICES=0 TORCHINDUCTOR_CACHE_DIR=$d/inductor TRITON_CACHE_DIR=$d/triton \
+    timeout 240 python3 -m cProfile -o $OUT/first.prof -m benchmarks.e2e $SHAPE --layers 4 \
+    --methods treefx --warmup 1 --reps 2 --out $OUT/e2e_first_prof.json > $OUT/e2e_first_prof.log 2>&1
+  echo "e2e first (cProfile) rc=$?"; grep -E "first step" $OUT/e2e_first_prof.log | cut -c1-300
+  python3 - $OUT/first.prof > $OUT/first_prof.txt <<'PY'
+import pstats, sys
+p = pstats.Stats(sys.argv[1])
+p.sort_stats("cumulative").print_stats(90)
+p.sort_stats("tottime").print_stats(40)
+PY
+  grep -E "benchmark|autotune|precompile|wait|compile_fx|_compile|verify|load_kernel|make_launcher" \
+    $OUT/first_prof.txt | head -n 40 | cut -c1-200
+  rm -f $OUT/first.prof
+  results z17
+fi
