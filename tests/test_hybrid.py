@@ -204,6 +204,47 @@ def test_hf_gated_deltanet_hybrids_match_oracle(model_type):
     assert all("gated_delta_rule" in n for n in notes[2:]) and len(notes) == 4
 
 
+def test_no_matrix_product_reads_rows_of_tokens(monkeypatch):
+    """The traced graph of a Qwen3.5 hybrid (its conv on Hugging Face's [B, C, N] layout) has
+    no matrix product whose operand is laid out with the tokens as its rows' length: where N
+    is odd (most trees) cuBLAS runs such a product in its unaligned kernels (52 ms of a 274 ms
+    step on an H100, 2026-11-27). The tree conv computes with the tokens first for that; this
+    reads every mm of the forward and backward graphs AOTAutograd traces."""
+    from treefx.run import backends
+
+    graphs = []
+    real = backends._as_is
+
+    def recording(gm, example_inputs):
+        graphs.append(gm)
+        return real(gm, example_inputs)
+
+    monkeypatch.setattr(backends, "_as_is", recording)
+    cfg = _gdn_config("qwen3_5_text")
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    tm = treefx.compile(model, backend="aot-eager", regional=False, verify=False)
+    batch = treefx.pack(odd_forest(3, VOCAB))
+    assert batch.num_tokens % 2
+    treefx.tree_loss(tm(batch), batch).backward()
+    products = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default,
+                torch.ops.aten.bmm.default}
+    seen, rows_of_tokens = 0, []
+    for gm in graphs:
+        for n in gm.graph.nodes:
+            if n.op != "call_function" or n.target not in products:
+                continue
+            seen += 1
+            for a in n.all_input_nodes:
+                v = a.meta.get("val")
+                if isinstance(v, torch.Tensor) and v.dim() >= 2 and any(
+                        isinstance(st, torch.SymInt) and st.node.hint == batch.num_tokens
+                        for st in v.stride()):
+                    rows_of_tokens.append((n.name, tuple(v.shape), tuple(v.stride())))
+    assert seen > 20  # forward and backward of every projection
+    assert not rows_of_tokens, rows_of_tokens
+
+
 @pytest.mark.parametrize("model_type", ["olmo_hybrid",
                                         pytest.param("qwen3_5_moe_text", marks=pytest.mark.slow)])
 def test_a_kernel_copied_into_a_new_model_is_recognised(model_type):
