@@ -204,6 +204,28 @@ def test_hf_gated_deltanet_hybrids_match_oracle(model_type):
     assert all("gated_delta_rule" in n for n in notes[2:]) and len(notes) == 4
 
 
+@pytest.mark.parametrize("model_type", ["qwen3_next", "qwen3_5_text", "olmo_hybrid"])
+def test_traced_gated_deltanet_trains_on_its_first_call(model_type):
+    """Through AOTAutograd (the traced graph Inductor compiles), the recurrence op keeps its
+    forward's graph for the backward. Its first call runs below ADInplaceOrView as well as
+    below autograd: Hugging Face's torch Gated DeltaNet writes its output into slices of a
+    buffer, and without ADInplaceOrView re-admitted that output had no history, so every
+    gradient behind the layer (its projections, conv, A_log) came back zero while the loss
+    was right. Checked on the first call, against the per-sequence oracle."""
+    if model_type == "olmo_hybrid":  # the kernel copied into another model's module
+        from treefx.tools.zoo import build_model
+
+        model = build_model(model_type)
+        trees = [SHORT_NODES, odd_tree(33, 128)]
+    else:
+        cfg = _gdn_config(model_type)
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+        trees = [SHORT_NODES, odd_tree(32, VOCAB)]
+    tm = treefx.compile(model, backend="aot-eager", verify=False)
+    check_against_oracle(tm, trees)
+
+
 def test_no_matrix_product_reads_rows_of_tokens(monkeypatch):
     """The traced graph of a Qwen3.5 hybrid (its conv on Hugging Face's [B, C, N] layout) has
     no matrix product whose operand is laid out with the tokens as its rows' length: where N

@@ -117,12 +117,35 @@ def _autograd_leaves(tensors: list[torch.Tensor]) -> tuple[list[int], list[torch
 
 
 def _autograd_inside_op():
-    """A custom op's body runs below the autograd dispatch key; re-admitting it (with grad
-    mode on) lets plain autograd record the kernel's torch ops and classic
-    autograd.Functions (fla's kernels) alike."""
-    readmit = torch._C._SetExcludeDispatchKeyGuard(torch._C.DispatchKey.AutogradFunctionality,
-                                                   False)
+    """A custom op's body runs below the autograd dispatch keys and below ADInplaceOrView;
+    re-admitting both (with grad mode on) lets plain autograd record the kernel's torch ops
+    and classic autograd.Functions (fla's kernels) alike. ADInplaceOrView too: a kernel that
+    writes its output into slices of a buffer (Hugging Face's torch Gated DeltaNet,
+    ``out[:, :, i] = ...``) otherwise returns a tensor with no history, and its gradients
+    came back as zeros without a word."""
+    readmit = _Readmit((torch._C.DispatchKey.AutogradFunctionality,
+                        torch._C.DispatchKey.ADInplaceOrView))
     return readmit, torch.enable_grad()
+
+
+class _Readmit:
+    """Dispatch keys taken out of the thread's exclude set for a ``with`` block."""
+
+    def __init__(self, keys):
+        self.keys = keys
+        self.guards = []
+
+    def __enter__(self):
+        self.guards = [torch._C._SetExcludeDispatchKeyGuard(k, False) for k in self.keys]
+        for g in self.guards:
+            g.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        for g in reversed(self.guards):
+            g.__exit__(*exc)
+        self.guards = []
+        return False
 
 
 def _per_tensor(floats: list[int], got, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
