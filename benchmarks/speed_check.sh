@@ -862,3 +862,18 @@ PY
   rm -f $OUT/first.prof
   results z17
 fi
+# Stage z18 (`... z18` on one GPU, carry .whl/fla and .cache/triton as z8; results in
+# $OUT/z18.tgz): after the recurrence op's body re-admits ADInplaceOrView (the kept graph of
+# Hugging Face's torch Gated DeltaNet had no history on AOTAutograd's first call on the CPU):
+#   gpu_check's hybrid cases on Hugging Face's torch kernels (TREEFX_FLA=0), float32 and bf16
+#   Qwen3-Next's shapes on fla, treefx with the first-call check on, then packing on fla
+if [ "${1:-}" = z18 ]; then
+  z_cache
+  with_fla z18
+  CUDA_VISIBLE_DEVICES=0 TREEFX_FLA=0 timeout 200 python3 -m benchmarks.gpu_check \
+    --cases hybrid-fp32,hybrid-bf16 --out $OUT/gpu_check_hybrid.json > $OUT/gpu_check_hybrid.log 2>&1
+  echo "gpu_check hybrid rc=$?"; grep -E '"passed"|report' $OUT/gpu_check_hybrid.log | cut -c1-220 | tail -n 8
+  next_e2e 0 200 next_checked --methods treefx,packed_reset --budget 190
+  sed -i '/pow_by_natural/d' $OUT/*.log
+  results z18
+fi
