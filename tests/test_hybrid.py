@@ -898,6 +898,24 @@ def test_a_forward_without_its_backward_frees_the_kept_graph():
     assert all(r() is None for r in seen)
 
 
+def test_a_kernel_without_history_is_an_error_not_zero_gradients():
+    """A kernel that returns its output without autograd history (here: detached) from
+    inputs that require grad would give the kept graph nothing to differentiate: an error, not
+    zero gradients."""
+    def detached(x, a, initial_state=None, output_final_state=False):
+        out, fin = decayed_sum(x, a, initial_state, output_final_state)
+        return out.detach(), fin
+
+    _, op = _decayed_sum_site(True, detached)
+    batch = treefx.pack(odd_forest(33, VOCAB))
+    x = torch.randn(1, batch.num_tokens, 3, dtype=torch.float64, requires_grad=True)
+    a = torch.rand(1, batch.num_tokens, 3, dtype=torch.float64, requires_grad=True)
+    compiled = torch.compile(lambda p, x, a: op(p, x, a)[0].sum(), backend="aot_eager",
+                             fullgraph=True)
+    with pytest.raises(RuntimeError, match="no autograd history"):
+        compiled(batch.parent_token, x, a)
+
+
 def test_capture_does_not_run_the_kernel_on_fake_tensors():
     """Dynamo runs graph-kept markers on fake tensors; GPU kernels (fla's Triton) cannot run
     there, so the marker answers with the output's shape without calling the kernel."""

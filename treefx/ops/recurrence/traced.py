@@ -207,6 +207,15 @@ def run_keeping(run, tensors: list[torch.Tensor]
     # offloading) apply to this graph as to any other the call records.
     with readmit, grad_mode:
         outs = run(leaves)
+        if floats and any(o.is_floating_point() and not o.requires_grad for o in outs):
+            # the kernel ran on leaves that require grad and returned no history: its
+            # gradients would be zeros without a word (a kernel that detaches, runs under
+            # no_grad or writes its output where autograd does not record)
+            raise RuntimeError(
+                "treefx recurrence: the kernel's output has no autograd history although its "
+                "inputs require grad, so the backward could only return zeros. Set "
+                "TREEFX_KEEP_RECURRENCE_GRAPH=0 (recompute the forward in the backward) and "
+                "report the model")
         # edges, not the outputs: holding an output would keep its memory until the backward
         # (made here, where autograd records: _edge may add a view)
         edges = [(_edge(o), o.dtype) if o.requires_grad else None for o in outs]
