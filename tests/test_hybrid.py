@@ -873,6 +873,17 @@ def test_recurrence_op_passes_opcheck(keep):
     torch.library.opcheck(fn, (op.key, batch.parent_token, [x, a]))
 
 
+def _kept_sum_call(op):
+    """The sum of ``op``'s output over an odd forest, through AOTAutograd, on float64 inputs
+    that require grad (the forward only)."""
+    batch = treefx.pack(odd_forest(33, VOCAB))
+    x = torch.randn(1, batch.num_tokens, 3, dtype=torch.float64, requires_grad=True)
+    a = torch.rand(1, batch.num_tokens, 3, dtype=torch.float64, requires_grad=True)
+    compiled = torch.compile(lambda p, x, a: op(p, x, a)[0].sum(), backend="aot_eager",
+                             fullgraph=True)
+    return compiled(batch.parent_token, x, a)
+
+
 def test_a_forward_without_its_backward_frees_the_kept_graph():
     """A step abandoned after its forward (an evaluation with gradients on, an error before
     the backward) must not keep the kernels' graph alive: it rides on a tensor AOTAutograd
@@ -888,12 +899,7 @@ def test_a_forward_without_its_backward_frees_the_kept_graph():
         return decayed_sum(x, a, initial_state, output_final_state)
 
     _, op = _decayed_sum_site(True, watched)
-    batch = treefx.pack(odd_forest(33, VOCAB))
-    x = torch.randn(1, batch.num_tokens, 3, dtype=torch.float64, requires_grad=True)
-    a = torch.rand(1, batch.num_tokens, 3, dtype=torch.float64, requires_grad=True)
-    compiled = torch.compile(lambda p, x, a: op(p, x, a)[0].sum(), backend="aot_eager",
-                             fullgraph=True)
-    out = compiled(batch.parent_token, x, a)
+    out = _kept_sum_call(op)
     # kept while the backward may come (a view the kernel saved may be kept as its base's
     # data, its own Python object gone, so: some, not every one)
     assert seen and any(r() is not None for r in seen)
@@ -911,13 +917,8 @@ def test_a_kernel_without_history_is_an_error_not_zero_gradients():
         return out.detach(), fin
 
     _, op = _decayed_sum_site(True, detached)
-    batch = treefx.pack(odd_forest(33, VOCAB))
-    x = torch.randn(1, batch.num_tokens, 3, dtype=torch.float64, requires_grad=True)
-    a = torch.rand(1, batch.num_tokens, 3, dtype=torch.float64, requires_grad=True)
-    compiled = torch.compile(lambda p, x, a: op(p, x, a)[0].sum(), backend="aot_eager",
-                             fullgraph=True)
     with pytest.raises(RuntimeError, match="no autograd history"):
-        compiled(batch.parent_token, x, a)
+        _kept_sum_call(op)
 
 
 def test_capture_does_not_run_the_kernel_on_fake_tensors():
