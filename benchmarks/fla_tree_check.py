@@ -151,8 +151,137 @@ def exact_case(dev, dtype, trees, seed: int = 0, value_heads: int = 4) -> dict:
     return res
 
 
-def timing(dev, reps: int) -> dict:
+def _random_forest_row(seed: int, roots: int = 2) -> np.ndarray:
+    """The parent-token row of a random forest: nodes of one token and across 64-token
+    chunks, up to four depths, up to three children a node."""
+    rng = np.random.default_rng(seed)
+    par: list[int] = []
+
+    def node(parent_tok, depth):
+        first = len(par)
+        for t in range(int(rng.choice([1, 2, 30, 64, 65, 100]))):
+            par.append(parent_tok if t == 0 else first + t - 1)
+        last = len(par) - 1
+        if depth < 3:
+            for _ in range(int(rng.integers(0, 4))):
+                node(last, depth + 1)
+
+    for _ in range(roots):
+        node(-1, 0)
+    return np.asarray(par)
+
+
+def state_pass_exact(dev, seed: int, heads: int, key_dim: int, value_dim: int,
+                     row: np.ndarray | None = None, repeats: int = 1) -> dict:
+    """treefx's one-launch state pass (``fla_tree_state``), forward and backward, float32,
+    against its float64 reference on the forest ``row`` (a random one by default), roots from
+    given states, three nodes' final states handed out: relative errors, passed within 1e-5.
+    With ``repeats`` > 1 the kernels run that many times more and every output must be the
+    same bit for bit (the launch sums in a fixed order: a race would show here)."""
+    from treefx.families import fla_tree_state as st
+    from treefx.ops.recurrence.reference import _tree_nodes
+
+    row = _random_forest_row(seed) if row is None else row
+    starts, lengths, parents, _ = _tree_nodes(row)
+    n, t = len(starts), len(row)
+    keep = sorted({0, n - 1, n // 2})
+    host, sizes = st.tables(np.asarray(parents), np.asarray(lengths), keep)
+    tabs = st.TreeTables()
+    for name, a in host.items():
+        setattr(tabs, name, torch.from_numpy(np.ascontiguousarray(a)).to(dev))
+    for name, v in sizes.items():
+        setattr(tabs, name, v)
+    cu_np = np.concatenate([[0], np.cumsum(lengths)])
+    cu = torch.from_numpy(cu_np).to(dev)
+    gen = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape, sc=1.0):
+        return (torch.randn(*shape, generator=gen) * sc).to(dev)
+
+    g = -torch.rand(1, t, heads, generator=gen) * 0.2
+    for a, b in zip(cu_np[:-1], cu_np[1:]):
+        for c0 in range(a, b, 64):
+            g[0, c0:min(c0 + 64, b)] = g[0, c0:min(c0 + 64, b)].cumsum(0)
+    g = g.to(dev)
+    k, w, q = (rnd(1, t, heads, key_dim, sc=0.2) for _ in range(3))
+    u, do, dv = (rnd(1, t, heads, value_dim) for _ in range(3))
+    h0 = rnd(len(host["roots"]), heads, key_dim, value_dim, sc=0.1)
+    dfinal = rnd(len(keep), heads, key_dim, value_dim)
+
+    def run():
+        return (*st.tree_fwd_h(tabs, k, w, u, g, h0, cu),
+                *st.tree_bwd_dhu(tabs, q, k, w, g, do, dv, dfinal, 0.3, True, cu))
+
+    got = run()
+    ref = (*st.reference_fwd_h(host, sizes, cu_np, k, w, u, g, h0),
+           *st.reference_bwd_dhu(host, sizes, cu_np, q, k, w, g, do, dv, dfinal, 0.3, True))
+    names = ("h", "v_new", "final", "dh", "dh0", "dv2")
+    errs = {}
+    for name, a, b in zip(names, got, ref):
+        if name == "final":  # slots past the filled ones are never read
+            a, b = a[:sizes["slots"]], b[:sizes["slots"]]
+        errs[name] = float((a.double() - b).abs().max() / b.abs().max().clamp_min(1e-30))
+    same = True
+    for _ in range(max(0, repeats - 1)):
+        again = run()
+        same = same and all(torch.equal(a[:sizes["slots"]] if nm == "final" else a,
+                                        b[:sizes["slots"]] if nm == "final" else b)
+                            for nm, a, b in zip(names, again, got))
+    return {"heads": heads, "key": key_dim, "value": value_dim, "tokens": t, "nodes": n,
+            "errors": errs, "repeats": repeats, "bitwise_same_on_repeats": same,
+            "passed": max(errs.values()) <= 1e-5 and same}
+
+
+def many_nodes(vocab: int, calls: int = 120, seed: int = 0) -> list[treefx.Tree]:
+    """A tree of a few hundred nodes (each call branching off a random earlier call at a
+    random point, some calls prefixes of others) beside two more roots: many programs of the
+    one-launch state pass waiting on each other at once."""
+    rng = np.random.default_rng(seed)
+    seqs = [rng.integers(3, vocab, 300).tolist()]
+    for _ in range(calls):
+        base = seqs[rng.integers(len(seqs))]
+        cut = int(rng.integers(1, len(base) + 1))
+        seqs.append(base[:cut] + rng.integers(3, vocab, int(rng.integers(0, 90))).tolist())
+    return [treefx.Tree.from_sequences(seqs),
+            treefx.Tree.from_sequences([rng.integers(3, vocab, 70).tolist()]),
+            treefx.Tree.from_sequences([rng.integers(3, vocab, 130).tolist(),
+                                        rng.integers(3, vocab, 5).tolist()])]
+
+
+def _state_variants(configs: str) -> list[tuple[str, bool, dict]]:
+    """(label, one pass, environment) of the timed variants: fla depth by depth, the one-pass
+    path with its state pass per depth, in one launch (default settings and each of
+    ``configs``, "BV,warps,stages;..."), and with the chunk states kept."""
     from treefx.families.fla_tree import KEEP_ENV
+    from treefx.families.fla_tree_state import ENV as STATE_ENV
+
+    out = [("depth_by_depth", False, {}), ("one_pass_state_per_depth", True, {STATE_ENV: "0"}),
+           ("one_pass", True, {}), ("one_pass_keep_states", True, {KEEP_ENV: "1"})]
+    out += [(f"one_pass_config_{c.replace(',', '_')}", True, {STATE_ENV + "_CONFIG": c})
+            for c in configs.split(";") if c.strip()]
+    return out
+
+
+def _kernel_times(step) -> dict:
+    """One ``step`` under torch.profiler: GPU ms by kernel name (largest first), the GPU's
+    busy ms and the wall ms."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    wall = (time.perf_counter() - t0) * 1e3
+    by: dict[str, float] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            by[e.name[:90]] = by.get(e.name[:90], 0.0) + e.time_range.elapsed_us() / 1e3
+    top = dict(sorted(by.items(), key=lambda kv: -kv[1])[:24])
+    return {"wall_ms": wall, "gpu_busy_ms": sum(by.values()), "kernels_ms": top}
+
+
+def timing(dev, reps: int, configs: str = "", profile_labels: tuple = ()) -> dict:
     from treefx.ops.recurrence.reference import run_tree, tree_nodes
 
     res = {}
@@ -171,9 +300,12 @@ def timing(dev, reps: int) -> dict:
               -torch.rand(1, n, 32, device=dev, generator=gen) * 0.5,
               torch.rand(1, n, 32, device=dev, generator=gen, dtype=torch.bfloat16)]
         grad = torch.randn(1, n, 32, 128, device=dev, generator=gen, dtype=torch.bfloat16)
-        for label, one_pass in (("depth_by_depth", False), ("one_pass", True),
-                                ("one_pass_keep_states", True)):
-            os.environ[KEEP_ENV] = "1" if label.endswith("keep_states") else "0"
+        variants = _state_variants(configs)
+        for label, one_pass, env in variants if name == "tree" else variants[:1] + variants[2:3]:
+            for _, _, e in variants:
+                for key in e:
+                    os.environ.pop(key, None)
+            os.environ.update(env)
             rec = _recurrence(one_pass)
             leaves = [x.detach().requires_grad_() for x in xs]
 
@@ -204,7 +336,15 @@ def timing(dev, reps: int) -> dict:
                                       "depths": max(nodes[3]) + 1}
             print(f"  {name:6s} {label:15s} {res[f'{name}/{label}']['ms']:7.2f} ms "
                   f"({n} tokens, {len(nodes[0])} nodes, {max(nodes[3]) + 1} depths)", flush=True)
-    os.environ.pop(KEEP_ENV, None)
+            if f"{name}/{label}" in profile_labels:
+                prof = res[f"{name}/{label}"]["profile"] = _kernel_times(step)
+                print(f"    profiled: wall {prof['wall_ms']:.2f} ms, GPU busy "
+                      f"{prof['gpu_busy_ms']:.2f} ms; "
+                      + "; ".join(f"{k[:48]} {v:.2f}" for k, v in
+                                  list(prof["kernels_ms"].items())[:12]), flush=True)
+    for _, _, e in _state_variants(configs):
+        for key in e:
+            os.environ.pop(key, None)
     return res
 
 
@@ -247,6 +387,12 @@ def main(argv=None):
     p.add_argument("--first-config", action="store_true",
                    help="each fla kernel runs its first configuration that compiles (exactness "
                         "without fla's minutes of autotuning; not for timing)")
+    p.add_argument("--state-configs", default="",
+                   help="the one-launch state pass timed also with these settings: "
+                        "'BV,warps,stages;...' (TREEFX_FLA_TREE_STATE_CONFIG)")
+    p.add_argument("--profile-op", default="",
+                   help="timed variants (e.g. 'tree/one_pass,packed/one_pass') profiled once "
+                        "after timing: GPU time by kernel")
     p.add_argument("--dtypes", default="float32,bfloat16",
                    help="exactness dtypes (fla autotunes each dtype's kernels anew, minutes each)")
     args = p.parse_args(argv)
@@ -278,7 +424,8 @@ def main(argv=None):
         deep = [treefx.Tree.from_sequences([[int(t) for t in rng.integers(3, 1000, n)]
                                             for n in (40, 90, 200)])]
         for dtype in [getattr(torch, d) for d in args.dtypes.split(",") if d]:
-            for name, forest in {**trees, "separate-sequences": deep}.items():
+            for name, forest in {**trees, "separate-sequences": deep,
+                                 "many-nodes": many_nodes(1000)}.items():
                 key = f"{str(dtype)[6:]}-{name}"
                 try:
                     out = exact_case("cuda", dtype, forest, value_heads=args.value_heads)
@@ -294,8 +441,31 @@ def main(argv=None):
                       + (f" {out['error'].strip().splitlines()[-1][:200]}" if "error" in out
                          else ""), flush=True)
                 common.save_json(res, args.out)
+    if "state" in args.cases.split(","):
+        # the one-launch state pass alone, float32 against its float64 reference: random
+        # forests, then the many-node tree at Qwen3-Next's heads, run 20 times (bit for bit)
+        batch = treefx.pack(many_nodes(1000))
+        big = (batch.parent_token[0] if batch.parent_token.dim() > 1
+               else batch.parent_token).numpy()
+        for key, kw in [("state-random-0", dict(seed=0, heads=2, key_dim=128, value_dim=32)),
+                        ("state-random-1", dict(seed=1, heads=3, key_dim=64, value_dim=64)),
+                        ("state-many-nodes", dict(seed=2, heads=32, key_dim=128, value_dim=128,
+                                                  row=big, repeats=20))]:
+            try:
+                out = state_pass_exact("cuda", **kw)
+            except Exception:
+                out = {"error": traceback.format_exc()[-3000:], "passed": False}
+            res["cases"][key] = out
+            if not out.get("passed"):
+                failed.append(key)
+            print(f"[{time.perf_counter() - t0:6.1f}s] {key}: "
+                  f"{ {k: out.get(k) for k in ('nodes', 'errors', 'bitwise_same_on_repeats', 'passed')} }"
+                  + (f" {out['error'].strip().splitlines()[-1][:200]}" if "error" in out else ""),
+                  flush=True)
+            common.save_json(res, args.out)
     if "timing" in args.cases:
-        res["timing"] = timing("cuda", args.reps)
+        res["timing"] = timing("cuda", args.reps, args.state_configs,
+                               tuple(x for x in args.profile_op.split(",") if x))
     res["failed"] = failed
     res["total_s"] = time.perf_counter() - t0
     common.save_json(res, args.out)

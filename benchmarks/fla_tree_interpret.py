@@ -3,6 +3,12 @@ own Triton kernels run by Triton's interpreter (``TRITON_INTERPRET=1``), against
 depth and a float64 walk along the tree (:func:`benchmarks.fla_tree_check.exact_case`), float32:
 
     python -m benchmarks.fla_tree_interpret [short long-nodes forest three-sequences]
+    python -m benchmarks.fla_tree_interpret state-pass    # no fla needed
+
+``state-pass``: treefx's own one-launch state pass (:mod:`treefx.families.fla_tree_state`),
+forward and backward, against its float64 reference on random forests (nodes of one token and
+across chunks, roots from given states, final states handed out), float32, key heads of 64 and
+128; within 1e-5 relative.
 
 Needs fla 0.4.2, Triton and NumPy < 2.3 (the interpreter turns one-element arrays into Python
 numbers, which newer NumPy refuses) importable; no GPU. Slow (the interpreter runs every
@@ -54,11 +60,31 @@ def _interpreter_adjustments() -> None:
         f.fn = f.rewriter.fn = scope[name]
 
 
+def state_pass_case() -> bool:
+    """The one-launch state pass's kernels (interpreted) against their float64 reference."""
+    from benchmarks.fla_tree_check import state_pass_exact
+
+    ok = True
+    for seed, shape in enumerate([(2, 128, 32), (3, 64, 64), (1, 128, 48)]):
+        res = state_pass_exact("cpu", seed, *shape)
+        print(json.dumps({"case": "state-pass", **res}), flush=True)
+        ok = ok and res["passed"]
+    return ok
+
+
 def main(argv=None) -> int:
     import numpy as np
 
     if tuple(int(x) for x in np.__version__.split(".")[:2]) >= (2, 3):
         raise SystemExit(f"NumPy {np.__version__}: Triton's interpreter needs NumPy < 2.3")
+    names = list(argv if argv is not None else sys.argv[1:])
+    failed = []
+    if "state-pass" in names:
+        names.remove("state-pass")
+        if not state_pass_case():
+            failed.append("state-pass")
+        if not names:
+            return 1 if failed else 0
     _interpreter_adjustments()
     import torch
 
@@ -73,9 +99,7 @@ def main(argv=None) -> int:
     rng = np.random.default_rng(0)
     trees["separate-sequences"] = [treefx.Tree.from_sequences(
         [[int(t) for t in rng.integers(3, 1000, n)] for n in (40, 90, 200)])]
-    names = [n for n in (argv if argv is not None else sys.argv[1:]) if n != "l2norm-long"] \
-        or ["short", "separate-sequences"]
-    failed = []
+    names = [n for n in names if n != "l2norm-long"] or ["short", "separate-sequences"]
     for case, backend in (("model", "eager"), ("model-traced", "aot-eager")):
         # HF Qwen3-Next whole and in parts (treefx.backward) on fla's path; model-traced:
         # through AOTAutograd (the recurrence as the traced graph's op, its kept graph)

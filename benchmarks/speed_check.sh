@@ -877,3 +877,64 @@ if [ "${1:-}" = z18 ]; then
   sed -i '/pow_by_natural/d' $OUT/*.log
   results z18
 fi
+# Stage z19 (`... z19` on one GPU, carry .whl/fla and .cache/triton as z8; results in
+# $OUT/z19.tgz). The Gated DeltaNet state pass over the whole tree in one launch
+# (treefx.families.fla_tree_state: each node's program waits for its parent's, not one launch
+# per depth; Qwen3-Next's op took 14.3 ms against 8.2 for a quarter of packing's in z10):
+#   fla_tree_check: the new kernels against their float64 reference (float32; the 214-node
+#     tree at Qwen3-Next's heads 20 times, bit for bit), the bf16 op against fla depth by
+#     depth and the float64 walk, and the op timed: depth by depth, the state pass per depth,
+#     in one launch (default settings and five others), chunk states kept
+#   Qwen3-Next's shapes, treefx with the first-call check on, then packing on fla
+#   Qwen3.5's shapes, packing on fla in 32k micro-batches, then treefx
+if [ "${1:-}" = z19 ]; then
+  z_cache
+  with_fla z19
+  CUDA_VISIBLE_DEVICES=0 timeout 150 python3 -m benchmarks.fla_tree_check \
+    --cases state,exact,timing --dtypes bfloat16 --value-heads 32 \
+    --state-configs "64,4,2;32,2,2;16,2,2;32,4,3;64,4,3" \
+    --out $OUT/fla_tree_check.json > $OUT/fla_tree_check.log 2>&1
+  echo "fla_tree_check rc=$?"
+  grep -E "state-|bfloat16-|  tree|  packed|total|Error" $OUT/fla_tree_check.log | cut -c1-260
+  next_e2e 0 220 next_checked --methods treefx,packed_reset --budget 210
+  CUDA_VISIBLE_DEVICES=0 TREEFX_VERIFY=0 timeout 200 python3 -m benchmarks.e2e --arch qwen3_5 \
+    --layers 4 --por 0.75 --quick --stream 0 --mask-reps 0 \
+    --methods packed_reset,treefx --pack-budget 32768 --budget 190 \
+    --out $OUT/e2e_qwen3_5.json > $OUT/e2e_qwen3_5.log 2>&1
+  echo "e2e qwen3_5 rc=$?"; grep -E "^hidden|FAILED|rec" $OUT/e2e_qwen3_5.log | tail -n 4
+  sed -i '/pow_by_natural/d' $OUT/*.log
+  results z19
+fi
+# Stage z20 (`... z20` on one GPU, carry .whl/fla, .cache/triton and .data/swe200.jsonl;
+# results in $OUT/z20.tgz). After z19 (the one-launch state pass: the op 17.3 -> 9.6 ms,
+# Qwen3-Next's step 88.2% of the bound; its bf16 exactness cases failed to compile: a
+# variable's type changed in a loop, fixed):
+#   the state pass's CPU tests on the GPU's Triton (sm_90 compile, the interpreter)
+#   fla_tree_check: the bf16 op against fla depth by depth and the float64 walk (the 214-node
+#     tree included), then the op timed, the tree's and packing's one-pass runs profiled by kernel
+#   Qwen3-Next's shapes, treefx and packing on fla, profiled (where the step's time goes)
+#   issue 34: the first 3 of the 40 SWE tasks, treefx.backward and packing, each profiled
+if [ "${1:-}" = z20 ]; then
+  z_cache
+  with_fla z20
+  timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_family_fla_tree_state.py \
+    > $OUT/pytest_state.log 2>&1
+  echo "pytest state pass rc=$?"; tail -n 3 $OUT/pytest_state.log | cut -c1-250
+  CUDA_VISIBLE_DEVICES=0 timeout 140 python3 -m benchmarks.fla_tree_check \
+    --cases exact,timing --dtypes bfloat16 --value-heads 32 \
+    --profile-op tree/one_pass,packed/one_pass,tree/one_pass_keep_states \
+    --out $OUT/fla_tree_check.json > $OUT/fla_tree_check.log 2>&1
+  echo "fla_tree_check rc=$?"
+  grep -E "bfloat16-|  tree|  packed|profiled|total|Error" $OUT/fla_tree_check.log | cut -c1-400
+  CUDA_VISIBLE_DEVICES=0 TREEFX_VERIFY=0 timeout 170 python3 -m benchmarks.e2e --arch qwen3_next \
+    --layers 4 --por 0.75 --quick --stream 0 --mask-reps 0 --profile \
+    --methods treefx,packed_reset --budget 160 \
+    --out $OUT/e2e_next_profile.json > $OUT/e2e_next_profile.log 2>&1
+  echo "e2e qwen3_next profile rc=$?"; grep -E "^hidden|FAILED" $OUT/e2e_next_profile.log | tail -n 3
+  TREEFX_VERIFY=0 timeout 170 python3 -m benchmarks.real_trees --trees .data/swe200.jsonl \
+    --sample 40 --seed 0 --slice 0:3 --budget 65536 --methods treefx,packing --profile 3 \
+    --time-limit 150 --out $OUT/real_trees_profile.json > $OUT/real_trees_profile.log 2>&1
+  echo "real_trees rc=$?"; grep -E "profile|share|task" $OUT/real_trees_profile.log | tail -n 12 | cut -c1-300
+  sed -i '/pow_by_natural/d' $OUT/*.log
+  results z20
+fi

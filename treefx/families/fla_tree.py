@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from ..layout import move_tensors
-from . import fla_l2norm
+from . import fla_l2norm, fla_tree_state
 from .fla import fla_distribution_version
 
 __all__ = ["CHECKED_FLA", "ENV", "KEEP_ENV", "TreePlan", "kernels", "plan",
@@ -99,6 +99,7 @@ class TreePlan:
         self.levels: list[_Level] = []
         self.keep_nodes: list[int] = []  # DFS node ids, in the order of the final-state output
         self.num_tokens = 0
+        self.tables = None  # the one-launch state pass's (fla_tree_state.TreeTables), or None
 
 
 def _chunk_indices(lengths: np.ndarray) -> np.ndarray:
@@ -110,11 +111,15 @@ def _chunk_indices(lengths: np.ndarray) -> np.ndarray:
     return np.stack([seq, np.arange(int(nch.sum())) - np.repeat(first, nch)], 1)
 
 
-def plan(nodes, keep, heads: int, device) -> TreePlan | None:
+def plan(nodes, keep, heads: int, device, key_dim: int | None = None) -> TreePlan | None:
     """The plan for the tree of ``nodes`` (starts, lengths, parents, depth: DFS order), the
     final states of the nodes ``keep`` handed out, on ``device``; None where one call of a
     stage would launch more blocks on a grid axis than CUDA allows (the depth-by-depth path,
-    which splits its calls, runs it)."""
+    which splits its calls, runs it). Where the one-launch state pass runs
+    (:func:`.fla_tree_state.available` for ``key_dim``), the nodes stay in DFS order and the
+    plan carries its tables; otherwise they are laid out depth by depth."""
+    if fla_tree_state.available(key_dim):
+        return _one_launch_plan(nodes, keep, heads, device)
     starts, lengths, parents, depth = (np.asarray(x, dtype=np.int64) for x in nodes)
     n = len(starts)
     order = np.argsort(depth, kind="stable")  # depth by depth, DFS order within a depth
@@ -173,6 +178,30 @@ def plan(nodes, keep, heads: int, device) -> TreePlan | None:
     return p
 
 
+def _one_launch_plan(nodes, keep, heads: int, device) -> TreePlan | None:
+    starts, lengths, parents, depth = (np.asarray(x, dtype=np.int64) for x in nodes)
+    ci = _chunk_indices(lengths)
+    if len(ci) > GRID_AXIS or heads > GRID_AXIS:
+        return None
+    if not np.array_equal(starts, np.concatenate([[0], np.cumsum(lengths)[:-1]])):
+        raise ValueError("tree nodes must tile the row in DFS order")
+    p = TreePlan()
+    p.num_tokens = int(lengths.sum())
+    p.keep_nodes = sorted(int(x) for x in set(int(k) for k in keep))
+    host, sizes = fla_tree_state.tables(parents, lengths, p.keep_nodes)
+    host = {"cu": np.concatenate([[0], np.cumsum(lengths)]), "ci": ci, **host}
+    with torch.inference_mode(False):
+        moved = move_tensors([torch.from_numpy(np.ascontiguousarray(a)) for a in host.values()],
+                             torch.device(device))
+    t = fla_tree_state.TreeTables()
+    for name, x in zip(host, moved):
+        setattr(p if name in ("cu", "ci") else t, name, x)
+    for name, v in sizes.items():
+        setattr(t, name, v)
+    p.tables = t
+    return p
+
+
 def _state_pass(kn: dict, p: TreePlan, k, w, u, g, h0, *, inits=None, final: bool = True):
     """The state pass depth by depth: (chunk states h, new values, each depth's final states
     (None where not computed), each depth's initial states). With ``inits`` (the backward's
@@ -197,6 +226,30 @@ def _state_pass(kn: dict, p: TreePlan, k, w, u, g, h0, *, inits=None, final: boo
         used.append(init)
         prev = fin
     return _cat(hs), _cat(vs), fins, used
+
+
+def _state_pass_backward(kn: dict, p: TreePlan, q, k, w, g, do, dv, dfinal, inits, scale):
+    """The backward state pass depth by depth (deepest first): (dh, dv with the part through
+    the states, the roots' initial states' gradient)."""
+    dhs, dvs = [None] * len(p.levels), [None] * len(p.levels)
+    dh0 = None  # the gradient of the depth below's initial states
+    for j in reversed(range(len(p.levels))):
+        lv = p.levels[j]
+        dht = None
+        if dh0 is not None:  # the children's initial states are this depth's finals
+            below = p.levels[j + 1]
+            dht = dh0.new_zeros((lv.n, *dh0.shape[1:])).index_add_(
+                0, below.parent_rows, dh0)
+        if lv.keep_rows is not None and dfinal is not None:
+            mine = dfinal.narrow(0, lv.keep_at, len(lv.keep_rows)).float()
+            if dht is None:
+                dht = mine.new_zeros((lv.n, *mine.shape[1:]))
+            dht.index_add_(0, lv.keep_rows, mine)
+        sl = slice(lv.a, lv.b)
+        dhs[j], dh0, dvs[j] = kn["bwd_dhu"](
+            q=q[:, sl], k=k[:, sl], w=w[:, sl], g=g[:, sl], h0=inits[j], dht=dht,
+            do=do[:, sl], dv=dv[:, sl], scale=scale, cu_seqlens=lv.cu, chunk_indices=lv.ci)
+    return _cat(dhs), _cat(dvs), dh0
 
 
 def _cat(xs: list[torch.Tensor]) -> torch.Tensor:
@@ -247,11 +300,17 @@ class _TreeGatedDeltaRule(torch.autograd.Function):
                       chunk_indices=p.ci)
         A = kn["solve_tril"](A=A, cu_seqlens=p.cu, output_dtype=k.dtype, chunk_indices=p.ci)
         w, u = kn["w_u"](k=k, v=v, beta=beta, A=A, g=g, cu_seqlens=p.cu, chunk_indices=p.ci)
-        h, v_new, fins, inits = _state_pass(kn, p, k, w, u, g, h0)
+        if p.tables is not None:  # the state pass in one launch
+            h0 = None if h0 is None else h0.contiguous()
+            h, v_new, fin = fla_tree_state.tree_fwd_h(p.tables, k, w, u, g, h0, p.cu)
+            kept = [fin.index_select(0, p.tables.keep_slots)] if p.keep_nodes else []
+            inits = [h0]
+        else:
+            h, v_new, fins, inits = _state_pass(kn, p, k, w, u, g, h0)
+            kept = [fins[j].index_select(0, lv.keep_rows) for j, lv in enumerate(p.levels)
+                    if lv.keep_rows is not None]
         o = kn["fwd_o"](q=q, k=k, v=v_new, h=h, g=g, scale=scale, cu_seqlens=p.cu,
                         chunk_indices=p.ci)
-        kept = [fins[j].index_select(0, lv.keep_rows) for j, lv in enumerate(p.levels)
-                if lv.keep_rows is not None]
         if kept:
             final = kept[0] if len(kept) == 1 else torch.cat(kept)
         else:
@@ -282,28 +341,29 @@ class _TreeGatedDeltaRule(torch.autograd.Function):
         if not ctx.keep_states:
             w, u = kn["w_u"](k=k, v=v, beta=beta, A=A, g=g, cu_seqlens=p.cu,
                              chunk_indices=p.ci)
-            h, v_new, _, _ = _state_pass(kn, p, k, w, u, g, None, inits=inits, final=False)
+            if p.tables is not None:
+                h, v_new, _ = fla_tree_state.tree_fwd_h(p.tables, k, w, u, g, inits[0], p.cu)
+            else:
+                h, v_new, _, _ = _state_pass(kn, p, k, w, u, g, None, inits=inits,
+                                             final=False)
         dv = kn["bwd_dv_local"](q=q, k=k, g=g, do=do, scale=scale, cu_seqlens=p.cu,
                                 chunk_indices=p.ci)
-        dhs, dvs = [None] * len(p.levels), [None] * len(p.levels)
-        dh0 = None  # the gradient of the depth below's initial states
-        for j in reversed(range(len(p.levels))):
-            lv = p.levels[j]
-            dht = None
-            if dh0 is not None:  # the children's initial states are this depth's finals
-                below = p.levels[j + 1]
-                dht = dh0.new_zeros((lv.n, *dh0.shape[1:])).index_add_(
-                    0, below.parent_rows, dh0)
-            if lv.keep_rows is not None and dfinal is not None:
-                mine = dfinal.narrow(0, lv.keep_at, len(lv.keep_rows)).float()
-                if dht is None:
-                    dht = mine.new_zeros((lv.n, *mine.shape[1:]))
-                dht.index_add_(0, lv.keep_rows, mine)
-            sl = slice(lv.a, lv.b)
-            dhs[j], dh0, dvs[j] = kn["bwd_dhu"](
-                q=q[:, sl], k=k[:, sl], w=w[:, sl], g=g[:, sl], h0=inits[j], dht=dht,
-                do=do[:, sl], dv=dv[:, sl], scale=scale, cu_seqlens=lv.cu, chunk_indices=lv.ci)
-        dh, dv = _cat(dhs), _cat(dvs)
+        if p.tables is not None:
+            dh, dh0, dv = fla_tree_state.tree_bwd_dhu(
+                p.tables, q, k, w, g, do, dv,
+                None if dfinal is None or not p.keep_nodes else dfinal.contiguous(), scale,
+                inits[0] is not None, p.cu)
+            dh0 = None if inits[0] is None else dh0.index_select(0, p.tables.roots)
+        else:
+            dh, dv, dh0 = _state_pass_backward(kn, p, q, k, w, g, do, dv, dfinal, inits,
+                                               scale)
+        return _TreeGatedDeltaRule._rest(ctx, kn, p, scale, q, q_rstd, k, k_rstd, v, v_new,
+                                         w, g, beta, A, h, do, dh, dv, dh0)
+
+    @staticmethod
+    def _rest(ctx, kn, p, scale, q, q_rstd, k, k_rstd, v, v_new, w, g, beta, A, h, do, dh, dv,
+              dh0):
+        """The chunk-local stages of the backward, after the state pass."""
         dq, dk, dw, dg = kn["bwd_dqkwg"](q=q, k=k, v=v_new, w=w, g=g, h=h, dv=dv, do=do, dh=dh,
                                          scale=scale, cu_seqlens=p.cu, chunk_indices=p.ci)
         dk2, dv, db, dg2 = kn["wy_bwd"](k=k, v=v, beta=beta, g=g, A=A, dw=dw, du=dv,
@@ -324,10 +384,10 @@ class _TreeGatedDeltaRule(torch.autograd.Function):
 _LAST: list = [None, None]  # (key, plan): the last tree's plan, reused by its layers
 
 
-def _plan_for(nodes, keep, heads: int, device) -> TreePlan | None:
-    key = (nodes, tuple(keep), heads, device)
+def _plan_for(nodes, keep, heads: int, device, key_dim: int) -> TreePlan | None:
+    key = (nodes, tuple(keep), heads, device, key_dim, fla_tree_state.available(key_dim))
     if _LAST[0] != key:
-        _LAST[:] = [key, plan(nodes, keep, heads, device)]
+        _LAST[:] = [key, plan(nodes, keep, heads, device, key_dim)]
     return _LAST[1]
 
 
@@ -350,7 +410,7 @@ def tree_gated_delta_rule(seq: dict, static: dict, nodes, root_init, keep):
     from .fla import expand_heads
 
     value = seq["value"]
-    p = _plan_for(nodes, keep, value.shape[-2], value.device)
+    p = _plan_for(nodes, keep, value.shape[-2], value.device, seq["key"].shape[-1])
     if p is None:
         return None
     q, k = expand_heads(seq["query"], seq["key"], value.shape[-2])
