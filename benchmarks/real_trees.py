@@ -82,6 +82,15 @@ run goes on; ``--max-call-tokens`` skips tasks with a longer call (recorded as s
 ``--time-limit``: stop before a task that would not finish in time (estimated from the
 seconds per sequence token of the tasks so far); the result file is rewritten after every
 task, so a run stopped from outside keeps every task done.
+
+``--profile N``: for the first N tasks the run times (skipped tasks not counted), one more step
+of each method that ran, after its timed steps and gradient copy (its figures unchanged), the
+same step callable under ``torch.profiler`` (``benchmarks.e2e.profile.profile_step``, one
+step): GPU busy and span, wall time, GPU time by kernel kind, the busiest kernels, the GPU's
+idle gaps and the host work in them, in the method's ``"profile"`` (``"error"`` where the
+profiled step failed or ran out of memory; the run goes on). Methods and tasks timed after a
+profiled step run after a profiler session: compare with a run without ``--profile`` where
+that matters. On the CPU there are no kernels: the GPU figures are zero.
 """
 
 from __future__ import annotations
@@ -94,11 +103,14 @@ import os
 import random
 import statistics
 import time
+import types
+import warnings
 
 import torch
 
 import treefx
 from benchmarks import common
+from benchmarks.e2e.profile import profile_step
 from benchmarks.parts import SHAPE_8B, TINY
 
 GRAD_PARAMS = ("model.embed_tokens.weight", "lm_head.weight",
@@ -312,6 +324,23 @@ def _is_oom(e: BaseException) -> bool:
     return False
 
 
+def profiled(step, model, cuda: bool) -> dict:
+    """One more step of ``step`` (the timed step's callable, from no gradients) under
+    ``torch.profiler`` (:func:`benchmarks.e2e.profile.profile_step`), with the graphs Dynamo
+    compiled during it; ``{"error": ..., "oom": ...}`` where the step failed."""
+    model.zero_grad(set_to_none=True)
+    g0 = _graphs()
+    try:
+        with warnings.catch_warnings():
+            if not cuda:  # the CPU: no CUDA activity to record, nothing to warn about
+                warnings.filterwarnings("ignore", message="CUDA is not available")
+            prof = profile_step(types.SimpleNamespace(sync=lambda: _sync(cuda)), step, steps=1)
+        prof["compiled_graphs"] = _graphs() - g0
+        return prof
+    except Exception as e:  # noqa: BLE001  (recorded: the profile is a diagnostic)
+        return {"error": f"{type(e).__name__}: {str(e).strip()[:300]}", "oom": _is_oom(e)}
+
+
 def _free(model, cuda: bool):
     model.zero_grad(set_to_none=True)
     gc.collect()
@@ -322,7 +351,10 @@ def _free(model, cuda: bool):
 # ----------------------------------------------------------------------------- one task
 
 
-def run_task(index: int, tree: treefx.Tree, tm, model, args, cuda: bool, dev: str) -> dict:
+def run_task(index: int, tree: treefx.Tree, tm, model, args, cuda: bool, dev: str,
+             profile: bool = False) -> dict:
+    """One task: each method timed (``timed``), and with ``profile`` one more step of each
+    profiled (``profiled``) after its timed steps."""
     lengths = tree.sequence_lengths
     row = {"index": index, "task": tree.metadata.get("task"), "calls": tree.num_sequences,
            "unique_tokens": tree.num_tokens, "sequence_tokens": tree.num_baseline_tokens,
@@ -365,17 +397,20 @@ def run_task(index: int, tree: treefx.Tree, tm, model, args, cuda: bool, dev: st
         oom = None
         try:
             if name == "treefx":
-                st = timed(tree_step, model, cuda, args.warmup, args.reps)
+                step = tree_step
+                st = timed(step, model, cuda, args.warmup, args.reps)
                 st.update(parts=plan.num_parts, peak_held_tokens=plan.peak_held_tokens(),
                           tokens=tree.num_tokens, host_pack_ms=pack_tree_ms)
             elif name == "treefx_whole":
-                st = timed(whole_step, model, cuda, args.warmup, args.reps)
+                step = whole_step
+                st = timed(step, model, cuda, args.warmup, args.reps)
                 st.update(tokens=tree.num_tokens, host_pack_ms=pack_tree_ms)
             else:
                 dev_batches = [b.to(dev) for b in micro]
                 largest = max(dev_batches, key=lambda b: b.num_tokens)
-                st = timed(lambda: run_micro(dev_batches), model, cuda, args.packing_warmup,
-                           args.packing_reps, pre_warm=lambda: run_micro([largest]))
+                step = lambda: run_micro(dev_batches)  # noqa: E731
+                st = timed(step, model, cuda, args.packing_warmup, args.packing_reps,
+                           pre_warm=lambda: run_micro([largest]))
                 st.update(micro_batches=len(micro), capacity=max(budget, row["longest_call"]),
                           micro_batch_tokens=[b.num_tokens for b in micro],
                           tokens=tree.num_baseline_tokens, host_pack_ms=pack_seq_ms)
@@ -387,15 +422,17 @@ def run_task(index: int, tree: treefx.Tree, tm, model, args, cuda: bool, dev: st
                 st["grad_copy_s"] = time.perf_counter() - t0
             st["status"] = "ok"
             methods[name] = st
+            if profile:  # after the timed steps and the gradient copy: no figure changes
+                st["profile"] = profiled(step, model, cuda)
         except Exception as e:  # noqa: BLE001  (out of memory, however wrapped; else raised)
             if not _is_oom(e):
                 raise
             oom = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]}"
         if oom is not None:  # outside the handler: its traceback no longer holds the tensors
             if name == "packing":
-                dev_batches = largest = None
+                dev_batches = largest = step = None
             if name == "treefx_whole":
-                whole_batch = None
+                whole_batch = step = None
             methods[name] = {"status": "oom", "error": oom}
         _free(model, cuda)
     row["methods"] = methods
@@ -536,6 +573,10 @@ def main(argv=None):
                    help="skip tasks with a longer call (recorded as skipped)")
     p.add_argument("--time-limit", type=float, default=None,
                    help="seconds: stop before a task that would not finish by then")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="profile one more step of each method on the first N tasks timed, "
+                        "after their timed steps (torch.profiler: GPU busy and span, wall, "
+                        "time by kernel kind, host gaps; in each method's 'profile')")
     p.add_argument("--merge", nargs="+", default=None, metavar="JSON",
                    help="join the result files of shards (needs --out) and summarize; runs "
                         "nothing")
@@ -548,6 +589,8 @@ def main(argv=None):
         return merge(args.merge, args.out)
     if args.reps < 1 or args.packing_reps < 1:
         p.error("--reps and --packing-reps must be at least 1")
+    if args.profile < 0:
+        p.error("--profile must be at least 0")
     args.methods = [m for m in args.methods.split(",") if m]
     bad = set(args.methods) - {"treefx", "packing", "treefx_whole"}
     if bad or not args.methods:
@@ -599,7 +642,9 @@ def main(argv=None):
                       flush=True)
                 break
         t0 = time.perf_counter()
-        row = run_task(index, tree, tm, model, args, cuda, dev)
+        timed_so_far = sum("methods" in r for r in res["tasks"])  # skipped tasks not counted
+        row = run_task(index, tree, tm, model, args, cuda, dev,
+                       profile=timed_so_far < args.profile)
         row["wall_s"] = time.perf_counter() - t0
         if "methods" in row:
             ran.append((row["wall_s"], row["sequence_tokens"]))
@@ -615,6 +660,8 @@ def main(argv=None):
         res["elapsed_s"] = time.perf_counter() - start
         common.save_json(res, out)
         print(_line(row), flush=True)
+        for line in _profile_lines(row):
+            print(line, flush=True)
     s = res["summary"]
     print(_summary_lines(s), flush=True)
     common.save_json(res, out)
@@ -651,6 +698,33 @@ def _line(r: dict) -> str:
     if "whole_speedup" in r:
         tail += f"; whole {r['whole_speedup']:.2f}x = {r['whole_share_of_bound']:.0%}"
     return head + one("treefx") + one("treefx_whole") + one("packing") + tail
+
+
+PROFILE_KINDS = ("attention", "gemm", "triton pointwise/reduction", "copy/fill", "other")
+
+
+def _profile_lines(r: dict) -> list[str]:
+    """One line per profiled method: GPU busy and span, wall, time by kernel kind, host gaps
+    (ms per step; zero where there were no CUDA kernels, as on the CPU)."""
+    lines = []
+    for name, st in r.get("methods", {}).items():
+        prof = st.get("profile")
+        if prof is None:
+            continue
+        if "error" in prof:
+            lines.append(f"  profile {name}: {'OOM' if prof.get('oom') else 'failed'}: "
+                         f"{prof['error'].splitlines()[0][:200]}")
+            continue
+        kinds = prof.get("by_kind_ms_per_step", {})
+        gaps = prof.get("host_gaps", {})
+        lines.append(
+            f"  profile {name}: GPU busy {prof.get('gpu_busy_ms_per_step', 0.0):.1f} ms, span "
+            f"{prof.get('gpu_span_ms_per_step', 0.0):.1f} ms, wall "
+            f"{prof.get('wall_ms_per_step', 0.0):.1f} ms; "
+            + ", ".join(f"{k} {kinds.get(k, 0.0):.1f}" for k in PROFILE_KINDS)
+            + f" ms; host gaps {gaps.get('gap_ms_per_step', 0.0):.1f} ms "
+            f"({gaps.get('gaps', 0)} gaps)")
+    return lines
 
 
 def _summary_lines(s: dict) -> str:
