@@ -938,3 +938,17 @@ if [ "${1:-}" = z20 ]; then
   sed -i '/pow_by_natural/d' $OUT/*.log
   results z20
 fi
+# Stage z21 (`... z21` on one GPU, carry .whl/fla and .cache/triton as z8; results in
+# $OUT/z21.tgz). z20's profile of Qwen3-Next's step: 5.7 ms a step of GPU idle, the largest
+# gaps at the tree conv's first read of the row on the host (a copy back that waits for the
+# queue). TreeBatch.to now keeps the host copy of the row it moves, so no op copies it back.
+# Qwen3-Next's shapes side by side, no profiler, the first-call check off: treefx then
+# packing on fla, then packing then treefx in another process
+if [ "${1:-}" = z21 ]; then
+  z_cache
+  with_fla z21
+  TREEFX_VERIFY=0 next_e2e 0 170 next_a --methods treefx,packed_reset --budget 160
+  TREEFX_VERIFY=0 next_e2e 0 170 next_b --methods packed_reset,treefx --budget 160
+  sed -i '/pow_by_natural/d' $OUT/*.log
+  results z21
+fi

@@ -149,6 +149,8 @@ def test_the_one_launch_pass_needs_triton_a_known_key_width_and_is_switchable(mo
 
 def test_the_kernels_equal_the_reference_under_tritons_interpreter():
     pytest.importorskip("triton")
+    if tuple(int(x) for x in np.__version__.split(".")[:2]) >= (2, 3):
+        pytest.skip(f"Triton's interpreter needs NumPy < 2.3 (found {np.__version__})")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     out = subprocess.run([sys.executable, "-m", "benchmarks.fla_tree_interpret", "state-pass"],
                          capture_output=True, text=True, env=env, timeout=600)

@@ -149,6 +149,33 @@ def test_tree_nodes_reuses_an_unchanged_row_only(monkeypatch):
     assert tree_nodes(clone) == changed and len(copies) == 4
 
 
+def test_a_row_moved_from_the_host_is_not_copied_back(monkeypatch):
+    """A row ``TreeBatch.to`` moved from the host keeps its host copy: the ops' first read of
+    the structure takes it (no copy back, which waits for the device's queue); the same row
+    changed in place, or a copy of it elsewhere, is copied as before."""
+    import treefx.layout as layout
+    import treefx.ops.host_row as hmod
+
+    copies = []
+    copy = hmod.host_row
+    monkeypatch.setattr(hmod, "host_row", lambda t: copies.append(1) or copy(t))
+    monkeypatch.setattr(layout, "_HOST_ROWS", type(layout._HOST_ROWS)())
+    batch = treefx.pack(treefx.Tree.from_sequences([[1, 2, 3, 4, 5], [1, 2, 3, 6, 7, 8]]))
+    # what TreeBatch.to does after a move from the host (CPU-only here: the "device" row is
+    # another CPU tensor)
+    moved = batch.parent_token.clone()
+    layout._remember_host_row(moved, batch.parent_token)
+    assert tree_nodes(moved) == ((0, 3, 6), (3, 3, 2), (-1, 0, 0), (0, 1, 1))
+    assert tree_nodes(moved[None][0]) == tree_nodes(moved) and copies == []
+    moved[7] = 6  # in place: the kept copy no longer names this row's contents
+    assert tree_nodes(moved) == ((0, 3, 6), (3, 3, 2), (-1, 0, 0), (0, 1, 1))
+    assert copies == [1]
+    assert layout.known_host_row(moved.clone()) is None
+    for _ in range(layout._HOST_ROWS_KEPT + 1):  # a few rows kept, the oldest dropped
+        layout._remember_host_row(torch.zeros(3, dtype=torch.long), torch.zeros(3))
+    assert len(layout._HOST_ROWS) == layout._HOST_ROWS_KEPT
+
+
 @pytest.mark.parametrize("trees", [[SHORT_NODES], odd_forest(31, VOCAB)], ids=["short", "forest"])
 def test_tree_gated_delta_rule_matches_each_sequence_alone(trees):
     """Values and the gradients of every input: siblings share their parent's final state,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
@@ -17,7 +18,7 @@ import torch
 from .mask import dense_tree_mask, tree_block_mask
 from .tree import Tree
 
-__all__ = ["TreeBatch", "check_num_sequences", "pack"]
+__all__ = ["TreeBatch", "check_num_sequences", "known_host_row", "pack", "row_key"]
 
 _REDUCTIONS = ("sum", "mean")
 
@@ -176,9 +177,50 @@ class TreeBatch:
         tensors += [getattr(self, f) for f in self._TENSOR_FIELDS]
         moved = move_tensors(tensors, device, non_blocking)
         k = len(reductions)
-        return replace(self, _block_masks={}, _parent_list=self._parent_list,
-                       loss_weights_by_reduction=dict(zip(reductions, moved[:k])),
-                       **dict(zip(self._TENSOR_FIELDS, moved[k:])))
+        out = replace(self, _block_masks={}, _parent_list=self._parent_list,
+                      loss_weights_by_reduction=dict(zip(reductions, moved[:k])),
+                      **dict(zip(self._TENSOR_FIELDS, moved[k:])))
+        if self.parent_token.device.type == "cpu" and device.type != "cpu":
+            _remember_host_row(out.parent_token, self.parent_token)
+        return out
+
+
+def row_key(t: torch.Tensor):
+    """The identity of a tensor's current contents: device, address of its first element,
+    dtype, layout and version counter (a view of the same memory laid out alike, e.g. row 0
+    of a [1, N] tensor and the [N] row, has the same key); None for tensors without storage
+    (fake and functional wrappers)."""
+    try:
+        layout = (t.numel(),) if t.is_contiguous() else (tuple(t.shape), t.stride())
+        return (t.device, t.data_ptr(), t.dtype, layout, t._version)
+    except Exception:  # noqa: BLE001  (no storage: no key)
+        return None
+
+
+_HOST_ROWS: OrderedDict = OrderedDict()  # row_key -> (device row, its host copy), newest last
+_HOST_ROWS_KEPT = 4
+
+
+def _remember_host_row(device_row: torch.Tensor, host_row: torch.Tensor) -> None:
+    """Keep the host copy of a row :meth:`TreeBatch.to` moved to a device, so the ops that read
+    the tree's structure on the host (:mod:`treefx.ops.host_row`) find it without copying the
+    row back, which would wait for the device's queue. The device row is held: its memory
+    cannot go to another tensor while its key is kept."""
+    key = row_key(device_row)
+    if key is None:
+        return
+    _HOST_ROWS[key] = (device_row, np.array(host_row.numpy(), dtype=np.int64))
+    _HOST_ROWS.move_to_end(key)
+    while len(_HOST_ROWS) > _HOST_ROWS_KEPT:
+        _HOST_ROWS.popitem(last=False)
+
+
+def known_host_row(t: torch.Tensor) -> np.ndarray | None:
+    """The host copy (int64) of the row ``t`` where :meth:`TreeBatch.to` moved it there and it
+    is unchanged since (the same memory, layout and version); else None."""
+    key = row_key(t)
+    hit = None if key is None else _HOST_ROWS.get(key)
+    return None if hit is None else hit[1]
 
 
 def move_tensors(tensors: list[torch.Tensor], device: torch.device,

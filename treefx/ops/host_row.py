@@ -5,11 +5,14 @@ Under AOTAutograd / Inductor the tree's structure is data (``parent_token``, a t
 model's device). The ops that need it as Python values (the recurrence's nodes and levels,
 the conv's node-boundary tokens) run as opaque custom ops and read the row on the host. On a
 GPU each such copy waits for all queued work, so a step's layers (forward and recomputed
-backward) share one: :func:`derived` keeps what was computed from the last row seen.
+backward) share one: :func:`derived` keeps what was computed from the last row seen. A row that
+:meth:`treefx.TreeBatch.to` moved to the device from the host is not copied back at all: its
+host copy is kept (:func:`treefx.layout.known_host_row`), so the step's first such op does not
+wait for the device either.
 
-A hit needs the same storage, offset, shape, strides and version counter. The row tensor is
-held, so its memory cannot be handed to another tensor while it is the key, and any in-place
-change to it (or to a view of it) bumps the version counter; a change made behind torch's back
+A hit needs the same memory, dtype, layout and version counter (:func:`treefx.layout.row_key`).
+The row tensor is held, so its memory cannot be handed to another tensor while it is the key,
+and any in-place change to it (or to a view of it) bumps the version counter; a change made behind torch's back
 (through a NumPy array sharing its memory) would not be seen, which is why treefx hands these
 functions rows it built itself.
 """
@@ -21,6 +24,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from ..layout import known_host_row, row_key
+
 __all__ = ["derived", "row_key"]
 
 
@@ -29,16 +34,6 @@ class _LastRow:
     sees a key with another row's values); values are added to its dict."""
 
     entry: tuple | None = None
-
-
-def row_key(t: torch.Tensor):
-    """The identity of a row tensor's current contents (None for tensors without storage:
-    fake and functional wrappers, never cached)."""
-    try:
-        return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape),
-                t.stride(), t._version)
-    except Exception:  # noqa: BLE001  (no storage: no caching)
-        return None
 
 
 def host_row(parent_token: torch.Tensor) -> np.ndarray:
@@ -54,7 +49,8 @@ def derived(parent_token: torch.Tensor, name, compute: Callable[[np.ndarray], ob
     if key is None:
         return compute(host_row(parent_token))
     if entry is None or entry[0] != key:
-        entry = (key, parent_token, {"row": host_row(parent_token)})
+        row = known_host_row(parent_token)
+        entry = (key, parent_token, {"row": host_row(parent_token) if row is None else row})
         _LastRow.entry = entry
     values = entry[2]
     if name not in values:
