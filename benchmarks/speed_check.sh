@@ -952,3 +952,21 @@ if [ "${1:-}" = z21 ]; then
   sed -i '/pow_by_natural/d' $OUT/*.log
   results z21
 fi
+# Stage z22 (`... z22` on one GPU, carry .whl/fla, .cache/triton and .data/swe200.jsonl;
+# results in $OUT/z22.tgz). z21's kept host row did not reach the ops (they read a row of
+# the engine's stacked graph input); that input now takes the batch row's host copy along,
+# and a part's inputs keep theirs (moved in one pinned copy):
+#   Qwen3-Next's shapes side by side, the check off, in both orders
+#   two SWE tasks through treefx.backward and packing, gradients compared (the parts' inputs)
+if [ "${1:-}" = z22 ]; then
+  z_cache
+  with_fla z22
+  TREEFX_VERIFY=0 next_e2e 0 170 next_a --methods treefx,packed_reset --budget 160
+  TREEFX_VERIFY=0 next_e2e 0 170 next_b --methods packed_reset,treefx --budget 160
+  TREEFX_VERIFY=0 timeout 170 python3 -m benchmarks.real_trees --trees .data/swe200.jsonl \
+    --sample 40 --seed 0 --slice 0:2 --budget 65536 --methods treefx,packing --check-grads \
+    --time-limit 150 --out $OUT/real_trees.json > $OUT/real_trees.log 2>&1
+  echo "real_trees rc=$?"; grep -E "task|share" $OUT/real_trees.log | tail -n 4 | cut -c1-300
+  sed -i '/pow_by_natural/d' $OUT/*.log
+  results z22
+fi

@@ -164,7 +164,7 @@ def test_a_row_moved_from_the_host_is_not_copied_back(monkeypatch):
     # what TreeBatch.to does after a move from the host (CPU-only here: the "device" row is
     # another CPU tensor)
     moved = batch.parent_token.clone()
-    layout._remember_host_row(moved, batch.parent_token)
+    layout.remember_host_row(moved, batch.parent_token)
     assert tree_nodes(moved) == ((0, 3, 6), (3, 3, 2), (-1, 0, 0), (0, 1, 1))
     assert tree_nodes(moved[None][0]) == tree_nodes(moved) and copies == []
     moved[7] = 6  # in place: the kept copy no longer names this row's contents
@@ -172,8 +172,35 @@ def test_a_row_moved_from_the_host_is_not_copied_back(monkeypatch):
     assert copies == [1]
     assert layout.known_host_row(moved.clone()) is None
     for _ in range(layout._HOST_ROWS_KEPT + 1):  # a few rows kept, the oldest dropped
-        layout._remember_host_row(torch.zeros(3, dtype=torch.long), torch.zeros(3))
+        layout.remember_host_row(torch.zeros(3, dtype=torch.long), torch.zeros(3))
     assert len(layout._HOST_ROWS) == layout._HOST_ROWS_KEPT
+
+
+def test_a_compiled_hybrid_reads_a_moved_row_without_copying_it_back(monkeypatch):
+    """Through the traced graph the ops get a row of the engine's stacked graph input, not
+    the batch's own: that input takes the batch row's host copy along, so a Qwen3-Next step
+    (its conv and recurrence reading the structure on the host) copies no row back. Without
+    the kept copy each call copies once."""
+    import treefx.layout as layout
+    import treefx.ops.host_row as hmod
+
+    cfg = _gdn_config("qwen3_next")
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    tm = treefx.compile(model, backend="aot-eager", verify=False)
+    batch = treefx.pack([SHORT_NODES])
+    copies = []
+    copy = hmod.host_row
+    monkeypatch.setattr(hmod, "host_row", lambda t: copies.append(1) or copy(t))
+    monkeypatch.setattr(layout, "_HOST_ROWS", type(layout._HOST_ROWS)())
+    for kept in (False, True):
+        if kept:  # as TreeBatch.to keeps it after a move from the host
+            layout.remember_host_row(batch.parent_token, batch.parent_token)
+        copies.clear()
+        for _ in range(2):
+            treefx.tree_loss(tm(batch), batch).backward()
+        assert len(copies) == (0 if kept else 2)
 
 
 @pytest.mark.parametrize("trees", [[SHORT_NODES], odd_forest(31, VOCAB)], ids=["short", "forest"])

@@ -18,7 +18,8 @@ import torch
 from .mask import dense_tree_mask, tree_block_mask
 from .tree import Tree
 
-__all__ = ["TreeBatch", "check_num_sequences", "known_host_row", "pack", "row_key"]
+__all__ = ["TreeBatch", "check_num_sequences", "known_host_row", "pack", "remember_host_row",
+           "row_key"]
 
 _REDUCTIONS = ("sum", "mean")
 
@@ -181,7 +182,7 @@ class TreeBatch:
                       loss_weights_by_reduction=dict(zip(reductions, moved[:k])),
                       **dict(zip(self._TENSOR_FIELDS, moved[k:])))
         if self.parent_token.device.type == "cpu" and device.type != "cpu":
-            _remember_host_row(out.parent_token, self.parent_token)
+            remember_host_row(out.parent_token, self.parent_token)
         return out
 
 
@@ -198,18 +199,21 @@ def row_key(t: torch.Tensor):
 
 
 _HOST_ROWS: OrderedDict = OrderedDict()  # row_key -> (device row, its host copy), newest last
-_HOST_ROWS_KEPT = 4
+_HOST_ROWS_KEPT = 16
 
 
-def _remember_host_row(device_row: torch.Tensor, host_row: torch.Tensor) -> None:
-    """Keep the host copy of a row :meth:`TreeBatch.to` moved to a device, so the ops that read
-    the tree's structure on the host (:mod:`treefx.ops.host_row`) find it without copying the
-    row back, which would wait for the device's queue. The device row is held: its memory
-    cannot go to another tensor while its key is kept."""
+def remember_host_row(device_row: torch.Tensor, host_row) -> None:
+    """Keep the host copy (a CPU tensor or array, copied here) of a row on a device: the row
+    :meth:`TreeBatch.to` moved there, and the graph input the engine stacks from it. The ops
+    that read the tree's structure on the host (:mod:`treefx.ops.host_row`) then find it
+    without copying the row back, which would wait for the device's queue. The device row is
+    held: its memory cannot go to another tensor while its key is kept."""
     key = row_key(device_row)
     if key is None:
         return
-    _HOST_ROWS[key] = (device_row, np.array(host_row.numpy(), dtype=np.int64))
+    if isinstance(host_row, torch.Tensor):
+        host_row = host_row.numpy()
+    _HOST_ROWS[key] = (device_row, np.array(host_row, dtype=np.int64))
     _HOST_ROWS.move_to_end(key)
     while len(_HOST_ROWS) > _HOST_ROWS_KEPT:
         _HOST_ROWS.popitem(last=False)
@@ -220,7 +224,10 @@ def known_host_row(t: torch.Tensor) -> np.ndarray | None:
     is unchanged since (the same memory, layout and version); else None."""
     key = row_key(t)
     hit = None if key is None else _HOST_ROWS.get(key)
-    return None if hit is None else hit[1]
+    if hit is None:
+        return None
+    _HOST_ROWS.move_to_end(key)
+    return hit[1]
 
 
 def move_tensors(tensors: list[torch.Tensor], device: torch.device,

@@ -57,7 +57,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .layout import TreeBatch
+from .layout import TreeBatch, move_tensors, remember_host_row
 
 __all__ = ["Part", "PartPlan", "plan", "plan_even"]
 
@@ -654,4 +654,12 @@ def part_tensors(plan: PartPlan, part: Part, device=None, *, min_tokens: int = 2
             "label_tokens": t(predicted)}
     if device is None:
         return host
-    return {name: x.to(device) for name, x in host.items()}
+    # one pinned copy per dtype, not waiting for the device's queue; the rows the part's ops
+    # read on the host (its predecessors, where its states enter and leave) keep their host
+    # copies, so those ops copy nothing back (treefx.ops.host_row)
+    moved = dict(zip(host, move_tensors(list(host.values()), torch.device(device))))
+    for name, dev_row, host_row in (("tree_info", moved["tree_info"][1], host["tree_info"][1]),
+                                    ("state_entry", moved["state_entry"], host["state_entry"]),
+                                    ("state_exit", moved["state_exit"], host["state_exit"])):
+        remember_host_row(dev_row, host_row)
+    return moved

@@ -26,7 +26,7 @@ import torch
 
 from ..layout import known_host_row, row_key
 
-__all__ = ["derived", "row_key"]
+__all__ = ["derived", "on_host", "row_key"]
 
 
 class _LastRow:
@@ -41,6 +41,13 @@ def host_row(parent_token: torch.Tensor) -> np.ndarray:
     return parent_token.detach().cpu().numpy().astype(np.int64, copy=False)
 
 
+def on_host(t: torch.Tensor) -> np.ndarray:
+    """``t`` (int64 values) as a NumPy array: its kept host copy where it has one
+    (:func:`treefx.layout.known_host_row`), else one device-to-host copy."""
+    row = known_host_row(t)
+    return host_row(t) if row is None else row
+
+
 def derived(parent_token: torch.Tensor, name, compute: Callable[[np.ndarray], object]):
     """``compute(host row)``, computed once per row and ``name`` (a hashable naming the
     computation and its settings) while the same unchanged row comes back."""
@@ -49,8 +56,7 @@ def derived(parent_token: torch.Tensor, name, compute: Callable[[np.ndarray], ob
     if key is None:
         return compute(host_row(parent_token))
     if entry is None or entry[0] != key:
-        row = known_host_row(parent_token)
-        entry = (key, parent_token, {"row": host_row(parent_token) if row is None else row})
+        entry = (key, parent_token, {"row": on_host(parent_token)})
         _LastRow.entry = entry
     values = entry[2]
     if name not in values:

@@ -29,7 +29,7 @@ from .capture import capture_environment, no_autocast_cache, no_cache, prepare_m
 from ..compiler import GraphBreakError, GraphContext, TreeCompileError, run_passes
 from ..compiler.graph import example, graph_code, module_path
 from ..compiler.lower.parts import PartSites, part_outputs
-from ..layout import TreeBatch
+from ..layout import TreeBatch, known_host_row, remember_host_row
 from ..ops.attention import check_interleave_heads, check_kernel_options
 from ..plan import Compiled, Plan
 from ..reference import output_vocab_size, vocab_size
@@ -444,8 +444,14 @@ def unwrap_compiled(model):
 
 
 def tree_info(batch: TreeBatch) -> torch.Tensor:
-    """The tree tensors as one graph input: positions, parent_token, subtree_end [3, N]."""
-    return torch.stack([batch.position_ids[0], batch.parent_token, batch.subtree_end])
+    """The tree tensors as one graph input: positions, parent_token, subtree_end [3, N]. Where
+    the batch's row has a host copy (:meth:`TreeBatch.to` keeps it), the stacked row gets it
+    too: the ops that read the structure on the host take it, not a copy back."""
+    info = torch.stack([batch.position_ids[0], batch.parent_token, batch.subtree_end])
+    host = known_host_row(batch.parent_token)
+    if host is not None:
+        remember_host_row(info[1], host)
+    return info
 
 
 def check_batch(model: torch.nn.Module, batch: TreeBatch) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from ..host_row import on_host
 from .reference import Recurrence, run_tree, tree_nodes
 from .traced import TracedSite, output_dtype, recomputed_backward, site
 
@@ -25,8 +26,8 @@ def tree_recurrence_part(rec: Recurrence, parent_local: torch.Tensor, state_entr
     predecessor), a true root from zeros. Returns (what :func:`.reference.tree_recurrence`
     returns, the states after the tokens ``state_exit`` [X], each the last token of a node:
     [X, *state])."""
-    entry = state_entry.tolist()
-    exit_rows = state_exit.tolist()
+    entry = on_host(state_entry).tolist()
+    exit_rows = on_host(state_exit).tolist()
 
     def root_state(start):
         e = entry[start]

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..host_row import derived, host_row
+from ..host_row import derived, on_host
 
 __all__ = ["Recurrence", "kernel_runs", "tree_nodes", "tree_recurrence", "padding_is_neutral"]
 
@@ -125,7 +125,7 @@ def tree_nodes(parent_token: torch.Tensor, ends=None):
     the same unchanged row comes back). ``ends``: tokens that must end a node (a part's exit
     tokens, whose state is handed on; :mod:`.part`); computed afresh then, not reused."""
     if ends is not None:
-        return _tree_nodes(host_row(parent_token), ends)
+        return _tree_nodes(on_host(parent_token), ends)
     return derived(parent_token, "recurrence nodes", _tree_nodes)
 
 
