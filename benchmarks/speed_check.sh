@@ -970,3 +970,17 @@ if [ "${1:-}" = z22 ]; then
   sed -i '/pow_by_natural/d' $OUT/*.log
   results z22
 fi
+# Stage z23 (`... z23` on one GPU, carry .whl/fla and .cache/triton as z8; results in
+# $OUT/z23.tgz): the one-launch state pass after its state loads and stores became two helpers
+# (the same arithmetic): the kernels against their reference (the 214-node tree 20 times, bit
+# for bit), the bf16 op against fla depth by depth and the float64 walk, the op timed
+if [ "${1:-}" = z23 ]; then
+  z_cache
+  with_fla z23
+  CUDA_VISIBLE_DEVICES=0 timeout 170 python3 -m benchmarks.fla_tree_check \
+    --cases state,exact,timing --dtypes bfloat16 --value-heads 32 \
+    --out $OUT/fla_tree_check.json > $OUT/fla_tree_check.log 2>&1
+  echo "fla_tree_check rc=$?"
+  grep -E "state-|bfloat16-|  tree|  packed|total|Error" $OUT/fla_tree_check.log | cut -c1-200
+  results z23
+fi

@@ -158,8 +158,8 @@ def test_the_kernels_equal_the_reference_under_tritons_interpreter():
     assert '"case": "state-pass"' in out.stdout
 
 
-@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
-def test_the_kernels_compile_for_hopper(dtype):
+@pytest.mark.parametrize("dtype,key_dim", [("bf16", 128), ("fp32", 128), ("bf16", 64)])
+def test_the_kernels_compile_for_hopper(dtype, key_dim):
     """Triton's compiler for sm_90 (no GPU needed): the kernels' code generation, type checks
     included, for both dtypes, with and without the roots' states and the final states'
     gradient (the interpreter does not type-check loop-carried values)."""
@@ -194,7 +194,7 @@ def test_the_kernels_compile_for_hopper(dtype):
         return triton.compile(src, target=GPUTarget("cuda", 90, 32),
                               options=dict(num_warps=4, num_stages=2))
 
-    shape = dict(H=32, K=128, V=128, BT=64, BV=32, NV=4)
+    shape = dict(H=32, K=key_dim, V=128, BT=64, BV=32, NV=4)
     for on in (True, False):
         assert compile_(st._tree_fwd_h_kernel, {"k", "u", "w", "v_new", "h"}, {"h0": on},
                         {**shape, "USE_H0": on}).asm["ptx"]

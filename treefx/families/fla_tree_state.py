@@ -129,6 +129,30 @@ if triton is not None:
         tl.atomic_xchg(flag, 1, sem="release", scope="gpu")
 
     @triton.jit
+    def _load_state(src, i_v, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
+                    CACHE: tl.constexpr):
+        """Value block ``i_v`` of the [K, V] state at ``src`` as two float32 halves of 64 key
+        rows (the second zeros where K is 64); ``CACHE``: ".cg" for a state another program
+        wrote (read past L1), "" otherwise."""
+        p = tl.make_block_ptr(src, (K, V), (V, 1), (0, i_v * BV), (64, BV), (1, 0))
+        b1 = tl.load(p, boundary_check=(0, 1), cache_modifier=CACHE).to(tl.float32)
+        b2 = tl.zeros([64, BV], dtype=tl.float32)
+        if K > 64:
+            p = tl.make_block_ptr(src, (K, V), (V, 1), (64, i_v * BV), (64, BV), (1, 0))
+            b2 = tl.load(p, boundary_check=(0, 1), cache_modifier=CACHE).to(tl.float32)
+        return b1, b2
+
+    @triton.jit
+    def _store_state(dst, b1, b2, i_v, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr):
+        """The two halves of :func:`_load_state` into value block ``i_v`` of the [K, V] state
+        at ``dst``, in its dtype."""
+        p = tl.make_block_ptr(dst, (K, V), (V, 1), (0, i_v * BV), (64, BV), (1, 0))
+        tl.store(p, b1.to(p.dtype.element_ty), boundary_check=(0, 1))
+        if K > 64:
+            p = tl.make_block_ptr(dst, (K, V), (V, 1), (64, i_v * BV), (64, BV), (1, 0))
+            tl.store(p, b2.to(p.dtype.element_ty), boundary_check=(0, 1))
+
+    @triton.jit
     def _tree_fwd_h_kernel(k, u, w, v_new, g, h, h0, fin, flags, counter,
                            cu, choff, parent, root_row, fin_slot,
                            H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
@@ -145,23 +169,14 @@ if triton is not None:
         par = tl.load(parent + i_n)
 
         b_h1 = tl.zeros([64, BV], dtype=tl.float32)
-        if K > 64:
-            b_h2 = tl.zeros([64, BV], dtype=tl.float32)
+        b_h2 = tl.zeros([64, BV], dtype=tl.float32)
         if par >= 0:
             _wait(flags + (par * H + i_h) * NV + i_v)
             src = fin + (tl.load(fin_slot + par).to(tl.int64) * H + i_h) * K * V
-            p_i = tl.make_block_ptr(src, (K, V), (V, 1), (0, i_v * BV), (64, BV), (1, 0))
-            b_h1 += tl.load(p_i, boundary_check=(0, 1), cache_modifier=".cg")
-            if K > 64:
-                p_i = tl.make_block_ptr(src, (K, V), (V, 1), (64, i_v * BV), (64, BV), (1, 0))
-                b_h2 += tl.load(p_i, boundary_check=(0, 1), cache_modifier=".cg")
+            b_h1, b_h2 = _load_state(src, i_v, K, V, BV, ".cg")
         elif USE_H0:
             src = h0 + (tl.load(root_row + i_n).to(tl.int64) * H + i_h) * K * V
-            p_i = tl.make_block_ptr(src, (K, V), (V, 1), (0, i_v * BV), (64, BV), (1, 0))
-            b_h1 += tl.load(p_i, boundary_check=(0, 1)).to(tl.float32)
-            if K > 64:
-                p_i = tl.make_block_ptr(src, (K, V), (V, 1), (64, i_v * BV), (64, BV), (1, 0))
-                b_h2 += tl.load(p_i, boundary_check=(0, 1)).to(tl.float32)
+            b_h1, b_h2 = _load_state(src, i_v, K, V, BV, "")
 
         k += (bos * H + i_h) * K
         w += (bos * H + i_h) * K
@@ -170,11 +185,7 @@ if triton is not None:
         g += bos * H + i_h
         h_t = h + (boh * H + i_h) * K * V
         for i_t in range(NT):
-            p_h = tl.make_block_ptr(h_t, (K, V), (V, 1), (0, i_v * BV), (64, BV), (1, 0))
-            tl.store(p_h, b_h1.to(p_h.dtype.element_ty), boundary_check=(0, 1))
-            if K > 64:
-                p_h = tl.make_block_ptr(h_t, (K, V), (V, 1), (64, i_v * BV), (64, BV), (1, 0))
-                tl.store(p_h, b_h2.to(p_h.dtype.element_ty), boundary_check=(0, 1))
+            _store_state(h_t, b_h1, b_h2, i_v, K, V, BV)
             # the new values: u - w h
             p_w = tl.make_block_ptr(w, (T, K), (H * K, 1), (i_t * BT, 0), (BT, 64), (1, 0))
             b_w = tl.load(p_w, boundary_check=(0, 1))
@@ -209,12 +220,7 @@ if triton is not None:
 
         slot = tl.load(fin_slot + i_n)
         if slot >= 0:
-            dst = fin + (slot.to(tl.int64) * H + i_h) * K * V
-            p_f = tl.make_block_ptr(dst, (K, V), (V, 1), (0, i_v * BV), (64, BV), (1, 0))
-            tl.store(p_f, b_h1, boundary_check=(0, 1))
-            if K > 64:
-                p_f = tl.make_block_ptr(dst, (K, V), (V, 1), (64, i_v * BV), (64, BV), (1, 0))
-                tl.store(p_f, b_h2, boundary_check=(0, 1))
+            _store_state(fin + (slot.to(tl.int64) * H + i_h) * K * V, b_h1, b_h2, i_v, K, V, BV)
             _signal(flags + (i_n * H + i_h) * NV + i_v)
 
     @triton.jit
@@ -236,28 +242,23 @@ if triton is not None:
         # the gradient of the node's final state: its children's initial states', in DFS
         # order, then its own where it leaves the op
         b_dh1 = tl.zeros([64, BV], dtype=tl.float32)
-        if K > 64:
-            b_dh2 = tl.zeros([64, BV], dtype=tl.float32)
+        b_dh2 = tl.zeros([64, BV], dtype=tl.float32)
         c0 = tl.load(child_ptr + i_n)
         c1 = tl.load(child_ptr + i_n + 1)
         for c in range(c0, c1):
             child = tl.load(child_idx + c)
             _wait(flags + (child * H + i_h) * NV + i_v)
-            src = dh0 + (child.to(tl.int64) * H + i_h) * K * V
-            p_c = tl.make_block_ptr(src, (K, V), (V, 1), (0, i_v * BV), (64, BV), (1, 0))
-            b_dh1 += tl.load(p_c, boundary_check=(0, 1), cache_modifier=".cg")
-            if K > 64:
-                p_c = tl.make_block_ptr(src, (K, V), (V, 1), (64, i_v * BV), (64, BV), (1, 0))
-                b_dh2 += tl.load(p_c, boundary_check=(0, 1), cache_modifier=".cg")
+            d1, d2 = _load_state(dh0 + (child.to(tl.int64) * H + i_h) * K * V, i_v, K, V, BV,
+                                 ".cg")
+            b_dh1 += d1
+            b_dh2 += d2
         if USE_DHT:
             row = tl.load(keep_row + i_n)
             if row >= 0:
-                src = dht + (row.to(tl.int64) * H + i_h) * K * V
-                p_t = tl.make_block_ptr(src, (K, V), (V, 1), (0, i_v * BV), (64, BV), (1, 0))
-                b_dh1 += tl.load(p_t, boundary_check=(0, 1)).to(tl.float32)
-                if K > 64:
-                    p_t = tl.make_block_ptr(src, (K, V), (V, 1), (64, i_v * BV), (64, BV), (1, 0))
-                    b_dh2 += tl.load(p_t, boundary_check=(0, 1)).to(tl.float32)
+                d1, d2 = _load_state(dht + (row.to(tl.int64) * H + i_h) * K * V, i_v, K, V, BV,
+                                     "")
+                b_dh1 += d1
+                b_dh2 += d2
 
         q += (bos * H + i_h) * K
         k += (bos * H + i_h) * K
@@ -269,11 +270,7 @@ if triton is not None:
         dh_t = dh + ((boh + NT - 1) * H + i_h) * K * V
         for i_s in range(NT):
             i_t = NT - 1 - i_s
-            p_dh = tl.make_block_ptr(dh_t, (K, V), (V, 1), (0, i_v * BV), (64, BV), (1, 0))
-            tl.store(p_dh, b_dh1.to(p_dh.dtype.element_ty), boundary_check=(0, 1))
-            if K > 64:
-                p_dh = tl.make_block_ptr(dh_t, (K, V), (V, 1), (64, i_v * BV), (64, BV), (1, 0))
-                tl.store(p_dh, b_dh2.to(p_dh.dtype.element_ty), boundary_check=(0, 1))
+            _store_state(dh_t, b_dh1, b_dh2, i_v, K, V, BV)
             last = tl.minimum((i_t + 1) * BT, T) - 1
             b_g_last = tl.load(g + last * H).to(tl.float32)
             p_g = tl.make_block_ptr(g, (T,), (H,), (i_t * BT,), (BT,), (0,))
@@ -323,12 +320,7 @@ if triton is not None:
         if USE_H0:
             out = i_n >= 0
         if out:
-            dst = dh0 + (i_n.to(tl.int64) * H + i_h) * K * V
-            p_o = tl.make_block_ptr(dst, (K, V), (V, 1), (0, i_v * BV), (64, BV), (1, 0))
-            tl.store(p_o, b_dh1, boundary_check=(0, 1))
-            if K > 64:
-                p_o = tl.make_block_ptr(dst, (K, V), (V, 1), (64, i_v * BV), (64, BV), (1, 0))
-                tl.store(p_o, b_dh2, boundary_check=(0, 1))
+            _store_state(dh0 + (i_n.to(tl.int64) * H + i_h) * K * V, b_dh1, b_dh2, i_v, K, V, BV)
             _signal(flags + (i_n * H + i_h) * NV + i_v)
 
 
