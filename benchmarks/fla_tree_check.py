@@ -151,26 +151,6 @@ def exact_case(dev, dtype, trees, seed: int = 0, value_heads: int = 4) -> dict:
     return res
 
 
-def _random_forest_row(seed: int, roots: int = 2) -> np.ndarray:
-    """The parent-token row of a random forest: nodes of one token and across 64-token
-    chunks, up to four depths, up to three children a node."""
-    rng = np.random.default_rng(seed)
-    par: list[int] = []
-
-    def node(parent_tok, depth):
-        first = len(par)
-        for t in range(int(rng.choice([1, 2, 30, 64, 65, 100]))):
-            par.append(parent_tok if t == 0 else first + t - 1)
-        last = len(par) - 1
-        if depth < 3:
-            for _ in range(int(rng.integers(0, 4))):
-                node(last, depth + 1)
-
-    for _ in range(roots):
-        node(-1, 0)
-    return np.asarray(par)
-
-
 def state_pass_exact(dev, seed: int, heads: int, key_dim: int, value_dim: int,
                      row: np.ndarray | None = None, repeats: int = 1) -> dict:
     """treefx's one-launch state pass (``fla_tree_state``), forward and backward, float32,
@@ -181,7 +161,9 @@ def state_pass_exact(dev, seed: int, heads: int, key_dim: int, value_dim: int,
     from treefx.families import fla_tree_state as st
     from treefx.ops.recurrence.reference import _tree_nodes
 
-    row = _random_forest_row(seed) if row is None else row
+    from treefx.tools.synth import random_parent_row
+
+    row = random_parent_row(seed) if row is None else row
     starts, lengths, parents, _ = _tree_nodes(row)
     n, t = len(starts), len(row)
     keep = sorted({0, n - 1, n // 2})

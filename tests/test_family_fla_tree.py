@@ -11,26 +11,13 @@ import torch
 
 from treefx.families import fla_tree
 from treefx.ops.recurrence.reference import _tree_nodes
+from treefx.tools.synth import random_parent_row
 
 
 def _random_row(seed: int) -> np.ndarray:
     """A DFS row of a forest of two random trees, node lengths across 64-token chunks and of
     one token, up to four depths."""
-    rng = np.random.default_rng(seed)
-    par: list[int] = []
-
-    def node(parent_tok, depth):
-        first = len(par)
-        for t in range(int(rng.choice([1, 3, 17, 64, 65, 129]))):
-            par.append(parent_tok if t == 0 else first + t - 1)
-        last = len(par) - 1
-        if depth < 3:
-            for _ in range(int(rng.integers(0, 4))):
-                node(last, depth + 1)
-
-    node(-1, 0)
-    node(-1, 0)
-    return np.asarray(par)
+    return random_parent_row(seed, lengths=(1, 3, 17, 64, 65, 129))
 
 
 def _chunks(lengths) -> list[tuple[int, int]]:

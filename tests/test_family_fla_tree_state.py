@@ -17,26 +17,13 @@ import torch
 
 from treefx.families import fla_tree, fla_tree_state
 from treefx.ops.recurrence.reference import _tree_nodes
+from treefx.tools.synth import random_parent_row
 
 
-def _random_row(seed: int, roots: int = 2) -> np.ndarray:
-    """A DFS row of a forest of random trees: nodes of one token and across 64-token chunks,
-    up to four depths, some nodes with one child (a sequence that is a prefix of another)."""
-    rng = np.random.default_rng(seed)
-    par: list[int] = []
-
-    def node(parent_tok, depth):
-        first = len(par)
-        for t in range(int(rng.choice([1, 2, 17, 64, 65, 100]))):
-            par.append(parent_tok if t == 0 else first + t - 1)
-        last = len(par) - 1
-        if depth < 3:
-            for _ in range(int(rng.integers(0, 4))):
-                node(last, depth + 1)
-
-    for _ in range(roots):
-        node(-1, 0)
-    return np.asarray(par)
+def _random_row(seed: int) -> np.ndarray:
+    """A forest of two random trees: nodes of one token and across 64-token chunks, up to four
+    depths, some nodes with one child (a sequence that is a prefix of another)."""
+    return random_parent_row(seed, lengths=(1, 2, 17, 64, 65, 100))
 
 
 @pytest.mark.parametrize("seed", range(5))

@@ -25,7 +25,7 @@ from ..agent_trees import agent_tree
 from ..tree import Tree
 
 __all__ = ["agent_tree", "dataset", "iter_dataset", "odd_forest", "odd_tree",
-           "random_sequences"]
+           "random_parent_row", "random_sequences"]
 
 
 def dataset(n: int, seed: int = 0, **kwargs) -> list[Tree]:
@@ -92,3 +92,26 @@ def odd_tree(seed: int, vocab: int = 64, *, masks: bool = True) -> Tree:
 def odd_forest(seed: int, vocab: int = 64) -> list[Tree]:
     """Two odd trees, one with loss masks and one without."""
     return [odd_tree(seed, vocab), odd_tree(seed + 1, vocab, masks=False)]
+
+
+def random_parent_row(seed: int, roots: int = 2, lengths=(1, 2, 30, 64, 65, 100),
+                      depth: int = 3, children: int = 3) -> np.ndarray:
+    """The DFS predecessor row (``parent_token``: -1 for a root) of a random forest of
+    ``roots`` trees: each node's length drawn from ``lengths``, up to ``children`` children a
+    node down to ``depth`` (a node with one child continues it: a sequence that is a prefix of
+    another). For kernels that read only the tree's structure."""
+    rng = np.random.default_rng(seed)
+    par: list[int] = []
+
+    def node(parent_tok: int, level: int) -> None:
+        first = len(par)
+        for t in range(int(rng.choice(lengths))):
+            par.append(parent_tok if t == 0 else first + t - 1)
+        last = len(par) - 1
+        if level < depth:
+            for _ in range(int(rng.integers(0, children + 1))):
+                node(last, level + 1)
+
+    for _ in range(roots):
+        node(-1, 0)
+    return np.asarray(par)
