@@ -96,10 +96,11 @@ def odd_forest(seed: int, vocab: int = 64) -> list[Tree]:
 
 def random_parent_row(seed: int, roots: int = 2, lengths=(1, 2, 30, 64, 65, 100),
                       depth: int = 3, children: int = 3) -> np.ndarray:
-    """The DFS predecessor row (``parent_token``: -1 for a root) of a random forest of
-    ``roots`` trees: each node's length drawn from ``lengths``, up to ``children`` children a
-    node down to ``depth`` (a node with one child continues it: a sequence that is a prefix of
-    another). For kernels that read only the tree's structure."""
+    """The predecessor row of a random forest, for kernels that read only the structure.
+
+    ``parent_token`` in DFS order (-1 for a root) of ``roots`` trees: each node's length drawn
+    from ``lengths``, up to ``children`` children a node down to ``depth`` (a node with one
+    child continues it: a sequence that is a prefix of another)."""
     rng = np.random.default_rng(seed)
     par: list[int] = []
 
