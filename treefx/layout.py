@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import threading
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
@@ -200,6 +201,7 @@ def row_key(t: torch.Tensor):
 
 _HOST_ROWS: OrderedDict = OrderedDict()  # row_key -> (device row, its host copy), newest last
 _HOST_ROWS_KEPT = 16
+_HOST_ROWS_LOCK = threading.Lock()  # a loader thread may move the next batch meanwhile
 
 
 def remember_host_row(device_row: torch.Tensor, host_row) -> None:
@@ -213,20 +215,25 @@ def remember_host_row(device_row: torch.Tensor, host_row) -> None:
         return
     if isinstance(host_row, torch.Tensor):
         host_row = host_row.numpy()
-    _HOST_ROWS[key] = (device_row, np.array(host_row, dtype=np.int64))
-    _HOST_ROWS.move_to_end(key)
-    while len(_HOST_ROWS) > _HOST_ROWS_KEPT:
-        _HOST_ROWS.popitem(last=False)
+    entry = (device_row, np.array(host_row, dtype=np.int64))
+    with _HOST_ROWS_LOCK:
+        _HOST_ROWS[key] = entry
+        _HOST_ROWS.move_to_end(key)
+        while len(_HOST_ROWS) > _HOST_ROWS_KEPT:
+            _HOST_ROWS.popitem(last=False)
 
 
 def known_host_row(t: torch.Tensor) -> np.ndarray | None:
     """The host copy (int64) of the row ``t`` where :meth:`TreeBatch.to` moved it there and it
     is unchanged since (the same memory, layout and version); else None."""
     key = row_key(t)
-    hit = None if key is None else _HOST_ROWS.get(key)
-    if hit is None:
+    if key is None:
         return None
-    _HOST_ROWS.move_to_end(key)
+    with _HOST_ROWS_LOCK:
+        hit = _HOST_ROWS.get(key)
+        if hit is None:
+            return None
+        _HOST_ROWS.move_to_end(key)
     return hit[1]
 
 
