@@ -25,6 +25,15 @@ packing trainer's layer runs, 68,762 tokens; on both paths fla's own call since 
 and the one-pass path with its forward's chunk states kept for the backward
 (``TREEFX_FLA_TREE_KEEP_STATES=1``).
 
+``--cases state``: treefx's one-launch state pass alone (``fla_tree_state``), forward and
+backward, float32 against its float64 reference: two random forests, then a 214-node, 27-depth
+tree at Qwen3-Next's heads run 20 times, every output the same bit for bit (a race between
+its programs would show there). The exactness cases include that tree too (``many-nodes``).
+Timed variants: fla depth by depth; one pass with the state pass per depth
+(``TREEFX_FLA_TREE_STATE=0``); one pass with the state pass in one launch (the default), also
+with each ``--state-configs`` setting; the chunk states kept. ``--profile-op`` profiles named
+variants once after their timing: GPU time by kernel.
+
 ``--first-config`` (exactness only): each fla kernel runs the first of its autotuning
 configurations that compiles and runs, not the fastest of all of them, so the check compiles
 one configuration per kernel instead of every one (fla's cold autotuning took more than 560 s

@@ -17,6 +17,11 @@ state pass runs per depth, on the depth's slice of the row (a view: no copy), wi
 initial states gathered from the depth above. Per depth: one launch forward, two backward (the
 state pass recomputed, then its backward), against fla's whole pipeline per depth.
 
+Where treefx's own state pass runs (:mod:`.fla_tree_state`: Triton, key heads of 64 or 128),
+the nodes stay in DFS order and the state pass runs over the whole tree in one launch each
+way, every node's program waiting for its parent's (children's) state; the chunk-local stages
+around it are the same fla functions. ``TREEFX_FLA_TREE_STATE=0``: the state pass per depth.
+
 Each stage is the same fla function, called with the same arguments as fla's own
 ``chunk_gated_delta_rule_fwd`` / ``_bwd`` call it for these nodes; a node is one sequence of
 the variable-length row, so its chunks, its states and therefore its results are those of the
