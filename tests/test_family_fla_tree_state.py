@@ -134,6 +134,16 @@ def test_the_one_launch_pass_needs_triton_a_known_key_width_and_is_switchable(mo
     assert not fla_tree_state.available(128)
 
 
+def test_launch_settings_come_from_the_environment_or_say_what_is_wrong(monkeypatch):
+    assert fla_tree_state._config() == (32, 4, 2)
+    monkeypatch.setenv(fla_tree_state.ENV + "_CONFIG", "64,4,3")
+    assert fla_tree_state._config() == (64, 4, 3)
+    for bad in ("64,4", "x,4,2", "48,4,2", "32,3,2"):
+        monkeypatch.setenv(fla_tree_state.ENV + "_CONFIG", bad)
+        with pytest.raises(ValueError, match="TREEFX_FLA_TREE_STATE_CONFIG"):
+            fla_tree_state._config()
+
+
 def test_the_kernels_equal_the_reference_under_tritons_interpreter():
     pytest.importorskip("triton")
     if tuple(int(x) for x in np.__version__.split(".")[:2]) >= (2, 3):

@@ -60,10 +60,17 @@ def _config() -> tuple[int, int, int]:
     """(BV, num_warps, num_stages): value columns per program and the launch's settings.
     ``TREEFX_FLA_TREE_STATE_CONFIG=BV,warps,stages`` sets them (for timing variants)."""
     raw = os.environ.get(ENV + "_CONFIG", "").strip()
-    if raw:
+    if not raw:
+        return 32, 4, 2
+    try:
         bv, warps, stages = (int(x) for x in raw.split(","))
-        return bv, warps, stages
-    return 32, 4, 2
+    except ValueError:
+        raise ValueError(f"{ENV}_CONFIG={raw!r}: expected 'BV,warps,stages', e.g. '32,4,2'") \
+            from None
+    if bv < 16 or bv & (bv - 1) or warps not in (1, 2, 4, 8) or stages < 1:
+        raise ValueError(f"{ENV}_CONFIG={raw!r}: BV a power of two >= 16, warps 1, 2, 4 or 8, "
+                         "stages >= 1")
+    return bv, warps, stages
 
 
 class TreeTables:
