@@ -10,7 +10,7 @@ import itertools
 import pytest
 import torch
 import torch.nn.functional as F
-from support import VOCAB, check_against_oracle
+from support import VOCAB, check_against_oracle, grads
 from trees import check_forward, odd_forest, odd_tree
 
 import treefx
@@ -189,17 +189,29 @@ def test_a_compiled_hybrid_reads_a_moved_row_without_copying_it_back(monkeypatch
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg)
     tm = treefx.compile(model, backend="aot-eager", verify=False)
-    batch = treefx.pack([SHORT_NODES])
+    batch = treefx.pack([SHORT_NODES], reduction="mean")
     copies = []
     copy = hmod.host_row
     monkeypatch.setattr(hmod, "host_row", lambda t: copies.append(1) or copy(t))
     monkeypatch.setattr(layout, "_HOST_ROWS", type(layout._HOST_ROWS)())
+    model.zero_grad(set_to_none=True)
+    treefx.reference.sequence_loss(model, [SHORT_NODES], reduction="mean").backward()
+    oracle = grads(model)
     for kept in (False, True):
         if kept:  # as TreeBatch.to keeps it after a move from the host
             layout.remember_host_row(batch.parent_token, batch.parent_token)
         copies.clear()
         for _ in range(2):
-            treefx.tree_loss(tm(batch), batch).backward()
+            loss = treefx.tree_loss(tm(batch), batch)
+            loss.backward()
+            # the step on the kept copy is the per-sequence oracle's, values and gradients
+            torch.testing.assert_close(
+                loss, treefx.reference.sequence_loss(model, [SHORT_NODES], reduction="mean"),
+                atol=1e-5, rtol=1e-5)
+            got = grads(model)
+            assert got.keys() == oracle.keys()
+            for name, g in got.items():
+                torch.testing.assert_close(g, oracle[name], atol=1e-4, rtol=1e-4, msg=name)
         assert len(copies) == (0 if kept else 2)
 
 
