@@ -150,6 +150,20 @@ if triton is not None:
         return b1, b2
 
     @triton.jit
+    def _rows_by_state(x, T, i_t, b1, b2, H: tl.constexpr, K: tl.constexpr,
+                       BT: tl.constexpr):
+        """Chunk ``i_t``'s rows of ``x`` [T, K] (a token's K channels at stride H * K) times the
+        state whose halves are ``b1``, ``b2`` (cast to ``x``'s dtype): [BT, BV] in float32."""
+        p = tl.make_block_ptr(x, (T, K), (H * K, 1), (i_t * BT, 0), (BT, 64), (1, 0))
+        b_x = tl.load(p, boundary_check=(0, 1))
+        out = tl.dot(b_x, b1.to(b_x.dtype))
+        if K > 64:
+            p = tl.make_block_ptr(x, (T, K), (H * K, 1), (i_t * BT, 64), (BT, 64), (1, 0))
+            b_x = tl.load(p, boundary_check=(0, 1))
+            out += tl.dot(b_x, b2.to(b_x.dtype))
+        return out
+
+    @triton.jit
     def _store_state(dst, b1, b2, i_v, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr):
         """The two halves of :func:`_load_state` into value block ``i_v`` of the [K, V] state
         at ``dst``, in its dtype."""
@@ -194,13 +208,7 @@ if triton is not None:
         for i_t in range(NT):
             _store_state(h_t, b_h1, b_h2, i_v, K, V, BV)
             # the new values: u - w h
-            p_w = tl.make_block_ptr(w, (T, K), (H * K, 1), (i_t * BT, 0), (BT, 64), (1, 0))
-            b_w = tl.load(p_w, boundary_check=(0, 1))
-            b_v = tl.dot(b_w, b_h1.to(b_w.dtype))
-            if K > 64:
-                p_w = tl.make_block_ptr(w, (T, K), (H * K, 1), (i_t * BT, 64), (BT, 64), (1, 0))
-                b_w = tl.load(p_w, boundary_check=(0, 1))
-                b_v += tl.dot(b_w, b_h2.to(b_w.dtype))
+            b_v = _rows_by_state(w, T, i_t, b_h1, b_h2, H, K, BT)
             p_u = tl.make_block_ptr(u, (T, V), (H * V, 1), (i_t * BT, i_v * BV), (BT, BV), (1, 0))
             b_v = tl.load(p_u, boundary_check=(0, 1)) - b_v
             p_vn = tl.make_block_ptr(v_new, (T, V), (H * V, 1), (i_t * BT, i_v * BV), (BT, BV),
@@ -288,13 +296,7 @@ if triton is not None:
                                      (1, 0))
             b_do = tl.load(p_do, boundary_check=(0, 1))
             # the values' gradient through the state: k dh, decayed, plus the local one
-            p_k = tl.make_block_ptr(k, (T, K), (H * K, 1), (i_t * BT, 0), (BT, 64), (1, 0))
-            b_k = tl.load(p_k, boundary_check=(0, 1))
-            b_dv = tl.dot(b_k, b_dh1.to(b_k.dtype))
-            if K > 64:
-                p_k = tl.make_block_ptr(k, (T, K), (H * K, 1), (i_t * BT, 64), (BT, 64), (1, 0))
-                b_k = tl.load(p_k, boundary_check=(0, 1))
-                b_dv += tl.dot(b_k, b_dh2.to(b_k.dtype))
+            b_dv = _rows_by_state(k, T, i_t, b_dh1, b_dh2, H, K, BT)
             m_t = (i_t * BT + tl.arange(0, BT)) < T
             b_dv *= tl.where(m_t, tl.exp(b_g_last - b_g), 0)[:, None]
             p_dv = tl.make_block_ptr(dv, (T, V), (H * V, 1), (i_t * BT, i_v * BV), (BT, BV),
