@@ -136,6 +136,22 @@ if triton is not None:
         tl.atomic_xchg(flag, 1, sem="release", scope="gpu")
 
     @triton.jit
+    def _take_work(counter, cu, choff, N, H: tl.constexpr, NV: tl.constexpr,
+                   BT: tl.constexpr, REVERSE: tl.constexpr):
+        """This program's ticket, in the order programs start: its node (DFS order, or reverse
+        DFS order with ``REVERSE``), head and value block, and the node's first token, token
+        count, chunk count and first chunk."""
+        ticket = tl.atomic_add(counter, 1)
+        i_n = ticket // (H * NV)
+        if REVERSE:
+            i_n = N - 1 - i_n
+        i_h = (ticket // NV) % H
+        i_v = ticket % NV
+        bos = tl.load(cu + i_n).to(tl.int64)
+        T = (tl.load(cu + i_n + 1) - bos).to(tl.int32)
+        return i_n, i_h, i_v, bos, T, tl.cdiv(T, BT), tl.load(choff + i_n).to(tl.int64)
+
+    @triton.jit
     def _load_state(src, i_v, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
                     CACHE: tl.constexpr):
         """Value block ``i_v`` of the [K, V] state at ``src`` as two float32 halves of 64 key
@@ -179,14 +195,8 @@ if triton is not None:
                            H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                            BT: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
                            USE_H0: tl.constexpr):
-        ticket = tl.atomic_add(counter, 1)
-        i_n = ticket // (H * NV)  # forward: nodes in DFS order, a parent before its children
-        i_h = (ticket // NV) % H
-        i_v = ticket % NV
-        bos = tl.load(cu + i_n).to(tl.int64)
-        T = (tl.load(cu + i_n + 1) - bos).to(tl.int32)
-        NT = tl.cdiv(T, BT)
-        boh = tl.load(choff + i_n).to(tl.int64)
+        # forward: nodes in DFS order, a parent before its children
+        i_n, i_h, i_v, bos, T, NT, boh = _take_work(counter, cu, choff, 0, H, NV, BT, False)
         par = tl.load(parent + i_n)
 
         b_h1 = tl.zeros([64, BV], dtype=tl.float32)
@@ -245,14 +255,8 @@ if triton is not None:
                              H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                              BT: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
                              USE_H0: tl.constexpr, USE_DHT: tl.constexpr):
-        ticket = tl.atomic_add(counter, 1)
-        i_n = N - 1 - ticket // (H * NV)  # reverse DFS order: children before the parent
-        i_h = (ticket // NV) % H
-        i_v = ticket % NV
-        bos = tl.load(cu + i_n).to(tl.int64)
-        T = (tl.load(cu + i_n + 1) - bos).to(tl.int32)
-        NT = tl.cdiv(T, BT)
-        boh = tl.load(choff + i_n).to(tl.int64)
+        # reverse DFS order: children before the parent
+        i_n, i_h, i_v, bos, T, NT, boh = _take_work(counter, cu, choff, N, H, NV, BT, True)
 
         # the gradient of the node's final state: its children's initial states', in DFS
         # order, then its own where it leaves the op
