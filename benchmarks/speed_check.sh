@@ -984,3 +984,39 @@ if [ "${1:-}" = z23 ]; then
   grep -E "state-|bfloat16-|  tree|  packed|total|Error" $OUT/fla_tree_check.log | cut -c1-200
   results z23
 fi
+# Stage z24 (`... z24` on four GPUs, carry .data/swe200.jsonl; results in $OUT/z24.tgz):
+#   first (issue 36's first step, 47.5 s cold in [fla-27] at 4 layers): whether the packages'
+#     Python bytecode is there, then in fresh processes with empty compile caches, four at a
+#     time: 4 layers with the default on GPU 0 and with Inductor's pointwise kernels not
+#     autotuned (TREEFX_AUTOTUNE_POINTWISE=0, one configuration each: nothing to benchmark on
+#     the first run) on GPU 1, each twice in a row (the second finds the bytecode the first
+#     wrote); 36 layers (a quarter of the tree) the same two ways on GPUs 2 and 3
+#   then (issue 34) the first 14 of the 40 SWE tasks (--sample 40 --seed 0), treefx.backward
+#     and packing, gradients compared, in four shards, one a GPU (the packing steps balanced)
+if [ "${1:-}" = z24 ]; then
+  RES=$OUT; OUT=/tmp/z24; mkdir -p $OUT
+  site=$(python3 -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+  echo "PYTHONDONTWRITEBYTECODE=${PYTHONDONTWRITEBYTECODE:-unset}; $site/torch/_inductor:" \
+    "$(ls $site/torch/_inductor/__pycache__ 2>/dev/null | wc -l) cached modules;" \
+    "writable: $(test -w $site/torch/_inductor && echo yes || echo no)" | tee $OUT/bytecode.txt
+  L36="--layers 36 --scale 0.25 --methods treefx --warmup 1 --reps 3"
+  (cold first_default 0 120 --layers 4 --methods treefx --warmup 1 --reps 3
+   cold first_default_again 0 120 --layers 4 --methods treefx --warmup 1 --reps 3) &
+  (export TREEFX_AUTOTUNE_POINTWISE=0
+   cold first_pointwise 1 120 --layers 4 --methods treefx --warmup 1 --reps 3
+   cold first_pointwise_again 1 120 --layers 4 --methods treefx --warmup 1 --reps 3) &
+  cold l36_default 2 170 $L36 &
+  TREEFX_AUTOTUNE_POINTWISE=0 cold l36_pointwise 3 170 $L36 &
+  wait
+  echo "site-packages bytecode after: $(ls $site/torch/_inductor/__pycache__ 2>/dev/null | wc -l)"
+  shard() {  # shard <gpu> <slice>
+    CUDA_VISIBLE_DEVICES=$1 TREEFX_VERIFY=0 timeout 330 python3 -m benchmarks.real_trees \
+      --trees .data/swe200.jsonl --sample 40 --seed 0 --slice $2 --budget 65536 \
+      --methods treefx,packing --check-grads --time-limit 300 \
+      --out $OUT/real_trees_$1.json > $OUT/real_trees_$1.log 2>&1
+    echo "real_trees $2 rc=$?"; tail -n 2 $OUT/real_trees_$1.log | cut -c1-300
+  }
+  shard 0 0:4 & shard 1 4:8 & shard 2 8:11 & shard 3 11:14 & wait
+  sed -i '/pow_by_natural/d' $OUT/*.log
+  results z24
+fi

@@ -221,6 +221,9 @@ def inductor_patches() -> dict:
     from torch._inductor import config
 
     patches = {}
+    pointwise = os.environ.get("TREEFX_AUTOTUNE_POINTWISE", "").strip().lower()
+    if pointwise:
+        patches["triton.autotune_pointwise"] = pointwise not in ("0", "false", "no", "off")
     if hasattr(config.triton, "mix_order_reduction_non_strict_mode"):
         patches["triton.mix_order_reduction_non_strict_mode"] = True
     if hasattr(config, "emulate_precision_casts"):
