@@ -1020,3 +1020,41 @@ if [ "${1:-}" = z24 ]; then
   sed -i '/pow_by_natural/d' $OUT/*.log
   results z24
 fi
+# Stage z25 (`... z25` on one GPU, nothing carried; results in $OUT/z25.tgz). z24 ([first-15]):
+# the device's Python writes no bytecode (PYTHONDONTWRITEBYTECODE=1, no __pycache__ in
+# site-packages), so every process compiles the modules it imports from source, its compile
+# workers too; one configuration per pointwise kernel took the 4-layer first step from 48.0
+# to 38.0 s (two jobs on the host). Now treefx's default (pointwise kernels not autotuned,
+# compile workers started before Dynamo's trace), alone on the host, each in a fresh process
+# with empty compile caches, 4 layers unless said:
+#   a: bytecode written as it goes (PYTHONPYCACHEPREFIX): the machine as it comes
+#   b: again, the bytecode a left (a user's installed packages); its compile caches kept
+#   c: TREEFX_AUTOTUNE_POINTWISE=1 (Inductor's autotuning), bytecode present
+#   d: 36 layers (a quarter of the tree), bytecode present
+#   e: b restarted with the compile caches it left
+if [ "${1:-}" = z25 ]; then
+  RES=$OUT; OUT=/tmp/z25; mkdir -p $OUT
+  unset PYTHONDONTWRITEBYTECODE; export PYTHONPYCACHEPREFIX=/tmp/pyc
+  F4="--layers 4 --methods treefx --warmup 2 --reps 5"
+  cold z25a_machine 0 140 $F4
+  keep=$(mktemp -d)
+  CACHE=$keep cold z25b_bytecode 0 140 $F4
+  TREEFX_AUTOTUNE_POINTWISE=1 cold z25c_autotuned 0 140 $F4
+  cold z25d_l36 0 170 --layers 36 --scale 0.25 --methods treefx --warmup 1 --reps 3
+  CACHE=$keep cold z25e_restart 0 100 $F4
+  echo "bytecode files: $(find /tmp/pyc -name '*.pyc' | wc -l)"
+  results z25
+fi
+# Stage z26 (`... z26` on one GPU, carry .data/swe200.jsonl; results in $OUT/z26.tgz): issue
+# 34's 14 SWE tasks (--sample 40 --seed 0 --slice 0:14) alone on the host, treefx.backward and
+# packing, in one process (z24's four shards at once, one a GPU, made treefx's steps 5-30%
+# longer and packing's not: kept apart, not used). Gradients were compared in z24.
+if [ "${1:-}" = z26 ]; then
+  RES=$OUT; OUT=/tmp/z26; mkdir -p $OUT
+  TREEFX_VERIFY=0 timeout 575 python3 -m benchmarks.real_trees --trees .data/swe200.jsonl \
+    --sample 40 --seed 0 --slice 0:14 --budget 65536 --methods treefx,packing \
+    --time-limit 545 --out $OUT/real_trees_swe14.json > $OUT/real_trees_swe14.log 2>&1
+  echo "real_trees rc=$?"; tail -n 4 $OUT/real_trees_swe14.log | cut -c1-300
+  sed -i '/pow_by_natural/d' $OUT/*.log
+  results z26
+fi

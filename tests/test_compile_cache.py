@@ -206,3 +206,23 @@ def test_a_cached_graph_is_found_again_within_its_guards(tmp_path, monkeypatch):
     hits, out, x = _compile_cold_then_again(tmp_path, monkeypatch, 7, 9, 10)
     assert hits == 1
     torch.testing.assert_close(out, x.sin())
+
+
+@pytest.mark.parametrize("env, expected", [(None, False), ("0", False), ("1", True),
+                                           ("yes", True)])
+def test_pointwise_kernels_are_autotuned_only_when_asked(recorded, monkeypatch, env, expected):
+    """Tree graphs go to Inductor with pointwise autotuning off (each such kernel compiled in
+    one configuration, nothing timed on its first run: the first step's cost, BENCHMARKS.md),
+    unless TREEFX_AUTOTUNE_POINTWISE asks for Inductor's default; and treefx starts Inductor's
+    compile workers before Dynamo traces the model."""
+    import torch._inductor.async_compile as ac
+
+    if env is None:
+        monkeypatch.delenv("TREEFX_AUTOTUNE_POINTWISE", raising=False)
+    else:
+        monkeypatch.setenv("TREEFX_AUTOTUNE_POINTWISE", env)
+    warmed = []
+    monkeypatch.setattr(ac, "maybe_warm_pool", lambda: warmed.append(len(recorded)))
+    _run(hf_model("qwen3", "sdpa"))
+    assert recorded[-1][1]["triton.autotune_pointwise"] is expected
+    assert warmed == [0]  # once, before the graph reached Inductor

@@ -217,18 +217,42 @@ def inductor_patches() -> dict:
       Inductor otherwise computes a fused ``bf16 * int`` in float32 and rounds once: Falcon's
       ALiBi (``slopes.bfloat16() * positions``, in a float32 model) then differs from the
       per-sequence model at positions past 256 (2.7e-3 in log-prob on the H100), which the
-      first-call check refused."""
+      first-call check refused;
+    - pointwise kernels not autotuned (:func:`autotune_pointwise`)."""
     from torch._inductor import config
 
     patches = {}
-    pointwise = os.environ.get("TREEFX_AUTOTUNE_POINTWISE", "").strip().lower()
-    if pointwise:
-        patches["triton.autotune_pointwise"] = pointwise not in ("0", "false", "no", "off")
+    if hasattr(config.triton, "autotune_pointwise"):
+        patches["triton.autotune_pointwise"] = autotune_pointwise()
     if hasattr(config.triton, "mix_order_reduction_non_strict_mode"):
         patches["triton.mix_order_reduction_non_strict_mode"] = True
     if hasattr(config, "emulate_precision_casts"):
         patches["emulate_precision_casts"] = True
     return patches
+
+
+def autotune_pointwise() -> bool:
+    """Whether Inductor autotunes the pointwise kernels of tree graphs: not by default,
+    ``TREEFX_AUTOTUNE_POINTWISE=1`` for Inductor's own default.
+
+    Autotuned, a pointwise kernel is compiled in two or more configurations and each is
+    timed on its first run. On 4 Qwen3-8B-shaped layers (H100, empty compile caches) that
+    was 6.6-9.1 s of a 48-56 s first step, and one configuration each gave the same step
+    time within run-to-run noise (BENCHMARKS.md, "First step and compile time")."""
+    value = os.environ.get("TREEFX_AUTOTUNE_POINTWISE", "0").strip().lower()
+    return value not in ("", "0", "false", "no", "off")
+
+
+def warm_compile_workers() -> None:
+    """Start Inductor's pool of compile workers now (as ``torch.compile``'s own backend does
+    when Dynamo hands it a graph, and where ``TORCH_WARM_POOL`` allows it), so that the
+    workers start while Dynamo traces the model rather than when the first kernel is
+    compiled."""
+    try:
+        from torch._inductor.async_compile import maybe_warm_pool
+    except ImportError:  # pragma: no cover - a torch without it
+        return
+    maybe_warm_pool()
 
 
 # ------------------------------------------------------------ AOTAutograd's on-disk cache

@@ -212,6 +212,8 @@ class TreeEngine:
         ``root``: what the user holds (the model, or its DDP wrapper), whose call wraps a
         regional run (:mod:`treefx.run.regional`)."""
         backend = self.resolve_backend(device)
+        if backend == "inductor" and not self.compiled:
+            backends.warm_compile_workers()
         if discover_in is not None and discover_in not in self._prepared:
             prepare_model(discover_in)
             self._prepared.add(discover_in)
