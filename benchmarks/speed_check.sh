@@ -1058,3 +1058,24 @@ if [ "${1:-}" = z26 ]; then
   sed -i '/pow_by_natural/d' $OUT/*.log
   results z26
 fi
+# Stage z27 (`... z27` on one GPU, carry .data/swe200.jsonl; results in $OUT/z27.tgz): in z26
+# the two largest trees' steps were 7% longer than on 2026-11-27 (tasks 25 and 77, 38,569 and
+# 51,416 tokens in one part), the first run with pointwise kernels not autotuned: each of the
+# two tasks with Inductor's autotuning (TREEFX_AUTOTUNE_POINTWISE=1) and without, treefx
+# alone, 5 timed steps, one process each
+if [ "${1:-}" = z27 ]; then
+  RES=$OUT; OUT=/tmp/z27; mkdir -p $OUT
+  one() {  # one <name> <slice> [env...]
+    local name=$1 slice=$2; shift 2
+    env "$@" TREEFX_VERIFY=0 timeout 150 python3 -m benchmarks.real_trees \
+      --trees .data/swe200.jsonl --sample 40 --seed 0 --slice $slice --budget 65536 \
+      --methods treefx --reps 5 --out $OUT/real_trees_$name.json > $OUT/real_trees_$name.log 2>&1
+    echo "$name rc=$?"; grep -E "treefx" $OUT/real_trees_$name.log | tail -n 2 | cut -c1-200
+  }
+  one t25_autotuned 3:4 TREEFX_AUTOTUNE_POINTWISE=1
+  one t25_default 3:4 TREEFX_AUTOTUNE_POINTWISE=0
+  one t77_default 11:12 TREEFX_AUTOTUNE_POINTWISE=0
+  one t77_autotuned 11:12 TREEFX_AUTOTUNE_POINTWISE=1
+  sed -i '/pow_by_natural/d' $OUT/*.log
+  results z27
+fi
