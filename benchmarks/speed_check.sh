@@ -1079,3 +1079,20 @@ if [ "${1:-}" = z27 ]; then
   sed -i '/pow_by_natural/d' $OUT/*.log
   results z27
 fi
+# Stage z28 (`... z28` on four GPUs, carry .data/swe200.jsonl; results in $OUT/z28.tgz): z24's
+# four shards at once made treefx's steps 2-30% longer than alone and packing's not. Each
+# process there ran PyTorch's CPU ops on 64 threads (one per core: four processes, 256
+# threads). The same four shards with OMP_NUM_THREADS=1, as torchrun sets it for each rank
+if [ "${1:-}" = z28 ]; then
+  RES=$OUT; OUT=/tmp/z28; mkdir -p $OUT
+  shard() {  # shard <gpu> <slice>
+    CUDA_VISIBLE_DEVICES=$1 OMP_NUM_THREADS=1 TREEFX_VERIFY=0 timeout 330 python3 -m benchmarks.real_trees \
+      --trees .data/swe200.jsonl --sample 40 --seed 0 --slice $2 --budget 65536 \
+      --methods treefx,packing --time-limit 300 \
+      --out $OUT/real_trees_$1.json > $OUT/real_trees_$1.log 2>&1
+    echo "real_trees $2 rc=$?"; tail -n 2 $OUT/real_trees_$1.log | cut -c1-300
+  }
+  shard 0 0:4 & shard 1 4:8 & shard 2 8:11 & shard 3 11:14 & wait
+  sed -i '/pow_by_natural/d' $OUT/*.log
+  results z28
+fi
