@@ -1096,3 +1096,17 @@ if [ "${1:-}" = z28 ]; then
   sed -i '/pow_by_natural/d' $OUT/*.log
   results z28
 fi
+# Stage z29 (`... z29` on four GPUs, carry .data/swe200.jsonl; files straight into $OUT): z28
+# with OMP_NUM_THREADS=16 each (the host's 64 cores shared out, none oversubscribed; one
+# process alone on the one-GPU machine runs 16): whether one thread or merely not more
+# threads than cores is what gave z28's steps
+if [ "${1:-}" = z29 ]; then
+  shard() {  # shard <gpu> <slice>
+    CUDA_VISIBLE_DEVICES=$1 OMP_NUM_THREADS=16 TREEFX_VERIFY=0 timeout 300 python3 -m benchmarks.real_trees \
+      --trees .data/swe200.jsonl --sample 40 --seed 0 --slice $2 --budget 65536 \
+      --methods treefx,packing --time-limit 270 \
+      --out $OUT/real_trees_omp16_$1.json > /tmp/real_trees_$1.log 2>&1
+    echo "real_trees $2 rc=$?"; tail -n 2 /tmp/real_trees_$1.log | cut -c1-300
+  }
+  shard 0 0:4 & shard 1 4:8 & shard 2 8:11 & shard 3 11:14 & wait
+fi
