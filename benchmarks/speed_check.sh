@@ -50,6 +50,21 @@ with_fla() {  # with_fla <stage>: fla installed, results gathered in /tmp/<stage
   RES=$OUT; OUT=/tmp/$1; mkdir -p $OUT
 }
 results() { tar czf $RES/$1.tgz -C $OUT .; }
+swe_shards() {  # issue 34's 14 SWE tasks (--sample 40 --seed 0) in four shards at once, one
+  # a GPU, treefx.backward and packing, the packing steps balanced; $SHARD_ARGS added,
+  # $SHARD_LIMIT seconds (330), into $OUT/$SHARD_NAME_<gpu>.json (real_trees) with logs
+  # in $SHARD_LOGS ($OUT)
+  local gpu slices=(0:4 4:8 8:11 11:14) limit=${SHARD_LIMIT:-330} name=${SHARD_NAME:-real_trees}
+  local logs=${SHARD_LOGS:-$OUT}
+  for gpu in 0 1 2 3; do
+    (CUDA_VISIBLE_DEVICES=$gpu TREEFX_VERIFY=0 timeout $limit python3 -m benchmarks.real_trees \
+       --trees .data/swe200.jsonl --sample 40 --seed 0 --slice ${slices[$gpu]} --budget 65536 \
+       --methods treefx,packing ${SHARD_ARGS:-} --time-limit $((limit - 30)) \
+       --out $OUT/${name}_$gpu.json > $logs/${name}_$gpu.log 2>&1
+     echo "real_trees ${slices[$gpu]} rc=$?"; tail -n 2 $logs/${name}_$gpu.log | cut -c1-300) &
+  done
+  wait
+}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 case ${1:-a} in
 a)
@@ -1009,14 +1024,7 @@ if [ "${1:-}" = z24 ]; then
   TREEFX_AUTOTUNE_POINTWISE=0 cold l36_pointwise 3 170 $L36 &
   wait
   echo "site-packages bytecode after: $(ls $site/torch/_inductor/__pycache__ 2>/dev/null | wc -l)"
-  shard() {  # shard <gpu> <slice>
-    CUDA_VISIBLE_DEVICES=$1 TREEFX_VERIFY=0 timeout 330 python3 -m benchmarks.real_trees \
-      --trees .data/swe200.jsonl --sample 40 --seed 0 --slice $2 --budget 65536 \
-      --methods treefx,packing --check-grads --time-limit 300 \
-      --out $OUT/real_trees_$1.json > $OUT/real_trees_$1.log 2>&1
-    echo "real_trees $2 rc=$?"; tail -n 2 $OUT/real_trees_$1.log | cut -c1-300
-  }
-  shard 0 0:4 & shard 1 4:8 & shard 2 8:11 & shard 3 11:14 & wait
+  SHARD_ARGS=--check-grads swe_shards
   sed -i '/pow_by_natural/d' $OUT/*.log
   results z24
 fi
@@ -1085,14 +1093,7 @@ fi
 # threads). The same four shards with OMP_NUM_THREADS=1, as torchrun sets it for each rank
 if [ "${1:-}" = z28 ]; then
   RES=$OUT; OUT=/tmp/z28; mkdir -p $OUT
-  shard() {  # shard <gpu> <slice>
-    CUDA_VISIBLE_DEVICES=$1 OMP_NUM_THREADS=1 TREEFX_VERIFY=0 timeout 330 python3 -m benchmarks.real_trees \
-      --trees .data/swe200.jsonl --sample 40 --seed 0 --slice $2 --budget 65536 \
-      --methods treefx,packing --time-limit 300 \
-      --out $OUT/real_trees_$1.json > $OUT/real_trees_$1.log 2>&1
-    echo "real_trees $2 rc=$?"; tail -n 2 $OUT/real_trees_$1.log | cut -c1-300
-  }
-  shard 0 0:4 & shard 1 4:8 & shard 2 8:11 & shard 3 11:14 & wait
+  OMP_NUM_THREADS=1 swe_shards
   sed -i '/pow_by_natural/d' $OUT/*.log
   results z28
 fi
@@ -1101,12 +1102,5 @@ fi
 # process alone on the one-GPU machine runs 16): whether one thread or merely not more
 # threads than cores is what gave z28's steps
 if [ "${1:-}" = z29 ]; then
-  shard() {  # shard <gpu> <slice>
-    CUDA_VISIBLE_DEVICES=$1 OMP_NUM_THREADS=16 TREEFX_VERIFY=0 timeout 300 python3 -m benchmarks.real_trees \
-      --trees .data/swe200.jsonl --sample 40 --seed 0 --slice $2 --budget 65536 \
-      --methods treefx,packing --time-limit 270 \
-      --out $OUT/real_trees_omp16_$1.json > /tmp/real_trees_$1.log 2>&1
-    echo "real_trees $2 rc=$?"; tail -n 2 /tmp/real_trees_$1.log | cut -c1-300
-  }
-  shard 0 0:4 & shard 1 4:8 & shard 2 8:11 & shard 3 11:14 & wait
+  OMP_NUM_THREADS=16 SHARD_LIMIT=300 SHARD_NAME=real_trees_omp16 SHARD_LOGS=/tmp swe_shards
 fi
