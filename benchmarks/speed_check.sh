@@ -1104,3 +1104,39 @@ fi
 if [ "${1:-}" = z29 ]; then
   OMP_NUM_THREADS=16 SHARD_LIMIT=300 SHARD_NAME=real_trees_omp16 SHARD_LOGS=/tmp swe_shards
 fi
+# Stage z30 (`... z30` on one GPU, nothing carried; results in $OUT/z30.tgz): z25 ([first-16])
+# found 8.2 s of the 4-layer first step waiting for Triton's compile workers, graph by graph
+# (each of the 6 regional graphs waited for its own kernels before the next was generated).
+# Now those waits are made once, after the last graph (treefx.run.backends
+# .kernel_waits_deferred). Alone on the host, each in a fresh process with empty compile
+# caches, 4 layers unless said:
+#   a: the machine as it comes (no bytecode; it writes it under PYTHONPYCACHEPREFIX): z25a
+#   b: again with the bytecode a left, compile caches kept: z25b
+#   c: b with TREEFX_DEFER_KERNEL_WAITS=0 (graph by graph, as before), bytecode present
+#   d: 36 layers (a quarter of the tree), bytecode present: z25d
+#   e: b restarted with the compile caches it left: z25e
+if [ "${1:-}" = z30 ]; then
+  RES=$OUT; OUT=/tmp/z30; mkdir -p $OUT
+  unset PYTHONDONTWRITEBYTECODE; export PYTHONPYCACHEPREFIX=/tmp/pyc
+  F4="--layers 4 --methods treefx --warmup 2 --reps 5"
+  cold z30a_machine 0 140 $F4
+  keep=$(mktemp -d)
+  CACHE=$keep cold z30b_bytecode 0 140 $F4
+  TREEFX_DEFER_KERNEL_WAITS=0 cold z30c_graph_by_graph 0 140 $F4
+  cold z30d_l36 0 170 --layers 36 --scale 0.25 --methods treefx --warmup 1 --reps 3
+  CACHE=$keep cold z30e_restart 0 100 $F4
+  for f in $OUT/e2e_*.json; do python3 - "$f" <<'PY'
+import json, sys
+d = json.load(open(sys.argv[1]))
+for arch in d["runs"].values():
+    for por in arch.values():
+        t = por.get("treefx", {})
+        m = t.get("compile_metrics_s", {})
+        print(sys.argv[1].split("/")[-1], "first", t.get("first_step_s"), "wait",
+              m.get("async_compile.wait"), "codegen", m.get("GraphLowering.codegen"),
+              "check", t.get("check_stages_s"))
+PY
+  done
+  sed -i '/pow_by_natural/d' $OUT/*.log
+  results z30
+fi

@@ -226,3 +226,93 @@ def test_pointwise_kernels_are_autotuned_only_when_asked(recorded, monkeypatch, 
     _run(hf_model("qwen3", "sdpa"))
     assert recorded[-1][1]["triton.autotune_pointwise"] is expected
     assert warmed == [0]  # once, before the graph reached Inductor
+
+
+class _Cos(torch.nn.Module):
+    def forward(self, x):
+        return (x.cos() * 2,)
+
+
+def _wait_spy(monkeypatch) -> list:
+    """Inductor's wait for a generated module's kernels, recorded (as the module's kernel
+    names at the time of the call) and then made."""
+    from torch._inductor.async_compile import AsyncCompile
+
+    calls = []
+    real = AsyncCompile.wait
+
+    def wait(self, scope):
+        calls.append(sorted(k for k in scope if "kernel" in k or k.startswith("cpp_fused")))
+        return real(self, scope)
+
+    monkeypatch.setattr(AsyncCompile, "wait", wait)
+    return calls
+
+
+def _compile_two(tmp_path, monkeypatch, defer: str, during: list) -> list:
+    """``_Sin`` then ``_Cos`` through the inductor backend (Inductor's code on the CPU, caches
+    off) inside one deferral block; the spy's calls are appended to ``during`` after each
+    compilation, inside the block. The two compiled functions."""
+    from torch._inductor import config as inductor_config
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("TREEFX_DEFER_KERNEL_WAITS", defer)
+    calls = _wait_spy(monkeypatch)
+    fns = []
+    with inductor_config.patch(fx_graph_cache=False), backends.kernel_waits_deferred():
+        for module in (_Sin(), _Cos()):
+            mode, fake = _symbolic(torch.randn(9, 4), ShapeEnv(), [True, False])
+            with torch._guards.tracing(torch._guards.TracingContext(mode)):
+                fns.append(backends.compile_graph(
+                    "inductor", torch.fx.symbolic_trace(module), [fake]))
+            during.append(len(calls))
+    assert len(calls) == 2, calls  # one wait per generated module, each made once
+    return fns
+
+
+def test_kernel_waits_are_made_once_after_the_last_graph(tmp_path, monkeypatch):
+    """Inductor's waits for its compile workers (one per generated module) are deferred to the
+    end of the block (the workers compile one graph's kernels while the next is generated:
+    the first step's cost, BENCHMARKS.md), then made; the compiled graphs compute the right
+    values. TREEFX_DEFER_KERNEL_WAITS=0 waits graph by graph, as Inductor does."""
+    during = []
+    sin, cos = _compile_two(tmp_path / "a", monkeypatch, "1", during)
+    assert during == [0, 0]
+    x = torch.randn(11, 4)
+    torch.testing.assert_close(sin(x)[0], x.sin())
+    torch.testing.assert_close(cos(x)[0], x.cos() * 2)
+
+    during = []
+    _compile_two(tmp_path / "b", monkeypatch, "0", during)
+    assert during == [1, 2]
+
+
+def test_kernel_waits_nest_and_are_dropped_on_an_error(monkeypatch):
+    """A block inside another joins it (its waits are made when the outer one ends); a block
+    left by an error makes none of its waits (the error propagates as it was)."""
+    from concurrent.futures import Future
+
+    from torch._inductor.async_compile import AsyncCompile
+
+    monkeypatch.delenv("TREEFX_DEFER_KERNEL_WAITS", raising=False)
+    calls = _wait_spy(monkeypatch)
+    done = Future()
+    done.set_result("compiled")
+    scopes = [{"kernel_a": done}, {"kernel_b": done}]
+    with backends.kernel_waits_deferred():
+        AsyncCompile().wait(scopes[0])
+        with backends.kernel_waits_deferred():
+            AsyncCompile().wait(scopes[1])
+        assert calls == [] and scopes[1]["kernel_b"] is done
+    assert calls == [["kernel_a"], ["kernel_b"]]
+    assert scopes == [{"kernel_a": "compiled"}, {"kernel_b": "compiled"}]
+
+    calls.clear()
+    with pytest.raises(RuntimeError, match="in the middle"):
+        with backends.kernel_waits_deferred():
+            AsyncCompile().wait({"kernel_c": done})
+            raise RuntimeError("in the middle")
+    assert calls == []
+    AsyncCompile().wait({"kernel_d": done})  # the patch is gone: waits are made at once
+    assert calls == [["kernel_d"]]

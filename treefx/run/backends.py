@@ -18,6 +18,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import time
+from unittest import mock
 
 import torch
 import torch.fx as fx
@@ -94,7 +96,8 @@ def compile_graph(backend: str, gm: fx.GraphModule, example_inputs):
     if backend == "inductor":
         from torch._inductor.compile_fx import compile_fx
 
-        with backward_compiled_now(), _autograd_cache(sizes is not None):
+        with backward_compiled_now(), _autograd_cache(sizes is not None), \
+                kernel_waits_deferred():
             fn = compile_fx(gm, example_inputs, config_patches={
                 **inductor_patches(), **cacheable_patch(gm), **patches})
     else:
@@ -253,6 +256,72 @@ def warm_compile_workers() -> None:
     except ImportError:  # pragma: no cover - a torch without it
         return
     maybe_warm_pool()
+
+
+# ------------------------------------------------------------ Triton compiles, waited for once
+#
+# Inductor hands each Triton kernel of a graph to its pool of compile workers while it
+# generates the graph's code, and waits for all of them when it loads that code
+# (``async_compile.wait(globals())`` at the end of the generated module), before it turns to
+# the next graph. A graph's backward, and the next piece of a regional graph, therefore
+# started only once the previous graph's slowest kernel (FlexAttention's backward template,
+# say) was compiled, and the main process sat idle meanwhile: 8.2 s of the 4-layer first step
+# on an H100 (BENCHMARKS.md, "First step and compile time"). Deferred, the workers compile one
+# graph's kernels while the main process traces, partitions and lowers the next graphs, and
+# the waits happen once, when every graph of the capture has been generated. Nothing runs a
+# compiled graph in between: a regional piece's first call is made on fake inputs, which
+# AOTAutograd answers from the traced graph's metadata (``fakify_first_call``), without its
+# kernels. What changes: the kernels miss the Triton bundle Inductor files with each graph in
+# its cache (they are compiled after the graph's entry is written), so a restart finds them in
+# Triton's own cache instead.
+
+
+_deferred_waits: list | None = None
+
+
+def defer_kernel_waits() -> bool:
+    """Whether Inductor's waits for its Triton compiles are deferred to the end of a capture's
+    compilation (:func:`kernel_waits_deferred`): by default; ``TREEFX_DEFER_KERNEL_WAITS=0``
+    waits graph by graph, as Inductor does."""
+    value = os.environ.get("TREEFX_DEFER_KERNEL_WAITS", "1").strip().lower()
+    return value not in ("0", "false", "no", "off")
+
+
+@contextlib.contextmanager
+def kernel_waits_deferred():
+    """Inside, a generated module's wait for its compiled kernels is recorded, not made; on
+    leaving the outermost such block (without an error) every recorded wait is made, in order.
+    Nested blocks join the outermost one."""
+    global _deferred_waits
+    try:
+        from torch._inductor.async_compile import AsyncCompile
+    except ImportError:  # pragma: no cover - a torch without Inductor
+        yield
+        return
+    if _deferred_waits is not None or not defer_kernel_waits():
+        yield
+        return
+    pending: list = []
+    real_wait = AsyncCompile.wait
+
+    def wait(self, scope):
+        pending.append((self, scope))
+
+    _deferred_waits = pending
+    ok = False
+    try:
+        with mock.patch.object(AsyncCompile, "wait", wait):
+            yield
+        ok = True
+    finally:
+        _deferred_waits = None
+        if ok:
+            t0 = time.perf_counter()
+            for compiler, scope in pending:
+                real_wait(compiler, scope)
+            if pending:
+                log.info("treefx: waited %.1f s for the Triton compiles of %d graph(s)",
+                         time.perf_counter() - t0, len(pending))
 
 
 # ------------------------------------------------------------ AOTAutograd's on-disk cache

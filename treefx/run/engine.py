@@ -386,7 +386,8 @@ class TreeEngine:
         def compile_graph(gm: fx.GraphModule, example_inputs):
             compiled = self._capture(gm, example_inputs, backend)
             ctx = compiled.context
-            with self.timed("compile"):
+            # the Triton compiles of every piece are waited for once, after the last piece
+            with self.timed("compile"), backends.kernel_waits_deferred():
                 holder["graph"] = regional.build(ctx.gm, example_inputs, backend=backend,
                                                  model=model, call_args=args,
                                                  token_args=dynamic)
