@@ -63,10 +63,25 @@ def versions() -> dict:
             "python": platform.python_version()}
 
 
+def host_cpu() -> str:
+    """The host's CPU model and the cores this process may use (compile times depend on
+    both: the same GPU kind comes on hosts of different CPUs)."""
+    model = platform.processor() or "?"
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f
+                          if line.startswith("model name")), model)
+    except OSError:
+        pass
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return f"{model}, {cores} cores"
+
+
 def run_meta(cuda: bool) -> dict:
-    """Device, versions, date and command line of this run (recorded in every result file)."""
+    """Device, host CPU, versions, date and command line of this run (recorded in every
+    result file)."""
     return {"device": device_name(cuda) if cuda else f"cpu ({platform.processor()})",
-            "cuda": cuda, **versions(),
+            "host_cpu": host_cpu(), "cuda": cuda, **versions(),
             "date": datetime.datetime.now().isoformat(timespec="seconds"),
             "command": " ".join([os.path.basename(sys.executable), "-m",
                                  _module_name(), *sys.argv[1:]])}

@@ -50,6 +50,21 @@ with_fla() {  # with_fla <stage>: fla installed, results gathered in /tmp/<stage
   RES=$OUT; OUT=/tmp/$1; mkdir -p $OUT
 }
 results() { tar czf $RES/$1.tgz -C $OUT .; }
+first_summary() {  # each e2e result in $OUT: the host's CPU, the first step, the wait for
+  # Triton's compile workers, code generation and the check's stages
+  for f in $OUT/e2e_*.json; do python3 - "$f" <<'PY'
+import json, sys
+d = json.load(open(sys.argv[1]))
+print(sys.argv[1].split("/")[-1], d.get("meta", d).get("host_cpu", "?"))
+for arch in d["runs"].values():
+    for por in arch.values():
+        t = por.get("treefx", {})
+        m = t.get("compile_metrics_s", {})
+        print("  first", t.get("first_step_s"), "wait", m.get("async_compile.wait"), "codegen",
+              m.get("GraphLowering.codegen"), "check", t.get("check_stages_s"))
+PY
+  done
+}
 swe_shards() {  # issue 34's 14 SWE tasks (--sample 40 --seed 0) in four shards at once, one
   # a GPU, treefx.backward and packing, the packing steps balanced; $SHARD_ARGS added,
   # $SHARD_LIMIT seconds (330), into $OUT/$SHARD_NAME_<gpu>.json (real_trees) with logs
@@ -1125,18 +1140,31 @@ if [ "${1:-}" = z30 ]; then
   TREEFX_DEFER_KERNEL_WAITS=0 cold z30c_graph_by_graph 0 140 $F4
   cold z30d_l36 0 170 --layers 36 --scale 0.25 --methods treefx --warmup 1 --reps 3
   CACHE=$keep cold z30e_restart 0 100 $F4
-  for f in $OUT/e2e_*.json; do python3 - "$f" <<'PY'
-import json, sys
-d = json.load(open(sys.argv[1]))
-for arch in d["runs"].values():
-    for por in arch.values():
-        t = por.get("treefx", {})
-        m = t.get("compile_metrics_s", {})
-        print(sys.argv[1].split("/")[-1], "first", t.get("first_step_s"), "wait",
-              m.get("async_compile.wait"), "codegen", m.get("GraphLowering.codegen"),
-              "check", t.get("check_stages_s"))
-PY
-  done
+  first_summary
   sed -i '/pow_by_natural/d' $OUT/*.log
   results z30
+fi
+# Stage z31 (`... z31` on one GPU, nothing carried; results in $OUT/z31.tgz): z30 ran on a
+# faster host than z25 (4 layers 27.9 s graph by graph against z25's 37.3 s), so a single pair
+# says little: deferred (the default) and graph by graph (TREEFX_DEFER_KERNEL_WAITS=0)
+# alternated on one host, each in a fresh process with empty compile caches, the host's CPU
+# recorded:
+#   a: graph by graph, the machine as it comes (no bytecode; it writes it): beside z30a
+#   b1, c1, b2, c2: 4 layers, deferred / graph by graph, bytecode present
+#   d1, d2: 36 layers (a quarter of the tree) graph by graph / deferred
+if [ "${1:-}" = z31 ]; then
+  RES=$OUT; OUT=/tmp/z31; mkdir -p $OUT
+  unset PYTHONDONTWRITEBYTECODE; export PYTHONPYCACHEPREFIX=/tmp/pyc
+  F4="--layers 4 --methods treefx --warmup 2 --reps 5"
+  L36="--layers 36 --scale 0.25 --methods treefx --warmup 1 --reps 3"
+  TREEFX_DEFER_KERNEL_WAITS=0 cold z31a_machine_graph_by_graph 0 140 $F4
+  for i in 1 2; do
+    cold z31b${i}_deferred 0 140 $F4
+    TREEFX_DEFER_KERNEL_WAITS=0 cold z31c${i}_graph_by_graph 0 140 $F4
+  done
+  TREEFX_DEFER_KERNEL_WAITS=0 cold z31d1_l36_graph_by_graph 0 170 $L36
+  cold z31d2_l36_deferred 0 170 $L36
+  first_summary
+  sed -i '/pow_by_natural/d' $OUT/*.log
+  results z31
 fi
