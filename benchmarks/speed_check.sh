@@ -1168,3 +1168,23 @@ if [ "${1:-}" = z31 ]; then
   sed -i '/pow_by_natural/d' $OUT/*.log
   results z31
 fi
+# Stage z32 (`... z32` on one GPU, carry .data/swe200.jsonl; results in $OUT/z32.tgz): issue
+# 34's 14 SWE tasks alone on the one-GPU machine, as z26 (87.1% median there) but with 7 timed
+# treefx steps after 2 warm-ups (z26: 3 after 1; its steps spread up to 12.6% within a task, so
+# a median of 3 moved a task's share by 3 points): a: PyTorch's default CPU threads; b:
+# OMP_NUM_THREADS=1 (90.2% on the four-GPU host, z28)
+if [ "${1:-}" = z32 ]; then
+  RES=$OUT; OUT=/tmp/z32; mkdir -p $OUT
+  swe14() {  # swe14 <name> [env...]
+    local name=$1; shift
+    env "$@" TREEFX_VERIFY=0 timeout 285 python3 -m benchmarks.real_trees \
+      --trees .data/swe200.jsonl --sample 40 --seed 0 --slice 0:14 --budget 65536 \
+      --methods treefx,packing --warmup 2 --reps 7 --time-limit 270 \
+      --out $OUT/real_trees_swe14_$name.json > $OUT/real_trees_swe14_$name.log 2>&1
+    echo "$name rc=$?"; tail -n 3 $OUT/real_trees_swe14_$name.log | cut -c1-300
+  }
+  swe14 z32a_default
+  swe14 z32b_omp1 OMP_NUM_THREADS=1
+  sed -i '/pow_by_natural/d' $OUT/*.log
+  results z32
+fi
