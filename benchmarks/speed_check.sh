@@ -1188,3 +1188,23 @@ if [ "${1:-}" = z32 ]; then
   sed -i '/pow_by_natural/d' $OUT/*.log
   results z32
 fi
+# Stage z33 (`... z33` on one GPU, carry .data/swe200.jsonl; results in $OUT/z33.tgz): in z32
+# treefx's steps spread more within a task with PyTorch's default CPU threads (up to 12%) than
+# with one (up to 5%). Where the GPU waits for the host: two SWE tasks (38,569 and 25,879
+# tokens; --slice 3:5), treefx alone, 7 timed steps then one under torch.profiler (host gaps
+# and the CPU work in them), a: default threads, b: OMP_NUM_THREADS=1
+if [ "${1:-}" = z33 ]; then
+  RES=$OUT; OUT=/tmp/z33; mkdir -p $OUT
+  prof2() {  # prof2 <name> [env...]
+    local name=$1; shift
+    env "$@" TREEFX_VERIFY=0 timeout 200 python3 -m benchmarks.real_trees \
+      --trees .data/swe200.jsonl --sample 40 --seed 0 --slice 3:5 --budget 65536 \
+      --methods treefx --warmup 2 --reps 7 --profile 2 \
+      --out $OUT/real_trees_$name.json > $OUT/real_trees_$name.log 2>&1
+    echo "$name rc=$?"
+  }
+  prof2 z33a_default
+  prof2 z33b_omp1 OMP_NUM_THREADS=1
+  sed -i '/pow_by_natural/d' $OUT/*.log
+  results z33
+fi
