@@ -288,27 +288,33 @@ def test_kernel_waits_are_made_once_after_the_last_graph(tmp_path, monkeypatch):
     assert during == [1, 2]
 
 
+def _done(value):
+    from concurrent.futures import Future
+
+    f = Future()
+    f.set_result(value)
+    return f
+
+
 def test_kernel_waits_nest_and_are_dropped_on_an_error(monkeypatch):
     """A block inside another joins it (its waits are made when the outer one ends); a block
     left by an error makes none of its waits (the error propagates as it was)."""
-    from concurrent.futures import Future
-
     from torch._inductor.async_compile import AsyncCompile
 
     monkeypatch.delenv("TREEFX_DEFER_KERNEL_WAITS", raising=False)
     calls = _wait_spy(monkeypatch)
-    done = Future()
-    done.set_result("compiled")
+    done = _done("compiled")
     scopes = [{"kernel_a": done}, {"kernel_b": done}]
     with backends.kernel_waits_deferred():
         AsyncCompile().wait(scopes[0])
         with backends.kernel_waits_deferred():
             AsyncCompile().wait(scopes[1])
-        assert calls == [] and scopes[1]["kernel_b"] is done
+        assert calls == [] and scopes[1]["kernel_b"].future is done
     assert calls == [["kernel_a"], ["kernel_b"]]
     assert scopes == [{"kernel_a": "compiled"}, {"kernel_b": "compiled"}]
 
     calls.clear()
+    done = _done("compiled")
     with pytest.raises(RuntimeError, match="in the middle"):
         with backends.kernel_waits_deferred():
             AsyncCompile().wait({"kernel_c": done})
@@ -316,3 +322,26 @@ def test_kernel_waits_nest_and_are_dropped_on_an_error(monkeypatch):
     assert calls == []
     AsyncCompile().wait({"kernel_d": done})  # the patch is gone: waits are made at once
     assert calls == [["kernel_d"]]
+
+
+def test_a_kernel_used_before_the_deferred_wait_waits_for_itself(monkeypatch):
+    """Code that runs a kernel of a module whose wait is deferred (Inductor's compile-time
+    autotuning block runs its kernels right after its wait) gets the kernel: its use waits
+    for its own compilation and puts it in the module; the module's wait is still made at the
+    end, for the rest."""
+    import types
+
+    from torch._inductor.async_compile import AsyncCompile
+
+    monkeypatch.delenv("TREEFX_DEFER_KERNEL_WAITS", raising=False)
+    calls = _wait_spy(monkeypatch)
+    kernel = types.SimpleNamespace(run=lambda *args: sum(args))
+    scope = {"kernel_used": _done(kernel), "kernel_later": _done("later"), "other": 3}
+    with backends.kernel_waits_deferred():
+        AsyncCompile().wait(scope)
+        assert scope["kernel_used"].run(1, 2) == 3  # waits for this kernel alone
+        assert scope["kernel_used"] is kernel
+        assert isinstance(scope["kernel_later"], backends._PendingKernel)
+        assert calls == []
+    assert calls == [["kernel_later", "kernel_used"]]
+    assert scope == {"kernel_used": kernel, "kernel_later": "later", "other": 3}

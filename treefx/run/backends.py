@@ -271,7 +271,8 @@ def warm_compile_workers() -> None:
 # the waits happen once, when every graph of the capture has been generated. Nothing runs a
 # compiled graph in between: a regional piece's first call is made on fake inputs, which
 # AOTAutograd answers from the traced graph's metadata (``fakify_first_call``), without its
-# kernels. What changes: the kernels miss the Triton bundle Inductor files with each graph in
+# kernels; and code that does run a kernel meanwhile (Inductor's compile-time autotuning,
+# where it is on) finds a stand-in that waits for that kernel. What changes: the kernels miss the Triton bundle Inductor files with each graph in
 # its cache (they are compiled after the graph's entry is written), so a restart finds them in
 # Triton's own cache instead.
 
@@ -287,11 +288,47 @@ def defer_kernel_waits() -> bool:
     return value not in ("0", "false", "no", "off")
 
 
+def _future_types() -> tuple:
+    """What Inductor's wait waits for in a generated module's globals."""
+    from concurrent.futures import Future
+
+    try:
+        from torch._inductor.codecache import CodeCacheFuture
+    except ImportError:  # pragma: no cover - a torch without it
+        return (Future,)
+    return (Future, CodeCacheFuture)
+
+
+class _PendingKernel:
+    """A kernel still compiling in Inductor's workers, standing in its generated module's
+    globals while the module's wait is deferred: code that uses the kernel before the deferred
+    wait (Inductor's own compile-time autotuning block, say) waits for this kernel alone, and
+    the kernel takes its place in the module."""
+
+    __slots__ = ("future", "scope", "key")
+
+    def __init__(self, future, scope: dict, key: str):
+        self.future, self.scope, self.key = future, scope, key
+
+    def resolve(self):
+        kernel = self.future.result()
+        if self.scope.get(self.key) is self:
+            self.scope[self.key] = kernel
+        return kernel
+
+    def __getattr__(self, name):
+        return getattr(self.resolve(), name)
+
+    def __call__(self, *args, **kwargs):
+        return self.resolve()(*args, **kwargs)
+
+
 @contextlib.contextmanager
 def kernel_waits_deferred():
-    """Inside, a generated module's wait for its compiled kernels is recorded, not made; on
-    leaving the outermost such block (without an error) every recorded wait is made, in order.
-    Nested blocks join the outermost one."""
+    """Inside, a generated module's wait for its compiled kernels is recorded, not made: each
+    kernel still compiling stands in the module as a :class:`_PendingKernel` (its first use
+    waits for it). On leaving the outermost such block without an error, every recorded wait
+    is made, in order, by Inductor's own wait. Nested blocks join the outermost one."""
     global _deferred_waits
     try:
         from torch._inductor.async_compile import AsyncCompile
@@ -303,9 +340,13 @@ def kernel_waits_deferred():
         return
     pending: list = []
     real_wait = AsyncCompile.wait
+    futures = _future_types()
 
     def wait(self, scope):
-        pending.append((self, scope))
+        keys = [k for k, v in scope.items() if isinstance(v, futures)]
+        for k in keys:
+            scope[k] = _PendingKernel(scope[k], scope, k)
+        pending.append((self, scope, keys))
 
     _deferred_waits = pending
     ok = False
@@ -317,7 +358,10 @@ def kernel_waits_deferred():
         _deferred_waits = None
         if ok:
             t0 = time.perf_counter()
-            for compiler, scope in pending:
+            for compiler, scope, keys in pending:
+                for k in keys:  # Inductor's wait takes the futures (those not used yet)
+                    if isinstance(scope.get(k), _PendingKernel):
+                        scope[k] = scope[k].future
                 real_wait(compiler, scope)
             if pending:
                 log.info("treefx: waited %.1f s for the Triton compiles of %d graph(s)",
