@@ -1208,3 +1208,10 @@ if [ "${1:-}" = z33 ]; then
   sed -i '/pow_by_natural/d' $OUT/*.log
   results z33
 fi
+# Stage z34 (`... z34` on one GPU, nothing carried; results in $OUT): the deferred waits after
+# kernels became stand-ins that wait for themselves on first use (z30 and z31 ran the version
+# before): one cold 4-layer first step, the machine as it comes, first-call check on
+if [ "${1:-}" = z34 ]; then
+  cold z34_standins 0 140 --layers 4 --methods treefx --warmup 2 --reps 5
+  first_summary
+fi
