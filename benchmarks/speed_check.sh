@@ -50,6 +50,14 @@ with_fla() {  # with_fla <stage>: fla installed, results gathered in /tmp/<stage
   RES=$OUT; OUT=/tmp/$1; mkdir -p $OUT
 }
 results() { tar czf $RES/$1.tgz -C $OUT .; }
+first_stage() {  # first_stage <stage>: a first-step stage's set-up: results gathered in
+  # /tmp/<stage>, Python's bytecode written under /tmp/pyc as it goes, the 4-layer and 36-layer
+  # e2e arguments in $F4 and $L36
+  RES=$OUT; OUT=/tmp/$1; mkdir -p $OUT
+  unset PYTHONDONTWRITEBYTECODE; export PYTHONPYCACHEPREFIX=/tmp/pyc
+  F4="--layers 4 --methods treefx --warmup 2 --reps 5"
+  L36="--layers 36 --scale 0.25 --methods treefx --warmup 1 --reps 3"
+}
 first_summary() {  # each e2e result in $OUT: the host's CPU, the first step, the wait for
   # Triton's compile workers, code generation and the check's stages
   for f in $OUT/e2e_*.json; do python3 - "$f" <<'PY'
@@ -1056,14 +1064,12 @@ fi
 #   d: 36 layers (a quarter of the tree), bytecode present
 #   e: b restarted with the compile caches it left
 if [ "${1:-}" = z25 ]; then
-  RES=$OUT; OUT=/tmp/z25; mkdir -p $OUT
-  unset PYTHONDONTWRITEBYTECODE; export PYTHONPYCACHEPREFIX=/tmp/pyc
-  F4="--layers 4 --methods treefx --warmup 2 --reps 5"
+  first_stage z25
   cold z25a_machine 0 140 $F4
   keep=$(mktemp -d)
   CACHE=$keep cold z25b_bytecode 0 140 $F4
   TREEFX_AUTOTUNE_POINTWISE=1 cold z25c_autotuned 0 140 $F4
-  cold z25d_l36 0 170 --layers 36 --scale 0.25 --methods treefx --warmup 1 --reps 3
+  cold z25d_l36 0 170 $L36
   CACHE=$keep cold z25e_restart 0 100 $F4
   echo "bytecode files: $(find /tmp/pyc -name '*.pyc' | wc -l)"
   results z25
@@ -1131,14 +1137,12 @@ fi
 #   d: 36 layers (a quarter of the tree), bytecode present: z25d
 #   e: b restarted with the compile caches it left: z25e
 if [ "${1:-}" = z30 ]; then
-  RES=$OUT; OUT=/tmp/z30; mkdir -p $OUT
-  unset PYTHONDONTWRITEBYTECODE; export PYTHONPYCACHEPREFIX=/tmp/pyc
-  F4="--layers 4 --methods treefx --warmup 2 --reps 5"
+  first_stage z30
   cold z30a_machine 0 140 $F4
   keep=$(mktemp -d)
   CACHE=$keep cold z30b_bytecode 0 140 $F4
   TREEFX_DEFER_KERNEL_WAITS=0 cold z30c_graph_by_graph 0 140 $F4
-  cold z30d_l36 0 170 --layers 36 --scale 0.25 --methods treefx --warmup 1 --reps 3
+  cold z30d_l36 0 170 $L36
   CACHE=$keep cold z30e_restart 0 100 $F4
   first_summary
   sed -i '/pow_by_natural/d' $OUT/*.log
@@ -1153,10 +1157,7 @@ fi
 #   b1, c1, b2, c2: 4 layers, deferred / graph by graph, bytecode present
 #   d1, d2: 36 layers (a quarter of the tree) graph by graph / deferred
 if [ "${1:-}" = z31 ]; then
-  RES=$OUT; OUT=/tmp/z31; mkdir -p $OUT
-  unset PYTHONDONTWRITEBYTECODE; export PYTHONPYCACHEPREFIX=/tmp/pyc
-  F4="--layers 4 --methods treefx --warmup 2 --reps 5"
-  L36="--layers 36 --scale 0.25 --methods treefx --warmup 1 --reps 3"
+  first_stage z31
   TREEFX_DEFER_KERNEL_WAITS=0 cold z31a_machine_graph_by_graph 0 140 $F4
   for i in 1 2; do
     cold z31b${i}_deferred 0 140 $F4
