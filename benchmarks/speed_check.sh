@@ -50,6 +50,15 @@ with_fla() {  # with_fla <stage>: fla installed, results gathered in /tmp/<stage
   RES=$OUT; OUT=/tmp/$1; mkdir -p $OUT
 }
 results() { tar czf $RES/$1.tgz -C $OUT .; }
+swe_run() {  # swe_run <name> <seconds> <real_trees args...>: the SWE trees (--sample 40
+  # --seed 0, budget 65,536), first-call checks off, into $OUT/real_trees_<name>.*; an
+  # environment given before the call (OMP_NUM_THREADS=1 swe_run ...) applies to the run
+  local name=$1 limit=$2; shift 2
+  TREEFX_VERIFY=0 timeout $limit python3 -m benchmarks.real_trees --trees .data/swe200.jsonl \
+    --sample 40 --seed 0 --budget 65536 "$@" --out $OUT/real_trees_$name.json \
+    > $OUT/real_trees_$name.log 2>&1
+  echo "$name rc=$?"; tail -n 3 $OUT/real_trees_$name.log | cut -c1-300
+}
 first_stage() {  # first_stage <stage>: a first-step stage's set-up: results gathered in
   # /tmp/<stage>, Python's bytecode written under /tmp/pyc as it goes, the 4-layer and 36-layer
   # e2e arguments in $F4 and $L36
@@ -1176,16 +1185,9 @@ fi
 # OMP_NUM_THREADS=1 (90.2% on the four-GPU host, z28)
 if [ "${1:-}" = z32 ]; then
   RES=$OUT; OUT=/tmp/z32; mkdir -p $OUT
-  swe14() {  # swe14 <name> [env...]
-    local name=$1; shift
-    env "$@" TREEFX_VERIFY=0 timeout 285 python3 -m benchmarks.real_trees \
-      --trees .data/swe200.jsonl --sample 40 --seed 0 --slice 0:14 --budget 65536 \
-      --methods treefx,packing --warmup 2 --reps 7 --time-limit 270 \
-      --out $OUT/real_trees_swe14_$name.json > $OUT/real_trees_swe14_$name.log 2>&1
-    echo "$name rc=$?"; tail -n 3 $OUT/real_trees_swe14_$name.log | cut -c1-300
-  }
-  swe14 z32a_default
-  swe14 z32b_omp1 OMP_NUM_THREADS=1
+  F="--slice 0:14 --methods treefx,packing --warmup 2 --reps 7 --time-limit 270"
+  swe_run swe14_z32a_default 285 $F
+  OMP_NUM_THREADS=1 swe_run swe14_z32b_omp1 285 $F
   sed -i '/pow_by_natural/d' $OUT/*.log
   results z32
 fi
@@ -1196,16 +1198,9 @@ fi
 # and the CPU work in them), a: default threads, b: OMP_NUM_THREADS=1
 if [ "${1:-}" = z33 ]; then
   RES=$OUT; OUT=/tmp/z33; mkdir -p $OUT
-  prof2() {  # prof2 <name> [env...]
-    local name=$1; shift
-    env "$@" TREEFX_VERIFY=0 timeout 200 python3 -m benchmarks.real_trees \
-      --trees .data/swe200.jsonl --sample 40 --seed 0 --slice 3:5 --budget 65536 \
-      --methods treefx --warmup 2 --reps 7 --profile 2 \
-      --out $OUT/real_trees_$name.json > $OUT/real_trees_$name.log 2>&1
-    echo "$name rc=$?"
-  }
-  prof2 z33a_default
-  prof2 z33b_omp1 OMP_NUM_THREADS=1
+  F="--slice 3:5 --methods treefx --warmup 2 --reps 7 --profile 2"
+  swe_run z33a_default 200 $F
+  OMP_NUM_THREADS=1 swe_run z33b_omp1 200 $F
   sed -i '/pow_by_natural/d' $OUT/*.log
   results z33
 fi
