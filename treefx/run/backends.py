@@ -272,9 +272,9 @@ def warm_compile_workers() -> None:
 # compiled graph in between: a regional piece's first call is made on fake inputs, which
 # AOTAutograd answers from the traced graph's metadata (``fakify_first_call``), without its
 # kernels; and code that does run a kernel meanwhile (Inductor's compile-time autotuning,
-# where it is on) finds a stand-in that waits for that kernel. What changes: the kernels miss the Triton bundle Inductor files with each graph in
-# its cache (they are compiled after the graph's entry is written), so a restart finds them in
-# Triton's own cache instead.
+# where it is on) finds a stand-in that waits for that kernel. What changes: the kernels miss
+# the Triton bundle Inductor files with each graph in its cache (they are compiled after the
+# graph's entry is written), so a restart finds them in Triton's own cache instead.
 
 
 _deferred_waits: list | None = None
