@@ -180,6 +180,21 @@ if triton is not None:
         return out
 
     @triton.jit
+    def _state_grad_step(q, w, b_dh, b_do, b_dv, b_g_last_exp, b_g_exp, scale, T, i_t, k0,
+                         H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr):
+        """The state gradient's half at key rows ``k0 .. k0 + 64`` one chunk back: decayed, plus
+        chunk ``i_t``'s (gated) queries times the output gradient, minus its ``w`` times the
+        values' gradient."""
+        p_q = tl.make_block_ptr(q, (K, T), (1, H * K), (k0, i_t * BT), (64, BT), (0, 1))
+        p_w = tl.make_block_ptr(w, (K, T), (1, H * K), (k0, i_t * BT), (64, BT), (0, 1))
+        b_q = tl.load(p_q, boundary_check=(0, 1))
+        b_w = tl.load(p_w, boundary_check=(0, 1))
+        b_dh *= b_g_last_exp
+        b_q = b_q * b_g_exp[None, :]
+        b_dh += tl.dot(b_q, b_do.to(b_q.dtype)) * scale - tl.dot(b_w, b_dv.to(b_w.dtype))
+        return b_dh
+
+    @triton.jit
     def _store_state(dst, b1, b2, i_v, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr):
         """The two halves of :func:`_load_state` into value block ``i_v`` of the [K, V] state
         at ``dst``, in its dtype."""
@@ -310,22 +325,11 @@ if triton is not None:
                                       (1, 0))
             tl.store(p_dv2, b_dv.to(p_dv2.dtype.element_ty), boundary_check=(0, 1))
             # the state's gradient one chunk back
-            p_q = tl.make_block_ptr(q, (K, T), (1, H * K), (0, i_t * BT), (64, BT), (0, 1))
-            p_w = tl.make_block_ptr(w, (K, T), (1, H * K), (0, i_t * BT), (64, BT), (0, 1))
-            b_q = tl.load(p_q, boundary_check=(0, 1))
-            b_w = tl.load(p_w, boundary_check=(0, 1))
-            b_dh1 *= b_g_last_exp
-            b_q = b_q * b_g_exp[None, :]
-            b_dh1 += tl.dot(b_q, b_do.to(b_q.dtype)) * scale - tl.dot(b_w, b_dv.to(b_w.dtype))
+            b_dh1 = _state_grad_step(q, w, b_dh1, b_do, b_dv, b_g_last_exp, b_g_exp, scale, T,
+                                     i_t, 0, H, K, BT)
             if K > 64:
-                p_q = tl.make_block_ptr(q, (K, T), (1, H * K), (64, i_t * BT), (64, BT), (0, 1))
-                p_w = tl.make_block_ptr(w, (K, T), (1, H * K), (64, i_t * BT), (64, BT), (0, 1))
-                b_q = tl.load(p_q, boundary_check=(0, 1))
-                b_w = tl.load(p_w, boundary_check=(0, 1))
-                b_dh2 *= b_g_last_exp
-                b_q = b_q * b_g_exp[None, :]
-                b_dh2 += tl.dot(b_q, b_do.to(b_q.dtype)) * scale - tl.dot(b_w,
-                                                                          b_dv.to(b_w.dtype))
+                b_dh2 = _state_grad_step(q, w, b_dh2, b_do, b_dv, b_g_last_exp, b_g_exp, scale,
+                                         T, i_t, 64, H, K, BT)
             dh_t -= H * K * V
 
         # the gradient of the node's initial state: to its parent, or out for a root
