@@ -59,6 +59,16 @@ swe_run() {  # swe_run <name> <seconds> <real_trees args...>: the SWE trees (--s
     > $OUT/real_trees_$name.log 2>&1
   echo "$name rc=$?"; tail -n 3 $OUT/real_trees_$name.log | cut -c1-300
 }
+threads_pair() {  # threads_pair <stage> <name> <seconds> <real_trees args...>: in
+  # /tmp/<stage>, the SWE run <name>a_default with PyTorch's default CPU threads, then
+  # <name>b_omp1 with OMP_NUM_THREADS=1; results packed into $OUT/<stage>.tgz
+  local stage=$1 name=$2 limit=$3; shift 3
+  RES=$OUT; OUT=/tmp/$stage; mkdir -p $OUT
+  swe_run ${name}a_default $limit "$@"
+  OMP_NUM_THREADS=1 swe_run ${name}b_omp1 $limit "$@"
+  sed -i '/pow_by_natural/d' $OUT/*.log
+  results $stage
+}
 first_stage() {  # first_stage <stage>: a first-step stage's set-up: results gathered in
   # /tmp/<stage>, Python's bytecode written under /tmp/pyc as it goes, the 4-layer and 36-layer
   # e2e arguments in $F4 and $L36
@@ -66,6 +76,19 @@ first_stage() {  # first_stage <stage>: a first-step stage's set-up: results gat
   unset PYTHONDONTWRITEBYTECODE; export PYTHONPYCACHEPREFIX=/tmp/pyc
   F4="--layers 4 --methods treefx --warmup 2 --reps 5"
   L36="--layers 36 --scale 0.25 --methods treefx --warmup 1 --reps 3"
+}
+first_five() {  # first_five <stage> <c's name> <c's VAR=value>: the first-step protocol of
+  # z25 and z30, one after another in fresh processes: a the machine as it comes (writing
+  # bytecode), b with that bytecode (its compile caches kept), c as b with VAR=value, d 36
+  # layers, e b restarted with its caches
+  local stage=$1 keep
+  first_stage $stage
+  cold ${stage}a_machine 0 140 $F4
+  keep=$(mktemp -d)
+  CACHE=$keep cold ${stage}b_bytecode 0 140 $F4
+  (export "$3"; cold ${stage}c_$2 0 140 $F4)
+  cold ${stage}d_l36 0 170 $L36
+  CACHE=$keep cold ${stage}e_restart 0 100 $F4
 }
 first_summary() {  # each e2e result in $OUT: the host's CPU, the first step, the wait for
   # Triton's compile workers, code generation and the check's stages
@@ -1073,13 +1096,7 @@ fi
 #   d: 36 layers (a quarter of the tree), bytecode present
 #   e: b restarted with the compile caches it left
 if [ "${1:-}" = z25 ]; then
-  first_stage z25
-  cold z25a_machine 0 140 $F4
-  keep=$(mktemp -d)
-  CACHE=$keep cold z25b_bytecode 0 140 $F4
-  TREEFX_AUTOTUNE_POINTWISE=1 cold z25c_autotuned 0 140 $F4
-  cold z25d_l36 0 170 $L36
-  CACHE=$keep cold z25e_restart 0 100 $F4
+  first_five z25 autotuned TREEFX_AUTOTUNE_POINTWISE=1
   echo "bytecode files: $(find /tmp/pyc -name '*.pyc' | wc -l)"
   results z25
 fi
@@ -1146,13 +1163,7 @@ fi
 #   d: 36 layers (a quarter of the tree), bytecode present: z25d
 #   e: b restarted with the compile caches it left: z25e
 if [ "${1:-}" = z30 ]; then
-  first_stage z30
-  cold z30a_machine 0 140 $F4
-  keep=$(mktemp -d)
-  CACHE=$keep cold z30b_bytecode 0 140 $F4
-  TREEFX_DEFER_KERNEL_WAITS=0 cold z30c_graph_by_graph 0 140 $F4
-  cold z30d_l36 0 170 $L36
-  CACHE=$keep cold z30e_restart 0 100 $F4
+  first_five z30 graph_by_graph TREEFX_DEFER_KERNEL_WAITS=0
   first_summary
   sed -i '/pow_by_natural/d' $OUT/*.log
   results z30
@@ -1184,12 +1195,8 @@ fi
 # a median of 3 moved a task's share by 3 points): a: PyTorch's default CPU threads; b:
 # OMP_NUM_THREADS=1 (90.2% on the four-GPU host, z28)
 if [ "${1:-}" = z32 ]; then
-  RES=$OUT; OUT=/tmp/z32; mkdir -p $OUT
-  F="--slice 0:14 --methods treefx,packing --warmup 2 --reps 7 --time-limit 270"
-  swe_run swe14_z32a_default 285 $F
-  OMP_NUM_THREADS=1 swe_run swe14_z32b_omp1 285 $F
-  sed -i '/pow_by_natural/d' $OUT/*.log
-  results z32
+  threads_pair z32 swe14_z32 285 --slice 0:14 --methods treefx,packing --warmup 2 --reps 7 \
+    --time-limit 270
 fi
 # Stage z33 (`... z33` on one GPU, carry .data/swe200.jsonl; results in $OUT/z33.tgz): in z32
 # treefx's steps spread more within a task with PyTorch's default CPU threads (up to 12%) than
@@ -1197,12 +1204,7 @@ fi
 # tokens; --slice 3:5), treefx alone, 7 timed steps then one under torch.profiler (host gaps
 # and the CPU work in them), a: default threads, b: OMP_NUM_THREADS=1
 if [ "${1:-}" = z33 ]; then
-  RES=$OUT; OUT=/tmp/z33; mkdir -p $OUT
-  F="--slice 3:5 --methods treefx --warmup 2 --reps 7 --profile 2"
-  swe_run z33a_default 200 $F
-  OMP_NUM_THREADS=1 swe_run z33b_omp1 200 $F
-  sed -i '/pow_by_natural/d' $OUT/*.log
-  results z33
+  threads_pair z33 z33 200 --slice 3:5 --methods treefx --warmup 2 --reps 7 --profile 2
 fi
 # Stage z34 (`... z34` on one GPU, nothing carried; results in $OUT): the deferred waits after
 # kernels became stand-ins that wait for themselves on first use (z30 and z31 ran the version
