@@ -5,13 +5,16 @@ tokens added a [vocab, hidden] float32 product into the weight's gradient).
 
     python -m benchmarks.logprobs                    # GPU: hidden 4096, vocab 151,936, bf16
     python -m benchmarks.logprobs --dry-run          # CPU: tiny shapes
-    python -m benchmarks.logprobs --paths 17187      # GPU: the output layer's three paths
+    python -m benchmarks.logprobs --paths 17187      # GPU: the output layer's paths
+    python -m benchmarks.logprobs --check-from-logits  # the log-probs read from logits
 
 ``--paths N``: at N tokens, the output layer of a training step (hidden states and the
-projection's weight requiring grad, every token trained) three ways, forward + backward and
+projection's weight requiring grad, every token trained) several ways, forward + backward and
 forward alone under ``torch.no_grad()``: the logits materialized (``F.linear``, then
-``tree_token_logprobs``, compiled by Inductor as in ``treefx.compile``'s default), the fused
-log-probabilities (``logits=False``: the backward recomputes the logits, four matrix
+``tree_logprobs_from_logits``, as ``treefx.compile``'s default: Triton kernels on the GPU,
+one pass over the logits each way), the same with the plain form compiled by Inductor in one
+graph with the projection (``materialized_inductor``: how the default read them before
+2026-11-27), the fused log-probabilities (``logits=False``: the backward recomputes the logits, four matrix
 products against three), and the fused loss (``@treefx.step``: its gradients made in the
 forward, three products); the matrix products alone (the three a materialized step needs) as
 the floor. Median of ``--reps`` after two warm-up calls, CUDA events; peak memory above the
@@ -108,7 +111,7 @@ def run_paths(n: int, hidden: int, vocab: int, dev: str, dtype, reps: int) -> di
     """The output layer's paths at ``n`` tokens (see the module's docstring)."""
     from benchmarks.timing import repeat
     from treefx.ops.cross_entropy import fused_linear_tree_cross_entropy, tree_token_logprobs
-    from treefx.ops.logprobs import fused_linear_tree_logprobs
+    from treefx.ops.logprobs import fused_linear_tree_logprobs, tree_logprobs_from_logits
 
     cuda = dev == "cuda"
     g = torch.Generator(device=dev).manual_seed(n)
@@ -120,10 +123,14 @@ def run_paths(n: int, hidden: int, vocab: int, dev: str, dtype, reps: int) -> di
     weights = torch.full((n,), 1.0 / n, device=dev)
     upstream = -weights  # d(-Σ w·lp)/d lp: every token trained
 
-    def materialized(x, wt):
+    def materialized_plain(x, wt):
         return tree_token_logprobs(F.linear(x, wt), ids, parent)
 
-    mat = torch.compile(materialized, dynamic=False) if cuda else materialized
+    mat_inductor = torch.compile(materialized_plain, dynamic=False) if cuda \
+        else materialized_plain
+
+    def mat(x, wt):
+        return tree_logprobs_from_logits(F.linear(x, wt), ids, parent)
 
     def fwd_bwd(fn):
         def call():
@@ -148,10 +155,12 @@ def run_paths(n: int, hidden: int, vocab: int, dev: str, dtype, reps: int) -> di
 
     cases = {
         "materialized": fwd_bwd(lambda: mat(h, w)),
+        "materialized_inductor": fwd_bwd(lambda: mat_inductor(h, w)),
         "fused_logprobs": fwd_bwd(lambda: fused_linear_tree_logprobs(h, w, None, ids, parent)),
         "fused_loss": fwd_bwd(lambda: fused_linear_tree_cross_entropy(h, w, None, ids, parent,
                                                                       weights)),
         "materialized_no_grad": no_grad(lambda: mat(h, w)),
+        "materialized_inductor_no_grad": no_grad(lambda: mat_inductor(h, w)),
         "fused_logprobs_no_grad": no_grad(
             lambda: fused_linear_tree_logprobs(h, w, None, ids, parent)),
         "three_matmuls": matmuls,
@@ -177,14 +186,132 @@ def run_paths(n: int, hidden: int, vocab: int, dev: str, dtype, reps: int) -> di
         if name != "materialized" and ref is not None:
             out[f"{name}_dh_vs_materialized"] = _rel(dh, ref[0])
             out[f"{name}_dw_vs_materialized"] = _rel(dw, ref[1])
-    for name in ("fused_logprobs", "fused_loss"):
+    for name in ("materialized_inductor", "fused_logprobs", "fused_loss"):
         out[f"{name}_x_materialized"] = out[f"{name}_ms"] / out["materialized_ms"]
     out["fused_logprobs_no_grad_x_materialized"] = (out["fused_logprobs_no_grad_ms"]
                                                     / out["materialized_no_grad_ms"])
-    print(f"{n:6d} tokens: fused log-probs {out['fused_logprobs_x_materialized']:.3f}x, "
+    print(f"{n:6d} tokens: Inductor's materialized path "
+          f"{out['materialized_inductor_x_materialized']:.3f}x, "
+          f"fused log-probs {out['fused_logprobs_x_materialized']:.3f}x, "
           f"fused loss {out['fused_loss_x_materialized']:.3f}x, no-grad log-probs "
           f"{out['fused_logprobs_no_grad_x_materialized']:.3f}x the materialized path",
           flush=True)
+    return out
+
+
+def random_parents(n: int, gen: torch.Generator) -> torch.Tensor:
+    """[n] predecessor rows of a random forest in DFS order: mostly the previous token, some
+    tokens without one (a new root), some reading an earlier row (a branch: rows read by
+    several tokens), a few rows read by many."""
+    parent = torch.arange(n) - 1
+    u = torch.rand(n, generator=gen)
+    back = (torch.rand(n, generator=gen) * torch.arange(n)).long()
+    parent = torch.where(u < 0.2, back, parent)
+    parent = torch.where(u > 0.95, torch.full_like(parent, -1), parent)
+    hub = n // 3
+    parent[hub + 1: hub + 40: 3] = hub  # one row read by 13 tokens
+    parent[0] = -1
+    return parent
+
+
+def check_from_logits(dev: str, n: int = 517, vocab: int = 10007) -> list[dict]:
+    """``tree_logprobs_from_logits`` (the Triton kernels on the GPU, or under Triton's
+    interpreter) against the plain form in float64 on the same inputs: log-probabilities and
+    the logits' gradient for a random upstream gradient, random forests with branches,
+    duplicated labels on a branching row, a row of -inf but one entry, a vocabulary not a
+    multiple of the kernels' block; bf16 and float32 logits. The errors are absolute, beside
+    the largest reference value, and bounded by the inputs' rounding (bf16: the gradient is
+    rounded once to bf16 in both)."""
+    from treefx.ops.cross_entropy import tree_token_logprobs
+    from treefx.ops.logprobs import from_logits
+
+    if from_logits.triton is None:
+        raise SystemExit("--check-from-logits needs Triton (on the CPU with TRITON_INTERPRET=1)")
+    out = []
+    for dtype in (torch.float32, torch.bfloat16):
+        gen = torch.Generator().manual_seed(n)
+        parent = random_parents(n, gen)
+        ids = torch.randint(0, vocab, (n,), generator=gen)
+        hub = n // 3
+        ids[hub + 4] = ids[hub + 1]  # two tokens with one label on the same row
+        logits = (torch.randn(1, n, vocab, generator=gen) * 4).to(dtype)
+        logits[0, 7] = float("-inf")
+        logits[0, 7, 3] = 1.0
+        ids[parent == 7] = 3  # (another label there would have log-probability -inf)
+        up = torch.randn(n, generator=gen)
+        x = logits.to(dev)
+        if from_logits.available(x):
+            lp_dev = x.detach().requires_grad_()
+            lp = from_logits.tree_logprobs_from_logits(lp_dev, ids.to(dev), parent.to(dev))
+            (lp * up.to(dev)).sum().backward()
+            lp, grad = lp.detach().cpu().double(), lp_dev.grad.cpu().double()
+        else:  # the kernels themselves (Triton's interpreter on the CPU)
+            lse = from_logits.lse_rows(x)
+            row = parent.clamp(min=0)
+            lp = torch.where(parent >= 0, x[0, row, ids].double() - lse[row].double(),
+                             torch.zeros(n, dtype=torch.float64))
+            grad = from_logits.rows_gradient(x, lse, ids, parent, up).double()
+        ref_in = logits.double().requires_grad_()
+        ref = tree_token_logprobs(ref_in, ids, parent)
+        (ref * up.double()).sum().backward()
+        ref_grad = ref_in.grad.to(dtype).double()  # rounded as the kernel's result is
+        r = {"dtype": str(dtype).split(".")[-1], "tokens": n, "vocab": vocab,
+             "logprob_err": float((lp - ref.detach()).abs().max()),
+             "logprob_max": float(ref.detach().abs().max()),
+             "grad_err": float((grad - ref_grad).abs().max()),
+             "grad_max": float(ref_grad.abs().max())}
+        # float32 logits: float32 sums; bf16 logits: the gradient's one bf16 rounding (a unit
+        # in the last place of its largest entries, 2^-8 relative)
+        tol_lp, tol_g = (1e-4, 1e-5) if dtype == torch.float32 else (1e-4, r["grad_max"] / 128)
+        r["ok"] = r["logprob_err"] <= tol_lp and r["grad_err"] <= tol_g
+        print(f"from_logits {r['dtype']}: log-prob err {r['logprob_err']:.2e} "
+              f"(max {r['logprob_max']:.1f}), grad err {r['grad_err']:.2e} "
+              f"(max {r['grad_max']:.2e}) {'ok' if r['ok'] else 'FAILED'}", flush=True)
+        out.append(r)
+    return out
+
+
+LSE_CONFIGS = [(2048, 4), (4096, 4), (4096, 8), (8192, 8), (8192, 16), (16384, 16)]
+GRAD_CONFIGS = [(1024, 4), (2048, 4), (2048, 8), (4096, 4), (4096, 8), (8192, 8), (8192, 16)]
+
+
+def tune_from_logits(n: int = 17187, vocab: int = 151936, reps: int = 10) -> dict:
+    """Each (block, warps) of ``from_logits``' two kernels at [n, vocab] bf16 logits (a random
+    forest's rows): median ms of ``reps`` and the memory rate (the log-sum-exp reads the logits
+    once; the gradient reads them and writes its own)."""
+    from benchmarks.timing import median_ms
+    from treefx.ops.logprobs import from_logits
+
+    gen = torch.Generator().manual_seed(n)
+    parent = random_parents(n, gen).cuda()
+    ids = torch.randint(0, vocab, (n,), generator=gen).cuda()
+    logits = torch.randn(n, vocab, device="cuda", dtype=torch.bfloat16) * 4
+    up = torch.randn(n, device="cuda")
+    nbytes = logits.numel() * logits.element_size()
+    lse = torch.logsumexp(logits.float(), -1)
+    ref_grad = None
+    out = {"tokens": n, "vocab": vocab, "lse": {}, "grad": {}}
+    default = (from_logits.LSE_CONFIG, from_logits.GRAD_CONFIG)
+    try:
+        for cfg in LSE_CONFIGS:
+            from_logits.LSE_CONFIG = cfg
+            ms = median_ms(lambda: from_logits.lse_rows(logits), reps, True, warmup=2)
+            err = float((from_logits.lse_rows(logits) - lse).abs().max())
+            out["lse"][str(cfg)] = {"ms": ms, "tb_s": nbytes / ms / 1e9, "err": err}
+            print(f"lse  {cfg}: {ms:6.2f} ms {nbytes / ms / 1e9:5.2f} TB/s err {err:.1e}",
+                  flush=True)
+        for cfg in GRAD_CONFIGS:
+            from_logits.GRAD_CONFIG = cfg
+            ms = median_ms(lambda: from_logits.rows_gradient(logits, lse, ids, parent, up),
+                           reps, True, warmup=2)
+            d = from_logits.rows_gradient(logits, lse, ids, parent, up)
+            ref_grad = d if ref_grad is None else ref_grad
+            same = bool(torch.equal(d, ref_grad))
+            out["grad"][str(cfg)] = {"ms": ms, "tb_s": 2 * nbytes / ms / 1e9, "same": same}
+            print(f"grad {cfg}: {ms:6.2f} ms {2 * nbytes / ms / 1e9:5.2f} TB/s "
+                  f"{'bitwise equal to the first' if same else 'DIFFERS'}", flush=True)
+    finally:
+        from_logits.LSE_CONFIG, from_logits.GRAD_CONFIG = default
     return out
 
 
@@ -197,8 +324,27 @@ def main(argv=None):
     p.add_argument("--paths", default="",
                    help="comma-separated token counts: compare the output layer's paths there "
                         "(see the module's docstring) instead of the two backwards")
+    p.add_argument("--check-from-logits", action="store_true",
+                   help="only check tree_logprobs_from_logits against the float64 plain form "
+                        "(exit status 1 on a difference); on the CPU under "
+                        "TRITON_INTERPRET=1 the Triton kernels run in Triton's interpreter")
+    p.add_argument("--token-block", type=int, default=0,
+                   help="the fused log-probabilities' backward in blocks of this many tokens "
+                        "(treefx.ops.logprobs.fast._TOKEN_BLOCK; 0: its default)")
+    p.add_argument("--tune-from-logits", action="store_true",
+                   help="GPU: time the from_logits kernels' block sizes and warps")
     common.add_run_args(p, "CPU, tiny shapes")
     args = p.parse_args(argv)
+    if args.token_block:
+        lp_ops._TOKEN_BLOCK = args.token_block
+    if args.tune_from_logits:
+        common.save_json({"meta": common.run_meta(True), "tune": tune_from_logits()},
+                         common.resolve_out(args, "logprobs_tune", True))
+        return
+    if args.check_from_logits:
+        cuda = torch.cuda.is_available()
+        rows = check_from_logits("cuda" if cuda else "cpu")
+        raise SystemExit(0 if all(r["ok"] for r in rows) else 1)
     cuda = common.use_cuda(args.dry_run)
     dev = "cuda" if cuda else "cpu"
     hidden, vocab = (4096, 151936) if cuda else (64, 1024)

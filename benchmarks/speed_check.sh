@@ -1213,3 +1213,72 @@ if [ "${1:-}" = z34 ]; then
   cold z34_standins 0 140 --layers 4 --methods treefx --warmup 2 --reps 5
   first_summary
 fi
+# Stage z35 (`... z35` on one GPU, carry .cache/treefx_before: `mkdir -p .cache/treefx_before
+# && git archive <commit before> treefx | tar -x -C .cache/treefx_before`; results in
+# $OUT/z35.tgz). The default compiled model's log-probabilities are now read from its logits
+# outside the graph by two Triton kernels (treefx.ops.logprobs.from_logits): in z11's profile
+# the graph's own form took four passes over the [N, vocab] logits (a two-pass log-sum-exp,
+# a zero-filled buffer for the labels' gradient, a zero-filled gradient for the unused logits
+# output, a gradient kernel reading them all; 13.5 ms of the 265 ms step). Alone on the host:
+#   the kernels against the float64 plain form (benchmarks.logprobs --check-from-logits);
+#   the output layer's paths at 17,187 tokens (new kernels vs Inductor's form);
+#   e2e, 4 layers, first-call check on, profiled: a new (with packing: FLOP/s, share of the
+#   bound), b before, c new, d before (alternated: the step's run-to-run spread is ~2%)
+before() {  # before <name> <e2e args...>: cold's run with the treefx of .cache/treefx_before
+  local name=$1; shift
+  (cd .cache/treefx_before && PYTHONPATH=$ROOT TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) \
+    TRITON_CACHE_DIR=$(mktemp -d) timeout 260 python3 -m benchmarks.e2e $SHAPE "$@" \
+    --out $OUT/e2e_$name.json > $OUT/e2e_$name.log 2>&1; echo "e2e $name rc=$?")
+  grep -E "^hidden|FAILED|bf16 matmul|treefx from" $OUT/e2e_$name.log | tail -n 8
+}
+if [ "${1:-}" = z35 ]; then
+  ROOT=$(pwd); RES=$OUT; OUT=/tmp/z35; mkdir -p $OUT
+  python3 -c "import treefx, os; print('treefx from', os.path.dirname(treefx.__file__))"
+  (cd .cache/treefx_before && PYTHONPATH=$ROOT python3 -c "import treefx, os;
+print('before: treefx from', os.path.dirname(treefx.__file__))")
+  timeout 120 python3 -m benchmarks.logprobs --check-from-logits 2>&1 | tee $OUT/check.log
+  timeout 150 python3 -m benchmarks.logprobs --paths 17187 --reps 10 \
+    --out $OUT/logprobs_paths.json > $OUT/logprobs_paths.log 2>&1
+  echo "paths rc=$?"; grep -E "tokens" $OUT/logprobs_paths.log | tail -n 12
+  P4="--layers 4 --warmup 2 --reps 5 --profile"
+  cold z35a_new 0 200 $P4 --methods treefx,packed
+  before z35b_before $P4 --methods treefx
+  cold z35c_new 0 140 $P4 --methods treefx
+  before z35d_before $P4 --methods treefx
+  sed -i '/pow_by_natural/d' $OUT/*.log
+  for f in $OUT/e2e_*.json; do python3 - "$f" <<'PY'
+import json, sys
+d = json.load(open(sys.argv[1]))
+for arch in d["runs"].values():
+    for por in arch.values():
+        t = por.get("treefx", {})
+        p = t.get("profile", {})
+        print(sys.argv[1].split("/")[-1], "step", t.get("step_ms"), "peak", t.get("peak_gib"),
+              "first", t.get("first_step_s"), "loss", t.get("loss"),
+              "kinds", p.get("by_kind_ms_per_step"))
+PY
+  done
+  results z35
+fi
+# Stage z36 (`... z36` on one GPU, carry .cache/treefx_before as z35; results in $OUT/z36.tgz):
+# z35's kernels ran at 2.1 TB/s (log-sum-exp, 2.49 ms) and 2.0 TB/s (gradient, 5.31 ms) at
+# [17,187, 151,936] bf16: their block sizes and warps timed; logits=False's backward now makes
+# each vocabulary slice's gradient in one fused kernel (a comparison for the onehot, not a
+# scatter into a float32 product) and takes up to 32k tokens in one block (was 16k: a 17k step
+# took a second block of 803 tokens): the output layer's paths with blocks of 32k (the new
+# default) and 16k; e2e, 4 layers, the default, logits=False and @treefx.step, new then before
+if [ "${1:-}" = z36 ]; then
+  ROOT=$(pwd); RES=$OUT; OUT=/tmp/z36; mkdir -p $OUT
+  timeout 150 python3 -m benchmarks.logprobs --tune-from-logits --out $OUT/tune.json 2>&1 \
+    | grep -E "^(lse|grad)"
+  for tb in 32768 16384; do
+    timeout 150 python3 -m benchmarks.logprobs --paths 17187 --reps 10 --token-block $tb \
+      --out $OUT/logprobs_paths_$tb.json > $OUT/logprobs_paths_$tb.log 2>&1
+    echo "paths token block $tb rc=$?"; grep -E "tokens" $OUT/logprobs_paths_$tb.log | tail -n 4
+  done
+  cold z36a_new 0 220 --layers 4 --warmup 2 --reps 5 \
+    --methods treefx,treefx_nologits,treefx_step
+  before z36b_before --layers 4 --warmup 2 --reps 5 --methods treefx,treefx_nologits
+  sed -i '/pow_by_natural/d' $OUT/*.log
+  results z36
+fi

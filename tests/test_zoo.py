@@ -33,17 +33,17 @@ def _scale_gradients(logits, ids, parent):
     return lp + 0.01 * (lp - lp.detach())  # same values, gradients x 1.01
 
 
-_original = compile_module.tree_token_logprobs
+_original = compile_module.tree_logprobs_from_logits
 
 
 @pytest.mark.parametrize("perturb, verify", [(_shift_values, True), (_scale_gradients, False)],
                          ids=["values-self-check", "grads-unchecked"])
 def test_perturbed_treefx_is_reported(monkeypatch, perturb, verify):
-    """treefx's tree log-probs perturbed inside the compiled graph. Without treefx's first-call
-    self-check the classifier must call it WRONG, in float32 and in the float64 re-run, with
-    the error it made; with the self-check, treefx refuses it and the zoo records the same
-    numbers from a run without the check."""
-    monkeypatch.setattr(compile_module, "tree_token_logprobs", perturb)
+    """treefx's tree log-probs perturbed where the compiled model reads them from its logits.
+    Without treefx's first-call self-check the classifier must call it WRONG, in float32 and
+    in the float64 re-run, with the error it made; with the self-check, treefx refuses it and
+    the zoo records the same numbers from a run without the check."""
+    monkeypatch.setattr(compile_module, "tree_logprobs_from_logits", perturb)
     r = zoo.run_model("gpt2", verify=verify)  # (tests/conftest.py turns the default off)
     if verify:
         assert r["status"] == "refused", r

@@ -15,8 +15,8 @@ from . import regional as regional_mod
 from .. import verification
 from .engine import TreeEngine, check_batch, tree_info, unwrap_compiled
 from ..layout import TreeBatch
-from ..ops.cross_entropy import tree_token_logprobs, weighted_logprob_loss
-from ..ops.logprobs import register_site, token_logprobs_site
+from ..ops.cross_entropy import weighted_logprob_loss
+from ..ops.logprobs import register_site, token_logprobs_site, tree_logprobs_from_logits
 from ..compiler import GraphContext
 from ..plan import Plan
 from ..reference import logits_of
@@ -69,15 +69,21 @@ def model_logits(model, opts: dict, input_ids, tree_info):
 
 
 def tree_forward(opts: dict):
-    """The function a compiled model captures: the model's logits on the row and each token's
-    log-probability at its tree predecessor (with ``logits=False``, one node the logprobs pass
-    fuses with the output projection: no [N, vocab] logits)."""
+    """The function a compiled model captures: the model's logits on the row (each token's
+    log-probability is read from them outside the graph, :meth:`TreeModel.forward`), or with
+    ``logits=False`` each token's log-probability at its tree predecessor (one node the
+    logprobs pass fuses with the output projection: no [N, vocab] logits).
+
+    With the logits, the graph also returns which tokens have a predecessor
+    (``parent_token >= 0``), which nothing reads: it keeps ``tree_info`` an input of the
+    captured graph (Dynamo drops inputs nothing in the graph reads, and the model's own code
+    reads only the tokens), from which the passes build the tree's attention and positions."""
     def tree_forward(model, input_ids, tree_info):
         torch._check(tree_info.shape[1] == input_ids.shape[1])
         logits = model_logits(model, opts, input_ids, tree_info)
         if opts["logits"]:
-            return logits, tree_token_logprobs(logits, input_ids, tree_info[1])
-        return None, token_logprobs_site(logits, input_ids, tree_info[1])
+            return logits, tree_info[1] >= 0
+        return token_logprobs_site(logits, input_ids, tree_info[1])
 
     return tree_forward
 
@@ -185,10 +191,16 @@ class TreeModel(torch.nn.Module):
             self.verify_on_first_call = False
             with self.engine.timed("check"):
                 self._verify_first_call(batch)
-        logits, token_logprobs = self.engine(batch.device, self.model, batch.input_ids,
-                                             tree_info(batch), dynamic=(1, 2),
-                                             discover_in=self.model, root=self._root[0])
-        return TreeOutput(logits, token_logprobs)
+        out = self.engine(batch.device, self.model, batch.input_ids, tree_info(batch),
+                          dynamic=(1, 2), discover_in=self.model, root=self._root[0])
+        if not self.opts["logits"]:
+            return TreeOutput(None, out)
+        # Read outside the graph: a loss on the log-probabilities alone then sends no gradient
+        # to the logits output, where a graph returning both would get a zero-filled [N, V]
+        # one (:mod:`treefx.ops.logprobs.from_logits`).
+        logits, _ = out  # (the tree input's anchor: tree_forward)
+        return TreeOutput(logits, tree_logprobs_from_logits(logits, batch.input_ids,
+                                                            batch.parent_token))
 
     def _note_token_ids(self, batch) -> None:
         """Remember the largest token id of ``batch`` (a TreeBatch, a Tree or Trees)."""

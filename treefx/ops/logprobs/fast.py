@@ -73,7 +73,9 @@ def _forward(h, weight, bias, ids, parent):
 # walking chunks of tokens over the whole vocabulary instead would add a [vocab, hidden] float32
 # product into the gradient per chunk (13 GB of memory traffic per 900 tokens at a 152k vocab
 # and hidden 4096). The hidden states' gradient [tokens, hidden] is what is summed over slices.
-_TOKEN_BLOCK = 1 << 14
+# 32k tokens: a step's usual 8k-32k tokens are one block (at 16k, a 17k-token step took a
+# second block of 803 tokens, thin products, and a float32 weight gradient summed over both).
+_TOKEN_BLOCK = 1 << 15
 # Vocabulary slices are a multiple of this many rows: a [T, Vs] slice of the logits with Vs
 # not a multiple of 8 makes cuBLAS fall back to unaligned kernels (measured on an H100: about
 # three times slower).
@@ -83,9 +85,13 @@ _SLICE_ALIGN = 128
 def _slice_grad(logits, lse, g, label, hit, acc: torch.dtype, out: torch.dtype):
     """d lp / d z · g on one [T, Vs] slice of the logits: ``g · (onehot(y) − softmax(z))``,
     the onehot where the label ``label`` (relative to the slice) lies in it (``hit``);
-    computed in ``acc``, returned in ``out``."""
+    computed in ``acc``, returned in ``out``. The onehot as a comparison with the slice's
+    columns, not a scatter: Inductor makes it one kernel that reads the slice once and writes
+    its gradient once (a scatter into the float32 product made it three passes)."""
+    cols = torch.arange(logits.shape[-1], device=logits.device)
+    onehot = (cols[None, :] == label[:, None]) & hit[:, None]
     d = torch.exp(logits.to(acc) - lse[:, None]) * -g[:, None]
-    return d.scatter_add(1, label[:, None], (g * hit.to(acc))[:, None]).to(out)
+    return torch.where(onehot, d + g[:, None], d).to(out)
 
 
 def _backward(grad, h, weight, bias, ids, parent, lse, need_h: bool, need_weight: bool,

@@ -1,0 +1,134 @@
+"""The log-probabilities a default compiled model reads from its logits
+(:mod:`treefx.ops.logprobs.from_logits`): outside the compiled graph, so a loss on them alone
+sends the logits output no gradient, and a loss on both sums the two; the Triton kernels run
+on the GPU, checked here under Triton's interpreter and compiled for sm_90 where Triton is
+installed (the CPU build of torch comes without it)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from support import VOCAB, hf_model
+from trees import odd_forest
+
+import treefx
+from treefx.ops.cross_entropy import tree_token_logprobs
+from treefx.ops.logprobs import from_logits, tree_logprobs_from_logits
+
+transformers = pytest.importorskip("transformers")
+
+
+def _row_logits_oracle(model, trees, batch) -> torch.Tensor:
+    """[N, V]: each DFS row token's logits from the unmodified model on a sequence holding it
+    (every sequence through that token gives the same ones)."""
+    rows = [None] * batch.num_tokens
+    seqs = [t.sequence(j) for t in trees for j in range(t.num_sequences)]
+    for i, seq in enumerate(seqs):
+        logits = model(torch.as_tensor(seq)[None]).logits[0]
+        for j, t in enumerate(batch.sequence_index(i).tolist()):
+            if rows[t] is None:
+                rows[t] = logits[j]
+    return torch.stack(rows)
+
+
+def test_a_loss_on_logits_and_logprobs_gets_both_gradients():
+    """A loss reading the log-probabilities (the tree loss) and the logits (an arbitrary
+    linear term): values and every parameter's gradient equal the unmodified model run on
+    each sequence alone; with the log-probabilities alone, the gradients equal the oracle's
+    tree loss (the logits output then gets no gradient)."""
+    model = hf_model("qwen3", "sdpa")
+    tm = treefx.compile(model, verify=False)
+    trees = odd_forest(23, VOCAB)
+    batch = treefx.pack(trees)
+    r = torch.randn(batch.num_tokens, VOCAB, generator=torch.Generator().manual_seed(3))
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    out = tm(batch)
+    lp_loss = treefx.tree_loss(out, batch)
+    got_lp = torch.autograd.grad(lp_loss, params, retain_graph=True)
+    got = torch.autograd.grad(lp_loss + (out.logits[0] * r).sum() * 1e-3, params)
+
+    ref_lp_loss = treefx.reference.sequence_loss(model, trees)
+    ref_lp = torch.autograd.grad(ref_lp_loss, params)
+    ref = torch.autograd.grad(
+        treefx.reference.sequence_loss(model, trees)
+        + (_row_logits_oracle(model, trees, batch) * r).sum() * 1e-3, params)
+    torch.testing.assert_close(lp_loss, ref_lp_loss, atol=1e-5, rtol=1e-5)
+    for a, b in [*zip(got_lp, ref_lp), *zip(got, ref)]:
+        assert (a - b).norm() <= 1e-4 * b.norm().clamp_min(1e-12)
+    assert any((a - b).norm() > 1e-3 * b.norm() for a, b in zip(got, got_lp))  # both count
+
+
+def test_the_compiled_graph_returns_the_logits_not_their_log_softmax():
+    """The log-probabilities are read outside the graph: no log-sum-exp over the vocabulary
+    in it (whose backward, for an unused logits output, read a zero-filled [N, V] gradient);
+    its outputs are the logits and the tree input's anchor."""
+    model = hf_model("qwen3", "sdpa")
+    tm = treefx.compile(model, verify=False)
+    batch = treefx.pack(odd_forest(5, VOCAB))
+    out = tm(batch)
+    assert out.logits.shape == (1, batch.num_tokens, VOCAB)
+    nodes = [n for ctx in tm.contexts for scope in ctx.scopes() for n in scope.graph.nodes]
+    assert not [n for n in nodes if "logsumexp" in str(n.target) or "log_softmax" in
+                str(n.target)]
+    torch.testing.assert_close(out.token_logprobs, tree_token_logprobs(
+        out.logits, batch.input_ids, batch.parent_token))
+
+
+def test_off_the_gpu_the_plain_form_runs():
+    logits = torch.randn(1, 9, 17, dtype=torch.float64, requires_grad=True)
+    parent = torch.tensor([-1, 0, 1, 1, 3, -1, 5, 5, 0])
+    ids = torch.randint(0, 17, (1, 9), generator=torch.Generator().manual_seed(0))
+    assert not from_logits.available(logits)
+    got = tree_logprobs_from_logits(logits, ids, parent)
+    assert got.dtype == torch.float64 and torch.all(got[parent < 0] == 0)
+    torch.testing.assert_close(got, tree_token_logprobs(logits, ids, parent), rtol=0, atol=0)
+
+
+def _triton():
+    triton = pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("under the interpreter already")
+    return triton
+
+
+def test_the_kernels_equal_the_plain_form_under_tritons_interpreter():
+    """``benchmarks.logprobs --check-from-logits``: both kernels against the float64 plain
+    form (forests with branching rows, duplicated labels on a row, a row of -inf but one
+    entry, a vocabulary not a multiple of the block; float32 and bf16)."""
+    _triton()
+    if tuple(int(x) for x in np.__version__.split(".")[:2]) >= (2, 3):
+        pytest.skip(f"Triton's interpreter needs NumPy < 2.3 (found {np.__version__})")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    run = subprocess.run([sys.executable, "-m", "benchmarks.logprobs", "--check-from-logits"],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert run.stdout.count(" ok") == 2, run.stdout
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_the_kernels_compile_for_hopper(dtype):
+    """Triton's compiler for sm_90 (no GPU needed): code generation and type checks."""
+    triton = _triton()
+    from triton.backends.compiler import GPUTarget
+
+    def compile_(kernel, config, types):
+        block, warps = config
+        src = triton.compiler.ASTSource(
+            fn=kernel, signature={**types, "BLOCK": "constexpr"},
+            constexprs={(kernel.arg_names.index("BLOCK"),): block})
+        return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=warps))
+
+    row = "*" + dtype
+    assert compile_(from_logits._lse_kernel, from_logits.LSE_CONFIG, {
+        "logits": row, "stride": "i64", "n_vocab": "i32", "lse": "*fp32"}).asm["ptx"]
+    assert compile_(from_logits._grad_kernel, from_logits.GRAD_CONFIG, {
+        "logits": row, "stride": "i64", "n_vocab": "i32", "lse": "*fp32",
+        "child_start": "*i64", "child_end": "*i64", "child_tok": "*i64", "ids": "*i64",
+        "g": "*fp32", "out": row, "out_stride": "i64"}).asm["ptx"]
