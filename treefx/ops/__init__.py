@@ -7,7 +7,8 @@ form is one module.
     conv/            tree causal conv1d: reference, fast (the row's conv fixed at node
                      boundaries), part
     cross_entropy/   tree loss: reference (materialized logits), fast (fused, chunked)
-    logprobs/        per-token log-probabilities: reference, fast (fused), site (graph node)
+    logprobs/        per-token log-probabilities: reference, fast (fused), site (graph node),
+                     from_logits (read from materialized logits: Triton on the GPU)
     lightning/       MiniMax lightning attention: reference (per token), fast (chunked)
     recurrence/      recurrent kernels over the tree: reference (per depth), traced (custom
                      op), part
