@@ -268,7 +268,65 @@ def check_from_logits(dev: str, n: int = 517, vocab: int = 10007) -> list[dict]:
               f"(max {r['logprob_max']:.1f}), grad err {r['grad_err']:.2e} "
               f"(max {r['grad_max']:.2e}) {'ok' if r['ok'] else 'FAILED'}", flush=True)
         out.append(r)
+    out.append(_check_own_rows(dev, n, vocab))
+    if dev == "cuda":
+        out.append(_check_fused(n, vocab))
     return out
+
+
+def _report(r: dict, tol_lp: float, tol_g: float) -> dict:
+    r["ok"] = r.get("logprob_err", 0.0) <= tol_lp and r["grad_err"] <= tol_g
+    lp = f"log-prob err {r['logprob_err']:.2e}, " if "logprob_err" in r else ""
+    top = f" (max {r['grad_max']:.2e})" if "grad_max" in r else " (relative)"
+    print(f"{r['case']}: {lp}grad err {r['grad_err']:.2e}{top} "
+          f"{'ok' if r['ok'] else 'FAILED'}", flush=True)
+    return r
+
+
+def _check_own_rows(dev: str, n: int, vocab: int) -> dict:
+    """``own_rows_gradient`` (the fused log-probabilities' slice gradient on the GPU) against
+    the float64 one-hot minus softmax: labels inside and outside the slice, float32."""
+    from treefx.ops.logprobs import from_logits
+
+    gen = torch.Generator().manual_seed(n + 1)
+    logits = torch.randn(n, vocab, generator=gen) * 4
+    labels = torch.randint(-vocab // 4, vocab + vocab // 4, (n,), generator=gen)
+    up = torch.randn(n, generator=gen)
+    lse = torch.logsumexp(logits.double(), -1)
+    got = from_logits.own_rows_gradient(logits.to(dev), lse.float().to(dev), labels.to(dev),
+                                        up.to(dev)).cpu().double()
+    inside = (labels >= 0) & (labels < vocab)
+    onehot = torch.zeros(n, vocab, dtype=torch.float64)
+    onehot[inside, labels[inside]] = 1
+    ref = up.double()[:, None] * (onehot - torch.exp(logits.double() - lse[:, None]))
+    return _report({"case": "own rows float32", "grad_err": float((got - ref).abs().max()),
+                    "grad_max": float(ref.abs().max())}, 0.0, 1e-5)
+
+
+def _check_fused(n: int, vocab: int) -> dict:
+    """The fused log-probabilities on the GPU (``fused_linear_tree_logprobs``: Triton's
+    log-sum-exp per chunk and slice gradients) against the plain form in float64 on the same
+    float32 inputs (a random forest's rows, some tokens untrained)."""
+    from treefx.ops.logprobs import fused_linear_tree_logprobs, linear_tree_logprobs_reference
+
+    gen = torch.Generator().manual_seed(n + 2)
+    h = torch.randn(n, 64, generator=gen)
+    w = torch.randn(vocab, 64, generator=gen) / 8
+    ids = torch.randint(0, vocab, (n,), generator=gen)
+    parent = random_parents(n, gen)
+    up = torch.randn(n, generator=gen)
+    up[::5] = 0
+    got = []
+    for dev, dt in (("cuda", torch.float32), ("cpu", torch.float64)):
+        hh, ww = (x.to(dev, dt).requires_grad_() for x in (h, w))
+        fn = fused_linear_tree_logprobs if dev == "cuda" else linear_tree_logprobs_reference
+        lp = fn(hh, ww, None, ids.to(dev), parent.to(dev))
+        gh, gw = torch.autograd.grad((lp * up.to(dev, lp.dtype)).sum(), (hh, ww))
+        got.append((lp.detach().cpu().double(), gh.cpu().double(), gw.cpu().double()))
+    (lp, gh, gw), (rlp, rgh, rgw) = got
+    rel = max(float((gh - rgh).norm() / rgh.norm()), float((gw - rgw).norm() / rgw.norm()))
+    return _report({"case": "fused log-probs float32", "logprob_err":
+                    float((lp - rlp).abs().max()), "grad_err": rel}, 1e-4, 1e-5)
 
 
 LSE_CONFIGS = [(2048, 4), (4096, 4), (4096, 8), (8192, 8), (8192, 16), (16384, 16)]
@@ -320,7 +378,8 @@ def main(argv=None):
     p.add_argument("--tokens", default="883,8192,35530")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--profile", type=int, default=0,
-                   help="also print the top kernels of the new backward at this many tokens")
+                   help="also print the top kernels of the fused log-probabilities' forward "
+                        "and backward at this many tokens")
     p.add_argument("--paths", default="",
                    help="comma-separated token counts: compare the output layer's paths there "
                         "(see the module's docstring) instead of the two backwards")
@@ -344,6 +403,7 @@ def main(argv=None):
     if args.check_from_logits:
         cuda = torch.cuda.is_available()
         rows = check_from_logits("cuda" if cuda else "cpu")
+        print(f"{sum(r['ok'] for r in rows)} of {len(rows)} cases ok", flush=True)
         raise SystemExit(0 if all(r["ok"] for r in rows) else 1)
     cuda = common.use_cuda(args.dry_run)
     dev = "cuda" if cuda else "cpu"
@@ -358,11 +418,13 @@ def main(argv=None):
         res["cases"] = [run_case(n, hidden, vocab, dev, torch.bfloat16, args.reps)
                         for n in tokens]
     if args.profile and cuda:
-        res["profile"] = profile_backward(args.profile, hidden, vocab)
+        res["profile"] = profile_fused(args.profile, hidden, vocab)
     common.save_json(res, common.resolve_out(args, "logprobs", cuda))
 
 
-def profile_backward(n: int, hidden: int, vocab: int) -> list:
+def profile_fused(n: int, hidden: int, vocab: int) -> dict:
+    """The top GPU kernels of the fused log-probabilities' forward and backward at ``n``
+    tokens (every token trained)."""
     from torch.profiler import ProfilerActivity, profile
 
     h = torch.randn(n, hidden, device="cuda", dtype=torch.bfloat16)
@@ -370,19 +432,29 @@ def profile_backward(n: int, hidden: int, vocab: int) -> list:
     ids = torch.randint(0, vocab, (n,), device="cuda")
     parent = torch.arange(n, device="cuda") - 1
     up = torch.randn(n, device="cuda")
-    _, lse = torch.ops.treefx.linear_tree_logprobs(h, w, None, ids, parent)
-    for _ in range(2):
+
+    def forward():
+        return torch.ops.treefx.linear_tree_logprobs(h, w, None, ids, parent)[1]
+
+    lse = forward()
+
+    def backward():
         lp_ops._backward(up, h, w, None, ids, parent, lse, True, True, False)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        lp_ops._backward(up, h, w, None, ids, parent, lse, True, True, False)
+
+    out = {}
+    for name, fn in (("forward", forward), ("backward", backward)):
+        for _ in range(2):
+            fn()
         torch.cuda.synchronize()
-    ev = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
-    top = [(e.key[:80], e.count, round(e.self_device_time_total / 1e3, 2))
-           for e in sorted(ev, key=lambda e: -e.self_device_time_total)[:15]]
-    for row in top:
-        print("profile", n, row, flush=True)
-    return top
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        ev = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+        out[name] = [(e.key[:80], e.count, round(e.self_device_time_total / 1e3, 2))
+                     for e in sorted(ev, key=lambda e: -e.self_device_time_total)[:15]]
+        for row in out[name]:
+            print("profile", name, n, row, flush=True)
+    return out
 
 
 if __name__ == "__main__":

@@ -1282,3 +1282,45 @@ if [ "${1:-}" = z36 ]; then
   sed -i '/pow_by_natural/d' $OUT/*.log
   results z36
 fi
+# Stage z37 (`... z37` on one GPU, nothing carried; results in $OUT/z37.tgz): the shipped
+# block sizes of the log-probs' kernels (z36's tuning) in the step: e2e, 4 layers, first-call
+# check on, the default, logits=False, @treefx.step and packing, profiled; the output layer's
+# paths with the fused log-probabilities' forward and backward profiled (where logits=False's
+# time beyond its fourth product goes)
+if [ "${1:-}" = z37 ]; then
+  RES=$OUT; OUT=/tmp/z37; mkdir -p $OUT
+  timeout 200 python3 -m benchmarks.logprobs --paths 17187 --reps 10 --profile 17187 \
+    --out $OUT/logprobs_paths_profile.json > $OUT/logprobs_paths_profile.log 2>&1
+  echo "paths rc=$?"; grep -E "tokens|profile" $OUT/logprobs_paths_profile.log | tail -n 40
+  cold z37_steps 0 330 --layers 4 --warmup 2 --reps 5 --profile \
+    --methods treefx,treefx_nologits,treefx_step,packed
+  sed -i '/pow_by_natural/d' $OUT/*.log
+  python3 - $OUT/e2e_z37_steps.json <<'PY'
+import json, sys
+d = json.load(open(sys.argv[1]))
+for m, t in d["runs"]["hidden4096"]["por0.75"].items():
+    p = t.get("profile", {})
+    print(m, "step", t.get("step_ms"), t.get("step_ms_all"), "peak", t.get("peak_gib"),
+          "kinds", p.get("by_kind_ms_per_step"))
+    for k, v in (p.get("top_kernels_ms_per_step") or [])[:14]:
+        print("   %7.2f %s" % (v, k[:100]))
+PY
+  results z37
+fi
+# Stage z38 (`... z38` on one GPU, nothing carried; results in $OUT/z38.tgz): in z37's profile
+# logits=False's chunk log-sum-exps (Inductor, 5.3 ms) and slice gradients (Inductor's fused
+# kernel, 10.7 ms, 1 TB/s) took twice and three times what the log-probs' Triton kernels take
+# for the same bytes; they now run on those kernels. The check (now with the fused op against
+# float64), the output layer's paths with its profile, e2e 4 layers: the default, logits=False
+# and @treefx.step in one process
+if [ "${1:-}" = z38 ]; then
+  RES=$OUT; OUT=/tmp/z38; mkdir -p $OUT
+  timeout 120 python3 -m benchmarks.logprobs --check-from-logits 2>&1 | tee $OUT/check.log
+  timeout 200 python3 -m benchmarks.logprobs --paths 17187 --reps 10 --profile 17187 \
+    --out $OUT/logprobs_paths_profile.json > $OUT/logprobs_paths_profile.log 2>&1
+  echo "paths rc=$?"; grep -E "tokens|profile" $OUT/logprobs_paths_profile.log | tail -n 36
+  cold z38_steps 0 300 --layers 4 --warmup 2 --reps 5 \
+    --methods treefx,treefx_nologits,treefx_step
+  sed -i '/pow_by_natural/d' $OUT/*.log
+  results z38
+fi

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from ..cross_entropy import fast as ce_fast
+from . import from_logits
 
 __all__ = ["fused_linear_tree_logprobs"]
 
@@ -47,6 +48,16 @@ def _lse_and_pick(logits, ids, acc: torch.dtype):
     return torch.logsumexp(lg, dim=-1), lg.gather(1, ids[:, None])[:, 0]
 
 
+def _triton(h: torch.Tensor) -> bool:
+    """Whether a chunk's log-sum-exp and a slice's gradient run as :mod:`.from_logits`'
+    Triton kernels (on CUDA, bf16/fp16/fp32: float32 sums, as ``_acc`` says)."""
+    return from_logits.available(h)
+
+
+def _lse_and_pick_triton(logits, ids, acc: torch.dtype):
+    return from_logits.lse_rows(logits), logits.gather(1, ids[:, None])[:, 0].to(acc)
+
+
 def _forward(h, weight, bias, ids, parent):
     acc = _acc(h)
     h2 = h.reshape(-1, h.shape[-1])
@@ -57,8 +68,10 @@ def _forward(h, weight, bias, ids, parent):
     lse = torch.zeros(n, dtype=acc, device=h.device)
     step = _chunk(weight.shape[0])
     # on the GPU one reduction reading the chunk's logits once in their own dtype (eagerly,
-    # the float32 copy alone wrote and read [883, 151,936] twice more per chunk)
-    lse_fn = ce_fast.gpu_compiled(_lse_and_pick, h.is_cuda)
+    # the float32 copy alone wrote and read [883, 151,936] twice more per chunk): Triton's
+    # one-pass log-sum-exp (:mod:`.from_logits`), else Inductor's
+    lse_fn = _lse_and_pick_triton if _triton(h) else ce_fast.gpu_compiled(_lse_and_pick,
+                                                                            h.is_cuda)
     for s in range(0, n, step):
         e = min(s + step, n)
         lse_c, picked = lse_fn(F.linear(h2[row[s:e]], weight, bias), ids[s:e], acc)
@@ -112,6 +125,9 @@ def _backward(grad, h, weight, bias, ids, parent, lse, need_h: bool, need_weight
     n_tok, n_vocab = tokens.shape[0], weight.shape[0]
     blocks = list(range(0, n_tok, _TOKEN_BLOCK))
     slice_grad = ce_fast.gpu_compiled(_slice_grad, h.is_cuda)
+    # a slice's gradient in one pass by Triton (Inductor's fused form of _slice_grad ran at
+    # a third of the memory rate on an H100); a bias's gradient sums it in float32: Inductor's
+    triton = _triton(h) and not need_bias
     # one block: each weight slice's gradient is written straight into the result (or added
     # straight into ``grad_into``); several: summed over blocks in ``acc``, then rounded once
     into = grad_into is not None and need_weight and len(blocks) <= 1
@@ -131,8 +147,12 @@ def _backward(grad, h, weight, bias, ids, parent, lse, need_h: bool, need_weight
             w_s = weight[v0:v1]
             logits = F.linear(hc, w_s, None if bias is None else bias[v0:v1])
             hit = (yt >= v0) & (yt < v1)
-            d = slice_grad(logits, lse_t, gt, (yt - v0).clamp(0, v1 - v0 - 1), hit, acc,
-                           acc if need_bias else weight.dtype)
+            if triton:
+                d = from_logits.own_rows_gradient(logits, lse_t, torch.where(hit, yt - v0, -1),
+                                                  gt)
+            else:
+                d = slice_grad(logits, lse_t, gt, (yt - v0).clamp(0, v1 - v0 - 1), hit, acc,
+                               acc if need_bias else weight.dtype)
             dc = d.to(weight.dtype)
             if need_h:
                 ce_fast.add_mm_acc(dh_t, dc, w_s)

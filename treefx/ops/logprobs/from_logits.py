@@ -29,7 +29,8 @@ import torch
 
 from ..cross_entropy.reference import tree_token_logprobs
 
-__all__ = ["available", "lse_rows", "rows_gradient", "tree_logprobs_from_logits"]
+__all__ = ["available", "lse_rows", "own_rows_gradient", "rows_gradient",
+           "tree_logprobs_from_logits"]
 
 try:  # Triton is optional: the CPU build of torch comes without it
     import triton
@@ -118,10 +119,7 @@ def rows_gradient(logits: torch.Tensor, lse: torch.Tensor, input_ids: torch.Tens
     [.., N, V], in the logits' dtype and shape (Triton). Tokens without a predecessor
     (``parent_token < 0``) contribute nothing."""
     lg = _rows(logits)
-    n, v = lg.shape
-    out = torch.empty((n, v), dtype=logits.dtype, device=lg.device)
-    if n == 0:
-        return out.reshape(logits.shape)
+    n = lg.shape[0]
     parent = parent_token.reshape(-1)
     # Each row's children: the tokens sorted by the row they read (tokens without one sorted
     # past the last row, so no row's range holds them).
@@ -130,11 +128,31 @@ def rows_gradient(logits: torch.Tensor, lse: torch.Tensor, input_ids: torch.Tens
     rows = torch.arange(n, device=lg.device, dtype=key.dtype)
     start = torch.searchsorted(key, rows)
     end = torch.searchsorted(key, rows, right=True)
-    block, warps = GRAD_CONFIG
-    _grad_kernel[(n, triton.cdiv(v, block))](
-        lg, lg.stride(0), v, lse, start, end, order, input_ids.reshape(-1),
-        grad.reshape(-1).contiguous(), out, out.stride(0), BLOCK=block, num_warps=warps)
-    return out.reshape(logits.shape)
+    return _gradient(lg, lse, start, end, order, input_ids.reshape(-1), grad).reshape(
+        logits.shape)
+
+
+def own_rows_gradient(logits: torch.Tensor, lse: torch.Tensor, labels: torch.Tensor,
+                      grad: torch.Tensor) -> torch.Tensor:
+    """[T, V] in the logits' dtype: ``grad[t] · (onehot(labels[t]) − softmax(logits[t]))``,
+    each row read by one token of its own (as :mod:`.fast`'s backward rebuilds a slice of the
+    vocabulary for its tokens); a label outside ``[0, V)`` puts no one-hot in the row (the
+    slice does not hold it). Triton."""
+    lg = _rows(logits)
+    t = torch.arange(lg.shape[0], device=lg.device)
+    return _gradient(lg, lse, t, t + 1, t, labels.reshape(-1), grad)
+
+
+def _gradient(lg, lse, start, end, order, ids, grad) -> torch.Tensor:
+    n, v = lg.shape
+    out = torch.empty((n, v), dtype=lg.dtype, device=lg.device)
+    if n:
+        block, warps = GRAD_CONFIG
+        _grad_kernel[(n, triton.cdiv(v, block))](
+            lg, lg.stride(0), v, lse, start, end, order, ids,
+            grad.reshape(-1).to(torch.float32).contiguous(), out, out.stride(0), BLOCK=block,
+            num_warps=warps)
+    return out
 
 
 @torch.library.custom_op("treefx::tree_logprobs_from_logits", mutates_args=())
