@@ -67,7 +67,7 @@ def test_a_loss_on_logits_and_logprobs_gets_both_gradients():
 def test_the_compiled_graph_returns_the_logits_not_their_log_softmax():
     """The log-probabilities are read outside the graph: no log-sum-exp over the vocabulary
     in it (whose backward, for an unused logits output, read a zero-filled [N, V] gradient);
-    its outputs are the logits and the tree input's anchor."""
+    its outputs are the logits and a view of the tree input (its anchor)."""
     model = hf_model("qwen3", "sdpa")
     tm = treefx.compile(model, verify=False)
     batch = treefx.pack(odd_forest(5, VOCAB))

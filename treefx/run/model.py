@@ -74,15 +74,15 @@ def tree_forward(opts: dict):
     ``logits=False`` each token's log-probability at its tree predecessor (one node the
     logprobs pass fuses with the output projection: no [N, vocab] logits).
 
-    With the logits, the graph also returns which tokens have a predecessor
-    (``parent_token >= 0``), which nothing reads: it keeps ``tree_info`` an input of the
-    captured graph (Dynamo drops inputs nothing in the graph reads, and the model's own code
-    reads only the tokens), from which the passes build the tree's attention and positions."""
+    With the logits, the graph also returns a small view of ``tree_info``, which nothing
+    reads: it keeps ``tree_info`` an input of the captured graph (Dynamo drops inputs nothing
+    in the graph reads, and the model's own code reads only the tokens), from which the
+    passes build the tree's attention and positions (as ``@treefx.step``'s function does)."""
     def tree_forward(model, input_ids, tree_info):
         torch._check(tree_info.shape[1] == input_ids.shape[1])
         logits = model_logits(model, opts, input_ids, tree_info)
         if opts["logits"]:
-            return logits, tree_info[1] >= 0
+            return logits, tree_info[:, :1]
         return token_logprobs_site(logits, input_ids, tree_info[1])
 
     return tree_forward
