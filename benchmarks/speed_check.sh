@@ -1324,3 +1324,15 @@ if [ "${1:-}" = z38 ]; then
   sed -i '/pow_by_natural/d' $OUT/*.log
   results z38
 fi
+# Stage z39 (`... z39` on one GPU, nothing carried; results in $OUT/z39.tgz): exactness on the
+# GPU after the log-probs left the graph (read by the Triton kernels) and the graph's tree
+# input became anchored by a view: gpu_check's dense cases against the per-sequence oracle
+if [ "${1:-}" = z39 ]; then
+  RES=$OUT; OUT=/tmp/z39; mkdir -p $OUT
+  timeout 540 python3 -m benchmarks.gpu_check --cases \
+    qwen3-fp32,qwen3-bf16,mistral-window,regional,inference,step-fp32,small-trees \
+    --err-dir $OUT/err --out $OUT/gpu_check.json > $OUT/gpu_check.log 2>&1
+  echo "gpu_check rc=$?"; grep -vE "pow_by_natural|^\s*$" $OUT/gpu_check.log | tail -n 40
+  sed -i '/pow_by_natural/d' $OUT/*.log
+  results z39
+fi
