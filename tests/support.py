@@ -1,8 +1,14 @@
 """Models and checks the tests share: tiny Hugging Face configs, small modules that treefx
-must refuse, and the oracle check (values and gradients through :func:`treefx.verify`)."""
+must refuse, the oracle check (values and gradients through :func:`treefx.verify`), and a
+module run under Triton's interpreter."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
+import numpy as np
 import pytest
 import torch
 
@@ -102,3 +108,18 @@ class BreaksGraph(torch.nn.Module):
         if x.sum().item() > 0:  # data-dependent Python control flow: a graph break
             x = x * 2
         return self.head(x)
+
+
+def run_under_tritons_interpreter(*module_args: str) -> str:
+    """``python -m <module_args>`` with ``TRITON_INTERPRET=1`` (Triton's kernels run on the
+    CPU, program by program): its standard output, after asserting it exited 0. Skips where
+    Triton is absent (the CPU build of torch) or NumPy is 2.3 or newer (the interpreter turns
+    one-element arrays into Python numbers, which newer NumPy refuses)."""
+    pytest.importorskip("triton")
+    if tuple(int(x) for x in np.__version__.split(".")[:2]) >= (2, 3):
+        pytest.skip(f"Triton's interpreter needs NumPy < 2.3 (found {np.__version__})")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    run = subprocess.run([sys.executable, "-m", *module_args], capture_output=True, text=True,
+                         env=env, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return run.stdout

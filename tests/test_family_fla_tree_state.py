@@ -8,12 +8,11 @@ state-pass``, run by the last test where Triton is installed) and on the GPU
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
+from support import run_under_tritons_interpreter
 
 from treefx.families import fla_tree, fla_tree_state
 from treefx.ops.recurrence.reference import _tree_nodes
@@ -145,14 +144,8 @@ def test_launch_settings_come_from_the_environment_or_say_what_is_wrong(monkeypa
 
 
 def test_the_kernels_equal_the_reference_under_tritons_interpreter():
-    pytest.importorskip("triton")
-    if tuple(int(x) for x in np.__version__.split(".")[:2]) >= (2, 3):
-        pytest.skip(f"Triton's interpreter needs NumPy < 2.3 (found {np.__version__})")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    out = subprocess.run([sys.executable, "-m", "benchmarks.fla_tree_interpret", "state-pass"],
-                         capture_output=True, text=True, env=env, timeout=600)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert '"case": "state-pass"' in out.stdout
+    out = run_under_tritons_interpreter("benchmarks.fla_tree_interpret", "state-pass")
+    assert '"case": "state-pass"' in out
 
 
 @pytest.mark.parametrize("dtype,key_dim", [("bf16", 128), ("fp32", 128), ("bf16", 64)])

@@ -7,13 +7,10 @@ installed (the CPU build of torch comes without it)."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
-import numpy as np
 import pytest
 import torch
-from support import VOCAB, hf_model
+from support import VOCAB, hf_model, run_under_tritons_interpreter
 from trees import odd_forest
 
 import treefx
@@ -103,14 +100,10 @@ def test_the_kernels_equal_the_plain_form_under_tritons_interpreter():
     entry, a vocabulary not a multiple of the block; float32 and bf16), and the gradient of
     rows each read by one token with labels inside and outside the row (the fused
     log-probabilities' slices)."""
-    _triton()
-    if tuple(int(x) for x in np.__version__.split(".")[:2]) >= (2, 3):
-        pytest.skip(f"Triton's interpreter needs NumPy < 2.3 (found {np.__version__})")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    run = subprocess.run([sys.executable, "-m", "benchmarks.logprobs", "--check-from-logits"],
-                         capture_output=True, text=True, env=env, timeout=600)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert "3 of 3 cases ok" in run.stdout, run.stdout
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("under the interpreter already")
+    out = run_under_tritons_interpreter("benchmarks.logprobs", "--check-from-logits")
+    assert "3 of 3 cases ok" in out, out
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
