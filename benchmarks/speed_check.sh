@@ -1336,3 +1336,16 @@ if [ "${1:-}" = z39 ]; then
   sed -i '/pow_by_natural/d' $OUT/*.log
   results z39
 fi
+# Stage z40 (`... z40` on one GPU, nothing carried; results in $OUT/z40.tgz): the first step
+# with the log-probs outside the graph (their two Triton kernels compile at the first call),
+# z31's protocol: fresh processes, empty compile caches, bytecode written then present; 4
+# layers twice, 36 layers (a quarter of the tree) once
+if [ "${1:-}" = z40 ]; then
+  first_stage z40
+  cold z40a_machine 0 140 $F4
+  cold z40b_bytecode 0 140 $F4
+  cold z40c_l36 0 170 $L36
+  first_summary
+  sed -i '/pow_by_natural/d' $OUT/*.log
+  results z40
+fi
