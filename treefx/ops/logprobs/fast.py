@@ -15,11 +15,15 @@ Tokens whose upstream gradient is 0 (prompts, tool results: everything an object
 train) are skipped in the backward, and the weight's and bias' gradients are computed only
 when they are wanted (a LoRA model's frozen output projection).
 
+On the GPU a chunk's log-sum-exp and a slice's gradient are :mod:`.from_logits`' Triton
+kernels (one pass over the chunk or slice each); elsewhere, and for a bias (whose gradient sums
+the slice's in float32), Inductor's or eager forms of the same math.
+
 ``torch.library`` custom ops with a registered backward: opaque to Inductor (which would
 otherwise need the whole [N, V] tensor), traceable by AOTAutograd, any N. Peak memory: one
-chunk's [C, V] (forward) or slice's [T, Vs] (backward) logits in float32 (float64 for float64
-inputs), C·V and T·Vs at most ``CHUNK_ELEMENTS`` (:mod:`treefx.ops.cross_entropy.fast`), on top
-of the hidden states.
+chunk's [C, V] (forward) or slice's [T, Vs] (backward) logits and their gradient, C·V and T·Vs
+at most ``CHUNK_ELEMENTS`` (:mod:`treefx.ops.cross_entropy.fast`), on top of the hidden states
+and, in the backward, their float32 gradient.
 """
 
 from __future__ import annotations
