@@ -552,6 +552,9 @@ def main(argv=None):
                    help="treefx.compile's regional= for the shared model: default (None: "
                         "whole trees, treefx.backward's parts and packing's micro-batches "
                         "regional on Inductor), on, off")
+    p.add_argument("--kernel-options", type=json.loads, default=None, metavar="JSON",
+                   help="treefx.compile(kernel_options=...): FlexAttention's options at the "
+                        "tree attention sites, e.g. '{\"USE_TMA\": true}'")
     p.add_argument("--verify", action="store_true",
                    help="treefx.compile(verify=True): treefx.backward's first call checks its "
                         "part graph on a probe forest against each sequence alone (the "
@@ -623,7 +626,7 @@ def main(argv=None):
                             num_hidden_layers=args.layers, **shape)
     regional = {"default": None, "on": True, "off": False}[args.regional]
     tm = treefx.compile(model, backend=backend, logits=False, verify=args.verify,
-                        regional=regional)
+                        regional=regional, kernel_options=args.kernel_options)
     res["setup_s"] = time.perf_counter() - start
     ran = []  # (wall seconds, sequence tokens) of the tasks run
     for k, (index, tree) in enumerate(tasks):

@@ -1349,3 +1349,19 @@ if [ "${1:-}" = z40 ]; then
   sed -i '/pow_by_natural/d' $OUT/*.log
   results z40
 fi
+# Stage z41 (`... z41` on one GPU, carry .data/swe200.jsonl; results in $OUT/z41.tgz): on the
+# SWE trees attention is half the step and FlexAttention runs at its own rate (1.01 computed
+# pairs per attended pair); its USE_TMA option (Hopper's tensor memory accelerator, off in
+# treefx since a float32 model with head_dim 32 crashed with it in 2026-11-22's checks) made the
+# forward 14% faster on the synthetic tree. Seven of z32's tasks (--slice 0:7), treefx alone,
+# one CPU thread, first-call check on (the part graph against each sequence alone): a without,
+# b with `kernel_options={"USE_TMA": True}`; packing's times are z32b's
+if [ "${1:-}" = z41 ]; then
+  RES=$OUT; OUT=/tmp/z41; mkdir -p $OUT
+  OMP_NUM_THREADS=1 swe_run swe7_z41a_default 280 --slice 0:7 --methods treefx --warmup 2 \
+    --reps 5 --verify --time-limit 250
+  OMP_NUM_THREADS=1 swe_run swe7_z41b_tma 280 --slice 0:7 --methods treefx --warmup 2 \
+    --reps 5 --verify --time-limit 250 --kernel-options '{"USE_TMA": true}'
+  sed -i '/pow_by_natural/d' $OUT/*.log
+  results z41
+fi
