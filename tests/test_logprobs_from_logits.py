@@ -14,7 +14,6 @@ from support import VOCAB, hf_model, run_under_tritons_interpreter
 from trees import odd_forest
 
 import treefx
-from treefx.ops.cross_entropy import tree_token_logprobs
 from treefx.ops.logprobs import from_logits, tree_logprobs_from_logits
 
 transformers = pytest.importorskip("transformers")
@@ -73,18 +72,34 @@ def test_the_compiled_graph_returns_the_logits_not_their_log_softmax():
     nodes = [n for ctx in tm.contexts for scope in ctx.scopes() for n in scope.graph.nodes]
     assert not [n for n in nodes if "logsumexp" in str(n.target) or "log_softmax" in
                 str(n.target)]
-    torch.testing.assert_close(out.token_logprobs, tree_token_logprobs(
-        out.logits, batch.input_ids, batch.parent_token))
 
 
-def test_off_the_gpu_the_plain_form_runs():
+def test_off_the_gpu_the_log_softmax_of_each_tokens_row():
+    """On the CPU (the plain form): each token's log-probability is the log-softmax of its
+    predecessor's row at its label, summed into a row read by several tokens in the gradient;
+    0 and no gradient without a predecessor."""
     logits = torch.randn(1, 9, 17, dtype=torch.float64, requires_grad=True)
-    parent = torch.tensor([-1, 0, 1, 1, 3, -1, 5, 5, 0])
+    parent = torch.tensor([-1, 0, 1, 1, 3, -1, 5, 5, 0])  # rows 0, 1 and 5 read twice
     ids = torch.randint(0, 17, (1, 9), generator=torch.Generator().manual_seed(0))
     assert not from_logits.available(logits)
     got = tree_logprobs_from_logits(logits, ids, parent)
-    assert got.dtype == torch.float64 and torch.all(got[parent < 0] == 0)
-    torch.testing.assert_close(got, tree_token_logprobs(logits, ids, parent), rtol=0, atol=0)
+    want = torch.stack([torch.log_softmax(logits[0, p], -1)[y] if p >= 0 else
+                        logits.new_zeros(()) for p, y in zip(parent.tolist(), ids[0].tolist())])
+    assert got.dtype == torch.float64
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    up = torch.randn(9, dtype=torch.float64)
+    g_got, = torch.autograd.grad((got * up).sum(), logits)
+    g_want, = torch.autograd.grad((want * up).sum(), logits)
+    torch.testing.assert_close(g_got, g_want, rtol=0, atol=1e-12)
+    assert torch.all(g_got[0, [2, 4, 6, 7, 8]] == 0)  # rows no token reads
+
+
+@pytest.mark.parametrize("ids_len, parent_len", [(8, 9), (9, 10)])
+def test_rows_and_tokens_must_agree(ids_len, parent_len):
+    logits = torch.randn(1, 9, 17)
+    with pytest.raises(ValueError, match="one per token"):
+        tree_logprobs_from_logits(logits, torch.zeros(1, ids_len, dtype=torch.long),
+                                  torch.full((parent_len,), -1))
 
 
 def _triton():

@@ -203,7 +203,14 @@ def tree_logprobs_from_logits(logits: torch.Tensor, input_ids: torch.Tensor,
     """[N]: ``log softmax(logits[parent_token[t]])[input_ids[t]]``, 0 where t has no
     predecessor; float32 (float64 for float64 logits), differentiable in ``logits`` [.., N, V].
     The Triton kernels where :func:`available`, else :func:`tree_token_logprobs`: the same
-    values up to the order of float32 sums."""
+    values up to the order of float32 sums. A ``ValueError`` when ``input_ids`` or
+    ``parent_token`` do not hold one entry per row of ``logits``."""
+    rows = logits.numel() // max(logits.shape[-1], 1) if logits.dim() >= 2 else -1
+    for name, t in (("input_ids", input_ids), ("parent_token", parent_token)):
+        if t.numel() != rows:
+            raise ValueError(f"tree_logprobs_from_logits: {name} has {t.numel()} entries but "
+                             f"the logits {tuple(logits.shape)} have {max(rows, 0)} rows (one "
+                             "per token of the row)")
     if not available(logits):
         return tree_token_logprobs(logits, input_ids, parent_token)
     return _from_logits(logits, input_ids.reshape(-1), parent_token.reshape(-1))[0]
