@@ -199,19 +199,18 @@ def run_paths(n: int, hidden: int, vocab: int, dev: str, dtype, reps: int) -> di
     return out
 
 
-def random_parents(n: int, gen: torch.Generator) -> torch.Tensor:
-    """[n] predecessor rows of a random forest in DFS order: mostly the previous token, some
-    tokens without one (a new root), some reading an earlier row (a branch: rows read by
-    several tokens), a few rows read by many."""
-    parent = torch.arange(n) - 1
-    u = torch.rand(n, generator=gen)
-    back = (torch.rand(n, generator=gen) * torch.arange(n)).long()
-    parent = torch.where(u < 0.2, back, parent)
-    parent = torch.where(u > 0.95, torch.full_like(parent, -1), parent)
-    hub = n // 3
-    parent[hub + 1: hub + 40: 3] = hub  # one row read by 13 tokens
-    parent[0] = -1
-    return parent
+def forest_row(n: int, seed: int) -> torch.Tensor:
+    """[n] predecessor rows of a random forest in DFS order (:func:`treefx.tools.synth
+    .random_parent_row`: roots, nodes of one token and of several blocks, rows read by up to
+    five children), cut at ``n`` tokens (a cut DFS row is still one: parents come first)."""
+    from treefx.tools.synth import random_parent_row
+
+    roots = max(2, n // 500)
+    while True:
+        row = random_parent_row(seed, roots=roots, children=5)
+        if len(row) >= n:
+            return torch.as_tensor(row[:n], dtype=torch.long)
+        roots *= 2
 
 
 def check_from_logits(dev: str, n: int = 517, vocab: int = 10007) -> list[dict]:
@@ -230,10 +229,11 @@ def check_from_logits(dev: str, n: int = 517, vocab: int = 10007) -> list[dict]:
     out = []
     for dtype in (torch.float32, torch.bfloat16):
         gen = torch.Generator().manual_seed(n)
-        parent = random_parents(n, gen)
+        parent = forest_row(n, n)
         ids = torch.randint(0, vocab, (n,), generator=gen)
-        hub = n // 3
-        ids[hub + 4] = ids[hub + 1]  # two tokens with one label on the same row
+        readers = torch.bincount(parent[parent >= 0], minlength=n)
+        branch = int(torch.nonzero(readers >= 2)[0, 0])
+        ids[parent == branch] = ids[parent == branch][0]  # one label for a row's children
         logits = (torch.randn(1, n, vocab, generator=gen) * 4).to(dtype)
         logits[0, 7] = float("-inf")
         logits[0, 7, 3] = 1.0
@@ -255,19 +255,14 @@ def check_from_logits(dev: str, n: int = 517, vocab: int = 10007) -> list[dict]:
         ref = tree_token_logprobs(ref_in, ids, parent)
         (ref * up.double()).sum().backward()
         ref_grad = ref_in.grad.to(dtype).double()  # rounded as the kernel's result is
-        r = {"dtype": str(dtype).split(".")[-1], "tokens": n, "vocab": vocab,
+        r = {"case": f"from_logits {str(dtype).split('.')[-1]}", "tokens": n, "vocab": vocab,
              "logprob_err": float((lp - ref.detach()).abs().max()),
-             "logprob_max": float(ref.detach().abs().max()),
              "grad_err": float((grad - ref_grad).abs().max()),
              "grad_max": float(ref_grad.abs().max())}
         # float32 logits: float32 sums; bf16 logits: the gradient's one bf16 rounding (a unit
         # in the last place of its largest entries, 2^-8 relative)
-        tol_lp, tol_g = (1e-4, 1e-5) if dtype == torch.float32 else (1e-4, r["grad_max"] / 128)
-        r["ok"] = r["logprob_err"] <= tol_lp and r["grad_err"] <= tol_g
-        print(f"from_logits {r['dtype']}: log-prob err {r['logprob_err']:.2e} "
-              f"(max {r['logprob_max']:.1f}), grad err {r['grad_err']:.2e} "
-              f"(max {r['grad_max']:.2e}) {'ok' if r['ok'] else 'FAILED'}", flush=True)
-        out.append(r)
+        tol_g = 1e-5 if dtype == torch.float32 else r["grad_max"] / 128
+        out.append(_report(r, 1e-4, tol_g))
     out.append(_check_own_rows(dev, n, vocab))
     if dev == "cuda":
         out.append(_check_fused(n, vocab))
@@ -313,7 +308,7 @@ def _check_fused(n: int, vocab: int) -> dict:
     h = torch.randn(n, 64, generator=gen)
     w = torch.randn(vocab, 64, generator=gen) / 8
     ids = torch.randint(0, vocab, (n,), generator=gen)
-    parent = random_parents(n, gen)
+    parent = forest_row(n, n + 2)
     up = torch.randn(n, generator=gen)
     up[::5] = 0
     got = []
@@ -341,7 +336,7 @@ def tune_from_logits(n: int = 17187, vocab: int = 151936, reps: int = 10) -> dic
     from treefx.ops.logprobs import from_logits
 
     gen = torch.Generator().manual_seed(n)
-    parent = random_parents(n, gen).cuda()
+    parent = forest_row(n, n).cuda()
     ids = torch.randint(0, vocab, (n,), generator=gen).cuda()
     logits = torch.randn(n, vocab, device="cuda", dtype=torch.bfloat16) * 4
     up = torch.randn(n, device="cuda")

@@ -52,12 +52,6 @@ def _lse_and_pick(logits, ids, acc: torch.dtype):
     return torch.logsumexp(lg, dim=-1), lg.gather(1, ids[:, None])[:, 0]
 
 
-def _triton(h: torch.Tensor) -> bool:
-    """Whether a chunk's log-sum-exp and a slice's gradient run as :mod:`.from_logits`'
-    Triton kernels (on CUDA, bf16/fp16/fp32: float32 sums, as ``_acc`` says)."""
-    return from_logits.available(h)
-
-
 def _lse_and_pick_triton(logits, ids, acc: torch.dtype):
     return from_logits.lse_rows(logits), logits.gather(1, ids[:, None])[:, 0].to(acc)
 
@@ -74,8 +68,8 @@ def _forward(h, weight, bias, ids, parent):
     # on the GPU one reduction reading the chunk's logits once in their own dtype (eagerly,
     # the float32 copy alone wrote and read [883, 151,936] twice more per chunk): Triton's
     # one-pass log-sum-exp (:mod:`.from_logits`), else Inductor's
-    lse_fn = _lse_and_pick_triton if _triton(h) else ce_fast.gpu_compiled(_lse_and_pick,
-                                                                            h.is_cuda)
+    lse_fn = _lse_and_pick_triton if from_logits.available(h) else \
+        ce_fast.gpu_compiled(_lse_and_pick, h.is_cuda)
     for s in range(0, n, step):
         e = min(s + step, n)
         lse_c, picked = lse_fn(F.linear(h2[row[s:e]], weight, bias), ids[s:e], acc)
@@ -131,7 +125,7 @@ def _backward(grad, h, weight, bias, ids, parent, lse, need_h: bool, need_weight
     slice_grad = ce_fast.gpu_compiled(_slice_grad, h.is_cuda)
     # a slice's gradient in one pass by Triton (Inductor's fused form of _slice_grad ran at
     # a third of the memory rate on an H100); a bias's gradient sums it in float32: Inductor's
-    triton = _triton(h) and not need_bias
+    triton = from_logits.available(h) and not need_bias
     # one block: each weight slice's gradient is written straight into the result (or added
     # straight into ``grad_into``); several: summed over blocks in ``acc``, then rounded once
     into = grad_into is not None and need_weight and len(blocks) <= 1
