@@ -112,8 +112,8 @@ def test_the_package_has_no_import_cycles():
 # nothing of the passes; the passes nothing of the engine; the engine nothing of the user API.
 LAYERS = [
     # data, and the plan a capture is compiled for (treefx.plan: data only)
-    {"treefx._version", "treefx._progress", "treefx.tree", "treefx.mask", "treefx.plan",
-     "treefx.chat_pieces", "treefx.trajectories"},
+    {"treefx._version", "treefx._progress", "treefx._switches", "treefx.tree", "treefx.mask",
+     "treefx.plan", "treefx.chat_pieces", "treefx.trajectories"},
     {"treefx.layout", "treefx.reference", "treefx.agent_trees", "treefx.partition", "treefx.data",
      "treefx.parts"},
     # the ops (one folder per op)

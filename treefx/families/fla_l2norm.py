@@ -22,10 +22,11 @@ wrapper.
 from __future__ import annotations
 
 import inspect
-import os
 import re
 
 import torch
+
+from .._switches import switched_off
 
 __all__ = ["ENV", "FIXED_NB", "L2Norm", "available", "l2norm", "l2norm_bwd", "l2norm_fwd"]
 
@@ -82,7 +83,7 @@ def _kernels():
 def available() -> bool:
     """Whether the fixed-key kernels run: fla with the kernels described above, and not turned
     off (``TREEFX_FLA_L2NORM=0``: fla's own wrapper and keys, as before)."""
-    if os.environ.get(ENV, "").strip().lower() in ("0", "off", "false", "no"):
+    if switched_off(ENV):
         return False
     return _kernels() is not None
 

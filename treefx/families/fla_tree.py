@@ -33,11 +33,11 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import os
 
 import numpy as np
 import torch
 
+from .._switches import switched_off, switched_on
 from ..layout import move_tensors
 from . import fla_l2norm, fla_tree_state
 from .fla import fla_distribution_version
@@ -327,8 +327,7 @@ class _TreeGatedDeltaRule(torch.autograd.Function):
         # fla recomputes w, the chunk states and the new values in the backward; kept (opt-in),
         # the backward skips that recomputation (its state pass per depth and the w/u stage)
         # for T x H x (K + V) + chunks x H x K x V more memory a layer
-        ctx.keep_states = os.environ.get(KEEP_ENV, "").strip().lower() in ("1", "on", "true",
-                                                                           "yes")
+        ctx.keep_states = switched_on(KEEP_ENV)
         ctx.save_for_backward(q, q_rstd, k, k_rstd, v, g, beta, A,
                               *([w, h, v_new] if ctx.keep_states else []),
                               *[x for x in inits if x is not None])
@@ -409,8 +408,7 @@ def tree_gated_delta_rule(seq: dict, static: dict, nodes, root_init, keep):
     with an illegal memory access whose cause is not known (packing on fla's own entry point
     stopped so twice before, [fla-12], [fla-16], and ran clean in [fla-20]): such rows run
     what a packing trainer runs."""
-    if os.environ.get(ENV, "").strip().lower() in ("0", "off", "false", "no") or \
-            kernels() is None or max(nodes[3], default=0) == 0:
+    if switched_off(ENV) or kernels() is None or max(nodes[3], default=0) == 0:
         return None
     from .fla import expand_heads
 

@@ -36,6 +36,8 @@ import os
 import numpy as np
 import torch
 
+from .._switches import switched_off
+
 __all__ = ["ENV", "TreeTables", "available", "tables", "tree_bwd_dhu", "tree_fwd_h"]
 
 ENV = "TREEFX_FLA_TREE_STATE"  # 0: the state pass depth by depth (fla's kernel per depth)
@@ -51,7 +53,7 @@ except ImportError:  # pragma: no cover - depends on the installation
 def available(key_dim: int) -> bool:
     """Whether the one-launch state pass runs: Triton importable, key heads of 64 or 128
     (two 64-wide halves at most, as fla's kernel holds them), and not turned off by ``ENV``."""
-    if os.environ.get(ENV, "").strip().lower() in ("0", "off", "false", "no"):
+    if switched_off(ENV):
         return False
     return triton is not None and key_dim in (64, 128)
 

@@ -24,6 +24,8 @@ from unittest import mock
 import torch
 import torch.fx as fx
 
+from .._switches import switched_off, switched_on
+
 __all__ = ["BACKENDS", "capture_config", "check", "check_available", "compile_graph", "lowering",
            "resolve"]
 
@@ -42,8 +44,7 @@ def check(backend: str) -> str:
 def inductor_on_cpu() -> bool:
     """Whether ``TREEFX_INDUCTOR_ON_CPU=1`` lets the inductor backend run on the CPU (for
     treefx's tests of that path; not a way to train)."""
-    return os.environ.get("TREEFX_INDUCTOR_ON_CPU", "").strip().lower() in ("1", "true", "yes",
-                                                                           "on")
+    return switched_on("TREEFX_INDUCTOR_ON_CPU")
 
 
 def check_available(backend: str) -> str:
@@ -284,8 +285,7 @@ def defer_kernel_waits() -> bool:
     """Whether Inductor's waits for its Triton compiles are deferred to the end of a capture's
     compilation (:func:`kernel_waits_deferred`): by default; ``TREEFX_DEFER_KERNEL_WAITS=0``
     waits graph by graph, as Inductor does."""
-    value = os.environ.get("TREEFX_DEFER_KERNEL_WAITS", "1").strip().lower()
-    return value not in ("0", "false", "no", "off")
+    return not switched_off("TREEFX_DEFER_KERNEL_WAITS")
 
 
 def _future_types() -> tuple:
