@@ -27,6 +27,7 @@ import time
 import traceback
 
 import torch
+import torch.nn.functional as F
 
 import treefx
 from treefx import synth
@@ -541,7 +542,96 @@ def case_regional(res):
                                         "pieces": [len(g.pieces) for g in graphs]}
 
 
+def _trunk_op_errors(dtype, n=1000, t=700, hq=8, hk=2, d=128):
+    """The trunk op alone (:mod:`treefx.ops.attention.trunk`) on a row whose first ``t`` rows
+    are a chain: output and gradients against float64 causal attention, beside FlexAttention's
+    (the tree site without the split) on the same rows, both in ``dtype``."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    from treefx.ops.attention import trunk
+
+    g = torch.Generator(device=DEV).manual_seed(0)
+    parent = torch.cat([torch.arange(-1, t - 1), torch.full((n - t,), -1)]).to(DEV)
+    t0 = trunk.trunk_rows(parent, 0, 128)
+    x64 = [torch.randn(1, h, n, d, device=DEV, generator=g, dtype=torch.float64)
+           for h in (hq, hk, hk)]
+    go = torch.randn(1, hq, n, d, device=DEV, generator=g, dtype=torch.float64)
+    go[:, :, t0:] = 0
+
+    def run(fn, xs):
+        xs = [x.detach().clone().requires_grad_() for x in xs]
+        out = fn(*xs)
+        grads = torch.autograd.grad(out, xs, go.to(out.dtype))
+        return [out.detach()[:, :, :t0].double(), *(x.double() for x in grads)]
+
+    ref = run(lambda q, k, v: F.pad(F.scaled_dot_product_attention(
+        q[:, :, :t0], k[:, :, :t0].repeat_interleave(hq // hk, 1),
+        v[:, :, :t0].repeat_interleave(hq // hk, 1), is_causal=True), (0, 0, 0, n - t0)), x64)
+    low = [x.to(dtype) for x in x64]
+    got = run(lambda q, k, v: trunk.trunk_attention(q, k, v, parent), low)
+
+    def rel(a, b):
+        return float((a - b).norm() / b.norm())
+
+    names = ("out", "dq", "dk", "dv")
+    out = {"trunk_rows": t0, "trunk_op": dict(zip(names, map(rel, got, ref)))}
+    if DEV == "cuda":  # FlexAttention has no backward on the CPU
+        bm = create_block_mask(lambda b, h, qi, ki: ki <= qi, None, None, n, n, device=DEV)
+        flex = torch.compile(flex_attention)
+        fl = run(lambda q, k, v: flex(q, k, v, block_mask=bm, enable_gqa=True), low)
+        out["flex"] = dict(zip(names, map(rel, fl, ref)))
+    return out
+
+
+def case_trunk(res):
+    """The leading chain on cuDNN's causal kernel (the default for bf16/fp16 on the GPU): the
+    op alone against float64 beside FlexAttention, then Qwen3 in bf16 on comb-shaped trees
+    whose trunks span several blocks, against the float32 oracle, with the split and without
+    (``TREEFX_TRUNK_ATTENTION=0``), whole and in parts."""
+    import os
+
+    from benchmarks.real_trees import comb_tree
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    for dtype in (torch.bfloat16, torch.float16):
+        res[f"trunk-op-{str(dtype)[6:]}"] = _trunk_op_errors(dtype)
+    cfg = dict(SMALL, head_dim=128, num_attention_heads=8, num_key_value_heads=2)
+    ref = hf_model("qwen3", **cfg)
+    trees = [comb_tree(s, cfg["vocab_size"], 6, 0.3) for s in range(2)]
+    res["trunk-trees"] = {"tokens": treefx.pack(trees).num_tokens}
+    for switch in ("default", "0"):
+        if switch == "0":
+            os.environ["TREEFX_TRUNK_ATTENTION"] = "0"
+        try:
+            low = _bf16_copy(ref, cfg)
+            tm = treefx.compile(low, verify=False, **COMPILE_KW)
+            label = "trunk-qwen3-bf16" + ("" if switch == "default" else "-off")
+            res[f"{label}-vs-fp32-oracle"] = compare(tm, trees, "mean", reference=ref)
+            res[f"{label}-split"] = any("dense causal kernel" in r.note
+                                        for c in tm.contexts for r in c.log)
+            batch = treefx.pack(trees, reduction="mean")
+            loss_parts = treefx.backward(tm, trees, max_tokens=batch.num_tokens // 3)
+            g_parts = common.grads_of(low)
+            loss = treefx.tree_loss(tm(batch.to(DEV)), batch.to(DEV))
+            loss.backward()
+            g_whole = common.grads_of(low)
+            res[f"{label}-parts-vs-whole"] = {
+                "loss_rel": abs(loss_parts.item() - loss.item()) / abs(loss.item()),
+                "max_rel_grad_err": common.max_rel_grad_err(g_parts, g_whole)}
+        finally:
+            os.environ.pop("TREEFX_TRUNK_ATTENTION", None)
+    res["trunk-qwen3-bf16-perbranch-vs-fp32-oracle"] = common.oracle_vs_oracle(
+        _bf16_copy(ref, cfg), ref, trees, "mean")
+
+
+def _bf16_copy(ref, cfg):
+    low = hf_model("qwen3", torch.bfloat16, **cfg)
+    low.load_state_dict({k: v.to(torch.bfloat16) for k, v in ref.state_dict().items()})
+    return low
+
+
 CASES = {
+    "trunk": case_trunk,
     "regional": case_regional,
     "families": case_families,
     "realistic-bf16": case_realistic_bf16,

@@ -65,6 +65,7 @@ from .shared import (
     rewrite_scored,
     score_mods,
     traced_site,
+    trunk_split,
     window_note,
 )
 
@@ -481,7 +482,15 @@ def _attention(ctx: GraphContext, site: AttentionSite) -> fx.Node:
                                        model_mask=lifted, kernel_options=ctx.kernel_options,
                                        interleave_heads=ctx.interleave_heads, window=window,
                                        name=f"tree_part_flex_attention_{site.anchor.name}")
-        new = g.call_function(fn, (site.q, k, v, ck, cv, se, pos, *bufs))
+        split = None
+        if ctx.backend != "eager" and lifted is None:
+            split = trunk_split(ctx, site.q, k, v, offset=lambda c: c.graph.call_function(
+                _context_length, (part.part_info,)))
+        new = g.call_function(fn, (site.q, k, v, ck, cv, se, pos, *bufs),
+                              {} if split is None else {"skip_blocks": split.skip})
+        if split is not None:
+            new = split.add(ctx, new, site.q, k, v, site.scale)
+            note += split.note
     new.meta.update({k_: v_ for k_, v_ in site.out.meta.items()
                      if k_ in ("nn_module_stack", "stack_trace", "example_value")})
     ctx.record("attention", site.anchor, describe(new), note=note)

@@ -13,6 +13,7 @@ import torch
 import torch.fx as fx
 
 from ...ops.attention import sink_rescale
+from ...ops.attention import trunk
 from ...ops.cross_entropy import (
     fused_linear_tree_cross_entropy,
     fused_linear_tree_loss_and_logprobs,
@@ -55,7 +56,7 @@ from ..patterns import (
 from ..find.logprobs import why_not_fused
 from ..sites import AttentionSite, LogprobsSite, LossSite
 
-__all__ = ["ScoreMods", "add_bias", "chain_module", "check_mask_sources", "constant_scale",
+__all__ = ["ScoreMods", "TrunkSplit", "add_bias", "chain_module", "check_mask_sources", "constant_scale",
            "emit_logprobs", "emit_loss", "kv_for_flex", "mask_value", "peel_mask",
            "replace_conv", "replace_recurrence", "rewrite_scored", "score_mods", "score_sides",
            "side_for_flex", "traced_site", "window_note"]
@@ -217,6 +218,46 @@ def window_note(lifted) -> tuple[int | None, str]:
     the note that says so."""
     window = window_of(lifted)
     return window, "" if window is None else f", key blocks beyond its window ({window}) left out"
+
+
+@dataclass
+class TrunkSplit:
+    """A FlexAttention site's leading chain on a dense causal kernel
+    (:mod:`treefx.ops.attention.trunk`): ``skip`` (the query blocks the site skips, a 0-d
+    tensor node) for the site's ``skip_blocks``, then :meth:`add` the trunk's rows to its
+    output."""
+
+    skip: fx.Node
+    parent: fx.Node
+    offset: object  # 0, or the part's context length (a node)
+    note: str = ", the leading chain's rows on a dense causal kernel (cuDNN)"
+
+    def add(self, ctx: GraphContext, flex_out: fx.Node, q: fx.Node, k: fx.Node, v: fx.Node,
+            scale) -> fx.Node:
+        g = ctx.graph
+        rows = g.call_function(trunk.trunk_attention,
+                               (q, k, v, self.parent, self.offset, scale, ctx.block_size))
+        return g.call_function(operator.add, (flex_out, rows))
+
+
+def trunk_split(ctx: GraphContext, q: fx.Node, k: fx.Node, v: fx.Node,
+                offset=None) -> TrunkSplit | None:
+    """The split for a plain FlexAttention site (no model mask, score_mod or log-sum-exp
+    out) where :func:`treefx.ops.attention.trunk.wanted` takes its q, k, v; else None.
+    ``offset``: None over the whole tree; in a part, ``offset(root_context)`` builds the
+    node of the context's length (the part's rows start there in the predecessor row)."""
+    if not trunk.wanted(example(q), example(k), example(v)):
+        return None
+    if offset is None:
+        off = 0
+        skip = ctx.shared("trunk blocks", lambda c: c.graph.call_function(
+            trunk.trunk_blocks, (c.parent_token(), 0, c.block_size)))
+    else:
+        off = ctx.shared("trunk offset", offset)
+        skip = ctx.shared("trunk blocks", lambda c: c.graph.call_function(
+            trunk.trunk_blocks, (c.parent_token(), c.shared("trunk offset", offset),
+                                 c.block_size)))
+    return TrunkSplit(skip, ctx.parent_token(), off)
 
 
 def constant_scale(chain: list[fx.Node]) -> tuple[float, list[fx.Node]]:

@@ -40,6 +40,7 @@ from .shared import (
     score_sides,
     side_for_flex,
     traced_site,
+    trunk_split,
     window_note,
 )
 
@@ -122,7 +123,13 @@ def attention(ctx: GraphContext, site: AttentionSite) -> fx.Node:
                 note += (", KV heads interleaved along the row"
                          + (" where gradients are computed" if ctx.interleave_heads is None
                             else ""))
-            new = g.call_function(fn, (site.q, k, v, *blocks, *bufs, *score_bufs))
+            split = trunk_split(ctx, site.q, k, v) if lifted is None and score_mod is None \
+                else None
+            new = g.call_function(fn, (site.q, k, v, *blocks, *bufs, *score_bufs),
+                                  {} if split is None else {"skip_blocks": split.skip})
+            if split is not None:
+                new = split.add(ctx, new, site.q, k, v, site.scale)
+                note += split.note
     new.meta.update({k_: v_ for k_, v_ in site.out.meta.items()
                      if k_ in ("nn_module_stack", "stack_trace", "example_value")})
     ctx.record("attention", site.anchor, describe(new), note=note)

@@ -187,11 +187,29 @@ class FlexSite:
         self.model_mask = model_mask
         self.__name__ = name
 
-    def _interleaved_mask_mod(self, kv_heads: int, group: int):
+    def _site_mask_mod(self, skipping: bool):
+        """The site's ``mask_mod``; ``skipping``: ANDed with ``q_idx >= rows``, the rows the
+        site skips (the last mask buffer, [1]), so that a dense evaluation of the mask
+        (FlexAttention's eager path) skips them as the kernel's block lists do."""
+        if not skipping:
+            return self._mask_mod
+        inner = self._mask_mod
+
+        def mask_mod(b, h, q_idx, kv_idx, *bufs):
+            return inner(b, h, q_idx, kv_idx, *bufs[:-1]) & (q_idx >= bufs[-1][0])
+
+        return mask_mod
+
+    def _skipped(self, skip_blocks) -> tuple:
+        """The extra mask buffer of :meth:`_site_mask_mod`: the skipped rows, [1]."""
+        return () if skip_blocks is None else (skip_blocks.reshape(1) * self.block_size,)
+
+    def _interleaved_mask_mod(self, kv_heads: int, group: int, inner=None):
         """The mask_mod on the interleaved rows (block ``b`` of KV head ``g`` at row block
-        ``b * kv_heads + g``), calling the site's own with the row positions and the query
-        head they have in the usual layout."""
+        ``b * kv_heads + g``), calling the site's own (or ``inner``) with the row positions
+        and the query head they have in the usual layout."""
         bs = self.block_size
+        inner = inner or self._mask_mod
 
         def unmix(idx):  # interleaved index -> (KV head, position in the usual row)
             return (idx // bs) % kv_heads, (idx // (bs * kv_heads)) * bs + idx % bs
@@ -200,9 +218,20 @@ class FlexSite:
             # The block mask lists same-head blocks only (interleave_block_tensors), but the
             # mask_mod must hold on its own: FlexAttention's eager path evaluates it densely.
             (gq, qp), (gk, kp) = unmix(q_idx), unmix(kv_idx)
-            return (gq == gk) & self._mask_mod(b, gq * group + h, qp, kp, *bufs)
+            return (gq == gk) & inner(b, gq * group + h, qp, kp, *bufs)
 
         return mask_mod
+
+    @staticmethod
+    def _skip_rows(kv_num, full_num, skip_blocks):
+        """The block counts with the first ``skip_blocks`` query blocks listing no key block
+        (their rows come out zero: :mod:`.trunk` computes them); None skips none."""
+        if skip_blocks is None:
+            return kv_num, full_num
+        rows = torch.arange(kv_num.shape[-1], device=kv_num.device)
+        keep = rows >= skip_blocks
+        return (torch.where(keep, kv_num, 0),
+                None if full_num is None else torch.where(keep, full_num, 0))
 
     def _call_flex(self, q, k, v, block_mask, score_mod, score_bufs, mask_bufs):
         """FlexAttention's kernel on ``q``, ``k``, ``v`` with the standard kernel and the
@@ -236,7 +265,8 @@ class TreeFlexAttention(FlexSite):
     ``mask_buffers`` says how many of the extra buffers are the mask's (default: all).
     ``return_lse``: return ``(out, lse)`` with the natural log-sum-exp of each query's row.
     Module-level callables, tensors as explicit buffers: no per-step state in closures.
-    ``interleave_heads``: True, False, or None for "where the call computes gradients" (see
+    ``skip_blocks`` (a 0-d tensor): the first query blocks list no key block and come out
+    zero (the row's leading chain, computed by :mod:`.trunk`). ``interleave_heads``: True, False, or None for "where the call computes gradients" (see
     :func:`check_interleave_heads`); ``layouts`` records the layouts the site was traced with.
     """
 
@@ -246,14 +276,15 @@ class TreeFlexAttention(FlexSite):
             return tree
         return tree & self.model_mask(b, h, positions[q_idx], positions[kv_idx], *bufs)
 
-    def __call__(self, q, k, v, kv_num, kv_idx, full_num, full_idx, se_pad, pos_pad, *bufs):
+    def __call__(self, q, k, v, kv_num, kv_idx, full_num, full_idx, se_pad, pos_pad, *bufs,
+                 skip_blocks=None):
         if not q.dtype == k.dtype == v.dtype:
             # Scores in a wider dtype than the values (GPT-Neo upcasts q and k): FlexAttention
             # takes one dtype, so all three go to the widest; the output is the values' dtype,
             # as ``softmax(...).to(v.dtype) @ v`` gives.
             wide = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
             out = self(q.to(wide), k.to(wide), v.to(wide), kv_num, kv_idx, full_num, full_idx,
-                       se_pad, pos_pad, *bufs)
+                       se_pad, pos_pad, *bufs, skip_blocks=skip_blocks)
             if self.return_lse:
                 return out[0].to(v.dtype), out[1]
             return out.to(v.dtype)
@@ -267,17 +298,20 @@ class TreeFlexAttention(FlexSite):
         self.layouts.add("interleaved" if interleave else "standard")
         from torch.nn.attention.flex_attention import BlockMask
 
+        kv_num, full_num = self._skip_rows(kv_num, full_num, skip_blocks)
+        site_mask, extra = self._site_mask_mod(skip_blocks is not None), \
+            self._skipped(skip_blocks)
         std = BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx,
-                                       BLOCK_SIZE=self.block_size, mask_mod=self._mask_mod,
+                                       BLOCK_SIZE=self.block_size, mask_mod=site_mask,
                                        seq_lengths=(n, n))
         if not interleave:
-            return self._flex(q, k, v, std, se_pad, pos_pad, bufs)
+            return self._flex(q, k, v, std, se_pad, pos_pad, bufs, extra)
         hk, bs = k.shape[1], self.block_size
         nb = kv_num.shape[-1]
-        mask_mod = self._interleaved_mask_mod(hk, q.shape[1] // hk)
+        mask_mod = self._interleaved_mask_mod(hk, q.shape[1] // hk, site_mask)
         block_mask = interleaved_block_mask(std, hk, nb * hk * bs, mask_mod)
         out = self._flex(*(heads_to_row(x, hk, nb, bs) for x in (q, k, v)), block_mask,
-                         se_pad, pos_pad, bufs)
+                         se_pad, pos_pad, bufs, extra)
         if self.return_lse:  # the log-sum-exp back to [B, H, N] like the output
             out, lse = out
             return (row_to_heads(out, hk, nb, bs, n),
@@ -288,9 +322,9 @@ class TreeFlexAttention(FlexSite):
         return self.score_mod(score, b, h, pos[q_idx], pos[kv_idx], *bufs, q_idx=q_idx,
                               kv_idx=kv_idx)
 
-    def _flex(self, q, k, v, block_mask, se_pad, pos_pad, bufs):
+    def _flex(self, q, k, v, block_mask, se_pad, pos_pad, bufs, extra=()):
         m = len(bufs) if self.mask_buffers is None else self.mask_buffers
-        mask_bufs = (se_pad, pos_pad, *bufs[:m])
+        mask_bufs = (se_pad, pos_pad, *bufs[:m], *extra)
         if self.score_mod is not None:
             score_mod, score_bufs = self._score, (pos_pad, *bufs[m:])
         else:

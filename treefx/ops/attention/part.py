@@ -90,7 +90,8 @@ class TreePartFlexAttention(FlexSite):
     extended key row each with the KV heads interleaved at block granularity (not with a
     ``score_mod``); ``layouts`` records the layouts the site was traced with. ``window``: the
     model mask admits no pair farther apart in path positions, so key blocks beyond it are
-    left out (:func:`treefx.mask.tree_block_tensors`)."""
+    left out (:func:`treefx.mask.tree_block_tensors`). ``skip_blocks`` as in
+    :class:`.flex.TreeFlexAttention`, counted in the part's own query blocks."""
 
     def __init__(self, *, scale=None, block_size=128, model_mask=None, kernel_options=None,
                  score_mod=None, mask_buffers=None, return_lse=False, interleave_heads=None,
@@ -112,7 +113,7 @@ class TreePartFlexAttention(FlexSite):
         return self.score_mod(score, b, h, positions[q_idx + offset[0]], positions[kv_idx],
                               *bufs)
 
-    def __call__(self, q, k, v, k_context, v_context, se_ext, pos_ext, *bufs):
+    def __call__(self, q, k, v, k_context, v_context, se_ext, pos_ext, *bufs, skip_blocks=None):
         from torch.nn.attention.flex_attention import BlockMask
 
         wide = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
@@ -123,10 +124,12 @@ class TreePartFlexAttention(FlexSite):
             se_ext, bs, full=self.model_mask is None,
             **({} if self.window is None else {"positions": pos_ext, "window": self.window}))
         first = a // bs  # the part's first query block in the extended row
+        own_num, own_full = self._skip_rows(kv_num[:, :, first:], full_num[:, :, first:],
+                                            skip_blocks)
+        site_mask = self._site_mask_mod(skip_blocks is not None)
         block_mask = BlockMask.from_kv_blocks(
-            kv_num[:, :, first:], kv_idx[:, :, first:], full_num[:, :, first:],
-            full_idx[:, :, first:], BLOCK_SIZE=bs, mask_mod=self._mask_mod,
-            seq_lengths=(n, a + n))
+            own_num, kv_idx[:, :, first:], own_full, full_idx[:, :, first:], BLOCK_SIZE=bs,
+            mask_mod=site_mask, seq_lengths=(n, a + n))
         pos_pad = pad_to_block(pos_ext, bs)
         offset = torch.full((1,), a, dtype=se_ext.dtype, device=se_ext.device)
         m = len(bufs) if self.mask_buffers is None else self.mask_buffers
@@ -135,7 +138,7 @@ class TreePartFlexAttention(FlexSite):
         else:
             score_mod, score_bufs = identity_score, ()
         qw = q.to(wide)
-        mask_bufs = (se_pad, pos_pad, offset, *bufs[:m])
+        mask_bufs = (se_pad, pos_pad, offset, *bufs[:m], *self._skipped(skip_blocks))
         hk = keys.shape[1]
         # A site returning its log-sum-exp (a sink) keeps the usual layout in parts: on the
         # H100 (torch 2.11) Inductor's backward of the interleaved part with the log-sum-exp
@@ -148,7 +151,7 @@ class TreePartFlexAttention(FlexSite):
             nbq, nbk = kv_num.shape[-1] - first, kv_num.shape[-1]
             block_mask = interleaved_block_mask(
                 block_mask, hk, (nbq * hk * bs, nbk * hk * bs),
-                self._interleaved_mask_mod(hk, q.shape[1] // hk))
+                self._interleaved_mask_mod(hk, q.shape[1] // hk, site_mask))
             qw = heads_to_row(qw, hk, nbq, bs, pad_by_cat=True)
             keys, values = (heads_to_row(x, hk, nbk, bs, pad_by_cat=True)
                             for x in (keys, values))

@@ -1,0 +1,159 @@
+"""The row's leading chain on a dense causal kernel (:mod:`treefx.ops.attention.trunk`): the op
+against plain causal attention, the row count on the host and on the device, and models
+through the FlexAttention sites with the split, whole and in parts, against the per-branch
+oracle. On the CPU the split is taken only where ``TREEFX_TRUNK_ATTENTION=1`` asks (the op then
+runs plain torch; cuDNN's kernel is checked on the GPU by ``benchmarks.gpu_check --cases
+trunk``)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from support import check_against_oracle, hf_model
+from trees import odd_forest
+
+import treefx
+from treefx.ops.attention import TreeFlexAttention, trunk
+from treefx.tools.synth import random_parent_row
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 64
+
+
+def comb(seed: int, trunk_len: int = 70) -> treefx.Tree:
+    """A trunk of ``trunk_len`` tokens with leaves off it, the trunk itself a sequence and a
+    prefix of it another (the layout puts the trunk first: the row starts with it)."""
+    rng = np.random.default_rng(seed)
+    t = rng.integers(0, VOCAB, trunk_len).tolist()
+    seqs = [t[:40] + rng.integers(0, VOCAB, 9).tolist(), t[:60] + rng.integers(0, VOCAB, 1).tolist(),
+            t, t[:20], t[:41]]
+    return treefx.Tree.from_sequences(seqs)
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("offset", [0, 5])
+def test_the_host_and_the_device_count_the_same_rows(seed, offset):
+    """``trunk_rows`` (the op, on the host) and ``trunk_blocks`` (the FlexAttention site, on
+    the device) agree, and the rows they give are a chain from a root: each row's predecessor
+    the row before."""
+    par = random_parent_row(seed, roots=1 + seed % 2)
+    if offset:  # a part's rows: predecessors counted from where its own rows start
+        par = np.where(par >= 0, par + offset, par)
+    row = torch.from_numpy(par)
+    for block in (1, 4, 16, 128):
+        t0 = trunk.trunk_rows(row, offset, block)
+        assert int(trunk.trunk_blocks(row, offset, block)) * block == t0
+        assert t0 % block == 0
+        if t0:
+            assert par[0] == -1 and (par[1:t0] == offset + np.arange(t0 - 1)).all()
+        t = trunk._chain_length(par, offset)
+        assert t0 == t // block * block
+        assert t == len(par) or par[t] != offset + t - 1 or t == 0
+
+
+def test_a_row_that_starts_inside_a_context_has_no_trunk():
+    """A part whose first row continues its context (its predecessor is a context row) sees
+    that context: no rows go to the causal kernel."""
+    row = torch.tensor([3, 4, 5, 6, 7, 8])  # rows after 4 context rows (0..3)
+    assert trunk.trunk_rows(row, 4, 1) == 0 and int(trunk.trunk_blocks(row, 4, 1)) == 0
+
+
+@pytest.mark.parametrize("group", [1, 2, 4])
+def test_the_op_is_causal_attention_of_the_trunk_and_zero_after(group):
+    torch.manual_seed(group)
+    par = torch.tensor([-1, 0, 1, 2, 3, 4, 5, 6, 7, 2, 9, -1, 11])  # a chain of 9 rows
+    n, hk, d = par.numel(), 2, 8
+    q = torch.randn(1, hk * group, n, d, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(1, hk, n, d, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    out = trunk.trunk_attention(q, k, v, par, block=4)  # 8 rows: whole blocks of 4
+    t0 = 8
+    ref = F.scaled_dot_product_attention(q[:, :, :t0], k[:, :, :t0].repeat_interleave(group, 1),
+                                         v[:, :, :t0].repeat_interleave(group, 1),
+                                         is_causal=True)
+    torch.testing.assert_close(out[:, :, :t0], ref, atol=1e-13, rtol=0)
+    assert out[:, :, t0:].abs().max() == 0
+    g = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), g)
+    want = torch.autograd.grad(ref, (q, k, v), g[:, :, :t0])
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
+    torch.library.opcheck(torch.ops.treefx.trunk_causal_attention.default,
+                          (q, k, v, par, 0, 0.3, 4))
+
+
+def test_wanted_on_the_gpu_in_half_precision_unless_switched(monkeypatch):
+    x = torch.zeros(1, 4, 8, 16)
+    monkeypatch.delenv(trunk.SWITCH, raising=False)
+    assert not trunk.wanted(x, x[:, :2], x[:, :2])  # the CPU in float32: FlexAttention alone
+    monkeypatch.setenv(trunk.SWITCH, "1")
+    assert trunk.wanted(x, x[:, :2], x[:, :2])
+    assert not trunk.wanted(x, x[:, :3], x[:, :3])  # heads that do not group
+    monkeypatch.setenv(trunk.SWITCH, "0")
+    assert not trunk.wanted(x, x[:, :2], x[:, :2])
+
+
+def _split_sites(tm) -> list:
+    return [r.note for c in tm.contexts for r in c.log
+            if r.pass_name == "attention" and "dense causal kernel" in r.note]
+
+
+@pytest.mark.parametrize("backend", ["flex-eager", "aot-eager"])
+def test_whole_trees_with_the_split_match_the_oracle(backend, monkeypatch):
+    """Qwen3 (float64) through the FlexAttention sites with the leading chain split off:
+    log-probs and every gradient equal each sequence alone, on a comb whose trunk spans
+    several blocks, on odd forests (whose first chains are short), and on both together."""
+    monkeypatch.setenv(trunk.SWITCH, "1")
+    tm = treefx.compile(hf_model("qwen3", "sdpa", torch.float64), backend=backend,
+                        block_size=16)
+    assert trunk.trunk_rows(treefx.pack([comb(0)]).parent_token, 0, 16) == 64
+    for trees in ([comb(0)], odd_forest(3, VOCAB), [comb(1)] + odd_forest(1, VOCAB)):
+        check_against_oracle(tm, trees, atol=1e-9, rtol=1e-6)
+    assert len(_split_sites(tm)) == 2  # both layers' sites
+
+
+def test_the_split_changes_nothing_at_the_site(monkeypatch):
+    """The site's output with its first blocks skipped plus the op's rows is the site's
+    output without the split (float64, both layouts)."""
+    torch.manual_seed(0)
+    from treefx.mask import tree_block_tensors
+
+    batch = treefx.pack([comb(2)] + odd_forest(4, VOCAB))
+    n, bs = batch.num_tokens, 16
+    se, pos, par = batch.subtree_end, batch.position_ids[0], batch.parent_token
+    q = torch.randn(1, 4, n, 8, dtype=torch.float64)
+    k, v = (torch.randn(1, 2, n, 8, dtype=torch.float64) for _ in range(2))
+    blocks = tree_block_tensors(se, bs)
+    pos_pad = F.pad(pos, (0, blocks[-1].numel() - n))
+    skip = trunk.trunk_blocks(par, 0, bs)
+    assert int(skip) == 4
+    for inter in (False, True):
+        site = TreeFlexAttention(block_size=bs, interleave_heads=inter)
+        whole = site(q, k, v, *blocks, pos_pad)
+        part = site(q, k, v, *blocks, pos_pad, skip_blocks=skip)
+        assert part[:, :, :int(skip) * bs].abs().max() == 0
+        split = part + trunk.trunk_attention(q, k, v, par, block=bs)
+        torch.testing.assert_close(split, whole, atol=1e-13, rtol=0)
+
+
+def test_parts_with_the_split_match_the_oracle(monkeypatch):
+    """The inductor backend's part graph run op by op (as tests/test_parts.py does): the
+    first part takes the trunk's rows on the causal kernel, later parts (whose rows see their
+    context) take none; gradients and loss equal each sequence alone."""
+    from test_parts import _check, comb_tree
+
+    from treefx.run.backward import runners
+
+    monkeypatch.setattr(treefx.run.backends, "compile_graph", lambda backend, gm, ex: gm.forward)
+    monkeypatch.setenv("TREEFX_INDUCTOR_ON_CPU", "1")
+    monkeypatch.setenv(trunk.SWITCH, "1")
+    tm = treefx.compile(hf_model("qwen3", "sdpa", torch.float64), backend="inductor",
+                        verify=False, block_size=16)
+    for budget in (200, 48, 20):
+        _check(tm, [comb(0)], budget, rtol=1e-6)
+    _check(tm, [comb_tree(3, calls=12, trunk=(5, 20))], 40, rtol=1e-6)
+    notes = [r.note for r in runners(tm)[0].engine.contexts[-1].log
+             if r.pass_name == "attention"]
+    assert notes and all("dense causal kernel" in n for n in notes)
