@@ -1365,3 +1365,27 @@ if [ "${1:-}" = z41 ]; then
   sed -i '/pow_by_natural/d' $OUT/*.log
   results z41
 fi
+# Stage z42 (`... z42` on one GPU, carry .data/swe200.jsonl; results in $OUT/z42.tgz): the
+# row's leading chain (on the SWE trees the conversation's trunk, 61-77% of the attended pairs)
+# on cuDNN's causal kernel, the rest of the rows on FlexAttention (treefx.ops.attention.trunk;
+# benchmarks.trunk_attention measured the attention alone 1.33-1.41x faster on four SWE trees).
+# gpu_check's trunk case (the op against float64, Qwen3 bf16 on comb trees against the float32
+# oracle, whole and in parts, split on and off), then z32b's protocol (14 tasks, one CPU
+# thread, 7 timed steps) with the split, then treefx alone with TREEFX_TRUNK_ATTENTION=0 on
+# the same host
+if [ "${1:-}" = z42 ]; then
+  export PYTHONFAULTHANDLER=1  # a crash in a kernel call prints the Python stack
+  RES=$OUT; OUT=/tmp/z42; mkdir -p $OUT
+  timeout 150 python3 -m benchmarks.gpu_check --cases trunk --out $OUT/gpu_check_trunk.json \
+    > $OUT/gpu_check_trunk.log 2>&1
+  echo "gpu_check trunk rc=$?"; grep -E "passed|FAILED|split|rel" $OUT/gpu_check_trunk.log | head -30
+  if grep -q '"trunk-error"' $OUT/gpu_check_trunk.json; then  # no timing of a broken op
+    tail -n 30 $OUT/gpu_check_trunk.log; results z42; exit 0
+  fi
+  OMP_NUM_THREADS=1 swe_run swe14_z42a_trunk 260 --slice 0:14 --methods treefx,packing \
+    --warmup 2 --reps 7 --time-limit 240
+  OMP_NUM_THREADS=1 TREEFX_TRUNK_ATTENTION=0 swe_run swe14_z42b_off 150 --slice 0:14 \
+    --methods treefx --warmup 2 --reps 7 --time-limit 140
+  sed -i '/pow_by_natural/d' $OUT/*.log
+  results z42
+fi

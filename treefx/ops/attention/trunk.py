@@ -128,28 +128,19 @@ def _math(qs, ks, vs, t0, scale):
     return torch.exp(s - lse[..., None]).to(vs.dtype) @ vs, lse
 
 
-_CUDNN_LSE_SHAPE: list = []  # the log-sum-exp's shape cuDNN's backward takes, once found
-
-
 def _backward(g, q, k, v, out, lse, t0, scale):
     """(dq, dk, dv) of rows ``[0, t0)``, from the forward's output and log-sum-exp."""
     group = q.shape[1] // k.shape[1]
     qs, ks, vs = q[:, :, :t0], _expand(k[:, :, :t0], group), _expand(v[:, :, :t0], group)
-    gs, os_, ls = g[:, :, :t0].contiguous(), out[:, :, :t0], lse[:, :, :t0]
+    gs, os_, ls = g[:, :, :t0], out[:, :, :t0], lse[:, :, :t0]
     if _cudnn(q, k, v):
+        # cuDNN reads the log-sum-exp as [B, H, T, 1] (a 3-d one crashed the process on an
+        # H100, torch 2.11) and wants the output and its gradient laid out alike: contiguous
         empty = q.new_empty(0)
-        shapes = _CUDNN_LSE_SHAPE or [(), (1,)]
-        for i, tail in enumerate(shapes):
-            try:
-                dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-                    gs, qs, ks, vs, os_, ls.reshape(*ls.shape, *tail).contiguous(), empty,
-                    empty, None, None, None, t0, t0, 0.0, True, scale=scale)
-            except RuntimeError:
-                if i + 1 == len(shapes):
-                    raise
-                continue
-            _CUDNN_LSE_SHAPE[:] = [tail]
-            break
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+            gs.contiguous(), qs.contiguous(), ks.contiguous(), vs.contiguous(),
+            os_.contiguous(), ls.reshape(*ls.shape, 1).contiguous(), empty, empty, None, None,
+            None, t0, t0, 0.0, True, scale=scale)
     else:  # the plain math (tests on the CPU): softmax's gradient written out
         wide = torch.promote_types(q.dtype, torch.float32)
         qw, kw, vw, gw = (x.to(wide) for x in (qs, ks, vs, gs))
