@@ -1389,3 +1389,27 @@ if [ "${1:-}" = z42 ]; then
   sed -i '/pow_by_natural/d' $OUT/*.log
   results z42
 fi
+# Stage z43 (`... z43` on one GPU, nothing carried; results in $OUT/z43.tgz): gpu_check's trunk
+# case alone (z42's stopped at 150 s), then e2e at 4 layers on the synthetic POR-0.75 tree
+# (its leading chain: 19% of the attended pairs) with the split (the default) beside packing,
+# model FLOP/s against the matmul rate
+if [ "${1:-}" = z43 ]; then
+  export PYTHONFAULTHANDLER=1
+  RES=$OUT; OUT=/tmp/z43; mkdir -p $OUT
+  timeout 330 python3 -m benchmarks.gpu_check --cases trunk --out $OUT/gpu_check_trunk.json \
+    > $OUT/gpu_check_trunk.log 2>&1
+  echo "gpu_check trunk rc=$?"; grep -E "passed|FAILED|split\"|error" $OUT/gpu_check_trunk.log | head -30
+  cold z43_trunk 0 220 --layers 4 --warmup 2 --reps 5 --methods treefx,packed
+  sed -i '/pow_by_natural/d' $OUT/*.log
+  results z43
+fi
+# Stage z44 (`... z44` on one GPU, nothing carried; results in $OUT/z44.tgz): z43's e2e with
+# the split off (TREEFX_TRUNK_ATTENTION=0), treefx alone, and once more with it on, on the
+# same host
+if [ "${1:-}" = z44 ]; then
+  RES=$OUT; OUT=/tmp/z44; mkdir -p $OUT
+  TREEFX_TRUNK_ATTENTION=0 cold z44_off 0 170 --layers 4 --warmup 2 --reps 5 --methods treefx
+  cold z44_on 0 170 --layers 4 --warmup 2 --reps 5 --methods treefx
+  sed -i '/pow_by_natural/d' $OUT/*.log
+  results z44
+fi
