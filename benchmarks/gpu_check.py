@@ -552,7 +552,7 @@ def _trunk_op_errors(dtype, n=1000, t=700, hq=8, hk=2, d=128):
 
     g = torch.Generator(device=DEV).manual_seed(0)
     parent = torch.cat([torch.arange(-1, t - 1), torch.full((n - t,), -1)]).to(DEV)
-    t0 = trunk.trunk_rows(parent, 0, 128)
+    t0 = trunk.trunk_rows(parent, 0, 128)[0]
     x64 = [torch.randn(1, h, n, d, device=DEV, generator=g, dtype=torch.float64)
            for h in (hq, hk, hk)]
     go = torch.randn(1, hq, n, d, device=DEV, generator=g, dtype=torch.float64)
@@ -575,6 +575,28 @@ def _trunk_op_errors(dtype, n=1000, t=700, hq=8, hk=2, d=128):
 
     names = ("out", "dq", "dk", "dv")
     out = {"trunk_rows": t0, "trunk_op": dict(zip(names, map(rel, got, ref)))}
+    # a part's rows under a context of ``seen`` rows (padded to a block): the chain sees it all
+    a, seen = 256, 200
+    kc64, vc64 = (torch.randn(1, hk, a, d, device=DEV, generator=g, dtype=torch.float64)
+                  for _ in range(2))
+    par_part = parent.clone()
+    par_part[0] = seen - 1
+    par_part[1:t] += a
+    mask = torch.ones(t0, seen + t0, dtype=torch.bool, device=DEV)
+    mask[:, seen:] = torch.ones(t0, t0, dtype=torch.bool, device=DEV).tril()
+
+    def ref_ctx(q, k, v, kc, vc):
+        keys = torch.cat([kc[:, :, :seen], k[:, :, :t0]], 2).repeat_interleave(hq // hk, 1)
+        values = torch.cat([vc[:, :, :seen], v[:, :, :t0]], 2).repeat_interleave(hq // hk, 1)
+        return F.pad(F.scaled_dot_product_attention(q[:, :, :t0], keys, values, attn_mask=mask),
+                     (0, 0, 0, n - t0))
+
+    ref_c = run(ref_ctx, [*x64, kc64, vc64])
+    got_c = run(lambda q, k, v, kc, vc: trunk.trunk_attention(q, k, v, par_part, a, None, 128,
+                                                                kc, vc),
+                [x.to(dtype) for x in (*x64, kc64, vc64)])
+    names_c = ("out", "dq", "dk", "dv", "dk_context", "dv_context")
+    out["trunk_op_with_context"] = dict(zip(names_c, map(rel, got_c, ref_c)))
     if DEV == "cuda":  # FlexAttention has no backward on the CPU
         bm = create_block_mask(lambda b, h, qi, ki: ki <= qi, None, None, n, n, device=DEV)
         flex = torch.compile(flex_attention)

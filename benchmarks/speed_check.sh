@@ -1413,3 +1413,30 @@ if [ "${1:-}" = z44 ]; then
   sed -i '/pow_by_natural/d' $OUT/*.log
   results z44
 fi
+# Stage z45 (`... z45` on one GPU, carry .data/swe200.jsonl; results in $OUT/z45.tgz): a part's
+# leading chain now also sees the part's context (a second cuDNN piece merged by log-sum-exps).
+# gpu_check's trunk case (now with the op over a context against float64), then 7 SWE tasks
+# in parts at a budget of 16,384 tokens (several parts a tree, most with context), treefx
+# alone, one CPU thread: the split on, then off, on the same host
+if [ "${1:-}" = z45 ]; then
+  export PYTHONFAULTHANDLER=1
+  RES=$OUT; OUT=/tmp/z45; mkdir -p $OUT
+  timeout 240 python3 -m benchmarks.gpu_check --cases trunk --out $OUT/gpu_check_trunk.json \
+    > $OUT/gpu_check_trunk.log 2>&1
+  echo "gpu_check trunk rc=$?"; grep -E "passed|FAILED|split\"|error" $OUT/gpu_check_trunk.log | head -30
+  if grep -q '"trunk-error"' $OUT/gpu_check_trunk.json; then
+    tail -n 30 $OUT/gpu_check_trunk.log; results z45; exit 0
+  fi
+  OMP_NUM_THREADS=1 TREEFX_VERIFY=0 timeout 160 python3 -m benchmarks.real_trees \
+    --trees .data/swe200.jsonl --sample 40 --seed 0 --budget 16384 --slice 0:7 \
+    --methods treefx --warmup 2 --reps 5 --time-limit 150 \
+    --out $OUT/real_trees_swe7_z45a_parts16k_trunk.json > $OUT/real_trees_swe7_z45a_parts16k_trunk.log 2>&1
+  echo "z45a rc=$?"; tail -n 9 $OUT/real_trees_swe7_z45a_parts16k_trunk.log | cut -c1-200
+  OMP_NUM_THREADS=1 TREEFX_VERIFY=0 TREEFX_TRUNK_ATTENTION=0 timeout 160 python3 -m benchmarks.real_trees \
+    --trees .data/swe200.jsonl --sample 40 --seed 0 --budget 16384 --slice 0:7 \
+    --methods treefx --warmup 2 --reps 5 --time-limit 150 \
+    --out $OUT/real_trees_swe7_z45b_parts16k_off.json > $OUT/real_trees_swe7_z45b_parts16k_off.log 2>&1
+  echo "z45b rc=$?"; tail -n 9 $OUT/real_trees_swe7_z45b_parts16k_off.log | cut -c1-200
+  sed -i '/pow_by_natural/d' $OUT/*.log
+  results z45
+fi

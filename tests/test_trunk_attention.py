@@ -37,28 +37,59 @@ def comb(seed: int, trunk_len: int = 70) -> treefx.Tree:
 @pytest.mark.parametrize("offset", [0, 5])
 def test_the_host_and_the_device_count_the_same_rows(seed, offset):
     """``trunk_rows`` (the op, on the host) and ``trunk_blocks`` (the FlexAttention site, on
-    the device) agree, and the rows they give are a chain from a root: each row's predecessor
-    the row before."""
+    the device) agree, and the rows they give are a chain: each row's predecessor the row
+    before, the first a root (or, in a part, the last of the context rows it sees)."""
     par = random_parent_row(seed, roots=1 + seed % 2)
     if offset:  # a part's rows: predecessors counted from where its own rows start
         par = np.where(par >= 0, par + offset, par)
     row = torch.from_numpy(par)
-    for block in (1, 4, 16, 128):
-        t0 = trunk.trunk_rows(row, offset, block)
-        assert int(trunk.trunk_blocks(row, offset, block)) * block == t0
-        assert t0 % block == 0
-        if t0:
-            assert par[0] == -1 and (par[1:t0] == offset + np.arange(t0 - 1)).all()
-        t = trunk._chain_length(par, offset)
-        assert t0 == t // block * block
-        assert t == len(par) or par[t] != offset + t - 1 or t == 0
+    for context in (False, True):
+        for block in (1, 4, 16, 128):
+            t0, k = trunk.trunk_rows(row, offset, block, context)
+            assert int(trunk.trunk_blocks(row, offset, block, context)) * block == t0
+            assert t0 % block == 0 and k == 0  # a random row starts at a root
+            if t0:
+                assert par[0] == -1 and (par[1:t0] == offset + np.arange(t0 - 1)).all()
+            t, _ = trunk._chain(par, offset, context)
+            assert t0 == t // block * block
+            assert t == len(par) or par[t] != offset + t - 1
 
 
-def test_a_row_that_starts_inside_a_context_has_no_trunk():
-    """A part whose first row continues its context (its predecessor is a context row) sees
-    that context: no rows go to the causal kernel."""
-    row = torch.tensor([3, 4, 5, 6, 7, 8])  # rows after 4 context rows (0..3)
-    assert trunk.trunk_rows(row, 4, 1) == 0 and int(trunk.trunk_blocks(row, 4, 1)) == 0
+def test_a_part_row_starting_under_its_context_sees_all_of_it():
+    """A part's first row is a child of the last context row: its chain sees the whole
+    context (the path to it); a whole tree's row never starts so."""
+    row = torch.tensor([3, 4, 5, 6, 7, 8, 2])  # own rows after 4 context rows (0..3)
+    assert trunk.trunk_rows(row, 4, 1, context=True) == (6, 4)
+    assert int(trunk.trunk_blocks(row, 4, 1, context=True)) == 6
+    assert trunk.trunk_rows(row, 4, 1) == (0, 0)
+    assert int(trunk.trunk_blocks(row, 4, 1)) == 0
+
+
+def test_the_op_over_a_context_is_attention_over_the_context_and_the_chain():
+    torch.manual_seed(0)
+    a, hq, hk, d = 4, 4, 2, 8
+    par = torch.tensor([2, a + 0, a + 1, a + 2, a + 3, a + 4, 1, a + 6])  # 3 real context rows
+    n = par.numel()
+    q = torch.randn(1, hq, n, d, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(1, hk, n, d, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    kc, vc = (torch.randn(1, hk, a, d, dtype=torch.float64, requires_grad=True)
+              for _ in range(2))
+    out = trunk.trunk_attention(q, k, v, par, a, None, 2, kc, vc)
+    t0, seen = 6, 3
+    keys = torch.cat([kc[:, :, :seen], k[:, :, :t0]], 2).repeat_interleave(2, 1)
+    values = torch.cat([vc[:, :, :seen], v[:, :, :t0]], 2).repeat_interleave(2, 1)
+    mask = torch.ones(t0, seen + t0, dtype=torch.bool)
+    mask[:, seen:] = torch.ones(t0, t0, dtype=torch.bool).tril()
+    ref = F.scaled_dot_product_attention(q[:, :, :t0], keys, values, attn_mask=mask)
+    torch.testing.assert_close(out[:, :, :t0], ref, atol=1e-13, rtol=0)
+    assert out[:, :, t0:].abs().max() == 0
+    g = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v, kc, vc), g)
+    want = torch.autograd.grad(ref, (q, k, v, kc, vc), g[:, :, :t0])
+    for x, y in zip(got, want):
+        torch.testing.assert_close(x, y, atol=1e-12, rtol=0)
+    torch.library.opcheck(torch.ops.treefx.trunk_causal_attention.default,
+                          (q, k, v, kc, vc, par, a, 0.3, 2))
 
 
 @pytest.mark.parametrize("group", [1, 2, 4])
@@ -81,7 +112,7 @@ def test_the_op_is_causal_attention_of_the_trunk_and_zero_after(group):
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
     torch.library.opcheck(torch.ops.treefx.trunk_causal_attention.default,
-                          (q, k, v, par, 0, 0.3, 4))
+                          (q, k, v, None, None, par, 0, 0.3, 4))
 
 
 def test_wanted_on_the_gpu_in_half_precision_unless_switched(monkeypatch):
@@ -108,7 +139,7 @@ def test_whole_trees_with_the_split_match_the_oracle(backend, monkeypatch):
     monkeypatch.setenv(trunk.SWITCH, "1")
     tm = treefx.compile(hf_model("qwen3", "sdpa", torch.float64), backend=backend,
                         block_size=16)
-    assert trunk.trunk_rows(treefx.pack([comb(0)]).parent_token, 0, 16) == 64
+    assert trunk.trunk_rows(treefx.pack([comb(0)]).parent_token, 0, 16) == (64, 0)
     for trees in ([comb(0)], odd_forest(3, VOCAB), [comb(1)] + odd_forest(1, VOCAB)):
         check_against_oracle(tm, trees, atol=1e-9, rtol=1e-6)
     assert len(_split_sites(tm)) == 2  # both layers' sites
@@ -139,9 +170,9 @@ def test_the_split_changes_nothing_at_the_site(monkeypatch):
 
 
 def test_parts_with_the_split_match_the_oracle(monkeypatch):
-    """The inductor backend's part graph run op by op (as tests/test_parts.py does): the
-    first part takes the trunk's rows on the causal kernel, later parts (whose rows see their
-    context) take none; gradients and loss equal each sequence alone."""
+    """The inductor backend's part graph run op by op (as tests/test_parts.py does): each
+    part's leading chain on the causal kernel, over its context rows too where it has them;
+    gradients and loss equal each sequence alone."""
     from test_parts import _check, comb_tree
 
     from treefx.run.backward import runners
@@ -149,10 +180,19 @@ def test_parts_with_the_split_match_the_oracle(monkeypatch):
     monkeypatch.setattr(treefx.run.backends, "compile_graph", lambda backend, gm, ex: gm.forward)
     monkeypatch.setenv("TREEFX_INDUCTOR_ON_CPU", "1")
     monkeypatch.setenv(trunk.SWITCH, "1")
+    seen = []  # (chain rows, context rows) of every call that computed rows
+    pieces = trunk._pieces
+
+    def recording(q, k, v, k_ctx, v_ctx, t0, kc):
+        seen.append((t0, kc))
+        return pieces(q, k, v, k_ctx, v_ctx, t0, kc)
+
+    monkeypatch.setattr(trunk, "_pieces", recording)
     tm = treefx.compile(hf_model("qwen3", "sdpa", torch.float64), backend="inductor",
                         verify=False, block_size=16)
     for budget in (200, 48, 20):
         _check(tm, [comb(0)], budget, rtol=1e-6)
+    assert (64, 0) in seen and any(t0 and kc for t0, kc in seen)  # with context and without
     _check(tm, [comb_tree(3, calls=12, trunk=(5, 20))], 40, rtol=1e-6)
     notes = [r.note for r in runners(tm)[0].engine.contexts[-1].log
              if r.pass_name == "attention"]

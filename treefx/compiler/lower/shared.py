@@ -230,13 +230,16 @@ class TrunkSplit:
     skip: fx.Node
     parent: fx.Node
     offset: object  # 0, or the part's context length (a node)
-    note: str = ", the leading chain's rows on a dense causal kernel (cuDNN)"
+    in_part: bool
+    note: str = ", the leading chain's rows on a dense causal kernel (cuDNN's on the GPU)"
 
     def add(self, ctx: GraphContext, flex_out: fx.Node, q: fx.Node, k: fx.Node, v: fx.Node,
-            scale) -> fx.Node:
+            scale, k_context: fx.Node | None = None, v_context: fx.Node | None = None
+            ) -> fx.Node:
         g = ctx.graph
         rows = g.call_function(trunk.trunk_attention,
-                               (q, k, v, self.parent, self.offset, scale, ctx.block_size))
+                               (q, k, v, self.parent, self.offset, scale, ctx.block_size,
+                                k_context, v_context))
         return g.call_function(operator.add, (flex_out, rows))
 
 
@@ -245,7 +248,8 @@ def trunk_split(ctx: GraphContext, q: fx.Node, k: fx.Node, v: fx.Node,
     """The split for a plain FlexAttention site (no model mask, score_mod or log-sum-exp
     out) where :func:`treefx.ops.attention.trunk.wanted` takes its q, k, v; else None.
     ``offset``: None over the whole tree; in a part, ``offset(root_context)`` builds the
-    node of the context's length (the part's rows start there in the predecessor row)."""
+    node of the context's padded length (the part's rows start there in the predecessor
+    row), and the leading chain also sees the context rows before it."""
     if not trunk.wanted(example(q), example(k), example(v)):
         return None
     if offset is None:
@@ -256,8 +260,8 @@ def trunk_split(ctx: GraphContext, q: fx.Node, k: fx.Node, v: fx.Node,
         off = ctx.shared("trunk offset", offset)
         skip = ctx.shared("trunk blocks", lambda c: c.graph.call_function(
             trunk.trunk_blocks, (c.parent_token(), c.shared("trunk offset", offset),
-                                 c.block_size)))
-    return TrunkSplit(skip, ctx.parent_token(), off)
+                                 c.block_size, True)))
+    return TrunkSplit(skip, ctx.parent_token(), off, offset is not None)
 
 
 def constant_scale(chain: list[fx.Node]) -> tuple[float, list[fx.Node]]:

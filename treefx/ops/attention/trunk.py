@@ -13,16 +13,18 @@ writes zeros there, so the site's output is the sum of the two. The query sets a
 so nothing is merged: each row's softmax is computed by one kernel over all its keys. The keys'
 and values' gradients add (autograd adds the two ops').
 
-A part of a tree (:mod:`treefx.parts`) with context rows before its own takes no trunk: its
-leading rows also see the context, which a causal kernel over its own rows does not cover
-(``trunk_rows`` returns 0 there, and :func:`trunk_blocks` likewise).
+In a part of a tree (:mod:`treefx.parts`) the part's own rows start after its context, the
+path to its first row: the leading chain then sees all of the context's rows too. Those run
+here as a second piece (the chain's queries over the context's keys, all seen), merged with
+the causal piece by their log-sum-exps; each piece's backward, given the merged output and
+log-sum-exp, is its share of the gradients.
 
 ``T0`` is read on the host from the predecessor row's kept host copy
 (:mod:`treefx.ops.host_row`), once per row: no device synchronization. The FlexAttention side
 computes the same count on the device from the same row, so the two always agree.
 
-Where the op runs: on CUDA with bf16/fp16 q, k, v of one dtype and head width at most 128
-(cuDNN's), unless ``TREEFX_TRUNK_ATTENTION=0``; ``TREEFX_TRUNK_ATTENTION=1`` also takes it
+Where the op runs: on CUDA with bf16/fp16 q, k, v of one dtype and one head width, at most
+128 (cuDNN's), unless ``TREEFX_TRUNK_ATTENTION=0``; ``TREEFX_TRUNK_ATTENTION=1`` also takes it
 wherever else (the CPU's SDPA, for tests).
 """
 
@@ -48,39 +50,47 @@ def wanted(q, k, v) -> bool:
     if switched_off(SWITCH) or q is None or k is None or v is None:
         return False
     if not (q.dim() == k.dim() == v.dim() == 4 and q.shape[1] % k.shape[1] == 0
-            and k.shape[1] == v.shape[1] and q.shape[-1] == k.shape[-1]):
+            and k.shape[1] == v.shape[1] and q.shape[-1] == k.shape[-1] == v.shape[-1]):
         return False
     if switched_on(SWITCH):
         return q.dtype == k.dtype == v.dtype and q.dtype.is_floating_point
     return (q.is_cuda and q.dtype in _CUDNN_DTYPES and q.dtype == k.dtype == v.dtype
-            and max(q.shape[-1], v.shape[-1]) <= 128 and torch.backends.cudnn.is_available())
+            and q.shape[-1] <= 128 and torch.backends.cudnn.is_available())
 
 
-def _chain_length(parent: np.ndarray, offset: int) -> int:
-    """Rows ``[0, T)``: row 0 a root, row ``i`` the child of row ``offset + i - 1`` (the row
-    before, in coordinates where the part's rows start at ``offset``)."""
+def _chain(parent: np.ndarray, offset: int, context: bool) -> tuple[int, int]:
+    """``(T, k)``: rows ``[0, T)`` are the leading chain (row ``i >= 1`` the child of row
+    ``offset + i - 1``, the row before in coordinates where the rows start at ``offset``), and
+    row 0 sees ``k`` context rows before them (its predecessor's row + 1: a part's context is
+    the path to its first row, so all of it; 0 for a root). Without ``context`` row 0 must be a
+    root."""
     n = len(parent)
-    if n == 0 or parent[0] != -1:
-        return 0
+    if n == 0:
+        return 0, 0
+    k = int(parent[0]) + 1
+    if k and not context:
+        return 0, 0
     breaks = np.flatnonzero(parent[1:] != offset + np.arange(n - 1))
-    return int(breaks[0]) + 1 if len(breaks) else n
+    return (int(breaks[0]) + 1 if len(breaks) else n), k
 
 
-def trunk_rows(parent_token: torch.Tensor, offset: int, block: int) -> int:
-    """``T0``: the leading chain's rows cut to whole blocks, from the host copy of the row
-    (computed once per row). 0 where the first row has a predecessor (a part whose context
-    rows its rows see)."""
-    t = derived(parent_token, ("trunk rows", offset), lambda row: _chain_length(row, offset))
-    return t // block * block
+def trunk_rows(parent_token: torch.Tensor, offset: int, block: int,
+               context: bool = False) -> tuple[int, int]:
+    """``(T0, k)``: the leading chain's rows cut to whole blocks and the context rows they
+    see, from the host copy of the row (computed once per row)."""
+    t, k = derived(parent_token, ("trunk rows", offset, context),
+                   lambda row: _chain(row, offset, context))
+    return t // block * block, k
 
 
-def trunk_blocks(parent_token: torch.Tensor, offset, block: int) -> torch.Tensor:
+def trunk_blocks(parent_token: torch.Tensor, offset, block: int,
+                 context: bool = False) -> torch.Tensor:
     """``T0 // block`` as a 0-d int64 tensor on the row's device, from the row itself: the
     same count as :func:`trunk_rows` (the FlexAttention site skips that many query blocks).
     Every tensor here is the row's length (a shorter one would make the compiler guard the
     length against small values)."""
     i = torch.arange(parent_token.shape[0], device=parent_token.device)
-    prev = torch.where(i == 0, -1, i - 1 + offset)
+    prev = torch.where(i == 0, parent_token if context else -1, i - 1 + offset)
     return torch.cumprod((parent_token == prev).to(torch.int64), 0).sum() // block
 
 
@@ -103,118 +113,173 @@ def _fold(dx, group: int):
     return dx.view(b, hg // group, group, n, d).sum(2)
 
 
-def _cudnn(q, k, v) -> bool:
+def _cudnn(q) -> bool:
     return q.is_cuda and q.dtype in _CUDNN_DTYPES
 
 
-def _forward(q, k, v, t0, scale):
-    """Causal attention of rows ``[0, t0)``: (out [B, H, t0, Dv], lse [B, H, t0] float32)."""
+def _pieces(q, k, v, k_ctx, v_ctx, t0, kc):
+    """The keys the rows ``[0, t0)`` see, as (keys, values, causal) with the KV heads expanded
+    to the query heads: the context's ``kc`` rows (all seen), then the rows' own (causal)."""
     group = q.shape[1] // k.shape[1]
-    qs, ks, vs = q[:, :, :t0], _expand(k[:, :, :t0], group), _expand(v[:, :, :t0], group)
-    if _cudnn(q, k, v):
-        out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
-            qs, ks, vs, None, True, 0.0, True, False, scale=scale)[:2]
-        return out, lse.reshape(out.shape[:3]).float()
-    out, lse = _math(qs, ks, vs, t0, scale)  # elsewhere (tests on the CPU)
-    return out.detach(), lse.detach().float()
+    own = (_expand(k[:, :, :t0], group), _expand(v[:, :, :t0], group), True)
+    if not kc:
+        return [own]
+    return [(_expand(k_ctx[:, :, :kc], group), _expand(v_ctx[:, :, :kc], group), False), own]
 
 
-def _math(qs, ks, vs, t0, scale):
-    """Causal attention in plain torch, scores in at least float32: (out, lse)."""
+def _scores(qs, ks, causal, scale):
+    """Plain torch (tests on the CPU): the scores in at least float32, masked if causal."""
     s = (qs @ ks.transpose(-2, -1)).to(torch.promote_types(qs.dtype, torch.float32)) * scale
-    causal = torch.ones(t0, t0, dtype=torch.bool, device=qs.device).tril()
-    s = s.masked_fill(~causal, float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)
-    return torch.exp(s - lse[..., None]).to(vs.dtype) @ vs, lse
+    if causal:
+        m = qs.shape[-2]
+        s = s.masked_fill(~torch.ones(m, m, dtype=torch.bool, device=qs.device).tril(),
+                          float("-inf"))
+    return s
 
 
-def _backward(g, q, k, v, out, lse, t0, scale):
-    """(dq, dk, dv) of rows ``[0, t0)``, from the forward's output and log-sum-exp."""
-    group = q.shape[1] // k.shape[1]
-    qs, ks, vs = q[:, :, :t0], _expand(k[:, :, :t0], group), _expand(v[:, :, :t0], group)
-    gs, os_, ls = g[:, :, :t0], out[:, :, :t0], lse[:, :, :t0]
-    if _cudnn(q, k, v):
+def _lse_dtype(q) -> torch.dtype:
+    """The log-sum-exp's dtype: float32, float64 for float64 inputs."""
+    return torch.promote_types(q.dtype, torch.float32)
+
+
+def _forward(qs, pieces, scale):
+    """(out [B, H, t0, Dv], lse [B, H, t0]) of the rows over all the pieces' keys: each piece
+    attended alone, then merged by their log-sum-exps (in float32, or float64)."""
+    wide = _lse_dtype(qs)
+    outs, lses = [], []
+    for ks, vs, causal in pieces:
+        if _cudnn(qs):
+            o, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
+                qs, ks, vs, None, True, 0.0, causal, False, scale=scale)[:2]
+            lse = lse.reshape(o.shape[:3])
+        else:
+            sc = _scores(qs, ks, causal, scale)
+            lse = torch.logsumexp(sc, dim=-1)
+            o = torch.exp(sc - lse[..., None]).to(vs.dtype) @ vs
+        outs.append(o)
+        lses.append(lse.to(wide))
+    if len(outs) == 1:
+        return outs[0], lses[0]
+    lse = torch.logsumexp(torch.stack(lses), dim=0)
+    out = sum(o.to(wide) * torch.exp(l_ - lse)[..., None] for o, l_ in zip(outs, lses))
+    return out.to(outs[0].dtype), lse
+
+
+def _backward(gs, qs, pieces, out, lse, scale):
+    """(dq, [(dk, dv) per piece]) from the merged output and log-sum-exp: each piece's
+    backward with them is that piece's share of the gradients of the merged attention."""
+    grads = []
+    dq = None
+    t0 = qs.shape[-2]
+    if _cudnn(qs):
+        empty = qs.new_empty(0)
         # cuDNN reads the log-sum-exp as [B, H, T, 1] (a 3-d one crashed the process on an
         # H100, torch 2.11) and wants the output and its gradient laid out alike: contiguous
-        empty = q.new_empty(0)
-        dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-            gs.contiguous(), qs.contiguous(), ks.contiguous(), vs.contiguous(),
-            os_.contiguous(), ls.reshape(*ls.shape, 1).contiguous(), empty, empty, None, None,
-            None, t0, t0, 0.0, True, scale=scale)
-    else:  # the plain math (tests on the CPU): softmax's gradient written out
-        wide = torch.promote_types(q.dtype, torch.float32)
-        qw, kw, vw, gw = (x.to(wide) for x in (qs, ks, vs, gs))
-        s = (qw @ kw.transpose(-2, -1)) * scale
-        causal = torch.ones(t0, t0, dtype=torch.bool, device=q.device).tril()
-        p = torch.softmax(s.masked_fill(~causal, float("-inf")), dim=-1)
-        dv = p.transpose(-2, -1) @ gw
-        dp = gw @ vw.transpose(-2, -1)
-        ds = p * (dp - (dp * p).sum(-1, keepdim=True))
-        dq = ((ds @ kw) * scale).to(q.dtype)
-        dk = ((ds.transpose(-2, -1) @ qw) * scale).to(k.dtype)
-        dv = dv.to(v.dtype)
-    return dq, _fold(dk, group), _fold(dv, group)
+        gs, qs, out = gs.contiguous(), qs.contiguous(), out.contiguous()
+        lse4 = lse.float().reshape(*lse.shape, 1).contiguous()
+        for ks, vs, causal in pieces:
+            a, b, c = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+                gs, qs, ks.contiguous(), vs.contiguous(), out, lse4, empty, empty, None, None,
+                None, t0, ks.shape[-2], 0.0, causal, scale=scale)
+            dq = a if dq is None else dq + a
+            grads.append((b, c))
+        return dq, grads
+    wide = torch.promote_types(qs.dtype, torch.float32)
+    gw, qw = gs.to(wide), qs.to(wide)
+    d = (gw * out.to(wide)).sum(-1, keepdim=True)
+    for ks, vs, causal in pieces:  # softmax's gradient written out
+        kw, vw = ks.to(wide), vs.to(wide)
+        p = torch.exp(_scores(qw, kw, causal, scale) - lse.to(wide)[..., None])
+        ds = p * (gw @ vw.transpose(-2, -1) - d)
+        a = ((ds @ kw) * scale).to(qs.dtype)
+        dq = a if dq is None else dq + a
+        grads.append((((ds.transpose(-2, -1) @ qw) * scale).to(ks.dtype),
+                      (p.transpose(-2, -1) @ gw).to(vs.dtype)))
+    return dq, grads
 
 
 @torch.library.custom_op("treefx::trunk_causal_attention", mutates_args=())
-def _trunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, parent_token: torch.Tensor,
-           offset: int, scale: float, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out [B, H, N, Dv], lse [B, H, N] float32): rows ``[0, T0)`` causal, zeros after."""
-    t0 = trunk_rows(parent_token, offset, block)
+def _trunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_ctx: torch.Tensor | None,
+           v_ctx: torch.Tensor | None, parent_token: torch.Tensor, offset: int, scale: float,
+           block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out [B, H, N, Dv], lse [B, H, N] float32, or float64): rows ``[0, T0)`` over the
+    context rows they see and their own keys causally, zeros after."""
+    t0, kc = trunk_rows(parent_token, offset, block, k_ctx is not None)
     out = q.new_zeros(*q.shape[:3], v.shape[-1], dtype=v.dtype)
-    lse = q.new_zeros(q.shape[:3], dtype=torch.float32)
+    lse = q.new_zeros(q.shape[:3], dtype=_lse_dtype(q))
     if t0:
-        o, l_ = _forward(q, k, v, t0, scale)
+        o, l_ = _forward(q[:, :, :t0], _pieces(q, k, v, k_ctx, v_ctx, t0, kc), scale)
         out[:, :, :t0] = o
         lse[:, :, :t0] = l_
     return out, lse
 
 
 @_trunk.register_fake
-def _(q, k, v, parent_token, offset, scale, block):
+def _(q, k, v, k_ctx, v_ctx, parent_token, offset, scale, block):
     return (q.new_empty(*q.shape[:3], v.shape[-1], dtype=v.dtype),
-            q.new_empty(q.shape[:3], dtype=torch.float32))
+            q.new_empty(q.shape[:3], dtype=_lse_dtype(q)))
 
 
 @torch.library.custom_op("treefx::trunk_causal_attention_backward", mutates_args=())
 def _trunk_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    out: torch.Tensor, lse: torch.Tensor, parent_token: torch.Tensor,
-                    offset: int, scale: float, block: int
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    t0 = trunk_rows(parent_token, offset, block)
+                    k_ctx: torch.Tensor | None, v_ctx: torch.Tensor | None, out: torch.Tensor,
+                    lse: torch.Tensor, parent_token: torch.Tensor, offset: int, scale: float,
+                    block: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                         torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv, dk_ctx, dv_ctx); the last two empty without a context."""
+    t0, kc = trunk_rows(parent_token, offset, block, k_ctx is not None)
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    dkc, dvc = ((q.new_empty(0), q.new_empty(0)) if k_ctx is None
+                else (torch.zeros_like(k_ctx), torch.zeros_like(v_ctx)))
     if t0:
-        a, b, c = _backward(grad, q, k, v, out, lse, t0, scale)
+        group = q.shape[1] // k.shape[1]
+        a, grads = _backward(grad[:, :, :t0], q[:, :, :t0],
+                             _pieces(q, k, v, k_ctx, v_ctx, t0, kc), out[:, :, :t0],
+                             lse[:, :, :t0], scale)
         dq[:, :, :t0] = a
-        dk[:, :, :t0] = b
-        dv[:, :, :t0] = c
-    return dq, dk, dv
+        if kc:
+            dkc[:, :, :kc] = _fold(grads[0][0], group)
+            dvc[:, :, :kc] = _fold(grads[0][1], group)
+        dk[:, :, :t0] = _fold(grads[-1][0], group)
+        dv[:, :, :t0] = _fold(grads[-1][1], group)
+    return dq, dk, dv, dkc, dvc
 
 
 @_trunk_backward.register_fake
-def _(grad, q, k, v, out, lse, parent_token, offset, scale, block):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+def _(grad, q, k, v, k_ctx, v_ctx, out, lse, parent_token, offset, scale, block):
+    empty = q.new_empty(0)
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
+            empty if k_ctx is None else torch.empty_like(k_ctx),
+            empty if v_ctx is None else torch.empty_like(v_ctx))
 
 
 def _setup(ctx, inputs, output):
-    q, k, v, parent_token, offset, scale, block = inputs
-    ctx.save_for_backward(q, k, v, output[0], output[1], parent_token)
+    q, k, v, k_ctx, v_ctx, parent_token, offset, scale, block = inputs
+    ctx.has_context = k_ctx is not None
+    ctx.save_for_backward(q, k, v, k_ctx, v_ctx, output[0], output[1], parent_token)
     ctx.args = (offset, scale, block)
 
 
 def _grad(ctx, grad_out, _grad_lse):
-    q, k, v, out, lse, parent_token = ctx.saved_tensors
-    dq, dk, dv = _trunk_backward(grad_out, q, k, v, out, lse, parent_token, *ctx.args)
-    return dq, dk, dv, None, None, None, None
+    q, k, v, k_ctx, v_ctx, out, lse, parent_token = ctx.saved_tensors
+    dq, dk, dv, dkc, dvc = _trunk_backward(grad_out, q, k, v, k_ctx, v_ctx, out, lse,
+                                           parent_token, *ctx.args)
+    if not ctx.has_context:
+        dkc = dvc = None
+    return dq, dk, dv, dkc, dvc, None, None, None, None
 
 
 _trunk.register_autograd(_grad, setup_context=_setup)
 
 
-def trunk_attention(q, k, v, parent_token, offset=0, scale=None, block: int = 128):
-    """Rows ``[0, T0)`` of the row's leading chain, causal attention over their own keys
-    (``[B, Hq, N, D]`` q; ``[B, Hk, N, D]`` k, v with ``Hq % Hk == 0``); zeros after ``T0``.
-    ``parent_token``: the rows' predecessors (in coordinates where the rows start at
-    ``offset``). The output's rows are disjoint from those a FlexAttention site skipping
+def trunk_attention(q, k, v, parent_token, offset=0, scale=None, block: int = 128,
+                    k_context=None, v_context=None):
+    """Rows ``[0, T0)`` of the row's leading chain (``[B, Hq, N, D]`` q; ``[B, Hk, N, D]`` k, v
+    with ``Hq % Hk == 0``), attention over their own keys causally and, in a part of a tree,
+    over the context rows they see (``k_context``, ``v_context`` [B, Hk, A, D]: row 0's
+    predecessor and the path before it, all seen); zeros after ``T0``. ``parent_token``: the
+    rows' predecessors (in coordinates where the rows start at ``offset``, the context's
+    padded length). The output's rows are disjoint from those a FlexAttention site skipping
     :func:`trunk_blocks` query blocks computes."""
-    return _trunk(q, k, v, parent_token, offset, _scale(q, scale), block)[0]
+    return _trunk(q, k, v, k_context, v_context, parent_token, offset, _scale(q, scale),
+                  block)[0]
