@@ -1440,3 +1440,15 @@ if [ "${1:-}" = z45 ]; then
   sed -i '/pow_by_natural/d' $OUT/*.log
   results z45
 fi
+# Stage z46 (`... z46` on one GPU, carry .data/swe200.jsonl; results in $OUT): z45's parts of
+# 16,384 tokens with the split as shipped (a part that starts a tree only; z45a/z45c took a
+# part's context on cuDNN too, which made three of the seven trees slower); z45b is the split
+# off on the same kind of machine
+if [ "${1:-}" = z46 ]; then
+  OMP_NUM_THREADS=1 TREEFX_VERIFY=0 timeout 280 python3 -m benchmarks.real_trees \
+    --trees .data/swe200.jsonl --sample 40 --seed 0 --budget 16384 --slice 0:7 \
+    --methods treefx --warmup 2 --reps 5 --time-limit 270 \
+    --out $OUT/real_trees_swe7_z46_parts16k_trunk.json > $OUT/real_trees_swe7_z46_parts16k_trunk.log 2>&1
+  echo "z46 rc=$?"; sed -i '/pow_by_natural/d' $OUT/*.log
+  grep "^task\|tasks" $OUT/real_trees_swe7_z46_parts16k_trunk.log | cut -c1-200
+fi

@@ -489,7 +489,7 @@ def _attention(ctx: GraphContext, site: AttentionSite) -> fx.Node:
         new = g.call_function(fn, (site.q, k, v, ck, cv, se, pos, *bufs),
                               {} if split is None else {"skip_blocks": split.skip})
         if split is not None:
-            new = split.add(ctx, new, site.q, k, v, site.scale, ck, cv)
+            new = split.add(ctx, new, site.q, k, v, site.scale)
             note += split.note
     new.meta.update({k_: v_ for k_, v_ in site.out.meta.items()
                      if k_ in ("nn_module_stack", "stack_trace", "example_value")})

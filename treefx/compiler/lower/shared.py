@@ -249,7 +249,10 @@ def trunk_split(ctx: GraphContext, q: fx.Node, k: fx.Node, v: fx.Node,
     out) where :func:`treefx.ops.attention.trunk.wanted` takes its q, k, v; else None.
     ``offset``: None over the whole tree; in a part, ``offset(root_context)`` builds the
     node of the context's padded length (the part's rows start there in the predecessor
-    row), and the leading chain also sees the context rows before it."""
+    row). A part's chain is split off only where its first row is a root: one that sees
+    context rows (the op can take them, as a second piece) made parts slower on the GPU
+    (the SWE trees in parts of 16,384 tokens: 1.14-1.36x the step on three of six trees,
+    BENCHMARKS.md), so those parts run on FlexAttention alone."""
     if not trunk.wanted(example(q), example(k), example(v)):
         return None
     if offset is None:
@@ -260,7 +263,7 @@ def trunk_split(ctx: GraphContext, q: fx.Node, k: fx.Node, v: fx.Node,
         off = ctx.shared("trunk offset", offset)
         skip = ctx.shared("trunk blocks", lambda c: c.graph.call_function(
             trunk.trunk_blocks, (c.parent_token(), c.shared("trunk offset", offset),
-                                 c.block_size, True)))
+                                 c.block_size)))
     return TrunkSplit(skip, ctx.parent_token(), off, offset is not None)
 
 

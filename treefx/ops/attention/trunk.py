@@ -14,10 +14,12 @@ so nothing is merged: each row's softmax is computed by one kernel over all its 
 and values' gradients add (autograd adds the two ops').
 
 In a part of a tree (:mod:`treefx.parts`) the part's own rows start after its context, the
-path to its first row: the leading chain then sees all of the context's rows too. Those run
-here as a second piece (the chain's queries over the context's keys, all seen), merged with
-the causal piece by their log-sum-exps; each piece's backward, given the merged output and
-log-sum-exp, is its share of the gradients.
+path to its first row, and the leading chain sees all of the context's rows too. The op takes
+those (``k_context``, ``v_context``) as a second piece (the chain's queries over the
+context's keys, all seen), merged with the causal piece by their log-sum-exps; each piece's
+backward, given the merged output and log-sum-exp, is its share of the gradients. The
+compiler does not use it (:func:`treefx.compiler.lower.shared.trunk_split` says why): a
+part under a context runs on FlexAttention alone.
 
 ``T0`` is read on the host from the predecessor row's kept host copy
 (:mod:`treefx.ops.host_row`), once per row: no device synchronization. The FlexAttention side
