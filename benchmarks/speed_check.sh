@@ -1452,3 +1452,20 @@ if [ "${1:-}" = z46 ]; then
   echo "z46 rc=$?"; sed -i '/pow_by_natural/d' $OUT/*.log
   grep "^task\|tasks" $OUT/real_trees_swe7_z46_parts16k_trunk.log | cut -c1-200
 fi
+# Stage z47 (`... z47` on one GPU, carry .data/swe200.jsonl; results in $OUT): z46 found the
+# split slower on trees of many parts (task 25, 27 parts: 1,819.5 against 1,514.0 ms): the part
+# engine moved each part's rows without keeping their host copies, so every op reading a
+# part's structure on the host (the trunk's length; a hybrid's conv and recurrence too) copied
+# the row back, waiting for the GPU, once per part and layer. The rows are now kept (pinned)
+# until the part's backward. z46's run again, then with the split off (z45b's, same host)
+if [ "${1:-}" = z47 ]; then
+  for v in trunk off; do
+    sw=1; [ $v = off ] && sw=0
+    OMP_NUM_THREADS=1 TREEFX_VERIFY=0 TREEFX_TRUNK_ATTENTION=$sw timeout 230 python3 -m benchmarks.real_trees \
+      --trees .data/swe200.jsonl --sample 40 --seed 0 --budget 16384 --slice 0:7 \
+      --methods treefx --warmup 2 --reps 5 --time-limit 220 \
+      --out $OUT/real_trees_swe7_z47_parts16k_$v.json > $OUT/real_trees_swe7_z47_parts16k_$v.log 2>&1
+    echo "z47 $v rc=$?"; sed -i '/pow_by_natural/d' $OUT/*.log
+    grep "^task\|tasks" $OUT/real_trees_swe7_z47_parts16k_$v.log | cut -c1-200
+  done
+fi

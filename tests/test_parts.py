@@ -910,3 +910,25 @@ def test_parts_under_autocast_leave_the_weight_gradients_to_autograd():
     for n, g in ref.items():
         err = float((got[n] - g).norm() / g.norm().clamp(min=1e-12))
         assert err <= 5e-2, f"{n}: {err:.2e}"
+
+
+def test_parts_copy_no_row_back_and_forget_their_rows(monkeypatch):
+    """Every part's rows the ops read on the host (here the leading chain's length,
+    TREEFX_TRUNK_ATTENTION=1) are found in the host copies kept for it until its backward:
+    nothing is copied back from the device (on a GPU each copy waits for its queue), and no
+    row stays kept after the call."""
+    from treefx import layout
+    from treefx.ops import host_row
+
+    monkeypatch.setattr(treefx.run.backends, "compile_graph", lambda backend, gm, ex: gm.forward)
+    monkeypatch.setenv("TREEFX_INDUCTOR_ON_CPU", "1")
+    monkeypatch.setenv("TREEFX_TRUNK_ATTENTION", "1")
+    copies = []
+    copy = host_row.host_row
+    monkeypatch.setattr(host_row, "host_row", lambda t: copies.append(t.shape) or copy(t))
+    tm = treefx.compile(hf_model("qwen3", "sdpa"), backend="inductor", verify=False,
+                        block_size=16)
+    trees = [comb_tree(3, calls=12, trunk=(5, 20))]
+    assert treefx.parts.plan(treefx.pack(trees), 40, block_size=16).num_parts > 16
+    _check(tm, trees, 40)
+    assert copies == [] and layout._PINNED_ROWS == {}

@@ -201,26 +201,41 @@ def row_key(t: torch.Tensor):
 
 _HOST_ROWS: OrderedDict = OrderedDict()  # row_key -> (device row, its host copy), newest last
 _HOST_ROWS_KEPT = 16
+_PINNED_ROWS: dict = {}  # row_key -> (device row, its host copy), kept until forgotten
 _HOST_ROWS_LOCK = threading.Lock()  # a loader thread may move the next batch meanwhile
 
 
-def remember_host_row(device_row: torch.Tensor, host_row) -> None:
+def remember_host_row(device_row: torch.Tensor, host_row, *, pinned: bool = False):
     """Keep the host copy (a CPU tensor or array, copied here) of a row on a device: the row
     :meth:`TreeBatch.to` moved there, and the graph input the engine stacks from it. The ops
     that read the tree's structure on the host (:mod:`treefx.ops.host_row`) then find it
     without copying the row back, which would wait for the device's queue. The device row is
-    held: its memory cannot go to another tensor while its key is kept."""
+    held: its memory cannot go to another tensor while its key is kept. The newest
+    ``_HOST_ROWS_KEPT`` rows are kept; a ``pinned`` one (a part's rows, read again in its
+    backward after every later part's forward) until :func:`forget_host_rows`. Returns the
+    row's key (None where it has none)."""
     key = row_key(device_row)
     if key is None:
-        return
+        return None
     if isinstance(host_row, torch.Tensor):
         host_row = host_row.numpy()
     entry = (device_row, np.array(host_row, dtype=np.int64))
     with _HOST_ROWS_LOCK:
+        if pinned:
+            _PINNED_ROWS[key] = entry
+            return key
         _HOST_ROWS[key] = entry
         _HOST_ROWS.move_to_end(key)
         while len(_HOST_ROWS) > _HOST_ROWS_KEPT:
             _HOST_ROWS.popitem(last=False)
+    return key
+
+
+def forget_host_rows(keys) -> None:
+    """Drop pinned rows (keys from :func:`remember_host_row`) and their device rows."""
+    with _HOST_ROWS_LOCK:
+        for key in keys:
+            _PINNED_ROWS.pop(key, None)
 
 
 def known_host_row(t: torch.Tensor) -> np.ndarray | None:
@@ -230,6 +245,9 @@ def known_host_row(t: torch.Tensor) -> np.ndarray | None:
     if key is None:
         return None
     with _HOST_ROWS_LOCK:
+        hit = _PINNED_ROWS.get(key)
+        if hit is not None:
+            return hit[1]
         hit = _HOST_ROWS.get(key)
         if hit is None:
             return None

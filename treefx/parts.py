@@ -658,8 +658,17 @@ def part_tensors(plan: PartPlan, part: Part, device=None, *, min_tokens: int = 2
     # read on the host (its predecessors, where its states enter and leave) keep their host
     # copies, so those ops copy nothing back (treefx.ops.host_row)
     moved = dict(zip(host, move_tensors(list(host.values()), torch.device(device))))
-    for name, dev_row, host_row in (("tree_info", moved["tree_info"][1], host["tree_info"][1]),
-                                    ("state_entry", moved["state_entry"], host["state_entry"]),
-                                    ("state_exit", moved["state_exit"], host["state_exit"])):
-        remember_host_row(dev_row, host_row)
+    keep_host_rows(moved, host)
     return moved
+
+
+def keep_host_rows(moved: dict, host: dict, *, pinned: bool = False) -> list:
+    """Register the host copies of a part's rows that its ops read on the host (its
+    predecessors, where its states enter and leave; :mod:`treefx.ops.host_row`) for their
+    moved device rows, so that those ops copy nothing back (which would wait for the
+    device). ``pinned``: kept until :func:`treefx.layout.forget_host_rows` of the returned
+    keys (a part's backward reads them after every later part's forward)."""
+    return [remember_host_row(dev, h, pinned=pinned)
+            for dev, h in ((moved["tree_info"][1], host["tree_info"][1]),
+                           (moved["state_entry"], host["state_entry"]),
+                           (moved["state_exit"], host["state_exit"]))]

@@ -42,7 +42,7 @@ from .. import parts as parts_mod
 from . import regional
 from . import backends
 from .engine import TreeEngine, check_batch, regional_by_default
-from ..layout import TreeBatch, move_tensors, pack
+from ..layout import TreeBatch, forget_host_rows, move_tensors, pack
 from ..ops.logprobs import register_site, token_logprobs_site, token_loss_site
 from ..compiler import TreeCompileError
 from ..compiler.lower.parts import PartLayoutMismatch, has_grad_hooks, part_outputs
@@ -520,19 +520,28 @@ def backward(tm: TreeModel, trees: Tree | Iterable[Tree] | TreeBatch | None, *,
     run = _Run(runner, batch, max_tokens, target, step=step, loss_fn=loss_fn,
                collective=kind == "fsdp")
     if kind == "fsdp":
-        _rounds(run, group)
+        try:
+            _rounds(run, group)
+        finally:
+            run.release()
     elif kind == "ddp":
         # The parts run on the inner module, without DDP's hooks (no_sync: its reducer ignores
         # the parts' backwards); the gradients are averaged over the group once, at the end.
         with wrapper.no_sync():
             _sync_ddp_buffers(wrapper)
-            for event, i in run.events:
-                run.forward(i) if event == "F" else run.backward(i)
+            try:
+                for event, i in run.events:
+                    run.forward(i) if event == "F" else run.backward(i)
+            finally:
+                run.release()
         run.finish()
         _reduce_ddp(wrapper, group)
     else:
-        for event, i in run.events:
-            run.forward(i) if event == "F" else run.backward(i)
+        try:
+            for event, i in run.events:
+                run.forward(i) if event == "F" else run.backward(i)
+        finally:
+            run.release()
         run.finish()
     return run.total.to(run.dtype)
 
@@ -725,6 +734,9 @@ class _Run:
             self.incidence = _Incidence(self.full) if loss_fn is not None else None
         self.held: dict[int, _Held] = {}
         self.dummies: list[_Held] = []
+        # the keys of the host rows kept for each held part's (and dummy's) ops
+        self.row_keys: dict[int, list] = {}
+        self.dummy_keys: list[list] = []
         self.dummy_plan = None
         # the weights whose gradients the part graphs add into .grad directly have one from here
         self.created = runner.prepare_grads()
@@ -779,8 +791,9 @@ class _Run:
             self._dummy_forward(group)
             return
         plan, part = self.plan, self.plan.parts[j]
-        t = _to_device(plan, part, self.device, self.weights, min_tokens=self.min_tokens,
-                       every_label=self.on_logprobs is not None)
+        t, keys = _to_device(plan, part, self.device, self.weights,
+                             min_tokens=self.min_tokens, every_label=self.on_logprobs is not None)
+        self.row_keys[j] = keys
         # a recompute part's forward keeps no graph; its backward runs it again (_backward)
         rerun = _rerun(self.runner, plan, part, t, self.held, self.device, self._loss,
                        self._report)
@@ -842,7 +855,9 @@ class _Run:
             self.dummy_weights = None if w is None else torch.zeros_like(w)
         plan = self.dummy_plan
         part = plan.parts[0]
-        t = _to_device(plan, part, self.device, self.dummy_weights, min_tokens=self.min_tokens)
+        t, keys = _to_device(plan, part, self.device, self.dummy_weights,
+                             min_tokens=self.min_tokens)
+        self.dummy_keys.append(keys)
         first, own, exits, *_ = _forward(self.runner, plan, part, t, {}, self.device,
                                          self.created, self._agree(group))
         self.dummies.append(_Held(first.sum(), own, exits, own.detach().requires_grad_(),
@@ -853,17 +868,27 @@ class _Run:
         """Held part ``i``'s backward; None: a held dummy's."""
         h = self.held.pop(i) if i is not None else self.dummies.pop()
         _backward(h, self.runner.embedding, every_output=self.collective)
+        forget_host_rows(self.row_keys.pop(i) if i is not None else self.dummy_keys.pop())
 
     def finish(self) -> None:
+        self.release()
         if self.held:  # cannot happen: every part is released at the row's end
             raise RuntimeError(f"treefx.backward: parts {sorted(self.held)} never ran their "
                                "backward")
+
+    def release(self) -> None:
+        """Forget the host rows kept for parts whose backward did not run (an error)."""
+        for keys in [*self.row_keys.values(), *self.dummy_keys]:
+            forget_host_rows(keys)
+        self.row_keys.clear()
+        self.dummy_keys.clear()
 
 
 def _to_device(plan, part, device, weights: torch.Tensor | None = None, *,
                min_tokens: int = 2, every_label: bool = False) -> dict:
     """The part's tensors and the indices its context is gathered with, moved in one pinned,
-    non-blocking copy per dtype: a plain copy from pageable memory would wait for the GPU to
+    non-blocking copy per dtype, and the keys of the rows whose host copies are kept for the
+    part's ops until its backward (:func:`treefx.parts.keep_host_rows`): a plain copy from pageable memory would wait for the GPU to
     finish the previous part, so the host could not prepare this one meanwhile. ``weights``
     [R, N] (on the host): the part predicts only the tokens with a nonzero weight in some
     row, and their columns become ``tree_weights`` [R, m] (zero where ``labels`` is
@@ -894,7 +919,8 @@ def _to_device(plan, part, device, weights: torch.Tensor | None = None, *,
     # offset a size of the graph, which regional execution does not bind: own storage each
     # (a few small device copies a part)
     moved = [m if m.storage_offset() == 0 else m.clone() for m in moved]
-    return dict(zip(names, moved))
+    t_dev = dict(zip(names, moved))
+    return t_dev, parts_mod.keep_host_rows(t_dev, t, pinned=True)
 
 
 def _verify_first_call(tm: TreeModel, runner: PartRunner) -> None:
@@ -919,8 +945,11 @@ def _verify_first_call(tm: TreeModel, runner: PartRunner) -> None:
                 run = _Run(runner, batch.to("cpu"), max(3, batch.num_tokens // 3), tm.model,
                            step=None, loss_fn=None if runner.own_loss else tree_loss,
                            collective=False, on_logprobs=lps.append)
-                for event, i in run.events:
-                    run.forward(i) if event == "F" else run.backward(i)
+                try:
+                    for event, i in run.events:
+                        run.forward(i) if event == "F" else run.backward(i)
+                finally:
+                    run.release()
                 run.finish()
         except TreeCompileError:
             if runner.draws_random() is None:
