@@ -45,7 +45,8 @@ def show():
             ref = F.scaled_dot_product_attention(q.float(), k.float().repeat_interleave(8 // hk, 1),
                                                  v.float().repeat_interleave(8 // hk, 1),
                                                  is_causal=True)
-            print(f"forward kv heads {hk}: rel err {float((out.float() - ref).norm() / ref.norm()):.2e}")
+            err = float((out.float() - ref).norm() / ref.norm())
+            print(f"forward kv heads {hk}: rel err {err:.2e}")
         except Exception as e:
             print(f"forward kv heads {hk}: {type(e).__name__}: {str(e)[:200]}")
 

@@ -16,9 +16,9 @@ heads, 8 KV heads, head_dim 128, bf16), random q, k, v:
   with a causal block mask, SDPA's cuDNN, flash and memory-efficient backends), forward
   and forward + backward, TFLOP/s counted on attended pairs (4·d FLOPs a pair forward,
   2.5 times that backward);
-- per tree: the whole row on FlexAttention (the usual and the interleaved layout, as
-  treefx's site runs it) against the split, each output and gradient compared with the
-  whole row's.
+- per tree: the whole row on FlexAttention against the split (cuDNN's, flash's or the
+  memory-efficient kernel on the trunk; ``split_cudnn_compiled``: the split in one compiled
+  graph), each output and gradient compared with the whole row's.
 """
 
 from __future__ import annotations
@@ -33,8 +33,7 @@ import torch.nn.functional as F
 
 import treefx
 from benchmarks import common
-from benchmarks.internals import (attention_ops, heads_to_row, interleaved_block_mask,
-                                  row_to_heads, tree_block_tensors)
+from benchmarks.internals import attention_ops, tree_block_tensors
 
 BLOCK = 128
 EXPANDED: set = set()  # SDPA backends that refused grouped-query attention (KV expanded)
@@ -119,10 +118,10 @@ def _rest_flex(q, k, v, se, t0):
                           kernel_options=dict(attention_ops.STANDARD_KERNEL))
 
 
-def _whole(q, k, v, se, interleave: bool):
-    """The whole row on FlexAttention with the tree's block mask, in the usual layout or with
-    the KV heads interleaved along the row (what treefx's site runs under autograd), through
-    the public API so Dynamo traces it."""
+def _whole(q, k, v, se):
+    """The whole row on FlexAttention with the tree's block mask (the usual layout; the
+    interleaved one treefx's site runs under autograd differs from it by a few percent),
+    through the public API so Dynamo traces it."""
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
     kv_num, kv_idx, full_num, full_idx, se_pad = tree_block_tensors(se, BLOCK)
@@ -131,24 +130,10 @@ def _whole(q, k, v, se, interleave: bool):
     def mask_mod(b, h, q_idx, kv_idx):
         return (kv_idx <= q_idx) & (q_idx < se_pad[kv_idx])
 
-    std = BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=BLOCK,
-                                   mask_mod=mask_mod, seq_lengths=(n, n))
-    opts = dict(attention_ops.STANDARD_KERNEL)
-    if not interleave:
-        return flex_attention(q, k, v, block_mask=std, enable_gqa=True, kernel_options=opts)
-    hk, nb = k.shape[1], kv_num.shape[-1]
-
-    def unmix(idx):
-        return (idx // BLOCK) % hk, (idx // (BLOCK * hk)) * BLOCK + idx % BLOCK
-
-    def il_mask(b, h, q_idx, kv_idx):
-        (gq, qp), (gk, kp) = unmix(q_idx), unmix(kv_idx)
-        return (gq == gk) & (kp <= qp) & (qp < se_pad[kp])
-
-    bm = interleaved_block_mask(std, hk, nb * hk * BLOCK, il_mask)
-    out = flex_attention(*(heads_to_row(x, hk, nb, BLOCK) for x in (q, k, v)), block_mask=bm,
-                         enable_gqa=True, kernel_options=opts)
-    return row_to_heads(out, hk, nb, BLOCK, n)
+    bm = BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=BLOCK,
+                                  mask_mod=mask_mod, seq_lengths=(n, n))
+    return flex_attention(q, k, v, block_mask=bm, enable_gqa=True,
+                          kernel_options=dict(attention_ops.STANDARD_KERNEL))
 
 
 def _split_compiled(q, k, v, se, marker):
@@ -207,6 +192,38 @@ def main(argv=None):
                 fn(*xs)
         return run
 
+    def measure(fn, q, k, v, pairs, ref):
+        """``fn``'s forward and forward + backward times (TFLOP/s on attended pairs: 4·d a
+        pair forward, 2.5 times that backward) and its output's and gradients' relative
+        difference to ``ref`` (the first variant's: None for the first, which it returns)."""
+        f_s = _time(dev, fwd(fn, q, k, v), args.reps)
+        b_s = _time(dev, fwd_bwd(fn, q, k, v), args.reps) if grad else None
+        out, gs = fn(q, k, v), None
+        if grad:
+            out.backward(torch.ones_like(out))
+            gs = [x.grad.clone() for x in (q, k, v)]
+            for x in (q, k, v):
+                x.grad = None
+        ref = ref or (out.detach(), gs)
+        r = {"fwd_ms": f_s * 1e3, "fwd_tflops": pairs * 4 * d / f_s / 1e12,
+             "out_rel": _rel(out.detach(), ref[0])}
+        if grad:
+            r.update(fwd_bwd_ms=b_s * 1e3, tflops=pairs * 14 * d / b_s / 1e12,
+                     bwd_tflops=pairs * 10 * d / max(b_s - f_s, 1e-9) / 1e12,
+                     grad_rel=[_rel(g, h) for g, h in zip(gs, ref[1])])
+        return r, ref
+
+    def variants_row(variants, q, k, v, pairs, label, row):
+        """Each variant measured (an error recorded) into ``row``, against the first."""
+        ref = None
+        for name, fn in variants.items():
+            try:
+                row[name], ref = measure(fn, q, k, v, pairs, ref)
+            except Exception as e:  # a backend this torch or GPU does not have
+                row[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+            print(f"{label}: {name}: {json.dumps(row[name])}", flush=True)
+        return row
+
     kernels = {"flex": _flex_causal(dev)}
     for name in args.backends.split(","):
         kernels[name] = _sdpa(name)
@@ -214,33 +231,8 @@ def main(argv=None):
     for n in lengths:
         torch.manual_seed(0)
         q, k, v = rand(hq, n), rand(hk, n), rand(hk, n)
-        pairs = n * (n + 1) / 2 * hq
-        ref = None
-        row = {}
-        for name, fn in kernels.items():
-            try:
-                f_s = _time(dev, fwd(fn, q, k, v), args.reps)
-                b_s = _time(dev, fwd_bwd(fn, q, k, v), args.reps) if grad else None
-                out = fn(q, k, v)
-                if grad:
-                    out.backward(torch.ones_like(out))
-                    gs = [x.grad.clone() for x in (q, k, v)]
-                    for x in (q, k, v):
-                        x.grad = None
-                if ref is None:
-                    ref = (out.detach(), gs if grad else None)
-                r = {"fwd_ms": f_s * 1e3,
-                     "fwd_tflops": pairs * 4 * d / f_s / 1e12,
-                     "out_rel_vs_flex": _rel(out.detach(), ref[0])}
-                if grad:
-                    r.update(fwd_bwd_ms=b_s * 1e3,
-                             bwd_tflops=pairs * 10 * d / max(b_s - f_s, 1e-9) / 1e12,
-                             grad_rel_vs_flex=[_rel(g, h) for g, h in zip(gs, ref[1])])
-                row[name] = r
-            except Exception as e:  # a backend this torch or GPU does not have
-                row[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-            print(f"causal {n}: {name}: {json.dumps(row[name])}", flush=True)
-        res["causal"][str(n)] = row
+        res["causal"][str(n)] = variants_row(kernels, q, k, v, n * (n + 1) / 2 * hq,
+                                             f"causal {n}", {})
         common.save_json(res, out_path)
 
     tasks = [x if x == "synth" else int(x) for x in args.tasks.split(",")]
@@ -268,8 +260,7 @@ def main(argv=None):
                "trunk_pair_share": t0 * (t0 + 1) / 2 * hq / pairs}
         torch.manual_seed(1)
         q, k, v = rand(hq, n), rand(hk, n), rand(hk, n)
-        variants = {"whole_standard": lambda q, k, v: whole(q, k, v, se, False),
-                    "whole_interleaved": lambda q, k, v: whole(q, k, v, se, True)}
+        variants = {"whole_standard": lambda q, k, v: whole(q, k, v, se)}
         for name in args.backends.split(","):
             causal = _sdpa(name)
             variants[f"split_{name}"] = (
@@ -280,30 +271,7 @@ def main(argv=None):
             marker = torch.empty(t0, device=dev)
             variants["split_cudnn_compiled"] = (
                 lambda q, k, v: split_compiled(q, k, v, se, marker))
-        ref = None
-        for name, fn in variants.items():
-            try:
-                f_s = _time(dev, fwd(fn, q, k, v), args.reps)
-                b_s = _time(dev, fwd_bwd(fn, q, k, v), args.reps) if grad else None
-                out = fn(q, k, v)
-                if grad:
-                    out.backward(torch.ones_like(out))
-                    gs = [x.grad.clone() for x in (q, k, v)]
-                    for x in (q, k, v):
-                        x.grad = None
-                if ref is None:
-                    ref = (out.detach(), gs if grad else None)
-                r = {"fwd_ms": f_s * 1e3, "out_rel": _rel(out.detach(), ref[0]),
-                     "fwd_tflops": pairs * 4 * d / f_s / 1e12}
-                if grad:
-                    r.update(fwd_bwd_ms=b_s * 1e3,
-                             tflops=pairs * 14 * d / b_s / 1e12,
-                             grad_rel=[_rel(g, h) for g, h in zip(gs, ref[1])])
-                row[name] = r
-            except Exception as e:
-                row[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-            print(f"task {i} ({n} tokens, trunk {t}): {name}: {json.dumps(row[name])}",
-                  flush=True)
+        variants_row(variants, q, k, v, pairs, f"task {i} ({n} tokens, trunk {t})", row)
         res["trees"].append(row)
         common.save_json(res, out_path)
     res["sdpa_backends_expanded_kv"] = sorted(EXPANDED)

@@ -28,8 +28,8 @@ def comb(seed: int, trunk_len: int = 70) -> treefx.Tree:
     prefix of it another (the layout puts the trunk first: the row starts with it)."""
     rng = np.random.default_rng(seed)
     t = rng.integers(0, VOCAB, trunk_len).tolist()
-    seqs = [t[:40] + rng.integers(0, VOCAB, 9).tolist(), t[:60] + rng.integers(0, VOCAB, 1).tolist(),
-            t, t[:20], t[:41]]
+    leaf = rng.integers(0, VOCAB, 10).tolist()
+    seqs = [t[:40] + leaf[:9], t[:60] + leaf[9:], t, t[:20], t[:41]]
     return treefx.Tree.from_sequences(seqs)
 
 

@@ -885,10 +885,11 @@ class _Run:
 
 
 def _to_device(plan, part, device, weights: torch.Tensor | None = None, *,
-               min_tokens: int = 2, every_label: bool = False) -> dict:
+               min_tokens: int = 2, every_label: bool = False) -> tuple[dict, list]:
     """The part's tensors and the indices its context is gathered with, moved in one pinned,
     non-blocking copy per dtype, and the keys of the rows whose host copies are kept for the
-    part's ops until its backward (:func:`treefx.parts.keep_host_rows`): a plain copy from pageable memory would wait for the GPU to
+    part's ops until its backward (:func:`treefx.parts.keep_host_rows`). A plain copy from
+    pageable memory would wait for the GPU to
     finish the previous part, so the host could not prepare this one meanwhile. ``weights``
     [R, N] (on the host): the part predicts only the tokens with a nonzero weight in some
     row, and their columns become ``tree_weights`` [R, m] (zero where ``labels`` is

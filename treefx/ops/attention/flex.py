@@ -266,7 +266,8 @@ class TreeFlexAttention(FlexSite):
     ``return_lse``: return ``(out, lse)`` with the natural log-sum-exp of each query's row.
     Module-level callables, tensors as explicit buffers: no per-step state in closures.
     ``skip_blocks`` (a 0-d tensor): the first query blocks list no key block and come out
-    zero (the row's leading chain, computed by :mod:`.trunk`). ``interleave_heads``: True, False, or None for "where the call computes gradients" (see
+    zero (the row's leading chain, computed by :mod:`.trunk`). ``interleave_heads``: True,
+    False, or None for "where the call computes gradients" (see
     :func:`check_interleave_heads`); ``layouts`` records the layouts the site was traced with.
     """
 

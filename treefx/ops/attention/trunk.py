@@ -36,7 +36,6 @@ import math
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from ..._switches import switched_off, switched_on
 from ..host_row import derived
