@@ -2,7 +2,7 @@
 
 A depth-first row laid out largest subtree first (:func:`treefx.pack`) starts with the
 tree's longest chain of first children: on an agent's comb-shaped tree, the conversation's
-trunk, 60-77% of the attended pairs on the SWE-bench trees (BENCHMARKS.md). Its rows
+trunk, 61-77% of the attended pairs on the SWE-bench trees (BENCHMARKS.md). Its rows
 ``[0, T)`` see exactly the keys ``[0, i]``: plain causal attention, which cuDNN's fused kernel
 (SDPA's cuDNN backend) runs 1.7-2.5x faster than FlexAttention on an H100 (causal, 16k
 tokens, 8B heads: 13.4 against 23.0 ms forward and backward; ``benchmarks.trunk_attention``).
@@ -27,7 +27,7 @@ computes the same count on the device from the same row, so the two always agree
 
 Where the op runs: on CUDA with bf16/fp16 q, k, v of one dtype and one head width, at most
 128 (cuDNN's), unless ``TREEFX_TRUNK_ATTENTION=0``; ``TREEFX_TRUNK_ATTENTION=1`` also takes it
-wherever else (the CPU's SDPA, for tests).
+wherever else (plain torch on the CPU, for tests).
 """
 
 from __future__ import annotations
