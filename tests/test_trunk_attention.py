@@ -211,3 +211,16 @@ def test_families_with_the_split_match_the_oracle(model_type, monkeypatch):
     r = run(model_type)
     assert r["status"] == "exact", r
     assert r["split_sites"] == (1 if model_type == "exaone4" else 2), r
+
+
+def test_a_step_with_the_split_matches_the_oracle(monkeypatch):
+    """``@treefx.step`` (Hugging Face's ``labels=`` loss, fused with the output projection)
+    lowers its attention the same way: loss and every gradient equal the per-sequence run."""
+    from test_step import check_step, hf_labels_step
+
+    monkeypatch.setenv(trunk.SWITCH, "1")
+    model = hf_model("qwen3", "sdpa", torch.float64)
+    step = treefx.step(hf_labels_step, backend="flex-eager", block_size=16)
+    check_step(step, model, [comb(0)] + odd_forest(5, VOCAB), "mean", rtol=1e-6)
+    notes = [r.note for c in step.contexts for r in c.log if r.pass_name == "attention"]
+    assert notes and all("dense causal kernel" in n for n in notes)
