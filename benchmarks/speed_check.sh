@@ -1417,7 +1417,8 @@ fi
 # leading chain now also sees the part's context (a second cuDNN piece merged by log-sum-exps).
 # gpu_check's trunk case (now with the op over a context against float64), then 7 SWE tasks
 # in parts at a budget of 16,384 tokens (several parts a tree, most with context), treefx
-# alone, one CPU thread: the split on, then off, on the same host
+# alone, one CPU thread: the split on, then off, on the same host. (The compiler no longer
+# takes a part's context on cuDNN: this stage ran commit 672cd4c; today's code runs z46/z47.)
 if [ "${1:-}" = z45 ]; then
   export PYTHONFAULTHANDLER=1
   RES=$OUT; OUT=/tmp/z45; mkdir -p $OUT
