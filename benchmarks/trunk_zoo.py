@@ -4,10 +4,12 @@ CPU: each family's tiny zoo model (float32) through FlexAttention's sites (``fle
 probe forest and a comb whose 70-token trunk spans four blocks, against each sequence run
 alone (``treefx.verify``, every gradient). Reports per family: passed, whether any site
 split its chain off (a site with the model's own mask, score ops or sinks keeps
-FlexAttention alone), and the errors.
+FlexAttention alone), and the errors. ``--checkpointing``: every layer checkpointed (the
+sites then live in the checkpointed bodies).
 
     python -m benchmarks.trunk_zoo --models qwen3,llama,mistral
     python -m benchmarks.trunk_zoo            # the default sample below
+    python -m benchmarks.trunk_zoo --checkpointing
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ def comb(vocab: int, exclude) -> list:
     return [treefx.Tree.from_sequences([t[:40] + leaf[:9], t[:60] + leaf[9:], t, t[:20]])]
 
 
-def run(model_type: str) -> dict:
+def run(model_type: str, checkpointing: bool = False) -> dict:
     import torch
 
     import treefx
@@ -43,7 +45,7 @@ def run(model_type: str) -> dict:
 
     t0 = time.perf_counter()
     try:
-        model = zoo.build_model(model_type, torch.float32)
+        model = zoo.build_model(model_type, torch.float32, checkpointing=checkpointing)
     except Exception as e:  # noqa: BLE001  (a config the zoo cannot build here)
         return {"model": model_type, "status": "config failed", "error": str(e)[:200]}
     exclude = zoo.special_token_ids(model.config)
@@ -65,12 +67,14 @@ def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m benchmarks.trunk_zoo",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default=SAMPLE)
+    p.add_argument("--checkpointing", action="store_true",
+                   help="activation checkpointing on every layer (train mode, dropout 0)")
     p.add_argument("--out", default=None, help="JSON results")
     args = p.parse_args(argv)
     os.environ["TREEFX_TRUNK_ATTENTION"] = "1"
     rows = []
     for m in args.models.split(","):
-        r = run(m)
+        r = run(m, args.checkpointing)
         rows.append(r)
         print(json.dumps(r), flush=True)
     summary = {s: sum(r["status"] == s for r in rows) for s in {r["status"] for r in rows}}

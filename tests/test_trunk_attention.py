@@ -200,15 +200,18 @@ def test_parts_with_the_split_match_the_oracle(monkeypatch):
     assert notes and all("dense causal kernel" in n for n in notes)
 
 
-@pytest.mark.parametrize("model_type", ["gpt2", "falcon", "deepseek_v3", "exaone4", "mixtral"])
-def test_families_with_the_split_match_the_oracle(model_type, monkeypatch):
+@pytest.mark.parametrize("model_type,checkpointing", [
+    ("gpt2", False), ("falcon", False), ("deepseek_v3", False), ("exaone4", False),
+    ("mixtral", False), ("exaone4", True), ("qwen3", True)])
+def test_families_with_the_split_match_the_oracle(model_type, checkpointing, monkeypatch):
     """A sample of ``benchmarks.trunk_zoo`` (28 families, all exact): other families' attention
     (learned positions, ALiBi-free Falcon, MLA, sliding-window layers beside full ones, MoE)
-    through the split, against each sequence alone; a windowed layer keeps FlexAttention."""
+    through the split, against each sequence alone; a windowed layer keeps FlexAttention.
+    With activation checkpointing the sites are in the checkpointed bodies."""
     from benchmarks.trunk_zoo import run
 
     monkeypatch.setenv(trunk.SWITCH, "1")
-    r = run(model_type)
+    r = run(model_type, checkpointing)
     assert r["status"] == "exact", r
     assert r["split_sites"] == (1 if model_type == "exaone4" else 2), r
 

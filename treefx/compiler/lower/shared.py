@@ -230,16 +230,13 @@ class TrunkSplit:
     skip: fx.Node
     parent: fx.Node
     offset: object  # 0, or the part's context length (a node)
-    in_part: bool
     note: str = ", the leading chain's rows on a dense causal kernel (cuDNN's on the GPU)"
 
     def add(self, ctx: GraphContext, flex_out: fx.Node, q: fx.Node, k: fx.Node, v: fx.Node,
-            scale, k_context: fx.Node | None = None, v_context: fx.Node | None = None
-            ) -> fx.Node:
+            scale) -> fx.Node:
         g = ctx.graph
         rows = g.call_function(trunk.trunk_attention,
-                               (q, k, v, self.parent, self.offset, scale, ctx.block_size,
-                                k_context, v_context))
+                               (q, k, v, self.parent, self.offset, scale, ctx.block_size))
         return g.call_function(operator.add, (flex_out, rows))
 
 
@@ -255,16 +252,13 @@ def trunk_split(ctx: GraphContext, q: fx.Node, k: fx.Node, v: fx.Node,
     BENCHMARKS.md), so those parts run on FlexAttention alone."""
     if not trunk.wanted(example(q), example(k), example(v)):
         return None
-    if offset is None:
-        off = 0
-        skip = ctx.shared("trunk blocks", lambda c: c.graph.call_function(
-            trunk.trunk_blocks, (c.parent_token(), 0, c.block_size)))
-    else:
-        off = ctx.shared("trunk offset", offset)
-        skip = ctx.shared("trunk blocks", lambda c: c.graph.call_function(
-            trunk.trunk_blocks, (c.parent_token(), c.shared("trunk offset", offset),
-                                 c.block_size)))
-    return TrunkSplit(skip, ctx.parent_token(), off, offset is not None)
+
+    def start(c: GraphContext):  # where the rows start in the predecessor row
+        return 0 if offset is None else c.shared("trunk offset", offset)
+
+    skip = ctx.shared("trunk blocks", lambda c: c.graph.call_function(
+        trunk.trunk_blocks, (c.parent_token(), start(c), c.block_size)))
+    return TrunkSplit(skip, ctx.parent_token(), start(ctx))
 
 
 def constant_scale(chain: list[fx.Node]) -> tuple[float, list[fx.Node]]:
