@@ -646,6 +646,86 @@ def case_trunk(res):
         _bf16_copy(ref, cfg), ref, trees, "mean")
 
 
+def _interval_op_errors(dtype, hq=8, hk=2, d=128):
+    """The interval op alone (:mod:`treefx.ops.attention.intervals`) on odd forests and a
+    comb (single-token nodes, duplicates, sequences that are prefixes of others): output and
+    gradients against float64 dense tree attention, beside FlexAttention's site on the same
+    rows, both in ``dtype``."""
+    from benchmarks.real_trees import comb_tree
+    from treefx.mask import dense_tree_mask, tree_block_tensors
+    from treefx.ops.attention import TreeFlexAttention, intervals, tree_attention_dense
+    from treefx.tools.synth import odd_forest
+
+    batch = treefx.pack([comb_tree(7, 1024, 6, 0.3)] + odd_forest(3, 1024)).to(DEV)
+    n = batch.num_tokens
+    g = torch.Generator(device=DEV).manual_seed(0)
+    x64 = [torch.randn(1, h, n, d, device=DEV, generator=g, dtype=torch.float64)
+           for h in (hq, hk, hk)]
+    go = torch.randn(1, hq, n, d, device=DEV, generator=g, dtype=torch.float64)
+
+    def run(fn, xs):
+        xs = [x.detach().clone().requires_grad_() for x in xs]
+        out = fn(*xs)
+        grads = torch.autograd.grad(out, xs, go.to(out.dtype))
+        return [out.detach().double(), *(x.double() for x in grads)]
+
+    dense = dense_tree_mask(batch.subtree_end)
+    ref = run(lambda q, k, v: tree_attention_dense(q, k, v, dense, None, enable_gqa=True), x64)
+    low = [x.to(dtype) for x in x64]
+    names = ("out", "dq", "dk", "dv")
+
+    def rel(a, b):
+        return float((a - b).norm() / b.norm())
+
+    got = run(lambda q, k, v: intervals.tree_interval_attention(q, k, v, batch.parent_token),
+              low)
+    out = {"tokens": n, "intervals": int(intervals.tree_intervals(
+        batch.parent_token.cpu().numpy()).shape[0]),
+        "cudnn": intervals.wanted(*low), "op": dict(zip(names, map(rel, got, ref)))}
+    if DEV == "cuda":  # FlexAttention has no backward on the CPU
+        blocks = tree_block_tensors(batch.subtree_end, 128)
+        pos = F.pad(batch.position_ids[0], (0, blocks[-1].numel() - n))
+        site = TreeFlexAttention(block_size=128)
+        fl = run(torch.compile(lambda q, k, v: site(q, k, v, *blocks, pos)), low)
+        out["flex"] = dict(zip(names, map(rel, fl, ref)))
+    return out
+
+
+def case_intervals(res):
+    """Tree attention on cuDNN's interval-mask kernels (the default for bf16/fp16 where the
+    frontend is installed): the op alone against float64 beside FlexAttention, then Qwen3 in
+    bf16 on comb-shaped trees and odd forests against the float32 oracle, with the op and
+    without it (``TREEFX_CUDNN_ATTENTION=0``), and the bf16 run per sequence against the
+    same oracle (the tolerance's floor)."""
+    import os
+
+    from benchmarks.real_trees import comb_tree
+    from treefx.tools.synth import odd_forest
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    for dtype in (torch.bfloat16, torch.float16):
+        res[f"intervals-op-{str(dtype)[6:]}"] = _interval_op_errors(dtype)
+    cfg = dict(SMALL, head_dim=128, num_attention_heads=8, num_key_value_heads=2)
+    ref = hf_model("qwen3", **cfg)
+    trees = [comb_tree(s, cfg["vocab_size"], 6, 0.3) for s in range(2)] + odd_forest(
+        1, cfg["vocab_size"])
+    res["intervals-trees"] = {"tokens": treefx.pack(trees).num_tokens}
+    for switch in ("default", "0"):
+        if switch == "0":
+            os.environ["TREEFX_CUDNN_ATTENTION"] = "0"
+        try:
+            low = _bf16_copy(ref, cfg)
+            tm = treefx.compile(low, verify=False, **COMPILE_KW)
+            label = "intervals-qwen3-bf16" + ("" if switch == "default" else "-off")
+            res[f"{label}-vs-fp32-oracle"] = compare(tm, trees, "mean", reference=ref)
+            res[f"{label}-sites"] = sum("interval-mask" in r.note
+                                        for c in tm.contexts for r in c.log)
+        finally:
+            os.environ.pop("TREEFX_CUDNN_ATTENTION", None)
+    res["intervals-qwen3-bf16-perbranch-vs-fp32-oracle"] = common.oracle_vs_oracle(
+        _bf16_copy(ref, cfg), ref, trees, "mean")
+
+
 def _bf16_copy(ref, cfg):
     low = hf_model("qwen3", torch.bfloat16, **cfg)
     low.load_state_dict({k: v.to(torch.bfloat16) for k, v in ref.state_dict().items()})
@@ -653,6 +733,7 @@ def _bf16_copy(ref, cfg):
 
 
 CASES = {
+    "intervals": case_intervals,
     "trunk": case_trunk,
     "regional": case_regional,
     "families": case_families,

@@ -13,7 +13,7 @@ import torch
 import torch.fx as fx
 
 from ...ops.attention import sink_rescale
-from ...ops.attention import trunk
+from ...ops.attention import intervals, trunk
 from ...ops.cross_entropy import (
     fused_linear_tree_cross_entropy,
     fused_linear_tree_loss_and_logprobs,
@@ -57,9 +57,10 @@ from ..find.logprobs import why_not_fused
 from ..sites import AttentionSite, LogprobsSite, LossSite
 
 __all__ = ["ScoreMods", "TrunkSplit", "add_bias", "chain_module", "check_mask_sources",
-           "constant_scale", "emit_logprobs", "emit_loss", "kv_for_flex", "mask_value",
-           "peel_mask", "replace_conv", "replace_recurrence", "rewrite_scored", "score_mods",
-           "score_sides", "side_for_flex", "traced_site", "trunk_split", "window_note"]
+           "constant_scale", "emit_logprobs", "emit_loss", "interval_site", "kv_for_flex",
+           "mask_value", "peel_mask", "replace_conv", "replace_recurrence", "rewrite_scored",
+           "score_mods", "score_sides", "side_for_flex", "traced_site", "trunk_split",
+           "window_note"]
 
 log = logging.getLogger("treefx")
 
@@ -238,6 +239,22 @@ class TrunkSplit:
         rows = g.call_function(trunk.trunk_attention,
                                (q, k, v, self.parent, self.offset, scale, ctx.block_size))
         return g.call_function(operator.add, (flex_out, rows))
+
+
+def interval_site(ctx: GraphContext, site, k: fx.Node) -> tuple[fx.Node, str] | None:
+    """A plain whole-tree site on cuDNN's interval-mask attention
+    (:mod:`treefx.ops.attention.intervals`), where :func:`~treefx.ops.attention.intervals.wanted`
+    takes its q, k, v (the model's KV heads, its repeat undone): (the output node, the note);
+    else None (FlexAttention)."""
+    k, v, shared_kv = kv_for_flex(site, k)
+    if not intervals.wanted(example(site.q), example(k), example(v)):
+        return None
+    out = ctx.graph.call_function(intervals.tree_interval_attention,
+                                  (site.q, k, v, ctx.parent_token(), site.scale))
+    note = ", on cuDNN's interval-mask attention (each row's keys as intervals of the row)"
+    if shared_kv:
+        note += ", KV heads shared (the model's repeat undone)"
+    return out, note
 
 
 def trunk_split(ctx: GraphContext, q: fx.Node, k: fx.Node, v: fx.Node,

@@ -31,6 +31,7 @@ from .shared import (
     check_mask_sources,
     emit_logprobs,
     emit_loss,
+    interval_site,
     kv_for_flex,
     mask_value,
     replace_conv,
@@ -108,6 +109,12 @@ def attention(ctx: GraphContext, site: AttentionSite) -> fx.Node:
                          else ", added to the scores by the score_mod")
             window, more = window_note(lifted)
             note += more
+            interval = interval_site(ctx, site, k) if lifted is None and score_mod is None \
+                else None
+            if interval is not None:
+                new, more = interval
+                note += more
+                return _record(ctx, site, new, note)
             blocks = _block_nodes(ctx, full=lifted is None, window=window)
             fn = TreeFlexAttention(scale=site.scale, block_size=ctx.block_size,
                                    model_mask=lifted, kernel_options=ctx.kernel_options,
@@ -130,6 +137,11 @@ def attention(ctx: GraphContext, site: AttentionSite) -> fx.Node:
             if split is not None:
                 new = split.add(ctx, new, site.q, k, v, site.scale)
                 note += split.note
+    return _record(ctx, site, new, note)
+
+
+def _record(ctx: GraphContext, site: AttentionSite, new: fx.Node, note: str) -> fx.Node:
+    """The site's output replaced by ``new`` (its metadata kept), recorded with ``note``."""
     new.meta.update({k_: v_ for k_, v_ in site.out.meta.items()
                      if k_ in ("nn_module_stack", "stack_trace", "example_value")})
     ctx.record("attention", site.anchor, describe(new), note=note)

@@ -1,0 +1,52 @@
+#!/bin/bash
+# Tree attention on cuDNN's interval-mask kernels (treefx/ops/attention/intervals.py) on one
+# GPU, in calls of the device tool, from the repository root. The frontend and the CuTe DSL it
+# compiles with are not on the GPU machine and their wheels (cp312: nvidia-cudnn-frontend
+# 1.32.0, nvidia-cutlass-dsl 4.8.1 with -libs-base, -libs-core, -libs-cu13, apache-tvm-ffi,
+# cuda-python, cuda-bindings, cuda-core, cuda-pathfinder, protobuf; 126 MB) are over one
+# call's 64 MiB, so they travel as a tar cut in three (`tar cf w.tar *.whl; split -b 42M`),
+# one piece in .whl per call, each call `bash benchmarks/cudnn_check.sh stage` (the machine
+# keeps /tmp while it stays warm); the third installs them into /tmp/site. Then:
+#   z48a: benchmarks.gpu_check --cases intervals (exactness, the op and Qwen3 in bf16);
+#         benchmarks.chain_attention (the attention alone: cuDNN's against treefx's site);
+#         e2e at Qwen3-8B-shaped layers x4 (vocab 151,936, the POR 0.75 tree), treefx beside
+#         packing, first-call check on, empty compile caches, --profile
+#   z48b: the same e2e shape, treefx, logits=False and @treefx.step on cuDNN's kernels, then
+#         treefx with them off (TREEFX_CUDNN_ATTENTION=0) on the same host
+set -u
+export PYTHONUNBUFFERED=1
+SHAPE="--hidden 4096 --heads 32 --kv-heads 8 --vocab 151936 --por 0.75 --stream 0 --mask-reps 0"
+site() { export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages; }
+if [ "${1:-}" = stage ]; then
+  mkdir -p /tmp/stage && cp .whl/* /tmp/stage/ && ls /tmp/stage
+  if [ "$(ls /tmp/stage/wpart_* 2>/dev/null | wc -l)" = 3 ]; then
+    (cd /tmp/stage && cat wpart_* > w.tar && tar xf w.tar && rm -f wpart_* w.tar) &&
+      rm -rf /tmp/site && python3 -m pip install -q --no-index --no-deps --no-compile \
+        --no-cache-dir --target /tmp/site /tmp/stage/*.whl
+    site; python3 -c "import cudnn.flex_attention, cudnn; print('frontend', cudnn.__version__)"
+  fi
+fi
+cold() {  # cold <name> <seconds> <e2e args...>: a fresh process, empty compile caches
+  local name=$1 limit=$2; shift 2
+  local dir; dir=$(mktemp -d)
+  TORCHINDUCTOR_CACHE_DIR=$dir/inductor TRITON_CACHE_DIR=$dir/triton \
+    FLEX_ATTENTION_CUTE_DSL_CACHE_DIR=$dir/cute timeout $limit python3 -m benchmarks.e2e \
+    $SHAPE "$@" --out $OUT/e2e_$name.json > $OUT/e2e_$name.log 2>&1
+  echo "e2e $name rc=$?"; sed -i '/pow_by_natural/d' $OUT/e2e_$name.log
+  grep -E "treefx|packed|FAILED|bf16 matmul" $OUT/e2e_$name.log | tail -n 14
+}
+if [ "${1:-}" = z48a ]; then
+  site
+  timeout 150 python3 -m benchmarks.gpu_check --cases intervals \
+    --out $OUT/gpu_check_intervals_z48a.json > $OUT/gpu_check_intervals_z48a.log 2>&1
+  echo "gpu_check rc=$?"; grep -iE "passed|failed|error" $OUT/gpu_check_intervals_z48a.log | head -20
+  timeout 120 python3 -m benchmarks.chain_attention --seeds 0 \
+    --out $OUT/chain_attention_z48a.json > $OUT/chain_attention_z48a.log 2>&1
+  echo "chain_attention rc=$?"; grep "^seed\|nfunc" $OUT/chain_attention_z48a.log | cut -c1-400
+  cold z48a 300 --layers 4 --warmup 2 --reps 5 --profile --methods treefx,packed
+fi
+if [ "${1:-}" = z48b ]; then
+  site
+  cold z48b_on 330 --layers 4 --warmup 2 --reps 5 --methods treefx,treefx_nologits,treefx_step
+  TREEFX_CUDNN_ATTENTION=0 cold z48b_off 200 --layers 4 --warmup 2 --reps 5 --methods treefx
+fi

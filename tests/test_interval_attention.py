@@ -1,0 +1,161 @@
+"""Tree attention as key intervals (:mod:`treefx.ops.attention.intervals`): the intervals
+against the tree's mask, the op against dense tree attention (values and gradients), and
+models through the whole-tree sites on it against the per-branch oracle. On the CPU the op is
+taken only where ``TREEFX_CUDNN_ATTENTION=1`` asks, and then computes plain torch from the
+same intervals; cuDNN's kernels are checked on the GPU by ``benchmarks.gpu_check --cases
+intervals``."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from support import check_against_oracle, hf_model
+from test_trunk_attention import comb
+from trees import odd_forest
+
+import treefx
+from treefx.mask import dense_tree_mask
+from treefx.ops.attention import intervals, tree_attention_dense
+from treefx.tools.synth import random_parent_row
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 64
+
+
+def _subtree_end(parent: np.ndarray) -> torch.Tensor:
+    """Each row's subtree end in a depth-first row from its predecessors (the mask's input)."""
+    n = len(parent)
+    end = np.arange(1, n + 1)
+    for i in range(n - 1, -1, -1):
+        if parent[i] >= 0:
+            end[parent[i]] = max(end[parent[i]], end[i])
+    return torch.from_numpy(end)
+
+
+def _mask_of(f: np.ndarray) -> np.ndarray:
+    n = f.shape[1]
+    j = np.arange(n)
+    seen = j[None, :] < f[0][:, None]
+    for a, b in zip(f[1::2], f[2::2]):
+        seen |= (j[None, :] >= a[:, None]) & (j[None, :] < b[:, None])
+    return seen
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_intervals_are_the_tree_mask(seed):
+    """Random rows (forests, single-token nodes, long chains): each row's intervals name
+    exactly its ancestors and itself; their count is odd and the ends never go down."""
+    par = random_parent_row(seed, roots=1 + seed % 3)
+    f = intervals.tree_intervals(par)
+    assert f.dtype == np.int32 and f.shape[0] % 2 == 1 and f.shape[1] == len(par)
+    assert (np.diff(f[1:], axis=0) >= 0).all()
+    want = dense_tree_mask(_subtree_end(par)).numpy()
+    np.testing.assert_array_equal(_mask_of(f), want)
+
+
+def test_the_intervals_of_packed_trees():
+    """Rows as :func:`treefx.pack` lays them out: a comb, odd forests with duplicates and
+    prefixes of each other, one-token trees."""
+    for trees in ([comb(0)], odd_forest(3, VOCAB), [comb(1)] + odd_forest(5, VOCAB),
+                  [treefx.Tree.from_sequences([[1]]), treefx.Tree.from_sequences([[2], [2, 3]])]):
+        b = treefx.pack(trees)
+        f = intervals.tree_intervals(b.parent_token.numpy())
+        np.testing.assert_array_equal(_mask_of(f), dense_tree_mask(b.subtree_end).numpy())
+    # a comb's rows: the trunk, then leaves that see a prefix of it: two intervals at most
+    f = intervals.tree_intervals(treefx.pack([comb(0)]).parent_token.numpy())
+    assert f.shape[0] == 5
+
+
+@pytest.mark.parametrize("group", [1, 2])
+def test_the_op_is_tree_attention(group, monkeypatch):
+    """float64: the op's output and the gradients of q, k, v equal dense tree attention's."""
+    monkeypatch.setenv(intervals.SWITCH, "1")
+    torch.manual_seed(group)
+    b = treefx.pack([comb(2)] + odd_forest(4, VOCAB))
+    n, hk = b.num_tokens, 2
+    q = torch.randn(1, hk * group, n, 8, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(1, hk, n, 8, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    g = torch.randn(1, hk * group, n, 8, dtype=torch.float64)
+    out = intervals.tree_interval_attention(q, k, v, b.parent_token, 0.3)
+    grads = torch.autograd.grad(out, (q, k, v), g)
+    ref = tree_attention_dense(q, k, v, dense_tree_mask(b.subtree_end), None, scale=0.3,
+                               enable_gqa=group > 1)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), g)
+    torch.testing.assert_close(out, ref, atol=1e-12, rtol=0)
+    for a, r in zip(grads, ref_grads):
+        torch.testing.assert_close(a, r, atol=1e-12, rtol=0)
+
+
+def test_the_op_checks(monkeypatch):
+    """torch.library's checks of the op and its backward (fake tensors, autograd)."""
+    monkeypatch.setenv(intervals.SWITCH, "1")
+    b = treefx.pack(odd_forest(2, VOCAB))
+    n = b.num_tokens
+    q = torch.randn(1, n, 4, 8, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(1, n, 2, 8, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    torch.library.opcheck(intervals._attend, (q, k, v, b.parent_token, 0.25))
+
+
+def test_wanted_on_the_gpu_in_half_precision_unless_switched(monkeypatch):
+    x = torch.zeros(1, 4, 8, 16)
+    monkeypatch.delenv(intervals.SWITCH, raising=False)
+    assert not intervals.wanted(x, x[:, :2], x[:, :2])  # the CPU: FlexAttention
+    monkeypatch.setenv(intervals.SWITCH, "1")
+    assert intervals.wanted(x, x[:, :2], x[:, :2])
+    assert not intervals.wanted(x, x[:, :3], x[:, :3])  # heads that do not group
+    assert not intervals.wanted(torch.zeros(2, 4, 8, 16), x[:, :2], x[:, :2])  # two rows
+    monkeypatch.setenv(intervals.SWITCH, "0")
+    assert not intervals.wanted(x, x[:, :2], x[:, :2])
+
+
+def _interval_sites(tm) -> list:
+    return [r.note for c in tm.contexts for r in c.log
+            if r.pass_name == "attention" and "interval-mask" in r.note]
+
+
+@pytest.mark.parametrize("backend", ["flex-eager", "aot-eager"])
+def test_whole_trees_on_intervals_match_the_oracle(backend, monkeypatch):
+    """Qwen3 (float64) with its sites on the op: log-probs and every gradient equal each
+    sequence alone, on a comb, on odd forests, and on both together. (Gradients within 1e-6
+    relative: they differ from the oracle's by 6-9e-8 with FlexAttention's sites too, in
+    both backends; the log-probs agree to 1e-15.)"""
+    monkeypatch.setenv(intervals.SWITCH, "1")
+    tm = treefx.compile(hf_model("qwen3", "sdpa", torch.float64), backend=backend,
+                        block_size=16)
+    for trees in ([comb(0)], odd_forest(3, VOCAB), [comb(1)] + odd_forest(1, VOCAB)):
+        check_against_oracle(tm, trees, atol=1e-9, rtol=1e-6)
+    assert len(_interval_sites(tm)) == 2  # both layers' sites
+
+
+@pytest.mark.parametrize("model_type,checkpointing", [
+    ("gpt2", False), ("deepseek_v3", False), ("exaone4", False), ("llama", True)])
+def test_families_on_intervals_match_the_oracle(model_type, checkpointing, monkeypatch):
+    """Other families' attention through the op (learned positions, MLA's head widths,
+    sliding-window layers beside full ones: a windowed layer keeps FlexAttention), with
+    activation checkpointing for one, checked by ``treefx.verify`` against each sequence
+    alone (float32)."""
+    from treefx.tools import zoo
+
+    monkeypatch.setenv(intervals.SWITCH, "1")
+    model = zoo.build_model(model_type, torch.float32, checkpointing=checkpointing)
+    exclude = zoo.special_token_ids(model.config)
+    tm = treefx.compile(model, backend="flex-eager", block_size=16, verify=False)
+    for trees in (zoo.probe_forest(zoo.VOCAB, exclude), [comb(3)]):
+        rep = treefx.verify(tm, trees, raise_on_failure=False)
+        assert rep.passed, rep
+    assert len(_interval_sites(tm)) == (1 if model_type == "exaone4" else 2)
+
+
+def test_a_step_on_intervals_matches_the_oracle(monkeypatch):
+    """``@treefx.step`` lowers its attention the same way: loss and every gradient equal the
+    per-sequence run."""
+    from test_step import check_step, hf_labels_step
+
+    monkeypatch.setenv(intervals.SWITCH, "1")
+    model = hf_model("qwen3", "sdpa", torch.float64)
+    step = treefx.step(hf_labels_step, backend="flex-eager", block_size=16)
+    check_step(step, model, [comb(0)] + odd_forest(5, VOCAB), "mean", rtol=1e-6)
+    notes = [r.note for c in step.contexts for r in c.log if r.pass_name == "attention"]
+    assert notes and all("interval-mask" in n for n in notes)

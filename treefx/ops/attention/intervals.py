@@ -1,0 +1,244 @@
+"""Tree attention as key intervals, on cuDNN's interval-mask attention kernels.
+
+In a depth-first row, the keys a query sees (its ancestors and itself) are a few runs of
+consecutive rows: split the row into chains (maximal runs of rows each the child of the row
+before), and a query in chain ``c`` sees, for each chain on the path from the root to ``c``,
+the rows of that chain down to the path's row in it, then its own chain's rows up to itself.
+So the tree's mask is, per query, a union of ``depth`` intervals (``depth``: chains on its
+path), and the number of intervals is small even where the tree is large: 5 on the e2e
+benchmark's POR-0.75 tree of 17,187 tokens.
+
+cuDNN's frontend (``nvidia-cudnn-frontend`` >= 1.32, ``cudnn.flex_attention``) runs
+attention under exactly such masks (``[0, F0) U [F1, F2) U ...`` per query) on Hopper and
+Blackwell kernels written in CuTe DSL, forward and backward, with grouped-query attention.
+On an H100 (torch 2.11, 32 query / 8 KV heads of 128, bf16; ``benchmarks.chain_attention``)
+it ran that tree's attention forward and backward in 6.4 ms against 10.2 ms for
+FlexAttention at treefx's site (393 against 247 TFLOP/s on the attended pairs), within the
+same bf16 error of a float32 computation.
+
+:func:`tree_interval_attention` is the site's call; the mask's intervals come from the
+predecessor row's host copy (:func:`treefx.ops.host_row.derived`, once per row), and so does
+cuDNN's plan for them (built once per row and shape, shared by the layers and by the
+backward). Where it runs: a plain site (no model mask, score ops, sinks or log-sum-exp out)
+on CUDA with bf16/fp16 q, k, v of one dtype and one head width the kernels take, when the
+frontend imports and the GPU is one of its architectures, unless ``TREEFX_CUDNN_ATTENTION=0``;
+``TREEFX_CUDNN_ATTENTION=1`` takes it wherever else too, computed by plain torch from the same
+intervals (the CPU tests).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+
+import numpy as np
+import torch
+
+from ..._switches import switched_off, switched_on
+from ..host_row import derived
+
+__all__ = ["SWITCH", "available", "tree_intervals", "tree_interval_attention", "wanted"]
+
+SWITCH = "TREEFX_CUDNN_ATTENTION"
+_DTYPES = (torch.bfloat16, torch.float16)
+_ARCH_HEAD_DIMS = {90: (64, 96, 128), 100: (64, 96, 128, 192, 256),
+                   103: (64, 96, 128, 192, 256)}
+
+
+@functools.lru_cache(maxsize=None)
+def _frontend():
+    """cuDNN's interval-mask attention (``cudnn.flex_attention``), or None where the frontend
+    (or the CuTe DSL it compiles its kernels with) does not import."""
+    # The frontend compiles its kernels (CuTe DSL) on first use, ~30 s in all on an H100; its
+    # persistent cache, off unless asked, keeps them for a restarted job (as Inductor's
+    # caches do). A value the user set stays.
+    os.environ.setdefault("FLEX_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")
+    try:
+        from cudnn.flex_attention import create_mask_plan
+        from cudnn.flex_attention.execution import (
+            _flex_attention_backward,
+            _flex_attention_forward,
+        )
+    except Exception:  # not installed, or too old: FlexAttention stays
+        return None
+    return create_mask_plan, _flex_attention_forward, _flex_attention_backward
+
+
+@functools.lru_cache(maxsize=None)
+def _arch(index: int) -> int:
+    major, minor = torch.cuda.get_device_capability(index)
+    return major * 10 + minor
+
+
+def available(device: torch.device) -> bool:
+    """Whether cuDNN's kernels run on ``device``."""
+    return (device.type == "cuda" and _arch(device.index or 0) in _ARCH_HEAD_DIMS
+            and _frontend() is not None)
+
+
+def wanted(q, k, v) -> bool:
+    """Whether a site with these example q, k, v (``[1, H, N, D]``) runs here."""
+    if switched_off(SWITCH) or q is None or k is None or v is None:
+        return False
+    if not (q.dim() == k.dim() == v.dim() == 4 and q.shape[0] == 1
+            and q.shape[1] % k.shape[1] == 0 and k.shape[1] == v.shape[1]
+            and q.shape[-1] == k.shape[-1] and q.dtype == k.dtype == v.dtype):
+        return False
+    if switched_on(SWITCH):
+        return q.dtype.is_floating_point
+    if not (q.dtype in _DTYPES and available(q.device)):
+        return False
+    dims = _ARCH_HEAD_DIMS[_arch(q.device.index or 0)]
+    return q.shape[-1] in dims and v.shape[-1] == q.shape[-1]
+
+
+def tree_intervals(parent: np.ndarray) -> np.ndarray:
+    """int32 ``[nfunc, N]``: each row's visible keys (its ancestors and itself in the
+    depth-first row whose predecessors are ``parent``, -1 at a root) as
+    ``[F0, F1) U [F2, F3) U ...`` with ``F0 = 0``, in cuDNN's encoding ``[0, F0) U [F1, F2)
+    U ...`` (``nfunc`` odd): the ancestors' chain segments in row order, then its own chain
+    up to itself, padded with empty intervals at its own end."""
+    parent = np.asarray(parent, dtype=np.int64)
+    n = len(parent)
+    if n == 0:
+        return np.zeros((1, 0), np.int32)
+    starts = np.concatenate([[0], np.flatnonzero(parent[1:] != np.arange(n - 1)) + 1])
+    ends = np.append(starts[1:], n)
+    chain_of = np.searchsorted(starts, np.arange(n), side="right") - 1
+    segs: list[list[tuple[int, int]]] = []  # per chain: the segments above it, root first
+    for c, s in enumerate(starts):
+        p = int(parent[s])
+        if p < 0:
+            segs.append([])
+            continue
+        pc = int(chain_of[p])
+        segs.append(segs[pc] + [(int(starts[pc]), p + 1)])  # pc < c: a parent comes first
+    pairs = 1 + max(len(x) for x in segs)
+    f = np.empty((2 * pairs + 1, n), np.int32)
+    f[0] = 0
+    for c, (s, e) in enumerate(zip(starts, ends)):
+        rows = np.arange(s + 1, e + 1, dtype=np.int32)  # each row's own end
+        col = 1
+        for a, b in segs[c]:
+            f[col, s:e], f[col + 1, s:e] = a, b
+            col += 2
+        f[col, s:e] = s
+        f[col + 1:, s:e] = rows
+    return f
+
+
+def _visible(intervals: torch.Tensor, n: int) -> torch.Tensor:
+    """[N, N] bool from :func:`tree_intervals`' array (plain torch path)."""
+    j = torch.arange(n, device=intervals.device)
+    seen = j[None, :] < intervals[0][:, None]
+    for a, b in zip(intervals[1::2], intervals[2::2]):
+        seen |= (j[None, :] >= a[:, None]) & (j[None, :] < b[:, None])
+    return seen
+
+
+def _intervals(parent_token: torch.Tensor) -> np.ndarray:
+    return derived(parent_token, "tree intervals", tree_intervals)
+
+
+def _plan(parent_token, q, k, v):
+    """cuDNN's plan for the row's intervals at these shapes (built once per row)."""
+    key = ("cudnn interval plan", tuple(q.shape), tuple(k.shape), tuple(v.shape), q.dtype,
+           q.device)
+
+    def build(row):
+        create = _frontend()[0]
+        mask = torch.from_numpy(_intervals(parent_token)[None]).to(q.device, non_blocking=True)
+        return create(mask, q, k, v, build_backward=True)
+
+    return derived(parent_token, key, build)
+
+
+def _reference(q, k, v, parent_token, scale):
+    """(out, lse, probabilities, the inputs widened): plain torch, at least float32."""
+    n, group = q.shape[1], q.shape[2] // k.shape[2]
+    wide = torch.promote_types(q.dtype, torch.float32)
+    seen = _visible(torch.from_numpy(_intervals(parent_token)).to(q.device), n)
+    qw = q[0].transpose(0, 1).to(wide)
+    kw = k[0].repeat_interleave(group, 1).transpose(0, 1).to(wide)
+    vw = v[0].repeat_interleave(group, 1).transpose(0, 1).to(wide)
+    s = (qw @ kw.transpose(-1, -2) * scale).masked_fill(~seen, float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    p = torch.exp(s - lse[..., None])
+    return ((p @ vw).transpose(0, 1)[None].to(q.dtype).contiguous(), lse[None], p,
+            (qw, kw, vw))
+
+
+@torch.library.custom_op("treefx::interval_attention", mutates_args=())
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, parent_token: torch.Tensor,
+            scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out [1, N, Hq, Dv], lse [1, Hq, N] float32, or float64): q [1, N, Hq, D], k, v
+    [1, N, Hk, D] (contiguous), each row over the keys its intervals name."""
+    if q.is_cuda and _frontend() is not None and q.dtype in _DTYPES:
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        out, lse, _ = _frontend()[1](q, k, v, mask_plan=_plan(parent_token, q, k, v),
+                                     softmax_scale=scale, return_lse=True)
+        return out, lse
+    out, lse, _, _ = _reference(q, k, v, parent_token, scale)
+    return out, lse
+
+
+@_attend.register_fake
+def _(q, k, v, parent_token, scale):
+    return (q.new_empty(*q.shape[:3], v.shape[-1]),
+            q.new_empty(1, q.shape[2], q.shape[1],
+                        dtype=torch.promote_types(q.dtype, torch.float32)))
+
+
+@torch.library.custom_op("treefx::interval_attention_backward", mutates_args=())
+def _attend_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     out: torch.Tensor, lse: torch.Tensor, parent_token: torch.Tensor,
+                     scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) from the output's gradient, the output and its log-sum-exp."""
+    if q.is_cuda and _frontend() is not None and q.dtype in _DTYPES:
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        dq, dk, dv = _frontend()[2](q, k, v, out.contiguous(), grad.contiguous(), lse,
+                                    mask_plan=_plan(parent_token, q, k, v),
+                                    softmax_scale=scale)
+        return dq, dk, dv
+    _, _, p, (qw, kw, vw) = _reference(q, k, v, parent_token, scale)
+    hk, group = k.shape[2], q.shape[2] // k.shape[2]
+    gw = grad[0].transpose(0, 1).to(qw.dtype)
+    d = (gw * out[0].transpose(0, 1).to(qw.dtype)).sum(-1, keepdim=True)
+    ds = p * (gw @ vw.transpose(-1, -2) - d)  # softmax's gradient written out
+
+    def fold(x):  # [Hq, N, D] -> [1, N, Hk, D], each KV head's group summed
+        return x.view(hk, group, *x.shape[1:]).sum(1).transpose(0, 1)[None]
+
+    return ((ds @ kw * scale).transpose(0, 1)[None].to(q.dtype).contiguous(),
+            fold(ds.transpose(-1, -2) @ qw * scale).to(k.dtype).contiguous(),
+            fold(p.transpose(-1, -2) @ gw).to(v.dtype).contiguous())
+
+
+@_attend_backward.register_fake
+def _(grad, q, k, v, out, lse, parent_token, scale):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup(ctx, inputs, output):
+    q, k, v, parent_token, scale = inputs
+    ctx.save_for_backward(q, k, v, output[0], output[1], parent_token)
+    ctx.scale = scale
+
+
+def _grad(ctx, grad_out, _grad_lse):
+    q, k, v, out, lse, parent_token = ctx.saved_tensors
+    dq, dk, dv = _attend_backward(grad_out, q, k, v, out, lse, parent_token, ctx.scale)
+    return dq, dk, dv, None, None
+
+
+_attend.register_autograd(_grad, setup_context=_setup)
+
+
+def tree_interval_attention(q, k, v, parent_token, scale=None):
+    """Tree attention of one depth-first row (``[1, Hq, N, D]`` q; ``[1, Hk, N, D]`` k, v
+    with ``Hq % Hk == 0``; ``parent_token`` the row's predecessors): ``[1, Hq, N, Dv]``."""
+    scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    out = _attend(q.transpose(1, 2).contiguous(), k.transpose(1, 2).contiguous(),
+                  v.transpose(1, 2).contiguous(), parent_token, scale)[0]
+    return out.transpose(1, 2)
