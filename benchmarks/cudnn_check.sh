@@ -11,6 +11,8 @@
 #         benchmarks.chain_attention (the attention alone: cuDNN's against treefx's site);
 #         e2e at Qwen3-8B-shaped layers x4 (vocab 151,936, the POR 0.75 tree), treefx beside
 #         packing, first-call check on, empty compile caches, --profile
+#   z48c: benchmarks.gpu_check --cases intervals again (z48a's comparison with FlexAttention
+#         traced the site with Dynamo, which it does not take; now as treefx lowers it)
 #   z48b: the same e2e shape, treefx, logits=False and @treefx.step on cuDNN's kernels, then
 #         treefx with them off (TREEFX_CUDNN_ATTENTION=0) on the same host
 set -u
@@ -44,6 +46,12 @@ if [ "${1:-}" = z48a ]; then
     --out $OUT/chain_attention_z48a.json > $OUT/chain_attention_z48a.log 2>&1
   echo "chain_attention rc=$?"; grep "^seed\|nfunc" $OUT/chain_attention_z48a.log | cut -c1-400
   cold z48a 300 --layers 4 --warmup 2 --reps 5 --profile --methods treefx,packed
+fi
+if [ "${1:-}" = z48c ]; then
+  site
+  timeout 150 python3 -m benchmarks.gpu_check --cases intervals \
+    --out $OUT/gpu_check_intervals_z48c.json > $OUT/gpu_check_intervals_z48c.log 2>&1
+  echo "gpu_check rc=$?"; grep -iE "passed|failed|error" $OUT/gpu_check_intervals_z48c.log | head -20
 fi
 if [ "${1:-}" = z48b ]; then
   site

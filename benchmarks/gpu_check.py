@@ -652,8 +652,8 @@ def _interval_op_errors(dtype, hq=8, hk=2, d=128):
     gradients against float64 dense tree attention, beside FlexAttention's site on the same
     rows, both in ``dtype``."""
     from benchmarks.real_trees import comb_tree
-    from treefx.mask import dense_tree_mask, tree_block_tensors
-    from treefx.ops.attention import TreeFlexAttention, intervals, tree_attention_dense
+    from treefx.mask import dense_tree_mask
+    from treefx.ops.attention import intervals, tree_attention_dense
     from treefx.tools.synth import odd_forest
 
     batch = treefx.pack([comb_tree(7, 1024, 6, 0.3)] + odd_forest(3, 1024)).to(DEV)
@@ -683,10 +683,9 @@ def _interval_op_errors(dtype, hq=8, hk=2, d=128):
         batch.parent_token.cpu().numpy()).shape[0]),
         "cudnn": intervals.wanted(*low), "op": dict(zip(names, map(rel, got, ref)))}
     if DEV == "cuda":  # FlexAttention has no backward on the CPU
-        blocks = tree_block_tensors(batch.subtree_end, 128)
-        pos = F.pad(batch.position_ids[0], (0, blocks[-1].numel() - n))
-        site = TreeFlexAttention(block_size=128)
-        fl = run(torch.compile(lambda q, k, v: site(q, k, v, *blocks, pos)), low)
+        from benchmarks.attention import treefx_op
+
+        fl = run(treefx_op(batch.subtree_end, n, True, True, interleave=True), low)
         out["flex"] = dict(zip(names, map(rel, fl, ref)))
     return out
 
