@@ -13,6 +13,8 @@
 #         packing, first-call check on, empty compile caches, --profile
 #   z48c: benchmarks.gpu_check --cases intervals again (z48a's comparison with FlexAttention
 #         traced the site with Dynamo, which it does not take; now as treefx lowers it)
+#   z48d: first steps in fresh processes with empty caches, cuDNN's kernels compiled on a
+#         thread while the compiler works (treefx.ops.attention.intervals.warm_up), then off
 #   z48b: the same e2e shape, treefx, logits=False and @treefx.step on cuDNN's kernels, then
 #         treefx with them off (TREEFX_CUDNN_ATTENTION=0) on the same host
 set -u
@@ -52,6 +54,11 @@ if [ "${1:-}" = z48c ]; then
   timeout 150 python3 -m benchmarks.gpu_check --cases intervals \
     --out $OUT/gpu_check_intervals_z48c.json > $OUT/gpu_check_intervals_z48c.log 2>&1
   echo "gpu_check rc=$?"; grep -iE "passed|failed|error" $OUT/gpu_check_intervals_z48c.log | head -20
+fi
+if [ "${1:-}" = z48d ]; then
+  site
+  cold z48d_on 200 --layers 4 --warmup 2 --reps 5 --methods treefx
+  TREEFX_CUDNN_ATTENTION=0 cold z48d_off 200 --layers 4 --warmup 2 --reps 5 --methods treefx
 fi
 if [ "${1:-}" = z48b ]; then
   site
