@@ -14,7 +14,8 @@
 #   z48c: benchmarks.gpu_check --cases intervals again (z48a's comparison with FlexAttention
 #         traced the site with Dynamo, which it does not take; now as treefx lowers it)
 #   z48d: first steps in fresh processes with empty caches, cuDNN's kernels compiled on a
-#         thread while the compiler works (treefx.ops.attention.intervals.warm_up), then off
+#         thread while the compiler worked (a warm-up tried in ab20794 and taken out: the first step
+#         took 49.3 s against 33.3 s with the kernels off on that host), then off
 #   z48b: the same e2e shape, treefx, logits=False and @treefx.step on cuDNN's kernels, then
 #         treefx with them off (TREEFX_CUDNN_ATTENTION=0) on the same host
 set -u

@@ -29,10 +29,8 @@ intervals (the CPU tests).
 from __future__ import annotations
 
 import functools
-import logging
 import math
 import os
-import threading
 
 import numpy as np
 import torch
@@ -40,10 +38,7 @@ import torch
 from ..._switches import switched_off, switched_on
 from ..host_row import derived
 
-__all__ = ["SWITCH", "available", "tree_intervals", "tree_interval_attention", "wanted",
-           "warm_up"]
-
-log = logging.getLogger("treefx")
+__all__ = ["SWITCH", "available", "tree_intervals", "tree_interval_attention", "wanted"]
 
 SWITCH = "TREEFX_CUDNN_ATTENTION"
 _DTYPES = (torch.bfloat16, torch.float16)
@@ -174,55 +169,6 @@ def _reference(q, k, v, parent_token, scale):
             (qw, kw, vw))
 
 
-_WARMING: dict[tuple, threading.Thread] = {}
-
-
-def _config(q, k, v) -> tuple:
-    """What cuDNN's kernels are compiled for: not the row's length nor its intervals."""
-    return (q.dtype, q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1], q.device.index or 0)
-
-
-def warm_up(q, k, v) -> None:
-    """Compile cuDNN's kernels for a site of these example q, k, v (``[1, H, N, D]``; only
-    their dtype, heads, widths and device are read) on a thread, once per process and shape,
-    while the compiler works on the graph: the frontend compiles its kernels on first use
-    (~17 s on an H100), and their keys do not hold the row's length or intervals, so a small
-    tree compiles them all. The op waits for the thread before its first call."""
-    cfg = (q.dtype, q.shape[1], k.shape[1], q.shape[-1], v.shape[-1], q.device.index or 0)
-    if cfg in _WARMING or not (q.dtype in _DTYPES and available(q.device)):
-        return
-    t = threading.Thread(target=_warm, args=(cfg,), name="treefx-cudnn-warm-up", daemon=True)
-    _WARMING[cfg] = t
-    t.start()
-
-
-def _warm(cfg) -> None:
-    dtype, hq, hk, d, dv, index = cfg
-    try:
-        dev = torch.device("cuda", index)
-        with torch.cuda.device(dev), torch.cuda.stream(torch.cuda.Stream(dev)):
-            n = 256  # a chain of 192 rows and one of 64 under its row 99
-            parent = np.concatenate([np.arange(-1, 191), 99, np.arange(192, 255)])
-            mask = torch.from_numpy(tree_intervals(parent)[None]).to(dev)
-            q = torch.randn(1, n, hq, d, device=dev, dtype=dtype)
-            k = torch.randn(1, n, hk, d, device=dev, dtype=dtype)
-            v = torch.randn(1, n, hk, dv, device=dev, dtype=dtype)
-            create, forward, backward = _frontend()
-            plan = create(mask, q, k, v, build_backward=True)
-            out, lse, _ = forward(q, k, v, mask_plan=plan, return_lse=True)
-            backward(q, k, v, out, torch.randn_like(out), lse, mask_plan=plan)
-            torch.cuda.current_stream(dev).synchronize()
-    except Exception as e:  # noqa: BLE001  (the op compiles on its first call instead)
-        log.info("treefx: warming up cuDNN's attention kernels failed (%s: %s); they compile "
-                 "on first use", type(e).__name__, e)
-
-
-def _wait_warm_up(q, k, v) -> None:
-    t = _WARMING.get(_config(q, k, v))
-    if t is not None and t.is_alive():
-        t.join()
-
-
 @torch.library.custom_op("treefx::interval_attention", mutates_args=())
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, parent_token: torch.Tensor,
             scale: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -230,7 +176,6 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, parent_token: tor
     [1, N, Hk, D] (contiguous), each row over the keys its intervals name."""
     if q.is_cuda and _frontend() is not None and q.dtype in _DTYPES:
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        _wait_warm_up(q, k, v)
         out, lse, _ = _frontend()[1](q, k, v, mask_plan=_plan(parent_token, q, k, v),
                                      softmax_scale=scale, return_lse=True)
         return out, lse
