@@ -31,9 +31,10 @@ if [ "${1:-}" = stage ]; then
     site; python3 -c "import cudnn.flex_attention, cudnn; print('frontend', cudnn.__version__)"
   fi
 fi
-cold() {  # cold <name> <seconds> <e2e args...>: a fresh process, empty compile caches
+cold() {  # cold <name> <seconds> <e2e args...>: a fresh process, empty compile caches (or
+  # those in $CACHE when set: a restart with the caches an earlier run left)
   local name=$1 limit=$2; shift 2
-  local dir; dir=$(mktemp -d)
+  local dir=${CACHE:-}; [ -n "$dir" ] || dir=$(mktemp -d)
   TORCHINDUCTOR_CACHE_DIR=$dir/inductor TRITON_CACHE_DIR=$dir/triton \
     FLEX_ATTENTION_CUTE_DSL_CACHE_DIR=$dir/cute timeout $limit python3 -m benchmarks.e2e \
     $SHAPE "$@" --out $OUT/e2e_$name.json > $OUT/e2e_$name.log 2>&1
@@ -60,6 +61,17 @@ if [ "${1:-}" = z48d ]; then
   site
   cold z48d_on 200 --layers 4 --warmup 2 --reps 5 --methods treefx
   TREEFX_CUDNN_ATTENTION=0 cold z48d_off 200 --layers 4 --warmup 2 --reps 5 --methods treefx
+fi
+#   z48e: a restarted job: 4 layers in a fresh process with empty caches, then again with the
+#         caches it left (Inductor's, Triton's and the frontend's kernels); then 36 layers
+#         (regional, a quarter of the tree), treefx and logits=False, empty caches
+if [ "${1:-}" = z48e ]; then
+  site
+  CACHE=$(mktemp -d) && export CACHE
+  cold z48e_first 150 --layers 4 --warmup 1 --reps 3 --methods treefx
+  cold z48e_restart 120 --layers 4 --warmup 1 --reps 3 --methods treefx
+  unset CACHE
+  cold z48e_l36 240 --layers 36 --scale 0.25 --warmup 1 --reps 3 --methods treefx,treefx_nologits
 fi
 if [ "${1:-}" = z48b ]; then
   site
