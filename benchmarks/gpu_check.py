@@ -610,7 +610,6 @@ def case_trunk(res):
     op alone against float64 beside FlexAttention, then Qwen3 in bf16 on comb-shaped trees
     whose trunks span several blocks, against the float32 oracle, with the split and without
     (``TREEFX_TRUNK_ATTENTION=0``), whole and in parts."""
-    import os
 
     from benchmarks.real_trees import comb_tree
 
@@ -621,27 +620,19 @@ def case_trunk(res):
     ref = hf_model("qwen3", **cfg)
     trees = [comb_tree(s, cfg["vocab_size"], 6, 0.3) for s in range(2)]
     res["trunk-trees"] = {"tokens": treefx.pack(trees).num_tokens}
-    for switch in ("default", "0"):
-        if switch == "0":
-            os.environ["TREEFX_TRUNK_ATTENTION"] = "0"
-        try:
-            low = _bf16_copy(ref, cfg)
-            tm = treefx.compile(low, verify=False, **COMPILE_KW)
-            label = "trunk-qwen3-bf16" + ("" if switch == "default" else "-off")
-            res[f"{label}-vs-fp32-oracle"] = compare(tm, trees, "mean", reference=ref)
-            res[f"{label}-split"] = any("dense causal kernel" in r.note
-                                        for c in tm.contexts for r in c.log)
-            batch = treefx.pack(trees, reduction="mean")
-            loss_parts = treefx.backward(tm, trees, max_tokens=batch.num_tokens // 3)
-            g_parts = common.grads_of(low)
-            loss = treefx.tree_loss(tm(batch.to(DEV)), batch.to(DEV))
-            loss.backward()
-            g_whole = common.grads_of(low)
-            res[f"{label}-parts-vs-whole"] = {
-                "loss_rel": abs(loss_parts.item() - loss.item()) / abs(loss.item()),
-                "max_rel_grad_err": common.max_rel_grad_err(g_parts, g_whole)}
-        finally:
-            os.environ.pop("TREEFX_TRUNK_ATTENTION", None)
+    def parts(label, low, tm):
+        batch = treefx.pack(trees, reduction="mean")
+        loss_parts = treefx.backward(tm, trees, max_tokens=batch.num_tokens // 3)
+        g_parts = common.grads_of(low)
+        loss = treefx.tree_loss(tm(batch.to(DEV)), batch.to(DEV))
+        loss.backward()
+        g_whole = common.grads_of(low)
+        res[f"{label}-parts-vs-whole"] = {
+            "loss_rel": abs(loss_parts.item() - loss.item()) / abs(loss.item()),
+            "max_rel_grad_err": common.max_rel_grad_err(g_parts, g_whole)}
+
+    _bf16_on_and_off(res, "TREEFX_TRUNK_ATTENTION", "trunk-qwen3-bf16", "dense causal kernel",
+                     ref, cfg, trees, parts)
     res["trunk-qwen3-bf16-perbranch-vs-fp32-oracle"] = common.oracle_vs_oracle(
         _bf16_copy(ref, cfg), ref, trees, "mean")
 
@@ -696,7 +687,6 @@ def case_intervals(res):
     bf16 on comb-shaped trees and odd forests against the float32 oracle, with the op and
     without it (``TREEFX_CUDNN_ATTENTION=0``), and the bf16 run per sequence against the
     same oracle (the tolerance's floor)."""
-    import os
 
     from benchmarks.real_trees import comb_tree
     from treefx.tools.synth import odd_forest
@@ -709,20 +699,30 @@ def case_intervals(res):
     trees = [comb_tree(s, cfg["vocab_size"], 6, 0.3) for s in range(2)] + odd_forest(
         1, cfg["vocab_size"])
     res["intervals-trees"] = {"tokens": treefx.pack(trees).num_tokens}
-    for switch in ("default", "0"):
-        if switch == "0":
-            os.environ["TREEFX_CUDNN_ATTENTION"] = "0"
+    _bf16_on_and_off(res, "TREEFX_CUDNN_ATTENTION", "intervals-qwen3-bf16", "interval-mask",
+                     ref, cfg, trees)
+    res["intervals-qwen3-bf16-perbranch-vs-fp32-oracle"] = common.oracle_vs_oracle(
+        _bf16_copy(ref, cfg), ref, trees, "mean")
+
+
+def _bf16_on_and_off(res, switch, label, note, ref, cfg, trees, more=None):
+    """A bf16 copy of ``ref`` compiled with an attention path as it comes and with its
+    ``switch`` at 0: each against the float32 oracle, how many sites' notes name ``note``,
+    then ``more(label, model, tree_model)``."""
+
+    for on in (True, False):
+        if not on:
+            os.environ[switch] = "0"
         try:
             low = _bf16_copy(ref, cfg)
             tm = treefx.compile(low, verify=False, **COMPILE_KW)
-            label = "intervals-qwen3-bf16" + ("" if switch == "default" else "-off")
-            res[f"{label}-vs-fp32-oracle"] = compare(tm, trees, "mean", reference=ref)
-            res[f"{label}-sites"] = sum("interval-mask" in r.note
-                                        for c in tm.contexts for r in c.log)
+            name = label + ("" if on else "-off")
+            res[f"{name}-vs-fp32-oracle"] = compare(tm, trees, "mean", reference=ref)
+            res[f"{name}-sites"] = sum(note in r.note for c in tm.contexts for r in c.log)
+            if more is not None:
+                more(name, low, tm)
         finally:
-            os.environ.pop("TREEFX_CUDNN_ATTENTION", None)
-    res["intervals-qwen3-bf16-perbranch-vs-fp32-oracle"] = common.oracle_vs_oracle(
-        _bf16_copy(ref, cfg), ref, trees, "mean")
+            os.environ.pop(switch, None)
 
 
 def _bf16_copy(ref, cfg):
