@@ -76,6 +76,19 @@ def test_attention_dry_run_checks(tmp_path):
         assert checks[f"{key}_vs_dense_max_abs"] < 1e-5, key
 
 
+def test_chain_attention_dry_run_checks(tmp_path):
+    """The probe's chain decompositions of tree attention (own and ancestor pieces merged by
+    log-sum-exps; one piece over gathered keys, causal aligned bottom-right) in plain torch
+    against its float32 chain-by-chain reference, values and gradients."""
+    res = _run("chain_attention", out=tmp_path / "chains.json")
+    (row,) = res["trees"]
+    assert row["chains"] > 1 and row["gathered_keys"] > 0
+    for name in ("chains_cudnn", "chains_flash"):
+        r = row[name]
+        assert "error" not in r, r
+        assert r["out_rel"] < 1e-5 and max(r["grad_rel"]) < 1e-5, (name, r)
+
+
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore")
 def test_gpu_check_dry_run_checks(tmp_path):
