@@ -12,9 +12,9 @@ cuDNN's frontend (``nvidia-cudnn-frontend`` >= 1.32, ``cudnn.flex_attention``) r
 attention under exactly such masks (``[0, F0) U [F1, F2) U ...`` per query) on Hopper and
 Blackwell kernels written in CuTe DSL, forward and backward, with grouped-query attention.
 On an H100 (torch 2.11, 32 query / 8 KV heads of 128, bf16; ``benchmarks.chain_attention``)
-it ran that tree's attention forward and backward in 6.4 ms against 10.2 ms for
-FlexAttention at treefx's site (393 against 247 TFLOP/s on the attended pairs), within the
-same bf16 error of a float32 computation.
+it ran that tree's attention forward and backward in 6.15 ms against 9.85 ms for
+FlexAttention at treefx's site (408 against 255 TFLOP/s on the attended pairs), within the
+same bf16 error of a float32 computation (BENCHMARKS.md, [att-1]).
 
 :func:`tree_interval_attention` is the site's call; the mask's intervals come from the
 predecessor row's host copy (:func:`treefx.ops.host_row.derived`, once per row), and so does
@@ -50,7 +50,7 @@ _ARCH_HEAD_DIMS = {90: (64, 96, 128), 100: (64, 96, 128), 103: (64, 96, 128)}
 def _frontend():
     """cuDNN's interval-mask attention (``cudnn.flex_attention``), or None where the frontend
     (or the CuTe DSL it compiles its kernels with) does not import."""
-    # The frontend compiles its kernels (CuTe DSL) on first use, ~30 s in all on an H100; its
+    # The frontend compiles its kernels (CuTe DSL) on first use, 15-30 s in all on an H100; its
     # persistent cache, off unless asked, keeps them for a restarted job (as Inductor's
     # caches do). A value the user set stays.
     os.environ.setdefault("FLEX_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")
