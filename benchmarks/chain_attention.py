@@ -38,6 +38,7 @@ import torch
 
 import treefx
 from benchmarks import common
+from benchmarks.internals import intervals
 from benchmarks.trunk_attention import _rel, _time, _whole
 
 
@@ -224,36 +225,6 @@ class ChainsFlash(torch.autograd.Function):
                 torch.zeros_like(v).index_add(0, plan.flash_keys, dvc), None, None)
 
 
-def tree_intervals(parent: np.ndarray) -> np.ndarray:
-    """int32 ``[1, nfunc, N]``: each query's visible keys as intervals ``[0, F0) U [F1, F2) U
-    ...`` (cuDNN's interval masks): the ancestors' chain segments in row order, then its own
-    chain's rows up to itself; padded with empty intervals at the query's end."""
-    starts, ends, anc = chains(parent)
-    n = len(parent)
-    segs_of = []
-    for s, a in zip(starts, anc):
-        segs = []
-        if len(a):
-            cut = np.flatnonzero(np.diff(a) != 1) + 1
-            for piece in np.split(a, cut):
-                segs.append((int(piece[0]), int(piece[-1]) + 1))
-        segs_of.append(segs)
-    pairs = max(len(s) + 1 for s in segs_of)  # intervals per query, at most
-    nfunc = 2 * pairs + 1  # F0 = 0 (an empty first interval) keeps forests uniform
-    f = np.zeros((nfunc, n), np.int32)
-    for s, e, segs in zip(starts, ends, segs_of):
-        rows = np.arange(s, e)
-        cols = []
-        for a, b in segs:
-            cols += [np.full(e - s, a), np.full(e - s, b)]
-        cols += [np.full(e - s, s), rows + 1]
-        while len(cols) < 2 * pairs:
-            cols += [rows + 1, rows + 1]
-        f[0, s:e] = 0
-        f[1:, s:e] = np.stack(cols)
-    return f[None]
-
-
 def reference(q, k, v, plan, starts, ends, anc, grad):
     """float32, chain by chain: (out, dq, dk, dv) for the output gradient ``grad``."""
     qf, kf, vf = (x.detach().float().requires_grad_() for x in (q, k, v))
@@ -285,7 +256,7 @@ def main(argv=None):
     cuda = common.use_cuda(args.dry_run)
     dev = "cuda" if cuda else "cpu"
     common.bump_dynamo_limits()
-    hq, hk, d, dtype = (32, 8, 128, torch.bfloat16) if cuda else (4, 2, 16, torch.float32)
+    hq, hk, d, dtype = common.attention_heads(cuda)
     out_path = common.resolve_out(args, "chain_attention", cuda)
     res = {"meta": common.run_meta(cuda), "args": vars(args), "trees": []}
     whole = torch.compile(_whole, backend="inductor" if cuda else "eager", dynamic=True)
@@ -319,7 +290,7 @@ def main(argv=None):
             try:
                 import time as _t
                 from cudnn.flex_attention import create_mask_plan, flex_attn_func
-                mf = torch.tensor(tree_intervals(parent), device=dev)
+                mf = torch.tensor(intervals.tree_intervals(parent)[None], device=dev)
                 row["nfunc"] = int(mf.shape[1])
                 qs = q[None].requires_grad_()
                 t0 = _t.perf_counter()

@@ -94,6 +94,12 @@ def _module_name() -> str:
     return name.removesuffix(".__main__")
 
 
+def attention_heads(cuda: bool) -> tuple[int, int, int, torch.dtype]:
+    """(query heads, KV heads, head width, dtype) the attention benchmarks time: Qwen3-8B's
+    in bf16 on the GPU, tiny float32 ones for a dry run on the CPU."""
+    return (32, 8, 128, torch.bfloat16) if cuda else (4, 2, 16, torch.float32)
+
+
 def bump_dynamo_limits(limit: int = 64, accumulated: int | None = 1024) -> None:
     """Room for the graphs a benchmark compiles on purpose (sizes, methods, variants);
     ``accumulated=None`` leaves the accumulated limits as they are."""

@@ -13,6 +13,7 @@ from treefx.mask import (  # noqa: F401
     tree_mask_mod,
 )
 from treefx.ops.attention import flex as attention_ops  # noqa: F401  (kernel options: --tma)
+from treefx.ops.attention import intervals  # noqa: F401  (tree_intervals: chain_attention)
 from treefx.ops.attention import (  # noqa: F401
     TreeFlexAttention,
     heads_to_row,

@@ -106,7 +106,7 @@ def main(argv=None):
     cuda = common.use_cuda(args.dry_run)
     dev = "cuda" if cuda else "cpu"
     common.bump_dynamo_limits()
-    hq, hk, d, dtype = (32, 8, 128, torch.bfloat16) if cuda else (4, 2, 16, torch.float32)
+    hq, hk, d, dtype = common.attention_heads(cuda)
     budget, scale = (args.budget, args.scale) if cuda else (320, 0.08)
     tree = common.make_tree(0.75, scale, 151936, seed=3)
     batch = treefx.pack(tree, reduction="mean")

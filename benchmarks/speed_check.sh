@@ -59,6 +59,17 @@ swe_run() {  # swe_run <name> <seconds> <real_trees args...>: the SWE trees (--s
     > $OUT/real_trees_$name.log 2>&1
   echo "$name rc=$?"; tail -n 3 $OUT/real_trees_$name.log | cut -c1-300
 }
+parts16k() {  # parts16k <name> <seconds>: seven SWE tasks (--slice 0:7 of swe_run's sample) in
+  # parts of 16,384 tokens, treefx alone, one CPU thread, first-call checks off, into
+  # $OUT/real_trees_swe7_<name>.*; an environment given before the call applies to the run
+  local name=$1 limit=$2
+  OMP_NUM_THREADS=1 TREEFX_VERIFY=0 timeout $limit python3 -m benchmarks.real_trees \
+    --trees .data/swe200.jsonl --sample 40 --seed 0 --budget 16384 --slice 0:7 \
+    --methods treefx --warmup 2 --reps 5 --time-limit $((limit - 10)) \
+    --out $OUT/real_trees_swe7_$name.json > $OUT/real_trees_swe7_$name.log 2>&1
+  echo "$name rc=$?"; sed -i '/pow_by_natural/d' $OUT/real_trees_swe7_$name.log
+  grep "^task\|tasks" $OUT/real_trees_swe7_$name.log | cut -c1-200
+}
 threads_pair() {  # threads_pair <stage> <name> <seconds> <real_trees args...>: in
   # /tmp/<stage>, the SWE run <name>a_default with PyTorch's default CPU threads, then
   # <name>b_omp1 with OMP_NUM_THREADS=1; results packed into $OUT/<stage>.tgz
@@ -1428,16 +1439,8 @@ if [ "${1:-}" = z45 ]; then
   if grep -q '"trunk-error"' $OUT/gpu_check_trunk.json; then
     tail -n 30 $OUT/gpu_check_trunk.log; results z45; exit 0
   fi
-  OMP_NUM_THREADS=1 TREEFX_VERIFY=0 timeout 160 python3 -m benchmarks.real_trees \
-    --trees .data/swe200.jsonl --sample 40 --seed 0 --budget 16384 --slice 0:7 \
-    --methods treefx --warmup 2 --reps 5 --time-limit 150 \
-    --out $OUT/real_trees_swe7_z45a_parts16k_trunk.json > $OUT/real_trees_swe7_z45a_parts16k_trunk.log 2>&1
-  echo "z45a rc=$?"; tail -n 9 $OUT/real_trees_swe7_z45a_parts16k_trunk.log | cut -c1-200
-  OMP_NUM_THREADS=1 TREEFX_VERIFY=0 TREEFX_TRUNK_ATTENTION=0 timeout 160 python3 -m benchmarks.real_trees \
-    --trees .data/swe200.jsonl --sample 40 --seed 0 --budget 16384 --slice 0:7 \
-    --methods treefx --warmup 2 --reps 5 --time-limit 150 \
-    --out $OUT/real_trees_swe7_z45b_parts16k_off.json > $OUT/real_trees_swe7_z45b_parts16k_off.log 2>&1
-  echo "z45b rc=$?"; tail -n 9 $OUT/real_trees_swe7_z45b_parts16k_off.log | cut -c1-200
+  parts16k z45a_parts16k_trunk 160
+  TREEFX_TRUNK_ATTENTION=0 parts16k z45b_parts16k_off 160
   sed -i '/pow_by_natural/d' $OUT/*.log
   results z45
 fi
@@ -1446,12 +1449,7 @@ fi
 # part's context on cuDNN too, which made three of the seven trees slower); z45b is the split
 # off on the same kind of machine
 if [ "${1:-}" = z46 ]; then
-  OMP_NUM_THREADS=1 TREEFX_VERIFY=0 timeout 280 python3 -m benchmarks.real_trees \
-    --trees .data/swe200.jsonl --sample 40 --seed 0 --budget 16384 --slice 0:7 \
-    --methods treefx --warmup 2 --reps 5 --time-limit 270 \
-    --out $OUT/real_trees_swe7_z46_parts16k_trunk.json > $OUT/real_trees_swe7_z46_parts16k_trunk.log 2>&1
-  echo "z46 rc=$?"; sed -i '/pow_by_natural/d' $OUT/*.log
-  grep "^task\|tasks" $OUT/real_trees_swe7_z46_parts16k_trunk.log | cut -c1-200
+  parts16k z46_parts16k_trunk 280
 fi
 # Stage z47 (`... z47` on one GPU, carry .data/swe200.jsonl; results in $OUT): z46 found the
 # split slower on trees of many parts (task 25, 27 parts: 1,819.5 against 1,514.0 ms): the part
@@ -1460,13 +1458,6 @@ fi
 # the row back, waiting for the GPU, once per part and layer. The rows are now kept (pinned)
 # until the part's backward. z46's run again, then with the split off (z45b's, same host)
 if [ "${1:-}" = z47 ]; then
-  for v in trunk off; do
-    sw=1; [ $v = off ] && sw=0
-    OMP_NUM_THREADS=1 TREEFX_VERIFY=0 TREEFX_TRUNK_ATTENTION=$sw timeout 230 python3 -m benchmarks.real_trees \
-      --trees .data/swe200.jsonl --sample 40 --seed 0 --budget 16384 --slice 0:7 \
-      --methods treefx --warmup 2 --reps 5 --time-limit 220 \
-      --out $OUT/real_trees_swe7_z47_parts16k_$v.json > $OUT/real_trees_swe7_z47_parts16k_$v.log 2>&1
-    echo "z47 $v rc=$?"; sed -i '/pow_by_natural/d' $OUT/*.log
-    grep "^task\|tasks" $OUT/real_trees_swe7_z47_parts16k_$v.log | cut -c1-200
-  done
+  TREEFX_TRUNK_ATTENTION=1 parts16k z47_parts16k_trunk 230
+  TREEFX_TRUNK_ATTENTION=0 parts16k z47_parts16k_off 230
 fi

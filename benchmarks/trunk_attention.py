@@ -170,7 +170,7 @@ def main(argv=None):
     cuda = common.use_cuda(args.dry_run)
     dev = "cuda" if cuda else "cpu"
     common.bump_dynamo_limits()
-    hq, hk, d, dtype = (32, 8, 128, torch.bfloat16) if cuda else (4, 2, 16, torch.float32)
+    hq, hk, d, dtype = common.attention_heads(cuda)
     grad = cuda
     backend = "inductor" if cuda else "eager"
     out_path = common.resolve_out(args, "trunk_attention", cuda)
