@@ -98,6 +98,18 @@ def test_the_op_checks(monkeypatch):
     torch.library.opcheck(intervals._attend, (q, k, v, b.parent_token, 0.25))
 
 
+def test_a_row_of_another_length_is_an_error(monkeypatch):
+    """q, k and the predecessor row must describe the same tokens: a row cut short names the
+    lengths instead of attending over the wrong keys."""
+    monkeypatch.setenv(intervals.SWITCH, "1")
+    b = treefx.pack(odd_forest(2, VOCAB))
+    n = b.num_tokens
+    q = torch.randn(1, 4, n, 8)
+    k = v = torch.randn(1, 2, n, 8)
+    with pytest.raises(ValueError, match=f"row has \\({n - 1},\\) entries, but q has {n}"):
+        intervals.tree_interval_attention(q, k, v, b.parent_token[:-1])
+
+
 def test_wanted_on_the_gpu_in_half_precision_unless_switched(monkeypatch):
     x = torch.zeros(1, 4, 8, 16)
     monkeypatch.delenv(intervals.SWITCH, raising=False)

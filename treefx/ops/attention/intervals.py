@@ -154,6 +154,16 @@ def _plan(parent_token, q, k, v):
     return derived(parent_token, key, build)
 
 
+def _check(q, k, parent_token) -> None:
+    """The row and the tensors describe the same tokens (checked where the op runs, on
+    concrete tensors)."""
+    if parent_token.dim() != 1 or parent_token.shape[0] != q.shape[1] or k.shape[1] != q.shape[1]:
+        raise ValueError(
+            f"tree interval attention: the predecessor row has {tuple(parent_token.shape)} "
+            f"entries, but q has {q.shape[1]} tokens and k {k.shape[1]} (q, k, v [1, N, H, D] "
+            "and one [N] row of one depth-first tree layout)")
+
+
 def _reference(q, k, v, parent_token, scale):
     """(out, lse, probabilities, the inputs widened): plain torch, at least float32."""
     n, group = q.shape[1], q.shape[2] // k.shape[2]
@@ -174,6 +184,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, parent_token: tor
             scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [1, N, Hq, Dv], lse [1, Hq, N] float32, or float64): q [1, N, Hq, D], k, v
     [1, N, Hk, D] (contiguous), each row over the keys its intervals name."""
+    _check(q, k, parent_token)
     if q.is_cuda and _frontend() is not None and q.dtype in _DTYPES:
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         out, lse, _ = _frontend()[1](q, k, v, mask_plan=_plan(parent_token, q, k, v),
