@@ -5,11 +5,14 @@ probe forest and a comb whose 70-token trunk spans four blocks, against each seq
 alone (``treefx.verify``, every gradient). Reports per family: passed, whether any site
 split its chain off (a site with the model's own mask, score ops or sinks keeps
 FlexAttention alone), and the errors. ``--checkpointing``: every layer checkpointed (the
-sites then live in the checkpointed bodies).
+sites then live in the checkpointed bodies). ``--intervals``: the same families with the
+whole-tree sites on :mod:`treefx.ops.attention.intervals` instead (``TREEFX_CUDNN_ATTENTION=1``,
+the op in plain torch from the rows' key intervals; it takes precedence over the split).
 
     python -m benchmarks.trunk_zoo --models qwen3,llama,mistral
     python -m benchmarks.trunk_zoo            # the default sample below
     python -m benchmarks.trunk_zoo --checkpointing
+    python -m benchmarks.trunk_zoo --intervals [--checkpointing]
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ def run(model_type: str, checkpointing: bool = False) -> dict:
     notes = [r.note for c in tm.contexts for r in c.log if r.pass_name == "attention"]
     return {"model": model_type, "status": "exact" if all(r.passed for r in reps) else "WRONG",
             "split_sites": sum("dense causal kernel" in n for n in notes),
+            "interval_sites": sum("interval-mask" in n for n in notes),
             "sites": len(notes), "logprob_err": max(r.max_logprob_error for r in reps),
             "grad_err": max(r.max_grad_error for r in reps),
             "seconds": round(time.perf_counter() - t0, 1)}
@@ -69,9 +73,13 @@ def main(argv=None):
     p.add_argument("--models", default=SAMPLE)
     p.add_argument("--checkpointing", action="store_true",
                    help="activation checkpointing on every layer (train mode, dropout 0)")
+    p.add_argument("--intervals", action="store_true",
+                   help="the sites on cuDNN's interval-mask op (plain torch here) instead")
     p.add_argument("--out", default=None, help="JSON results")
     args = p.parse_args(argv)
     os.environ["TREEFX_TRUNK_ATTENTION"] = "1"
+    if args.intervals:
+        os.environ["TREEFX_CUDNN_ATTENTION"] = "1"
     rows = []
     for m in args.models.split(","):
         r = run(m, args.checkpointing)
@@ -79,7 +87,7 @@ def main(argv=None):
         print(json.dumps(r), flush=True)
     summary = {s: sum(r["status"] == s for r in rows) for s in {r["status"] for r in rows}}
     print("summary:", summary, "split in", sum(r.get("split_sites", 0) > 0 for r in rows),
-          "families")
+          "families; on intervals in", sum(r.get("interval_sites", 0) > 0 for r in rows))
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"rows": rows, "summary": summary}, f, indent=1)
