@@ -34,9 +34,8 @@ def _subtree_end(parent: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(end)
 
 
-def _mask_of(f: np.ndarray) -> np.ndarray:
-    n = f.shape[1]
-    j = np.arange(n)
+def _mask_of(f: np.ndarray, keys: int | None = None) -> np.ndarray:
+    j = np.arange(f.shape[1] if keys is None else keys)
     seen = j[None, :] < f[0][:, None]
     for a, b in zip(f[1::2], f[2::2]):
         seen |= (j[None, :] >= a[:, None]) & (j[None, :] < b[:, None])
@@ -68,6 +67,35 @@ def test_the_intervals_of_packed_trees():
     assert f.shape[0] == 5
 
 
+def _part_mask(t: dict) -> np.ndarray:
+    """[n, A + n] bool: the keys each of a part's rows sees, as its FlexAttention site's
+    ``mask_mod`` has it (key ``j`` of the extended row when ``j <= A + i < subtree_end[j]``)."""
+    se = np.concatenate([t["part_info"][2].numpy(), t["tree_info"][2].numpy()])
+    a, n = t["part_info"].shape[1], t["tree_info"].shape[1]
+    i, j = a + np.arange(n)[:, None], np.arange(a + n)[None, :]
+    return (j <= i) & (i < se[None, :])
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_intervals_of_parts(seed):
+    """A part's rows (:func:`treefx.parts.part_tensors`: the context's padded path, then its
+    own rows): the intervals over the extended row name the keys its site's mask does, the
+    context's prefix the row hangs under and its own ancestors, on random trees cut into
+    parts of several sizes (forests, one-token nodes, parts that start inside a node)."""
+    from treefx import parts
+
+    batch = treefx.pack(odd_forest(seed, VOCAB) + ([comb(seed)] if seed % 2 else []))
+    for budget in (3, 7, 16, 40):
+        plan = parts.plan(batch, budget, block_size=4)
+        for part in plan.parts:
+            t = parts.part_tensors(plan, part)
+            a, n = t["part_info"].shape[1], t["tree_info"].shape[1]
+            f = intervals.tree_intervals(t["tree_info"][1].numpy(), a)
+            assert f.shape[1] == n
+            np.testing.assert_array_equal(_mask_of(f, a + n), _part_mask(t),
+                                          err_msg=f"budget {budget}")
+
+
 @pytest.mark.parametrize("group", [1, 2])
 def test_the_op_is_tree_attention(group, monkeypatch):
     """float64: the op's output and the gradients of q, k, v equal dense tree attention's."""
@@ -86,6 +114,43 @@ def test_the_op_is_tree_attention(group, monkeypatch):
     torch.testing.assert_close(out, ref, atol=1e-12, rtol=0)
     for a, r in zip(grads, ref_grads):
         torch.testing.assert_close(a, r, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("group", [1, 2])
+def test_the_part_op_is_part_attention(group, monkeypatch):
+    """float64: a part's queries over its context and its own keys (the op with k longer
+    than q) equal dense attention under the part's mask, values and the gradients of q, k, v
+    and of the context's keys and values, on parts with and without context."""
+    from treefx import parts
+
+    monkeypatch.setenv(intervals.SWITCH, "1")
+    torch.manual_seed(group)
+    batch = treefx.pack([comb(2)] + odd_forest(4, VOCAB))
+    plan = parts.plan(batch, 24, block_size=8)
+    hk, checked = 2, 0
+    for part in plan.parts:
+        t = parts.part_tensors(plan, part)
+        a, n = t["part_info"].shape[1], t["tree_info"].shape[1]
+        checked += a > 0
+
+        def rand(h, rows):
+            return torch.randn(1, h, rows, 8, dtype=torch.float64, requires_grad=True)
+
+        q, k, v, kc, vc = rand(hk * group, n), rand(hk, n), rand(hk, n), rand(hk, a), rand(hk, a)
+        g = torch.randn(1, hk * group, n, 8, dtype=torch.float64)
+        out = intervals.tree_part_interval_attention(q, k, v, kc, vc, t["tree_info"][1], 0.3)
+        grads = torch.autograd.grad(out, (q, k, v, kc, vc), g)
+        mask = torch.from_numpy(_part_mask(t))
+        keys, values = torch.cat([kc, k], 2), torch.cat([vc, v], 2)
+        if group > 1:
+            keys, values = (x.repeat_interleave(group, 1) for x in (keys, values))
+        p = (q @ keys.transpose(-1, -2) * 0.3).masked_fill(~mask, float("-inf")).softmax(-1)
+        ref = p @ values
+        ref_grads = torch.autograd.grad(ref, (q, k, v, kc, vc), g)
+        torch.testing.assert_close(out, ref, atol=1e-12, rtol=0)
+        for x, r in zip(grads, ref_grads):
+            torch.testing.assert_close(x, r, atol=1e-12, rtol=0)
+    assert checked >= 3  # parts under a context
 
 
 def test_the_op_checks(monkeypatch):
@@ -108,6 +173,17 @@ def test_a_row_of_another_length_is_an_error(monkeypatch):
     k = v = torch.randn(1, 2, n, 8)
     with pytest.raises(ValueError, match=f"row has \\({n - 1},\\) entries, but q has {n}"):
         intervals.tree_interval_attention(q, k, v, b.parent_token[:-1])
+
+
+def test_keys_shorter_than_the_queries_are_an_error(monkeypatch):
+    """A part's keys are its context's then its own: fewer keys than queries is an error."""
+    monkeypatch.setenv(intervals.SWITCH, "1")
+    b = treefx.pack(odd_forest(2, VOCAB))
+    n = b.num_tokens
+    q = torch.randn(1, 4, n, 8)
+    k = v = torch.randn(1, 2, n - 1, 8)
+    with pytest.raises(ValueError, match=f"q has {n} tokens and k {n - 1}"):
+        intervals.tree_interval_attention(q, k, v, b.parent_token)
 
 
 def test_wanted_on_the_gpu_in_half_precision_unless_switched(monkeypatch):
@@ -171,3 +247,26 @@ def test_a_step_on_intervals_matches_the_oracle(monkeypatch):
     check_step(step, model, [comb(0)] + odd_forest(5, VOCAB), "mean", rtol=1e-6)
     notes = [r.note for c in step.contexts for r in c.log if r.pass_name == "attention"]
     assert notes and all("interval-mask" in n for n in notes)
+
+
+def test_parts_on_intervals_match_the_oracle(monkeypatch):
+    """``treefx.backward`` in parts (the inductor backend's part graph run op by op, as
+    tests/test_parts.py does): every part's sites on the op, its context as the keys before
+    its own; loss and every gradient equal each sequence alone, from the whole tree in one
+    part to parts of 7 tokens, on a comb, on a tree with a trunk and on odd forests."""
+    from test_parts import _check, comb_tree
+
+    from treefx.run.backward import runners
+
+    monkeypatch.setattr(treefx.run.backends, "compile_graph", lambda backend, gm, ex: gm.forward)
+    monkeypatch.setenv("TREEFX_INDUCTOR_ON_CPU", "1")
+    monkeypatch.setenv(intervals.SWITCH, "1")
+    tm = treefx.compile(hf_model("qwen3", "sdpa", torch.float64), backend="inductor",
+                        verify=False, block_size=16)
+    for budget in (200, 20, 7):
+        _check(tm, [comb(0)], budget, rtol=1e-6)
+    _check(tm, [comb_tree(3, calls=12, trunk=(5, 20))], 40, rtol=1e-6)
+    _check(tm, odd_forest(3, VOCAB), 9, rtol=1e-6)
+    notes = [r.note for r in runners(tm)[0].engine.contexts[-1].log
+             if r.pass_name == "attention"]
+    assert len(notes) == 2 and all("interval-mask" in n and "earlier parts" in n for n in notes)

@@ -23,7 +23,12 @@ import operator
 import torch
 import torch.fx as fx
 
-from ...ops.attention import TreePartAttention, TreePartFlexAttention, ones_for_positions
+from ...ops.attention import (
+    TreePartAttention,
+    TreePartFlexAttention,
+    intervals,
+    ones_for_positions,
+)
 from ...ops.conv import tree_causal_conv1d_context
 from ...ops.embedding import part_embedding
 from ...ops.grad_into import linear_grad_into
@@ -55,6 +60,7 @@ from ..sites import (
     RecurrenceSite,
 )
 from .shared import (
+    INTERVAL_NOTE,
     emit_logprobs,
     emit_loss,
     kv_for_flex,
@@ -470,6 +476,11 @@ def _attention(ctx: GraphContext, site: AttentionSite) -> fx.Node:
                 bufs = _part_buffers(ctx, bufs)
         k, v, shared_kv = kv_for_flex(site, k)
         ck, cv = _part_context(ctx, site, k, v)
+        if ctx.backend != "eager" and lifted is None and intervals.wanted(
+                example(site.q), example(k), example(v)):
+            new = g.call_function(intervals.tree_part_interval_attention,
+                                  (site.q, k, v, ck, cv, ctx.parent_token(), site.scale))
+            return _replace_site(ctx, site, new, note + INTERVAL_NOTE)
         se, pos = part.ext(ctx, "subtree_end"), part.ext(ctx, "positions")
         if ctx.backend == "eager":
             fn = TreePartAttention(scale=site.scale, enable_gqa=site.enable_gqa or shared_kv,
@@ -491,6 +502,10 @@ def _attention(ctx: GraphContext, site: AttentionSite) -> fx.Node:
         if split is not None:
             new = split.add(ctx, new, site.q, k, v, site.scale)
             note += split.note
+    return _replace_site(ctx, site, new, note)
+
+
+def _replace_site(ctx: GraphContext, site: AttentionSite, new: fx.Node, note: str) -> fx.Node:
     new.meta.update({k_: v_ for k_, v_ in site.out.meta.items()
                      if k_ in ("nn_module_stack", "stack_trace", "example_value")})
     ctx.record("attention", site.anchor, describe(new), note=note)

@@ -56,7 +56,7 @@ from ..patterns import (
 from ..find.logprobs import why_not_fused
 from ..sites import AttentionSite, LogprobsSite, LossSite
 
-__all__ = ["ScoreMods", "TrunkSplit", "add_bias", "chain_module", "check_mask_sources",
+__all__ = ["INTERVAL_NOTE", "ScoreMods", "TrunkSplit", "add_bias", "chain_module", "check_mask_sources",
            "constant_scale", "emit_logprobs", "emit_loss", "interval_site", "kv_for_flex",
            "mask_value", "peel_mask", "replace_conv", "replace_recurrence", "rewrite_scored",
            "score_mods", "score_sides", "side_for_flex", "traced_site", "trunk_split",
@@ -241,6 +241,9 @@ class TrunkSplit:
         return g.call_function(operator.add, (flex_out, rows))
 
 
+INTERVAL_NOTE = ", on cuDNN's interval-mask attention (each row's keys as intervals of the row)"
+
+
 def interval_site(ctx: GraphContext, site, k: fx.Node) -> tuple[fx.Node, str] | None:
     """A plain whole-tree site on cuDNN's interval-mask attention
     (:mod:`treefx.ops.attention.intervals`), where :func:`~treefx.ops.attention.intervals.wanted`
@@ -251,7 +254,7 @@ def interval_site(ctx: GraphContext, site, k: fx.Node) -> tuple[fx.Node, str] | 
         return None
     out = ctx.graph.call_function(intervals.tree_interval_attention,
                                   (site.q, k, v, ctx.parent_token(), site.scale))
-    note = ", on cuDNN's interval-mask attention (each row's keys as intervals of the row)"
+    note = INTERVAL_NOTE
     if shared_kv:
         note += ", KV heads shared (the model's repeat undone)"
     return out, note

@@ -38,7 +38,8 @@ import torch
 from ..._switches import switched_off, switched_on
 from ..host_row import derived
 
-__all__ = ["SWITCH", "available", "tree_intervals", "tree_interval_attention", "wanted"]
+__all__ = ["SWITCH", "available", "tree_intervals", "tree_interval_attention",
+           "tree_part_interval_attention", "wanted"]
 
 SWITCH = "TREEFX_CUDNN_ATTENTION"
 _DTYPES = (torch.bfloat16, torch.float16)
@@ -93,52 +94,65 @@ def wanted(q, k, v) -> bool:
     return q.shape[-1] in dims and v.shape[-1] == q.shape[-1]
 
 
-def tree_intervals(parent: np.ndarray) -> np.ndarray:
+def tree_intervals(parent: np.ndarray, context: int = 0) -> np.ndarray:
     """int32 ``[nfunc, N]``: each row's visible keys (its ancestors and itself in the
     depth-first row whose predecessors are ``parent``, -1 at a root) as
     ``[F0, F1) U [F2, F3) U ...`` with ``F0 = 0``, in cuDNN's encoding ``[0, F0) U [F1, F2)
     U ...`` (``nfunc`` odd): the ancestors' chain segments in row order, then its own chain
-    up to itself, padded with empty intervals at its own end."""
+    up to itself, padded with empty intervals at its own end.
+
+    ``context`` (a part of a tree, :mod:`treefx.parts`): the keys are ``context`` rows of a
+    path (each the child of the one before; rows past the path's end are padding, seen by
+    none) followed by the N rows, and ``parent`` counts in those extended rows (``p <
+    context``: the path's row ``p``). A row under path row ``p`` sees the path's rows ``[0,
+    p + 1)``, which is ``F0``; the rest are the N rows' intervals moved by ``context``."""
     parent = np.asarray(parent, dtype=np.int64)
     n = len(parent)
     if n == 0:
         return np.zeros((1, 0), np.int32)
-    starts = np.concatenate([[0], np.flatnonzero(parent[1:] != np.arange(n - 1)) + 1])
+    local = np.where(parent >= context, parent - context, -1)
+    if (local >= np.arange(n)).any():
+        raise ValueError("tree intervals: a predecessor at or after its own row")
+    starts = np.concatenate([[0], np.flatnonzero(local[1:] != np.arange(n - 1)) + 1])
     ends = np.append(starts[1:], n)
     chain_of = np.searchsorted(starts, np.arange(n), side="right") - 1
     segs: list[list[tuple[int, int]]] = []  # per chain: the segments above it, root first
+    seen_context = np.zeros(len(starts), np.int64)  # per chain: the path rows it sees
     for c, s in enumerate(starts):
-        p = int(parent[s])
+        p = int(local[s])
         if p < 0:
             segs.append([])
+            seen_context[c] = int(parent[s]) + 1  # 0 at a root of the tree
             continue
         pc = int(chain_of[p])
-        segs.append(segs[pc] + [(int(starts[pc]), p + 1)])  # pc < c: a parent comes first
+        segs.append(segs[pc] + [(int(starts[pc]) + context, p + 1 + context)])  # pc < c
+        seen_context[c] = seen_context[pc]
     pairs = 1 + max(len(x) for x in segs)
     f = np.empty((2 * pairs + 1, n), np.int32)
-    f[0] = 0
     for c, (s, e) in enumerate(zip(starts, ends)):
-        rows = np.arange(s + 1, e + 1, dtype=np.int32)  # each row's own end
+        rows = np.arange(s + 1 + context, e + 1 + context, dtype=np.int32)  # own ends
+        f[0, s:e] = seen_context[c]
         col = 1
         for a, b in segs[c]:
             f[col, s:e], f[col + 1, s:e] = a, b
             col += 2
-        f[col, s:e] = s
+        f[col, s:e] = s + context
         f[col + 1:, s:e] = rows
     return f
 
 
-def _visible(intervals: torch.Tensor, n: int) -> torch.Tensor:
-    """[N, N] bool from :func:`tree_intervals`' array (plain torch path)."""
-    j = torch.arange(n, device=intervals.device)
+def _visible(intervals: torch.Tensor, keys: int) -> torch.Tensor:
+    """[N, keys] bool from :func:`tree_intervals`' array (plain torch path)."""
+    j = torch.arange(keys, device=intervals.device)
     seen = j[None, :] < intervals[0][:, None]
     for a, b in zip(intervals[1::2], intervals[2::2]):
         seen |= (j[None, :] >= a[:, None]) & (j[None, :] < b[:, None])
     return seen
 
 
-def _intervals(parent_token: torch.Tensor) -> np.ndarray:
-    return derived(parent_token, "tree intervals", tree_intervals)
+def _intervals(parent_token: torch.Tensor, context: int) -> np.ndarray:
+    return derived(parent_token, ("tree intervals", context),
+                   lambda row: tree_intervals(row, context))
 
 
 def _plan(parent_token, q, k, v):
@@ -148,7 +162,8 @@ def _plan(parent_token, q, k, v):
 
     def build(row):
         create = _frontend()[0]
-        mask = torch.from_numpy(_intervals(parent_token)[None]).to(q.device, non_blocking=True)
+        f = _intervals(parent_token, k.shape[1] - q.shape[1])
+        mask = torch.from_numpy(f[None]).to(q.device, non_blocking=True)
         return create(mask, q, k, v, build_backward=True)
 
     return derived(parent_token, key, build)
@@ -156,19 +171,21 @@ def _plan(parent_token, q, k, v):
 
 def _check(q, k, parent_token) -> None:
     """The row and the tensors describe the same tokens (checked where the op runs, on
-    concrete tensors)."""
-    if parent_token.dim() != 1 or parent_token.shape[0] != q.shape[1] or k.shape[1] != q.shape[1]:
+    concrete tensors): q's and the row's, then k's, which may have context rows first."""
+    if parent_token.dim() != 1 or parent_token.shape[0] != q.shape[1] or k.shape[1] < q.shape[1]:
         raise ValueError(
             f"tree interval attention: the predecessor row has {tuple(parent_token.shape)} "
-            f"entries, but q has {q.shape[1]} tokens and k {k.shape[1]} (q, k, v [1, N, H, D] "
-            "and one [N] row of one depth-first tree layout)")
+            f"entries, but q has {q.shape[1]} tokens and k {k.shape[1]} (q [1, N, H, D] and "
+            "one [N] row of one depth-first tree layout; k, v [1, A + N, H, D], A >= 0 "
+            "context rows first)")
 
 
 def _reference(q, k, v, parent_token, scale):
     """(out, lse, probabilities, the inputs widened): plain torch, at least float32."""
-    n, group = q.shape[1], q.shape[2] // k.shape[2]
+    nk, group = k.shape[1], q.shape[2] // k.shape[2]
     wide = torch.promote_types(q.dtype, torch.float32)
-    seen = _visible(torch.from_numpy(_intervals(parent_token)).to(q.device), n)
+    f = _intervals(parent_token, nk - q.shape[1])
+    seen = _visible(torch.from_numpy(f).to(q.device), nk)
     qw = q[0].transpose(0, 1).to(wide)
     kw = k[0].repeat_interleave(group, 1).transpose(0, 1).to(wide)
     vw = v[0].repeat_interleave(group, 1).transpose(0, 1).to(wide)
@@ -183,7 +200,8 @@ def _reference(q, k, v, parent_token, scale):
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, parent_token: torch.Tensor,
             scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [1, N, Hq, Dv], lse [1, Hq, N] float32, or float64): q [1, N, Hq, D], k, v
-    [1, N, Hk, D] (contiguous), each row over the keys its intervals name."""
+    [1, A + N, Hk, D] (contiguous; A context rows first, a part's), each row over the keys
+    its intervals name."""
     _check(q, k, parent_token)
     if q.is_cuda and _frontend() is not None and q.dtype in _DTYPES:
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
@@ -206,6 +224,7 @@ def _attend_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
                      out: torch.Tensor, lse: torch.Tensor, parent_token: torch.Tensor,
                      scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) from the output's gradient, the output and its log-sum-exp."""
+    _check(q, k, parent_token)
     if q.is_cuda and _frontend() is not None and q.dtype in _DTYPES:
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         dq, dk, dv = _frontend()[2](q, k, v, out.contiguous(), grad.contiguous(), lse,
@@ -252,4 +271,16 @@ def tree_interval_attention(q, k, v, parent_token, scale=None):
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     out = _attend(q.transpose(1, 2).contiguous(), k.transpose(1, 2).contiguous(),
                   v.transpose(1, 2).contiguous(), parent_token, scale)[0]
+    return out.transpose(1, 2)
+
+
+def tree_part_interval_attention(q, k, v, k_context, v_context, parent_ext, scale=None):
+    """Tree attention of a part of a tree (:func:`treefx.backward`): the part's ``[1, Hq, n,
+    D]`` queries over its context's keys and values (``[1, Hk, A, D]``, the path above it
+    from earlier parts, padded) and its own (``[1, Hk, n, D]``); ``parent_ext`` the part's
+    predecessors in the extended row ``[context; own]``. ``[1, Hq, n, Dv]``."""
+    scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    keys = torch.cat([k_context.transpose(1, 2), k.transpose(1, 2)], dim=1)
+    values = torch.cat([v_context.transpose(1, 2), v.transpose(1, 2)], dim=1)
+    out = _attend(q.transpose(1, 2).contiguous(), keys, values, parent_ext, scale)[0]
     return out.transpose(1, 2)
