@@ -78,3 +78,34 @@ if [ "${1:-}" = z48b ]; then
   cold z48b_on 330 --layers 4 --warmup 2 --reps 5 --methods treefx,treefx_nologits,treefx_step
   TREEFX_CUDNN_ATTENTION=0 cold z48b_off 200 --layers 4 --warmup 2 --reps 5 --methods treefx
 fi
+# Stage z49: parts of a tree on the op (treefx.backward: a part's keys are its context's path
+# then its own rows, as intervals) and the kernels compiled in a second process while the
+# compiler works (treefx/ops/attention/interval_warmup.py).
+#   z49c (in the third `stage` call: `bash benchmarks/cudnn_check.sh stage && bash
+#         benchmarks/cudnn_check.sh z49c`): a first step (4 layers, empty caches) without the
+#         warm-up process (TREEFX_CUDNN_WARMUP=0), then with it, same host
+#   z49a (carry .data/swe200.jsonl, made as BENCHMARKS.md's real agent trajectories say):
+#         benchmarks.gpu_check --cases intervals (now with the op over a part's context, and
+#         Qwen3 in parts against the whole tree and the float32 oracle), then speed_check's
+#         parts of 16,384 tokens on the seven SWE trees, on the op
+#   z49b (carry the same): the seven trees with the op off (FlexAttention with the trunk
+#         split, the default without the frontend), same host
+parts16k_here() {  # speed_check.sh's parts16k (its functions in a subshell: its cold differs)
+  (source benchmarks/speed_check.sh functions; parts16k "$@")
+}
+if [ "${1:-}" = z49c ]; then
+  site
+  TREEFX_CUDNN_WARMUP=0 cold z49c_nowarm 150 --layers 4 --warmup 1 --reps 3 --methods treefx
+  cold z49c_warm 150 --layers 4 --warmup 1 --reps 3 --methods treefx
+fi
+if [ "${1:-}" = z49a ]; then
+  site
+  timeout 170 python3 -m benchmarks.gpu_check --cases intervals \
+    --out $OUT/gpu_check_intervals_z49a.json > $OUT/gpu_check_intervals_z49a.log 2>&1
+  echo "gpu_check rc=$?"; grep -iE "passed|failed|error" $OUT/gpu_check_intervals_z49a.log | head -20
+  parts16k_here z49a_parts16k_intervals 280
+fi
+if [ "${1:-}" = z49b ]; then
+  site
+  TREEFX_CUDNN_ATTENTION=0 parts16k_here z49b_parts16k_off 280
+fi

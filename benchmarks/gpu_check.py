@@ -620,21 +620,41 @@ def case_trunk(res):
     ref = hf_model("qwen3", **cfg)
     trees = [comb_tree(s, cfg["vocab_size"], 6, 0.3) for s in range(2)]
     res["trunk-trees"] = {"tokens": treefx.pack(trees).num_tokens}
+    _bf16_on_and_off(res, "TREEFX_TRUNK_ATTENTION", "trunk-qwen3-bf16", "dense causal kernel",
+                     ref, cfg, trees, _parts_check(res, ref, trees, "dense causal kernel"))
+    res["trunk-qwen3-bf16-perbranch-vs-fp32-oracle"] = common.oracle_vs_oracle(
+        _bf16_copy(ref, cfg), ref, trees, "mean")
+
+
+def _parts_check(res, ref, trees, note):
+    """``more`` of :func:`_bf16_on_and_off`: ``treefx.backward`` in parts of a third of the
+    tree against the whole tree in one step (the same bf16 model) and against the float32
+    oracle (``ref`` per sequence), and how many of the part graph's sites' notes name
+    ``note``."""
+
     def parts(label, low, tm):
+        from treefx.run.backward import runners
+
         batch = treefx.pack(trees, reduction="mean")
         loss_parts = treefx.backward(tm, trees, max_tokens=batch.num_tokens // 3)
         g_parts = common.grads_of(low)
         loss = treefx.tree_loss(tm(batch.to(DEV)), batch.to(DEV))
         loss.backward()
         g_whole = common.grads_of(low)
+        ref_loss = treefx.reference.sequence_loss(ref, trees, reduction="mean")
+        ref_loss.backward()
+        g_ref = common.grads_of(ref)
+        log = [r.note for r in runners(tm)[0].engine.contexts[-1].log
+               if r.pass_name == "attention"]
         res[f"{label}-parts-vs-whole"] = {
             "loss_rel": abs(loss_parts.item() - loss.item()) / abs(loss.item()),
             "max_rel_grad_err": common.max_rel_grad_err(g_parts, g_whole)}
+        res[f"{label}-parts-vs-fp32-oracle"] = {
+            "loss_rel": abs(loss_parts.item() - ref_loss.item()) / abs(ref_loss.item()),
+            "max_rel_grad_err": common.max_rel_grad_err(g_parts, g_ref),
+            "part_sites": len(log), "part_sites_noted": sum(note in n for n in log)}
 
-    _bf16_on_and_off(res, "TREEFX_TRUNK_ATTENTION", "trunk-qwen3-bf16", "dense causal kernel",
-                     ref, cfg, trees, parts)
-    res["trunk-qwen3-bf16-perbranch-vs-fp32-oracle"] = common.oracle_vs_oracle(
-        _bf16_copy(ref, cfg), ref, trees, "mean")
+    return parts
 
 
 def _interval_op_errors(dtype, hq=8, hk=2, d=128):
@@ -678,7 +698,60 @@ def _interval_op_errors(dtype, hq=8, hk=2, d=128):
 
         fl = run(treefx_op(batch.subtree_end, n, True, True, interleave=True), low)
         out["flex"] = dict(zip(names, map(rel, fl, ref)))
+    out["parts"] = _part_interval_errors(batch, x64, go, low[0].dtype)
     return out
+
+
+def _part_interval_errors(batch, x64, go, dtype) -> dict:
+    """The op with a part's context first (k longer than q; :func:`treefx.parts.part_tensors`
+    of the batch in parts of a fifth of it): each part's output and the gradients of its q,
+    k, v and of the context's keys and values, in ``dtype`` against float64 dense attention
+    under the part's mask; the worst part's relative errors."""
+    from treefx import parts
+    from treefx.ops.attention import intervals
+
+    plan = parts.plan(batch.to("cpu"), batch.num_tokens // 5)
+    worst: dict = {}
+    with_context = 0
+    for part in plan.parts:
+        t = parts.part_tensors(plan, part, DEV)
+        a, s, e = t["part_info"].shape[1], part.start, part.end
+        n = t["tree_info"].shape[1]
+        if n != e - s:  # a part padded with inert tokens: too short to matter here
+            continue
+        with_context += bool(len(part.context))
+        idx = torch.as_tensor(part.context, device=DEV)
+        q, k, v = (x[:, :, s:e] for x in x64)
+        kc, vc = (torch.zeros(1, x.shape[1], a, x.shape[3], dtype=x.dtype, device=DEV)
+                  for x in x64[1:])
+        kc[:, :, :len(idx)], vc[:, :, :len(idx)] = x64[1][:, :, idx], x64[2][:, :, idx]
+        g = go[:, :, s:e]
+        se = torch.cat([t["part_info"][2], t["tree_info"][2]])
+        i, j = a + torch.arange(n, device=DEV)[:, None], torch.arange(a + n, device=DEV)
+        mask = (j <= i) & (i < se[None, :])
+
+        def run(fn, xs):
+            xs = [x.detach().clone().requires_grad_() for x in xs]
+            out = fn(*xs)
+            grads = torch.autograd.grad(out, xs, g.to(out.dtype))
+            return [out.detach().double(), *(x.double() for x in grads)]
+
+        def dense(q, k, v, kc, vc):
+            group = q.shape[1] // k.shape[1]
+            keys, values = (torch.cat([c, x], 2).repeat_interleave(group, 1)
+                            for c, x in ((kc, k), (vc, v)))
+            p = (q @ keys.transpose(-1, -2) / q.shape[-1] ** 0.5).masked_fill(
+                ~mask, float("-inf")).softmax(-1)
+            return p @ values
+
+        ref = run(dense, (q, k, v, kc, vc))
+        got = run(lambda *xs: intervals.tree_part_interval_attention(*xs, t["tree_info"][1]),
+                  [x.to(dtype) for x in (q, k, v, kc, vc)])
+        for name, a_, b_ in zip(("out", "dq", "dk", "dv", "dk_context", "dv_context"),
+                                got, ref):
+            if b_.norm() > 0:
+                worst[name] = max(worst.get(name, 0.0), float((a_ - b_).norm() / b_.norm()))
+    return {"parts": len(plan.parts), "with_context": with_context, "worst": worst}
 
 
 def case_intervals(res):
@@ -700,7 +773,7 @@ def case_intervals(res):
         1, cfg["vocab_size"])
     res["intervals-trees"] = {"tokens": treefx.pack(trees).num_tokens}
     _bf16_on_and_off(res, "TREEFX_CUDNN_ATTENTION", "intervals-qwen3-bf16", "interval-mask",
-                     ref, cfg, trees)
+                     ref, cfg, trees, _parts_check(res, ref, trees, "interval-mask"))
     res["intervals-qwen3-bf16-perbranch-vs-fp32-oracle"] = common.oracle_vs_oracle(
         _bf16_copy(ref, cfg), ref, trees, "mean")
 

@@ -198,6 +198,33 @@ def test_wanted_on_the_gpu_in_half_precision_unless_switched(monkeypatch):
     assert not intervals.wanted(x, x[:, :2], x[:, :2])
 
 
+def test_a_warm_up_that_fails_is_reported_and_changes_nothing(monkeypatch, caplog):
+    """The child process compiling cuDNN's kernels (:mod:`interval_warmup`) runs by its path
+    in a fresh interpreter; here (no frontend) it fails, and the op's wait reports its output
+    and returns. It starts only where the op runs on cuDNN's kernels, once per kernel set."""
+    from treefx.ops.attention import interval_warmup
+
+    x = torch.zeros(1, 4, 8, 16)
+    intervals.warm_up(x, x[:, :2], x[:, :2])  # the CPU: nothing to compile
+    assert not interval_warmup._running
+    monkeypatch.setattr(interval_warmup, "_disk_cache_on", lambda: True)
+    monkeypatch.setattr(interval_warmup, "_running", {})
+    monkeypatch.setattr(interval_warmup, "_done", set())
+    interval_warmup.start(x, x[:, :2], x[:, :2])
+    interval_warmup.start(x, x[:, :2], x[:, :2])
+    assert len(interval_warmup._running) == 1
+    rows = x.transpose(1, 2)
+    with caplog.at_level("WARNING", logger="treefx"):
+        interval_warmup.wait(rows, rows[:, :, :2], rows[:, :, :2])
+    assert not interval_warmup._running
+    assert "warm-up process ended with 1" in caplog.text and "cudnn" in caplog.text
+    interval_warmup.start(x, x[:, :2], x[:, :2])  # done: not again
+    assert not interval_warmup._running
+    monkeypatch.setenv(interval_warmup.SWITCH, "0")
+    interval_warmup.start(x, x[:, :4], x[:, :4])
+    assert not interval_warmup._running
+
+
 def _interval_sites(tm) -> list:
     return [r.note for c in tm.contexts for r in c.log
             if r.pass_name == "attention" and "interval-mask" in r.note]

@@ -252,6 +252,7 @@ def interval_site(ctx: GraphContext, site, k: fx.Node) -> tuple[fx.Node, str] | 
     k, v, shared_kv = kv_for_flex(site, k)
     if not intervals.wanted(example(site.q), example(k), example(v)):
         return None
+    intervals.warm_up(example(site.q), example(k), example(v))
     out = ctx.graph.call_function(intervals.tree_interval_attention,
                                   (site.q, k, v, ctx.parent_token(), site.scale))
     note = INTERVAL_NOTE

@@ -37,9 +37,10 @@ import torch
 
 from ..._switches import switched_off, switched_on
 from ..host_row import derived
+from . import interval_warmup
 
 __all__ = ["SWITCH", "available", "tree_intervals", "tree_interval_attention",
-           "tree_part_interval_attention", "wanted"]
+           "tree_part_interval_attention", "wanted", "warm_up"]
 
 SWITCH = "TREEFX_CUDNN_ATTENTION"
 _DTYPES = (torch.bfloat16, torch.float16)
@@ -92,6 +93,14 @@ def wanted(q, k, v) -> bool:
         return False
     dims = _ARCH_HEAD_DIMS[_arch(q.device.index or 0)]
     return q.shape[-1] in dims and v.shape[-1] == q.shape[-1]
+
+
+def warm_up(q, k, v) -> None:
+    """Where a site is lowered onto the op with these example ``[1, H, N, D]`` q, k, v:
+    compile cuDNN's kernels for them in a second process meanwhile
+    (:mod:`.interval_warmup`), where they will run on cuDNN's kernels."""
+    if q.device.type == "cuda" and q.dtype in _DTYPES and available(q.device):
+        interval_warmup.start(q, k, v)
 
 
 def tree_intervals(parent: np.ndarray, context: int = 0) -> np.ndarray:
@@ -162,6 +171,7 @@ def _plan(parent_token, q, k, v):
 
     def build(row):
         create = _frontend()[0]
+        interval_warmup.wait(q, k, v)
         f = _intervals(parent_token, k.shape[1] - q.shape[1])
         mask = torch.from_numpy(f[None]).to(q.device, non_blocking=True)
         return create(mask, q, k, v, build_backward=True)
