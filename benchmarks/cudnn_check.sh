@@ -109,3 +109,50 @@ if [ "${1:-}" = z49b ]; then
   site
   TREEFX_CUDNN_ATTENTION=0 parts16k_here z49b_parts16k_off 280
 fi
+#   z49e: where the first step's extra time goes with the frontend: importing it; the warm-up
+#         child alone with an empty kernel cache, then again with the kernels it left; then the
+#         op's first plan, forward and backward on the e2e tree's length in a fresh process
+#         with those kernels on disk (python -X importtime not used: wall clock per stage)
+if [ "${1:-}" = z49e ]; then
+  site
+  export FLEX_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 FLEX_ATTENTION_CUTE_DSL_CACHE_DIR=$(mktemp -d)
+  W=treefx/ops/attention/interval_warmup.py
+  timed() { local s=$(date +%s%N); "${@:2}"; echo "$1: $(( ($(date +%s%N) - s) / 1000000 )) ms"; }
+  timed "import torch" python3 -c "import torch"
+  timed "import torch and the frontend" python3 -c "import torch, cudnn.flex_attention.execution"
+  timed "the child, empty cache" python3 $W bfloat16 32 8 128 128 0
+  timed "the child, its kernels on disk" python3 $W bfloat16 32 8 128 128 0
+  python3 - <<'PY'
+import time, torch
+t0 = time.perf_counter()
+from treefx.ops.attention import intervals
+from benchmarks.real_trees import comb_tree
+import treefx
+t1 = time.perf_counter()
+b = treefx.pack([comb_tree(s, 1000, 30, 0.3) for s in range(8)])
+par = b.parent_token.cuda()
+n = b.num_tokens
+q = torch.randn(1, 32, n, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+k, v = (torch.randn(1, 8, n, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+for i in range(3):
+    torch.cuda.synchronize(); a = time.perf_counter()
+    out = intervals.tree_interval_attention(q, k, v, par)
+    torch.cuda.synchronize(); f = time.perf_counter()
+    out.backward(torch.ones_like(out))
+    torch.cuda.synchronize(); g = time.perf_counter()
+    print(f"tokens {n} call {i}: forward (plan, kernels) {f - a:.2f} s, backward {g - f:.2f} s", flush=True)
+print(f"imports {t1 - t0:.2f} s")
+PY
+fi
+#   z49f (in the third `stage` call, after z49e's findings: the frontend's import took 4.7 s
+#         in the passes, before the child started, and the child's kernels were not ready when
+#         the op first ran; now the op imports the frontend and the child starts first): the
+#         first step (4 layers, empty caches, first-call check on) with FlexAttention, with the
+#         frontend as shipped, and without the warm-up process, same host
+if [ "${1:-}" = z49f ]; then
+  site
+  TREEFX_CUDNN_ATTENTION=0 cold z49f_flex 150 --layers 4 --warmup 1 --reps 3 --methods treefx
+  cold z49f_cudnn 150 --layers 4 --warmup 1 --reps 3 --methods treefx
+  TREEFX_CUDNN_WARMUP=0 cold z49f_nowarm 150 --layers 4 --warmup 1 --reps 3 --methods treefx
+  TREEFX_VERIFY=0 cold z49f_cudnn_nocheck 150 --layers 4 --warmup 1 --reps 3 --methods treefx
+fi

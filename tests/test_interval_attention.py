@@ -225,6 +225,21 @@ def test_a_warm_up_that_fails_is_reported_and_changes_nothing(monkeypatch, caplo
     assert not interval_warmup._running
 
 
+def test_the_frontend_is_found_without_importing_it():
+    """Where the frontend is installed is decided from the installed packages (its import
+    takes seconds and waits for the op's first call); here it is not, and an import forced
+    anyway is an error that says how to turn the op off."""
+    import sys
+
+    assert not intervals._installed()
+    assert "cudnn.flex_attention" not in sys.modules
+    assert intervals._version("1.32.0") >= intervals._MIN_VERSION
+    assert intervals._version("1.31.9rc1") < intervals._MIN_VERSION
+    intervals._frontend.cache_clear()
+    with pytest.raises(RuntimeError, match="TREEFX_CUDNN_ATTENTION=0"):
+        intervals._frontend()
+
+
 def _interval_sites(tm) -> list:
     return [r.note for c in tm.contexts for r in c.log
             if r.pass_name == "attention" and "interval-mask" in r.note]

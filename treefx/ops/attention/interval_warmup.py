@@ -7,9 +7,10 @@ known when the site is lowered (the dtype, head counts and widths: the frontend'
 name no lengths), so :func:`start` launches this file as a script then, in a fresh Python that
 imports only torch and the frontend, runs the op once on a short row, and the kernels land in
 the frontend's on-disk cache (``FLEX_ATTENTION_CUTE_DSL_CACHE_*``, which treefx turns on). The
-op calls :func:`wait` before its first plan: it waits for that process, then loads the kernels
-from the disk instead of compiling them. A thread in the same process did not help (it
-competes with the compiler for the interpreter: the first step took longer).
+op imports the frontend at its first call (about 5 s, while the child still works) and calls
+:func:`wait` before its first plan: it waits for that process, then loads the kernels from the
+disk instead of compiling them. A thread in the same process did not help (it competes with
+the compiler for the interpreter: the first step took longer).
 
 The child takes the GPU the site runs on (a CUDA context, a few hundred MB, while it lives).
 ``TREEFX_CUDNN_WARMUP=0`` turns it off. A child that fails changes nothing: the op compiles its
@@ -43,11 +44,12 @@ def _key(dtype, hq, hk, d, dv, device) -> tuple:
 
 
 def _disk_cache_on() -> bool:
-    try:
-        from cudnn.flex_attention.runtime import compile_cache
-    except Exception:
-        return False
-    return bool(getattr(compile_cache, "CUTE_DSL_CACHE_ENABLED", False))
+    """Whether the frontend's on-disk kernel cache is on in this process (its switch is read
+    when it is imported: before that, the environment's)."""
+    cache = sys.modules.get("cudnn.flex_attention.runtime.compile_cache")
+    if cache is not None:
+        return bool(getattr(cache, "CUTE_DSL_CACHE_ENABLED", False))
+    return os.environ.get("FLEX_ATTENTION_CUTE_DSL_CACHE_ENABLED", "0") == "1"
 
 
 def start(q, k, v) -> None:

@@ -16,19 +16,27 @@ it ran that tree's attention forward and backward in 6.15 ms against 9.85 ms for
 FlexAttention at treefx's site (408 against 255 TFLOP/s on the attended pairs), within the
 same bf16 error of a float32 computation (BENCHMARKS.md, [att-1]).
 
-:func:`tree_interval_attention` is the site's call; the mask's intervals come from the
-predecessor row's host copy (:func:`treefx.ops.host_row.derived`, once per row), and so does
-cuDNN's plan for them (built once per row and shape, shared by the layers and by the
-backward). Where it runs: a plain site (no model mask, score ops, sinks or log-sum-exp out)
-on CUDA with bf16/fp16 q, k, v of one dtype and one head width the kernels take, when the
-frontend imports and the GPU is one of its architectures, unless ``TREEFX_CUDNN_ATTENTION=0``;
-``TREEFX_CUDNN_ATTENTION=1`` takes it wherever else too, computed by plain torch from the same
-intervals (the CPU tests).
+:func:`tree_interval_attention` is a whole tree's site's call,
+:func:`tree_part_interval_attention` a part's (:func:`treefx.backward`: its keys are its
+context's path, then its own rows; the path's prefix a row sees is one more interval). The
+mask's intervals come from the predecessor row's host copy
+(:func:`treefx.ops.host_row.derived`, once per row), and so does cuDNN's plan for them (built
+once per row and shape, shared by the layers and by the backward). Where it runs: a plain site
+(no model mask, score ops, sinks or log-sum-exp out) on CUDA with bf16/fp16 q, k, v of one
+dtype and one head width the kernels take, when the frontend is installed and the GPU is one
+of its architectures, unless ``TREEFX_CUDNN_ATTENTION=0``; ``TREEFX_CUDNN_ATTENTION=1`` takes
+it wherever else too, computed by plain torch from the same intervals (the CPU tests). The
+kernels compile in a second process from where the sites are lowered
+(:mod:`.interval_warmup`), and the frontend is imported by the op's first call, so neither
+waits for the other nor for the compiler.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib.metadata
+import importlib.util
+import itertools
 import math
 import os
 
@@ -48,22 +56,56 @@ _DTYPES = (torch.bfloat16, torch.float16)
 _ARCH_HEAD_DIMS = {90: (64, 96, 128), 100: (64, 96, 128), 103: (64, 96, 128)}
 
 
+_DISTRIBUTION, _MIN_VERSION = "nvidia-cudnn-frontend", (1, 32)
+
+
+def _version(text: str) -> tuple[int, ...]:
+    out = []
+    for part in text.split(".")[:3]:
+        digits = "".join(itertools.takewhile(str.isdigit, part))
+        if not digits:
+            break
+        out.append(int(digits))
+    return tuple(out)
+
+
 @functools.lru_cache(maxsize=None)
-def _frontend():
-    """cuDNN's interval-mask attention (``cudnn.flex_attention``), or None where the frontend
-    (or the CuTe DSL it compiles its kernels with) does not import."""
+def _installed() -> bool:
+    """Whether the frontend (>= 1.32) and the CuTe DSL it compiles its kernels with are
+    installed: found, not imported (their import takes about 5 s, done by the op's first call,
+    while the kernels compile in a second process: :mod:`.interval_warmup`)."""
     # The frontend compiles its kernels (CuTe DSL) on first use, 15-30 s in all on an H100; its
     # persistent cache, off unless asked, keeps them for a restarted job (as Inductor's
-    # caches do). A value the user set stays.
+    # caches do) and carries them over from the warm-up process. A value the user set stays.
     os.environ.setdefault("FLEX_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")
+    try:
+        if importlib.util.find_spec("cudnn") is None or importlib.util.find_spec("cutlass") is None:
+            return False
+        return _version(importlib.metadata.version(_DISTRIBUTION)) >= _MIN_VERSION
+    except (ImportError, ValueError, importlib.metadata.PackageNotFoundError):
+        return False
+
+
+@functools.lru_cache(maxsize=None)
+def _frontend():
+    """cuDNN's interval-mask attention (``cudnn.flex_attention``): its plan builder, forward and
+    backward. An install that :func:`_installed` found but that does not import is an error
+    (the sites were lowered onto the op)."""
     try:
         from cudnn.flex_attention import create_mask_plan
         from cudnn.flex_attention.execution import (
             _flex_attention_backward,
             _flex_attention_forward,
         )
-    except Exception:  # not installed, or too old: FlexAttention stays
-        return None
+    except Exception as e:
+        try:
+            found = f"{_DISTRIBUTION} {importlib.metadata.version(_DISTRIBUTION)}"
+        except importlib.metadata.PackageNotFoundError:
+            found = f"{_DISTRIBUTION}: not found"
+        raise RuntimeError(
+            f"treefx: cuDNN's frontend ({found}) is installed but its interval-mask attention "
+            f"does not import ({type(e).__name__}: {e}). Repair the install, or set {SWITCH}=0 "
+            "to run tree attention on FlexAttention.") from e
     return create_mask_plan, _flex_attention_forward, _flex_attention_backward
 
 
@@ -75,8 +117,8 @@ def _arch(index: int) -> int:
 
 def available(device: torch.device) -> bool:
     """Whether cuDNN's kernels run on ``device``."""
-    return (device.type == "cuda" and _arch(device.index or 0) in _ARCH_HEAD_DIMS
-            and _frontend() is not None)
+    return (device.type == "cuda" and _installed()
+            and _arch(device.index or 0) in _ARCH_HEAD_DIMS)
 
 
 def wanted(q, k, v) -> bool:
@@ -213,7 +255,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, parent_token: tor
     [1, A + N, Hk, D] (contiguous; A context rows first, a part's), each row over the keys
     its intervals name."""
     _check(q, k, parent_token)
-    if q.is_cuda and _frontend() is not None and q.dtype in _DTYPES:
+    if q.is_cuda and q.dtype in _DTYPES and _installed():
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         out, lse, _ = _frontend()[1](q, k, v, mask_plan=_plan(parent_token, q, k, v),
                                      softmax_scale=scale, return_lse=True)
@@ -235,7 +277,7 @@ def _attend_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
                      scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) from the output's gradient, the output and its log-sum-exp."""
     _check(q, k, parent_token)
-    if q.is_cuda and _frontend() is not None and q.dtype in _DTYPES:
+    if q.is_cuda and q.dtype in _DTYPES and _installed():
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         dq, dk, dv = _frontend()[2](q, k, v, out.contiguous(), grad.contiguous(), lse,
                                     mask_plan=_plan(parent_token, q, k, v),
