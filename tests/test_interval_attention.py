@@ -312,3 +312,27 @@ def test_parts_on_intervals_match_the_oracle(monkeypatch):
     notes = [r.note for r in runners(tm)[0].engine.contexts[-1].log
              if r.pass_name == "attention"]
     assert len(notes) == 2 and all("interval-mask" in n and "earlier parts" in n for n in notes)
+
+
+@pytest.mark.parametrize("model_type,checkpointing", [("llama", True), ("deepseek_v3", False)])
+def test_families_in_parts_on_intervals_match_the_oracle(model_type, checkpointing, monkeypatch):
+    """Parts on the op for other families (float32, the zoo's probe forest in parts of 40 and
+    9 tokens): with every layer checkpointed (the op in the checkpointed bodies, the context
+    entering them as operands) and MLA's head widths; every gradient against each sequence
+    alone."""
+    from test_parts import _check
+
+    from treefx.run.backward import runners
+    from treefx.tools import zoo
+
+    monkeypatch.setattr(treefx.run.backends, "compile_graph", lambda backend, gm, ex: gm.forward)
+    monkeypatch.setenv("TREEFX_INDUCTOR_ON_CPU", "1")
+    monkeypatch.setenv(intervals.SWITCH, "1")
+    model = zoo.build_model(model_type, torch.float32, checkpointing=checkpointing)
+    tm = treefx.compile(model, backend="inductor", verify=False, block_size=16)
+    trees = zoo.probe_forest(zoo.VOCAB, zoo.special_token_ids(model.config))
+    for budget in (40, 9):
+        _check(tm, trees, budget, rtol=1e-4)
+    notes = [r.note for r in runners(tm)[0].engine.contexts[-1].log
+             if r.pass_name == "attention"]
+    assert len(notes) == 2 and all("interval-mask" in n for n in notes)

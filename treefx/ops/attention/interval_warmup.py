@@ -19,6 +19,7 @@ kernels itself, as without it.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import subprocess
@@ -68,11 +69,24 @@ def start(q, k, v) -> None:
             [sys.executable, "-c", "import runpy, sys; runpy.run_path(sys.argv[1], "
              "run_name='__main__')", os.path.abspath(__file__), *map(str, key)],
             stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    except OSError as e:
+    except (OSError, ValueError, TypeError) as e:  # no interpreter to start (embedded Python)
         log.info("treefx: cuDNN kernel warm-up not started (%s)", e)
+        out.close()
         _done.add(key)
         return
     _running[key] = (proc, out, time.perf_counter())
+
+
+def _stop_all() -> None:
+    """At exit: a child still compiling is stopped (nothing waits for its kernels)."""
+    for proc, out, _ in list(_running.values()):
+        if proc.poll() is None:
+            proc.kill()
+        out.close()
+    _running.clear()
+
+
+atexit.register(_stop_all)
 
 
 def wait(q, k, v) -> None:
