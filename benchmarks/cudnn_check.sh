@@ -156,3 +156,20 @@ if [ "${1:-}" = z49f ]; then
   TREEFX_CUDNN_WARMUP=0 cold z49f_nowarm 150 --layers 4 --warmup 1 --reps 3 --methods treefx
   TREEFX_VERIFY=0 cold z49f_cudnn_nocheck 150 --layers 4 --warmup 1 --reps 3 --methods treefx
 fi
+#   z49g (two GPUs, in the third `stage` call there): DDP on the op. distributed_check's
+#         ddp-speed case (Qwen3-1.7B's layers x8, bf16, synthetic agent trees of POR 0.8, whole
+#         trees; packing through the same compiled model, whose chains also run on the op),
+#         then the same with the op off (TREEFX_CUDNN_ATTENTION=0); every rank starts its own
+#         warm-up process on its GPU
+if [ "${1:-}" = z49g ]; then
+  site
+  for mode in on off; do
+    if [ $mode = off ]; then export TREEFX_CUDNN_ATTENTION=0; fi
+    timeout 280 torchrun --nproc_per_node=2 -m benchmarks.distributed_check --cases ddp-speed \
+      --time-limit 240 --out $OUT/distributed_check_ddp_speed_z49g_$mode.json \
+      > $OUT/distributed_check_ddp_speed_z49g_$mode.log 2>&1
+    echo "ddp-speed $mode rc=$?"; sed -i '/pow_by_natural/d' $OUT/distributed_check_ddp_speed_z49g_$mode.log
+    grep -E "treefx:|packing:|speedup|passed|Error|error" $OUT/distributed_check_ddp_speed_z49g_$mode.log | tail -n 8 | cut -c1-600
+  done
+  unset TREEFX_CUDNN_ATTENTION
+fi
