@@ -1,7 +1,7 @@
 """cuDNN's interval-attention kernels compiled in a second process while the compiler works.
 
 The frontend (:mod:`treefx.ops.attention.intervals`) compiles its CuTe DSL kernels on first
-use: the plan's builders, the forward and the backward, about 17 s on an H100, in the middle of
+use: the plan's builders, the forward and the backward, about 20 s on an H100, in the middle of
 the first step, after Inductor compiled the graph around them. Which kernels a site needs is
 known when the site is lowered (the dtype, head counts and widths: the frontend's compile keys
 name no lengths), so :func:`start` launches this file as a script then, in a fresh Python that
