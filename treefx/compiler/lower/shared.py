@@ -58,10 +58,9 @@ from ..sites import AttentionSite, LogprobsSite, LossSite
 
 __all__ = ["INTERVAL_NOTE", "ScoreMods", "TrunkSplit", "add_bias", "chain_module",
            "check_mask_sources", "constant_scale", "emit_logprobs", "emit_loss", "interval_site",
-           "kv_for_flex",
-           "mask_value", "peel_mask", "replace_conv", "replace_recurrence", "rewrite_scored",
-           "score_mods", "score_sides", "side_for_flex", "traced_site", "trunk_split",
-           "window_note"]
+           "kv_for_flex", "mask_value", "peel_mask", "replace_conv", "replace_recurrence",
+           "rewrite_scored", "score_mods", "score_sides", "side_for_flex", "traced_site",
+           "trunk_split", "window_note"]
 
 log = logging.getLogger("treefx")
 
