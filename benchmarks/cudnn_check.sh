@@ -173,3 +173,12 @@ if [ "${1:-}" = z49g ]; then
   done
   unset TREEFX_CUDNN_ATTENTION
 fi
+#   z49h (in the third `stage` call): 36 layers (regional, a quarter of the tree), the first
+#         step with empty caches, on cuDNN's kernels as shipped, then with FlexAttention's
+#         sites (TREEFX_CUDNN_ATTENTION=0), same host (issue 36: at most 45 s)
+if [ "${1:-}" = z49h ]; then
+  site
+  cold z49h_l36_cudnn 200 --layers 36 --scale 0.25 --warmup 1 --reps 3 --methods treefx
+  TREEFX_CUDNN_ATTENTION=0 cold z49h_l36_flex 200 --layers 36 --scale 0.25 --warmup 1 --reps 3 \
+    --methods treefx
+fi
