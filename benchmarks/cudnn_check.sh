@@ -182,3 +182,15 @@ if [ "${1:-}" = z49h ]; then
   TREEFX_CUDNN_ATTENTION=0 cold z49h_l36_flex 200 --layers 36 --scale 0.25 --warmup 1 --reps 3 \
     --methods treefx
 fi
+#   z49i (in the third `stage` call): the kernels' second process started before Dynamo's
+#         trace, from the model's config (treefx.ops.attention.intervals.warm_up_model); the
+#         first steps with empty caches of 4 and 36 layers on cuDNN's kernels, then both with
+#         FlexAttention's sites, same host
+if [ "${1:-}" = z49i ]; then
+  site
+  cold z49i_cudnn 150 --layers 4 --warmup 1 --reps 3 --methods treefx
+  cold z49i_l36_cudnn 200 --layers 36 --scale 0.25 --warmup 1 --reps 3 --methods treefx
+  TREEFX_CUDNN_ATTENTION=0 cold z49i_flex 150 --layers 4 --warmup 1 --reps 3 --methods treefx
+  TREEFX_CUDNN_ATTENTION=0 cold z49i_l36_flex 200 --layers 36 --scale 0.25 --warmup 1 --reps 3 \
+    --methods treefx
+fi

@@ -225,6 +225,34 @@ def test_a_warm_up_that_fails_is_reported_and_changes_nothing(monkeypatch, caplo
     assert not interval_warmup._running
 
 
+def test_a_models_kernels_are_guessed_from_its_config(monkeypatch):
+    """Before Dynamo's trace, the kernels a model's attention will need are read from its
+    config (heads, KV heads, head width) and its parameters' dtype; an MLA config, float32
+    weights, a head width the kernels do not take, or the CPU start nothing."""
+    from treefx.ops.attention import interval_warmup
+    from treefx.tools import zoo
+
+    started = []
+    monkeypatch.setattr(interval_warmup, "start_for", lambda *a: started.append(a))
+    cuda = torch.device("cuda", 0)
+    model = hf_model("qwen3", "sdpa", torch.bfloat16)  # 4 heads, 2 KV heads of 16
+    intervals.warm_up_model(model, cuda)  # no frontend here
+    monkeypatch.setattr(intervals, "available", lambda device: True)
+    monkeypatch.setattr(intervals, "_arch", lambda index: 90)
+    intervals.warm_up_model(model, torch.device("cpu"))
+    intervals.warm_up_model(model, cuda)  # 16 wide: not the kernels'
+    assert not started
+    model.config.head_dim = 64
+    intervals.warm_up_model(model, cuda)
+    cfg = model.config
+    assert started == [(torch.bfloat16, cfg.num_attention_heads, cfg.num_key_value_heads, 64,
+                        64, cuda)]
+    intervals.warm_up_model(model.float(), cuda)
+    mla = zoo.build_model("deepseek_v3", torch.bfloat16)
+    intervals.warm_up_model(mla, cuda)
+    assert len(started) == 1
+
+
 def test_the_frontend_is_found_without_importing_it():
     """Where the frontend is installed is decided from the installed packages (its import
     takes seconds and waits for the op's first call); here it is not, and an import forced

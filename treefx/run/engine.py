@@ -30,7 +30,7 @@ from ..compiler import GraphBreakError, GraphContext, TreeCompileError, run_pass
 from ..compiler.graph import example, graph_code, module_path
 from ..compiler.lower.parts import PartSites, part_outputs
 from ..layout import TreeBatch, known_host_row, remember_host_row
-from ..ops.attention import check_interleave_heads, check_kernel_options
+from ..ops.attention import check_interleave_heads, check_kernel_options, intervals
 from ..plan import Compiled, Plan
 from ..reference import output_vocab_size, vocab_size
 
@@ -214,6 +214,8 @@ class TreeEngine:
         backend = self.resolve_backend(device)
         if backend == "inductor" and not self.compiled:
             backends.warm_compile_workers()
+            if discover_in is not None:  # before Dynamo's trace, which comes before lowering
+                intervals.warm_up_model(discover_in, device)
         if discover_in is not None and discover_in not in self._prepared:
             prepare_model(discover_in)
             self._prepared.add(discover_in)

@@ -27,7 +27,7 @@ import sys
 import tempfile
 import time
 
-__all__ = ["SWITCH", "start", "wait"]
+__all__ = ["SWITCH", "start", "start_for", "wait"]
 
 SWITCH = "TREEFX_CUDNN_WARMUP"
 _TIMEOUT_S = 300.0
@@ -54,12 +54,18 @@ def _disk_cache_on() -> bool:
 
 
 def start(q, k, v) -> None:
-    """Launch the child for these example q, k, v (``[1, H, N, D]``, on the GPU) unless one
-    ran or runs for their kernels, the switch is off, or the frontend's disk cache is off
-    (then the child's kernels could not reach this process)."""
+    """Launch the child for these example q, k, v (``[1, H, N, D]``, on the GPU): see
+    :func:`start_for`."""
+    start_for(q.dtype, q.shape[1], k.shape[1], q.shape[-1], v.shape[-1], q.device)
+
+
+def start_for(dtype, hq: int, hk: int, d: int, dv: int, device) -> None:
+    """Launch the child for the kernels of this dtype, these query / KV heads and head
+    widths on ``device`` (a GPU) unless one ran or runs for them, the switch is off, or the
+    frontend's disk cache is off (then the child's kernels could not reach this process)."""
     from ..._switches import switched_off
 
-    key = _key(q.dtype, q.shape[1], k.shape[1], q.shape[-1], v.shape[-1], q.device)
+    key = _key(dtype, hq, hk, d, dv, device)
     if key in _running or key in _done or switched_off(SWITCH) or not _disk_cache_on():
         return
     out = tempfile.TemporaryFile()

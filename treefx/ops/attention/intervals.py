@@ -48,7 +48,7 @@ from ..host_row import derived
 from . import interval_warmup
 
 __all__ = ["SWITCH", "available", "tree_intervals", "tree_interval_attention",
-           "tree_part_interval_attention", "wanted", "warm_up"]
+           "tree_part_interval_attention", "wanted", "warm_up", "warm_up_model"]
 
 SWITCH = "TREEFX_CUDNN_ATTENTION"
 _DTYPES = (torch.bfloat16, torch.float16)
@@ -143,6 +143,29 @@ def warm_up(q, k, v) -> None:
     (:mod:`.interval_warmup`), where they will run on cuDNN's kernels."""
     if q.device.type == "cuda" and q.dtype in _DTYPES and available(q.device):
         interval_warmup.start(q, k, v)
+
+
+def warm_up_model(model: torch.nn.Module, device: torch.device) -> None:
+    """Before a model's first capture on ``device``: compile cuDNN's kernels, in a second
+    process, for the attention its Hugging Face config describes (query and KV heads, head
+    width) in its parameters' dtype. Dynamo's trace of a deep model comes before the sites
+    are lowered (15 s at 36 layers), so this starts the kernels' compilation that much
+    earlier. A guess: where the sites differ, :func:`warm_up` starts theirs at lowering; a
+    config it cannot read, or one with MLA's head widths, starts nothing."""
+    if switched_off(SWITCH) or device.type != "cuda" or not available(device):
+        return
+    cfg = getattr(model, "config", None)
+    if cfg is not None and hasattr(cfg, "get_text_config"):
+        cfg = cfg.get_text_config()
+    hq = getattr(cfg, "num_attention_heads", None)
+    if not isinstance(hq, int) or hq <= 0 or getattr(cfg, "kv_lora_rank", None):
+        return
+    hk = getattr(cfg, "num_key_value_heads", None) or hq
+    d = getattr(cfg, "head_dim", None) or getattr(cfg, "hidden_size", 0) // hq
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+    if (dtype in _DTYPES and isinstance(hk, int) and hk > 0 and hq % hk == 0
+            and d in _ARCH_HEAD_DIMS[_arch(device.index or 0)]):
+        interval_warmup.start_for(dtype, hq, hk, d, d, device)
 
 
 def tree_intervals(parent: np.ndarray, context: int = 0) -> np.ndarray:
