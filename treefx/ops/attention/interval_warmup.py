@@ -3,16 +3,20 @@
 The frontend (:mod:`treefx.ops.attention.intervals`) compiles its CuTe DSL kernels on first
 use: the plan's builders, the forward and the backward, about 20 s on an H100, in the middle of
 the first step, after Inductor compiled the graph around them. Which kernels a site needs is
-known when the site is lowered (the dtype, head counts and widths: the frontend's compile keys
-name no lengths), so :func:`start` launches this file as a script then, in a fresh Python that
-imports only torch and the frontend, runs the op once on a short row, and the kernels land in
-the frontend's on-disk cache (``FLEX_ATTENTION_CUTE_DSL_CACHE_*``, which treefx turns on). The
+known from the dtype, head counts and widths (the frontend's compile keys name no lengths):
+from the model's config at its first call, before Dynamo's trace
+(:func:`~treefx.ops.attention.intervals.warm_up_model`, :func:`start_for`), and exactly where
+a site is lowered (:func:`start`, for a site the guess missed). Each launches this file as a
+script in a fresh Python that imports only torch and the frontend, runs the op once on a short
+row, and leaves the kernels in the frontend's on-disk cache
+(``FLEX_ATTENTION_CUTE_DSL_CACHE_*``, which treefx turns on). The
 op imports the frontend at its first call (about 5 s, while the child still works) and calls
 :func:`wait` before its first plan: it waits for that process, then loads the kernels from the
 disk instead of compiling them. A thread in the same process did not help (it competes with
 the compiler for the interpreter: the first step took longer).
 
-The child takes the GPU the site runs on (a CUDA context, a few hundred MB, while it lives).
+The child takes the GPU the site runs on (a CUDA context, a few hundred MB, while it lives);
+a guess from the config that missed costs one such process compiling kernels nothing uses.
 ``TREEFX_CUDNN_WARMUP=0`` turns it off. A child that fails changes nothing: the op compiles its
 kernels itself, as without it.
 """
