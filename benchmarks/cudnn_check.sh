@@ -194,3 +194,19 @@ if [ "${1:-}" = z49i ]; then
   TREEFX_CUDNN_ATTENTION=0 cold z49i_l36_flex 200 --layers 36 --scale 0.25 --warmup 1 --reps 3 \
     --methods treefx
 fi
+#   z49j (carry .data/swe200.jsonl): z42's run on the interval kernels, then off, same host:
+#         the 14 SWE tasks, budget 65,536, treefx and packing (packing's document mask runs on
+#         the same kernels: both sides change), 7 timed treefx steps after 2 warm-ups
+if [ "${1:-}" = z49j ]; then
+  site
+  for mode in on off; do
+    if [ $mode = off ]; then export TREEFX_CUDNN_ATTENTION=0; fi
+    OMP_NUM_THREADS=1 TREEFX_VERIFY=0 timeout 260 python3 -m benchmarks.real_trees \
+      --trees .data/swe200.jsonl --sample 40 --seed 0 --budget 65536 --slice 0:14 \
+      --methods treefx,packing --warmup 2 --reps 7 --time-limit 240 \
+      --out $OUT/real_trees_swe14_z49j_$mode.json > $OUT/real_trees_swe14_z49j_$mode.log 2>&1
+    echo "z49j $mode rc=$?"; sed -i '/pow_by_natural/d' $OUT/real_trees_swe14_z49j_$mode.log
+    grep "tasks\|share\|speed" $OUT/real_trees_swe14_z49j_$mode.log | tail -n 4 | cut -c1-300
+  done
+  unset TREEFX_CUDNN_ATTENTION
+fi
