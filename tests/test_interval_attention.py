@@ -96,6 +96,17 @@ def test_the_intervals_of_parts(seed):
                                           err_msg=f"budget {budget}")
 
 
+def test_a_row_that_is_not_depth_first_is_an_error():
+    """A predecessor at or after its own row (a row not laid out depth first, or a part's
+    predecessors in the wrong coordinates) is an error, not intervals of some other mask."""
+    with pytest.raises(ValueError, match="at or after its own row"):
+        intervals.tree_intervals(np.array([-1, 0, 2]))
+    with pytest.raises(ValueError, match="at or after its own row"):
+        intervals.tree_intervals(np.array([-1, 0, 1]) + 4, context=3)  # local rows 1, 2, 3
+    f = intervals.tree_intervals(np.array([2, 3, 4]), context=3)  # under context row 2
+    np.testing.assert_array_equal(f[:, 0], [3, 3, 4])
+
+
 @pytest.mark.parametrize("group", [1, 2])
 def test_the_op_is_tree_attention(group, monkeypatch):
     """float64: the op's output and the gradients of q, k, v equal dense tree attention's."""
