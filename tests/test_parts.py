@@ -932,3 +932,18 @@ def test_parts_copy_no_row_back_and_forget_their_rows(monkeypatch):
     assert treefx.parts.plan(treefx.pack(trees), 40, block_size=16).num_parts > 16
     _check(tm, trees, 40)
     assert copies == [] and layout._PINNED_ROWS == {}
+
+
+def test_inert_padding_tokens_keep_gradients_finite():
+    """A part shorter than two tokens is padded with inert tokens. Their id was 0, Gemma 3n's
+    padding id, whose zero embedding row made its AltUp take sqrt(0) and every gradient
+    below it NaN in parts of 9 tokens (the loss itself exact). The pad is the part's own
+    last token now: gradients finite and equal to each sequence alone."""
+    from treefx.tools import zoo
+
+    model = zoo.build_model("gemma3n_text", torch.float32)
+    tm = treefx.compile(model, backend="eager", verify=False)
+    trees = zoo.probe_forest(zoo.VOCAB, zoo.special_token_ids(model.config))
+    plan = parts.plan(treefx.pack(trees), 9)
+    assert any(p.num_tokens < 2 for p in plan.parts)  # some part is padded
+    _check(tm, trees, 9, rtol=1e-4)

@@ -637,8 +637,11 @@ def part_tensors(plan: PartPlan, part: Part, device=None, *, min_tokens: int = 2
 
     own_ids, entry = ids[s:e], part.entry_of_token
     extra = max(2, min_tokens) - (e - s)
-    if extra > 0:  # inert tokens: each sees only itself, nothing reads them
-        own_ids = np.append(own_ids, np.zeros(extra, np.int64))
+    if extra > 0:  # inert tokens: each sees only itself, nothing reads them. Their id is the
+        # part's last token's, a real one: id 0 is a padding id in some models, whose zero
+        # embedding row made Gemma 3n's AltUp take sqrt(0), whose backward is 0 * inf = NaN
+        filler = own_ids[-1] if len(own_ids) else 0
+        own_ids = np.append(own_ids, np.full(extra, filler, np.int64))
         entry = np.append(entry, np.full(extra, -1))
         rows = a + (e - s) + np.arange(extra)
         tree_info = np.concatenate(
