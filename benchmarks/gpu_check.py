@@ -708,6 +708,7 @@ def _part_interval_errors(batch, x64, go, dtype) -> dict:
     k, v and of the context's keys and values, in ``dtype`` against float64 dense attention
     under the part's mask; the worst part's relative errors."""
     from treefx import parts
+    from treefx.mask import dense_tree_mask
     from treefx.ops.attention import intervals
 
     plan = parts.plan(batch.to("cpu"), batch.num_tokens // 5)
@@ -726,9 +727,7 @@ def _part_interval_errors(batch, x64, go, dtype) -> dict:
                   for x in x64[1:])
         kc[:, :, :len(idx)], vc[:, :, :len(idx)] = x64[1][:, :, idx], x64[2][:, :, idx]
         g = go[:, :, s:e]
-        se = torch.cat([t["part_info"][2], t["tree_info"][2]])
-        i, j = a + torch.arange(n, device=DEV)[:, None], torch.arange(a + n, device=DEV)
-        mask = (j <= i) & (i < se[None, :])
+        mask = dense_tree_mask(torch.cat([t["part_info"][2], t["tree_info"][2]]))[a:]
 
         def run(fn, xs):
             xs = [x.detach().clone().requires_grad_() for x in xs]

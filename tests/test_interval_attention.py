@@ -70,10 +70,8 @@ def test_the_intervals_of_packed_trees():
 def _part_mask(t: dict) -> np.ndarray:
     """[n, A + n] bool: the keys each of a part's rows sees, as its FlexAttention site's
     ``mask_mod`` has it (key ``j`` of the extended row when ``j <= A + i < subtree_end[j]``)."""
-    se = np.concatenate([t["part_info"][2].numpy(), t["tree_info"][2].numpy()])
-    a, n = t["part_info"].shape[1], t["tree_info"].shape[1]
-    i, j = a + np.arange(n)[:, None], np.arange(a + n)[None, :]
-    return (j <= i) & (i < se[None, :])
+    se = torch.cat([t["part_info"][2], t["tree_info"][2]])
+    return dense_tree_mask(se)[t["part_info"].shape[1]:].numpy()  # the part's query rows
 
 
 @pytest.mark.parametrize("seed", range(6))
