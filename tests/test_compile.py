@@ -249,6 +249,102 @@ def test_mask_from_hidden_states_is_refused_as_such():
         tm(treefx.pack(odd_tree(12, VOCAB)))
 
 
+class MaskFromTokenIds(torch.nn.Module):
+    """Leaves out keys whose token is id 3 (a padding flag per token, computed from the ids),
+    looked up by index grids as masking utilities look a padding mask up."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(VOCAB, 16)
+        self.qkv = torch.nn.Linear(16, 48)
+        self.head = torch.nn.Linear(16, VOCAB)
+
+    def forward(self, input_ids, position_ids=None):
+        x = self.emb(input_ids)
+        q, k, v = (t[:, None] for t in self.qkv(x).chunk(3, dim=-1))
+        n = x.shape[1]
+        qi, ki = torch.arange(n)[:, None], torch.arange(n)[None, :]
+        b = torch.arange(x.shape[0])[:, None, None, None]
+        keep = input_ids != 3
+        mask = ((ki <= qi)[None, None] & keep[b, ki[None, None]]) | (ki == qi)[None, None]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.head(out[:, 0])
+
+
+@pytest.mark.parametrize("backend", ["eager", "flex-eager"])
+def test_mask_reading_token_data_by_index_is_refused(backend):
+    """Lifted into a mask_mod (FlexAttention, the GPU's path), the lookup ran at path
+    positions: a value of the token ``position`` rows into the DFS row, not the key's own
+    (log-probs off by 0.53, no error). Now the lift refuses the data and the mask stays in the
+    graph, where the token-axis check names the lookup."""
+    tm = treefx.compile(MaskFromTokenIds(), backend=backend, verify=False)
+    with pytest.raises(treefx.UnmatchedStateError, match="indexes the token axis"):
+        treefx.verify(tm, odd_forest(3, VOCAB))
+
+
+class MaskFromFilledTensor(torch.nn.Module):
+    """Git's mask: token types ``zeros_like(embeddings)[..., 0]``, a group per token (-1:
+    none) and a bidirectional block per group, or'ed with the causal mask. The filled tensor
+    gives the mask a shape only; the lift used to evaluate the embeddings (learned positions
+    added) per index and failed there, at run time."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(VOCAB, 16)
+        self.pos = torch.nn.Embedding(64, 16)
+        self.qkv = torch.nn.Linear(16, 48)
+        self.head = torch.nn.Linear(16, VOCAB)
+
+    def forward(self, input_ids, position_ids=None):
+        n = input_ids.shape[1]
+        ar = torch.arange(n)
+        x = self.emb(input_ids) + self.pos(ar)[None]
+        q, k, v = (t[:, None] for t in self.qkv(x).chunk(3, dim=-1))
+        qi, ki = ar[None, None, :, None], ar[None, None, None, :]
+        b = torch.arange(x.shape[0])[:, None, None, None]
+        group = torch.where(torch.zeros_like(x)[..., 0] == 1, 0, -1)
+        same = (group[b, qi] == group[b, ki]) & (group[b, qi] >= 0)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=(ki <= qi) | same)
+        return self.head(out[:, 0])
+
+
+def test_mask_reading_a_filled_tensor_is_lifted_and_exact():
+    tm = treefx.compile(MaskFromFilledTensor(), backend="flex-eager", block_size=16,
+                        verify=False)
+    check_against_oracle(tm, odd_forest(3, VOCAB))
+    notes = [r.note for c in tm.contexts for r in c.log if r.pass_name == "attention"]
+    assert notes and all("implied by the tree" in n for n in notes), notes
+
+
+class PrefixLM(torch.nn.Module):
+    """A prefix-LM: its first three positions see each other both ways."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(VOCAB, 16)
+        self.qkv = torch.nn.Linear(16, 48)
+        self.head = torch.nn.Linear(16, VOCAB)
+
+    def forward(self, input_ids, position_ids=None):
+        x = self.emb(input_ids)
+        q, k, v = (t[:, None] for t in self.qkv(x).chunk(3, dim=-1))
+        ar = torch.arange(x.shape[1])
+        qi, ki = ar[None, None, :, None], ar[None, None, None, :]
+        mask = (ki <= qi) | ((qi < 3) & (ki < 3))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.head(out[:, 0])
+
+
+@pytest.mark.parametrize("backend", ["eager", "flex-eager"])
+def test_mask_that_sees_later_keys_is_refused(backend):
+    """The tree mask lets a token see its ancestors only, so a model's mask that lets a
+    query see a later key was cut down to the causal part without a word (log-probs off, and
+    the first-call check's floor, which extends each sequence, moved as much)."""
+    tm = treefx.compile(PrefixLM(), backend=backend, verify=False)
+    with pytest.raises(treefx.UnmatchedAttentionError, match="position 0 sees 1"):
+        tm(treefx.pack(odd_tree(12, VOCAB)))
+
+
 def test_inductor_graphs_get_treefx_config_patches(monkeypatch):
     """Tree graphs go to Inductor with treefx's config patches (the mix-order reduction size
     checks off: they guarded a minimum token count and recompiled every smaller tree; eager's

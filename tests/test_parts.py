@@ -947,3 +947,40 @@ def test_inert_padding_tokens_keep_gradients_finite():
     plan = parts.plan(treefx.pack(trees), 9)
     assert any(p.num_tokens < 2 for p in plan.parts)  # some part is padded
     _check(tm, trees, 9, rtol=1e-4)
+
+
+class AddsIntoItsProjections(torch.nn.Module):
+    """Adds into its embedding's and a projection's outputs in place (``+=``), as RoCBert's
+    and Git's embeddings do: in parts those are treefx's custom ops, whose outputs must not be
+    views (autograd forbids modifying a custom function's view output in place)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(VOCAB, 16)
+        self.pos = torch.nn.Embedding(64, 16)
+        self.proj = torch.nn.Linear(16, 16)
+        self.qkv = torch.nn.Linear(16, 48)
+        self.head = torch.nn.Linear(16, VOCAB)
+
+    def get_input_embeddings(self):  # what treefx.backward routes to the part's rows
+        return self.emb
+
+    def forward(self, input_ids, position_ids=None):
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[1])[None]
+        x = self.emb(input_ids)
+        x += self.pos(position_ids)
+        h = self.proj(x)
+        h += x
+        q, k, v = (t[:, None] for t in self.qkv(h).chunk(3, dim=-1))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)[:, 0]
+        return self.head(out + h)
+
+
+def test_in_place_adds_into_part_embeddings_and_projections():
+    torch.manual_seed(0)
+    tm = treefx.compile(AddsIntoItsProjections(), backend="eager", verify=False)
+    _check(tm, odd_forest(3, VOCAB), 7)
+    ctx = runners(tm)[0].engine.contexts[-1]
+    targets = [n.target for c in ctx.scopes() for n in c.graph.nodes]
+    assert part_embedding in targets and _routed(tm)[0] > 0  # both custom ops took part

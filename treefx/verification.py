@@ -116,6 +116,15 @@ class VerificationReport:
     grad_floor: float = 0.0
     floor_measured: bool = True  # False: within the dtype's tolerance, no floor needed
     stage_seconds: dict[str, float] = field(default_factory=dict)
+    # With the floor: how far the per-sequence log-probs moved when only tokens after them
+    # changed (two random suffixes). Rounding at most for a causal model; more, and the model
+    # is not causal (its own tokens see later ones), which no tree can give it.
+    causal_error: float = 0.0
+
+    @property
+    def causal(self) -> bool:
+        return self.causal_error <= max(self.tolerance.logprob,
+                                        tolerance_for(self.dtype).logprob)
 
     @property
     def logprob_tolerance(self) -> float:
@@ -139,7 +148,7 @@ class VerificationReport:
 
     @property
     def passed(self) -> bool:
-        return (self.max_logprob_error <= self.logprob_tolerance
+        return (self.causal and self.max_logprob_error <= self.logprob_tolerance
                 and self.max_grad_error <= self.grad_tolerance)
 
     def __str__(self) -> str:
@@ -161,6 +170,13 @@ class VerificationReport:
                      f"{self.compared_params} of {self.total_params} parameters")
         if not self.floor_measured:
             text += "; the oracle's own floor not needed (within the dtype's tolerance)"
+        if not self.causal:
+            text += (f"; the model is NOT CAUSAL: changing only the tokens after a position "
+                     f"moved its log-prob by {self.causal_error:.2e} when each sequence ran "
+                     "alone (a mask that lets a query see later keys: a bidirectional span, "
+                     "a prefix-LM prefix?), and a tree gives each sequence later tokens of its "
+                     "own, so the floor above is no rounding and treefx cannot train this "
+                     "model on trees")
         return text + f"; {self.seconds:.2f} s"
 
 
@@ -502,6 +518,8 @@ def verify_compiled(tm, trees=None, *, reduction: str = "mean", grads: bool = Tr
             report.grad_floor = max(_grad_errors(chosen, g_ext, g_ref, tol).values(),
                                     default=0.0)
             report.floor_measured = True
+            with stage("floor"):
+                report.causal_error = _causal_error(oracle, trees, vocab_size, seed)
     report.seconds = time.perf_counter() - t0
     log.info("%s", report)
     if raise_on_failure and not report.passed:
@@ -597,6 +615,17 @@ def _rounding_noise(model: torch.nn.Module, seed: int):
     finally:
         for h in handles:
             h.remove()
+
+
+def _causal_error(oracle, trees, vocab: int, seed: int) -> float:
+    """The largest change of a sequence's log-probs when only the tokens after them change:
+    each sequence run alone with two different random suffixes (no rounding noise, the same
+    shapes). Zero up to rounding for a causal model."""
+    a, b = (_oracle_run(oracle, _extended(trees, vocab, s), "sum", [])[0]
+            for s in (seed + 1, seed + 2))
+    return max((float((x[:len(r)].double() - y[:len(r)].double()).abs().max())
+                for r, x, y in zip(_oracle_run(oracle, trees, "sum", [])[0], a, b) if len(r)),
+               default=0.0)
 
 
 def _extended(trees: list[Tree], vocab: int, seed: int, extra: int = 8) -> list[Tree]:

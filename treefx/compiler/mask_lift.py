@@ -26,9 +26,10 @@ import torch
 import torch.fx as fx
 
 from .graph import KEY_SELECTION, GraphContext, describe, example, is_call
+from .taint import DATA, Taint
 
 __all__ = ["MaskLiftError", "LiftedMask", "LiftedScore", "DenseSide", "dense_side", "lift_mask",
-           "lift_value", "window_of"]
+           "lift_value", "sees_later_keys", "window_of"]
 
 _SHAPE_METHODS = ("expand", "expand_as", "view", "reshape", "unsqueeze", "contiguous",
                   "squeeze", "broadcast_to")
@@ -129,6 +130,8 @@ class LiftedMask:
                 is_call(node, operator.getitem) and _is_pure_view_key(node.args[1])
             ):
                 out = grid(src)
+            elif is_call(node, operator.getitem) and src in self._uniform:
+                out = grid(src)  # any entry of a filled tensor is its one value
             elif is_call(node, operator.getitem):
                 base = grid(src) if _depends(src) else leaf(src)
                 key = node.args[1]
@@ -158,6 +161,7 @@ class LiftedMask:
     boolean: bool = True  # a mask (lift_mask), or any value (lift_value)
     _dep: set
     _vectors: set
+    _uniform: set = frozenset()
 
 
 class LiftedScore:
@@ -359,16 +363,29 @@ def _snapshot(ctx: GraphContext, mask: fx.Node) -> tuple[LiftedMask, tuple[fx.No
         if n.meta.get(KEY_SELECTION):
             raise MaskLiftError(f"`{describe(n)}` holds the keys an indexer selected, which "
                                 "are data, not a function of positions")
-        if not n.meta.get(TABLE):  # a table is read whole, however it was computed
+        # A table is read whole, however it was computed; a uniform constructor's inputs give
+        # it only a shape.
+        if not n.meta.get(TABLE) and _uniform_fill(n) is None:
             for a in n.all_input_nodes:
                 visit(ctx.resolve(a))
         order.append(n)
 
     visit(mask)
+    uniform: set = set()  # the same value at every index: a uniform constructor's, elementwise
     for n in order:
-        if _is_index_source(ctx, n):
+        ins = [ctx.resolve(a) for a in n.all_input_nodes]
+        if _uniform_fill(n) is not None:
+            dep.add(n)
+            uniform.add(n)
+        elif _is_index_source(ctx, n):
             dep.add(n)
             vectors.add(n)
+        elif any(a in uniform for a in ins) and not _keeps_uniform(n):
+            raise MaskLiftError(f"`{describe(n)}` reads a filled tensor other than "
+                                "elementwise")
+        elif any(a in dep for a in ins) and all(a in uniform for a in ins if a in dep):
+            dep.add(n)
+            uniform.add(n)
         elif any(ctx.resolve(a) in dep for a in n.all_input_nodes):
             dep.add(n)
             v = example(n)
@@ -397,8 +414,22 @@ def _snapshot(ctx: GraphContext, mask: fx.Node) -> tuple[LiftedMask, tuple[fx.No
         a = ctx.resolve(a)
         return copies[a] if a in copies else outer(a)
 
+    taint = Taint(ctx)
+    for a in leaves_of(order, dep):
+        v = example(a)
+        if DATA in taint.of(a) and isinstance(v, torch.Tensor) and v.numel() != 1:
+            # Its index grids are path positions (the positions pass), so it would look a
+            # value per token up at a position instead of the token's own row.
+            raise MaskLiftError(f"it reads `{describe(a)}`, computed from the tokens' data (a "
+                                "flag per token, such as `input_ids != pad_token_id`?), at "
+                                "query or key indices, which are path positions on a tree")
     for n in order:
-        if n in dep and n is not positions:
+        fill = _uniform_fill(n)
+        if fill is not None:  # its one value, as a 0-d tensor of its dtype
+            copies[n] = private.call_function(torch.full, ((), fill),
+                                              {"dtype": example(n).dtype})
+            copies[n].meta = dict(n.meta)
+        elif n in dep and n is not positions:
             copies[n] = private.node_copy(n, arg)
         elif n is positions:
             outer(n)
@@ -408,7 +439,90 @@ def _snapshot(ctx: GraphContext, mask: fx.Node) -> tuple[LiftedMask, tuple[fx.No
                         copies[mask], [copies[n] for n in leaves])
     lifted._dep = {copies[n] for n in dep}
     lifted._vectors = {copies[n] for n in vectors}
+    lifted._uniform = {copies[n] for n in uniform}
     return lifted, tuple(leaves)
+
+
+def leaves_of(order, dep) -> list:
+    """The nodes outside ``dep`` that nodes of ``dep`` read (the lifted mask's buffers)."""
+    out = []
+    for n in order:
+        if n in dep and _uniform_fill(n) is None:
+            out.extend(a for a in n.all_input_nodes if a not in dep and a not in out)
+    return out
+
+
+def _uniform_fill(node) -> int | float | bool | None:
+    """The value a constructor fills a tensor with (``zeros``, ``ones``, ``full``, their
+    ``_like`` forms and the ``new_*`` methods; of more or less than one dim) when nothing writes
+    into it afterwards, None for anything else. Its inputs give it a shape only, so the lifted
+    mask reads its one value at every index instead of evaluating them or reading it per row
+    (Git's mask builds token types as ``zeros_like(embeddings)[..., 0]``; Gemma 4's groups are
+    ``full((1, N), -1)``, which a part's positions would index past its own N)."""
+    val = example(node)
+    if not isinstance(val, torch.Tensor) or val.dim() == 1:
+        return None  # (a 1-d one may be a vector of an index: read as such)
+    if is_call(node, torch.zeros, torch.zeros_like, methods=("new_zeros",)):
+        v = 0
+    elif is_call(node, torch.ones, torch.ones_like, methods=("new_ones",)):
+        v = 1
+    elif is_call(node, torch.full, torch.full_like, methods=("new_full",)):
+        v = node.args[1] if len(node.args) > 1 else node.kwargs.get("fill_value")
+    else:
+        return None
+    if not isinstance(v, (int, float, bool)) or _written(node):
+        return None
+    return v
+
+
+_VIEWS = ("view", "reshape", "expand", "expand_as", "unsqueeze", "squeeze", "transpose",
+          "permute", "t", "narrow", "select", "as_strided", "flatten", "unflatten", "movedim",
+          "contiguous", "view_as", "reshape_as", "swapaxes", "diagonal", "split", "chunk",
+          "unbind")
+_INPLACE_OPERATORS = (operator.setitem, operator.iadd, operator.isub, operator.imul,
+                      operator.itruediv, operator.ifloordiv, operator.imod, operator.ipow,
+                      operator.iand, operator.ior, operator.ixor, operator.ilshift,
+                      operator.irshift)
+
+
+def _written(node: fx.Node) -> bool:
+    """Whether anything may write into ``node``'s tensor: an in-place op or ``out=`` on it or
+    on a view of it (views followed through ``getitem`` and the usual view ops)."""
+    stack, seen = [node], set()
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        for u in n.users:
+            name = u.target if isinstance(u.target, str) else getattr(u.target, "__name__", "")
+            if u.target in _INPLACE_OPERATORS or "out" in u.kwargs or (
+                    name.endswith("_") and not name.endswith("__")):
+                return True
+            if is_call(u, operator.getitem, *_SHAPE_FUNCS, torch.transpose, torch.permute,
+                       torch.narrow, torch.select, torch.flatten, torch.movedim,
+                       torch.split, torch.chunk, torch.unbind, methods=_VIEWS) or (
+                    u.op not in ("call_function", "call_method")):
+                stack.append(u)  # a view (or a body's use): its writes are the tensor's
+    return False
+
+
+_ELEMENTWISE = {operator.eq, operator.ne, operator.lt, operator.le, operator.gt, operator.ge,
+                operator.and_, operator.or_, operator.xor, operator.invert, operator.not_,
+                operator.add, operator.sub, operator.mul, operator.neg, torch.where, torch.eq,
+                torch.ne, torch.lt, torch.le, torch.gt, torch.ge, torch.logical_and,
+                torch.logical_or, torch.logical_not, torch.add, torch.sub, torch.mul,
+                operator.getitem, *_SHAPE_FUNCS}
+_ELEMENTWISE_METHODS = ("eq", "ne", "lt", "le", "gt", "ge", "logical_and", "logical_or",
+                        "logical_not", "add", "sub", "mul", "to", "bool", "long", "int", "float",
+                        "type_as", "__and__", "__or__", "__invert__", *_SHAPE_METHODS)
+
+
+def _keeps_uniform(node) -> bool:
+    """Whether ``node`` maps a value that is the same at every index to one that is too:
+    elementwise ops, indexing and shape ops (a reduction over a filled tensor is not its one
+    value)."""
+    return is_call(node, *_ELEMENTWISE, methods=_ELEMENTWISE_METHODS)
 
 
 _CAST_METHODS = ("to", "type", "type_as", "float", "half", "bfloat16")
@@ -510,6 +624,32 @@ def implied_by_tree(lifted: LiftedMask, leaves: tuple[fx.Node, ...]) -> bool:
     except Exception:  # noqa: BLE001 - a mask the probe cannot evaluate is simply kept
         return False
     return bool(out.all())
+
+
+def sees_later_keys(lifted: LiftedMask, leaves: tuple[fx.Node, ...]) -> tuple[int, int] | None:
+    """A (q_pos, kv_pos) pair with kv_pos > q_pos that the model's mask lets the query see
+    (a bidirectional span: Gemma 3's image tokens, a prefix-LM prefix), or None. A tree gives
+    each sequence its own later tokens, so such a mask has no tree form. Probed where the
+    mask reads no data but treefx's all-ones padding mask (else None: the first-call check's
+    causality probe is left to find it)."""
+    bufs = []
+    kv, q = _probe_pairs()  # swapped: every pair has kv_pos >= q_pos
+    later = kv > q
+    q, kv = q[later], kv[later]
+    for leaf in leaves:
+        val = example(leaf)
+        if not is_all_ones_input(leaf) or val is None or val.dim() != 2 or val.shape[0] != 1:
+            return None
+        bufs.append(torch.ones(1, int(kv.max()) + 1, dtype=val.dtype))
+    zero = torch.zeros((), dtype=torch.int64)
+    try:
+        with torch.no_grad():
+            out = lifted.evaluate(zero, zero, q, kv, *bufs)
+    except Exception:  # noqa: BLE001 - a mask the probe cannot evaluate: not judged here
+        return None
+    out = out.reshape(-1).expand(q.shape[0]) if out.numel() == 1 else out.reshape(-1)
+    hit = out.nonzero()
+    return None if hit.numel() == 0 else (int(q[hit[0, 0]]), int(kv[hit[0, 0]]))
 
 
 # ---------------------------------------------------------------------------- windows

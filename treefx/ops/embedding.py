@@ -4,7 +4,6 @@ gradient goes to the part's rows only (:func:`part_embedding`)."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 __all__ = ["part_embedding"]
 
@@ -22,7 +21,12 @@ def part_embedding(ids: torch.Tensor, weight: torch.Tensor, sink: torch.Tensor,
 @torch.library.custom_op("treefx::part_embedding", mutates_args=())
 def _part_embedding(ids: torch.Tensor, weight: torch.Tensor, sink: torch.Tensor,
                     padding_idx: int) -> torch.Tensor:
-    return F.embedding(ids, weight)
+    # Written into a tensor of the output's own shape: F.embedding returns a view (of its
+    # [n, D] rows), and a custom op's output that is a view may not be modified in place
+    # (models add position embeddings into it with +=).
+    out = weight.new_empty(*ids.shape, weight.shape[1])
+    torch.index_select(weight, 0, ids.reshape(-1), out=out.view(-1, weight.shape[1]))
+    return out
 
 
 @_part_embedding.register_fake

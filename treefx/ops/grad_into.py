@@ -17,7 +17,6 @@ Inductor performs in place.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 __all__ = ["linear_grad_into", "mm_into_"]
 
@@ -40,7 +39,16 @@ def mm_into_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
 @torch.library.custom_op("treefx::linear_grad_into", mutates_args=())
 def _linear_grad_into(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                       grad_into: torch.Tensor) -> torch.Tensor:
-    return F.linear(x, weight, bias)
+    # Written into a tensor of the output's own shape: F.linear of a 3-d input returns a view
+    # of its 2-d product, and a custom op's output that is a view may not be modified in place
+    # (models add embeddings into a projection's output with +=).
+    out = x.new_empty(*x.shape[:-1], weight.shape[0])
+    x2, o2 = x.reshape(-1, x.shape[-1]), out.view(-1, weight.shape[0])
+    if bias is None:
+        torch.mm(x2, weight.t(), out=o2)
+    else:
+        torch.addmm(bias, x2, weight.t(), out=o2)
+    return out
 
 
 @_linear_grad_into.register_fake

@@ -41,6 +41,7 @@ from ..mask_lift import (
     lift_mask,
     lift_value,
     mask_applications,
+    sees_later_keys,
     window_of,
 )
 from ..patterns import (
@@ -106,6 +107,15 @@ def check_mask_sources(ctx: GraphContext, site: AttentionSite, mask: fx.Node) ->
                                      "position_ids?), which cannot be evaluated per sequence; "
                                      "pass attention_mask to the model")
         stack.extend(ctx.resolve(a) for a in n.all_input_nodes)
+    try:
+        later = sees_later_keys(*lift_mask(ctx, mask))
+    except MaskLiftError:
+        later = None  # (the callers lift it themselves, or refuse)
+    if later is not None:
+        raise _fail(site.anchor, f"its attention mask lets a query see a later key (position "
+                                 f"{later[0]} sees {later[1]}: a bidirectional span, a "
+                                 "prefix-LM prefix?); on a tree each sequence has later tokens "
+                                 "of its own, so this attention has no tree form")
 
 
 def kv_for_flex(site: AttentionSite, k: fx.Node):

@@ -242,6 +242,11 @@ class FlexSite:
         scale = self.scale if self.scale is not None else 1.0 / math.sqrt(q.shape[-1])
         kernel_options = _apply_kernel_options(q, k, v, self.return_lse,
                                                {**STANDARD_KERNEL, **self.kernel_options})
+        # A mask_mod's value is boolean: nothing it reads gets a gradient through it, so the
+        # tensors it captures are detached (exactly; FlexAttention refuses captured mask
+        # tensors that require grad, and a model's lifted mask can read one: Git's reads its
+        # embeddings, of which it uses only the shape).
+        mask_bufs = tuple(b.detach() if isinstance(b, torch.Tensor) else b for b in mask_bufs)
         out, lse, *_ = flex_hop(
             q, k, v, score_mod, block_mask.as_tuple(), scale, kernel_options,
             score_bufs, mask_bufs,
