@@ -211,3 +211,30 @@ if [ "${1:-}" = z49j ]; then
   done
   unset TREEFX_CUDNN_ATTENTION
 fi
+# Stage z50 (2026-11-28; the wheels staged again: three `stage` calls)
+#   z50a (in the third `stage` call): the interval op's host time per call against its GPU
+#         time (benchmarks.interval_host: the e2e profile's host gaps name the op), gpu_check's
+#         intervals and families cases after 1cef588 (mask lifting: filled tensors, masks that
+#         see later keys, data read by index), then e2e at 4 layers with --profile, treefx alone
+#   z50b (carry .data/swe200.jsonl): z42's protocol on the interval kernels, both sides (14
+#         SWE tasks, budget 65,536, 7 timed treefx steps after 2 warm-ups, one CPU thread,
+#         first-call checks off): the share of the token-count bound with the cudnn extra
+if [ "${1:-}" = z50a ]; then
+  site
+  timeout 90 python3 -m benchmarks.interval_host --out $OUT/interval_host_z50a.json \
+    > $OUT/interval_host_z50a.log 2>&1
+  echo "interval_host rc=$?"; tail -n 8 $OUT/interval_host_z50a.log
+  timeout 200 python3 -m benchmarks.gpu_check --cases intervals,families \
+    --out $OUT/gpu_check_z50a.json > $OUT/gpu_check_z50a.log 2>&1
+  echo "gpu_check rc=$?"; grep -iE "passed|failed|error" $OUT/gpu_check_z50a.log | head -20
+  cold z50a 150 --layers 4 --warmup 2 --reps 5 --profile --methods treefx
+fi
+if [ "${1:-}" = z50b ]; then
+  site
+  OMP_NUM_THREADS=1 TREEFX_VERIFY=0 timeout 560 python3 -m benchmarks.real_trees \
+    --trees .data/swe200.jsonl --sample 40 --seed 0 --budget 65536 --slice 0:14 \
+    --methods treefx,packing --warmup 2 --reps 7 --time-limit 520 \
+    --out $OUT/real_trees_swe14_z50b_intervals.json > $OUT/real_trees_swe14_z50b_intervals.log 2>&1
+  echo "z50b rc=$?"; sed -i '/pow_by_natural/d' $OUT/real_trees_swe14_z50b_intervals.log
+  grep "tasks\|share\|slower" $OUT/real_trees_swe14_z50b_intervals.log | tail -n 4 | cut -c1-300
+fi
