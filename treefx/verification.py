@@ -99,7 +99,9 @@ class VerificationReport:
 
     ``worst_token``: (sequence, position in it,
     DFS index) of the largest log-probability error; ``grad_errors``: relative error per
-    compared parameter (empty without autograd)."""
+    compared parameter (empty without autograd); ``causal_error`` (measured with the floor):
+    how far a sequence's log-probs moved when only the tokens after them changed, above the
+    dtype's tolerance for a model that is not causal (``causal`` False: the check fails)."""
 
     dtype: torch.dtype
     tolerance: Tolerance
