@@ -316,6 +316,37 @@ def test_mask_reading_a_filled_tensor_is_lifted_and_exact():
     assert notes and all("implied by the tree" in n for n in notes), notes
 
 
+class WrittenKeep(torch.nn.Module):
+    """Leaves out the key at position 1 for every later query, through a table filled with
+    ones and then written into: a filled tensor that is written into is no single value, and
+    is read per position (what it holds for each sequence)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(VOCAB, 16)
+        self.qkv = torch.nn.Linear(16, 48)
+        self.head = torch.nn.Linear(16, VOCAB)
+
+    def forward(self, input_ids, position_ids=None):
+        x = self.emb(input_ids)
+        q, k, v = (t[:, None] for t in self.qkv(x).chunk(3, dim=-1))
+        n = x.shape[1]
+        ar = torch.arange(n)
+        qi, ki = ar[None, None, :, None], ar[None, None, None, :]
+        b = torch.arange(x.shape[0])[:, None, None, None]
+        keep = torch.ones((x.shape[0], n), dtype=torch.bool)
+        keep[:, 1:2] = False
+        mask = (ki <= qi) & (keep[b, ki] | (ki == qi))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.head(out[:, 0])
+
+
+@pytest.mark.parametrize("backend", ["eager", "flex-eager"])
+def test_mask_reading_a_written_filled_tensor_reads_what_was_written(backend):
+    tm = treefx.compile(WrittenKeep(), backend=backend, verify=False)
+    check_against_oracle(tm, odd_forest(3, VOCAB))
+
+
 class PrefixLM(torch.nn.Module):
     """A prefix-LM: its first three positions see each other both ways."""
 

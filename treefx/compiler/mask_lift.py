@@ -496,8 +496,10 @@ def _written(node: fx.Node) -> bool:
         seen.add(n)
         for u in n.users:
             name = u.target if isinstance(u.target, str) else getattr(u.target, "__name__", "")
-            if u.target in _INPLACE_OPERATORS or "out" in u.kwargs or (
-                    name.endswith("_") and not name.endswith("__")):
+            schema = getattr(u.target, "_schema", None)  # an aten op: its own word on it
+            if u.target in _INPLACE_OPERATORS or "out" in u.kwargs or u.kwargs.get("inplace") \
+                    or (name.endswith("_") and not name.endswith("__")) \
+                    or (schema is not None and schema.is_mutable):
                 return True
             if is_call(u, operator.getitem, *_SHAPE_FUNCS, torch.transpose, torch.permute,
                        torch.narrow, torch.select, torch.flatten, torch.movedim,
