@@ -124,7 +124,9 @@ class LiftedMask:
                 return leaf(node)
             val = example(node)
             src = node.args[0] if node.args else None
-            if _is_broadcast_of_vector(node, self._vectors):
+            if node in self._fills:  # a filled tensor's one value, on the positions' device
+                out = q_pos.new_full((), node.args[1], dtype=node.kwargs["dtype"])
+            elif _is_broadcast_of_vector(node, self._vectors):
                 out = vector(src, _axis_role(node))
             elif is_call(node, *_SHAPE_FUNCS, methods=_SHAPE_METHODS) or (
                 is_call(node, operator.getitem) and _is_pure_view_key(node.args[1])
@@ -162,6 +164,7 @@ class LiftedMask:
     _dep: set
     _vectors: set
     _uniform: set = frozenset()
+    _fills: set = frozenset()
 
 
 class LiftedScore:
@@ -440,6 +443,7 @@ def _snapshot(ctx: GraphContext, mask: fx.Node) -> tuple[LiftedMask, tuple[fx.No
     lifted._dep = {copies[n] for n in dep}
     lifted._vectors = {copies[n] for n in vectors}
     lifted._uniform = {copies[n] for n in uniform}
+    lifted._fills = {copies[n] for n in order if _uniform_fill(n) is not None}
     return lifted, tuple(leaves)
 
 
