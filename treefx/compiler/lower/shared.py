@@ -82,11 +82,15 @@ def mask_value(ctx: GraphContext, site: AttentionSite):
     return m
 
 
-def check_mask_sources(ctx: GraphContext, site: AttentionSite, mask: fx.Node) -> None:
+def check_mask_sources(ctx: GraphContext, site: AttentionSite, mask: fx.Node,
+                       allowed: bool = True) -> None:
     """A model mask may see the tree only through the positions pass's grids.
 
     A mask computed from ``position_ids`` some other way (Hugging Face infers packed documents
     from jumps in them) would, on the DFS row, cut a child node off from its parent's tokens.
+    With ``allowed`` (``mask`` is True where a query may attend, as :func:`mask_value` and
+    :func:`peel_mask` give it; not a score op's side, whose sense the chain decides), a mask
+    that lets a query see a later key is refused too.
     """
     stack, seen = [ctx.resolve(mask)], set()
     while stack:
@@ -108,7 +112,7 @@ def check_mask_sources(ctx: GraphContext, site: AttentionSite, mask: fx.Node) ->
                                      "pass attention_mask to the model")
         stack.extend(ctx.resolve(a) for a in n.all_input_nodes)
     try:
-        later = sees_later_keys(*lift_mask(ctx, mask))
+        later = sees_later_keys(*lift_mask(ctx, mask)) if allowed else None
     except MaskLiftError:
         later = None  # (the callers lift it themselves, or refuse)
     if later is not None:
@@ -201,7 +205,7 @@ def score_mods(ctx: GraphContext, site: AttentionSite, in_part: bool = False) ->
     sides = score_sides(chain, sc.scores)
     lifted_sides, score_bufs = [], []
     for side in sides:
-        check_mask_sources(ctx, site, side)
+        check_mask_sources(ctx, site, side, allowed=False)
         try:
             # in parts, a function of positions only: read where the model computed it, a
             # side has no entries for the context's keys
