@@ -88,6 +88,35 @@ class EinsumAttention(torch.nn.Module):
         return self.head(torch.einsum("bqk,bkd->bqd", att, v))
 
 
+class MaskedAttention(torch.nn.Module):
+    """One attention layer with a mask of the model's own: :meth:`mask` builds it ([B or 1,
+    1, n, n] bool, True where a query may attend) from index grids ``b``, ``qi``, ``ki``
+    ([B, 1, 1, 1], [1, 1, n, 1], [1, 1, 1, n]) as masking utilities do (the mask-lifting
+    tests' models)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(VOCAB, 16)
+        self.qkv = torch.nn.Linear(16, 48)
+        self.head = torch.nn.Linear(16, VOCAB)
+
+    def embed(self, input_ids):
+        return self.emb(input_ids)
+
+    def mask(self, input_ids, x, b, qi, ki):
+        raise NotImplementedError
+
+    def forward(self, input_ids, position_ids=None):
+        x = self.embed(input_ids)
+        q, k, v = (t[:, None] for t in self.qkv(x).chunk(3, dim=-1))
+        ar = torch.arange(x.shape[1])
+        grids = (torch.arange(x.shape[0])[:, None, None, None], ar[None, None, :, None],
+                 ar[None, None, None, :])
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=self.mask(input_ids, x, *grids))
+        return self.head(out[:, 0])
+
+
 class Wrapper(torch.nn.Module):
     def __init__(self):
         super().__init__()

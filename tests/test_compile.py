@@ -10,6 +10,7 @@ from support import (
     HF_CONFIGS,
     VOCAB,
     BreaksGraph,
+    MaskedAttention,
     Wrapper,
     check_against_oracle,
     hf_model,
@@ -249,26 +250,13 @@ def test_mask_from_hidden_states_is_refused_as_such():
         tm(treefx.pack(odd_tree(12, VOCAB)))
 
 
-class MaskFromTokenIds(torch.nn.Module):
+class MaskFromTokenIds(MaskedAttention):
     """Leaves out keys whose token is id 3 (a padding flag per token, computed from the ids),
     looked up by index grids as masking utilities look a padding mask up."""
 
-    def __init__(self):
-        super().__init__()
-        self.emb = torch.nn.Embedding(VOCAB, 16)
-        self.qkv = torch.nn.Linear(16, 48)
-        self.head = torch.nn.Linear(16, VOCAB)
-
-    def forward(self, input_ids, position_ids=None):
-        x = self.emb(input_ids)
-        q, k, v = (t[:, None] for t in self.qkv(x).chunk(3, dim=-1))
-        n = x.shape[1]
-        qi, ki = torch.arange(n)[:, None], torch.arange(n)[None, :]
-        b = torch.arange(x.shape[0])[:, None, None, None]
+    def mask(self, input_ids, x, b, qi, ki):
         keep = input_ids != 3
-        mask = ((ki <= qi)[None, None] & keep[b, ki[None, None]]) | (ki == qi)[None, None]
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        return self.head(out[:, 0])
+        return ((ki <= qi) & keep[b, ki]) | (ki == qi)
 
 
 @pytest.mark.parametrize("backend", ["eager", "flex-eager"])
@@ -276,13 +264,13 @@ def test_mask_reading_token_data_by_index_is_refused(backend):
     """Lifted into a mask_mod (FlexAttention, the GPU's path), the lookup ran at path
     positions: a value of the token ``position`` rows into the DFS row, not the key's own
     (log-probs off by 0.53, no error). Now the lift refuses the data and the mask stays in the
-    graph, where the token-axis check names the lookup."""
+    graph, where the token-axis check (a TokenAxisError) names the lookup."""
     tm = treefx.compile(MaskFromTokenIds(), backend=backend, verify=False)
     with pytest.raises(treefx.UnmatchedStateError, match="indexes the token axis"):
         treefx.verify(tm, odd_forest(3, VOCAB))
 
 
-class MaskFromFilledTensor(torch.nn.Module):
+class MaskFromFilledTensor(MaskedAttention):
     """Git's mask: token types ``zeros_like(embeddings)[..., 0]``, a group per token (-1:
     none) and a bidirectional block per group, or'ed with the causal mask. The filled tensor
     gives the mask a shape only; the lift used to evaluate the embeddings (learned positions
@@ -290,22 +278,14 @@ class MaskFromFilledTensor(torch.nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.emb = torch.nn.Embedding(VOCAB, 16)
         self.pos = torch.nn.Embedding(64, 16)
-        self.qkv = torch.nn.Linear(16, 48)
-        self.head = torch.nn.Linear(16, VOCAB)
 
-    def forward(self, input_ids, position_ids=None):
-        n = input_ids.shape[1]
-        ar = torch.arange(n)
-        x = self.emb(input_ids) + self.pos(ar)[None]
-        q, k, v = (t[:, None] for t in self.qkv(x).chunk(3, dim=-1))
-        qi, ki = ar[None, None, :, None], ar[None, None, None, :]
-        b = torch.arange(x.shape[0])[:, None, None, None]
+    def embed(self, input_ids):
+        return self.emb(input_ids) + self.pos(torch.arange(input_ids.shape[1]))[None]
+
+    def mask(self, input_ids, x, b, qi, ki):
         group = torch.where(torch.zeros_like(x)[..., 0] == 1, 0, -1)
-        same = (group[b, qi] == group[b, ki]) & (group[b, qi] >= 0)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=(ki <= qi) | same)
-        return self.head(out[:, 0])
+        return (ki <= qi) | ((group[b, qi] == group[b, ki]) & (group[b, qi] >= 0))
 
 
 def test_mask_reading_a_filled_tensor_is_lifted_and_exact():
@@ -316,29 +296,15 @@ def test_mask_reading_a_filled_tensor_is_lifted_and_exact():
     assert notes and all("implied by the tree" in n for n in notes), notes
 
 
-class WrittenKeep(torch.nn.Module):
+class WrittenKeep(MaskedAttention):
     """Leaves out the key at position 1 for every later query, through a table filled with
     ones and then written into: a filled tensor that is written into is no single value, and
     is read per position (what it holds for each sequence)."""
 
-    def __init__(self):
-        super().__init__()
-        self.emb = torch.nn.Embedding(VOCAB, 16)
-        self.qkv = torch.nn.Linear(16, 48)
-        self.head = torch.nn.Linear(16, VOCAB)
-
-    def forward(self, input_ids, position_ids=None):
-        x = self.emb(input_ids)
-        q, k, v = (t[:, None] for t in self.qkv(x).chunk(3, dim=-1))
-        n = x.shape[1]
-        ar = torch.arange(n)
-        qi, ki = ar[None, None, :, None], ar[None, None, None, :]
-        b = torch.arange(x.shape[0])[:, None, None, None]
-        keep = torch.ones((x.shape[0], n), dtype=torch.bool)
+    def mask(self, input_ids, x, b, qi, ki):
+        keep = torch.ones(x.shape[:2], dtype=torch.bool)
         keep[:, 1:2] = False
-        mask = (ki <= qi) & (keep[b, ki] | (ki == qi))
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        return self.head(out[:, 0])
+        return (ki <= qi) & (keep[b, ki] | (ki == qi))
 
 
 @pytest.mark.parametrize("backend", ["eager", "flex-eager"])
@@ -347,23 +313,11 @@ def test_mask_reading_a_written_filled_tensor_reads_what_was_written(backend):
     check_against_oracle(tm, odd_forest(3, VOCAB))
 
 
-class PrefixLM(torch.nn.Module):
+class PrefixLM(MaskedAttention):
     """A prefix-LM: its first three positions see each other both ways."""
 
-    def __init__(self):
-        super().__init__()
-        self.emb = torch.nn.Embedding(VOCAB, 16)
-        self.qkv = torch.nn.Linear(16, 48)
-        self.head = torch.nn.Linear(16, VOCAB)
-
-    def forward(self, input_ids, position_ids=None):
-        x = self.emb(input_ids)
-        q, k, v = (t[:, None] for t in self.qkv(x).chunk(3, dim=-1))
-        ar = torch.arange(x.shape[1])
-        qi, ki = ar[None, None, :, None], ar[None, None, None, :]
-        mask = (ki <= qi) | ((qi < 3) & (ki < 3))
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        return self.head(out[:, 0])
+    def mask(self, input_ids, x, b, qi, ki):
+        return (ki <= qi) | ((qi < 3) & (ki < 3))
 
 
 @pytest.mark.parametrize("backend", ["eager", "flex-eager"])

@@ -616,20 +616,26 @@ def implied_by_tree(lifted: LiftedMask, leaves: tuple[fx.Node, ...]) -> bool:
     implies it and it can go, keeping the tree's full blocks. A sliding window, chunked
     attention or anything else position-dependent shows up as a False pair and is kept.
     """
+    out = _probe(lifted, leaves, *_probe_pairs())
+    return out is not None and bool(out.all())
+
+
+def _probe(lifted: LiftedMask, leaves, q: torch.Tensor, kv: torch.Tensor):
+    """The mask at each (q[i], kv[i]) pair, [len(q)] bool; None where it reads data other than
+    treefx's all-ones padding mask or cannot be evaluated so."""
     bufs = []
-    q, kv = _probe_pairs()
     for leaf in leaves:
         val = example(leaf)
         if not is_all_ones_input(leaf) or val is None or val.dim() != 2 or val.shape[0] != 1:
-            return False
-        bufs.append(torch.ones(1, int(q.max()) + 1, dtype=val.dtype))
+            return None
+        bufs.append(torch.ones(1, int(max(q.max(), kv.max())) + 1, dtype=val.dtype))
     zero = torch.zeros((), dtype=torch.int64)
     try:
         with torch.no_grad():
             out = lifted.evaluate(zero, zero, q, kv, *bufs)
-    except Exception:  # noqa: BLE001 - a mask the probe cannot evaluate is simply kept
-        return False
-    return bool(out.all())
+    except Exception:  # noqa: BLE001 - a mask the probe cannot evaluate is not judged here
+        return None
+    return out.reshape(-1).expand(q.shape[0]) if out.numel() == 1 else out.reshape(-1)
 
 
 def sees_later_keys(lifted: LiftedMask, leaves: tuple[fx.Node, ...]) -> tuple[int, int] | None:
@@ -638,22 +644,12 @@ def sees_later_keys(lifted: LiftedMask, leaves: tuple[fx.Node, ...]) -> tuple[in
     each sequence its own later tokens, so such a mask has no tree form. Probed where the
     mask reads no data but treefx's all-ones padding mask (else None: the first-call check's
     causality probe is left to find it)."""
-    bufs = []
     kv, q = _probe_pairs()  # swapped: every pair has kv_pos >= q_pos
     later = kv > q
     q, kv = q[later], kv[later]
-    for leaf in leaves:
-        val = example(leaf)
-        if not is_all_ones_input(leaf) or val is None or val.dim() != 2 or val.shape[0] != 1:
-            return None
-        bufs.append(torch.ones(1, int(kv.max()) + 1, dtype=val.dtype))
-    zero = torch.zeros((), dtype=torch.int64)
-    try:
-        with torch.no_grad():
-            out = lifted.evaluate(zero, zero, q, kv, *bufs)
-    except Exception:  # noqa: BLE001 - a mask the probe cannot evaluate: not judged here
+    out = _probe(lifted, leaves, q, kv)
+    if out is None:
         return None
-    out = out.reshape(-1).expand(q.shape[0]) if out.numel() == 1 else out.reshape(-1)
     hit = out.nonzero()
     return None if hit.numel() == 0 else (int(q[hit[0, 0]]), int(kv[hit[0, 0]]))
 
