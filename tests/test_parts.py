@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from support import VOCAB, grads, hf_model
+from support import VOCAB, MaskedAttention, grads, hf_model
 
 import treefx
 from treefx import parts
@@ -984,3 +984,20 @@ def test_in_place_adds_into_part_embeddings_and_projections():
     ctx = runners(tm)[0].engine.contexts[-1]
     targets = [n.target for c in ctx.scopes() for n in c.graph.nodes]
     assert part_embedding in targets and _routed(tm)[0] > 0  # both custom ops took part
+
+
+class ChunkedFromZeros(MaskedAttention):
+    """Llama 4's chunked mask: its left padding counted as ``zeros_like(..).sum(-1)`` (a
+    reduction of a filled tensor: its one value, 0) and key chunks of 4 positions."""
+
+    def mask(self, input_ids, x, b, qi, ki):
+        pad = torch.zeros_like(input_ids).sum(-1)[:, None, None, None]
+        return (ki <= qi) & ((ki - pad) // 4 == (qi - pad) // 4)
+
+
+def test_a_mask_reading_a_reduced_filled_tensor_runs_in_parts():
+    """In parts a model's mask is evaluated for the context's keys; the reduction of a filled
+    tensor was refused there (Llama 4 in parts), and is its value now."""
+    torch.manual_seed(0)
+    tm = treefx.compile(ChunkedFromZeros(), backend="flex-eager", block_size=16, verify=False)
+    _check(tm, odd_forest(3, VOCAB), 7)

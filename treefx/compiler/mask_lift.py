@@ -126,6 +126,8 @@ class LiftedMask:
             src = node.args[0] if node.args else None
             if node in self._fills:  # a filled tensor's one value, on the positions' device
                 out = q_pos.new_full((), node.args[1], dtype=node.kwargs["dtype"])
+            elif node in self._reductions:  # of a filled tensor, its value (cast below)
+                out = grid(src)
             elif _is_broadcast_of_vector(node, self._vectors):
                 out = vector(src, _axis_role(node))
             elif is_call(node, *_SHAPE_FUNCS, methods=_SHAPE_METHODS) or (
@@ -165,6 +167,7 @@ class LiftedMask:
     _vectors: set
     _uniform: set = frozenset()
     _fills: set = frozenset()
+    _reductions: set = frozenset()
 
 
 class LiftedScore:
@@ -375,6 +378,7 @@ def _snapshot(ctx: GraphContext, mask: fx.Node) -> tuple[LiftedMask, tuple[fx.No
 
     visit(mask)
     uniform: set = set()  # the same value at every index: a uniform constructor's, elementwise
+    reductions: set = set()  # reductions of a filled tensor that keep its value
     for n in order:
         ins = [ctx.resolve(a) for a in n.all_input_nodes]
         if _uniform_fill(n) is not None:
@@ -383,6 +387,10 @@ def _snapshot(ctx: GraphContext, mask: fx.Node) -> tuple[LiftedMask, tuple[fx.No
         elif _is_index_source(ctx, n):
             dep.add(n)
             vectors.add(n)
+        elif any(a in uniform for a in ins) and _reduces_uniform(n, ctx):
+            dep.add(n)  # its value is its filled input's (Llama 4's zeros_like(..).sum(-1))
+            uniform.add(n)
+            reductions.add(n)
         elif any(a in uniform for a in ins) and not _keeps_uniform(n):
             raise MaskLiftError(f"`{describe(n)}` reads a filled tensor other than "
                                 "elementwise")
@@ -444,6 +452,7 @@ def _snapshot(ctx: GraphContext, mask: fx.Node) -> tuple[LiftedMask, tuple[fx.No
     lifted._vectors = {copies[n] for n in vectors}
     lifted._uniform = {copies[n] for n in uniform}
     lifted._fills = {copies[n] for n in order if _uniform_fill(n) is not None}
+    lifted._reductions = {copies[n] for n in reductions}
     return lifted, tuple(leaves)
 
 
@@ -522,6 +531,20 @@ _ELEMENTWISE = {operator.eq, operator.ne, operator.lt, operator.le, operator.gt,
 _ELEMENTWISE_METHODS = ("eq", "ne", "lt", "le", "gt", "ge", "logical_and", "logical_or",
                         "logical_not", "add", "sub", "mul", "to", "bool", "long", "int", "float",
                         "type_as", "__and__", "__or__", "__invert__", *_SHAPE_METHODS)
+
+
+_KEEPING_REDUCTIONS = (torch.amax, torch.amin, torch.mean, torch.any, torch.all)
+_KEEPING_REDUCTION_METHODS = ("amax", "amin", "mean", "any", "all")
+
+
+def _reduces_uniform(node, ctx: GraphContext) -> bool:
+    """Whether ``node`` reduces a filled tensor to that same value: a max, min, mean, any or
+    all of it, or a sum of zeros (Llama 4 counts left padding as ``zeros_like(..).sum(-1)``)."""
+    if is_call(node, *_KEEPING_REDUCTIONS, methods=_KEEPING_REDUCTION_METHODS):
+        return True
+    if is_call(node, torch.sum, methods=("sum",)) and node.args:
+        return _uniform_fill(ctx.resolve(node.args[0])) == 0
+    return False
 
 
 def _keeps_uniform(node) -> bool:
