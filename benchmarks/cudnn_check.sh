@@ -238,3 +238,44 @@ if [ "${1:-}" = z50b ]; then
   echo "z50b rc=$?"; sed -i '/pow_by_natural/d' $OUT/real_trees_swe14_z50b_intervals.log
   grep "tasks\|share\|slower" $OUT/real_trees_swe14_z50b_intervals.log | tail -n 4 | cut -c1-300
 fi
+# Stage z51 (2026-11-28; the wheels staged again: three `stage` calls)
+#   z51a (in the third `stage` call): the input embedding's gradient, ATen's kernel against
+#         Inductor's decomposition (benchmarks.embedding_grad); the interval op's host time
+#         with a new row's plan (interval_host's plan_build); the warm-up children alone with
+#         empty kernel caches, one process for all kernels, then the forward's and the
+#         backward's side by side; then first steps (4 layers, empty caches, check on) with
+#         two warm-up processes (the new default; the first profiled, z50a's protocol) and
+#         with one (TREEFX_CUDNN_WARMUP_PROCESSES=1), alternated, same host
+if [ "${1:-}" = z51a ]; then
+  site
+  timeout 60 python3 -m benchmarks.embedding_grad --out $OUT/embedding_grad_z51a.json \
+    > $OUT/embedding_grad_z51a.log 2>&1
+  echo "embedding_grad rc=$?"; tail -n 3 $OUT/embedding_grad_z51a.log
+  timeout 90 python3 -m benchmarks.interval_host --out $OUT/interval_host_z51a.json \
+    > $OUT/interval_host_z51a.log 2>&1
+  echo "interval_host rc=$?"; tail -n 6 $OUT/interval_host_z51a.log
+  W=treefx/ops/attention/interval_warmup.py
+  ms() { echo $(( ($(date +%s%N) - $1) / 1000000 )); }
+  export FLEX_ATTENTION_CUTE_DSL_CACHE_ENABLED=1
+  s=$(date +%s%N)
+  FLEX_ATTENTION_CUTE_DSL_CACHE_DIR=$(mktemp -d) python3 $W forward,backward bfloat16 32 8 128 128 0 \
+    > $OUT/warmup_one_z51a.log 2>&1
+  echo "one child, all kernels: rc=$? $(ms $s) ms"
+  D=$(mktemp -d); s=$(date +%s%N)
+  FLEX_ATTENTION_CUTE_DSL_CACHE_DIR=$D python3 $W forward bfloat16 32 8 128 128 0 \
+    > $OUT/warmup_fwd_z51a.log 2>&1 &
+  FLEX_ATTENTION_CUTE_DSL_CACHE_DIR=$D python3 $W backward bfloat16 32 8 128 128 0 \
+    > $OUT/warmup_bwd_z51a.log 2>&1 &
+  wait -n; echo "two children: the first done after $(ms $s) ms"
+  wait; echo "two children: both done after $(ms $s) ms"
+  s=$(date +%s%N)
+  FLEX_ATTENTION_CUTE_DSL_CACHE_DIR=$D python3 $W forward,backward bfloat16 32 8 128 128 0 \
+    > $OUT/warmup_after_z51a.log 2>&1
+  echo "one child after them (kernels on disk: none compiled): rc=$? $(ms $s) ms"
+  grep -c "Compiled" $OUT/warmup_after_z51a.log
+  unset FLEX_ATTENTION_CUTE_DSL_CACHE_ENABLED
+  cold z51a_two 150 --layers 4 --warmup 2 --reps 5 --profile --methods treefx
+  TREEFX_CUDNN_WARMUP_PROCESSES=1 cold z51a_one 150 --layers 4 --warmup 1 --reps 3 --methods treefx
+  cold z51a_two_b 150 --layers 4 --warmup 1 --reps 3 --methods treefx
+  TREEFX_CUDNN_WARMUP_PROCESSES=1 cold z51a_one_b 150 --layers 4 --warmup 1 --reps 3 --methods treefx
+fi

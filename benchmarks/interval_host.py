@@ -11,7 +11,11 @@ e2e tree (POR 0.75, 32 query heads, 8 KV heads, head_dim 128, bf16):
 - ``host_ms``: the call's own wall time, nothing synchronized (what the host spends);
 - ``gpu_ms``: the calls' CUDA-event time with the host kept ahead (one sync at the end);
 - the frontend's share: the same for the frontend's function called directly with the plan
-  already built, and for the plan lookup alone (:func:`treefx.ops.attention.intervals._plan`).
+  already built, and for the plan lookup alone (:func:`treefx.ops.attention.intervals._plan`);
+- ``plan_build``: the plan of a row not seen before (every step's first call: a new tree), as
+  the step meets it (the row moved by :meth:`treefx.TreeBatch.to`, its host copy kept), wall
+  time from an idle GPU to the plan ready (the frontend's builder reads sizes back, so the
+  host waits for the GPU within it).
 
 Forward (``interval_attention``) and backward (``interval_attention_backward``) apart.
 """
@@ -58,6 +62,20 @@ def _host_and_gpu(fn, reps: int) -> dict:
             "gpu_ms": start.elapsed_time(end) / reps, "queued_total_ms": total}
 
 
+def _serial(fn, reps: int) -> dict:
+    """Wall time per call from an idle GPU to the call's work done (synchronized around it)."""
+    fn(0)
+    walls = []
+    for i in range(1, reps + 1):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn(i)
+        torch.cuda.synchronize()
+        walls.append((time.perf_counter() - t0) * 1e3)
+    walls.sort()
+    return {"wall_ms_median": walls[len(walls) // 2], "wall_ms_min": walls[0]}
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m benchmarks.interval_host",
                                 description=__doc__.split("\n\n")[0])
@@ -96,8 +114,15 @@ def main(argv=None):
             args.reps),
         "plan_lookup": _host_and_gpu(lambda: intervals._plan(parent, q, k, v), args.reps),
     }
+    rows_ = [treefx.pack(tree, reduction="mean").to("cuda").parent_token
+             for _ in range(args.reps + 1)]  # each a row of its own, as a step's new batch
+    rows["plan_build"] = _serial(lambda i: intervals._plan(rows_[i], q, k, v), args.reps)
     res = {"meta": common.run_meta(True), "tokens": n, "heads": [hq, hk, d], "rows": rows}
     for name, r in rows.items():
+        if "wall_ms_median" in r:
+            print(f"{name:18s} wall {r['wall_ms_median']:7.3f} ms (min {r['wall_ms_min']:.3f})",
+                  flush=True)
+            continue
         print(f"{name:18s} host {r['host_ms_median']:7.3f} ms (min {r['host_ms_min']:.3f})"
               f"   gpu {r['gpu_ms']:7.3f} ms", flush=True)
     if args.out:

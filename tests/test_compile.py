@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+import transformers
 from support import (
     HF_CONFIGS,
     VOCAB,
@@ -509,3 +510,50 @@ def test_tree_loss_of_another_batch_names_the_cause():
                        rf"tokens but the batch has {other.num_tokens}: out came from another "
                        r"batch; pass the batch the model ran on$"):
         treefx.tree_loss(out, other)
+
+
+def test_the_embedding_op_equals_f_embedding_and_takes_in_place_adds():
+    """:func:`treefx.ops.embedding.embedding`: F.embedding's values and weight gradient
+    (duplicate ids summed, the padding id's row left out), its output a tensor of its own
+    that a model may add into in place."""
+    from treefx.ops.embedding import embedding
+
+    torch.manual_seed(0)
+    weight = torch.randn(11, 6, dtype=torch.float64, requires_grad=True)
+    ids = torch.tensor([[3, 5, 3, 0, 7, 5, 3]])
+    upstream = torch.randn(1, 7, 6, dtype=torch.float64)
+    (F.embedding(ids, weight, padding_idx=0) * upstream).sum().backward()
+    want = weight.grad
+    weight.grad = None
+    out = embedding(ids, weight, 0)
+    assert torch.equal(out, F.embedding(ids, weight))
+    out += 1.0  # RoCBert's and Git's +=: no "view modified in place"
+    (out * upstream).sum().backward()
+    torch.testing.assert_close(weight.grad, want, rtol=0, atol=1e-15)
+    assert weight.grad[0].eq(0).all() and not weight.grad[[1, 2]].any()
+
+
+@pytest.mark.parametrize("with_padding", [False, True], ids=["no-padding", "padding"])
+def test_compiled_input_embedding_takes_atens_gradient_and_matches_the_oracle(with_padding):
+    """On a compiling backend the lookup of the tree's ids becomes treefx's embedding op
+    (its weight gradient ATen's kernel, not Inductor's float32 decomposition over [vocab,
+    D]); log-probs and every gradient equal the per-sequence oracle, padding id or not. The
+    eager backend keeps F.embedding."""
+    trees = odd_forest(2, VOCAB)
+    ids = treefx.pack(trees).input_ids
+    padding = int(ids.mode().values) if with_padding else None  # an id the trees hold
+    cfg = dict(HF_CONFIGS["qwen3"])
+    cfg = transformers.AutoConfig.for_model(cfg.pop("model_type"), vocab_size=VOCAB,
+                                            pad_token_id=padding, **cfg)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    assert model.model.embed_tokens.padding_idx == padding
+    tm = treefx.compile(model, backend="aot-eager", verify=False)
+    check_against_oracle(tm, trees)
+    notes = [r.after for c in tm.contexts for r in c.log if r.pass_name == "embedding"]
+    assert len(notes) == 1 and "embedding" in notes[0], notes
+    eager = treefx.compile(model, backend="eager", verify=False)
+    batch = treefx.pack(trees)
+    treefx.tree_loss(eager(batch), batch).backward()
+    assert not [r for c in eager.contexts for r in c.log if r.pass_name == "embedding"]

@@ -208,9 +208,10 @@ def test_wanted_on_the_gpu_in_half_precision_unless_switched(monkeypatch):
 
 
 def test_a_warm_up_that_fails_is_reported_and_changes_nothing(monkeypatch, caplog):
-    """The child process compiling cuDNN's kernels (:mod:`interval_warmup`) runs by its path
-    in a fresh interpreter; here (no frontend) it fails, and the op's wait reports its output
-    and returns. It starts only where the op runs on cuDNN's kernels, once per kernel set."""
+    """The children compiling cuDNN's kernels (:mod:`interval_warmup`) run by their path in
+    fresh interpreters, the forward's and the backward's apart; here (no frontend) they fail,
+    and each of the op's waits reports its child's output and returns. They start only where
+    the op runs on cuDNN's kernels, once per kernel set."""
     from treefx.ops.attention import interval_warmup
 
     x = torch.zeros(1, 4, 8, 16)
@@ -219,18 +220,37 @@ def test_a_warm_up_that_fails_is_reported_and_changes_nothing(monkeypatch, caplo
     monkeypatch.setattr(interval_warmup, "_disk_cache_on", lambda: True)
     monkeypatch.setattr(interval_warmup, "_running", {})
     monkeypatch.setattr(interval_warmup, "_done", set())
+    monkeypatch.delenv(interval_warmup.PROCESSES, raising=False)
     interval_warmup.start(x, x[:, :2], x[:, :2])
     interval_warmup.start(x, x[:, :2], x[:, :2])
-    assert len(interval_warmup._running) == 1
+    assert sorted(role for _, role in interval_warmup._running) == ["backward", "forward"]
+    assert len(set(interval_warmup._running.values())) == 2  # two processes
     rows = x.transpose(1, 2)
     with caplog.at_level("WARNING", logger="treefx"):
         interval_warmup.wait(rows, rows[:, :, :2], rows[:, :, :2])
+    assert "warm-up process (forward) ended with 1" in caplog.text and "cudnn" in caplog.text
+    assert [role for _, role in interval_warmup._running] == ["backward"]
+    with caplog.at_level("WARNING", logger="treefx"):
+        interval_warmup.wait(rows, rows[:, :, :2], rows[:, :, :2], "backward")
+    assert "warm-up process (backward) ended with 1" in caplog.text
     assert not interval_warmup._running
-    assert "warm-up process ended with 1" in caplog.text and "cudnn" in caplog.text
     interval_warmup.start(x, x[:, :2], x[:, :2])  # done: not again
     assert not interval_warmup._running
-    monkeypatch.setenv(interval_warmup.SWITCH, "0")
+    # one process for both, reported once
+    monkeypatch.setenv(interval_warmup.PROCESSES, "1")
+    caplog.clear()
     interval_warmup.start(x, x[:, :4], x[:, :4])
+    assert len(interval_warmup._running) == 2 and len(set(interval_warmup._running.values())) == 1
+    with caplog.at_level("WARNING", logger="treefx"):
+        for role in interval_warmup.ROLES:
+            interval_warmup.wait(rows, rows[:, :, :4], rows[:, :, :4], role)
+    assert caplog.text.count("warm-up process (forward and backward) ended with 1") == 1
+    monkeypatch.setenv(interval_warmup.PROCESSES, "3")
+    with pytest.raises(ValueError, match="TREEFX_CUDNN_WARMUP_PROCESSES"):
+        interval_warmup.start(x, x[:, :1], x[:, :1])
+    monkeypatch.delenv(interval_warmup.PROCESSES)
+    monkeypatch.setenv(interval_warmup.SWITCH, "0")
+    interval_warmup.start(x, x[:, :1], x[:, :1])
     assert not interval_warmup._running
 
 

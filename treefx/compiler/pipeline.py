@@ -91,7 +91,8 @@ PASSES = (
 def run_passes(ctx: GraphContext) -> PartFindings | None:
     """Every pass over the root graph and every higher-order-op body in it (activation
     checkpointing, ...), each pass on all graphs before the next (the attention pass of a body
-    may read a mask the root built, which must still be there), then dead
+    may read a mask the root built, which must still be there), then each mode's
+    finish (:func:`.lower.whole.finish`, :func:`.lower.parts.finish`), then dead
     code out (effects kept, :mod:`.checks.dce`; nothing is removed before every pass ran, since a
     body may still import a root node that looks unused), then the checks. Returns, for a
     part's graph, what :func:`.lower.parts.finish` found (else None)."""
@@ -101,7 +102,11 @@ def run_passes(ctx: GraphContext) -> PartFindings | None:
         count = sum(fn(c) for c in scopes)
         log.info("pass %s: %d rewrite(s)", name, count)
     check_loss_found(ctx)
-    found = parts.finish(ctx) if ctx.part is not None else None
+    if ctx.part is None:
+        whole.finish(ctx)
+        found = None
+    else:
+        found = parts.finish(ctx)
     if ctx.plan is not None and ctx.plan.find_layout:
         return found  # a capture that only finds a part's layout is never run
     prune(ctx, eliminate_dead_code)  # what the rewrites replaced must not trip the checks

@@ -63,6 +63,7 @@ from .shared import (
     INTERVAL_NOTE,
     emit_logprobs,
     emit_loss,
+    input_embedding,
     kv_for_flex,
     mask_value,
     check_mask_sources,
@@ -71,6 +72,7 @@ from .shared import (
     rewrite_scored,
     score_mods,
     traced_site,
+    trainable_parameter,
     trunk_split,
     window_note,
 )
@@ -256,43 +258,28 @@ def _state_to_columns(states: torch.Tensor) -> torch.Tensor:
     return states.reshape(states.shape[0], -1)
 
 
-_EMBEDDINGS = (torch.nn.functional.embedding, torch.embedding)
-
-
 def route_embedding(ctx: GraphContext) -> None:
-    """The lookup of the part's ids in the model's input embedding (one ``F.embedding`` of
-    ``input_ids`` by a parameter that trains, in the root graph, without ``max_norm``,
-    ``scale_grad_by_freq`` or ``sparse``) becomes :func:`~treefx.ops.embedding.part_embedding`:
+    """The lookup of the part's ids in the model's input embedding
+    (:func:`.shared.input_embedding`) becomes :func:`~treefx.ops.embedding.part_embedding`:
     its gradient goes to the part's ``emb_sink`` rows, which the driver adds into the
     parameter's ``.grad`` at the part's ids, instead of a dense [vocab, D] gradient per part
     (and an ``AccumulateGrad`` pass over it). Returns (the parameter, padding_idx or -1), or
     None where anything else is left as it is."""
     part = ctx.part
-    ids = [n for n in ctx.graph.nodes if is_call(n, *_EMBEDDINGS)
-           and ctx.is_tree_input(arg(n, 0, "input", None), "input_ids")]
-    if len(ids) != 1:
+    found = input_embedding(ctx)
+    if found is None:
         return None
-    node = ids[0]
-    weight = arg(node, 1, "weight", None)
-    pad = arg(node, 2, "padding_idx", None)
-    if arg(node, 3, "max_norm", None) is not None or arg(node, 5, "scale_grad_by_freq", False) \
-            or arg(node, 6, "sparse", False) or not isinstance(pad, (int, type(None))):
-        return None
-    real = _real_parameter(ctx, weight)
+    node, weight, real, pad = found
     w, sink = example(weight), example(part.emb_sink)
-    if not (real is not None and not has_grad_hooks(real) and w is not None
-            and w.dim() == 2 and sink.shape[1] == w.shape[1] and sink.dtype == w.dtype):
+    if has_grad_hooks(real) or sink.shape[1] != w.shape[1] or sink.dtype != w.dtype:
         return None
-    if pad is not None and pad < 0:
-        pad += w.shape[0]
     with ctx.graph.inserting_before(node):
-        new = ctx.graph.call_function(part_embedding, (node.args[0], weight, part.emb_sink,
-                                                       -1 if pad is None else int(pad)))
+        new = ctx.graph.call_function(part_embedding, (node.args[0], weight, part.emb_sink, pad))
     new.meta.update(node.meta)
     ctx.record("parts", node, describe(new), note="the gradient to the part's rows only")
     node.replace_all_uses_with(new)
     ctx.graph.erase_node(node)
-    return real, -1 if pad is None else int(pad)
+    return real, pad
 
 
 def finish(ctx: GraphContext) -> PartFindings:
@@ -343,17 +330,6 @@ def has_grad_hooks(p: torch.Tensor) -> bool:
         bool(getattr(p, "_post_accumulate_grad_hooks", None))
 
 
-def _real_parameter(ctx: GraphContext, node) -> torch.nn.Parameter | None:
-    """The trainable parameter a root placeholder stands for (among the capture's real
-    inputs, which the engine keeps for parameters only), else None."""
-    if not (isinstance(node, fx.Node) and node.op == "placeholder"):
-        return None
-    inputs = ctx.root.real_inputs
-    i = ctx.root.input_position(node)
-    real = inputs[i] if i is not None and i < len(inputs) else None
-    return real if isinstance(real, torch.nn.Parameter) and real.requires_grad else None
-
-
 def _gradient_routes(ctx: GraphContext) -> list[tuple[GraphContext, fx.Node, int]]:
     """(graph, node, k): each linear layer (``F.linear``) and fused log-probability site whose
     weight is a trainable parameter given as ``grad_params[k]``, whose ``.grad`` the part was
@@ -382,7 +358,7 @@ def _gradient_routes(ctx: GraphContext) -> list[tuple[GraphContext, fx.Node, int
                 x, weight = arg(node, 0, "h"), arg(node, 1, "weight")
             else:
                 continue
-            p = _real_parameter(ctx, c.resolve(weight))
+            p = trainable_parameter(ctx, c.resolve(weight))
             k = next((i for i, q in enumerate(params) if q is p), None) if p is not None \
                 else None
             if k is None:

@@ -26,6 +26,7 @@ from ...ops.recurrence import register_site
 from ..graph import (
     KEY_SELECTION,
     GraphContext,
+    arg,
     attention_error,
     describe,
     example,
@@ -58,14 +59,54 @@ from ..find.logprobs import why_not_fused
 from ..sites import AttentionSite, LogprobsSite, LossSite
 
 __all__ = ["INTERVAL_NOTE", "ScoreMods", "TrunkSplit", "add_bias", "chain_module",
-           "check_mask_sources", "constant_scale", "emit_logprobs", "emit_loss", "interval_site",
+           "check_mask_sources", "constant_scale", "emit_logprobs", "emit_loss", "input_embedding",
+           "interval_site",
            "kv_for_flex", "mask_value", "peel_mask", "replace_conv", "replace_recurrence",
            "rewrite_scored", "score_mods", "score_sides", "side_for_flex", "traced_site",
-           "trunk_split", "window_note"]
+           "trainable_parameter", "trunk_split", "window_note"]
 
 log = logging.getLogger("treefx")
 
 _fail = attention_error
+
+
+# ---------------------------------------------------------------------------- embedding
+
+_EMBEDDINGS = (torch.nn.functional.embedding, torch.embedding)
+
+
+def trainable_parameter(ctx: GraphContext, node) -> torch.nn.Parameter | None:
+    """The trainable parameter a root placeholder stands for (among the capture's real
+    inputs, which the engine keeps for parameters only), else None."""
+    if not (isinstance(node, fx.Node) and node.op == "placeholder"):
+        return None
+    inputs = ctx.root.real_inputs
+    i = ctx.root.input_position(node)
+    real = inputs[i] if i is not None and i < len(inputs) else None
+    return real if isinstance(real, torch.nn.Parameter) and real.requires_grad else None
+
+
+def input_embedding(ctx: GraphContext):
+    """(node, weight node, its parameter, padding_idx or -1): the one lookup of the tree's
+    ``input_ids`` in a trainable parameter (``F.embedding`` in the root graph, without
+    ``max_norm``, ``scale_grad_by_freq`` or ``sparse``); None where there is not exactly one
+    such lookup or it is anything else."""
+    ids = [n for n in ctx.graph.nodes if is_call(n, *_EMBEDDINGS)
+           and ctx.is_tree_input(arg(n, 0, "input", None), "input_ids")]
+    if len(ids) != 1:
+        return None
+    node = ids[0]
+    weight = arg(node, 1, "weight", None)
+    pad = arg(node, 2, "padding_idx", None)
+    if arg(node, 3, "max_norm", None) is not None or arg(node, 5, "scale_grad_by_freq", False) \
+            or arg(node, 6, "sparse", False) or not isinstance(pad, (int, type(None))):
+        return None
+    real, w = trainable_parameter(ctx, weight), example(weight)
+    if real is None or w is None or w.dim() != 2:
+        return None
+    if pad is not None and pad < 0:
+        pad += w.shape[0]
+    return node, weight, real, -1 if pad is None else int(pad)
 
 
 # ---------------------------------------------------------------------------- attention

@@ -12,6 +12,7 @@ import torch.fx as fx
 from ...mask import dense_tree_mask, tree_block_tensors
 from ...ops.attention import TreeFlexAttention, TreeScoredAttention, tree_attention_dense
 from ...ops.conv import tree_causal_conv1d, tree_causal_conv1d_fast
+from ...ops.embedding import embedding as tree_embedding
 from ...ops.recurrence import TracedTreeRecurrence, traced, tree_recurrence
 from ...ops.scan import tree_cumsum
 from ..graph import GraphContext, arg, attention_error, describe, example, set_example
@@ -31,6 +32,7 @@ from .shared import (
     check_mask_sources,
     emit_logprobs,
     emit_loss,
+    input_embedding,
     interval_site,
     kv_for_flex,
     mask_value,
@@ -45,8 +47,8 @@ from .shared import (
     window_note,
 )
 
-__all__ = ["TreeRecurrenceCall", "attention", "conv", "key_selection", "logprobs", "loss",
-           "lower", "path_sum", "recurrence"]
+__all__ = ["TreeRecurrenceCall", "attention", "conv", "finish", "key_selection", "logprobs",
+           "loss", "lower", "path_sum", "recurrence"]
 
 _fail = attention_error
 
@@ -318,3 +320,25 @@ _LOWERINGS = {AttentionSite: attention, RecurrenceSite: recurrence, PathSumSite:
 def lower(ctx: GraphContext, site) -> None:
     """Lower one site of any kind for the whole tree."""
     _LOWERINGS[type(site)](ctx, site)
+
+
+def finish(ctx: GraphContext) -> None:
+    """After the sites: on a compiling backend, the lookup of the tree's ids in the model's
+    input embedding (:func:`.shared.input_embedding`) becomes
+    :func:`treefx.ops.embedding.embedding`, whose weight gradient is ATen's kernel instead
+    of Inductor's float32 decomposition over the whole [vocab, D]. The same values: on CUDA
+    both sum each id's rows in float32 and round once; on the CPU, whose kernel sums in the
+    weight's dtype, only float32 and float64 weights are taken."""
+    found = None if ctx.backend == "eager" else input_embedding(ctx)
+    if found is None:
+        return
+    w = example(found[1])
+    if not (w.is_cuda or w.dtype in (torch.float32, torch.float64)):
+        return
+    node, weight, _, pad = found
+    with ctx.graph.inserting_before(node):
+        new = ctx.graph.call_function(tree_embedding, (node.args[0], weight, pad))
+    new.meta.update(node.meta)
+    ctx.record("embedding", node, describe(new), note="the weight's gradient by ATen's kernel")
+    node.replace_all_uses_with(new)
+    ctx.graph.erase_node(node)

@@ -1,24 +1,31 @@
-"""cuDNN's interval-attention kernels compiled in a second process while the compiler works.
+"""cuDNN's interval-attention kernels compiled in second processes while the compiler works.
 
 The frontend (:mod:`treefx.ops.attention.intervals`) compiles its CuTe DSL kernels on first
-use: the plan's builders, the forward and the backward, about 20 s on an H100, in the middle of
-the first step, after Inductor compiled the graph around them. Which kernels a site needs is
-known from the dtype, head counts and widths (the frontend's compile keys name no lengths):
-from the model's config at its first call, before Dynamo's trace
+use: the plan's builders (about 12 s on an H100), the forward (6 s) and the backward (6 s), in
+the middle of the first step, after Inductor compiled the graph around them. Which kernels a
+site needs is known from the dtype, head counts and widths (the frontend's compile keys name no
+lengths): from the model's config at its first call, before Dynamo's trace
 (:func:`~treefx.ops.attention.intervals.warm_up_model`, :func:`start_for`), and exactly where
 a site is lowered (:func:`start`, for a site the guess missed). Each launches this file as a
-script in a fresh Python that imports only torch and the frontend, runs the op once on a short
-row, and leaves the kernels in the frontend's on-disk cache
-(``FLEX_ATTENTION_CUTE_DSL_CACHE_*``, which treefx turns on). The
-op imports the frontend at its first call (about 5 s, while the child still works) and calls
-:func:`wait` before its first plan: it waits for that process, then loads the kernels from the
-disk instead of compiling them. A thread in the same process did not help (it competes with
-the compiler for the interpreter: the first step took longer).
+script in fresh Pythons that import only torch and the frontend and leave the kernels in the
+frontend's on-disk cache (``FLEX_ATTENTION_CUTE_DSL_CACHE_*``, which treefx turns on).
 
-The child takes the GPU the site runs on (a CUDA context, a few hundred MB, while it lives);
-a guess from the config that missed costs one such process compiling kernels nothing uses.
-``TREEFX_CUDNN_WARMUP=0`` turns it off. A child that fails changes nothing: the op compiles its
-kernels itself, as without it.
+Two children by default, side by side: one builds a plan and runs the forward once, the other
+builds a plan and runs the backward once (on made-up outputs), so the kernels are ready after
+the plan's and the slower pass's compile instead of all three in a row. Both compile the plan's
+kernels (the same keys; the cache's file locks keep their writes apart).
+``TREEFX_CUDNN_WARMUP_PROCESSES=1`` runs one child for all three (a host short of cores).
+
+The op imports the frontend at its first call (about 5 s, while the children still work) and
+calls :func:`wait` before its first plan (the forward's child) and before its first backward
+(the backward's): it waits for that process, then loads the kernels from the disk instead of
+compiling them. A thread in the same process did not help (it competes with the compiler for
+the interpreter: the first step took longer).
+
+Each child takes the GPU the site runs on (a CUDA context, a few hundred MB, while it lives);
+a guess from the config that missed costs such processes compiling kernels nothing uses.
+``TREEFX_CUDNN_WARMUP=0`` turns them off. A child that fails changes nothing: the op compiles
+its kernels itself, as without it.
 """
 
 from __future__ import annotations
@@ -31,14 +38,46 @@ import sys
 import tempfile
 import time
 
-__all__ = ["SWITCH", "start", "start_for", "wait"]
+__all__ = ["PROCESSES", "ROLES", "SWITCH", "start", "start_for", "wait"]
 
 SWITCH = "TREEFX_CUDNN_WARMUP"
+PROCESSES = "TREEFX_CUDNN_WARMUP_PROCESSES"
+# What the op waits for: the plan's and the forward's kernels before its first plan, the
+# backward's before its first backward.
+ROLES = ("forward", "backward")
 _TIMEOUT_S = 300.0
 log = logging.getLogger("treefx")
 
-# signature -> (process, log file, start time), while it may still run
-_running: dict[tuple, tuple] = {}
+
+class _Child:
+    """One child process compiling kernels for one or both roles; reported once."""
+
+    def __init__(self, proc, out, roles: tuple[str, ...]):
+        self.proc, self.out, self.roles = proc, out, roles
+        self.t0 = time.perf_counter()
+        self.finished = False
+
+    def finish(self) -> None:
+        """Wait for it (at most what is left of its time), then report a failure."""
+        if self.finished:
+            return
+        self.finished = True
+        try:
+            rc = self.proc.wait(timeout=max(1.0, _TIMEOUT_S - (time.perf_counter() - self.t0)))
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            rc = "killed after its time"
+        if rc != 0:
+            self.out.seek(0)
+            tail = self.out.read().decode(errors="replace")[-2000:]
+            log.warning("treefx: the cuDNN kernel warm-up process (%s) ended with %s; the op "
+                        "compiles its kernels itself. Its output's end:\n%s",
+                        " and ".join(self.roles), rc, tail)
+        self.out.close()
+
+
+# (signature, role) -> the child compiling its kernels, while it may still run
+_running: dict[tuple, _Child] = {}
 _done: set[tuple] = set()
 
 
@@ -57,73 +96,77 @@ def _disk_cache_on() -> bool:
     return os.environ.get("FLEX_ATTENTION_CUTE_DSL_CACHE_ENABLED", "0") == "1"
 
 
+def _groups() -> tuple[tuple[str, ...], ...]:
+    """The roles of each child: one each (the default), or both in one
+    (``TREEFX_CUDNN_WARMUP_PROCESSES=1``)."""
+    value = os.environ.get(PROCESSES, "").strip()
+    if value not in ("", "1", "2"):
+        raise ValueError(f"{PROCESSES}={value!r}: 1 (one process compiles all of cuDNN's "
+                         "kernels) or 2 (the forward's and the backward's apart, the default)")
+    return (ROLES,) if value == "1" else tuple((r,) for r in ROLES)
+
+
 def start(q, k, v) -> None:
-    """Launch the child for these example q, k, v (``[1, H, N, D]``, on the GPU): see
+    """Launch the children for these example q, k, v (``[1, H, N, D]``, on the GPU): see
     :func:`start_for`."""
     start_for(q.dtype, q.shape[1], k.shape[1], q.shape[-1], v.shape[-1], q.device)
 
 
 def start_for(dtype, hq: int, hk: int, d: int, dv: int, device) -> None:
-    """Launch the child for the kernels of this dtype, these query / KV heads and head
-    widths on ``device`` (a GPU) unless one ran or runs for them, the switch is off, or the
-    frontend's disk cache is off (then the child's kernels could not reach this process)."""
+    """Launch the children for the kernels of this dtype, these query / KV heads and head
+    widths on ``device`` (a GPU) unless they ran or run for them, the switch is off, or the
+    frontend's disk cache is off (then their kernels could not reach this process)."""
     from ..._switches import switched_off
 
     key = _key(dtype, hq, hk, d, dv, device)
-    if key in _running or key in _done or switched_off(SWITCH) or not _disk_cache_on():
+    if any((key, r) in _running or (key, r) in _done for r in ROLES) \
+            or switched_off(SWITCH) or not _disk_cache_on():
         return
-    out = tempfile.TemporaryFile()
-    try:
-        # run by its path, its folder not on sys.path (its modules' names would shadow)
-        proc = subprocess.Popen(
-            [sys.executable, "-c", "import runpy, sys; runpy.run_path(sys.argv[1], "
-             "run_name='__main__')", os.path.abspath(__file__), *map(str, key)],
-            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    except (OSError, ValueError, TypeError) as e:  # no interpreter to start (embedded Python)
-        log.info("treefx: cuDNN kernel warm-up not started (%s)", e)
-        out.close()
-        _done.add(key)
-        return
-    _running[key] = (proc, out, time.perf_counter())
+    for roles in _groups():
+        out = tempfile.TemporaryFile()
+        try:
+            # run by its path, its folder not on sys.path (its modules' names would shadow)
+            proc = subprocess.Popen(
+                [sys.executable, "-c", "import runpy, sys; runpy.run_path(sys.argv[1], "
+                 "run_name='__main__')", os.path.abspath(__file__), ",".join(roles),
+                 *map(str, key)],
+                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        except (OSError, ValueError, TypeError) as e:  # no interpreter (embedded Python)
+            log.info("treefx: cuDNN kernel warm-up not started (%s)", e)
+            out.close()
+            _done.update((key, r) for r in roles)
+            continue
+        child = _Child(proc, out, roles)
+        _running.update(((key, r), child) for r in roles)
 
 
 def _stop_all() -> None:
     """At exit: a child still compiling is stopped (nothing waits for its kernels)."""
-    for proc, out, _ in list(_running.values()):
-        if proc.poll() is None:
-            proc.kill()
-        out.close()
+    for child in set(_running.values()):
+        if child.proc.poll() is None:
+            child.proc.kill()
+        child.out.close()
     _running.clear()
 
 
 atexit.register(_stop_all)
 
 
-def wait(q, k, v) -> None:
-    """Before the op's first plan for these ``[1, N, H, D]`` q, k, v: wait for the child
-    compiling their kernels, if one runs (at most 5 minutes)."""
-    key = _key(q.dtype, q.shape[2], k.shape[2], q.shape[-1], v.shape[-1], q.device)
-    entry = _running.pop(key, None)
+def wait(q, k, v, role: str = "forward") -> None:
+    """Before the op's first plan (``role="forward"``) or first backward (``"backward"``) for
+    these ``[1, N, H, D]`` q, k, v: wait for the child compiling those kernels, if one runs
+    (at most 5 minutes from its start)."""
+    key = (_key(q.dtype, q.shape[2], k.shape[2], q.shape[-1], v.shape[-1], q.device), role)
+    child = _running.pop(key, None)
     _done.add(key)
-    if entry is None:
-        return
-    proc, out, t0 = entry
-    try:
-        rc = proc.wait(timeout=max(1.0, _TIMEOUT_S - (time.perf_counter() - t0)))
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        rc = "killed after its time"
-    if rc != 0:
-        out.seek(0)
-        tail = out.read().decode(errors="replace")[-2000:]
-        log.warning("treefx: the cuDNN kernel warm-up process ended with %s; the op compiles "
-                    "its kernels itself. Its output's end:\n%s", rc, tail)
-    out.close()
+    if child is not None:
+        child.finish()
 
 
-def _child(dtype: str, hq: str, hk: str, d: str, dv: str, index: str) -> None:
-    """Run the op's plan, forward and backward once on a short chain row (the kernels land in
-    the disk cache)."""
+def _child(roles: str, dtype: str, hq: str, hk: str, d: str, dv: str, index: str) -> None:
+    """Build a plan on a short chain row, then run the forward and/or the backward once
+    (``roles``: comma-separated), so that their kernels land in the disk cache. The backward
+    runs on made-up outputs: its kernels depend on shapes and dtypes, not values."""
     os.environ.setdefault("FLEX_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")
     import torch
     from cudnn.flex_attention import create_mask_plan
@@ -140,12 +183,18 @@ def _child(dtype: str, hq: str, hk: str, d: str, dv: str, index: str) -> None:
     mask = mask.contiguous()
     plan = create_mask_plan(mask, q, k, v, build_backward=True)
     scale = int(d) ** -0.5
-    out, lse, _ = _flex_attention_forward(q, k, v, mask_plan=plan, softmax_scale=scale,
-                                          return_lse=True)
-    _flex_attention_backward(q, k, v, out, torch.randn_like(out), lse, mask_plan=plan,
-                             softmax_scale=scale)
+    roles_ = roles.split(",")
+    if "forward" in roles_:
+        out, lse, _ = _flex_attention_forward(q, k, v, mask_plan=plan, softmax_scale=scale,
+                                              return_lse=True)
+    else:  # the forward's outputs as it returns them: [1, N, Hq, Dv] and float32 [1, Hq, N]
+        out = torch.randn(1, n, int(hq), int(dv), dtype=dt, device=dev)
+        lse = torch.randn(1, int(hq), n, dtype=torch.float32, device=dev)
+    if "backward" in roles_:
+        _flex_attention_backward(q, k, v, out, torch.randn_like(out), lse, mask_plan=plan,
+                                 softmax_scale=scale)
     torch.cuda.synchronize(dev)
 
 
 if __name__ == "__main__":
-    _child(*sys.argv[-6:])
+    _child(*sys.argv[-7:])

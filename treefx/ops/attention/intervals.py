@@ -26,7 +26,7 @@ once per row and shape, shared by the layers and by the backward). Where it runs
 dtype and one head width the kernels take, when the frontend is installed and the GPU is one
 of its architectures, unless ``TREEFX_CUDNN_ATTENTION=0``; ``TREEFX_CUDNN_ATTENTION=1`` takes
 it wherever else too, computed by plain torch from the same intervals (the CPU tests). The
-kernels compile in a second process from where the sites are lowered
+kernels compile in second processes from the model's config or where the sites are lowered
 (:mod:`.interval_warmup`), and the frontend is imported by the op's first call, so neither
 waits for the other nor for the compiler.
 """
@@ -73,7 +73,7 @@ def _version(text: str) -> tuple[int, ...]:
 def _installed() -> bool:
     """Whether the frontend (>= 1.32) and the CuTe DSL it compiles its kernels with are
     installed: found, not imported (their import takes about 5 s, done by the op's first call,
-    while the kernels compile in a second process: :mod:`.interval_warmup`)."""
+    while the kernels compile in second processes: :mod:`.interval_warmup`)."""
     # The frontend compiles its kernels (CuTe DSL) on first use, 15-30 s in all on an H100; its
     # persistent cache, off unless asked, keeps them for a restarted job (as Inductor's
     # caches do) and carries them over from the warm-up process. A value the user set stays.
@@ -139,15 +139,15 @@ def wanted(q, k, v) -> bool:
 
 def warm_up(q, k, v) -> None:
     """Where a site is lowered onto the op with these example ``[1, H, N, D]`` q, k, v:
-    compile cuDNN's kernels for them in a second process meanwhile
+    compile cuDNN's kernels for them in second processes meanwhile
     (:mod:`.interval_warmup`), where they will run on cuDNN's kernels."""
     if q.device.type == "cuda" and q.dtype in _DTYPES and available(q.device):
         interval_warmup.start(q, k, v)
 
 
 def warm_up_model(model: torch.nn.Module, device: torch.device) -> None:
-    """Before a model's first capture on ``device``: compile cuDNN's kernels, in a second
-    process, for the attention its Hugging Face config describes (query and KV heads, head
+    """Before a model's first capture on ``device``: compile cuDNN's kernels, in second
+    processes, for the attention its Hugging Face config describes (query and KV heads, head
     width) in its parameters' dtype. Dynamo's trace of a deep model comes before the sites
     are lowered (15 s at 36 layers), so this starts the kernels' compilation that much
     earlier. A guess: where the sites differ, :func:`warm_up` starts theirs at lowering; a
@@ -302,6 +302,7 @@ def _attend_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
     _check(q, k, parent_token)
     if q.is_cuda and q.dtype in _DTYPES and _installed():
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        interval_warmup.wait(q, k, v, "backward")  # at the first backward: its child's kernels
         dq, dk, dv = _frontend()[2](q, k, v, out.contiguous(), grad.contiguous(), lse,
                                     mask_plan=_plan(parent_token, q, k, v),
                                     softmax_scale=scale)
