@@ -279,3 +279,20 @@ if [ "${1:-}" = z51a ]; then
   cold z51a_two_b 150 --layers 4 --warmup 1 --reps 3 --methods treefx
   TREEFX_CUDNN_WARMUP_PROCESSES=1 cold z51a_one_b 150 --layers 4 --warmup 1 --reps 3 --methods treefx
 fi
+#   z51b (in the third `stage` call): gpu_check's intervals case (Qwen3 in bf16 now with the
+#         input embedding's gradient on ATen's kernel), benchmarks.embedding_grad, then first
+#         steps with empty caches as shipped (two warm-up processes): 4 layers (the e2e report
+#         now with the matmul rate sustained over a step's length) and 36 layers (regional, a
+#         quarter of the tree); every file in one tar (a call brings back 8 files at most)
+if [ "${1:-}" = z51b ]; then
+  site
+  timeout 170 python3 -m benchmarks.gpu_check --cases intervals \
+    --out $OUT/gpu_check_intervals_z51b.json > $OUT/gpu_check_intervals_z51b.log 2>&1
+  echo "gpu_check rc=$?"; grep -iE "passed|failed|error" $OUT/gpu_check_intervals_z51b.log | head -20
+  timeout 60 python3 -m benchmarks.embedding_grad --out $OUT/embedding_grad_z51b.json \
+    > $OUT/embedding_grad_z51b.log 2>&1
+  echo "embedding_grad rc=$?"; tail -n 3 $OUT/embedding_grad_z51b.log
+  cold z51b 150 --layers 4 --warmup 2 --reps 5 --methods treefx
+  cold z51b_l36 200 --layers 36 --scale 0.25 --warmup 1 --reps 3 --methods treefx
+  (cd $OUT && tar cf z51b.tar *.json *.log && rm -f *.json *.log)
+fi

@@ -326,14 +326,18 @@ def finish(ctx: GraphContext) -> None:
     """After the sites: on a compiling backend, the lookup of the tree's ids in the model's
     input embedding (:func:`.shared.input_embedding`) becomes
     :func:`treefx.ops.embedding.embedding`, whose weight gradient is ATen's kernel instead
-    of Inductor's float32 decomposition over the whole [vocab, D]. The same values: on CUDA
-    both sum each id's rows in float32 and round once; on the CPU, whose kernel sums in the
-    weight's dtype, only float32 and float64 weights are taken."""
+    of Inductor's decomposition over the whole [vocab, D], where that was measured faster
+    (``benchmarks.embedding_grad``, H100, vocab 151,936, width 4,096: bf16 1.46 against 2.33
+    ms; float32 1.89 against 1.16 ms, so not taken): half-precision weights on CUDA, and
+    float32 / float64 weights on the CPU. The same values: on CUDA both sum each id's rows in
+    float32 and round once; on the CPU ATen sums in the weight's dtype (so half precision is
+    left to Inductor there)."""
     found = None if ctx.backend == "eager" else input_embedding(ctx)
     if found is None:
         return
     w = example(found[1])
-    if not (w.is_cuda or w.dtype in (torch.float32, torch.float64)):
+    half, full = (torch.bfloat16, torch.float16), (torch.float32, torch.float64)
+    if w.dtype not in (half if w.is_cuda else full):
         return
     node, weight, _, pad = found
     with ctx.graph.inserting_before(node):
