@@ -97,6 +97,9 @@ def case_qwen3_bf16(res):
     trees = small_trees(SMALL["vocab_size"])
     tm = treefx.compile(low, **COMPILE_KW)
     res["qwen3-bf16-tree-vs-fp32-oracle"] = compare(tm, trees, "mean", reference=ref)
+    # the input embedding's gradient by ATen's kernel (compiler/lower/whole.py, finish)
+    res["qwen3-bf16-embedding-op"] = [r.after for c in tm.contexts for r in c.log
+                                      if r.pass_name == "embedding"]
 
     res["qwen3-bf16-perbranch-vs-fp32-oracle"] = common.oracle_vs_oracle(low, ref, trees, "mean")
 
