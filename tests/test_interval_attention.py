@@ -10,12 +10,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from support import check_against_oracle, hf_model
+from support import VOCAB, check_against_oracle, hf_model
 from test_trunk_attention import comb
 from trees import odd_forest
 
 import treefx
 from treefx.mask import dense_tree_mask
+from treefx.models import tiny_decoder
 from treefx.ops.attention import intervals, tree_attention_dense
 from treefx.tools.synth import random_parent_row
 
@@ -393,3 +394,34 @@ def test_families_in_parts_on_intervals_match_the_oracle(model_type, checkpointi
     notes = [r.note for r in runners(tm)[0].engine.contexts[-1].log
              if r.pass_name == "attention"]
     assert len(notes) == 2 and all("interval-mask" in n for n in notes)
+
+
+def test_a_model_on_a_gpu_starts_its_background_work_at_compile(monkeypatch):
+    """treefx.compile of a model whose parameters are on a GPU starts the first call's
+    background work (Inductor's compile workers, cuDNN's kernel processes) at once, for the
+    inductor backend only, and the first call does not start it again; a model on the CPU
+    starts nothing. (No GPU here: the device the parameters report is replaced.)"""
+    from treefx.run import engine as engine_mod
+    from treefx.run import model as model_mod
+
+    started = []
+    monkeypatch.setattr(engine_mod.backends, "warm_compile_workers",
+                        lambda: started.append("workers"))
+    monkeypatch.setattr(engine_mod.intervals, "warm_up_model",
+                        lambda m, d: started.append(("kernels", type(m).__name__, str(d))))
+    model = tiny_decoder(vocab_size=VOCAB)
+    treefx.compile(model)  # on the CPU
+    assert started == []
+    gpu = torch.device("cuda", 0)
+    monkeypatch.setattr(model_mod, "_parameter_device", lambda m: gpu)
+    monkeypatch.setattr(engine_mod.backends, "resolve",
+                        lambda backend, device: "inductor" if backend in ("auto", "inductor")
+                        and device.type == "cuda" else "eager")
+    monkeypatch.setattr(engine_mod.backends, "check_available", lambda backend: None)
+    tm = treefx.compile(model)
+    assert started == ["workers", ("kernels", type(model).__name__, "cuda:0")]
+    treefx.compile(model, backend="eager")  # eager: nothing
+    assert len(started) == 2
+    tm.engine.compiled.append(object())  # once compiled, a later start does nothing
+    tm.engine.warm_start(gpu, model)
+    assert len(started) == 2

@@ -204,6 +204,18 @@ class TreeEngine:
 
         return compile_graph
 
+    def warm_start(self, device: torch.device, model: torch.nn.Module | None = None) -> None:
+        """What a first compiling call needs in the background, started now where the backend
+        compiles on ``device`` and nothing was compiled yet: Inductor's pool of compile workers
+        and, for ``model``, cuDNN's interval-attention kernels in processes of their own
+        (:func:`~treefx.ops.attention.intervals.warm_up_model`). Both are started once (a
+        second call finds them running or done)."""
+        if self.compiled or self.resolve_backend(device) != "inductor":
+            return
+        backends.warm_compile_workers()
+        if model is not None:
+            intervals.warm_up_model(model, device)
+
     def __call__(self, device: torch.device, *args, dynamic: tuple[int, ...] = (),
                  discover_in: torch.nn.Module | None = None, root=None):
         """Run the compiled function on ``args`` (compiling on first use per backend);
@@ -213,9 +225,7 @@ class TreeEngine:
         regional run (:mod:`treefx.run.regional`)."""
         backend = self.resolve_backend(device)
         if backend == "inductor" and not self.compiled:
-            backends.warm_compile_workers()
-            if discover_in is not None:  # before Dynamo's trace, which comes before lowering
-                intervals.warm_up_model(discover_in, device)
+            self.warm_start(device, discover_in)  # before Dynamo's trace (before lowering)
         if discover_in is not None and discover_in not in self._prepared:
             prepare_model(discover_in)
             self._prepared.add(discover_in)

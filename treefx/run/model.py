@@ -145,6 +145,11 @@ class TreeModel(torch.nn.Module):
                          kernel_options=kernel_options, interleave_heads=interleave_heads,
                          regional=regional, mode="tree")
         self.engine = TreeEngine(tree_forward(opts), self.plan)
+        # A model already on a GPU: the first call's background work (compile workers, cuDNN's
+        # kernels) starts here, while the job prepares its data and optimizer.
+        device = _parameter_device(model)
+        if device is not None and device.type == "cuda":
+            self.engine.warm_start(device, model)
         self.verify_on_first_call = verify_default() if verify is None else verify
         if not isinstance(self.verify_on_first_call, bool):
             raise TypeError(f"verify must be True, False or None, got {verify!r}")
@@ -290,6 +295,12 @@ def verify_default() -> bool:
     return value in ("1", "true", "yes", "on")
 
 
+def _parameter_device(model: torch.nn.Module) -> torch.device | None:
+    """The device of the model's first parameter (None without parameters)."""
+    p = next(iter(model.parameters()), None)
+    return None if p is None else p.device
+
+
 def compile(model: torch.nn.Module, *, backend: str = "auto", block_size: int = 128,
             pass_position_ids: bool | None = None,
             kernel_options: dict | None = None, interleave_heads: bool | None = None,
@@ -348,6 +359,11 @@ def compile(model: torch.nn.Module, *, backend: str = "auto", block_size: int = 
     execution refuses the model, e.g. hooks on a layer, the whole graph runs instead, with a
     warning); ``True``: always; ``False``: never, the whole graph compiled at once (an error
     for a model under FSDP2 or DDP).
+
+    Compilation happens at the first call. A model already on a GPU (with the inductor
+    backend) starts its background work here instead: Inductor's compile workers and, with
+    cuDNN's frontend installed, the processes compiling its attention kernels, which then work
+    while the job prepares its data and optimizer.
     """
     return TreeModel(model, backend, block_size=block_size, pass_position_ids=pass_position_ids,
                      kernel_options=kernel_options, interleave_heads=interleave_heads,
