@@ -533,15 +533,14 @@ def test_the_embedding_op_equals_f_embedding_and_takes_in_place_adds():
     assert weight.grad[0].eq(0).all() and not weight.grad[[1, 2]].any()
 
 
-@pytest.mark.parametrize("with_padding", [False, True], ids=["no-padding", "padding"])
-def test_compiled_input_embedding_takes_atens_gradient_and_matches_the_oracle(with_padding):
+def test_compiled_input_embedding_takes_atens_gradient_and_matches_the_oracle():
     """On a compiling backend the lookup of the tree's ids becomes treefx's embedding op
     (its weight gradient ATen's kernel, not Inductor's float32 decomposition over [vocab,
-    D]); log-probs and every gradient equal the per-sequence oracle, padding id or not. The
-    eager backend keeps F.embedding."""
+    D]); log-probs and every gradient equal the per-sequence oracle, with a padding id the
+    trees hold (its row gets no gradient). The eager backend keeps F.embedding."""
     trees = odd_forest(2, VOCAB)
     ids = treefx.pack(trees).input_ids
-    padding = int(ids.mode().values) if with_padding else None  # an id the trees hold
+    padding = int(ids.mode().values)  # an id the trees hold
     cfg = dict(HF_CONFIGS["qwen3"])
     cfg = transformers.AutoConfig.for_model(cfg.pop("model_type"), vocab_size=VOCAB,
                                             pad_token_id=padding, **cfg)
