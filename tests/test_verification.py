@@ -63,6 +63,41 @@ def test_passes_on_an_exact_model():
     assert "passed" in str(report) and report.tolerance == tolerance_for(torch.float32)
 
 
+def test_non_finite_tree_gradients_and_log_probs_are_named():
+    """A tree run whose kernels make NaN / inf (Gemma 4's norms through Inductor on the GPU)
+    fails with the parameters and the token count named, and an error that says so instead
+    of pointing at a rewrite of the token axis. The tree side here is the compiled model with
+    one gradient and one log-prob made non-finite on the way out (``tree_run``)."""
+    from treefx.verification import TreeVerificationError, verify_compiled
+
+    m = model()
+    tm = treefx.compile(m, backend="eager", verify=False)
+    target = "layers.0.attention_norm.weight"
+    assert target in dict(m.named_parameters())
+
+    def tree_run(batch, params):
+        out = tm(batch)
+        loss = treefx.tree_loss(out, batch)
+        grads = list(torch.autograd.grad(loss, [p for _, p in params], allow_unused=True))
+        i = [n for n, _ in params].index(target)
+        grads[i] = grads[i].clone()
+        grads[i][0] = float("nan")
+        lp = out.token_logprobs.detach().clone()
+        lp[3] = float("inf")  # a token inside a sequence (the first has no log-prob)
+        return lp, grads
+
+    report = verify_compiled(tm, grads=True, params="all", raise_on_failure=False,
+                             tree_run=tree_run, floor=False)
+    assert not report.passed
+    assert report.nonfinite_grads == (target,) and report.nonfinite_logprobs == 1
+    assert "gradients of 1 parameter(s) are NOT FINITE (layers.0.attention_norm.weight)" in str(report)
+    with pytest.raises(TreeVerificationError, match="made NaN or inf where each sequence run "
+                       "alone did not"):
+        verify_compiled(tm, grads=True, params="all", tree_run=tree_run, floor=False)
+    clean = treefx.verify(m, backend="eager")
+    assert clean.nonfinite_grads == () and clean.nonfinite_logprobs == 0
+
+
 @pytest.mark.parametrize("planted", [False, True])
 def test_probe_padded_to_the_batch_length_checks_the_same(planted, monkeypatch):
     """pad_to: the tree side runs the probe on a row padded with inert tokens to the first

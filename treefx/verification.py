@@ -122,6 +122,10 @@ class VerificationReport:
     # changed (two random suffixes). Rounding at most for a causal model; more, and the model
     # is not causal (its own tokens see later ones), which no tree can give it.
     causal_error: float = 0.0
+    # The compared parameters whose tree gradient holds NaN or inf where the oracle's is
+    # finite, and how many tokens' tree log-probs are not finite where the oracle's are.
+    nonfinite_grads: tuple[str, ...] = ()
+    nonfinite_logprobs: int = 0
 
     @property
     def causal(self) -> bool:
@@ -172,6 +176,15 @@ class VerificationReport:
                      f"{self.compared_params} of {self.total_params} parameters")
         if not self.floor_measured:
             text += "; the oracle's own floor not needed (within the dtype's tolerance)"
+        if self.nonfinite_logprobs:
+            text += (f"; {self.nonfinite_logprobs} token(s)' tree log-probs are NOT FINITE "
+                     "where the oracle's are")
+        if self.nonfinite_grads:
+            names = ", ".join(self.nonfinite_grads[:3]) + \
+                (f" and {len(self.nonfinite_grads) - 3} more" if len(self.nonfinite_grads) > 3
+                 else "")
+            text += (f"; the tree run's gradients of {len(self.nonfinite_grads)} parameter(s) "
+                     f"are NOT FINITE ({names}) where the oracle's are finite")
         if not self.causal:
             text += (f"; the model is NOT CAUSAL: changing only the tokens after a position "
                      f"moved its log-prob by {self.causal_error:.2e} when each sequence ran "
@@ -508,7 +521,9 @@ def verify_compiled(tm, trees=None, *, reduction: str = "mean", grads: bool = Tr
             max_logprob_error=worst, worst_token=worst_at,
             grad_errors=_grad_errors(chosen, g_tree, g_ref, tol), compared_params=len(chosen),
             total_params=len(list(p for p in net.parameters() if p.requires_grad)),
-            floor_measured=False, stage_seconds=stages)
+            floor_measured=False, stage_seconds=stages,
+            nonfinite_grads=_nonfinite_grads(chosen, g_tree, g_ref),
+            nonfinite_logprobs=_nonfinite_logprobs(tree_lp.detach(), ref_lp, batch))
         if floor is True or (floor == "auto" and not report.passed):
             # The oracle's own floor: the same computation in other shapes, rounded differently.
             with stage("floor"), _rounding_noise(oracle, seed):
@@ -525,10 +540,16 @@ def verify_compiled(tm, trees=None, *, reduction: str = "mean", grads: bool = Tr
     report.seconds = time.perf_counter() - t0
     log.info("%s", report)
     if raise_on_failure and not report.passed:
-        raise TreeVerificationError(
-            f"{report}. The tree run differs from each sequence run alone: something in this "
-            "model runs along the tokens in a way treefx did not rewrite. Please report it "
-            "with `treefx explain` output.", report)
+        if report.nonfinite_grads or report.nonfinite_logprobs:
+            why = ("The tree run made NaN or inf where each sequence run alone did not: a "
+                   "kernel of the compiled graph, or a rewrite that lets a non-finite value "
+                   "through. Compare treefx.compile(model, backend=\"eager\") (the rewritten "
+                   "graph run as it is) and report it with `treefx explain` output.")
+        else:
+            why = ("The tree run differs from each sequence run alone: something in this "
+                   "model runs along the tokens in a way treefx did not rewrite. Please "
+                   "report it with `treefx explain` output.")
+        raise TreeVerificationError(f"{report}. {why}", report)
     return report
 
 
@@ -665,6 +686,27 @@ def oracle_floor_gradients(model: torch.nn.Module, trees, *, reduction: str = "m
                      chosen, model)
     return {n: torch.zeros_like(p) if g is None else g.detach()
             for (n, p), g in zip(chosen, got)}
+
+
+def _nonfinite_grads(chosen, g_tree, g_ref) -> tuple[str, ...]:
+    """The parameters whose tree gradient holds NaN or inf where the oracle's is finite."""
+    def finite(g):
+        return g is None or bool(torch.isfinite(g).all())
+
+    return tuple(name for (name, _), t, r in zip(chosen, g_tree, g_ref)
+                 if not finite(t) and finite(r))
+
+
+def _nonfinite_logprobs(lp: torch.Tensor, ref_lp, batch) -> int:
+    """How many of the tree's tokens have a log-prob that is NaN or inf where the oracle's
+    (in some sequence through the token) is finite."""
+    bad: set[int] = set()
+    for i, ref in enumerate(ref_lp):
+        idx = batch.sequence_index(i)[1:]
+        if len(idx):
+            hit = (~torch.isfinite(lp[idx]) & torch.isfinite(ref.detach())).cpu()
+            bad.update(idx[hit].tolist())
+    return len(bad)
 
 
 def _grad_errors(chosen, g_tree, g_ref, tol: Tolerance) -> dict[str, float]:
