@@ -17,7 +17,8 @@ log-prob error, worst parameter, and every parameter whose tree gradient is not 
     python -m benchmarks.nan_probe --model gemma4_unified --plain --dtype float32
 
 ``--grads --regional``: the inductor backend, the row unpadded, with the whole graph compiled
-(``regional=False``) and layer by layer (``regional=True``).
+(``regional=False``) and layer by layer (``regional=True``); ``--no-interleave`` with either:
+``interleave_heads=False``.
 
 ``--plain``: no treefx at all: the model on each of the probe forest's sequences through
 ``torch.compile`` (Inductor; dynamic shapes, then static), its mean loss's gradients, every
@@ -42,6 +43,9 @@ def main(argv=None):
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--grads", action="store_true")
     p.add_argument("--plain", action="store_true")
+    p.add_argument("--no-interleave", action="store_true",
+                   help="--grads: interleave_heads=False (the KV heads not laid out along the "
+                        "row)")
     p.add_argument("--regional", action="store_true",
                    help="--grads: the inductor backend unpadded, regional=False then True")
     p.add_argument("--pad-to", type=int, default=1151,
@@ -106,7 +110,8 @@ def _grads(args) -> None:
     for backend, pad, regional in variants:
         if True:
             torch._dynamo.reset()
-            tm = treefx.compile(model, backend=backend, verify=False, regional=regional)
+            tm = treefx.compile(model, backend=backend, verify=False, regional=regional,
+                                interleave_heads=False if args.no_interleave else None)
             grads = {}
 
             def tree_run(batch, params, tm=tm):
