@@ -102,11 +102,7 @@ def run_passes(ctx: GraphContext) -> PartFindings | None:
         count = sum(fn(c) for c in scopes)
         log.info("pass %s: %d rewrite(s)", name, count)
     check_loss_found(ctx)
-    if ctx.part is None:
-        whole.finish(ctx)
-        found = None
-    else:
-        found = parts.finish(ctx)
+    found = parts.finish(ctx) if ctx.part is not None else whole.finish(ctx)
     if ctx.plan is not None and ctx.plan.find_layout:
         return found  # a capture that only finds a part's layout is never run
     prune(ctx, eliminate_dead_code)  # what the rewrites replaced must not trip the checks

@@ -335,11 +335,11 @@ def finish(ctx: GraphContext) -> None:
     found = None if ctx.backend == "eager" else input_embedding(ctx)
     if found is None:
         return
-    w = example(found[1])
+    node, weight, _, pad = found
+    w = example(weight)
     half, full = (torch.bfloat16, torch.float16), (torch.float32, torch.float64)
     if w.dtype not in (half if w.is_cuda else full):
         return
-    node, weight, _, pad = found
     with ctx.graph.inserting_before(node):
         new = ctx.graph.call_function(tree_embedding, (node.args[0], weight, pad))
     new.meta.update(node.meta)
