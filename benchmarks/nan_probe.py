@@ -17,8 +17,10 @@ log-prob error, worst parameter, and every parameter whose tree gradient is not 
     python -m benchmarks.nan_probe --model gemma4_unified --plain --dtype float32
 
 ``--grads --regional``: the inductor backend, the row unpadded, with the whole graph compiled
-(``regional=False``) and layer by layer (``regional=True``); ``--no-interleave`` with either:
-``interleave_heads=False``.
+(``regional=False``) and layer by layer (``regional=True``; ``--only-regional``: that one
+alone); ``--no-interleave`` with either: ``interleave_heads=False``. ``--inductor KEY=VALUE``
+sets an Inductor option first (``split_reductions=False``, ``nan_asserts=True``: the first
+kernel whose output holds a NaN/inf raises, naming its buffer).
 
 ``--plain``: no treefx at all: the model on each of the probe forest's sequences through
 ``torch.compile`` (Inductor; dynamic shapes, then static), its mean loss's gradients, every
@@ -48,9 +50,16 @@ def main(argv=None):
                         "row)")
     p.add_argument("--regional", action="store_true",
                    help="--grads: the inductor backend unpadded, regional=False then True")
+    p.add_argument("--only-regional", action="store_true",
+                   help="--grads --regional: regional=True alone")
+    p.add_argument("--inductor", action="append", default=[], metavar="KEY=VALUE",
+                   help="set torch._inductor.config KEY (dotted) to the Python literal VALUE "
+                        "before compiling, e.g. split_reductions=False or nan_asserts=True "
+                        "(repeatable)")
     p.add_argument("--pad-to", type=int, default=1151,
                    help="--grads: the padded row's length (gpu_check's families forest: 1151)")
     args = p.parse_args(argv)
+    _set_inductor(args.inductor)
     if args.grads:
         return _grads(args)
     if args.plain:
@@ -69,6 +78,23 @@ def main(argv=None):
         bad = (~torch.isfinite(out.token_logprobs)).nonzero()
         print(f"{backend}: finite={bad.numel() == 0}",
               f"first bad DFS token {bad[0].tolist()}" if bad.numel() else "", flush=True)
+
+
+def _set_inductor(settings) -> None:
+    """``KEY=VALUE`` pairs into ``torch._inductor.config`` (a dotted key reaches a section)."""
+    import ast
+
+    import torch._inductor.config as cfg
+    for item in settings:
+        key, _, value = item.partition("=")
+        *path, leaf = key.split(".")
+        obj = cfg
+        for part in path:
+            obj = getattr(obj, part)
+        if not hasattr(obj, leaf):
+            raise SystemExit(f"--inductor {item}: torch._inductor.config has no {key}")
+        setattr(obj, leaf, ast.literal_eval(value))
+        print(f"inductor config {key} = {getattr(obj, leaf)!r}", flush=True)
 
 
 def _plain(args) -> None:
@@ -106,7 +132,7 @@ def _grads(args) -> None:
                 for pad in (None, args.pad_to)]
     if args.regional:  # the inductor backend, unpadded, whole graph against regional
         variants = [("inductor" if dev == "cuda" else "aot-eager", None, r)
-                    for r in (False, True)]
+                    for r in ((True,) if args.only_regional else (False, True))]
     for backend, pad, regional in variants:
         if True:
             torch._dynamo.reset()
