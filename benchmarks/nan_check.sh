@@ -5,7 +5,14 @@
 #   z52a: benchmarks.nan_probe --grads --regional --dtype float32 with
 #         split_reductions=False (whole graph and regional); interleave_heads=False;
 #         triton.persistent_reductions=False; nan_asserts=True (the first kernel writing a
-#         NaN/inf raises, naming its buffer) with Inductor's output code kept (gzip)
+#         NaN/inf raises, naming its buffer) with Inductor's output code kept (gzip). The
+#         code showed the cause: a mix-order reduction (pytorch/pytorch#195845)
+#   z52b: after treefx turned mix-order reductions off: the same probe as shipped (whole
+#         graph and regional), then benchmarks.gpu_check --cases families for Gemma 4 and
+#         the families whose norms or states differ most
+#   z52c: the step at Qwen3-8B-shaped layers x4 (FlexAttention: no wheels here) with
+#         mix-order reductions off (as shipped) and on (TREEFX_MIX_ORDER_REDUCTION=1),
+#         alternated twice, first-call check off, the compile caches shared
 set -u
 export PYTHONUNBUFFERED=1
 probe() {  # probe <name> <seconds> [env...] -- <nan_probe args>
@@ -23,4 +30,24 @@ if [ "${1:-}" = z52a ]; then
   probe persistent 150 X=1 -- --only-regional --inductor triton.persistent_reductions=False
   probe asserts 180 TORCH_LOGS=output_code -- --only-regional --inductor nan_asserts=True
   gzip -f $OUT/nan_asserts.log
+fi
+if [ "${1:-}" = z52b ]; then
+  probe shipped 240 X=1 --
+  TREEFX_FAMILIES=gemma4_unified,gemma4_text,qwen3_5_moe,nemotron_h,gemma2,jamba,qwen3-flex \
+    timeout 330 python3 -m benchmarks.gpu_check --cases families \
+    --out $OUT/gpu_check_families_z52b.json > $OUT/gpu_check_families_z52b.log 2>&1
+  echo "== families rc=$?"; sed '/pow_by_natural/d' $OUT/gpu_check_families_z52b.log | \
+    cut -c1-300 | tail -n 40
+fi
+if [ "${1:-}" = z52c ]; then
+  SHAPE="--hidden 4096 --heads 32 --kv-heads 8 --vocab 151936 --por 0.75 --stream 0 --mask-reps 0"
+  dir=$(mktemp -d)
+  for run in off1 on1 off2 on2; do
+    mix=0; case $run in on*) mix=1;; esac
+    TREEFX_MIX_ORDER_REDUCTION=$mix TREEFX_VERIFY=0 TORCHINDUCTOR_CACHE_DIR=$dir/inductor \
+      TRITON_CACHE_DIR=$dir/triton timeout 200 python3 -m benchmarks.e2e $SHAPE --layers 4 \
+      --warmup 2 --reps 5 --methods treefx --out $OUT/e2e_mix_$run.json \
+      > $OUT/e2e_mix_$run.log 2>&1
+    echo "== $run rc=$?"; grep -E "treefx|FAILED|bf16 matmul" $OUT/e2e_mix_$run.log | tail -n 4
+  done
 fi

@@ -214,9 +214,10 @@ def _as_is(gm, example_inputs):
 def inductor_patches() -> dict:
     """Inductor settings for tree graphs:
 
-    - the mix-order reduction heuristic's size checks off (where this torch has the switch).
-      Those checks guard the token count (a minimum size that depends on the hidden size), so
-      every tree below the threshold compiled a second graph;
+    - mix-order reductions off (:func:`mix_order_reduction`), and their heuristic's size
+      checks off where they are switched on: those checks guard the token count (a minimum
+      size that depends on the hidden size), so every tree below the threshold compiled a
+      second graph;
     - ``emulate_precision_casts``: a low-precision intermediate rounds where eager rounds it.
       Inductor otherwise computes a fused ``bf16 * int`` in float32 and rounds once: Falcon's
       ALiBi (``slopes.bfloat16() * positions``, in a float32 model) then differs from the
@@ -228,11 +229,29 @@ def inductor_patches() -> dict:
     patches = {}
     if hasattr(config.triton, "autotune_pointwise"):
         patches["triton.autotune_pointwise"] = autotune_pointwise()
+    if hasattr(config.triton, "mix_order_reduction"):
+        patches["triton.mix_order_reduction"] = mix_order_reduction()
     if hasattr(config.triton, "mix_order_reduction_non_strict_mode"):
         patches["triton.mix_order_reduction_non_strict_mode"] = True
     if hasattr(config, "emulate_precision_casts"):
         patches["emulate_precision_casts"] = True
     return patches
+
+
+def mix_order_reduction() -> bool:
+    """Whether Inductor may fuse a norm's two backward reductions (over the features for the
+    input's gradient, over the tokens for the weight's) into one mix-order kernel: not by
+    default, ``TREEFX_MIX_ORDER_REDUCTION=1`` for Inductor's own default.
+
+    That kernel sums the weight's gradient over blocks of token rows without masking the rows
+    past the last token (pytorch/pytorch#195845; torch 2.11 and 2.13 generate it so). Where the
+    fused arithmetic turns a masked row's zero into something else, the sum takes it in:
+    Gemma 4's RMSNorm recomputes ``pow(mean_squared, -0.5)`` in the backward, so a masked row
+    gave ``0 · inf`` and every norm weight's gradient came out NaN on an H100 (the eager
+    backend and the CPU exact; ``benchmarks/nan_check.sh z52a``). A tree's token count is
+    anything, so whether rows are masked changes from batch to batch, and the first-call check
+    sees only its own. Switch it on only with a torch whose Inductor masks those rows."""
+    return switched_on("TREEFX_MIX_ORDER_REDUCTION")
 
 
 def autotune_pointwise() -> bool:
