@@ -475,6 +475,9 @@ def case_families(res):
             res[f"family-{mt}-error"] = _short_tb(traceback.format_exc(), f"family-{mt}")
         res[f"family-{mt}-seconds"] = round(time.perf_counter() - t0, 1)
         print(f"  family {mt}: {time.perf_counter() - t0:.0f} s", flush=True)
+        for key, value in res.items():  # a run stopped at its limit keeps the families done
+            if key.startswith(f"family-{mt}-") and key != f"family-{mt}-seconds":
+                print(f"    {key}: {str(value)[:600]}", flush=True)
 
 
 def case_realistic_bf16(res):

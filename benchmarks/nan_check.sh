@@ -12,7 +12,9 @@
 #         the families whose norms or states differ most
 #   z52c: the step at Qwen3-8B-shaped layers x4 (FlexAttention: no wheels here) with
 #         mix-order reductions off (as shipped) and on (TREEFX_MIX_ORDER_REDUCTION=1),
-#         alternated twice, first-call check off, the compile caches shared
+#         alternated twice, first-call check off, the compile caches shared; then
+#         benchmarks.gpu_check --cases families for Gemma 4 (z52b's run of it reached its time
+#         limit before writing its JSON; the case now prints each family's results)
 set -u
 export PYTHONUNBUFFERED=1
 probe() {  # probe <name> <seconds> [env...] -- <nan_probe args>
@@ -50,4 +52,8 @@ if [ "${1:-}" = z52c ]; then
       > $OUT/e2e_mix_$run.log 2>&1
     echo "== $run rc=$?"; grep -E "treefx|FAILED|bf16 matmul" $OUT/e2e_mix_$run.log | tail -n 4
   done
+  TREEFX_FAMILIES=gemma4_unified,gemma4_text timeout 200 python3 -m benchmarks.gpu_check \
+    --cases families --out $OUT/gpu_check_families_z52c.json \
+    > $OUT/gpu_check_families_z52c.log 2>&1
+  echo "== families rc=$?"; grep -E "^  " $OUT/gpu_check_families_z52c.log | cut -c1-400
 fi
