@@ -401,7 +401,8 @@ def case_small_trees(res):
 # model itself, through Hugging Face's FlexAttention kernel on the GPU).
 FAMILIES = ("deepseek_v3", "gpt_oss", "gemma2", "qwen3_5_moe", "nemotron_h", "granite_swa",
             "mamba", "jamba", "gpt_neo", "mpt", "falcon", "llama4_text", "bloom", "xglm", "mvp",
-            "qwen3-flex", "mistral-flex", "gemma2-flex", "minimax", "deepseek_v32", "glm_moe_dsa")
+            "qwen3-flex", "mistral-flex", "gemma2-flex", "minimax", "deepseek_v32", "glm_moe_dsa",
+            "gemma4_unified")
 # Config changes on top of the zoo's tiny config: ALiBi on for Falcon; tables (GPT-Neo's local
 # attention, MPT's ALiBi) longer than the agent tree's whole row, which Dynamo traces the cut on.
 # GPT-Neo's tiny heads (4 dims) are below FlexAttention's minimum of 16.

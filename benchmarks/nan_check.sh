@@ -15,6 +15,8 @@
 #         alternated twice, first-call check off, the compile caches shared; then
 #         benchmarks.gpu_check --cases families for Gemma 4 (z52b's run of it reached its time
 #         limit before writing its JSON; the case now prints each family's results)
+#   z52d: benchmarks.gpu_check --cases qwen3-fp32,qwen3-bf16,small-trees,regional with
+#         mix-order reductions off (every model's compile changed): Qwen3 against the oracle
 set -u
 export PYTHONUNBUFFERED=1
 probe() {  # probe <name> <seconds> [env...] -- <nan_probe args>
@@ -56,4 +58,10 @@ if [ "${1:-}" = z52c ]; then
     --cases families --out $OUT/gpu_check_families_z52c.json \
     > $OUT/gpu_check_families_z52c.log 2>&1
   echo "== families rc=$?"; grep -E "^  " $OUT/gpu_check_families_z52c.log | cut -c1-400
+fi
+if [ "${1:-}" = z52d ]; then
+  timeout 390 python3 -m benchmarks.gpu_check --cases qwen3-fp32,qwen3-bf16,small-trees,regional \
+    --out $OUT/gpu_check_z52d.json > $OUT/gpu_check_z52d.log 2>&1
+  echo "== gpu_check rc=$?"; grep -E "^[a-z0-9-]+: (ok|FAILED)|^  " $OUT/gpu_check_z52d.log | cut -c1-300
+  sed -i '/pow_by_natural/d' $OUT/gpu_check_z52d.log
 fi
