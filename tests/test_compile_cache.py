@@ -228,6 +228,23 @@ def test_pointwise_kernels_are_autotuned_only_when_asked(recorded, monkeypatch, 
     assert warmed == [0]  # once, before the graph reached Inductor
 
 
+@pytest.mark.parametrize("env, expected", [(None, False), ("0", False), ("1", True)])
+def test_mix_order_reductions_only_when_asked(recorded, monkeypatch, env, expected):
+    """Tree graphs go to Inductor with mix-order reductions off (their fused norm backward
+    sums the rows past the last token, pytorch#195845: NaN in Gemma 4's norm weights on an
+    H100), unless TREEFX_MIX_ORDER_REDUCTION asks for them (a torch that masks those rows)."""
+    from torch._inductor import config
+
+    if not hasattr(config.triton, "mix_order_reduction"):
+        pytest.skip("this torch has no mix-order reductions")
+    if env is None:
+        monkeypatch.delenv("TREEFX_MIX_ORDER_REDUCTION", raising=False)
+    else:
+        monkeypatch.setenv("TREEFX_MIX_ORDER_REDUCTION", env)
+    _run(hf_model("qwen3", "sdpa"))
+    assert recorded[-1][1]["triton.mix_order_reduction"] is expected
+
+
 class _Cos(torch.nn.Module):
     def forward(self, x):
         return (x.cos() * 2,)
