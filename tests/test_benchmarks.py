@@ -548,3 +548,26 @@ def test_regional_recapture_dry_run():
                           capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert proc.stdout.count("  agree") == 2 and "PASSED" in proc.stdout
+
+
+def test_flop_budget_reads_a_profiled_e2e_result():
+    """benchmarks.flop_budget on a kept H100 result (e2e-24): the timed row is the report's
+    own model FLOP/s, the GEMMs' rate is the model's FLOPs less attention's over their time,
+    and each saving only shortens the step."""
+    sys.path.insert(0, ROOT)
+    from benchmarks import flop_budget
+
+    path = os.path.join(ROOT, "benchmarks", "results", "e2e_z51a_two_2026-11-28_h100.json")
+    with open(path) as f:
+        result = json.load(f)
+    (e,) = flop_budget.budget(result)
+    timed = e["steps"]["as timed"]
+    assert timed["tflops"] == pytest.approx(result["summary"][0]["model_tflops_per_s"])
+    assert timed["of_burst"] == pytest.approx(result["summary"][0]["share_of_matmul_rate"])
+    # 6 per parameter-token without the embedding lookups: the GEMMs' FLOPs
+    m, tokens = result["models"]["hidden4096"], result["trees"]["por0.75"]["tokens"]
+    gemm_tflop = 6 * (m["params"] - m["vocab_size"] * m["hidden_size"]) * tokens / 1e12
+    assert e["model_tflop"] - e["attention_tflop"] == pytest.approx(gemm_tflop, rel=1e-3)
+    assert e["gemm_tflops"] == pytest.approx(gemm_tflop / e["gemm_ms"] * 1e3, rel=1e-3)
+    ms = [s["ms"] for s in e["steps"].values()]
+    assert ms == sorted(ms, reverse=True) and e["logprob_floor_ms"] < e["logprob_ms"]

@@ -1,0 +1,103 @@
+"""How close a profiled e2e step can come to the matmul rate without new kernels: the step's
+time split into GEMMs and the rest, and what the model FLOP/s would be with the host's idle
+time gone and the log-probs' two kernels at the memory's peak rate.
+
+    python -m benchmarks.flop_budget benchmarks/results/e2e_z51a_two_2026-11-28_h100.json
+
+Reads one ``benchmarks.e2e --profile`` result (no GPU needed). The model's FLOPs follow the
+e2e report's convention (6 per parameter-token without the embedding lookups, attention 3× its
+forward on the tree's attended pairs); the GEMMs' share is the FLOPs less attention's, over the
+profile's GEMM time. Savings are taken from the timed step (CUDA events), their sizes from the
+profile (which runs slower under the profiler). The log-probs' kernels move the logits three
+times (the log-sum-exp reads them, the gradient reads them and writes its own); at
+``--bandwidth`` TB/s (the H100 SXM's HBM3 peak, 3.35, by default) that is their floor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+_LOGPROB_KERNELS = ("_lse_kernel", "_grad_kernel")
+_BYTES = {"torch.bfloat16": 2, "torch.float16": 2, "torch.float32": 4}
+
+
+def budget(result: dict, method: str = "treefx", bandwidth_tb_s: float = 3.35) -> list[dict]:
+    """One entry per (model, tree) the result profiled for ``method``: the step, the model's
+    TFLOP, the GEMMs' rate, and the step and its FLOP/s share of the burst (and sustained,
+    where measured) matmul rate as timed, without idle time, and with the log-probs' kernels
+    at ``bandwidth_tb_s`` too."""
+    out = []
+    for model, trees in result["runs"].items():
+        m = result["models"][model]
+        rate = result["matmul_rate"][model]
+        for tree, methods in trees.items():
+            run = methods.get(method)
+            if not run or "profile" not in run:
+                continue
+            t = result["trees"][tree]
+            prof = run["profile"]
+            kinds = prof["by_kind_ms_per_step"]
+            step = run["step_ms"]
+            model_tflop = next(s["model_tflops_per_s"] for s in result["summary"]
+                               if s["model"] == model and s["tree"] == tree
+                               and s["method"] == method) * step / 1e3
+            attention_tflop = (t["tree_pairs"] * m["layers"] * m["num_attention_heads"]
+                               * m["head_dim"] * 4 * 3) / 1e12
+            logprob_ms = sum(ms for name, ms in prof["top_kernels_ms_per_step"]
+                             if name in _LOGPROB_KERNELS)
+            nbytes = 3 * t["tokens"] * m["vocab_size"] * _BYTES.get(m["dtype"], 2)
+            logprob_floor_ms = nbytes / (bandwidth_tb_s * 1e12) * 1e3
+            idle_ms = prof["host_gaps"]["gap_ms_per_step"]
+            steps = {"as timed": step, "no idle time": step - idle_ms,
+                     "no idle, log-probs at peak bandwidth":
+                         step - idle_ms - max(logprob_ms - logprob_floor_ms, 0.0),
+                     "the GEMMs' time alone (the rest free)": kinds["gemm"]}
+            entry = {"model": model, "tree": tree, "step_ms": step,
+                     "model_tflop": model_tflop, "attention_tflop": attention_tflop,
+                     "gemm_ms": kinds["gemm"],
+                     "gemm_tflops": (model_tflop - attention_tflop) / kinds["gemm"] * 1e3,
+                     "other_ms": {k: v for k, v in kinds.items() if k != "gemm"},
+                     "idle_ms": idle_ms, "logprob_ms": logprob_ms,
+                     "logprob_floor_ms": logprob_floor_ms,
+                     "burst_tflops": rate["max_tflops"],
+                     "sustained_tflops": rate.get("sustained_tflops"), "steps": {}}
+            for name, ms in steps.items():
+                tflops = model_tflop / ms * 1e3
+                entry["steps"][name] = {
+                    "ms": ms, "tflops": tflops, "of_burst": tflops / rate["max_tflops"],
+                    "of_sustained": (tflops / rate["sustained_tflops"]
+                                     if rate.get("sustained_tflops") else None)}
+            out.append(entry)
+    return out
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m benchmarks.flop_budget",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("result", help="a benchmarks.e2e JSON with --profile")
+    p.add_argument("--method", default="treefx")
+    p.add_argument("--bandwidth", type=float, default=3.35, help="TB/s (default: H100 SXM)")
+    args = p.parse_args(argv)
+    with open(args.result) as f:
+        entries = budget(json.load(f), args.method, args.bandwidth)
+    if not entries:
+        raise SystemExit(f"{args.result}: no profiled {args.method} run (benchmarks.e2e "
+                         "--profile makes one)")
+    for e in entries:
+        print(f"{e['model']} {e['tree']}: {e['model_tflop']:.1f} TFLOP a step "
+              f"({e['attention_tflop']:.1f} attention); GEMMs {e['gemm_ms']:.1f} ms at "
+              f"{e['gemm_tflops']:.0f} TFLOP/s; the rest "
+              + ", ".join(f"{k} {v:.1f}" for k, v in e["other_ms"].items())
+              + f" ms; idle {e['idle_ms']:.1f} ms; log-probs' kernels {e['logprob_ms']:.1f} ms "
+              f"(floor {e['logprob_floor_ms']:.1f}); matmul rate {e['burst_tflops']:.0f} burst"
+              + (f", {e['sustained_tflops']:.0f} sustained" if e["sustained_tflops"] else ""))
+        for name, s in e["steps"].items():
+            sus = f", {100 * s['of_sustained']:.1f}% of sustained" if s["of_sustained"] else ""
+            print(f"  {name:42s} {s['ms']:7.1f} ms  {s['tflops']:6.1f} TFLOP/s  "
+                  f"{100 * s['of_burst']:5.1f}% of burst{sus}")
+    return entries
+
+
+if __name__ == "__main__":
+    main()
