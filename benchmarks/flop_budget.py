@@ -4,10 +4,10 @@ time gone and the log-probs' two kernels at the memory's peak rate.
 
     python -m benchmarks.flop_budget benchmarks/results/e2e_z51a_two_2026-11-28_h100.json
 
-Reads one ``benchmarks.e2e --profile`` result (no GPU needed). The model's FLOPs follow the
-e2e report's convention (6 per parameter-token without the embedding lookups, attention 3× its
-forward on the tree's attended pairs); the GEMMs' share is the FLOPs less attention's, over the
-profile's GEMM time. Savings are taken from the timed step (CUDA events), their sizes from the
+Reads one ``benchmarks.e2e --profile`` result (no GPU needed). The model's FLOPs are the e2e
+report's own (:func:`benchmarks.e2e.report.model_flops`: 6 per parameter-token without the
+embedding lookups, attention 3× its forward on the tree's attended pairs); the GEMMs' are the
+same count without attention, over the profile's GEMM time. Savings are taken from the timed step (CUDA events), their sizes from the
 profile (which runs slower under the profiler). The log-probs' kernels move the logits three
 times (the log-sum-exp reads them, the gradient reads them and writes its own); at
 ``--bandwidth`` TB/s (the H100 SXM's HBM3 peak, 3.35, by default) that is their floor.
@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import argparse
 import json
+
+from benchmarks.e2e import report
 
 _LOGPROB_KERNELS = ("_lse_kernel", "_grad_kernel")
 _BYTES = {"torch.bfloat16": 2, "torch.float16": 2, "torch.float32": 4}
@@ -39,11 +41,13 @@ def budget(result: dict, method: str = "treefx", bandwidth_tb_s: float = 3.35) -
             prof = run["profile"]
             kinds = prof["by_kind_ms_per_step"]
             step = run["step_ms"]
-            model_tflop = next(s["model_tflops_per_s"] for s in result["summary"]
-                               if s["model"] == model and s["tree"] == tree
-                               and s["method"] == method) * step / 1e3
-            attention_tflop = (t["tree_pairs"] * m["layers"] * m["num_attention_heads"]
-                               * m["head_dim"] * 4 * 3) / 1e12
+            flops = report.model_flops(t, m, method)
+            if flops is None:
+                raise ValueError(f"{model}: the e2e report has no FLOP count for arch "
+                                 f"{m.get('arch')!r} (or this tree's windowed pairs)")
+            model_tflop = flops / 1e12
+            # the report's own count without attention (its pairs weighted 0): the GEMMs'
+            gemm_tflop = report._step_flops(t, m, "tree", 0.0) / 1e12
             logprob_ms = sum(ms for name, ms in prof["top_kernels_ms_per_step"]
                              if name in _LOGPROB_KERNELS)
             nbytes = 3 * t["tokens"] * m["vocab_size"] * _BYTES.get(m["dtype"], 2)
@@ -54,9 +58,8 @@ def budget(result: dict, method: str = "treefx", bandwidth_tb_s: float = 3.35) -
                          step - idle_ms - max(logprob_ms - logprob_floor_ms, 0.0),
                      "the GEMMs' time alone (the rest free)": kinds["gemm"]}
             entry = {"model": model, "tree": tree, "step_ms": step,
-                     "model_tflop": model_tflop, "attention_tflop": attention_tflop,
-                     "gemm_ms": kinds["gemm"],
-                     "gemm_tflops": (model_tflop - attention_tflop) / kinds["gemm"] * 1e3,
+                     "model_tflop": model_tflop, "attention_tflop": model_tflop - gemm_tflop,
+                     "gemm_ms": kinds["gemm"], "gemm_tflops": gemm_tflop / kinds["gemm"] * 1e3,
                      "other_ms": {k: v for k, v in kinds.items() if k != "gemm"},
                      "idle_ms": idle_ms, "logprob_ms": logprob_ms,
                      "logprob_floor_ms": logprob_floor_ms,
