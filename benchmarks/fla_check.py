@@ -250,17 +250,17 @@ def _config(model_type: str, vocab: int) -> dict:
 def model_kernel_oracle():
     """The per-sequence run as the model calls its kernel (Hugging Face's fla call when fla is
     installed): the oracle's switch to the torch kernel beneath that wrapper
-    (:func:`treefx.families.hf_recurrent.reference_kernels`) left out while it runs."""
+    (:func:`treefx.families.hf_kernels.torch_kernel_paths`) left out while it runs."""
     from treefx import reference
-    from treefx.families.hf_recurrent import reference_kernels
+    from treefx.families.hf_kernels import torch_kernel_paths
 
     switches = reference._ORACLE_ATTENTION
-    at = switches.index(reference_kernels)
-    switches.remove(reference_kernels)
+    at = switches.index(torch_kernel_paths)
+    switches.remove(torch_kernel_paths)
     try:
         yield
     finally:
-        switches.insert(at, reference_kernels)
+        switches.insert(at, torch_kernel_paths)
 
 
 def _grads(model) -> dict:

@@ -23,6 +23,7 @@ A :class:`Recurrence` says what the kernel's arguments mean. Register your own w
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import inspect
 import logging
@@ -44,6 +45,8 @@ __all__ = [
     "discover",
     "lookup",
     "recurrence",
+    "refuse_sites",
+    "refused",
     "register_if_compatible",
     "register_kernel_family",
     "register_layer_family",
@@ -78,8 +81,9 @@ def register_recurrence(rec: Recurrence, *, sites: list[tuple[str, str]] = ()) -
         missing += [a for a in (rec.initial_state, rec.output_final_state)
                     if a not in rec.signature.parameters]
     if missing:
-        raise ValueError(f"recurrence {rec.name!r}: {rec.fn.__name__} has no parameters "
-                         f"{missing}")
+        raise ValueError(f"recurrence {rec.name!r}: "
+                         f"{getattr(rec.fn, '__name__', type(rec.fn).__name__)}{rec.signature} "
+                         f"has no parameters {missing}")
     if rec.tree_fn is not None:
         # The tree runs tree_fn with fn's arguments (as the model binds them) and the state's.
         params = inspect.signature(rec.tree_fn).parameters
@@ -216,24 +220,39 @@ def discover(model: torch.nn.Module) -> list[Recurrence]:
     (:func:`register_layer_family`). Returns the recurrences found."""
     _ensure_builtins()
     found = []
+    modules = sorted({type(m).__module__ for m in model.modules()})
     sites = {(mod, attr) for mod, attr, _ in _SITES}
-    for mod_name in sorted({type(m).__module__ for m in model.modules()}):
+    # what the registered sites hold: the same object in another module is the same kernel
+    at_sites = {}
+    for mod_name, attr, name in _SITES:
+        obj = getattr(sys.modules.get(mod_name), attr, None)
+        if obj is not None and registered(obj) is None:
+            at_sites.setdefault(id(obj), name)
+    for mod_name in modules:
         mod = sys.modules.get(mod_name)
         for attr, make in _KERNEL_FAMILIES.items():
             fn = getattr(mod, attr, None)
-            if not callable(fn) or registered(fn) is not None:
+            if not callable(fn) or registered(fn) is not None or (mod_name, attr) in _REFUSED:
                 continue
-            rec = next((r for r in _REGISTRY.values() if r.fn is fn), None)
-            if rec is not None:  # the same function, imported into another module
+            name = at_sites.get(id(fn))
+            if name is not None:  # the same kernel, imported into another module
                 if (mod_name, attr) not in sites:
-                    _SITES.append((mod_name, attr, rec.name))
-                found.append(rec)
+                    _SITES.append((mod_name, attr, name))
+                found.append(_REGISTRY[name])
+                continue
+            if (mod_name, attr) in sites:
                 continue
             owner = mod_name.rsplit(".", 1)[-1].removeprefix("modeling_")
-            rec = register_if_compatible(make(owner, fn), [(mod_name, attr)])
+            explain = _EXPLAIN.get(attr)
+            rec = register_if_compatible(
+                lambda: make(owner, fn), [(mod_name, attr)],
+                explain=None if explain is None else functools.partial(explain, mod_name, fn))
             if rec is not None:
                 log.info("recognised %s.%s as recurrence %s", mod_name, attr, rec.name)
                 found.append(rec)
+    refused = [why for mod_name in modules for (m, _), why in _REFUSED.items() if m == mod_name]
+    if refused:
+        raise UnsupportedLayerError(f"treefx refuses {type(model).__name__}: {refused[0]}")
     for name, m in model.named_modules():
         cls = type(m)
         family = next((f for f in _LAYER_FAMILIES if f.is_layer(m)), None)
@@ -281,10 +300,20 @@ _KERNEL_FAMILIES: dict[str, Callable[[str, Callable], Recurrence]] = {}
 _LAYER_FAMILIES: list[LayerFamily] = []
 
 
-def register_kernel_family(attr: str, make: Callable[[str, Callable], Recurrence]) -> None:
+# How each family explains a kernel it cannot register: (module, fn, error) -> one line.
+_EXPLAIN: dict[str, Callable[[str, Callable, Exception], str]] = {}
+
+
+def register_kernel_family(attr: str, make: Callable[[str, Callable], Recurrence],
+                           explain: Callable[[str, Callable, Exception], str] | None = None
+                           ) -> None:
     """Recognise a kernel by its name ``attr`` in any module of a model's code
-    (:func:`discover`): ``make(owner, fn)`` describes it as a :class:`Recurrence`."""
+    (:func:`discover`): ``make(owner, fn)`` describes it as a :class:`Recurrence`;
+    ``explain(module, fn, error)``: why one cannot be registered, in one line (the refusal of
+    the models that use it)."""
     _KERNEL_FAMILIES[attr] = make
+    if explain is not None:
+        _EXPLAIN[attr] = explain
 
 
 def kernel_families() -> dict[str, Callable[[str, Callable], Recurrence]]:
@@ -308,13 +337,39 @@ def all_recurrences() -> dict[str, Recurrence]:
     return dict(_REGISTRY)
 
 
-def register_if_compatible(rec: Recurrence, sites) -> Recurrence | None:
-    """Built-in registrations skip a kernel whose signature is not the one described (another
-    transformers version): its layer then fails the SSM pass's checks with a clear error."""
+# Kernels of a known family that could not be registered: (module, attribute) -> why, in one
+# line. The models whose code holds one are refused (:func:`discover`); no other model is.
+_REFUSED: dict[tuple[str, str], str] = {}
+
+
+def refuse_sites(sites, why: str) -> None:
+    """The kernels at ``sites`` ((module path, attribute) pairs) cannot be registered: a model
+    whose modules include one of those modules is refused at compile time with ``why`` (one
+    line), and every other model is untouched."""
+    for site in sites:
+        _REFUSED[tuple(site)] = why
+
+
+def refused() -> dict[tuple[str, str], str]:
+    """The sites whose kernels could not be registered, and why."""
+    _ensure_builtins(force=True)
+    return dict(_REFUSED)
+
+
+def register_if_compatible(make: Callable[[], Recurrence], sites,
+                           explain: Callable[[Exception], str] | None = None
+                           ) -> Recurrence | None:
+    """Register the kernel ``make()`` describes at ``sites``, for a known family. A kernel
+    that cannot be described or registered (another transformers version: another signature, a
+    wrapper treefx cannot see into) is not registered, and its sites are refused
+    (:func:`refuse_sites`, with ``explain(error)`` as the reason): the models that use it fail
+    to compile with that line, every other model is untouched. Never raises."""
     try:
-        return register_recurrence(rec, sites=sites)
-    except ValueError as e:
-        log.info("built-in recurrence %s not registered: %s", rec.name, e)
+        return register_recurrence(make(), sites=sites)
+    except Exception as e:  # noqa: BLE001 - one family must not take down the others
+        why = explain(e) if explain is not None else f"{type(e).__name__}: {e}"
+        refuse_sites(sites, why)
+        log.info("recurrence at %s not registered: %s", sites, why)
         return None
 
 
@@ -328,7 +383,7 @@ def add_builtins(register: Callable[[], None]) -> None:
     :func:`discover`, :func:`recurrence`), not at ``import treefx``."""
     _BUILTINS.append(register)
     if _BUILTINS_DONE:
-        register()
+        _run_builtin(register)
 
 
 def _ensure_builtins(force: bool = False) -> None:
@@ -342,4 +397,14 @@ def _ensure_builtins(force: bool = False) -> None:
         return
     _BUILTINS_DONE = True
     for register in _BUILTINS:
+        _run_builtin(register)
+
+
+def _run_builtin(register: Callable[[], None]) -> None:
+    """One family's registration; its own failure must not stop the others (it refuses its own
+    sites, :func:`register_if_compatible`: this is the last guard)."""
+    try:
         register()
+    except Exception as e:  # noqa: BLE001
+        log.warning("treefx: built-in kernels of %s not registered: %s: %s",
+                    getattr(register, "__module__", register), type(e).__name__, e)

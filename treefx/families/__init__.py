@@ -6,11 +6,12 @@ from . import (
     deepseek_indexer,
     fla,
     gpt_oss_sinks,
+    hf_kernels,
     hf_recurrent,
     merged_heads,
     minimax,
     position_tables,
 )
 
-__all__ = ["deepseek_indexer", "fla", "gpt_oss_sinks", "hf_recurrent", "merged_heads", "minimax",
-           "position_tables"]
+__all__ = ["deepseek_indexer", "fla", "gpt_oss_sinks", "hf_kernels", "hf_recurrent",
+           "merged_heads", "minimax", "position_tables"]

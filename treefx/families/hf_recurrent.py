@@ -1,15 +1,19 @@
-"""Hugging Face's recurrent kernels: the torch fallbacks of Gated DeltaNet, Kimi Delta
-Attention, Mamba2's chunked scan and Mamba's selective scan, registered as recurrences
+"""Hugging Face's recurrent kernels: the torch code of Gated DeltaNet, Kimi Delta Attention,
+Mamba2's chunked scan and Mamba's selective scan, registered as recurrences
 (:mod:`treefx.compiler.recurrences`): by name wherever a model defines them (a kernel family),
-and lazily, once transformers is imported, in the modeling modules known today."""
+and lazily, once transformers is imported, in the modeling modules known today.
+
+Hugging Face wraps these kernels (:mod:`.hf_kernels`); treefx reads the torch function beneath
+the wrapper, runs it over the tree (or fla's checked kernels, :mod:`.fla`), and the oracle runs it
+too. A kernel that cannot be read under the installed transformers (another signature, a
+wrapper treefx cannot see into) is left unregistered and the models that use it are refused at
+compile time in one line that names the family, the release and what was found; every other
+model is untouched."""
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib
-import inspect
-import sys
 
 from ..compiler.recurrences import (
     Recurrence,
@@ -18,17 +22,32 @@ from ..compiler.recurrences import (
     register_kernel_family,
 )
 from ..ops.selective_scan import selective_scan
-from ..reference import register_oracle_attention
 from . import fla, fla_tree
+from .hf_kernels import describe, steer_by_name, torch_function, transformers_version
 
 __all__ = ["FAMILIES", "MODELS", "register_builtins"]
 
 
 def _import(path: str):
+    """The module, or None where this transformers has none (or it fails to import: then no
+    model of it can be built either)."""
     try:
         return importlib.import_module(path)
-    except ImportError:
+    except Exception:  # noqa: BLE001 - a module that cannot be imported has no models to refuse
         return None
+
+
+class UnreadableKernel(ValueError):
+    """A kernel whose torch function treefx cannot see beneath its wrapper."""
+
+
+def _torch_code(fn):
+    """The torch function beneath Hugging Face's wrapper of ``fn`` (:func:`.hf_kernels.
+    torch_function`); raises :class:`UnreadableKernel` where there is none to read."""
+    torch_fn = torch_function(fn)
+    if torch_fn is None:
+        raise UnreadableKernel("its torch function cannot be read beneath it")
+    return torch_fn
 
 
 def _delta_rule(name: str, fn, kernel: str) -> Recurrence:
@@ -40,12 +59,11 @@ def _delta_rule(name: str, fn, kernel: str) -> Recurrence:
     gradients are right (:func:`.fla.use_fla`, which announces a fallback), else the torch
     kernel. Hugging Face wraps its torch kernels so that they call fla's themselves when fla
     is installed, with no such check (and, in transformers 5.24, with fewer key than value
-    heads, which fla 0.4 does not take): the tree runs the torch function under the wrapper
-    (``inspect.unwrap``); the model's own calls are left as they are."""
-    torch_fn = inspect.unwrap(fn)
+    heads, which fla 0.4 does not take): the tree runs the torch function beneath the wrapper
+    (:func:`.hf_kernels.torch_function`); the model's own calls are left as they are."""
     return Recurrence(
         name=name,
-        fn=fn,
+        fn=_torch_code(fn),
         seq_args={"query": 1, "key": 1, "value": 1, "g": 1, "beta": 1},
         output_like="value",
         neutral={"g": 0.0, "beta": 0.0},
@@ -53,7 +71,6 @@ def _delta_rule(name: str, fn, kernel: str) -> Recurrence:
         varlen_check=functools.partial(fla.use_fla, kernel),
         varlen_split=fla.split_calls,
         tree_varlen=fla_tree.tree_gated_delta_rule if kernel == "gated_delta_rule" else None,
-        tree_fn=torch_fn if torch_fn is not fn else None,
     )
 
 
@@ -73,7 +90,7 @@ def _mamba2_chunk_scan(owner: str, fn) -> Recurrence:
     """Hugging Face's torch Mamba2 chunked scan (``mamba2_chunk_scan``)."""
     return Recurrence(
         name=f"{owner}_mamba2_chunk_scan",
-        fn=fn,
+        fn=_torch_code(fn),
         seq_args={"hidden_states": 1, "dt": 1, "B": 1, "C": 1},
         # dt = -inf: softplus gives a step of 0, so the state neither decays nor takes input
         # (x·dt = 0, exp(A·dt) = 1); padded x is 0. A model that clamps dt from below makes
@@ -91,7 +108,7 @@ def _mamba_selective_scan(owner: str, fn) -> Recurrence:
     selective scan (:func:`treefx.ops.selective_scan.selective_scan`) with the same arguments."""
     return Recurrence(
         name=f"{owner}_mamba_selective_scan",
-        fn=fn,
+        fn=_torch_code(fn),
         seq_args={"hidden_states": 2, "dt": 2, "B": 2, "C": 2, "z": 2},
         output_seq_dim=2,
         output_like="hidden_states",
@@ -107,62 +124,46 @@ def _mamba_selective_scan(owner: str, fn) -> Recurrence:
 
 # The kernel families treefx recognises by name wherever a model defines them.
 FAMILIES = {"torch_chunk_gated_delta_rule": _gated_delta_rule,
-             "chunk_kimi_delta_attention": _kimi_delta_attention,
-             "mamba2_chunk_scan": _mamba2_chunk_scan,
-             "mamba_selective_scan": _mamba_selective_scan}
+            "chunk_kimi_delta_attention": _kimi_delta_attention,
+            "mamba2_chunk_scan": _mamba2_chunk_scan,
+            "mamba_selective_scan": _mamba_selective_scan}
+# What each is, for a refusal.
+NAMES = {"torch_chunk_gated_delta_rule": "Gated DeltaNet's chunked kernel",
+         "chunk_kimi_delta_attention": "Kimi Delta Attention's chunked kernel",
+         "mamba2_chunk_scan": "Mamba2's chunked scan",
+         "mamba_selective_scan": "Mamba's selective scan"}
 # The Hugging Face models whose modeling modules define one of them today.
 MODELS = ("qwen3_next", "qwen3_5", "mamba2", "bamba", "falcon_h1", "granitemoehybrid",
           "nemotron_h", "zamba2", "mamba", "falcon_mamba", "jamba", "zamba")
 
 
+def refusal(attr: str, module: str, fn, error: Exception) -> str:
+    """Why the kernel ``attr`` of ``module`` cannot be registered, in one line: the family, the
+    transformers release, what was found."""
+    why = str(error).split("\n")[0]
+    return (f"it cannot read {NAMES.get(attr, attr)} under transformers "
+            f"{transformers_version()}: {module}.{attr} is {describe(fn)}, and {why} "
+            "(models that do not use it are unaffected)")
+
+
 def register_builtins() -> None:
-    """The torch fallbacks of Hugging Face's hybrid layers known today (others are recognised
-    when a model is compiled: :func:`treefx.compiler.recurrences.discover`). Modules that are
-    missing, or whose kernel has another signature, are skipped."""
+    """The torch kernels of Hugging Face's hybrid layers known today (others are recognised
+    when a model is compiled: :func:`treefx.compiler.recurrences.discover`). A module that is
+    missing is skipped; a kernel that cannot be read is refused for the models that use it."""
     for model in MODELS:
         path = f"transformers.models.{model}.modeling_{model}"
         mod = _import(path)
         for attr, make in FAMILIES.items():
             fn = getattr(mod, attr, None)
             if fn is not None:
-                register_if_compatible(make(model, fn), sites=[(path, attr)])
+                register_if_compatible(functools.partial(make, model, fn), sites=[(path, attr)],
+                                       explain=functools.partial(refusal, attr, path, fn))
 
 
 for _attr, _make in FAMILIES.items():
-    register_kernel_family(_attr, _make)
+    register_kernel_family(_attr, _make, explain=functools.partial(refusal, _attr))
 add_builtins(register_builtins)
 
-
-# The kernels Hugging Face wraps in its hub-kernel fallback (which calls fla's kernel whenever
-# fla is installed, without treefx's checks): the oracle runs the torch function beneath.
-ORACLE_KERNELS = (*FAMILIES, "torch_recurrent_gated_delta_rule")
-
-
-@contextlib.contextmanager
-def reference_kernels(model):
-    """How the oracle runs a model's recurrent layers (registered with
-    :func:`treefx.reference.register_oracle_attention`): while each sequence runs alone, a
-    kernel the model's modeling module wraps (Hugging Face's hub-kernel fallback: fla's kernel
-    whenever fla is installed, unchecked) runs the torch function beneath the wrapper, Hugging
-    Face's reference implementation. So the oracle does not share a kernel with the tree,
-    which runs fla where treefx's checks allow it (a kernel's error cannot hide on both
-    sides), fla's gradients are never taken from an fla and GPU combination known to give
-    wrong ones, and the first-call check autotunes no fla kernels of its own (minutes on an
-    H100). The modules' globals are restored after; models without such a wrapper run as
-    they are."""
-    swapped = []
-    try:
-        for name in {type(m).__module__ for m in model.modules()}:
-            mod = sys.modules.get(name)
-            for attr in ORACLE_KERNELS:
-                fn = getattr(mod, attr, None)
-                if callable(fn) and inspect.unwrap(fn) is not fn:
-                    swapped.append((mod, attr, fn))
-                    setattr(mod, attr, inspect.unwrap(fn))
-        yield
-    finally:
-        for mod, attr, fn in reversed(swapped):
-            setattr(mod, attr, fn)
-
-
-register_oracle_attention(reference_kernels)
+# The kernels the oracle runs beneath whatever wraps them (besides Hugging Face's wrappers of
+# any kernel, :func:`.hf_kernels.torch_kernel_paths`).
+steer_by_name(*FAMILIES, "torch_recurrent_gated_delta_rule")

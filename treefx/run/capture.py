@@ -1,7 +1,9 @@
 """Everything a capture runs under, in one place: :func:`capture_environment`.
 
 A capture (and every later call of a captured graph: Dynamo's guards read the same state)
-runs with the registered recurrent kernels swapped for their markers
+runs with Hugging Face's kernel wrappers steered to the torch code beneath them
+(:func:`treefx.families.hf_kernels.torch_kernel_paths`: never another package's packed kernel
+over the tree's row), the registered recurrent kernels swapped for their markers
 (:func:`treefx.compiler.recurrences.capture_patches`), treefx's compile config
 (:func:`treefx.run.backends.capture_config`), a Hugging Face flex-attention model on its eager
 attention (:mod:`treefx.families.hf_flex`), Hugging Face's packed-sequence inference finding one
@@ -24,6 +26,7 @@ import torch
 from ..compiler import TreeCompileError
 from ..compiler.recurrences import UnsupportedLayerError, capture_patches, discover
 from ..families.hf_flex import eager_attention
+from ..families.hf_kernels import torch_kernel_paths
 from ..families.hf_hooks import install_output_hooks, without_input_grad_hooks
 from ..families.hf_packing import one_sequence_per_path
 from ..plan import Plan
@@ -50,6 +53,7 @@ def capture_environment(model: torch.nn.Module | None, plan: Plan, *,
             # (docs/zoo.md); the first-call check compares every such model's gradients.
             stack.enter_context(torch._dynamo.config.patch(
                 skip_fwd_side_effects_in_bwd_under_checkpoint=True))
+        stack.enter_context(torch_kernel_paths(model))
         stack.enter_context(capture_patches())
         stack.enter_context(without_input_grad_hooks(model))
         stack.enter_context(backends.capture_config())
