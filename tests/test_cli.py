@@ -573,3 +573,40 @@ def test_progress_off_a_terminal_is_plain_lines(capsys):
         bar.update(1)
     assert capsys.readouterr().err == ("writing t.jsonl: 1/4 trees, 25.0%, 0 s\n"
                                        "writing t.jsonl: 2/4 trees, 50.0%, 0 s\n")
+
+
+def test_treefx_failing_is_status_4_naming_the_releases(monkeypatch, tmp_path, small_file,
+                                                        capsys):
+    """treefx's own failure is not a refusal or a bad argument (2), nor "different" (1): status
+    4, its last line naming the releases in use."""
+    import torch
+
+    import treefx.tools.cli as cli
+
+    def broken(*args, **kwargs):
+        raise AttributeError("'Func' object has no attribute '__name__'")
+
+    monkeypatch.setattr(cli, "_print_table", broken)  # inside `treefx stats`
+    with pytest.raises(SystemExit) as info:
+        main(["stats", str(small_file)])
+    assert info.value.code == cli.EXIT_INTERNAL == 4
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("treefx stats: internal error: AttributeError: 'Func' object"), last
+    assert f"torch {torch.__version__}" in last and "transformers " in last, last
+
+
+def test_a_failure_in_treefx_running_a_model_is_status_4(monkeypatch, capsys):
+    """A failure raised in treefx's own code while it runs the user's model is treefx's
+    (status 4), not "running the model failed" (a bad argument, 2)."""
+    import treefx.run.engine as engine
+    import treefx.tools.cli as cli
+
+    def broken(model):
+        raise KeyError("no recurrence 'x' is registered")
+
+    monkeypatch.setattr(engine, "prepare_model", broken)  # called by the engine's first call
+    with pytest.raises(SystemExit) as info:
+        main(["check", "treefx.tools.debug.examples:tiny_decoder"])
+    assert info.value.code == cli.EXIT_INTERNAL
+    err = capsys.readouterr().err.strip()
+    assert "treefx failed: KeyError" in err and "transformers " in err, err

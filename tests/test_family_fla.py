@@ -111,9 +111,15 @@ def test_this_machine_falls_back_quietly_on_cpu_tensors():
 
 
 def _hf_gdn():
+    """Hugging Face's torch Gated DeltaNet beneath its wrapper (a function up to transformers
+    5.24, the ``kernels`` package's ``Func`` module from 5.25)."""
     from transformers.models.qwen3_next import modeling_qwen3_next as m
 
-    return inspect.unwrap(m.torch_chunk_gated_delta_rule)
+    from treefx.families.hf_kernels import torch_function
+
+    fn = torch_function(m.torch_chunk_gated_delta_rule)
+    assert inspect.isfunction(fn) and fn.__module__ == m.__name__, fn
+    return fn
 
 
 def test_expand_heads_is_hugging_faces_mapping():

@@ -73,7 +73,9 @@ def test_hf_kernels_are_registered_once_transformers_is_loaded():
         "    from transformers.models.qwen3_next import modeling_qwen3_next as m\n"
         "    assert k.registered(m.torch_chunk_gated_delta_rule) is not None\n"
         "assert k.registered(m.torch_chunk_gated_delta_rule) is None\n"
-        "assert k.recurrence('qwen3_next_gated_delta_rule').fn is m.torch_chunk_gated_delta_rule\n"
+        "from treefx.families.hf_kernels import torch_function\n"
+        "assert k.recurrence('qwen3_next_gated_delta_rule').fn is "
+        "torch_function(m.torch_chunk_gated_delta_rule)\n"
     )
     assert "transformers.models.qwen3_next.modeling_qwen3_next" in _modules_after(code)
 

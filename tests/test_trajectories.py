@@ -125,3 +125,33 @@ def test_treefx_ingest_writes_the_trees(run, tok, tmp_path, capsys, workers):
     assert list(treefx.read_jsonl(out)) == want * 2
     assert main(["stats", str(out)]) == 0
     assert "django__django-16255" in capsys.readouterr().out
+
+
+def _ingest_error(argv, capsys) -> str:
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    return err.strip()
+
+
+def test_treefx_ingest_errors_name_the_file_and_what_is_wrong(tok, tmp_path, capsys):
+    tok.save_pretrained(tmp_path / "tok")
+    out = tmp_path / "trees.jsonl"
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps(json.loads(SWE.read_text())) + "\n\n" + '{"messages": [x]}\n')
+    err = _ingest_error(["ingest", str(bad), "--tokenizer", str(tmp_path / "tok"),
+                         "-o", str(out)], capsys)
+    assert err == (f"treefx ingest: error: {bad}:3: not valid JSON: Expecting value at "
+                   "column 15")
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    err = _ingest_error(["ingest", str(empty), "--tokenizer", str(tmp_path / "tok"),
+                         "-o", str(out)], capsys)
+    assert err == f"treefx ingest: error: {empty} holds no trajectories"
+    err = _ingest_error(["ingest", str(SWE), "--tokenizer", str(tmp_path / "no_tok"),
+                         "-o", str(out)], capsys)
+    assert err.startswith(f"treefx ingest: error: --tokenizer {tmp_path / 'no_tok'}: no such "
+                          "folder"), err
+    assert not out.exists()  # nothing written on an error

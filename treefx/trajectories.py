@@ -121,6 +121,16 @@ def _records(obj, where: str) -> Iterator[Trajectory]:
                          "list of τ-bench results with 'traj')")
 
 
+def _json(text: str, path: str, line: int | None = None):
+    """``text`` (the file ``path``, or its line ``line``) parsed, or a ValueError naming the
+    file, the line and the column."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        where = f"{path}:{line}" if line is not None else f"{path}:{e.lineno}"
+        raise ValueError(f"{where}: not valid JSON: {e.msg} at column {e.colno}") from None
+
+
 def read_trajectories(path: str | os.PathLike) -> Iterator[Trajectory]:
     """The agent runs in one trajectory file.
 
@@ -131,13 +141,14 @@ def read_trajectories(path: str | os.PathLike) -> Iterator[Trajectory]:
     name = os.path.basename(path)
     for suffix in (".jsonl", ".json", ".traj"):
         name = name.removesuffix(suffix)
-    if path.endswith(".jsonl"):
-        with open(path) as f:
-            docs = [(f"{name}:{k + 1}", json.loads(line))
-                    for k, line in enumerate(f) if line.strip()]
-    else:
-        with open(path) as f:
-            docs = [(name, json.load(f))]
+    docs = []
+    with open(path) as f:
+        if path.endswith(".jsonl"):
+            for k, line in enumerate(f):
+                if line.strip():
+                    docs.append((f"{name}:{k + 1}", _json(line, path, k + 1)))
+        else:
+            docs.append((name, _json(f.read(), path)))
     for where, doc in docs:
         for t in _records(doc, f"{path} ({where})"):
             yield t if t.task is not None else Trajectory(where, t.messages, t.reward, t.trial)

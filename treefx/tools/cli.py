@@ -4,7 +4,9 @@ Commands: ``treefx demo``, ``stats FILE.jsonl``, ``synth -o FILE.jsonl``, ``expl
 ``check MODEL``, ``draw FILE.jsonl``. A problem with what a command is given is one line on
 stderr (``treefx CMD: error: ...``) and exit status 2, as argparse does for its own errors.
 ``check`` and ``explain`` share their exit statuses (:data:`EXIT_STATUSES`): 1 means only that
-treefx would train the model wrongly.
+treefx would train the model wrongly. treefx itself failing (a bug, or a release of torch or
+transformers it cannot run with) is status 4 (:data:`EXIT_INTERNAL`), its last line naming the
+releases in use.
 """
 
 from __future__ import annotations
@@ -37,7 +39,11 @@ MAX_VOCAB = 1 << 63
 # The exit statuses of ``treefx check`` and ``treefx explain`` (their --help says them).
 EXIT_STATUSES = ("Exit status: 0 exact within the dtype's tolerance, 1 different (treefx would "
                  "train it wrongly), 2 refused by treefx (an error names the node) or a bad "
-                 "argument, 3 not comparable (random ops in the graph).")
+                 "argument, 3 not comparable (random ops in the graph), 4 treefx itself "
+                 "failed (the line names the treefx, torch and transformers releases).")
+
+# The exit status of every command when treefx itself fails (not the user's input or model).
+EXIT_INTERNAL = 4
 
 
 class CLIError(SystemExit):
@@ -50,6 +56,31 @@ class CLIError(SystemExit):
 
     def __str__(self) -> str:
         return self.message
+
+
+class InternalError(SystemExit):
+    """treefx itself failed: :func:`main` prints ``treefx CMD: internal error: MESSAGE (treefx
+    X, torch Y, transformers Z)`` as the last line and exits with :data:`EXIT_INTERNAL`."""
+
+    def __init__(self, message: str):
+        super().__init__(EXIT_INTERNAL)
+        self.message = f"{' '.join(str(message).split())} ({_releases()})"
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def _releases() -> str:
+    """The releases in use, for a report of treefx's own failure."""
+    import importlib.metadata
+
+    found = []
+    for dist in ("torch", "transformers"):
+        try:
+            found.append(f"{dist} {importlib.metadata.version(dist)}")
+        except importlib.metadata.PackageNotFoundError:
+            found.append(f"{dist} not installed")
+    return ", ".join([f"treefx {__version__}", *found])
 
 
 class _Parser(argparse.ArgumentParser):
@@ -249,8 +280,10 @@ def cmd_stats(args) -> int:
 def _ingest_file(path: str, tokenizer, options: dict) -> list:
     """The trees of one trajectory file (a worker's job in ``treefx ingest``)."""
     from .. import data, trajectories
-    return list(data.from_trajectories(trajectories.read_trajectories(path), tokenizer,
-                                       **options))
+    runs = list(trajectories.read_trajectories(path))
+    if not runs:
+        raise ValueError(f"{path} holds no trajectories")
+    return list(data.from_trajectories(runs, tokenizer, **options))
 
 
 _WORKER_TOKENIZER = []
@@ -266,6 +299,12 @@ def _ingest_in_worker(path: str, options: dict) -> list:
 
 def _load_tokenizer(tokenizer_dir: str, chat_template: str | None):
     from transformers import AutoTokenizer
+
+    if not os.path.isdir(tokenizer_dir):
+        # else Hugging Face takes the path for a Hub repository id and says that is malformed
+        what = "is a file, not a folder" if os.path.exists(tokenizer_dir) else "no such folder"
+        raise CLIError(f"--tokenizer {tokenizer_dir}: {what} (a tokenizer folder saved with "
+                       "save_pretrained)")
     try:
         tok = AutoTokenizer.from_pretrained(tokenizer_dir)
     except (OSError, ValueError) as e:
@@ -407,7 +446,9 @@ def _load_factory(spec: str):
 @contextlib.contextmanager
 def _model_errors(args):
     """An exception from running the user's model (other than treefx's refusals, which the
-    commands report) as one line, exit status 2; ``-v`` also prints its traceback."""
+    commands report) as one line, exit status 2; one that treefx's own code raised, or any from
+    a built-in ``hf:`` model (Hugging Face's code run as the installed release has it), as
+    treefx's failure (:class:`InternalError`). ``-v`` also prints the traceback."""
     try:
         yield
     except Exception as e:  # noqa: BLE001 - the model is the user's code
@@ -418,8 +459,29 @@ def _model_errors(args):
         if args.verbose:
             traceback.print_exc()
         spec = getattr(args, "model", None) or args.factory
-        raise CLIError(f"{spec}: running the model failed: {_first_line(e)}"
-                       f"{'' if args.verbose else ' (-v prints the traceback)'}") from None
+        hint = "" if args.verbose else " (-v prints the traceback)"
+        if spec.startswith("hf:") or _raised_by_treefx(e, spec):
+            raise InternalError(f"{spec}: treefx failed: {_first_line(e)}{hint}") from None
+        raise CLIError(f"{spec}: running the model failed: {_first_line(e)}{hint}") from None
+
+
+def _raised_by_treefx(e: BaseException, spec: str) -> bool:
+    """Whether the innermost frame of ``e``'s traceback that is either treefx's or the model
+    factory's module (``spec``'s MODULE) is treefx's (torch's and other frames between them
+    tell nothing)."""
+    import pathlib
+
+    here = pathlib.Path(__file__).resolve().parent.parent
+    mod = sys.modules.get(spec.split(":", 1)[0])
+    user = getattr(mod, "__file__", None)
+    user = pathlib.Path(user).resolve().parent if user else None
+    for frame, _ in reversed(list(traceback.walk_tb(e.__traceback__))):
+        path = pathlib.Path(frame.f_code.co_filename).resolve()
+        if user is not None and path.is_relative_to(user) and not path.is_relative_to(here):
+            return False
+        if path.is_relative_to(here) and path != pathlib.Path(__file__).resolve():
+            return True
+    return False
 
 
 class _Verbose:
@@ -846,6 +908,14 @@ def main(argv=None) -> int:
         what = f"{e.filename}: {e.strerror}" if e.filename and e.strerror else str(e)
         print(f"{args.parser.prog}: error: {what}", file=sys.stderr)
         raise CLIError(what) from None
+    except InternalError as e:
+        print(f"{args.parser.prog}: internal error: {e}", file=sys.stderr)
+        raise
+    except Exception as e:  # noqa: BLE001 - treefx's own failure: not a bad argument
+        traceback.print_exc()
+        error = InternalError(f"{_first_line(e)} (the traceback above; please report it)")
+        print(f"{args.parser.prog}: internal error: {error}", file=sys.stderr)
+        raise error from None
 
 
 if __name__ == "__main__":
