@@ -462,7 +462,9 @@ def test_mamba2_with_a_step_floor_is_exact():
         "nemotron_h", vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, intermediate_size=64, mamba_num_heads=4,
         mamba_head_dim=8, ssm_state_size=8, n_groups=1, layers_block_type=["mamba", "attention"],
-        time_step_min=0.01, initializer_range=0.2, mamba_chunk_size=8)
+        time_step_min=0.01, initializer_range=0.2, mamba_chunk_size=8,
+        # the floor: time_step_min's up to transformers 5.24, time_step_limit's from 5.25
+        time_step_limit=(0.01, float("inf")))
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg)
     tm = treefx.compile(model, backend="eager")

@@ -181,3 +181,45 @@ def test_table_cut_inside_activation_checkpointing(name):
     tm = treefx.compile(model, backend="eager")
     check_against_oracle(tm, odd_forest(6, VOCAB))
     assert sum("table cut" in n for n in positions_notes(tm)) == 2
+
+
+class SortedExperts(torch.nn.Module):
+    """A decoder whose MLP sorts its tokens by a routing score computed from their data and
+    runs each token's expert in that order, as Hugging Face's grouped experts do (transformers
+    5.5): ``arange(N)[perm]`` picks the tokens, ``inv_perm[perm] = arange(N)`` undoes the sort.
+    Those grids are token indices on the DFS row, not positions."""
+
+    def __init__(self, vocab=VOCAB, dim=16, experts=3):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, dim)
+        self.qkv = torch.nn.Linear(dim, 3 * dim)
+        self.router = torch.nn.Linear(dim, experts)
+        self.experts = torch.nn.Parameter(torch.randn(experts, dim, dim) * 0.3)
+        self.head = torch.nn.Linear(dim, vocab)
+
+    def forward(self, input_ids):
+        h = self.embed(input_ids)[0]  # [N, D]
+        n = h.shape[0]
+        q, k, v = self.qkv(h).chunk(3, -1)
+        att = torch.nn.functional.scaled_dot_product_attention(
+            q[None, None], k[None, None], v[None, None], is_causal=True)[0, 0]
+        h = h + att
+        expert = self.router(h).argmax(-1)  # [N]
+        token_idx = torch.arange(n, device=h.device)
+        perm = torch.argsort(expert, stable=True)
+        inv_perm = torch.empty_like(perm)
+        inv_perm[perm] = torch.arange(n, device=h.device)
+        picked = h[token_idx[perm]]  # tokens in expert order
+        out = torch.einsum("nd,nde->ne", picked, self.experts[expert[perm]])
+        h = h + out[inv_perm]
+        return self.head(h)[None]
+
+
+def test_token_index_grids_a_model_permutes_are_not_positions():
+    """An ``arange`` over the tokens that the model gathers by a data-dependent permutation is
+    a table of DFS indices: left as it is (rewritten to positions it would pick other tokens,
+    a wrong loss with no error), while positions elsewhere are still rewritten."""
+    torch.manual_seed(0)
+    model = SortedExperts().double()
+    tm = treefx.compile(model, backend="eager")
+    check_against_oracle(tm, odd_forest(3, VOCAB))

@@ -110,6 +110,46 @@ def _is_zero(x) -> bool:
     return is_call(x, torch.zeros_like, torch.zeros, methods=("new_zeros", "zero_"))
 
 
+# Ops that carry an index grid's values through unchanged (reshaped, repeated, cast).
+_CARRY = (torch.unsqueeze, torch.reshape, torch.flatten, torch.repeat_interleave)
+_CARRY_METHODS = ("unsqueeze", "expand", "reshape", "view", "flatten", "repeat",
+                  "repeat_interleave", "to", "contiguous", "clone", "long", "int")
+
+
+def _has_tensor(index) -> bool:
+    items = index if isinstance(index, (tuple, list)) else (index,)
+    return any(isinstance(i, torch.fx.Node) for i in items)
+
+
+def _gathered_as_token_indices(node) -> bool:
+    """Whether the grid ``node`` makes (through reshapes and repeats) is itself gathered by a
+    tensor index or written as values by one: a table of token indices that the model permutes
+    (a mixture of experts sorting its token-expert pairs by expert:
+    ``arange(N)[perm]`` picks tokens, ``inv_perm[perm] = arange(N)`` inverts the sort). Such a
+    grid holds DFS indices, not positions; rewritten to positions it would pick other tokens."""
+    todo, seen = [node], set()
+    while todo:
+        cur = todo.pop()
+        if cur in seen:
+            continue
+        seen.add(cur)
+        for user in cur.users:
+            if is_call(user, *_CARRY, methods=_CARRY_METHODS) and user.args and \
+                    user.args[0] is cur:
+                todo.append(user)
+            elif is_call(user, operator.getitem) and user.args[0] is cur:
+                if _has_tensor(user.args[1]):
+                    return True
+                todo.append(user)  # a slice or a new axis
+            elif is_call(user, torch.index_select, torch.gather, torch.take,
+                         methods=("index_select", "gather", "take")) and user.args[0] is cur:
+                return True
+            elif is_call(user, operator.setitem) and len(user.args) > 2 and \
+                    user.args[2] is cur and _has_tensor(user.args[1]):
+                return True
+    return False
+
+
 def positions_pass(ctx: GraphContext) -> int:
     """Replace every ``arange`` of the sequence length by the tree positions; returns how many."""
     count = 0
@@ -132,6 +172,8 @@ def positions_pass(ctx: GraphContext) -> int:
         step = node.args[2] if len(node.args) >= 3 else node.kwargs.get("step", 1)
         if step != 1:
             continue  # a strided grid is not a position
+        if _gathered_as_token_indices(node):
+            continue  # a table of token indices, not positions (left as the DFS index)
         with ctx.graph.inserting_before(node):
             new = ctx.positions
             if val.dtype != torch.int64:
