@@ -188,11 +188,21 @@ def registered(target) -> Recurrence | None:
 
 
 @contextlib.contextmanager
-def capture_patches():
-    """Swap every registered kernel for its marker where models look it up."""
+def capture_patches(model: torch.nn.Module | None = None):
+    """Swap every registered kernel for its marker where models look it up: in the modules
+    that define it and, in ``model``, on layers that hold it as an attribute (Hugging Face's
+    Gated DeltaNet layers up to transformers 5.14 bind ``self.chunk_gated_delta_rule`` in
+    their ``__init__``)."""
     _ensure_builtins()
     saved = []
     try:
+        kernels = {id(r.fn): r for r in _REGISTRY.values()}
+        for m in model.modules() if model is not None else ():
+            for attr, value in list(vars(m).items()):
+                rec = kernels.get(id(value))
+                if rec is not None and rec.fn is value:
+                    saved.append((m, attr, value))
+                    setattr(m, attr, rec.marker)
         for mod_name, attr, name in _SITES:
             try:
                 mod = importlib.import_module(mod_name)

@@ -22,7 +22,7 @@ import sys
 
 import torch
 
-__all__ = ["install_output_hooks", "without_input_grad_hooks"]
+__all__ = ["install_output_hooks", "traced_padding_masks", "without_input_grad_hooks"]
 
 
 @contextlib.contextmanager
@@ -47,6 +47,36 @@ def without_input_grad_hooks(model: torch.nn.Module | None):
         for hooks, items in saved:
             hooks.clear()
             hooks.update(items)
+
+
+# Hugging Face's hybrid models up to transformers 5.14 drop their recurrent layers' padding
+# mask where it is all ones, with ``torch.all(attention_mask == 1)``: a branch on data, a graph
+# break. From 5.15 they skip that test while tracing
+# (``masking_utils.create_recurrent_attention_mask``) and keep the mask.
+_PADDING_MASK_METHODS = ("_update_linear_attn_mask", "_update_mamba_mask")
+
+
+def _mask_as_given(attention_mask, *args, **kwargs):
+    return attention_mask
+
+
+@contextlib.contextmanager
+def traced_padding_masks(model: torch.nn.Module | None):
+    """While a tree runs, ``model``'s padding-mask methods above return the mask as it is, as
+    later releases do while tracing: the same values (a mask of ones multiplies nothing away;
+    one with zeros is kept by both), without the branch. Removed after."""
+    patched = []
+    for module in model.modules() if model is not None else ():
+        for attr in _PADDING_MASK_METHODS:
+            if callable(getattr(type(module), attr, None)) and attr not in vars(module):
+                setattr(module, attr, _mask_as_given)
+                patched.append((module, attr))
+    try:
+        yield
+    finally:
+        for module, attr in patched:
+            if vars(module).get(attr) is _mask_as_given:
+                delattr(module, attr)
 
 
 def install_output_hooks(model: torch.nn.Module) -> None:

@@ -135,22 +135,58 @@ def _wrappers(model: torch.nn.Module) -> list[tuple]:
     return found
 
 
+# Kernels a layer binds in its ``__init__`` (Hugging Face's hybrid layers up to transformers
+# 5.14: ``self.chunk_gated_delta_rule = chunk_gated_delta_rule or torch_chunk_gated_delta_rule``,
+# fla's kernel when fla is installed, and ``self.causal_conv1d_fn``, the causal_conv1d
+# package's): the attribute -> the torch function its modeling module defines, or None where
+# the layer's own code path is the torch one (its ``nn.Conv1d``).
+_LAYER_KERNELS = {"chunk_gated_delta_rule": "torch_chunk_gated_delta_rule",
+                  "recurrent_gated_delta_rule": "torch_recurrent_gated_delta_rule",
+                  "causal_conv1d_update": "torch_causal_conv1d_update",
+                  "causal_conv1d_fn": None}
+# model -> its layers that bind one of them
+_LAYERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _layer_kernels(model: torch.nn.Module) -> list[tuple]:
+    """(layer, attribute, torch function or None) for the kernels ``model``'s layers bind."""
+    if model not in _LAYERS:
+        found = []
+        for layer in model.modules():
+            mod = sys.modules.get(type(layer).__module__)
+            if mod is None or not type(layer).__module__.startswith("transformers."):
+                continue
+            for attr, torch_name in _LAYER_KERNELS.items():
+                if attr in vars(layer):
+                    fn = getattr(mod, torch_name, None) if torch_name else None
+                    if torch_name is None or fn is not None:
+                        found.append((layer, attr, torch_function(fn) if fn else None))
+        _LAYERS[model] = found
+    return _LAYERS[model]
+
+
 @contextlib.contextmanager
 def torch_kernel_paths(model: torch.nn.Module | None):
     """Within this block, every Hugging Face kernel wrapper that ``model``'s modeling modules
-    hold is their torch function (restored after; a wrapper replaced meanwhile, by treefx's
-    recurrence markers say, is left as it was found)."""
+    hold is their torch function, and so is every kernel its layers bind (a package's kernel
+    bound in ``__init__``: fla's, causal_conv1d's); restored after (one replaced meanwhile, by
+    treefx's recurrence markers say, is left as it was found)."""
     swapped = []
     try:
         for mod, attr, wrapper, fn in _wrappers(model) if model is not None else ():
             if vars(mod).get(attr) is wrapper:
                 setattr(mod, attr, fn)
                 swapped.append((mod, attr, wrapper, fn))
+        for layer, attr, fn in _layer_kernels(model) if model is not None else ():
+            held = vars(layer).get(attr)
+            if held is not fn:
+                setattr(layer, attr, fn)
+                swapped.append((layer, attr, held, fn))
         yield
     finally:
-        for mod, attr, wrapper, fn in reversed(swapped):
-            if vars(mod).get(attr) is fn:
-                setattr(mod, attr, wrapper)
+        for owner, attr, wrapper, fn in reversed(swapped):
+            if vars(owner).get(attr) is fn:
+                setattr(owner, attr, wrapper)
 
 
 # The oracle runs Hugging Face's reference code beneath the wrappers: it then shares no kernel

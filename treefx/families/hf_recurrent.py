@@ -14,12 +14,16 @@ from __future__ import annotations
 
 import functools
 import importlib
+import sys
 
 from ..compiler.recurrences import (
+    LayerFamily,
     Recurrence,
+    UnsupportedLayerError,
     add_builtins,
     register_if_compatible,
     register_kernel_family,
+    register_layer_family,
 )
 from ..ops.selective_scan import selective_scan
 from . import fla, fla_tree
@@ -167,3 +171,26 @@ add_builtins(register_builtins)
 # The kernels the oracle runs beneath whatever wraps them (besides Hugging Face's wrappers of
 # any kernel, :func:`.hf_kernels.torch_kernel_paths`).
 steer_by_name(*FAMILIES, "torch_recurrent_gated_delta_rule")
+
+
+def _inline_mamba2_mixer(m) -> bool:
+    """A Mamba2 mixer (Mamba2, Bamba, Falcon-H1, GraniteMoeHybrid, NemotronH, Zamba2) of a
+    transformers before 5.15, whose ``torch_forward`` writes the chunked scan inline: its module
+    defines no ``mamba2_chunk_scan`` for the tree to run."""
+    return (all(hasattr(m, a) for a in ("torch_forward", "A_log", "chunk_size", "ssm_state_size"))
+            and not hasattr(sys.modules.get(type(m).__module__), "mamba2_chunk_scan"))
+
+
+def _refuse_inline_mamba2_mixer(name: str, m) -> None:
+    raise UnsupportedLayerError(
+        f"treefx cannot run the Mamba2 mixer at {name} ({type(m).__name__}) under transformers "
+        f"{transformers_version()}: before 5.15 it writes its chunked scan inline rather than "
+        "calling mamba2_chunk_scan, the kernel treefx runs over the tree; use "
+        "transformers>=5.15 for this model")
+
+
+# Refused, not replaced: a layer family whose check always raises.
+register_layer_family(LayerFamily(
+    name="Mamba2 mixer with an inline scan", is_layer=_inline_mamba2_mixer,
+    check=_refuse_inline_mamba2_mixer, matches=lambda m: False, forward=None,
+    recurrence=None))

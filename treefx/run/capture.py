@@ -27,7 +27,8 @@ from ..compiler import TreeCompileError
 from ..compiler.recurrences import UnsupportedLayerError, capture_patches, discover
 from ..families.hf_flex import eager_attention
 from ..families.hf_kernels import torch_kernel_paths
-from ..families.hf_hooks import install_output_hooks, without_input_grad_hooks
+from ..families.hf_hooks import (install_output_hooks, traced_padding_masks,
+                                 without_input_grad_hooks)
 from ..families.hf_packing import one_sequence_per_path
 from ..plan import Plan
 from . import backends, regional
@@ -54,7 +55,8 @@ def capture_environment(model: torch.nn.Module | None, plan: Plan, *,
             stack.enter_context(torch._dynamo.config.patch(
                 skip_fwd_side_effects_in_bwd_under_checkpoint=True))
         stack.enter_context(torch_kernel_paths(model))
-        stack.enter_context(capture_patches())
+        stack.enter_context(capture_patches(model))
+        stack.enter_context(traced_padding_masks(model))
         stack.enter_context(without_input_grad_hooks(model))
         stack.enter_context(backends.capture_config())
         stack.enter_context(eager_attention(model))
