@@ -30,7 +30,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 # starts processes (tests/test_distributed.py's spawn of every case, the one-process run of
 # examples/fsdp.py) runs once per worker that gets one of its tests.
 LONG_FIRST = (
-    "tests/test_transformers_floor.py",  # the sample with the oldest transformers
+    "tests/test_transformers_releases.py",  # the sample with the oldest and newest transformers
     "tests/test_distributed_parts.py",  # two processes, every case
     "tests/test_distributed.py",
     "tests/test_examples.py::test_fsdp_example",  # examples/fsdp.py, one process and two
