@@ -466,9 +466,10 @@ def _model_errors(args):
 
 
 def _raised_by_treefx(e: BaseException, spec: str) -> bool:
-    """Whether the innermost frame of ``e``'s traceback that is either treefx's or the model
-    factory's module (``spec``'s MODULE) is treefx's (torch's and other frames between them
-    tell nothing)."""
+    """Whether the innermost frame of ``e``'s traceback that says whose the failure is, is
+    treefx's: a frame of treefx's code is treefx's; one of the model factory's module
+    (``spec``'s MODULE), or torch calling a module (a model that cannot be called so, or fails
+    inside), is the model's; torch's other frames tell nothing."""
     import pathlib
 
     here = pathlib.Path(__file__).resolve().parent.parent
@@ -478,6 +479,9 @@ def _raised_by_treefx(e: BaseException, spec: str) -> bool:
     for frame, _ in reversed(list(traceback.walk_tb(e.__traceback__))):
         path = pathlib.Path(frame.f_code.co_filename).resolve()
         if user is not None and path.is_relative_to(user) and not path.is_relative_to(here):
+            return False
+        if frame.f_code.co_name in ("_call_impl", "_wrapped_call_impl") and \
+                path.parts[-4:] == ("torch", "nn", "modules", "module.py"):
             return False
         if path.is_relative_to(here) and path != pathlib.Path(__file__).resolve():
             return True
