@@ -46,7 +46,6 @@ __all__ = [
     "lookup",
     "recurrence",
     "refuse_sites",
-    "refused",
     "register_if_compatible",
     "register_kernel_family",
     "register_layer_family",
@@ -358,12 +357,6 @@ def refuse_sites(sites, why: str) -> None:
     line), and every other model is untouched."""
     for site in sites:
         _REFUSED[tuple(site)] = why
-
-
-def refused() -> dict[tuple[str, str], str]:
-    """The sites whose kernels could not be registered, and why."""
-    _ensure_builtins(force=True)
-    return dict(_REFUSED)
 
 
 def register_if_compatible(make: Callable[[], Recurrence], sites,
