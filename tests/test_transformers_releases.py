@@ -199,3 +199,22 @@ def test_canary_the_newest_release_passes_the_sample_or_is_above_the_bound():
 @pytest.mark.parametrize("version", sorted(PINNED, key=_key))
 def test_sample_passes_on_the_releases_the_rl_frameworks_pin(version):
     _run_sample(version)
+
+
+def test_the_declared_range_is_the_one_treefx_warns_outside():
+    from treefx._version import TESTED_TRANSFORMERS
+
+    assert (floor_version(), bound_version()) == TESTED_TRANSFORMERS
+
+
+def test_a_release_outside_the_range_is_warned_about(monkeypatch, caplog):
+    import transformers
+
+    from treefx.families import hf_kernels
+
+    assert hf_kernels.check_release() == (
+        _key(floor_version()) <= _key(transformers.__version__) <= _key(bound_version()))
+    monkeypatch.setattr(transformers, "__version__", "99.0.0")
+    with caplog.at_level("WARNING", logger="treefx"):
+        assert not hf_kernels.check_release()
+    assert "99.0.0 is installed" in caplog.text

@@ -21,15 +21,20 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
+import re
 import sys
 import weakref
 from collections.abc import Callable
 
 import torch
 
+from .._version import TESTED_TRANSFORMERS
 from ..reference import register_oracle_attention
 
-__all__ = ["describe", "is_kernel_wrapper", "steer_by_name", "torch_function",
+log = logging.getLogger("treefx")
+
+__all__ = ["check_release", "describe", "is_kernel_wrapper", "steer_by_name", "torch_function",
            "torch_kernel_paths", "transformers_version"]
 
 
@@ -42,6 +47,29 @@ def transformers_version() -> str:
         except ImportError:
             return "not installed"
     return getattr(mod, "__version__", "unknown")
+
+
+def _release(version: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in re.findall(r"\d+", version.split("+")[0])[:3])
+
+
+def check_release() -> bool:
+    """Whether the installed transformers is one treefx was run against
+    (:data:`treefx._version.TESTED_TRANSFORMERS`); warns once where it is not (``pip install
+    "treefx[hf]"`` installs one that is). Such a release still runs: a model family treefx
+    cannot read is refused, and the first-call check compares the rest with the oracle."""
+    version = transformers_version()
+    low, high = TESTED_TRANSFORMERS
+    try:
+        inside = _release(low) <= _release(version) <= _release(high)
+    except ValueError:
+        inside = False
+    if not inside:
+        log.warning("treefx was run with transformers %s to %s; %s is installed. A model "
+                    "family treefx cannot read under it is refused; the first-call check "
+                    "compares the rest with each sequence run alone. pip install "
+                    "\"treefx[hf]\" installs a release it was run with.", low, high, version)
+    return inside
 
 
 def _is_func_module(obj) -> bool:

@@ -27,7 +27,8 @@ from ..compiler.recurrences import (
 )
 from ..ops.selective_scan import selective_scan
 from . import fla, fla_tree
-from .hf_kernels import describe, steer_by_name, torch_function, transformers_version
+from .hf_kernels import (check_release, describe, steer_by_name, torch_function,
+                         transformers_version)
 
 __all__ = ["FAMILIES", "MODELS", "register_builtins"]
 
@@ -154,6 +155,7 @@ def register_builtins() -> None:
     """The torch kernels of Hugging Face's hybrid layers known today (others are recognised
     when a model is compiled: :func:`treefx.compiler.recurrences.discover`). A module that is
     missing is skipped; a kernel that cannot be read is refused for the models that use it."""
+    check_release()
     for model in MODELS:
         path = f"transformers.models.{model}.modeling_{model}"
         mod = _import(path)
