@@ -48,6 +48,7 @@ SAMPLE = [
     "tests/test_step.py::test_moe_with_router_logits_trains_its_cross_entropy_and_refuses_the_aux_loss",
     "tests/test_hybrid.py::test_hf_gated_deltanet_hybrids_match_oracle",
     "tests/test_hybrid.py::test_hf_bamba_mamba2_hybrid_matches_oracle",
+    "tests/test_mamba.py::test_hf_mamba_family_matches_oracle",
     "tests/test_checkpointing.py::test_hf_gradient_checkpointing_is_exact",
     "tests/test_wrapped_models.py::test_peft_lora_matches_oracle",
     "tests/test_zoo.py::test_fast_models_are_exact",

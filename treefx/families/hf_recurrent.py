@@ -175,24 +175,31 @@ add_builtins(register_builtins)
 steer_by_name(*FAMILIES, "torch_recurrent_gated_delta_rule")
 
 
-def _inline_mamba2_mixer(m) -> bool:
-    """A Mamba2 mixer (Mamba2, Bamba, Falcon-H1, GraniteMoeHybrid, NemotronH, Zamba2) of a
-    transformers before 5.15, whose ``torch_forward`` writes the chunked scan inline: its module
-    defines no ``mamba2_chunk_scan`` for the tree to run."""
-    return (all(hasattr(m, a) for a in ("torch_forward", "A_log", "chunk_size", "ssm_state_size"))
-            and not hasattr(sys.modules.get(type(m).__module__), "mamba2_chunk_scan"))
+def _inline_scan(kind: str, parts: tuple[str, ...], kernel: str) -> LayerFamily:
+    """Hugging Face's ``kind`` layers of a transformers before 5.15, which write their scan
+    inline: a layer with ``parts`` whose modeling module defines no ``kernel`` for the tree to
+    run. Refused (its check always raises), in one line naming the release."""
+
+    def is_layer(m) -> bool:
+        module = type(m).__module__
+        return (module.startswith("transformers.") and all(hasattr(m, a) for a in parts)
+                and not hasattr(sys.modules.get(module), kernel))
+
+    def refuse(name: str, m) -> None:
+        raise UnsupportedLayerError(
+            f"treefx cannot run the {kind} at {name} ({type(m).__name__}) under transformers "
+            f"{transformers_version()}: before 5.15 it writes its scan inline rather than "
+            f"calling {kernel}, the kernel treefx runs over the tree; use transformers>=5.15 "
+            "for this model")
+
+    return LayerFamily(name=f"{kind} with an inline scan", is_layer=is_layer, check=refuse,
+                       matches=lambda m: False, forward=None, recurrence=None)
 
 
-def _refuse_inline_mamba2_mixer(name: str, m) -> None:
-    raise UnsupportedLayerError(
-        f"treefx cannot run the Mamba2 mixer at {name} ({type(m).__name__}) under transformers "
-        f"{transformers_version()}: before 5.15 it writes its chunked scan inline rather than "
-        "calling mamba2_chunk_scan, the kernel treefx runs over the tree; use "
-        "transformers>=5.15 for this model")
-
-
-# Refused, not replaced: a layer family whose check always raises.
-register_layer_family(LayerFamily(
-    name="Mamba2 mixer with an inline scan", is_layer=_inline_mamba2_mixer,
-    check=_refuse_inline_mamba2_mixer, matches=lambda m: False, forward=None,
-    recurrence=None))
+# Mamba2 mixers (Mamba2, Bamba, Falcon-H1, GraniteMoeHybrid, NemotronH, Zamba2) and Mamba
+# mixers (Mamba, Falcon-Mamba, Jamba, Zamba) before transformers 5.15.
+register_layer_family(_inline_scan("Mamba2 mixer", ("torch_forward", "A_log", "chunk_size",
+                                                    "ssm_state_size"), "mamba2_chunk_scan"))
+register_layer_family(_inline_scan("Mamba mixer", ("x_proj", "dt_proj", "A_log",
+                                                   "cuda_kernels_forward"),
+                                   "mamba_selective_scan"))
