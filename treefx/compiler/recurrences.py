@@ -28,6 +28,7 @@ import importlib
 import inspect
 import logging
 import sys
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -196,12 +197,12 @@ def capture_patches(model: torch.nn.Module | None = None):
     saved = []
     try:
         kernels = {id(r.fn): r for r in _REGISTRY.values()}
-        for m in model.modules() if model is not None else ():
-            for attr, value in list(vars(m).items()):
-                rec = kernels.get(id(value))
-                if rec is not None and rec.fn is value:
-                    saved.append((m, attr, value))
-                    setattr(m, attr, rec.marker)
+        for m, attr in _function_attributes(model) if model is not None else ():
+            value = vars(m).get(attr)
+            rec = kernels.get(id(value))
+            if rec is not None and rec.fn is value:
+                saved.append((m, attr, value))
+                setattr(m, attr, rec.marker)
         for mod_name, attr, name in _SITES:
             try:
                 mod = importlib.import_module(mod_name)
@@ -217,6 +218,19 @@ def capture_patches(model: torch.nn.Module | None = None):
     finally:
         for mod, attr, value in reversed(saved):
             setattr(mod, attr, value)
+
+
+# model -> (layer, attribute) of the plain functions its layers hold as attributes, found once:
+# capture_patches runs on every call of a compiled model.
+_FUNCTION_ATTRIBUTES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _function_attributes(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str]]:
+    if model not in _FUNCTION_ATTRIBUTES:
+        _FUNCTION_ATTRIBUTES[model] = [(m, attr) for m in model.modules()
+                                       for attr, value in vars(m).items()
+                                       if inspect.isfunction(value)]
+    return _FUNCTION_ATTRIBUTES[model]
 
 
 def discover(model: torch.nn.Module) -> list[Recurrence]:
