@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import weakref
 
 import torch
 
@@ -56,6 +57,10 @@ def without_input_grad_hooks(model: torch.nn.Module | None):
 _PADDING_MASK_METHODS = ("_update_linear_attn_mask", "_update_mamba_mask")
 
 
+# model -> (module, method) of the padding-mask methods its modules have
+_MASK_METHODS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def _mask_as_given(attention_mask, *args, **kwargs):
     return attention_mask
 
@@ -66,11 +71,13 @@ def traced_padding_masks(model: torch.nn.Module | None):
     later releases do while tracing: the same values (a mask of ones multiplies nothing away;
     one with zeros is kept by both), without the branch. Removed after."""
     patched = []
-    for module in model.modules() if model is not None else ():
-        for attr in _PADDING_MASK_METHODS:
-            if callable(getattr(type(module), attr, None)) and attr not in vars(module):
-                setattr(module, attr, _mask_as_given)
-                patched.append((module, attr))
+    if model is not None and model not in _MASK_METHODS:  # found once per model
+        _MASK_METHODS[model] = [(m, a) for m in model.modules() for a in _PADDING_MASK_METHODS
+                                if callable(getattr(type(m), a, None))]
+    for module, attr in _MASK_METHODS.get(model, ()) if model is not None else ():
+        if attr not in vars(module):
+            setattr(module, attr, _mask_as_given)
+            patched.append((module, attr))
     try:
         yield
     finally:
