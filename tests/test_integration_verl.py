@@ -223,21 +223,22 @@ def _train_step(engine, td, loss_fn, **kw):
     return out, grads, params
 
 
-@pytest.mark.parametrize("micro", [
-    dict(use_dynamic_bsz=False, micro_batch_size_per_gpu=3),   # three micro-batches
-    dict(use_dynamic_bsz=True, max_token_len_per_gpu=64),      # verl's token-budget packing
-], ids=["fixed", "dynamic"])
-@pytest.mark.parametrize("loss", [
-    dict(),
-    dict(loss_agg_mode="seq-mean-token-mean", policy_loss={"loss_mode": "gspo"}),
-], ids=["ppo", "gspo-seq-mean"])
-def test_ppo_update_matches_verls_engine(tv, model_dir, micro, loss):
+_FIXED = dict(use_dynamic_bsz=False, micro_batch_size_per_gpu=3)   # three micro-batches
+_DYNAMIC = dict(use_dynamic_bsz=True, max_token_len_per_gpu=64)     # verl's token-budget packing
+_GSPO = dict(loss_agg_mode="seq-mean-token-mean", policy_loss={"loss_mode": "gspo"})
+
+
+@pytest.mark.parametrize("micro, loss, checkpointing", [
+    (_FIXED, {}, False), (_DYNAMIC, {}, False), (_FIXED, _GSPO, False), (_DYNAMIC, _GSPO, False),
+    (_FIXED, {}, True),
+], ids=["ppo-fixed", "ppo-dynamic", "gspo-fixed", "gspo-dynamic", "ppo-checkpointing"])
+def test_ppo_update_matches_verls_engine(tv, model_dir, micro, loss, checkpointing):
     from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 
     td = _batch(_rows(seed=3), temperature=0.9)
     results = []
     for cls in (FSDPEngineWithLMHead, tv.TreeFSDPEngine):
-        engine = _engine(cls, model_dir)
+        engine = _engine(cls, model_dir, checkpointing=checkpointing)
         step1 = _train_step(engine, td, _ppo_loss(**loss), **micro)
         step2 = _train_step(engine, _batch(_rows(seed=4)), _ppo_loss(**loss), **micro)
         results.append((step1, step2))
@@ -288,3 +289,22 @@ def test_rows_numbered_otherwise_are_refused(engines):
 def test_other_verl_versions_are_refused(tv):
     with pytest.raises(ImportError, match="0.9.1"):
         tv.check_verl_version("0.8.0")
+
+
+def test_the_example_runs_and_the_engines_agree():
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run([sys.executable, "examples/verl_engine.py"], cwd=root,
+                          capture_output=True, text=True, timeout=900,
+                          env=dict(os.environ, MASTER_PORT=str(29600 + os.getpid() % 300)))
+    assert done.returncode == 0, done.stderr[-3000:]
+    loss, grad = map(float, re.search(r"loss difference (\S+), largest gradient difference (\S+)",
+                                      done.stdout).groups())
+    assert loss <= 1e-5 and grad <= 1e-5, done.stdout
+    trees, rows = map(int, re.search(r"tokens: (\d+) in the trees, (\d+) in the rows",
+                                     done.stdout).groups())
+    assert trees < rows / 2, done.stdout

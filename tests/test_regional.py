@@ -102,6 +102,22 @@ def test_hooks_on_a_layer_are_refused():
         tm(treefx.pack(odd_forest(3, VOCAB)))
 
 
+def test_hugging_faces_input_require_grads_hook_acts_once_in_the_graph():
+    """``enable_input_require_grads`` (what reentrant activation checkpointing, and verl's and
+    PEFT's set-ups, register) hooks the input embeddings: traced into the graph, left out of the block's
+    own call (where the output is the graph piece's tuple); exact with a frozen embedding,
+    where the hook is what gives the checkpointed layers an input that needs gradients."""
+    model = hf_model("qwen3", "sdpa")
+    model.get_input_embeddings().weight.requires_grad_(False)
+    enable_activation_checkpointing(model, use_reentrant=True)  # registers the hook
+    model.train()
+    hooks = dict(model.get_input_embeddings()._forward_hooks)
+    assert hooks and all("make_inputs_require_grads" in h.__qualname__ for h in hooks.values())
+    tm = treefx.compile(model, backend="eager", regional=True, verify=False)
+    check_against_oracle(tm, odd_forest(3, VOCAB))
+    assert dict(model.get_input_embeddings()._forward_hooks) == hooks  # put back after the call
+
+
 def test_shape_guards_are_checked_on_every_call():
     """GPT-Neo cuts its 48-position table to the row: Dynamo guards the row length. A row
     within the guard reuses the capture; a longer one is captured anew, which fails clearly

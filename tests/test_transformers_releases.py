@@ -13,6 +13,9 @@ of transformers.
   warning, and the bound can move to it.
 - The releases the RL frameworks pin (verl's newest 5.10, OpenRLHF's 5.15.0) and the GPU
   machine's (5.17.0): ``-m slow``.
+- verl's engine (``tests/test_integration_verl.py``) in an environment with verl 0.9.1 and the
+  transformers it pins (verl requires ``<5.11``, so this environment cannot hold it): ``-m
+  slow``; making the environment takes a few minutes (verl brings ray, about 300 MB).
 
 Each environment is made once (``python -m venv``, a ``.pth`` file that adds this environment's
 packages after its own, and ``pip install transformers==X``, about 20 s from the package
@@ -84,14 +87,19 @@ def _key(version: str) -> tuple[int, ...]:
     return tuple(int(x) for x in re.findall(r"\d+", version.split("+")[0])[:3])
 
 
-def _venv(version: str) -> Path:
+def _venv(version: str, extra: tuple[str, ...] = ()) -> Path:
+    """An environment with transformers ``version`` (and the ``extra`` requirements, with what
+    they require) before this one's packages."""
     # one per environment the suite runs in (its packages are the floor's, but transformers)
     tag = hashlib.sha1(sys.prefix.encode()).hexdigest()[:8]
-    default = (Path.home() / ".cache" / "treefx" / f"venv-transformers-{version}-"
-               f"py{sys.version_info[0]}{sys.version_info[1]}-{tag}")
-    folder = Path(os.environ.get("TREEFX_FLOOR_VENV", default))
+    name = "-".join(["transformers", version, *(re.sub(r"[^A-Za-z0-9.]+", "", e) for e in extra)])
+    default = (Path.home() / ".cache" / "treefx" /
+               f"venv-{name}-py{sys.version_info[0]}{sys.version_info[1]}-{tag}")
+    folder = Path(default if extra else os.environ.get("TREEFX_FLOOR_VENV", default))
     python = folder / "bin" / "python"
-    if python.exists() and _same(_transformers_version(python), version):
+    ready = folder / ".treefx-ready"
+    if python.exists() and _same(_transformers_version(python), version) and \
+            (not extra or ready.exists()):
         return python
     _run([sys.executable, "-m", "venv", "--clear", str(folder)], folder, version)
     # This environment's packages (torch, peft, ...; a venv's or the interpreter's own), after
@@ -101,7 +109,7 @@ def _venv(version: str) -> Path:
     outer = {sysconfig.get_paths()[k] for k in ("purelib", "platlib")}
     (Path(own) / "_treefx_suite_packages.pth").write_text("\n".join(sorted(outer)) + "\n")
     _run([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check",
-          f"transformers=={version}"], folder, version)
+          f"transformers=={version}", *extra], folder, version)
     needs = _run([str(python), "-c", "import importlib.metadata as m; print(any(r.split(';')[0]"
                   ".strip().startswith('kernels') and 'extra' not in r for r in "
                   "m.requires('transformers') or ()))"], folder, version).strip()
@@ -110,6 +118,7 @@ def _venv(version: str) -> Path:
             "raise ImportError('kernels is hidden: this transformers does not require it')\n")
     got = _transformers_version(python)
     assert _same(got, version), f"the environment in {folder} has transformers {got}"
+    ready.write_text(" ".join([f"transformers=={version}", *extra]) + "\n")
     return python
 
 
@@ -200,6 +209,24 @@ def test_canary_the_newest_release_passes_the_sample_or_is_above_the_bound():
 @pytest.mark.parametrize("version", sorted(PINNED, key=_key))
 def test_sample_passes_on_the_releases_the_rl_frameworks_pin(version):
     _run_sample(version)
+
+
+@pytest.mark.slow
+@inside_a_release_run
+def test_verl_engine_in_verls_own_environment():
+    """tests/test_integration_verl.py (treefx's verl engine against verl's own) with verl and
+    the transformers release it pins installed."""
+    verl = re.findall(r'"(verl==[0-9.]+)"', (ROOT / "pyproject.toml").read_text())
+    assert len(set(verl)) == 1, f"pyproject.toml pins verl {verl}"
+    version = next(v for v, why in PINNED.items() if why.startswith("verl"))
+    python = _venv(version, (verl[0],))
+    env = dict(os.environ, PYTHONPATH=str(ROOT), TREEFX_FLOOR_RUN="1")
+    done = subprocess.run([str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           "tests/test_integration_verl.py"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=1800)
+    tail = (done.stdout + done.stderr)[-6000:]
+    assert done.returncode == 0, tail
+    assert re.search(r"\d+ passed", done.stdout) and "skipped" not in done.stdout, tail
 
 
 def test_the_declared_range_is_the_one_treefx_warns_outside():

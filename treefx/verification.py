@@ -388,13 +388,23 @@ def _model_state_kept(model: torch.nn.Module, params):
 
 def _grads(make_loss, params, model: torch.nn.Module) -> list[torch.Tensor | None]:
     """d loss / d params for ``loss = make_loss()``: ``autograd.grad``, which leaves ``.grad``
-    alone. Reentrant activation checkpointing refuses it (in an eager model): the loss is then
-    computed again and differentiated with a plain ``backward``, the other parameters frozen
+    alone. Reentrant activation checkpointing refuses it (in an eager model), or, where no
+    requested parameter outside a checkpoint needs the checkpoint's node (frozen input
+    embeddings), gives None for the parameters inside: the loss is then computed again and
+    differentiated with a plain ``backward``, the other parameters frozen
     (the caller restores ``.grad``). The graph is never retained: a compiled backward with
     donated buffers refuses that."""
     tensors = [p for _, p in params]
     try:
-        return list(torch.autograd.grad(make_loss(), tensors, allow_unused=True))
+        loss = make_loss()
+        reentrant = _has_reentrant_checkpoint(loss)
+        got = list(torch.autograd.grad(loss, tensors, allow_unused=True))
+        del loss
+        if all(g is not None for g in got) or not reentrant:
+            return got
+        # A parameter autograd.grad finds unused may sit inside a reentrant checkpoint whose
+        # node no requested input needs (frozen input embeddings), which autograd.grad then
+        # never runs: ``backward`` below runs it.
     except RuntimeError as e:
         if "checkpoint" not in str(e).lower():
             raise
@@ -410,6 +420,20 @@ def _grads(make_loss, params, model: torch.nn.Module) -> list[torch.Tensor | Non
         for p in frozen:
             p.requires_grad_(True)
     return [p.grad for p in tensors]
+
+
+def _has_reentrant_checkpoint(loss: torch.Tensor) -> bool:
+    """Whether ``loss``'s autograd graph holds a reentrant checkpoint's node."""
+    seen, todo = set(), [loss.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if "CheckpointFunction" in type(node).__name__:
+            return True
+        todo.extend(f for f, _ in node.next_functions)
+    return False
 
 
 def graph_draws_random(tree_model) -> str | None:

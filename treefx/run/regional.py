@@ -137,8 +137,34 @@ def find_blocks(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
 def _non_fsdp_hooks(module: torch.nn.Module) -> list:
     hooks = []
     for d in (module._forward_pre_hooks, module._forward_hooks):
-        hooks += [h for h in d.values() if not _is_fsdp_hook(h)]
+        hooks += [h for h in d.values() if not (_is_fsdp_hook(h) or _is_traced_output_hook(h))]
     return hooks
+
+
+# Forward hooks known to act only on the module's output tensor, which the capture traced into
+# the tree graph: regional execution leaves them out of the module's own call (the block's
+# output there is the graph piece's tuple), so they act once, in the graph. Hugging Face's
+# ``enable_input_require_grads`` hook on the input embeddings (``output.requires_grad_(True)``,
+# registered with activation checkpointing by verl's and PEFT's set-ups).
+_TRACED_OUTPUT_HOOKS = {("transformers.modeling_utils",
+                         "PreTrainedModel.enable_input_require_grads.<locals>."
+                         "make_inputs_require_grads")}
+
+
+def _is_traced_output_hook(hook) -> bool:
+    return (getattr(hook, "__module__", None), getattr(hook, "__qualname__", None)) in \
+        _TRACED_OUTPUT_HOOKS
+
+
+@contextlib.contextmanager
+def _traced_output_hooks_hidden(module: torch.nn.Module):
+    hidden = {k: h for k, h in module._forward_hooks.items() if _is_traced_output_hook(h)}
+    for k in hidden:
+        del module._forward_hooks[k]
+    try:
+        yield
+    finally:
+        module._forward_hooks.update(hidden)
 
 
 def _is_fsdp_hook(hook) -> bool:
@@ -840,7 +866,7 @@ def forward_replaced(module: torch.nn.Module, forward):
 def call_with_forward(module: torch.nn.Module, forward, *args):
     """``nn.Module.__call__(module, *args)`` (its hooks: FSDP's gather and free, DDP's)
     with ``forward`` in place of the module's own forward for this call."""
-    with forward_replaced(module, forward):
+    with forward_replaced(module, forward), _traced_output_hooks_hidden(module):
         return torch.nn.Module.__call__(module, *args)
 
 
