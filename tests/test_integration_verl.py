@@ -54,13 +54,13 @@ def model_dir(tmp_path_factory):
     return str(folder)
 
 
-def _configs(model_dir, *, strategy="fsdp2", lora_rank=0, checkpointing=False):
+def _configs(model_dir, *, strategy="fsdp2", lora_rank=0, checkpointing=False, **model_kw):
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
 
     model = HFModelConfig(path=model_dir, load_tokenizer=False, use_remove_padding=True,
                           enable_gradient_checkpointing=checkpointing, lora_rank=lora_rank,
-                          override_config={"attn_implementation": "sdpa"})
+                          override_config={"attn_implementation": "sdpa"}, **model_kw)
     engine = FSDPEngineConfig(strategy=strategy, model_dtype="fp32", use_torch_compile=False,
                               mixed_precision={"param_dtype": "fp32", "reduce_dtype": "fp32",
                                                "buffer_dtype": "fp32"})
@@ -308,3 +308,51 @@ def test_the_example_runs_and_the_engines_agree():
     trees, rows = map(int, re.search(r"tokens: (\d+) in the trees, (\d+) in the rows",
                                      done.stdout).groups())
     assert trees < rows / 2, done.stdout
+
+
+def _worker(model_dir, model_type, loss_fn):
+    """verl's own ``TrainingWorker`` (what its actor runs), configured as a user would."""
+    from verl.trainer.config import CheckpointConfig
+    from verl.workers.config import TrainingWorkerConfig
+    from verl.workers.engine_workers import TrainingWorker
+
+    model, engine, optim, _ = _configs(model_dir, model_type=model_type,
+                                       external_lib="treefx.integrations.verl")
+    engine.use_dynamic_bsz, engine.micro_batch_size_per_gpu = False, 3  # as the actor sets them
+    worker = TrainingWorker(TrainingWorkerConfig(
+        model_type=model_type, model_config=model, engine_config=engine,
+        optimizer_config=optim, checkpoint_config=CheckpointConfig()))
+    worker.reset()
+    worker.set_loss_fn(loss_fn)
+    return worker
+
+
+def test_verls_training_worker_picks_the_engine_by_config_and_trains_as_stock(tv, model_dir):
+    """The model config's ``model_type`` (with ``external_lib``) selects the tree engine in
+    verl's ``TrainingWorker``; two PPO epochs over the shuffled batch, three micro-batches each
+    (verl's iterator, lr scheduler, metrics), train the parameters verl's own engine trains."""
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.engine.base import EngineRegistry
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+
+    # verl registers its own engine for accelerators only; the CPU gets it here, for this test
+    EngineRegistry._engines["language_model"]["fsdp2"].setdefault("cpu", FSDPEngineWithLMHead)
+    results = {}
+    for model_type in ("language_model", tv.MODEL_TYPE):
+        worker = _worker(model_dir, model_type, _ppo_loss())
+        td = _batch(_rows(seed=5), temperature=1.0)
+        tu.assign_non_tensor(td, calculate_entropy=True, global_batch_size=9, mini_batch_size=9,
+                             epochs=2, seed=7, dataloader_kwargs={"shuffle": True},
+                             compute_loss=True)
+        out = worker.train_mini_batch(td)
+        params = {n: _full(p.data).clone() for n, p in worker.engine.module.named_parameters()}
+        results[model_type] = (type(worker.engine), _metrics(tu.get(out, "metrics")), params)
+    (cls_w, metrics_w, params_w), (cls_g, metrics_g, params_g) = results.values()
+    assert cls_w is FSDPEngineWithLMHead and cls_g is tv.TreeFSDPEngine
+    assert metrics_w.keys() == metrics_g.keys() and "actor/pg_loss" in metrics_w
+    for key in metrics_w:
+        if key.startswith("perf/") or key in ("mfu",):
+            continue  # time and memory
+        _close(torch.tensor(metrics_g[key]), torch.tensor(metrics_w[key]), key)
+    for name in params_w:
+        _close(params_g[name], params_w[name], f"param {name}")

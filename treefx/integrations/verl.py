@@ -320,6 +320,10 @@ def use_cpu_platform() -> None:
         max_memory_reserved = memory_allocated = memory_reserved = max_memory_allocated
 
         @staticmethod
+        def get_device_name(*_):
+            return "cpu"
+
+        @staticmethod
         def mem_get_info(*_):
             import psutil
 
