@@ -356,3 +356,23 @@ def test_verls_training_worker_picks_the_engine_by_config_and_trains_as_stock(tv
         _close(torch.tensor(metrics_g[key]), torch.tensor(metrics_w[key]), key)
     for name in params_w:
         _close(params_g[name], params_w[name], f"param {name}")
+
+
+def test_the_benchmarks_dry_run_agrees(tmp_path):
+    """benchmarks/verl_engine.py --dry-run: both engines through verl's update and
+    compute_log_prob on GRPO rows of multi-turn prompts; it exits non-zero if they differ."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    out = tmp_path / "verl_engine.json"
+    done = subprocess.run([sys.executable, "-m", "benchmarks.verl_engine", "--dry-run",
+                           "--out", str(out)], cwd=root, capture_output=True, text=True,
+                          timeout=900, env=dict(os.environ, MASTER_PORT=str(29700 + os.getpid() % 200)))
+    assert done.returncode == 0, done.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["comparison"]["within_tolerance"], res["comparison"]
+    stats = res["engines"]["treefx"]["tree_stats"]
+    assert stats["tree_tokens"] < stats["sequence_tokens"]

@@ -13,9 +13,11 @@ of transformers.
   warning, and the bound can move to it.
 - The releases the RL frameworks pin (verl's newest 5.10, OpenRLHF's 5.15.0) and the GPU
   machine's (5.17.0): ``-m slow``.
-- verl's engine (``tests/test_integration_verl.py``) in an environment with verl 0.9.1 and the
-  transformers it pins (verl requires ``<5.11``, so this environment cannot hold it): ``-m
-  slow``; making the environment takes a few minutes (verl brings ray, about 300 MB).
+- verl's engine (``tests/test_integration_verl.py``) in an environment of its own with verl
+  0.9.1 and the transformers it pins (verl requires ``<5.11``, so this environment cannot hold
+  it; verl 0.9.1 fails beside TRL 1.16, so this environment's packages are not visible there),
+  this environment's torch and test tools: ``-m slow``; making it takes a few minutes (verl
+  brings ray, about 300 MB).
 
 Each environment is made once (``python -m venv``, a ``.pth`` file that adds this environment's
 packages after its own, and ``pip install transformers==X``, about 20 s from the package
@@ -88,8 +90,10 @@ def _key(version: str) -> tuple[int, ...]:
 
 
 def _venv(version: str, extra: tuple[str, ...] = ()) -> Path:
-    """An environment with transformers ``version`` (and the ``extra`` requirements, with what
-    they require) before this one's packages."""
+    """An environment with transformers ``version``. Without ``extra``: before this one's
+    packages (only transformers is its own). With ``extra`` (a framework's requirements): an
+    environment of its own, with this environment's torch and the test tools, so that none of
+    this one's packages (TRL, say) stands in for what the framework brings."""
     # one per environment the suite runs in (its packages are the floor's, but transformers)
     tag = hashlib.sha1(sys.prefix.encode()).hexdigest()[:8]
     name = "-".join(["transformers", version, *(re.sub(r"[^A-Za-z0-9.]+", "", e) for e in extra)])
@@ -102,20 +106,26 @@ def _venv(version: str, extra: tuple[str, ...] = ()) -> Path:
             (not extra or ready.exists()):
         return python
     _run([sys.executable, "-m", "venv", "--clear", str(folder)], folder, version)
-    # This environment's packages (torch, peft, ...; a venv's or the interpreter's own), after
-    # the new one's: only transformers is its own.
     own = _run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                folder, version).strip()
-    outer = {sysconfig.get_paths()[k] for k in ("purelib", "platlib")}
-    (Path(own) / "_treefx_suite_packages.pth").write_text("\n".join(sorted(outer)) + "\n")
-    _run([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check",
-          f"transformers=={version}", *extra], folder, version)
-    needs = _run([str(python), "-c", "import importlib.metadata as m; print(any(r.split(';')[0]"
-                  ".strip().startswith('kernels') and 'extra' not in r for r in "
-                  "m.requires('transformers') or ()))"], folder, version).strip()
-    if needs != "True":  # this environment's kernels is not the release's: hide it
-        (Path(own) / "kernels.py").write_text(
-            "raise ImportError('kernels is hidden: this transformers does not require it')\n")
+    pip = [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+    if extra:
+        import importlib.metadata as md
+
+        tools = [f"{d}=={md.version(d)}" for d in ("torch", "pytest", "hypothesis", "numpy")]
+        _run([*pip, *tools, f"transformers=={version}", *extra], folder, version)
+    else:
+        # This environment's packages (torch, peft, ...; a venv's or the interpreter's own),
+        # after the new one's.
+        outer = {sysconfig.get_paths()[k] for k in ("purelib", "platlib")}
+        (Path(own) / "_treefx_suite_packages.pth").write_text("\n".join(sorted(outer)) + "\n")
+        _run([*pip, f"transformers=={version}"], folder, version)
+        needs = _run([str(python), "-c", "import importlib.metadata as m; print(any(r.split(';')"
+                      "[0].strip().startswith('kernels') and 'extra' not in r for r in "
+                      "m.requires('transformers') or ()))"], folder, version).strip()
+        if needs != "True":  # this environment's kernels is not the release's: hide it
+            (Path(own) / "kernels.py").write_text(
+                "raise ImportError('kernels is hidden: this transformers does not require it')\n")
     got = _transformers_version(python)
     assert _same(got, version), f"the environment in {folder} has transformers {got}"
     ready.write_text(" ".join([f"transformers=={version}", *extra]) + "\n")

@@ -1,0 +1,269 @@
+"""verl's actor update with its own FSDP engine and with treefx's: one process, the same data.
+
+    python -m benchmarks.verl_engine              # GPU: Qwen3-1.7B shape, 28 layers, verl's bf16
+    python -m benchmarks.verl_engine --layers 8   # fewer decoder layers (recorded in the result)
+    python -m benchmarks.verl_engine --dry-run    # CPU: tiny Qwen3, float32; the engines must agree
+
+Needs verl 0.9.1 (``pip install -e ".[verl]"``; on the GPU machine its wheels carried, as
+benchmarks/README.md says).
+
+**The engines.** ``verl``: verl's ``FSDPEngineWithLMHead`` (FSDP2, one rank). ``treefx``:
+``treefx.integrations.verl.TreeFSDPEngine``, the same engine with each micro-batch run as one
+prefix tree. Both are built by ``EngineRegistry.new`` from the same four configs and load the
+same checkpoint (a Qwen3 with random weights, saved once): verl's defaults where this script
+sets nothing (float32 master weights, bf16 mixed precision and autocast, activation
+checkpointing, ``use_remove_padding``), SDPA attention for verl's engine (flash-attn is not
+installed there; verl's packed rows reach SDPA as one sequence with position ids that restart
+per row, which transformers turns into a block-causal mask).
+
+**The data.** GRPO on multi-turn prompts, as ``benchmarks.grpo`` makes them (its arguments, the
+same defaults): ``--groups`` prompts sharing a ``--context``-token system prompt, each with its
+own earlier turns and question, ``G`` completions each; random ids, advantages per group,
+old and reference log-probs drawn once. One PPO mini-batch = the whole batch; micro-batches
+of ``--micro`` rows (verl's ``ppo_micro_batch_size_per_gpu``), in verl's order (whole groups
+when ``--micro`` is a multiple of G).
+
+**What is timed.** ``compute_log_prob`` (the old log-probs and entropies, no gradients) and
+the update (``train_batch``: every micro-batch's forward, verl's PPO loss with KL loss, backward,
+then the optimizer step), CUDA events; the first of each on its own (treefx captures, compiles
+and checks there), then the median of ``--steps`` after ``--warmup``. Peak memory:
+``max_memory_allocated`` over the timed steps. The learning rate is 0, so every step repeats the
+same work and both engines' log-probs stay comparable. Compared: the first
+``compute_log_prob``'s log-probs over the response tokens and the first update's loss (float32
+1e-5; bf16 0.1 nats and 1e-2 relative, recorded as ``within_tolerance``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import gc
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+
+from benchmarks import common
+from benchmarks.fsdp import SHAPES
+from benchmarks.grpo import make_rollouts
+
+TOL = {"float32": {"logprob": 1e-5, "loss": 1e-5}, "bfloat16": {"logprob": 0.1, "loss": 1e-2}}
+
+
+def _batch(rollouts: dict, micro: int, seed: int):
+    """verl's update batch (jagged, with the worker's metadata) for ``rollouts``."""
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.utils.padding import left_right_2_no_padding
+
+    g = torch.Generator().manual_seed(seed)
+    rows = [(grp["prompt"], c) for grp in rollouts["groups"] for c in grp["completions"]]
+    G = len(rollouts["groups"][0]["completions"])
+    B, P, R = len(rows), max(len(p) for p, _ in rows), max(len(r) for _, r in rows)
+    prompts, responses = torch.zeros(B, P, dtype=torch.long), torch.zeros(B, R, dtype=torch.long)
+    mask = torch.zeros(B, P + R, dtype=torch.long)
+    for b, (p, r) in enumerate(rows):
+        prompts[b, P - len(p):], responses[b, :len(r)] = torch.tensor(p), torch.tensor(r)
+        mask[b, P - len(p):P + len(r)] = 1
+    adv = torch.randn(B // G, 1, generator=g).repeat_interleave(G, 0).expand(B, R)
+    td = left_right_2_no_padding(tu.get_tensordict({
+        "prompts": prompts, "responses": responses, "attention_mask": mask,
+        "input_ids": torch.cat([prompts, responses], 1),
+        "position_ids": (mask.cumsum(1) - 1).clamp(min=0), "response_mask": mask[:, P:].clone(),
+        "old_log_probs": -torch.rand(B, R, generator=g) * 4,
+        "ref_log_prob": -torch.rand(B, R, generator=g) * 4,
+        "advantages": adv.contiguous()}))
+    tu.assign_non_tensor(td, temperature=1.0, global_batch_size=B, use_remove_padding=True,
+                         use_fused_kernels=False, use_dynamic_bsz=False,
+                         micro_batch_size_per_gpu=micro)
+    stats = {"rows": B, "row_tokens": int(mask.sum()), "padded_tokens": B * (P + R),
+             "tree_tokens_whole_batch": _tree_tokens([p + r for p, r in rows])}
+    return td, stats
+
+
+def _tree_tokens(seqs) -> int:
+    import treefx
+
+    return treefx.Tree.from_sequences(seqs).num_tokens
+
+
+def _configs(folder: str, model_type: str, dry_run: bool, checkpointing: bool):
+    from verl.trainer.config import CheckpointConfig
+    from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
+
+    model = HFModelConfig(path=folder, load_tokenizer=False, model_type=model_type,
+                          enable_gradient_checkpointing=checkpointing,
+                          override_config={"attn_implementation": "sdpa"})
+    engine = dict(strategy="fsdp2", use_torch_compile=not dry_run)
+    if dry_run:
+        engine.update(model_dtype="fp32", mixed_precision={
+            "param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"})
+    optim = FSDPOptimizerConfig(lr=0.0, total_training_steps=100, weight_decay=0.0)
+    return dict(model_config=model, engine_config=FSDPEngineConfig(**engine),
+                optimizer_config=optim, checkpoint_config=CheckpointConfig())
+
+
+class _Timer:
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
+
+    def __call__(self, fn):
+        if self.cuda:
+            torch.cuda.synchronize()
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            out = fn()
+            b.record()
+            torch.cuda.synchronize()
+            return out, a.elapsed_time(b)
+        t = time.perf_counter()
+        out = fn()
+        return out, (time.perf_counter() - t) * 1e3
+
+
+def run_engine(name: str, folder: str, td, args, cuda: bool) -> dict:
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.config import ActorConfig
+    from verl.workers.engine.base import EngineRegistry
+    from verl.workers.utils.losses import ppo_loss
+
+    import treefx.integrations.verl as tv
+
+    if args.compile_options:
+        tv.register(compile_options=args.compile_options)
+    model_type = "language_model" if name == "verl" else tv.MODEL_TYPE
+    if model_type == "language_model" and not cuda:
+        from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+        EngineRegistry._engines["language_model"]["fsdp2"].setdefault("cpu", FSDPEngineWithLMHead)
+    engine = EngineRegistry.new(model_type=model_type, backend="fsdp2",
+                                **_configs(folder, model_type, args.dry_run,
+                                           not args.no_checkpointing))
+    engine.initialize()
+    loss_fn = functools.partial(ppo_loss, ActorConfig(
+        strategy="fsdp2", rollout_n=args.G, ppo_micro_batch_size_per_gpu=args.micro,
+        use_kl_loss=True, kl_loss_coef=0.001, entropy_coeff=0.0, loss_agg_mode="token-mean"))
+    timer = _Timer(cuda)
+    rec = {"engine": type(engine).__name__, "log_prob_ms": [], "update_ms": [], "losses": []}
+
+    def log_prob():
+        with engine.eval_mode():
+            data = td.clone()
+            tu.assign_non_tensor(data, calculate_entropy=True, compute_loss=False)
+            return engine.infer_batch(data)
+
+    def update():
+        with engine.train_mode():
+            data = td.clone()
+            tu.assign_non_tensor(data, calculate_entropy=False)
+            return engine.train_batch(data, loss_fn)
+
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    (first_lp, rec["first_log_prob_ms"]) = timer(log_prob)
+    (first_up, rec["first_update_ms"]) = timer(update)
+    rec["first_cycle_s"] = (rec["first_log_prob_ms"] + rec["first_update_ms"]) / 1e3
+    rec["log_probs"] = [t.float().cpu() for t in first_lp["model_output"]["log_probs"].unbind()]
+    rec["first_loss"] = float(sum(first_up["loss"]))
+    for i in range(args.warmup + args.steps):
+        lp, t_lp = timer(log_prob)
+        up, t_up = timer(update)
+        if i >= args.warmup:
+            rec["log_prob_ms"].append(t_lp)
+            rec["update_ms"].append(t_up)
+            rec["losses"].append(float(sum(up["loss"])))
+    rec["log_prob_median_ms"] = statistics.median(rec["log_prob_ms"])
+    rec["update_median_ms"] = statistics.median(rec["update_ms"])
+    rec["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
+    rec["tree_stats"] = dict(getattr(engine, "tree_stats", {}) or {})
+    del engine
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+    return rec
+
+
+def compare(a: dict, b: dict, response_lens: list[int], tol: dict) -> dict:
+    worst = 0.0
+    for x, y, n in zip(a["log_probs"], b["log_probs"], response_lens):
+        # the response's tokens: position t holds log p(token t+1), so the last n before the end
+        worst = max(worst, float((x[-n - 1:-1] - y[-n - 1:-1]).abs().max()))
+    loss = abs(a["first_loss"] - b["first_loss"]) / max(abs(a["first_loss"]), 1e-12)
+    return {"logprob_max_abs": worst, "loss_rel": loss,
+            "within_tolerance": worst <= tol["logprob"] and loss <= tol["loss"]}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    common.add_run_args(p, "CPU: tiny Qwen3, float32, a small batch; the engines must agree")
+    p.add_argument("--shape", default="qwen3-1.7b", choices=sorted(SHAPES))
+    p.add_argument("--layers", type=int, default=None)
+    p.add_argument("--groups", type=int, default=4)
+    p.add_argument("--G", type=int, default=8)
+    p.add_argument("--micro", type=int, default=16, help="rows per micro-batch")
+    p.add_argument("--context", type=int, default=2000)
+    p.add_argument("--history", default="500,2000")
+    p.add_argument("--question", default="20,150")
+    p.add_argument("--completion", default="100,1000")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--no-checkpointing", action="store_true")
+    p.add_argument("--engines", default="verl,treefx")
+    p.add_argument("--compile-options", type=__import__("json").loads, default={})
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    if args.dry_run:
+        args.shape, args.groups, args.G, args.micro = "tiny", 2, 4, 4
+        args.context, args.history, args.question, args.completion = 40, "10,20", "3,6", "5,20"
+        args.warmup, args.steps = 0, 1
+    cuda = common.use_cuda(args.dry_run)
+    for k, v in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29543"), ("RANK", "0"),
+                 ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
+        os.environ.setdefault(k, v)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if cuda else "gloo")
+    import treefx.integrations.verl as tv
+
+    tv.use_cpu_platform()
+    config = dict(SHAPES[args.shape])
+    if args.layers:
+        config["num_hidden_layers"] = args.layers
+    folder = tempfile.mkdtemp()
+    model = common.hf_model("qwen3", dev="cpu", dtype=torch.float32, on_device=False, **config)
+    model.save_pretrained(folder)
+    del model
+    rollouts = make_rollouts(args, config["vocab_size"], eos=2)
+    td, stats = _batch(rollouts, args.micro, args.seed)
+    res = {"meta": common.run_meta(cuda), "args": vars(args), "model": config, "data": stats,
+           "engines": {}}
+    for name in args.engines.split(","):
+        print(f"[{name}] ...", flush=True)
+        res["engines"][name] = run_engine(name, folder, td, args, cuda)
+    if {"verl", "treefx"} <= res["engines"].keys():
+        a, b = res["engines"]["verl"], res["engines"]["treefx"]
+        dtype = "float32" if args.dry_run else "bfloat16"
+        lens = td["responses"].offsets().diff().tolist() if td["responses"].is_nested else \
+            td["response_mask"].sum(1).tolist()
+        res["comparison"] = compare(a, b, lens, TOL[dtype])
+        res["speedup_update"] = a["update_median_ms"] / b["update_median_ms"]
+        res["speedup_log_prob"] = a["log_prob_median_ms"] / b["log_prob_median_ms"]
+    for rec in res["engines"].values():
+        rec.pop("log_probs", None)
+    for name, rec in res["engines"].items():
+        print(f"{name:>7}: update {rec['update_median_ms']:.1f} ms, log-prob "
+              f"{rec['log_prob_median_ms']:.1f} ms, first cycle {rec['first_cycle_s']:.1f} s, "
+              f"peak {rec['peak_gib'] if rec['peak_gib'] is None else round(rec['peak_gib'], 1)}"
+              f" GiB")
+    if "comparison" in res:
+        print(f"update {res['speedup_update']:.2f}x, log-prob {res['speedup_log_prob']:.2f}x; "
+              f"{res['comparison']}")
+    common.save_json(res, common.resolve_out(args, "verl_engine", cuda))
+    dist.destroy_process_group()
+    if args.dry_run and "comparison" in res and not res["comparison"]["within_tolerance"]:
+        raise SystemExit(f"the engines differ: {res['comparison']}")
+    return res
+
+
+if __name__ == "__main__":
+    main()
