@@ -185,3 +185,52 @@ def test_tree_trainer_errors(tmp_path):
     with pytest.raises(ValueError, match="compute_loss_func"):
         TreeTrainer(model=_model(), args=args, train_dataset=_rows(),
                     compute_loss_func=lambda *a, **k: 0)
+
+
+def _pad_with_masks(rows):
+    """The stock path for rows that may carry an ``attention_mask`` of their own (0 on padding
+    they were stored with): right-padded to the longest row, as transformers' padding
+    collators pad; labels -100 on padding."""
+    n = max(len(r["input_ids"]) for r in rows)
+    out = {"input_ids": torch.zeros(len(rows), n, dtype=torch.long),
+           "attention_mask": torch.zeros(len(rows), n, dtype=torch.long),
+           "labels": torch.full((len(rows), n), -100, dtype=torch.long)}
+    for i, r in enumerate(rows):
+        k = len(r["input_ids"])
+        out["input_ids"][i, :k] = torch.tensor(r["input_ids"])
+        out["attention_mask"][i, :k] = torch.tensor(r.get("attention_mask", [1] * k))
+        out["labels"][i, :k] = torch.tensor(r["labels"])
+    return out
+
+
+@pytest.mark.parametrize("mode", ["all", "non_padding"])
+def test_num_input_tokens_seen_counts_what_the_stock_trainer_counts(tmp_path, mode):
+    """``include_num_input_tokens_seen``: ``Trainer`` counts ``input_ids.numel()`` of each
+    padded micro-batch ("all"; True means it) or ``attention_mask.sum()`` ("non_padding").
+    The tree batch has no ``input_ids``, so the count stayed 0 (with a warning about
+    ``main_input_name``); now every logged count and the final one equal the stock trainer's
+    on the same rows, two of them stored with padding of their own (attention_mask 0)."""
+    rows = _rows()[:12]
+    for r in rows[:2]:
+        r["input_ids"] = r["input_ids"] + [0, 0, 0]
+        r["labels"] = r["labels"] + [-100] * 3
+        r["attention_mask"] = [1] * (len(r["input_ids"]) - 3) + [0] * 3
+
+    def run(cls, **kw):
+        args = TrainingArguments(
+            output_dir=str(tmp_path / cls.__name__), per_device_train_batch_size=3,
+            gradient_accumulation_steps=2, num_train_epochs=1, learning_rate=1e-3,
+            logging_steps=1, save_strategy="no", report_to=[], seed=0, use_cpu=True,
+            dataloader_num_workers=0, include_num_input_tokens_seen=mode)
+        trainer = cls(model=_model(), args=args, train_dataset=rows, **kw)
+        trainer.train()
+        seen = [h["num_input_tokens_seen"] for h in trainer.state.log_history
+                if "num_input_tokens_seen" in h]
+        return trainer.state.num_input_tokens_seen, seen
+
+    stock = run(Trainer, data_collator=_pad_with_masks)
+    tree = run(TreeTrainer, tree_compile={"backend": "eager"})
+    assert stock[0] > 0 and len(stock[1]) == 3
+    assert tree == stock, (tree, stock)
+    padded = stock[0] > sum(len(r["input_ids"]) for r in rows)
+    assert padded == (mode != "non_padding")

@@ -288,3 +288,25 @@ def test_refused_options_name_themselves(tok, tmp_path, caplog):
     metrics = trainer._metrics["train"]
     assert "entropy" not in metrics and metrics["num_tokens"] == [2 * (39 + 19)]
     assert metrics["num_tree_tokens"] == [2 * 39]
+
+
+@pytest.mark.parametrize("mode, pad", [("all", 8), ("non_padding", None)])
+def test_num_input_tokens_seen_counts_what_sft_trainer_counts(tok, tmp_path, mode, pad):
+    """``include_num_input_tokens_seen``: ``SFTTrainer`` counts each padded micro-batch
+    (``input_ids.numel()``, padded to the longest row or to ``pad_to_multiple_of``; or
+    ``attention_mask.sum()``); the tree trainer's count, logged and final, is the same."""
+    rows = _rows()[:12]
+    config = {"include_num_input_tokens_seen": mode, "pad_to_multiple_of": pad,
+              "gradient_checkpointing": False}
+
+    def seen(trainer):
+        return trainer.state.num_input_tokens_seen, [
+            h["num_input_tokens_seen"] for h in trainer.state.log_history
+            if "num_input_tokens_seen" in h]
+
+    ref = _train(trl.SFTTrainer, rows, tok, tmp_path / "ref", vocab=97, config=config)[3]
+    got = _train(TreeSFTTrainer, rows, tok, tmp_path / "tree", vocab=97, config=config,
+                 tree_compile={"backend": "eager"})[3]
+    assert seen(ref)[0] > 0 and len(seen(ref)[1]) == 3
+    assert seen(got) == seen(ref), (seen(got), seen(ref))
+    assert (seen(ref)[0] == sum(len(r["input_ids"]) for r in rows)) == (mode == "non_padding")

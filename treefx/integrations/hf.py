@@ -29,6 +29,13 @@ times the number of rows that train it: :func:`treefx.pack` with ``reduction="su
 by that count. Loss, gradients and the optimizer's next parameters equal ``Trainer`` on the
 rows padded into a batch (``tests/test_integration_hf.py``).
 
+**What it counts.** ``include_num_input_tokens_seen`` counts what ``Trainer`` counts on the
+rows padded into a batch by its padding collators (the tree has no ``input_ids`` row to count):
+``"all"`` (or True) the rows times the longest row of each micro-batch, ``"non_padding"`` the
+tokens the rows attend to (:func:`input_tokens_seen`); equal to ``Trainer``'s on the same rows
+(``tests/test_integration_hf.py``). A collator that pads further (``pad_to_multiple_of``) counts
+more in ``Trainer``; ``TreeSFTTrainer`` rounds up as ``SFTConfig.pad_to_multiple_of`` says.
+
 Not covered: label smoothing and ``compute_loss_func`` (refused: both need logits and labels
 in a row layout); labels other than the input shifted by one (refused when found);
 ``nn.DataParallel`` (``n_gpu > 1``) and tensor / context / sequence parallelism (refused).
@@ -51,7 +58,8 @@ from ..run.model import TreeModel, tree_loss
 from ..run.model import compile as tree_compile
 from ..tree import Tree
 
-__all__ = ["TreeCollator", "TreeTrainer", "TreeTrainerMixin", "rows_to_tree"]
+__all__ = ["TreeCollator", "TreeTrainer", "TreeTrainerMixin", "input_tokens_seen",
+           "rows_to_tree"]
 
 IGNORE_INDEX = -100
 _MASK_KEYS = ("completion_mask", "assistant_masks")
@@ -84,12 +92,13 @@ def _call_row(row, i: int) -> tuple[np.ndarray, np.ndarray] | None:
     return np.asarray(call.ids, dtype=np.int64), np.asarray(call.mask(), dtype=bool)
 
 
-def _row(row, i: int) -> tuple[np.ndarray, np.ndarray]:
-    """A row's tokens and the mask of the tokens it trains (HF's convention: token j is
-    trained when ``labels[j] != -100``, predicted from the tokens before it)."""
+def _row(row, i: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """A row's tokens, the mask of the tokens it trains (HF's convention: token j is
+    trained when ``labels[j] != -100``, predicted from the tokens before it), and the length
+    of its ``input_ids`` as given (with any columns its ``attention_mask`` drops)."""
     call = _call_row(row, i)
     if call is not None:
-        return call
+        return (*call, len(call[0]))
     if not isinstance(row, Mapping) or "input_ids" not in row:
         raise TypeError(f"row {i}: expected a mapping with 'input_ids' (or a model call's "
                         "'prompt_ids' and 'completion_ids', or a treefx.Tree under 'tree'), "
@@ -119,10 +128,11 @@ def _row(row, i: int) -> tuple[np.ndarray, np.ndarray]:
         mask = np.ones(len(ids), bool) if key is None else _ints(row[key], key, i) != 0
         if len(mask) != len(ids):
             raise ValueError(f"row {i}: {key} has {len(mask)} entries, input_ids {len(ids)}")
+    given = len(ids)
     ids, mask = ids[keep], mask[keep]
     if len(ids) == 0:
         raise ValueError(f"row {i} has no tokens")
-    return ids, mask
+    return ids, mask, given
 
 
 def _as_tree(value, i: int) -> Tree | None:
@@ -156,7 +166,15 @@ def rows_to_tree(rows: Sequence) -> tuple[list[Tree], int]:
     ``loss_mask`` or its completion), or a tree. Rows that are :class:`treefx.Tree` (or hold
     one under ``"tree"``, or its record :meth:`treefx.Tree.to_dict`, as a mapping or JSON) are
     kept as they are, counted by their sequences' loss masks."""
-    seqs, masks, trees, items = [], [], [], 0
+    trees, items, _ = _rows_to_tree(rows)
+    return trees, items
+
+
+def _rows_to_tree(rows: Sequence) -> tuple[list[Tree], int, list[tuple[int, int]]]:
+    """:func:`rows_to_tree`, and per row (per sequence of a tree row) the length of its
+    ``input_ids`` as given and the number of tokens it attends to (what ``Trainer`` counts
+    for ``include_num_input_tokens_seen``)."""
+    seqs, masks, trees, items, lengths = [], [], [], 0, []
     for i, row in enumerate(rows):
         tree = row if isinstance(row, Tree) else (
             _as_tree(row.get("tree"), i) if isinstance(row, Mapping) else None)
@@ -164,25 +182,31 @@ def rows_to_tree(rows: Sequence) -> tuple[list[Tree], int]:
             trees.append(tree)
             for p in range(tree.num_sequences):
                 items += int(np.asarray(tree.loss_mask(p))[1:].sum())
+                n = int(tree.sequence_lengths[p])
+                lengths.append((n, n))
             continue
-        ids, mask = _row(row, i)
+        ids, mask, given = _row(row, i)
         seqs.append(ids.tolist())
         masks.append(mask.astype(np.int64).tolist())
         items += int(mask[1:].sum())
+        lengths.append((given, len(ids)))
     if seqs:
         trees.append(Tree.from_sequences(seqs, loss_masks=masks))
     if not trees:
         raise ValueError("an empty batch: no rows")
-    return trees, items
+    return trees, items, lengths
 
 
 class TreeCollator:
-    """Collate a micro-batch's rows into ``{"tree_batch": TreeBatch, "num_items": int}``.
+    """Collate a micro-batch's rows into ``{"tree_batch": TreeBatch, "num_items": int, ...}``.
 
     The rows (see the module docstring) are merged into one prefix tree and packed with
     :func:`treefx.pack` (``reduction="sum"``, every loss weight the number of rows that train
     the token), so :func:`treefx.tree_loss` on the model's output is the sum of the rows' token
-    losses; ``num_items`` is the rows' trained-token count. ``pack_kwargs`` go to
+    losses; ``num_items`` is the rows' trained-token count. ``"input_lengths"``: per row (per
+    sequence of a tree row), the length of its ``input_ids`` as given and the tokens it
+    attends to, from which the trainer counts ``include_num_input_tokens_seen`` as
+    ``Trainer`` does on the rows padded into a batch. ``pack_kwargs`` go to
     :func:`treefx.pack` (``pad_to_multiple`` say)."""
 
     def __init__(self, **pack_kwargs):
@@ -193,10 +217,35 @@ class TreeCollator:
         self.pack_kwargs = pack_kwargs
 
     def __call__(self, rows: Sequence) -> dict:
-        trees, items = rows_to_tree(rows)
+        trees, items, lengths = _rows_to_tree(rows)
         p = sum(t.num_sequences for t in trees)
         batch = layout.pack(trees, reduction="sum", loss_scale=float(p), **self.pack_kwargs)
-        return {"tree_batch": batch, "num_items": items}
+        return {"tree_batch": batch, "num_items": items, "input_lengths": lengths}
+
+
+def input_tokens_seen(lengths: Sequence[tuple[int, int]], mode: str,
+                      pad_to_multiple_of: int | None = None) -> int:
+    """The input tokens ``Trainer`` counts for ``include_num_input_tokens_seen``.
+
+    On a micro-batch whose rows have these ``(given, attended)`` lengths (``"input_lengths"``
+    of :class:`TreeCollator`), padded into a batch as its collators pad by default
+    (``DataCollatorWithPadding``, ``DataCollatorForSeq2Seq``, TRL's SFT collator: to the
+    longest row, or a multiple of ``pad_to_multiple_of``).
+
+    ``"all"``: ``input_ids.numel()`` of the padded batch, the rows times the longest row
+    (rounded up to ``pad_to_multiple_of``); ``"non_padding"``: ``attention_mask.sum()``, the
+    tokens the rows attend to; ``"no"``: 0."""
+    if mode == "no" or not lengths:
+        return 0
+    if mode == "non_padding":
+        return sum(a for _, a in lengths)
+    if mode != "all":
+        raise ValueError(f"include_num_input_tokens_seen={mode!r}: expected 'all', "
+                         "'non_padding' or 'no'")
+    longest = max(g for g, _ in lengths)
+    if pad_to_multiple_of:
+        longest = -(-longest // pad_to_multiple_of) * pad_to_multiple_of
+    return len(lengths) * longest
 
 
 class TreeTrainerMixin:
@@ -210,8 +259,10 @@ class TreeTrainerMixin:
     arguments of :func:`treefx.compile`), the tree's run (:meth:`_run_tree`) and the
     normalization (:meth:`_normalize`), the refusals (``compute_loss_func``, label smoothing,
     ``nn.DataParallel``, tensor / context / sequence parallelism), and evaluation's
-    ``prediction_step`` (the loss, no logits). ``tree_stats`` counts the tokens the trees ran
-    (``"tree_tokens"``) against the rows' own (``"sequence_tokens"``)."""
+    ``prediction_step`` (the loss, no logits), and ``include_num_input_tokens_seen`` counted
+    on the rows as ``Trainer`` counts it (``_track_num_input_tokens``, :func:`input_tokens_seen`).
+    ``tree_stats`` counts the tokens the trees ran (``"tree_tokens"``) against the rows' own
+    (``"sequence_tokens"``)."""
 
     _tree_trainer = "TreeTrainer"  # the name errors give
 
@@ -258,6 +309,27 @@ class TreeTrainerMixin:
         if self.args.average_tokens_across_devices and self.args.world_size > 1:
             n = self.accelerator.gather(n).sum()
         return n
+
+    def _input_pad_to_multiple_of(self) -> int | None:
+        """What the stock trainer's collator rounds a batch's length up to (None: none)."""
+        return None
+
+    def _track_num_input_tokens(self, inputs):
+        """``state.num_input_tokens_seen`` as ``Trainer`` counts it on the rows padded into a
+        batch (:func:`input_tokens_seen`), not on the tree (which has no ``input_ids`` row
+        of its own: ``Trainer``'s count found none and stayed 0)."""
+        mode = self.args.include_num_input_tokens_seen
+        if mode == "no":
+            return
+        lengths = inputs.get("input_lengths") if isinstance(inputs, Mapping) else None
+        if lengths is None:
+            raise ValueError(f"{self._tree_trainer}: include_num_input_tokens_seen={mode!r} "
+                             "counts the rows' tokens from the 'input_lengths' TreeCollator "
+                             "returns; this batch has keys "
+                             f"{sorted(inputs) if isinstance(inputs, Mapping) else type(inputs)}")
+        n = input_tokens_seen(lengths, mode, self._input_pad_to_multiple_of())
+        n = torch.as_tensor(n, device=self.args.device, dtype=torch.int64)
+        self.state.num_input_tokens_seen += self.accelerator.gather(n).sum().item()
 
     def _tree_model(self, model) -> TreeModel:
         tm = self._tree_models.get(id(model))

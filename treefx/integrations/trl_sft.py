@@ -159,6 +159,9 @@ class TreeSFTTrainer(TreeTrainerMixin, trl.SFTTrainer):
             dataset = dataset.shuffle(seed=args.seed)
         return dataset
 
+    def _input_pad_to_multiple_of(self) -> int | None:
+        return self.args.pad_to_multiple_of  # what SFTTrainer's collator pads to
+
     def _check_lengths(self, batch) -> None:
         limit = self.args.max_length
         if limit is None:
