@@ -376,3 +376,57 @@ def test_the_benchmarks_dry_run_agrees(tmp_path):
     assert res["comparison"]["within_tolerance"], res["comparison"]
     stats = res["engines"]["treefx"]["tree_stats"]
     assert stats["tree_tokens"] < stats["sequence_tokens"]
+
+
+def _two_ranks(rank: int, world: int, port: int, model_dir: str, queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        import treefx.integrations.verl as tv
+        from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+
+        tv.use_cpu_platform()
+        rows = _rows(seed=6)[:8]
+        mine = rows[rank * 4:(rank + 1) * 4]   # verl's dispatch: each rank its share of rows
+        td = _batch(mine, temperature=1.0)
+        from verl.utils import tensordict_utils as tu
+        tu.assign_non_tensor(td, global_batch_size=len(rows))
+        result = {}
+        for cls in (FSDPEngineWithLMHead, tv.TreeFSDPEngine):
+            engine = _engine(cls, model_dir)
+            out, grads, params = _train_step(engine, td, _ppo_loss(),
+                                             use_dynamic_bsz=False, micro_batch_size_per_gpu=2)
+            as_arrays = lambda d: {k: v.numpy() for k, v in d.items()}  # noqa: E731
+            result[cls.__name__] = (sum(out["loss"]), as_arrays(grads), as_arrays(params))
+        queue.put((rank, result))  # by value: numpy arrays, not tensors shared by descriptor
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_ranks_under_fsdp2_match_verls_engine(model_dir):
+    """Two gloo processes, FSDP2 sharding the model over both, each rank its half of the rows
+    (two micro-batches each): the gathered gradients and next parameters of the tree engine
+    are verl's engine's."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = 29800 + os.getpid() % 150
+    procs = [ctx.Process(target=_two_ranks, args=(r, 2, port, model_dir, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = dict(queue.get(timeout=900) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    for rank, result in got.items():
+        (loss_w, grads_w, params_w) = result["FSDPEngineWithLMHead"]
+        (loss_g, grads_g, params_g) = result["TreeFSDPEngine"]
+        assert abs(loss_w - loss_g) <= RTOL * max(1.0, abs(loss_w)), (rank, loss_w, loss_g)
+        for name in grads_w:
+            _close(torch.from_numpy(grads_g[name]), torch.from_numpy(grads_w[name]),
+                   f"rank {rank} grad {name}")
+            _close(torch.from_numpy(params_g[name]), torch.from_numpy(params_w[name]),
+                   f"rank {rank} param {name}")
