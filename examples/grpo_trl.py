@@ -3,12 +3,16 @@
 Needs TRL: pip install -e ".[trl]" (trl==1.16.0). A tiny Qwen3 with random weights and an
 offline chat tokenizer, a conversational dataset whose prompts carry three earlier turns,
 G = 4 completions per prompt sampled by TRL's own generate, a toy reward, a reference model
-(beta), two optimizer steps per generation (old log-probs, clipping). The same steps run
-twice from the same checkpoint and seed: with TRL's own log-prob path (``trees=False``) and on
-trees; each micro-batch is whole groups (``keep_groups_together``), so one tree holds a prompt
-once and its G completions as branches. Prints the loss of each micro-batch of both runs, the
-largest relative difference of the parameters after training (float32 rounding: the same data,
-the same steps), and the tokens the trees ran against the rows' own.
+(beta), two optimizer steps per generation (old log-probs, clipping). The same steps run three
+times from the same checkpoint and seed: TRL's own ``GRPOTrainer``; ``TreeGRPOTrainer`` with
+its defaults (TRL's micro-batches, each one tree of the prefixes its rows share); and
+``TreeGRPOTrainer(keep_groups_together=True)``, each micro-batch whole groups, so one tree holds
+a prompt once and its G completions as branches (other rows per micro-batch than TRL's, allowed
+because this loss, TRL's default ``dapo``, sums to the same update over a generation batch).
+Prints the loss of each micro-batch of the three runs (the defaults': TRL's; whole groups': other
+micro-batches, the same sum per optimizer step), the largest relative difference of the
+parameters after training from TRL's (float32 rounding: the same training), and the tokens the
+trees ran against the rows' own.
 
     python examples/grpo_trl.py [--steps 2]
 """
@@ -54,12 +58,14 @@ def brevity(completions, **kwargs):
     return [-len(c[0]["content"]) / 100.0 for c in completions]
 
 
-def train(model_path: str, out: str, steps: int, trees: bool):
+def train(model_path: str, out: str, steps: int, kind: str):
+    """Train with ``kind``: "trl" (GRPOTrainer), "trees" (TreeGRPOTrainer's defaults) or
+    "groups" (TreeGRPOTrainer, keep_groups_together=True)."""
     args = trl.GRPOConfig(
         output_dir=out, use_cpu=True, report_to="none", save_strategy="no", seed=0,
         max_steps=steps, logging_steps=1, num_generations=G, per_device_train_batch_size=G,
         gradient_accumulation_steps=2, max_completion_length=12, beta=0.04,
-        # two optimizer steps per generation (PPO-style, old log-probs and clipping): the two
+        # two optimizer steps per generation (PPO-style, old log-probs and clipping): the
         # runs sample once, from the same parameters. Sampling again after a step would draw
         # from parameters that differ by float32 rounding, which can flip a sampled token.
         num_iterations=2,
@@ -75,7 +81,10 @@ def train(model_path: str, out: str, steps: int, trees: bool):
                 {"role": "user", "content": q}] for q in QUESTIONS]
     losses = []
 
-    class Trainer(TreeGRPOTrainer):
+    base = trl.GRPOTrainer if kind == "trl" else TreeGRPOTrainer
+    extra = {"keep_groups_together": True} if kind == "groups" else {}
+
+    class Trainer(base):
         def compute_loss(self, *a, **kw):
             loss = super().compute_loss(*a, **kw)
             losses.append(float(loss))
@@ -84,7 +93,7 @@ def train(model_path: str, out: str, steps: int, trees: bool):
         def log(self, logs, *a, **kw):  # keep the example's output to its own table
             pass
 
-    trainer = Trainer(model=model_path, reward_funcs=brevity, args=args, trees=trees,
+    trainer = Trainer(model=model_path, reward_funcs=brevity, args=args, **extra,
                       train_dataset=datasets.Dataset.from_list([{"prompt": p} for p in prompts]))
     t0 = time.perf_counter()
     trainer.train()
@@ -99,21 +108,24 @@ def main(argv=None):
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         path = checkpoint(os.path.join(tmp, "model"))
-        stock, stock_losses, stock_s = train(path, os.path.join(tmp, "stock"), a.steps, False)
-        tree, tree_losses, tree_s = train(path, os.path.join(tmp, "tree"), a.steps, True)
-    print(f"{'micro-batch':>11}  {'TRL loss':>12}  {'tree loss':>12}")
-    for i, (s, t) in enumerate(zip(stock_losses, tree_losses)):
-        print(f"{i:>11}  {s:>12.8f}  {t:>12.8f}")
-    stock_params = dict(stock.model.named_parameters())
-    err = max(float((q - stock_params[n]).norm() / stock_params[n].norm())
-              for n, q in tree.model.named_parameters())
-    st = tree.tree_stats
-    print(f"parameters after {a.steps} steps: max relative difference {err:.2e}")
-    print(f"trees ran {st['tree_tokens']} tokens for {st['sequence_tokens']} tokens of rows "
-          f"({st['sequence_tokens'] / st['tree_tokens']:.2f}x fewer; old, reference and current "
-          f"log-probs)")
-    print(f"time: TRL {stock_s:.1f} s, trees {tree_s:.1f} s (this includes treefx compiling the "
-          "policy and the reference once each; a tiny model on the CPU shows no speed-up)")
+        runs = {kind: train(path, os.path.join(tmp, kind), a.steps, kind)
+                for kind in ("trl", "trees", "groups")}
+    print(f"{'micro-batch':>11}  {'TRL loss':>12}  {'trees':>12}  {'whole groups':>12}")
+    for i, row in enumerate(zip(*(losses for _, losses, _ in runs.values()))):
+        print(f"{i:>11}  " + "  ".join(f"{x:>12.8f}" for x in row))
+    stock_params = dict(runs["trl"][0].model.named_parameters())
+    for kind, label in (("trees", "defaults"), ("groups", "keep_groups_together=True")):
+        tree = runs[kind][0]
+        err = max(float((q - stock_params[n]).norm() / stock_params[n].norm())
+                  for n, q in tree.model.named_parameters())
+        st = tree.tree_stats
+        print(f"{label}: parameters after {a.steps} steps: max relative difference {err:.2e} "
+              f"from TRL's; trees ran {st['tree_tokens']} tokens for {st['sequence_tokens']} "
+              f"tokens of rows ({st['sequence_tokens'] / st['tree_tokens']:.2f}x fewer; old, "
+              "reference and current log-probs)")
+    print("time: " + ", ".join(f"{k} {v[2]:.1f} s" for k, v in runs.items()) + " (the tree "
+          "runs include treefx compiling the policy and the reference once each; a tiny model "
+          "on the CPU shows no speed-up)")
 
 
 if __name__ == "__main__":

@@ -13,16 +13,49 @@ once over its depth-first layout, and the log-probs and entropies are gathered b
 ``(B, logits_to_keep)`` layout, differentiably. TRL's own loss, clipping, KL penalty,
 importance sampling and normalisation run unchanged on them.
 
-Groups and micro-batches. TRL generates a *generation batch* (``per_device_train_batch_size ×
-steps_per_generation`` rows, the G rows of each prompt next to each other), then shuffles its
-rows and cuts it into ``steps_per_generation`` micro-batches, so one group's rows end up in
-several micro-batches. With ``keep_groups_together=True`` (the default) the trainer shuffles
-whole groups instead (blocks of ``num_generations`` rows): every micro-batch then holds whole
-groups when ``per_device_train_batch_size`` is a multiple of ``num_generations``. When it is
-not, a group is cut at a micro-batch boundary (a warning at construction says so): each part is
-a tree of its own, the result is as exact, only the sharing between the parts is lost. The old
-and reference log-probs are computed before the shuffle, on the generation batch in chunks of
-``per_device_train_batch_size`` rows (TRL's ``batch_size``), one tree per chunk.
+Micro-batches: the same training as ``GRPOTrainer``. TRL generates a *generation batch*
+(``per_device_train_batch_size × steps_per_generation`` rows, the G rows of each prompt next to
+each other), shuffles its rows (``shuffle_sequence_dict``, one ``torch.randperm``) and cuts it
+into ``steps_per_generation`` micro-batches, one per ``training_step``; the old and reference
+log-probs are computed before the shuffle, on the generation batch in chunks of
+``per_device_train_batch_size`` rows. By default :class:`TreeGRPOTrainer` keeps all of that:
+its micro-batches hold the rows stock TRL's hold, and each micro-batch's rows (each chunk's, for
+the old and reference log-probs) become one tree of whatever prefixes they share; a group split
+across micro-batches just shares less. So every option of ``GRPOConfig`` the tree path
+supports trains what ``GRPOTrainer`` trains, to float32 rounding: every ``loss_type``,
+``top_entropy_quantile``, the entropy bonus, ``steps_per_generation`` and ``num_iterations``, a
+reference model (``tests/test_integration_trl.py``).
+
+``keep_groups_together=True`` (opt-in) shuffles whole groups instead (blocks of
+``num_generations`` rows, in the order their rows first appear in TRL's own ``randperm`` draw,
+so the random stream after it is TRL's), so each micro-batch holds whole groups when
+``per_device_train_batch_size`` is a multiple of ``num_generations``: more sharing per tree.
+The micro-batches then hold other rows than TRL's, and from TRL 1.16's ``_compute_loss`` the
+update is still the same only where it does not depend on which rows share a micro-batch:
+
+- each optimizer step must take whole generation batches, i.e. ``gradient_accumulation_steps``
+  a multiple of ``steps_per_generation`` (their default: equal). With ``steps_per_generation``
+  greater, one generation batch's micro-batches go to different optimizer steps, taken at
+  different parameters, and which rows land in which step is the shuffle's choice.
+- within a step the loss summed over the micro-batches must not depend on their composition.
+  It does not for ``grpo``, ``sapo``, ``luspo`` (a mean over each micro-batch's rows: every
+  micro-batch has ``per_device_train_batch_size`` rows, so the step's sum is the mean over all
+  its rows), ``dr_grpo`` (a constant ``B × max_completion_length``), ``dapo``, ``cispo`` and
+  ``vespo`` (``num_items_in_batch``, the generation batch's token count), nor for the KL term,
+  importance sampling (token or sequence), ``off_policy_mask_threshold``,
+  ``mask_truncated_completions`` and the rewards and advantages (computed before the shuffle).
+  It does for ``loss_type="bnpo"`` (divided by the micro-batch's own token count),
+  ``top_entropy_quantile < 1`` (the entropy threshold is a quantile over the micro-batch's
+  tokens), the entropy bonus (``entropy_coef != 0`` or ``use_adaptive_entropy``: a token mean
+  per micro-batch) and the MoE auxiliary loss (a load-balancing loss over the micro-batch's
+  tokens).
+
+Those are refused with ``keep_groups_together=True`` (a ``ValueError`` naming the option);
+otherwise the parameters after every optimizer step are stock TRL's (float32 rounding: the
+gradient is summed in another order). What still differs is what TRL logs per micro-batch and
+averages over them: ``kl``, ``entropy``, ``clip_ratio/*``, ``cispo_clip_ratio``,
+``vespo/phi_seq_mean`` (means over other sets of rows); the loss logged per step, the rewards
+and every statistic of the generation batch are the same.
 
 Only TRL ``SUPPORTED_TRL_VERSIONS`` are accepted: the override depends on internals of
 ``GRPOTrainer`` that change between releases, and importing this module with another version
@@ -41,7 +74,7 @@ import torch.utils.checkpoint
 import treefx
 
 __all__ = ["SUPPORTED_TRL_VERSIONS", "TreeGRPOTrainer", "check_trl_version",
-           "shuffle_groups", "tree_logps_and_entropies"]
+           "composition_dependent_options", "shuffle_groups", "tree_logps_and_entropies"]
 
 log = logging.getLogger("treefx")
 
@@ -76,7 +109,6 @@ check_trl_version()
 
 import trl  # noqa: E402
 from trl.trainer.utils import (  # noqa: E402
-    shuffle_sequence_dict,
     split_pixel_values_by_grid,
     split_tensor_dict,
     unsplit_pixel_values_by_grid,
@@ -204,9 +236,15 @@ def _lse_and_entropy(logits: torch.Tensor, rows: torch.Tensor, temperature: floa
 def shuffle_groups(batch: dict, group_size: int) -> dict:
     """TRL's ``shuffle_sequence_dict`` at the granularity of groups: permute the blocks of
     ``group_size`` consecutive rows (one prompt's completions, as GRPOTrainer generates them),
-    keeping each block's rows together and in order. Falls back to TRL's row shuffle, with a
-    warning, when the rows do not come in such blocks."""
+    keeping each block's rows together and in order.
+
+    The permutation is drawn as TRL draws its row permutation (one ``torch.randperm`` over the
+    rows, so the global random stream after it, which TRL's sampling reads, is the one stock
+    TRL leaves), and the blocks are ordered by where their first row falls in it (a uniformly
+    random order of the blocks). Falls back to that very row permutation, TRL's shuffle, with
+    a warning, when the rows do not come in such blocks."""
     n = len(next(v for v in batch.values() if v is not None))
+    rows = torch.randperm(n)  # the draw shuffle_sequence_dict makes
     reason = None
     if n % group_size:
         reason = f"{n} rows are not a whole number of groups of {group_size}"
@@ -220,9 +258,10 @@ def shuffle_groups(batch: dict, group_size: int) -> dict:
         warnings.warn(f"treefx.integrations.trl: {reason}; shuffling rows as TRL does, so a "
                       "group's rows may run in different micro-batches (exact, less shared)",
                       stacklevel=2)
-        return shuffle_sequence_dict(batch)
-    order = torch.randperm(n // group_size)
-    perm = (order[:, None] * group_size + torch.arange(group_size)).reshape(-1)
+        perm = rows
+    else:
+        order = torch.tensor(list(dict.fromkeys((rows // group_size).tolist())))
+        perm = (order[:, None] * group_size + torch.arange(group_size)).reshape(-1)
 
     def permute(v):
         if v is None or (isinstance(v, torch.Tensor) and v.ndim == 0):
@@ -232,6 +271,34 @@ def shuffle_groups(batch: dict, group_size: int) -> dict:
         return [v[i] for i in perm.tolist()]
 
     return {k: permute(v) for k, v in batch.items()}
+
+
+def composition_dependent_options(args, *, aux_loss: bool = False) -> list[str]:
+    """The options of a ``GRPOConfig`` under which TRL 1.16's update depends on which rows of
+    a generation batch share a micro-batch (see the module docstring), each as
+    ``"name=value: why"``; empty when any shuffle of the generation batch's rows trains the
+    same parameters. ``aux_loss``: the trainer adds the MoE load-balancing loss."""
+    found = []
+    spg, gas = args.steps_per_generation, args.gradient_accumulation_steps
+    if gas % spg:
+        found.append(
+            f"steps_per_generation={spg} with gradient_accumulation_steps={gas}: an optimizer "
+            "step takes part of a generation batch, so which rows it takes is the shuffle's "
+            "choice (gradient_accumulation_steps must be a multiple of steps_per_generation)")
+    if args.loss_type == "bnpo":
+        found.append("loss_type='bnpo': each micro-batch's loss is divided by its own token "
+                     "count")
+    if args.top_entropy_quantile < 1.0:
+        found.append(f"top_entropy_quantile={args.top_entropy_quantile}: the entropy "
+                     "threshold is a quantile over the micro-batch's tokens")
+    if args.entropy_coef != 0.0 or args.use_adaptive_entropy:
+        name = ("use_adaptive_entropy=True" if args.use_adaptive_entropy
+                else f"entropy_coef={args.entropy_coef}")
+        found.append(f"{name}: the entropy bonus is a token mean per micro-batch")
+    if aux_loss:
+        found.append("router_aux_loss_coef != 0: the MoE load-balancing loss is computed over "
+                     "the micro-batch's tokens")
+    return found
 
 
 _UNSET = object()
@@ -283,11 +350,18 @@ class TreeGRPOTrainer(trl.GRPOTrainer):
 
     Takes GRPOTrainer's arguments, and:
 
-    ``keep_groups_together``: shuffle the generation batch group by group rather than row by
-    row, so that each micro-batch holds whole groups (default True; False keeps TRL's order).
-    ``trees``: False runs TRL's own log-prob path (with the same shuffling): the baseline to
-    compare with. ``compile_options``: keyword arguments for :func:`treefx.compile`
-    (``backend``, ``verify``, ...).
+    ``keep_groups_together``: False (the default) keeps TRL's row shuffle, so the
+    micro-batches hold the rows stock ``GRPOTrainer``'s hold (each one tree of the prefixes its
+    rows share) and every option trains what ``GRPOTrainer`` trains. True shuffles the
+    generation batch group by group, so that each micro-batch holds whole groups (more
+    sharing); it trains the same parameters only where the update does not depend on which
+    rows share a micro-batch, and the options under which it does (``loss_type="bnpo"``,
+    ``top_entropy_quantile < 1``, the entropy bonus, the MoE auxiliary loss,
+    ``gradient_accumulation_steps`` not a multiple of ``steps_per_generation``) are refused with
+    a ``ValueError`` naming the option (:func:`composition_dependent_options`; see the module
+    docstring). ``trees``: False runs TRL's own log-prob path (with the same shuffling): the
+    baseline to compare with. ``compile_options``: keyword arguments for
+    :func:`treefx.compile` (``backend``, ``verify``, ...).
 
     Text-only models; each model (policy, reference) is compiled once, on its first call. Not
     supported (an error says so): images and token types, the MoE auxiliary loss
@@ -295,7 +369,7 @@ class TreeGRPOTrainer(trl.GRPOTrainer):
     switching the adapters off around the call).
     """
 
-    def __init__(self, *args, keep_groups_together: bool = True, trees: bool = True,
+    def __init__(self, *args, keep_groups_together: bool = False, trees: bool = True,
                  compile_options: dict | None = None, **kwargs):
         self.keep_groups_together = keep_groups_together
         self.trees = trees
@@ -310,14 +384,22 @@ class TreeGRPOTrainer(trl.GRPOTrainer):
                 "switching the adapters off around the model call, which a tree-compiled model "
                 "does not see; use beta=0 or a separate reference model"
             )
-        g, per_device = self.num_generations, self.args.per_device_train_batch_size
-        if keep_groups_together and per_device % g:
-            warnings.warn(
-                f"TreeGRPOTrainer: per_device_train_batch_size={per_device} is not a multiple of "
-                f"num_generations={g}, so some groups are cut between micro-batches: each part "
-                "is its own tree (exact, the prefix shared across the cut is computed twice)",
-                stacklevel=2,
-            )
+        if keep_groups_together:
+            found = composition_dependent_options(self.args, aux_loss=self.aux_loss_enabled)
+            if found:
+                raise ValueError(
+                    f"TreeGRPOTrainer(keep_groups_together=True) does not train what "
+                    f"GRPOTrainer trains with {found[0]}; keep_groups_together=False (the "
+                    "default) keeps TRL's micro-batches")
+            g, per_device = self.num_generations, self.args.per_device_train_batch_size
+            if per_device % g:
+                warnings.warn(
+                    f"TreeGRPOTrainer: per_device_train_batch_size={per_device} is not a "
+                    f"multiple of num_generations={g}, so some groups are cut between "
+                    "micro-batches: each part is its own tree (exact, the prefix shared across "
+                    "the cut is computed twice)",
+                    stacklevel=2,
+                )
 
     def tree_model(self, model):
         """The :func:`treefx.compile` of ``model``, compiled on first use."""
