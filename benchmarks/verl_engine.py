@@ -41,7 +41,6 @@ import gc
 import os
 import statistics
 import tempfile
-import time
 
 import torch
 import torch.distributed as dist
@@ -49,36 +48,29 @@ import torch.distributed as dist
 from benchmarks import common
 from benchmarks.fsdp import SHAPES
 from benchmarks.grpo import make_rollouts
+from benchmarks.timing import timed
 
 TOL = {"float32": {"logprob": 1e-5, "loss": 1e-5}, "bfloat16": {"logprob": 0.1, "loss": 1e-2}}
 
 
 def _batch(rollouts: dict, micro: int, seed: int):
-    """verl's update batch (jagged, with the worker's metadata) for ``rollouts``."""
-    from verl.utils import tensordict_utils as tu
-    from verl.workers.utils.padding import left_right_2_no_padding
+    """verl's update batch (jagged, with the worker's metadata) for ``rollouts``, and its token
+    counts."""
+    import treefx.integrations.verl as tv
 
     g = torch.Generator().manual_seed(seed)
     rows = [(grp["prompt"], c) for grp in rollouts["groups"] for c in grp["completions"]]
     G = len(rollouts["groups"][0]["completions"])
     B, P, R = len(rows), max(len(p) for p, _ in rows), max(len(r) for _, r in rows)
-    prompts, responses = torch.zeros(B, P, dtype=torch.long), torch.zeros(B, R, dtype=torch.long)
-    mask = torch.zeros(B, P + R, dtype=torch.long)
-    for b, (p, r) in enumerate(rows):
-        prompts[b, P - len(p):], responses[b, :len(r)] = torch.tensor(p), torch.tensor(r)
-        mask[b, P - len(p):P + len(r)] = 1
     adv = torch.randn(B // G, 1, generator=g).repeat_interleave(G, 0).expand(B, R)
-    td = left_right_2_no_padding(tu.get_tensordict({
-        "prompts": prompts, "responses": responses, "attention_mask": mask,
-        "input_ids": torch.cat([prompts, responses], 1),
-        "position_ids": (mask.cumsum(1) - 1).clamp(min=0), "response_mask": mask[:, P:].clone(),
-        "old_log_probs": -torch.rand(B, R, generator=g) * 4,
-        "ref_log_prob": -torch.rand(B, R, generator=g) * 4,
-        "advantages": adv.contiguous()}))
-    tu.assign_non_tensor(td, temperature=1.0, global_batch_size=B, use_remove_padding=True,
+    td = tv.update_batch(rows, {"old_log_probs": -torch.rand(B, R, generator=g) * 4,
+                                "ref_log_prob": -torch.rand(B, R, generator=g) * 4,
+                                "advantages": adv.contiguous()},
+                         temperature=1.0, global_batch_size=B, use_remove_padding=True,
                          use_fused_kernels=False, use_dynamic_bsz=False,
                          micro_batch_size_per_gpu=micro)
-    stats = {"rows": B, "row_tokens": int(mask.sum()), "padded_tokens": B * (P + R),
+    stats = {"rows": B, "row_tokens": sum(len(p) + len(r) for p, r in rows),
+             "padded_tokens": B * (P + R),
              "tree_tokens_whole_batch": _tree_tokens([p + r for p, r in rows])}
     return td, stats
 
@@ -105,24 +97,6 @@ def _configs(folder: str, model_type: str, dry_run: bool, checkpointing: bool):
                 optimizer_config=optim, checkpoint_config=CheckpointConfig())
 
 
-class _Timer:
-    def __init__(self, cuda: bool):
-        self.cuda = cuda
-
-    def __call__(self, fn):
-        if self.cuda:
-            torch.cuda.synchronize()
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            out = fn()
-            b.record()
-            torch.cuda.synchronize()
-            return out, a.elapsed_time(b)
-        t = time.perf_counter()
-        out = fn()
-        return out, (time.perf_counter() - t) * 1e3
-
-
 def run_engine(name: str, folder: str, td, args, cuda: bool) -> dict:
     from verl.utils import tensordict_utils as tu
     from verl.workers.config import ActorConfig
@@ -144,7 +118,7 @@ def run_engine(name: str, folder: str, td, args, cuda: bool) -> dict:
     loss_fn = functools.partial(ppo_loss, ActorConfig(
         strategy="fsdp2", rollout_n=args.G, ppo_micro_batch_size_per_gpu=args.micro,
         use_kl_loss=True, kl_loss_coef=0.001, entropy_coeff=0.0, loss_agg_mode="token-mean"))
-    timer = _Timer(cuda)
+    timer = functools.partial(timed, cuda=cuda)
     rec = {"engine": type(engine).__name__, "log_prob_ms": [], "update_ms": [], "losses": []}
 
     def log_prob():

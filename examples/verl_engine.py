@@ -11,8 +11,8 @@ In a verl run, the engine is chosen by two keys of the model config (see docs/in
 Here both engines are built directly from verl's four configs, as verl's worker builds them
 (``EngineRegistry.new``), from the same checkpoint (a small Qwen3 with random weights). The
 batch is what verl's trainer hands the actor for GRPO on multi-turn prompts: 2 tasks, each a
-system prompt and earlier turns shared by its 4 rollouts, made jagged by verl's
-``left_right_2_no_padding``. Each engine computes verl's PPO loss (clipped policy loss, KL loss
+system prompt and earlier turns shared by its 4 rollouts, laid out by
+``treefx.integrations.verl.update_batch`` as verl's trainer lays them out. Each engine computes verl's PPO loss (clipped policy loss, KL loss
 to the reference, entropy bonus) over 2 micro-batches, accumulates the gradients and takes the
 optimizer's step, with activation checkpointing (verl's default) in float32; the script prints
 both losses, the largest gradient difference, and the
@@ -39,12 +39,10 @@ def main():
     tv.use_cpu_platform()  # verl has no CPU platform of its own; nothing on a GPU machine
     from transformers import Qwen3Config, Qwen3ForCausalLM
     from verl.trainer.config import CheckpointConfig
-    from verl.utils import tensordict_utils as tu
     from verl.workers.config import (ActorConfig, FSDPEngineConfig, FSDPOptimizerConfig,
                                      HFModelConfig)
     from verl.workers.engine.base import EngineRegistry
     from verl.workers.utils.losses import ppo_loss
-    from verl.workers.utils.padding import left_right_2_no_padding
 
     torch.manual_seed(0)
     folder = tempfile.mkdtemp()
@@ -73,22 +71,13 @@ def main():
     for _ in range(2):
         prompt = system + tok(60) + tok(20)
         rows += [(prompt, tok(int(torch.randint(10, 40, (1,), generator=g)))) for _ in range(4)]
-    B, P, R = len(rows), max(len(p) for p, _ in rows), max(len(r) for _, r in rows)
-    prompts, responses = torch.zeros(B, P, dtype=torch.long), torch.zeros(B, R, dtype=torch.long)
-    mask = torch.zeros(B, P + R, dtype=torch.long)
-    for b, (p, r) in enumerate(rows):
-        prompts[b, P - len(p):], responses[b, :len(r)] = torch.tensor(p), torch.tensor(r)
-        mask[b, P - len(p):P + len(r)] = 1
-    batch = left_right_2_no_padding(tu.get_tensordict({
-        "prompts": prompts, "responses": responses, "attention_mask": mask,
-        "input_ids": torch.cat([prompts, responses], 1),
-        "position_ids": (mask.cumsum(1) - 1).clamp(min=0), "response_mask": mask[:, P:].clone(),
+    B, R = len(rows), max(len(r) for _, r in rows)
+    batch = tv.update_batch(rows, {   # as verl's trainer hands the actor its update batch
         "old_log_probs": -torch.rand(B, R, generator=g) * 6,
         "ref_log_prob": -torch.rand(B, R, generator=g) * 6,
-        "advantages": torch.randn(B, 1, generator=g).expand(B, R).contiguous()}))
-    tu.assign_non_tensor(batch, temperature=1.0, global_batch_size=B, use_remove_padding=True,
-                         use_fused_kernels=False, use_dynamic_bsz=False,
-                         micro_batch_size_per_gpu=4, calculate_entropy=True)
+        "advantages": torch.randn(B, 1, generator=g).expand(B, R).contiguous(),
+    }, temperature=1.0, global_batch_size=B, use_remove_padding=True, use_fused_kernels=False,
+        use_dynamic_bsz=False, micro_batch_size_per_gpu=4, calculate_entropy=True)
     loss_fn = functools.partial(ppo_loss, ActorConfig(
         strategy="fsdp2", rollout_n=4, ppo_micro_batch_size_per_gpu=4, use_kl_loss=True,
         entropy_coeff=0.01))

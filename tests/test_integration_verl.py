@@ -108,36 +108,19 @@ def _rows(seed=0, vocab=96):
 
 
 def _batch(rows, *, temperature=1.0, seed=1):
-    """verl's update batch for ``rows``: padded as its rollout returns it, then made jagged by
-    ``left_right_2_no_padding`` and given the worker's metadata."""
-    from verl.utils import tensordict_utils as tu
-    from verl.workers.utils.padding import left_right_2_no_padding
+    """verl's update batch for ``rows`` (``update_batch``: padded as its rollout returns them,
+    made jagged by ``left_right_2_no_padding``, the worker's metadata), with random old and
+    reference log-probs and advantages."""
+    import treefx.integrations.verl as tv
 
     g = torch.Generator().manual_seed(seed)
-    B = len(rows)
-    P = max(len(p) for p, _ in rows)
-    R = max(len(r) for _, r in rows)
-    prompts = torch.zeros(B, P, dtype=torch.long)
-    responses = torch.zeros(B, R, dtype=torch.long)
-    mask = torch.zeros(B, P + R, dtype=torch.long)
-    for b, (p, r) in enumerate(rows):
-        prompts[b, P - len(p):] = torch.tensor(p)
-        responses[b, :len(r)] = torch.tensor(r)
-        mask[b, P - len(p):P + len(r)] = 1
-    position_ids = (mask.cumsum(1) - 1).clamp(min=0)
-    response_mask = mask[:, P:].clone()
-    td = tu.get_tensordict({
-        "prompts": prompts, "responses": responses,
-        "input_ids": torch.cat([prompts, responses], 1), "attention_mask": mask,
-        "position_ids": position_ids, "response_mask": response_mask,
+    B, R = len(rows), max(len(r) for _, r in rows)
+    return tv.update_batch(rows, {
         "old_log_probs": -torch.rand(B, R, generator=g) * 3,
         "ref_log_prob": -torch.rand(B, R, generator=g) * 3,
         "advantages": torch.randn(B, R, generator=g),
-    })
-    td = left_right_2_no_padding(td)
-    tu.assign_non_tensor(td, temperature=temperature, global_batch_size=B,
-                         use_remove_padding=True, use_fused_kernels=False)
-    return td
+    }, temperature=temperature, global_batch_size=B, use_remove_padding=True,
+        use_fused_kernels=False)
 
 
 def _meta(td, **kw):

@@ -60,7 +60,7 @@ import treefx
 from treefx.integrations.vocab import logits_row_statistics
 
 __all__ = ["MODEL_TYPE", "SUPPORTED_VERL_VERSIONS", "TreeFSDPEngine", "check_verl_version",
-           "register", "use_cpu_platform"]
+           "register", "update_batch", "use_cpu_platform"]
 
 log = logging.getLogger("treefx")
 
@@ -279,6 +279,42 @@ def _check_positions(position_ids, lengths: list[int]) -> None:
         raise ValueError("treefx's verl engine needs each row's position ids to be 0, 1, 2, ... "
                          "(a tree gives each token its offset in its own row); this micro-batch's "
                          "rows number their tokens otherwise")
+
+
+def update_batch(rows, per_token: dict[str, torch.Tensor] | None = None, **metadata) -> TensorDict:
+    """verl's batch for ``rows`` as its trainer hands it to the actor: ``rows`` are (prompt ids,
+    response ids) pairs; they are laid out as verl's rollout returns them (prompts left-padded,
+    responses right-padded, ``attention_mask``, ``position_ids`` 0, 1, ... per row,
+    ``response_mask``), with ``per_token`` ([rows, longest response] tensors: ``old_log_probs``,
+    ``advantages``, ``ref_log_prob``, ...) beside them, then made jagged by verl's
+    ``left_right_2_no_padding``; ``metadata`` (``temperature``, ``global_batch_size``,
+    ``micro_batch_size_per_gpu``, ...) is assigned as the worker assigns it. For examples,
+    tests and benchmarks that drive an engine without verl's trainer."""
+    from verl.workers.utils.padding import left_right_2_no_padding
+
+    B = len(rows)
+    P = max(len(p) for p, _ in rows)
+    R = max(len(r) for _, r in rows)
+    prompts = torch.zeros(B, P, dtype=torch.long)
+    responses = torch.zeros(B, R, dtype=torch.long)
+    mask = torch.zeros(B, P + R, dtype=torch.long)
+    for b, (p, r) in enumerate(rows):
+        prompts[b, P - len(p):] = torch.as_tensor(p)
+        responses[b, :len(r)] = torch.as_tensor(r)
+        mask[b, P - len(p):P + len(r)] = 1
+    fields = {"prompts": prompts, "responses": responses, "attention_mask": mask,
+              "input_ids": torch.cat([prompts, responses], 1),
+              "position_ids": (mask.cumsum(1) - 1).clamp(min=0),
+              "response_mask": mask[:, P:].clone()}
+    for key, value in (per_token or {}).items():
+        if tuple(value.shape[:2]) != (B, R):
+            raise ValueError(f"update_batch: {key} has shape {tuple(value.shape)}, not the rows "
+                             f"by the longest response ({B}, {R})")
+        fields[key] = value
+    td = left_right_2_no_padding(tu.get_tensordict(fields))
+    if metadata:
+        tu.assign_non_tensor(td, **metadata)
+    return td
 
 
 def register(compile_options: dict | None = None,
