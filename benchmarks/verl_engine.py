@@ -151,7 +151,7 @@ def run_engine(name: str, folder: str, td, args, cuda: bool) -> dict:
     rec["update_median_ms"] = statistics.median(rec["update_ms"])
     rec["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
     rec["tree_stats"] = dict(getattr(engine, "tree_stats", {}) or {})
-    del engine
+    engine = None  # free it before the next engine is built
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()
