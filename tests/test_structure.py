@@ -6,6 +6,7 @@ imports under ``if TYPE_CHECKING:`` do not (they never run). The core never impo
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -110,46 +111,137 @@ def test_the_package_has_no_import_cycles():
 
 # Lower layers never import higher ones: the data (tree, layout, mask) and the ops know
 # nothing of the passes; the passes nothing of the engine; the engine nothing of the user API.
-LAYERS = [
+# This list is the one statement of the layers: README.md and docs/ARCHITECTURE.md show it as
+# layer_picture() draws it, and docs/modules.md lists every module under its layer's name
+# (test_the_pages_show_these_layers, test_modules_md_lists_every_module).
+LAYERS: list[tuple[str, set[str]]] = [
     # data, and the plan a capture is compiled for (treefx.plan: data only)
-    {"treefx._version", "treefx._progress", "treefx._switches", "treefx.tree", "treefx.mask",
-     "treefx.plan", "treefx.chat_pieces", "treefx.trajectories"},
-    {"treefx.layout", "treefx.reference", "treefx.agent_trees", "treefx.partition", "treefx.data",
-     "treefx.parts"},
+    ("data", {"treefx._version", "treefx._progress", "treefx._switches", "treefx.tree",
+              "treefx.mask", "treefx.plan", "treefx.chat_pieces", "treefx.trajectories"}),
+    ("data on trees", {"treefx.layout", "treefx.reference", "treefx.agent_trees",
+                       "treefx.partition", "treefx.data", "treefx.parts"}),
     # the ops (one folder per op)
-    {"treefx.ops", "treefx.ops.*"},
+    ("ops", {"treefx.ops", "treefx.ops.*"}),
     # the compiler (graph -> sites -> tree ops, the checks, the recurrence registry)
-    {"treefx.compiler", "treefx.compiler.*"},
+    ("compiler", {"treefx.compiler", "treefx.compiler.*"}),
     # one file per model family's knowledge: a family imports the compiler (and registers
     # into it, or into the oracle: hf_flex), never the reverse
-    {"treefx.families", "treefx.families.*"},
-    {"treefx.run.backends", "treefx.verification"},
+    ("families", {"treefx.families", "treefx.families.*"}),
+    ("backends, check", {"treefx.run.backends", "treefx.verification"}),
     # the run layer: the capture environment, the engine, regional execution
-    {"treefx.run", "treefx.run.capture", "treefx.run.engine", "treefx.run.regional"},
+    ("run", {"treefx.run", "treefx.run.capture", "treefx.run.engine", "treefx.run.regional"}),
     # the front ends (compile, step, backward) and the user modules beside them
-    {"treefx.run.model", "treefx.run.step", "treefx.rl", "treefx.run.backward",
-     "treefx.distributed"},
+    ("front ends", {"treefx.run.model", "treefx.run.step", "treefx.rl", "treefx.run.backward",
+                    "treefx.distributed"}),
     # the user API and the example models
-    {"treefx", "treefx.models", "treefx.models.*"},
+    ("user API", {"treefx", "treefx.models", "treefx.models.*"}),
     # the tools (the root package reaches treefx.debug, .explain and .synth lazily, by name),
     # and the command line's entry point
-    {"treefx.tools", "treefx.tools.*", "treefx.__main__"},
+    ("tools", {"treefx.tools", "treefx.tools.*", "treefx.__main__"}),
     # treefx inside other trainers (each imports its trainer library)
-    {"treefx.integrations", "treefx.integrations.*"},
+    ("integrations", {"treefx.integrations", "treefx.integrations.*"}),
 ]
 
 
 def _layer(module: str) -> int | None:
-    for i, layer in enumerate(LAYERS):
+    for i, (_, layer) in enumerate(LAYERS):
         if module in layer or any(p.endswith(".*") and module.startswith(p[:-1])
                                   for p in layer):
             return i
     return None
 
 
+def layer_picture(width: int = 95) -> str:
+    """LAYERS as the pages show them: the highest layer first, one line each (wrapped at
+    ``width``), its name then its modules without the ``treefx.`` prefix."""
+    lines = []
+    for label, layer in reversed(LAYERS):
+        names = sorted(m.removeprefix("treefx.") for m in layer)
+        line = f"{label:<17}"
+        for name in names:
+            if len(line) + 1 + len(name) > width and line.strip() != label:
+                lines.append(line.rstrip())
+                line = " " * 17
+            line += name + " "
+        lines.append(line.rstrip())
+    return "\n".join(lines) + "\n"
+
+
+def test_the_pages_show_these_layers():
+    """README.md and docs/ARCHITECTURE.md show LAYERS as layer_picture() draws it, in a fenced
+    block of their own."""
+    picture = "```\n" + layer_picture() + "```\n"
+    for page in ("README.md", "docs/ARCHITECTURE.md"):
+        text = (ROOT.parent / page).read_text(encoding="utf-8")
+        assert picture in text, f"{page}: the layer picture is not LAYERS' (paste " \
+            f"layer_picture()'s output between ``` fences):\n{picture}"
+
+
+def test_the_layer_picture():
+    global LAYERS
+    saved = LAYERS
+    try:
+        LAYERS = [("data", {"treefx.tree", "treefx.mask"}), ("ops", {"treefx.ops.*"})]
+        assert layer_picture() == ("ops              ops.*\n"
+                                   "data             mask tree\n")
+        assert layer_picture(width=22).splitlines() == ["ops              ops.*",
+                                                        "data             mask",
+                                                        "                 tree"]
+    finally:
+        LAYERS = saved
+
+
 def test_every_module_has_a_layer():
     missing = sorted(m for m in import_graph() if _layer(m) is None)
     assert not missing, f"modules in no layer of LAYERS: {missing}"
+
+
+def module_listing_path(module: str) -> str:
+    """How docs/modules.md names a module: its file under treefx/ (``ops/attention/trunk.py``),
+    a subpackage by its folder (``ops/attention/``), the root package as ``__init__.py``."""
+    if module == "treefx":
+        return "__init__.py"
+    rel = module.removeprefix("treefx.").replace(".", "/")
+    return rel + "/" if _is_package(module) else rel + ".py"
+
+
+def modules_md_listing(text: str) -> dict[str, str]:
+    """The modules docs/modules.md lists, each with the heading (``## layer``) it is under: every
+    backticked path ending in ``.py`` or ``/`` of a list item (``- `path`: ...``)."""
+    out, heading = {}, None
+    for line in text.splitlines():
+        if line.startswith("## "):
+            heading = line[3:].strip()
+        elif line.startswith("- `") and heading is not None:
+            for path in re.findall(r"`([\w/]+(?:\.py|/))`", line.split(": ", 1)[0]):
+                out[path] = heading
+    return out
+
+
+def test_modules_md_lists_every_module():
+    """docs/modules.md lists every module of treefx/, under its layer's name in LAYERS, and
+    nothing that is not a module."""
+    listed = modules_md_listing((ROOT.parent / "docs" / "modules.md").read_text(encoding="utf-8"))
+    expected = {module_listing_path(m): LAYERS[_layer(m)][0] for m in import_graph()
+                if _layer(m) is not None}
+    missing = sorted(p for p in expected if p not in listed)
+    misplaced = sorted(f"{p} under {listed[p]!r}, in LAYERS {expected[p]!r}"
+                       for p in expected if p in listed and listed[p] != expected[p])
+    unknown = sorted(p for p in listed if p not in expected)
+    assert not (missing or misplaced or unknown), (
+        f"docs/modules.md: missing {missing}; under the wrong layer {misplaced}; "
+        f"not a module {unknown}")
+
+
+def test_the_modules_md_reader():
+    text = ("# x\n- `tree.py`: before any layer\n## data\n- `tree.py`: prefix trees (`Tree`)\n"
+            "- `ops/conv/reference.py`, `ops/conv/fast.py`: two\n## ops\n- `ops/`: ops, "
+            "`not/this.py`\n")
+    assert modules_md_listing(text) == {"tree.py": "data", "ops/conv/reference.py": "data",
+                                        "ops/conv/fast.py": "data", "ops/": "ops"}
+    assert module_listing_path("treefx") == "__init__.py"
+    assert module_listing_path("treefx.ops.attention") == "ops/attention/"
+    assert module_listing_path("treefx.ops.attention.trunk") == "ops/attention/trunk.py"
 
 
 def test_layers_point_one_way():
