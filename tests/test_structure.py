@@ -418,3 +418,42 @@ def test_no_function_has_injected_globals():
                     bad.append(f"{_module_name(f)}:{node.lineno}: FunctionType with globals "
                                f"{glb or '?'}")
     assert not bad, "\n".join(bad)
+
+
+# ------------------------------------------------------------------ figures in the code
+
+
+# Files of treefx/ that still name a GPU in a comment or docstring, being edited by other
+# branches of issue 67 now; their figures move to BENCHMARKS.md as they go. Shrink it as they
+# do: an entry whose file names no GPU any more fails test_the_allowed_device_names_are_still_there.
+ALLOWED_DEVICE_NAMES = {"treefx/run/engine.py", "treefx/run/backends.py",
+                        "treefx/integrations/trl.py"}
+_DEVICE = re.compile(r"(?<!\w)(?:[ABHL]\d{2,3}|RTX ?\d{4}|G[HB]200|MI\d{3}X?)(?!\d)")
+
+
+def device_names() -> dict[str, list[int]]:
+    """Lines of each treefx/ file that name a GPU (H100, H200, A100, ...)."""
+    out = {}
+    for f in sorted(ROOT.rglob("*.py")):
+        lines = [i for i, line in enumerate(f.read_text(encoding="utf-8").splitlines(), 1)
+                 if _DEVICE.search(line)]
+        if lines:
+            out[str(f.relative_to(ROOT.parent))] = lines
+    return out
+
+
+def test_no_device_names_in_the_code():
+    """Measurements and the devices they were taken on live in BENCHMARKS.md (and docs/), not
+    in comments and docstrings: a comment states the reason and points to the section."""
+    bad = {f: lines for f, lines in device_names().items() if f not in ALLOWED_DEVICE_NAMES}
+    assert not bad, f"GPU names in treefx/ (move the figure to BENCHMARKS.md): {bad}"
+
+
+def test_the_allowed_device_names_are_still_there():
+    gone = sorted(ALLOWED_DEVICE_NAMES - set(device_names()))
+    assert not gone, f"remove from ALLOWED_DEVICE_NAMES: {gone}"
+
+
+def test_the_device_pattern():
+    assert all(_DEVICE.search(s) for s in ("on an H100", "H200s", "A100,", "GB200"))
+    assert not any(_DEVICE.search(s) for s in ("fla-9", "z15", "H1", "sha256", "bf16", "B·H"))

@@ -471,8 +471,8 @@ def verify_compiled(tm, trees=None, *, reduction: str = "mean", grads: bool = Tr
     as the forest's longest sequence) to this many tokens, when the forest has fewer: a compiled model's first call checks on a
     row as long as the batch it was called with, so that the graph compiled for the probe is
     the one the batch runs (Inductor picks 32-bit indexing for a short row and recompiles
-    for a batch whose [tokens, vocab] logits pass 2^31 elements: 45 s of a 4-layer 8B-shaped
-    model's first step on an H100).
+    for a batch whose [tokens, vocab] logits pass 2^31 elements, a large share of an
+    8B-shaped model's first step; BENCHMARKS.md, "First step and compile time").
 
     Returns a :class:`VerificationReport`; raises :class:`TreeVerificationError` naming the
     worst token and parameter when over tolerance (unless ``raise_on_failure=False``). The

@@ -10,15 +10,15 @@ GPU combination whose backward is known to be wrong, ``TREEFX_FLA=0``), the tree
 Face's torch kernel instead: the same result, slower. On a GPU that fallback is announced by
 one warning per process and reason, naming the versions; it is never silent.
 
-What is known (fla's own guards and issues, checked on H100/H200 with torch 2.11 and
-Triton 3.6):
+What is known (fla's own guards and issues, checked on Hopper GPUs with torch 2.11 and
+Triton 3.6; BENCHMARKS.md, "Hybrids on fla's kernels"):
 
 - fla issue 640: on Hopper with 3.4.0 <= Triton < 3.7.1, the gated ``chunk_bwd_dqkwg``
   kernel miscompiles when it tiles the key dimension by 64, which gives wrong ``beta`` and
   gate gradients. fla 0.5.0 and 0.5.1 refuse the backward on Hopper with Triton >= 3.4.0 and
   fla >= 0.5.2 with Triton < 3.7.1, unless tilelang is installed (fla then runs that kernel
   in tilelang). fla 0.4.2 has no guard but tiles by 128 on Hopper for key heads wider than
-  64, which avoids it (and matched a float32 reference on an H100, per-node initial states
+  64, which avoids it (and matched a float32 reference on Hopper, per-node initial states
   and their gradients included); fla 0.4.0 / 0.4.1 tile by 64.
 - fla 0.4.x's Kimi Delta Attention backward can pick an autotune configuration that reads
   out of bounds on Hopper (fixed in fla 0.5.0, fla pull request 807).
@@ -311,9 +311,9 @@ def gated_delta_rule(seq: dict, static: dict, initial_state, cu_seqlens, cu_seql
     """Gated DeltaNet over variable-length nodes (:class:`treefx.ops.recurrence.Recurrence`'s
     ``varlen``): fla's ``chunk_gated_delta_rule``, query and key expanded to the value heads.
     ``cu_seqlens_cpu``: the host copy, from which fla plans its chunks without reading
-    ``cu_seqlens`` back (on an H100 that read was most of the GPU's idle time in a hybrid's
-    step: 114 of 357 ms in gaps, mostly in fla's calls). ``final``: whether to compute the
-    nodes' final states."""
+    ``cu_seqlens`` back (that read was most of the GPU's idle time in a hybrid's step;
+    BENCHMARKS.md, "Hybrids on fla's kernels"). ``final``: whether to compute the nodes'
+    final states."""
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
     q, k = expand_heads(seq["query"], seq["key"], seq["value"].shape[-2])

@@ -5,8 +5,9 @@ Qwen3.5 pass ``use_qk_l2norm_in_kernel=True``); fla 0.4.2 does it with its own T
 (``fla.modules.l2norm``). Their wrapper passes the kernels ``NB = cdiv(rows, 65,536)``, a
 compile-time constant that the kernels' bodies never read and that is part of their
 autotuning key. So every new band of row lengths (2,048 tokens at 32 heads) autotunes both
-kernels again, 25 configurations each, compiling every one: on an H100 the first call at a
-new length took 82 s (2026-11-27, ``benchmarks/fla_tree_check``'s packed case), and a run over
+kernels again, 25 configurations each, compiling every one, which took a minute and more
+at a new length (``benchmarks/fla_tree_check``'s packed case; BENCHMARKS.md, "Hybrids on fla's
+kernels"), and a run over
 real agent trees (10k-120k tokens) meets a new band at most steps for a long while.
 
 Here the same two kernels run with ``NB`` fixed, so they are tuned and compiled once per head

@@ -4,8 +4,8 @@ The tree recurrence (:mod:`treefx.ops.recurrence`) runs a tree depth by depth: e
 depth in one variable-length call of fla's ``chunk_gated_delta_rule``, whose initial states are
 the parent nodes' final states. Each such call launches fla's whole pipeline (about ten Triton
 kernels forward and fifteen backward, each with fla's and Triton's Python around it), and a
-depth holds few tokens, so a hybrid's step was host-bound: on an H100 the GPU idled a third of
-the treefx step in the gaps between those launches.
+depth holds few tokens, so a hybrid's step was host-bound: the GPU idled in the gaps between
+those launches (BENCHMARKS.md, "Hybrids on fla's kernels").
 
 Only one stage of that pipeline carries the state along a sequence: the state pass
 (``chunk_gated_delta_rule_fwd_h`` forward, ``chunk_gated_delta_rule_bwd_dhu`` backward). Every
@@ -403,8 +403,8 @@ def tree_gated_delta_rule(seq: dict, static: dict, nodes, root_init, keep):
     path does not apply: an fla other than :data:`CHECKED_FLA`, a tree past CUDA's grid, or a
     row of roots alone (separate sequences, packing's layout), which fla's own variable-length
     entry point runs in one call anyway. Its stages are these, so the gain is small there
-    (the op at Qwen3-Next's heads on 68,762 packed tokens, H100: 32.7 against 36.1 ms), and in
-    the one e2e run of packing's layout on this path (2026-11-27, z7) both processes stopped
+    (BENCHMARKS.md, "Hybrids on fla's kernels"), and in
+    the one e2e run of packing's layout on this path (z7) both processes stopped
     with an illegal memory access whose cause is not known (packing on fla's own entry point
     stopped so twice before, [fla-12], [fla-16], and ran clean in [fla-20]): such rows run
     what a packing trainer runs."""

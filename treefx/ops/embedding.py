@@ -3,10 +3,10 @@
 :func:`embedding`, a whole tree's: ``F.embedding`` whose weight gradient is ATen's own kernel
 (on CUDA: the ids sorted, each id's rows summed in float32, written once in the weight's dtype),
 called as it is. Left to the compiler, Inductor decomposes that gradient into a float32 [vocab,
-D] buffer zero-filled, an atomic scatter-add into it and a cast to the weight's dtype: at a
-vocabulary of 151,936 and width 4,096 in bf16, 2.5 GB of zeros and a 3.7 GB cast per step
-(2.33 ms on an H100 against ATen's 1.46 ms; in float32, with no cast, Inductor's is the faster,
-1.16 against 1.89 ms: ``benchmarks.embedding_grad``). The compiler takes it where it is faster
+D] buffer zero-filled, an atomic scatter-add into it and a cast to the weight's dtype, slower
+than ATen's in half precision; in float32, with no cast, Inductor's is the faster
+(``benchmarks.embedding_grad``; BENCHMARKS.md, "Training step against sequence packing",
+[emb-1]). The compiler takes it where it is faster
 (:func:`treefx.compiler.lower.whole.finish`).
 
 :func:`part_embedding`, a part's (:mod:`treefx.parts`): ``F.embedding`` whose weight gradient

@@ -324,8 +324,8 @@ def trunk_split(ctx: GraphContext, q: fx.Node, k: fx.Node, v: fx.Node,
     node of the context's padded length (the part's rows start there in the predecessor
     row). A part's chain is split off only where its first row is a root: one that sees
     context rows (the op can take them, as a second piece) made parts slower on the GPU
-    (the SWE trees in parts of 16,384 tokens: 1.14-1.36x the step on three of six trees,
-    BENCHMARKS.md), so those parts run on FlexAttention alone."""
+    (the SWE trees in parts; BENCHMARKS.md, "Real agent trajectories: SWE-bench runs against
+    per-call packing"), so those parts run on FlexAttention alone."""
     if not trunk.wanted(example(q), example(k), example(v)):
         return None
 

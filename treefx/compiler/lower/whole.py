@@ -327,8 +327,9 @@ def finish(ctx: GraphContext) -> None:
     input embedding (:func:`.shared.input_embedding`) becomes
     :func:`treefx.ops.embedding.embedding`, whose weight gradient is ATen's kernel instead
     of Inductor's decomposition over the whole [vocab, D], where that was measured faster
-    (``benchmarks.embedding_grad``, H100, vocab 151,936, width 4,096: bf16 1.46 against 2.33
-    ms; float32 1.89 against 1.16 ms, so not taken): half-precision weights on CUDA, and
+    (``benchmarks.embedding_grad``; BENCHMARKS.md, "Training step against sequence packing",
+    [emb-1]; in float32 on CUDA Inductor's is the faster, so not taken): half-precision
+    weights on CUDA, and
     float32 / float64 weights on the CPU. The same values: on CUDA both sum each id's rows in
     float32 and round once; on the CPU ATen sums in the weight's dtype (so half precision is
     left to Inductor there)."""

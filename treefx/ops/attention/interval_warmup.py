@@ -1,8 +1,8 @@
 """cuDNN's interval-attention kernels compiled in second processes while the compiler works.
 
 The frontend (:mod:`treefx.ops.attention.intervals`) compiles its CuTe DSL kernels on first
-use: the plan's builders (about 12 s on an H100), the forward (6 s) and the backward (6 s), in
-the middle of the first step, after Inductor compiled the graph around them. Which kernels a
+use: the plan's builders, the forward and the backward (seconds each; BENCHMARKS.md, "First
+step and compile time"), in the middle of the first step, after Inductor compiled the graph around them. Which kernels a
 site needs is known from the dtype, head counts and widths (the frontend's compile keys name no
 lengths): from the model's config at its first call, before Dynamo's trace
 (:func:`~treefx.ops.attention.intervals.warm_up_model`, :func:`start_for`), and exactly where

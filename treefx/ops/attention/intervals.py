@@ -10,11 +10,10 @@ benchmark's POR-0.75 tree of 17,187 tokens.
 
 cuDNN's frontend (``nvidia-cudnn-frontend`` >= 1.32, ``cudnn.flex_attention``) runs
 attention under exactly such masks (``[0, F0) U [F1, F2) U ...`` per query) on Hopper and
-Blackwell kernels written in CuTe DSL, forward and backward, with grouped-query attention.
-On an H100 (torch 2.11, 32 query / 8 KV heads of 128, bf16; ``benchmarks.chain_attention``)
-it ran that tree's attention forward and backward in 6.15 ms against 9.85 ms for
-FlexAttention at treefx's site (408 against 255 TFLOP/s on the attended pairs), within the
-same bf16 error of a float32 computation (BENCHMARKS.md, [att-1]).
+Blackwell kernels written in CuTe DSL, forward and backward, with grouped-query attention,
+faster than FlexAttention at treefx's site and within the same bf16 error of a float32
+computation (``benchmarks.chain_attention``; BENCHMARKS.md, "Training step against sequence
+packing", [att-1]).
 
 :func:`tree_interval_attention` is a whole tree's site's call,
 :func:`tree_part_interval_attention` a part's (:func:`treefx.backward`: its keys are its
@@ -52,7 +51,7 @@ __all__ = ["SWITCH", "available", "tree_intervals", "tree_interval_attention",
 
 SWITCH = "TREEFX_CUDNN_ATTENTION"
 _DTYPES = (torch.bfloat16, torch.float16)
-# The frontend's kernels by architecture (Hopper, Blackwell); checked on an H100 only.
+# The frontend's kernels by architecture (Hopper, Blackwell); checked on Hopper only.
 _ARCH_HEAD_DIMS = {90: (64, 96, 128), 100: (64, 96, 128), 103: (64, 96, 128)}
 
 
@@ -72,9 +71,9 @@ def _version(text: str) -> tuple[int, ...]:
 @functools.lru_cache(maxsize=None)
 def _installed() -> bool:
     """Whether the frontend (>= 1.32) and the CuTe DSL it compiles its kernels with are
-    installed: found, not imported (their import takes about 5 s, done by the op's first call,
+    installed: found, not imported (their import takes seconds, done by the op's first call,
     while the kernels compile in second processes: :mod:`.interval_warmup`)."""
-    # The frontend compiles its kernels (CuTe DSL) on first use, 15-30 s in all on an H100; its
+    # The frontend compiles its kernels (CuTe DSL) on first use, tens of seconds in all; its
     # persistent cache, off unless asked, keeps them for a restarted job (as Inductor's
     # caches do) and carries them over from the warm-up process. A value the user set stays.
     os.environ.setdefault("FLEX_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")

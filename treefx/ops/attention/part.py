@@ -141,9 +141,9 @@ class TreePartFlexAttention(FlexSite):
         mask_bufs = (se_pad, pos_pad, offset, *bufs[:m], *self._skipped(skip_blocks))
         hk = keys.shape[1]
         # A site returning its log-sum-exp (a sink) keeps the usual layout in parts: on the
-        # H100 (torch 2.11) Inductor's backward of the interleaved part with the log-sum-exp
-        # laid back failed a stride assertion (gpt-oss in parts, 2026-11-24); the usual
-        # layout is exact there (benchmarks/HISTORY.md, "Sliding windows in the block mask").
+        # GPU, Inductor's backward of the interleaved part with the log-sum-exp laid back
+        # failed a stride assertion (gpt-oss in parts); the usual layout is exact there
+        # (benchmarks/HISTORY.md, "Sliding windows in the block mask").
         interleave = (interleave_wanted(self.interleave_heads, (q, k, v, k_context, v_context))
                       and hk > 1 and self.score_mod is None and not self.return_lse)
         self.layouts.add("interleaved" if interleave else "standard")

@@ -2,10 +2,10 @@
 
 A depth-first row laid out largest subtree first (:func:`treefx.pack`) starts with the
 tree's longest chain of first children: on an agent's comb-shaped tree, the conversation's
-trunk, 61-77% of the attended pairs on the SWE-bench trees (BENCHMARKS.md). Its rows
-``[0, T)`` see exactly the keys ``[0, i]``: plain causal attention, which cuDNN's fused kernel
-(SDPA's cuDNN backend) runs 1.7-2.5x faster than FlexAttention on an H100 (causal, 16k
-tokens, 8B heads: 13.4 against 23.0 ms forward and backward; ``benchmarks.trunk_attention``).
+trunk, most of the attended pairs on the SWE-bench trees. Its rows ``[0, T)`` see exactly
+the keys ``[0, i]``: plain causal attention, which cuDNN's fused kernel (SDPA's cuDNN backend)
+runs faster than FlexAttention (``benchmarks.trunk_attention``; BENCHMARKS.md, "Real agent
+trajectories: SWE-bench runs against per-call packing").
 
 The trunk's rows, cut to whole blocks (``T0 = T // block * block``), run here; the
 FlexAttention site skips their query blocks (:func:`trunk_blocks` gives it their count) and
@@ -174,8 +174,8 @@ def _backward(gs, qs, pieces, out, lse, scale):
     t0 = qs.shape[-2]
     if _cudnn(qs):
         empty = qs.new_empty(0)
-        # cuDNN reads the log-sum-exp as [B, H, T, 1] (a 3-d one crashed the process on an
-        # H100, torch 2.11) and wants the output and its gradient laid out alike: contiguous
+        # cuDNN reads the log-sum-exp as [B, H, T, 1] (a 3-d one crashed the process) and
+        # wants the output and its gradient laid out alike: contiguous
         gs, qs, out = gs.contiguous(), qs.contiguous(), out.contiguous()
         lse4 = lse.float().reshape(*lse.shape, 1).contiguous()
         for ks, vs, causal in pieces:

@@ -10,8 +10,8 @@ the boundary tokens with the gather of :func:`.reference.tree_causal_conv1d` ove
 
 Why not the reference in the traced graph: its gather of K taps per token has as its backward a
 scatter-add of K rows per token (atomic adds, as Inductor lowers it), and the gather reads the
-[C, N] input across its strides: on the H100, Qwen3-Next-shaped layers (8,192 conv channels,
-17k tokens) spent about 40 ms of a 234 ms step in those kernels (BENCHMARKS.md [fla-9]).
+[C, N] input across its strides: at Qwen3-Next's shapes those kernels were a large share of
+the step (BENCHMARKS.md, "Hybrids on fla's kernels", [fla-9]).
 
 Which tokens are boundary tokens is data (``parent_token``): they are found on the host, once
 per row (:func:`treefx.ops.host_row.derived`, shared with the recurrence's nodes), and the
@@ -70,8 +70,8 @@ def causal_conv1d_row(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """The row's own causal depthwise conv, no bias: ``x`` [B, C, N], ``w`` [C, K];
     ``out[t] = Σ_j w[:, j] · x[t − (K−1) + j]``, zeros before the row. Written as K shifted
     products (not ``F.conv1d``): in a traced graph Inductor fuses them into one kernel each
-    way, accumulating in float32; cuDNN's grouped conv1d took ~15 ms forward + backward at
-    8,192 channels and 17k tokens on the H100 (``benchmarks/conv_check.py``). Computed on
+    way, accumulating in float32; cuDNN's grouped conv1d was slower at a hybrid's widths
+    (``benchmarks/conv_check.py``; BENCHMARKS.md, "Hybrids on fla's kernels"). Computed on
     ``x``'s [B, N, C] transpose (:func:`_row_conv_tokens_first`) and returned as its [B, C, N]
     view."""
     return _row_conv_tokens_first(x.transpose(1, 2), w).transpose(1, 2)
@@ -83,8 +83,8 @@ def _row_conv_tokens_first(xt: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     ``nn.Conv1d``). Every tensor of the conv, forward and backward, then has the tokens
     first, so the input's gradient reaches the projection's backward products with rows of C
     elements. Computed on the [B, C, N] layout, that gradient came back with rows of N
-    elements, and where N is odd (most trees) cuBLAS fell back to its unaligned kernels: on an
-    H100 at Qwen3.5's shapes, 52 ms of a 274 ms step (2026-11-27, stage z15)."""
+    elements, and where N is odd (most trees) cuBLAS fell back to its unaligned kernels, a
+    large share of Qwen3.5's step (BENCHMARKS.md, "Hybrids on fla's kernels", [fla-28])."""
     k, n = w.shape[-1], xt.shape[1]
     xp = F.pad(xt, (0, 0, k - 1, 0))
     out = xp[:, 0:n] * w[:, 0]

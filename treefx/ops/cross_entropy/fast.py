@@ -31,11 +31,11 @@ def _chunk(n_vocab: int) -> int:
 
 def _grad_chunk(n_vocab: int) -> int:
     """Tokens per chunk when the gradients are made: four times the loss-only chunk, so the
-    weight's float32 gradient ([vocab, hidden], 2.5 GB at an 8B model's output layer) is read
-    and written once per ~3.5k tokens rather than per ~900 (on an H100 at 17k tokens that
-    traffic made the fused loss 2x the materialized path). The chunk's logits and their
-    gradient stay in the weights' dtype: two [C, vocab] tensors of ``4 · CHUNK_ELEMENTS``
-    elements (1 GiB each in bf16)."""
+    weight's float32 gradient ([vocab, hidden], gigabytes at an 8B model's output layer) is
+    read and written four times less often (with the loss-only chunk that traffic made the
+    fused loss slower than the materialized path; BENCHMARKS.md, "Log-probs without logits").
+    The chunk's logits and their gradient stay in the weights' dtype: two [C, vocab] tensors
+    of ``4 · CHUNK_ELEMENTS`` elements."""
     return max(1, 4 * CHUNK_ELEMENTS // max(n_vocab, 1))
 
 

@@ -88,8 +88,7 @@ def _forward(h, weight, bias, ids, parent):
 # second block of 803 tokens, thin products, and a float32 weight gradient summed over both).
 _TOKEN_BLOCK = 1 << 15
 # Vocabulary slices are a multiple of this many rows: a [T, Vs] slice of the logits with Vs
-# not a multiple of 8 makes cuBLAS fall back to unaligned kernels (measured on an H100: about
-# three times slower).
+# not a multiple of 8 makes cuBLAS fall back to unaligned kernels, several times slower.
 _SLICE_ALIGN = 128
 
 
@@ -123,8 +122,8 @@ def _backward(grad, h, weight, bias, ids, parent, lse, need_h: bool, need_weight
     n_tok, n_vocab = tokens.shape[0], weight.shape[0]
     blocks = list(range(0, n_tok, _TOKEN_BLOCK))
     slice_grad = ce_fast.gpu_compiled(_slice_grad, h.is_cuda)
-    # a slice's gradient in one pass by Triton (Inductor's fused form of _slice_grad ran at
-    # a third of the memory rate on an H100); a bias's gradient sums it in float32: Inductor's
+    # a slice's gradient in one pass by Triton (Inductor's fused form of _slice_grad ran far
+    # below the memory rate); a bias's gradient sums it in float32: Inductor's
     triton = from_logits.available(h) and not need_bias
     # one block: each weight slice's gradient is written straight into the result (or added
     # straight into ``grad_into``); several: summed over blocks in ``acc``, then rounded once

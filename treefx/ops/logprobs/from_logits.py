@@ -39,9 +39,8 @@ except ImportError:  # pragma: no cover - depends on the installation
     triton = tl = None
 
 # (vocabulary entries per loop step or program, warps) of the log-sum-exp and gradient
-# kernels, read at call time: the fastest of ``benchmarks.logprobs --tune-from-logits`` on an
-# H100 at [17,187, 151,936] bf16 (2.02 and 4.49 ms, 2.6 and 2.3 TB/s; (4096, 8): 2.12 and
-# 5.27 ms)
+# kernels, read at call time: the fastest of ``benchmarks.logprobs --tune-from-logits`` at
+# the e2e benchmark's logits shape in bf16 (BENCHMARKS.md, "Log-probs without logits")
 LSE_CONFIG = (2048, 4)
 GRAD_CONFIG = (2048, 4)
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)

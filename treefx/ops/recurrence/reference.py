@@ -216,7 +216,8 @@ def run_tree(rec: Recurrence, parent_token: torch.Tensor, args: tuple, kwargs: d
     # Each seq arg cut into its nodes once (the nodes tile the row in DFS order). Under
     # autograd (the op's backward recomputes this) a split has one backward, a cat of the
     # pieces' gradients; a narrow per node would make a zero row per node and add them all
-    # up: on Qwen3-Next's step on the H100, 40% of its GPU time.
+    # up, which was most of a hybrid's step on the GPU (BENCHMARKS.md, "Hybrids on fla's
+    # kernels").
     pieces = {name: t.split(lengths, dim=rec.seq_args[name]) for name, t in seq.items()}
     path = (rec.name, "varlen" if fast else "padded" if neutral else "grouped")
     _RUNS[path] = _RUNS.get(path, 0) + 1

@@ -32,7 +32,7 @@ _PATHS = {"kept": 0, "recomputed": 0}  # backward calls that used a kept graph /
 def keeps_forward_graph() -> bool:
     """Whether graphs traced with gradients on keep the recurrence's forward graph for its
     backward (read when a graph is traced): yes by default, ``TREEFX_KEEP_RECURRENCE_GRAPH=0``
-    recomputes the forward in the backward instead (the path before 2026-11-27: the same
+    recomputes the forward in the backward instead (the earlier path: the same
     values, every kernel call run twice; BENCHMARKS.md, "Hybrids on fla's kernels")."""
     value = os.environ.get("TREEFX_KEEP_RECURRENCE_GRAPH", "1").strip()
     if value not in ("0", "1"):
