@@ -539,8 +539,8 @@ def pack(my_trees, group=None, reduction: str = "mean", *, allow_empty: bool = F
         if unknown:
             raise TypeError(f"treefx.pack has no option {', '.join(map(repr, unknown))}; it "
                             f"takes {', '.join(sorted(_PACK_OPTIONS - set(_SET_HERE)))}")
-        if reduction not in layout._REDUCTIONS:
-            raise ValueError(f"reduction must be one of {layout._REDUCTIONS}, got {reduction!r}")
+        if reduction not in layout.REDUCTIONS:
+            raise ValueError(f"reduction must be one of {layout.REDUCTIONS}, got {reduction!r}")
         trees = _tree_list(my_trees, "my_trees")
         if not trees and not allow_empty:
             raise ValueError("this rank has no trees; every rank needs at least one (see "

@@ -22,7 +22,8 @@ from .tree import Tree
 __all__ = ["TreeBatch", "check_num_sequences", "known_host_row", "pack", "remember_host_row",
            "row_key"]
 
-_REDUCTIONS = ("sum", "mean")
+# The loss normalizations a batch may have (read by distributed.pack too).
+REDUCTIONS = ("sum", "mean")
 
 
 @dataclass(eq=False)
@@ -111,8 +112,8 @@ class TreeBatch:
 
     def loss_weights_for(self, reduction: str) -> torch.Tensor:
         """``loss_weights`` as they would be for another per-sequence reduction."""
-        if reduction not in _REDUCTIONS:
-            raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+        if reduction not in REDUCTIONS:
+            raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
         if reduction in self._weight_errors:
             raise ValueError(self._weight_errors[reduction])
         return self.loss_weights_by_reduction[reduction]
@@ -423,8 +424,8 @@ def pack(
     with the global P and s = the world size W, so the mean of the W rank losses is the global
     batch's loss: :func:`treefx.distributed.pack` does both.
     """
-    if reduction not in _REDUCTIONS:
-        raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
     if isinstance(trees, Tree):
         trees = [trees]
     trees = list(trees)
@@ -451,7 +452,7 @@ def pack(
     loss_scale = _check_loss_scale(loss_scale)
 
     ids, pos, par, send, tix = [], [], [], [], []
-    wts: dict[str, list] = {r: [] for r in _REDUCTIONS}
+    wts: dict[str, list] = {r: [] for r in REDUCTIONS}
     n_off, n_len, n_par, s_end, s_tree = [], [], [], [], []
     tok_base = node_base = 0
     for ti, tree in enumerate(trees):
@@ -477,7 +478,7 @@ def pack(
         pnode = parents[node_of_tok[first]]
         parent_tok[first] = np.where(pnode >= 0, offs[np.maximum(pnode, 0)] + lens[pnode] - 1, -1)
         ends = rank[tree.sequence_ends]
-        for r in _REDUCTIONS:
+        for r in REDUCTIONS:
             w = _token_weights(tree, ends, offs, lens, parents, node_of_tok, r, normalizer,
                                loss_scale)
             w[depth[node_of_tok] + within == 0] = 0.0  # nothing predicts a sequence's 1st token
@@ -507,15 +508,15 @@ def pack(
             pos.append(rel)
             par.append(np.where(rel == 0, -1, ar - 1))
             send.append(np.minimum(ar - rel + int(pad_node_tokens), total))
-            for r in _REDUCTIONS:
+            for r in REDUCTIONS:
                 wts[r].append(np.zeros(k))
             tix.append(np.full(k, -1))
 
     def cat(xs, dtype=torch.int64):
         return torch.from_numpy(np.ascontiguousarray(np.concatenate(xs))).to(dtype)
 
-    weights = {r: cat(wts[r], weight_dtype) for r in _REDUCTIONS}
-    errors = {r: e for r in _REDUCTIONS
+    weights = {r: cat(wts[r], weight_dtype) for r in REDUCTIONS}
+    errors = {r: e for r in REDUCTIONS
               if (e := _weights_lost(np.concatenate(wts[r]), weights[r], r)) is not None}
     if reduction in errors:
         raise ValueError(errors[reduction])

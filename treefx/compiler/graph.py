@@ -270,7 +270,7 @@ class GraphContext:
                  kernel_options: dict | None = None, interleave_heads: bool | None = None,
                  code_before: str = "", modules_before: dict | None = None,
                  parent: GraphContext | None = None, name: str = "", plan=None,
-                 real_inputs: tuple = (), part_sites=None):
+                 real_inputs: tuple = (), part_sites=None, body=None):
         self.gm = gm
         # root only: the capture's Plan (treefx.plan; None for a graph built by hand) and its
         # real inputs by position, the parameters among them (None elsewhere)
@@ -291,15 +291,17 @@ class GraphContext:
         self.parent = parent
         self.name = name  # the body's attribute path ("" for the root)
         self.children: list[GraphContext] = []
+        if parent is not None:
+            parent.children.append(self)
         self.log: list[Rewrite] = parent.log if parent is not None else []
         self._root_nodes = {"input_ids": input_ids, "tree_info": tree_info,
                             "positions": positions, "subtree_end": subtree_end,
                             "tree_weights": tree_weights, "part_labels": part_labels}
         self._cache: dict = {}
-        # Bodies: how this graph's placeholders map to its callers' operands (set by
-        # .checks.subgraphs.discover); ``_imports`` maps an outer node to the placeholder made
-        # for it.
-        self.body = None
+        # Bodies: how this graph's placeholders map to its callers' operands (a
+        # .checks.subgraphs.Body, given by .checks.subgraphs.discover); ``_imports`` maps an
+        # outer node to the placeholder made for it.
+        self.body = body
         self._imports: dict = {}
         self._loss_sites = 0  # root: the cross-entropies the loss pass rewrote (all graphs)
         self._input_positions: dict | None = None
@@ -423,8 +425,20 @@ class GraphContext:
             node, ctx = outer, ctx.parent
         return node
 
+    def root_node(self, key: str) -> fx.Node | None:
+        """The root graph's own node for ``key`` (``input_ids``, ``tree_info``, ``positions``,
+        ``subtree_end``, ``tree_weights``, ``part_labels``; None where the graph has none), not
+        imported into this graph: the properties of the same names give this graph's."""
+        return self.root._root_nodes[key]
+
+    def forget_erased_imports(self) -> None:
+        """Forget the placeholders made for outer nodes (:meth:`local`) that are no longer
+        nodes of this graph (a body's unused inputs, erased)."""
+        self._imports = {k: v for k, v in self._imports.items()
+                         if v.graph is self.graph and v in self.graph.nodes}
+
     def _tree_node(self, key: str):
-        node = self.root._root_nodes[key]
+        node = self.root_node(key)
         return None if node is None else self.local(node)
 
     @property
@@ -456,11 +470,11 @@ class GraphContext:
     @property
     def is_step(self) -> bool:
         """A training step: the graph has loss weights (``tree_weights``) to rewrite into."""
-        return self.root._root_nodes["tree_weights"] is not None
+        return self.root_node("tree_weights") is not None
 
     def is_tree_input(self, node, key: str) -> bool:
         """Whether ``node`` (resolved through body placeholders) is the root's ``key`` node."""
-        root = self.root._root_nodes[key]
+        root = self.root_node(key)
         return root is not None and self.resolve(node) is root
 
     # ------------------------------------------------------------------ graph

@@ -409,7 +409,7 @@ def _snapshot(ctx: GraphContext, mask: fx.Node) -> tuple[LiftedMask, tuple[fx.No
     private = fx.Graph()
     copies: dict = {}
     leaves = []
-    positions = ctx.root._root_nodes["positions"]
+    positions = ctx.root_node("positions")
 
     def outer(a: fx.Node) -> fx.Node:
         # A value from outside the subgraph: a placeholder of the private graph.

@@ -162,17 +162,14 @@ def _child(ctx: GraphContext, gm: fx.GraphModule, target: str, kind: _Kind,
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     if not placeholders:
         raise UnsupportedSubgraphError(f"the body {target} takes no inputs")
-    root = ctx.root
     child = GraphContext(
-        gm, ctx.backend, input_ids=root._root_nodes["input_ids"],
-        tree_info=root._root_nodes["tree_info"], positions=root._root_nodes["positions"],
-        subtree_end=root._root_nodes["subtree_end"], seq_len=ctx.seq_len, prelude=placeholders[-1],
-        tree_weights=root._root_nodes["tree_weights"], block_size=ctx.block_size,
+        gm, ctx.backend, input_ids=ctx.root_node("input_ids"),
+        tree_info=ctx.root_node("tree_info"), positions=ctx.root_node("positions"),
+        subtree_end=ctx.root_node("subtree_end"), seq_len=ctx.seq_len, prelude=placeholders[-1],
+        tree_weights=ctx.root_node("tree_weights"), block_size=ctx.block_size,
         kernel_options=ctx.kernel_options, interleave_heads=ctx.interleave_heads,
-        parent=ctx, name=f"{ctx.name}.{target}" if ctx.name else target,
+        parent=ctx, name=f"{ctx.name}.{target}" if ctx.name else target, body=Body(kind, op),
     )
-    child.body = Body(kind, op)
-    ctx.children.append(child)
     return child
 
 
@@ -206,8 +203,7 @@ def _drop_unused_inputs(body: Body) -> None:
     for m, phs in zip(body.group, lists):
         for i in reversed(unused):
             m.graph.erase_node(phs[i])
-        m._imports = {k: v for k, v in m._imports.items() if v.graph is m.graph and
-                      v in m.graph.nodes}
+        m.forget_erased_imports()
 
 
 def opaque_ops(ctx: GraphContext):
