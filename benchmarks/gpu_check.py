@@ -640,7 +640,7 @@ def _parts_check(res, ref, trees, note):
     ``note``."""
 
     def parts(label, low, tm):
-        from treefx.run.backward import runners
+        from treefx.run.parts import runners
 
         batch = treefx.pack(trees, reduction="mean")
         loss_parts = treefx.backward(tm, trees, max_tokens=batch.num_tokens // 3)

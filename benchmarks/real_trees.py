@@ -653,7 +653,7 @@ def main(argv=None):
             ran.append((row["wall_s"], row["sequence_tokens"]))
         res["tasks"].append(row)
         if args.verify and "verification" not in res:
-            from treefx.run.backward import runners
+            from treefx.run.parts import runners
 
             found = [str(r.verification) for r in runners(tm) if r.verification is not None]
             if found:

@@ -51,7 +51,7 @@ def in_parts(tm, trees, budgets=BUDGETS) -> dict:
     gradients' norm), the loss's relative error; the part graph's attention sites and those
     on the interval op."""
     import treefx
-    from treefx.run.backward import runners
+    from treefx.run.parts import runners
 
     model = tm.model
 

@@ -22,7 +22,7 @@ from test_distributed import (FLOOR_FACTOR, GRAD_TOL, VOCAB, WORLD, _model, _tre
                               run_cases)
 
 import treefx
-from treefx.run.backward import runners
+from treefx.run.parts import runners
 
 dist = pytest.importorskip("torch.distributed")
 if not dist.is_available():

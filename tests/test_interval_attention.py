@@ -356,7 +356,7 @@ def test_parts_on_intervals_match_the_oracle(monkeypatch):
     part to parts of 7 tokens, on a comb, on a tree with a trunk and on odd forests."""
     from test_parts import _check, comb_tree
 
-    from treefx.run.backward import runners
+    from treefx.run.parts import runners
 
     monkeypatch.setattr(treefx.run.backends, "compile_graph", lambda backend, gm, ex: gm.forward)
     monkeypatch.setenv("TREEFX_INDUCTOR_ON_CPU", "1")
@@ -380,7 +380,7 @@ def test_families_in_parts_on_intervals_match_the_oracle(model_type, checkpointi
     alone."""
     from test_parts import _check
 
-    from treefx.run.backward import runners
+    from treefx.run.parts import runners
     from treefx.tools import zoo
 
     monkeypatch.setattr(treefx.run.backends, "compile_graph", lambda backend, gm, ex: gm.forward)

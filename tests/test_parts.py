@@ -12,7 +12,7 @@ from support import VOCAB, MaskedAttention, grads, hf_model
 
 import treefx
 from treefx import parts
-from treefx.run.backward import runners
+from treefx.run.parts import runners
 from treefx.models import enable_activation_checkpointing
 from treefx.ops.attention import TreePartFlexAttention
 from treefx.ops.embedding import part_embedding
@@ -144,8 +144,8 @@ def test_every_token_is_embedded_once_and_gradients_accumulate(monkeypatch, shar
     assert all(p.num_tokens > 1 for p in plan.parts)
     assert plan.recompute_tokens > 0  # some parts run their forward again at their backward
     embedded, again = [], []
-    call = treefx.run.backward.PartRunner.__call__
-    backward_of = treefx.run.backward._backward
+    call = treefx.run.parts.PartRunner.__call__
+    backward_of = treefx.run.parts.executor.backward_part
     in_backward = []
 
     def counting(self, t, *rest):
@@ -159,8 +159,8 @@ def test_every_token_is_embedded_once_and_gradients_accumulate(monkeypatch, shar
         finally:
             in_backward.pop()
 
-    monkeypatch.setattr(treefx.run.backward.PartRunner, "__call__", counting)
-    monkeypatch.setattr(treefx.run.backward, "_backward", backward)
+    monkeypatch.setattr(treefx.run.parts.PartRunner, "__call__", counting)
+    monkeypatch.setattr(treefx.run.parts.executor, "backward_part", backward)
     treefx.backward(tm, trees, max_tokens=24)
     # Each part's graph embeds its own ids, and nothing else: one lookup, whose gradient goes
     # to the part's rows (added into .grad at its ids, not a dense gradient per part)
@@ -356,13 +356,13 @@ def test_comb_trees_hold_at_most_the_budget(seed):
 def _count_forwards(monkeypatch):
     """Each part graph call, as whether it built a graph (grad mode)."""
     calls = []
-    call = treefx.run.backward.PartRunner.__call__
+    call = treefx.run.parts.PartRunner.__call__
 
     def counting(self, t, *rest):
         calls.append(torch.is_grad_enabled())
         return call(self, t, *rest)
 
-    monkeypatch.setattr(treefx.run.backward.PartRunner, "__call__", counting)
+    monkeypatch.setattr(treefx.run.parts.PartRunner, "__call__", counting)
     return calls
 
 
@@ -779,7 +779,7 @@ def test_step_in_parts_refuses_a_result_that_is_not_the_loss():
 def test_part_embedding_gradient_rows_equal_the_dense_gradient():
     """The part's rows of the embedding gradient, summed per id and added at its ids, equal
     F.embedding's dense gradient (duplicates summed, the padding id's row left out)."""
-    from treefx.run.backward import _add_embedding_grad
+    from treefx.run.parts.executor import add_embedding_grad
 
     torch.manual_seed(0)
     weight = torch.randn(11, 6, requires_grad=True)
@@ -792,7 +792,7 @@ def test_part_embedding_gradient_rows_equal_the_dense_gradient():
     (part_embedding(ids, weight, sink, 0) * upstream).sum().backward()
     assert weight.grad.eq(1).all()  # no gradient to the weight itself
     rows, inverse = ids[0].unique(return_inverse=True)
-    _add_embedding_grad(weight, sink.grad, rows, inverse)
+    add_embedding_grad(weight, sink.grad, rows, inverse)
     torch.testing.assert_close(weight.grad, want + 1)
 
 

@@ -129,10 +129,13 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("families", {"treefx.families", "treefx.families.*"}),
     ("backends, check", {"treefx.run.backends", "treefx.verification"}),
     # the run layer: the capture environment, the engine, regional execution
-    ("run", {"treefx.run", "treefx.run.capture", "treefx.run.engine", "treefx.run.regional"}),
-    # the front ends (compile, step, backward) and the user modules beside them
+    # (and what the model is wrapped in: FSDP2, DDP)
+    ("run", {"treefx.run", "treefx.run.capture", "treefx.run.engine", "treefx.run.regional",
+             "treefx.run.wrapping"}),
+    # the front ends (compile, step, backward: the package run.parts, one job a module, and
+    # run.backward, its former module's names) and the user modules beside them
     ("front ends", {"treefx.run.model", "treefx.run.step", "treefx.rl", "treefx.run.backward",
-                    "treefx.distributed"}),
+                    "treefx.run.parts", "treefx.run.parts.*", "treefx.distributed"}),
     # the user API and the example models
     ("user API", {"treefx", "treefx.models", "treefx.models.*"}),
     # the tools (the root package reaches treefx.debug, .explain and .synth lazily, by name),

@@ -175,7 +175,7 @@ def test_parts_with_the_split_match_the_oracle(monkeypatch):
     context takes none; gradients and loss equal each sequence alone."""
     from test_parts import _check, comb_tree
 
-    from treefx.run.backward import runners
+    from treefx.run.parts import runners
 
     monkeypatch.setattr(treefx.run.backends, "compile_graph", lambda backend, gm, ex: gm.forward)
     monkeypatch.setenv("TREEFX_INDUCTOR_ON_CPU", "1")

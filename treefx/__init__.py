@@ -15,7 +15,7 @@ from .compiler import (
 from .compiler.recurrences import Recurrence, register_recurrence
 from .layout import TreeBatch, pack
 from .partition import err, partition, partition_ids
-from .run.backward import backward
+from .run.parts import backward
 from .run.model import TreeModel, TreeOutput, compile, tree_loss, verify
 from .run.step import TreeStep, step
 from .tree import Tree, bound, por, read_jsonl, write_jsonl

@@ -56,9 +56,12 @@ import torch.fx as fx
 
 from . import backends
 from ..compiler import TreeCompileError
+# what the model is wrapped in (read here too by the model's and the engine's callers)
+from .wrapping import distributed_kind, fsdp_module_type, fsdp_units, is_fsdp_hook, \
+    is_fsdp_unit, unwrap_ddp
 
 __all__ = ["RegionalGraph", "build", "capture_state", "distributed_kind", "find_blocks",
-           "unwrap_ddp"]
+           "is_fsdp_unit", "unwrap_ddp"]
 
 log = logging.getLogger("treefx")
 
@@ -66,55 +69,14 @@ _GLOBAL_STATE = {"_set_grad_enabled", "_enter_autocast", "_exit_autocast"}
 
 
 # --------------------------------------------------------------------------------------------
-# What the model is wrapped in
+# The blocks (what the model is wrapped in: treefx.run.wrapping)
 # --------------------------------------------------------------------------------------------
-
-def _fsdp_module_type():
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # a torch built without distributed
-        return None
-    return FSDPModule
-
-
-def _ddp_type():
-    try:
-        from torch.nn.parallel import DistributedDataParallel
-    except ImportError:
-        return None
-    return DistributedDataParallel
-
-
-def unwrap_ddp(model):
-    """``(module, wrapper)``: a DDP-wrapped model's inner module and the wrapper, or
-    ``(model, None)``."""
-    ddp = _ddp_type()
-    if ddp is not None and isinstance(model, ddp):
-        return model.module, model
-    return model, None
-
-
-def fsdp_units(model: torch.nn.Module) -> list[torch.nn.Module]:
-    fsdp = _fsdp_module_type()
-    if fsdp is None:
-        return []
-    return [m for m in model.modules() if isinstance(m, fsdp)]
-
-
-def distributed_kind(model: torch.nn.Module, wrapper=None) -> str | None:
-    """``"fsdp"`` (FSDP2 units in the model), ``"ddp"`` (a DDP wrapper) or None."""
-    if fsdp_units(model):
-        return "fsdp"
-    if wrapper is not None:
-        return "ddp"
-    return None
-
 
 def find_blocks(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
     """The block modules, by qualified name: the FSDP units below the root; else the modules
     of the classes a Hugging Face model names in ``_no_split_modules`` (its decoder layers);
     else the children of the model's ``ModuleList``\\ s. Outermost only."""
-    fsdp = _fsdp_module_type()
+    fsdp = fsdp_module_type()
     named = list(model.named_modules())
     if fsdp is not None and any(isinstance(m, fsdp) for _, m in named):
         picked = [(n, m) for n, m in named if n and isinstance(m, fsdp)]
@@ -137,7 +99,7 @@ def find_blocks(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
 def _non_fsdp_hooks(module: torch.nn.Module) -> list:
     hooks = []
     for d in (module._forward_pre_hooks, module._forward_hooks):
-        hooks += [h for h in d.values() if not (_is_fsdp_hook(h) or _is_traced_output_hook(h))]
+        hooks += [h for h in d.values() if not (is_fsdp_hook(h) or _is_traced_output_hook(h))]
     return hooks
 
 
@@ -167,10 +129,6 @@ def _traced_output_hooks_hidden(module: torch.nn.Module):
         module._forward_hooks.update(hidden)
 
 
-def _is_fsdp_hook(hook) -> bool:
-    return str(getattr(hook, "__module__", "") or "").startswith("torch.distributed.fsdp")
-
-
 # --------------------------------------------------------------------------------------------
 # Capture
 # --------------------------------------------------------------------------------------------
@@ -192,9 +150,9 @@ def capture_state(model: torch.nn.Module):
         for m in units:
             saved.append((m, m._forward_pre_hooks, m._forward_hooks))
             pre = type(m._forward_pre_hooks)(
-                (k, h) for k, h in m._forward_pre_hooks.items() if not _is_fsdp_hook(h))
+                (k, h) for k, h in m._forward_pre_hooks.items() if not is_fsdp_hook(h))
             post = type(m._forward_hooks)(
-                (k, h) for k, h in m._forward_hooks.items() if not _is_fsdp_hook(h))
+                (k, h) for k, h in m._forward_hooks.items() if not is_fsdp_hook(h))
             policy = getattr(m._get_fsdp_state(), "_mp_policy", None)
             cast_in = getattr(policy, "param_dtype", None) if getattr(
                 policy, "cast_forward_inputs", False) else None
@@ -868,11 +826,6 @@ def call_with_forward(module: torch.nn.Module, forward, *args):
     with ``forward`` in place of the module's own forward for this call."""
     with forward_replaced(module, forward), _traced_output_hooks_hidden(module):
         return torch.nn.Module.__call__(module, *args)
-
-
-def is_fsdp_unit(module: torch.nn.Module) -> bool:
-    fsdp = _fsdp_module_type()
-    return fsdp is not None and isinstance(module, fsdp)
 
 
 def check_hooks(model: torch.nn.Module, wrapper=None) -> None:
