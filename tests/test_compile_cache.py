@@ -362,3 +362,50 @@ def test_a_kernel_used_before_the_deferred_wait_waits_for_itself(monkeypatch):
         assert calls == []
     assert calls == [["kernel_later", "kernel_used"]]
     assert scope == {"kernel_used": kernel, "kernel_later": "later", "other": 3}
+
+
+def test_sizes_near_the_int32_bound_are_indexed_in_64_bits():
+    """A symbolic size within a factor 2 of 2**31 at the capture counts as near the bound:
+    GRPO's micro-batches of Qwen3-1.7B (vocab 151,936) at 13,550 and 15,235 tokens straddle
+    the output layer's bound of 14,135 tokens; static sizes and sizes far below keep
+    Inductor's own choice."""
+    import sympy
+
+    s = sympy.Symbol("s0", positive=True, integer=True)
+
+    def at(n):
+        return lambda e: e.subs(s, n)
+
+    near = backends.near_int32_bound
+    assert near([151936 * s], at(13550))  # below the bound, within the margin
+    assert not near([151936 * s], at(15235))  # past it: Inductor indexes in 64 bits itself
+    assert not near([151936 * s], at(6000))  # far below: 32 bits, under its guard
+    assert not near([151936 * 13550], at(1))  # a static size: no later call differs
+    assert near([4096 * s, 151936 * s], at(13550))
+    assert not near([151936 * s], lambda e: 1 / 0)  # no hint: Inductor's own choice
+
+
+def test_wide_indexing_wraps_inductors_choice_and_restores_it(monkeypatch):
+    """Inside ``wide_indexing_near_bound`` Inductor's ``can_use_32bit_indexing`` says no for
+    sizes near the bound without asking the original (which would guard them); other sizes
+    go to the original; on exit the original is back."""
+    import sympy
+    from torch._inductor.codegen.simd import SIMDScheduling
+
+    asked = []
+
+    def original(numel, buffers):
+        asked.append(numel)
+        return True
+
+    monkeypatch.setattr(SIMDScheduling, "can_use_32bit_indexing", staticmethod(original))
+    s = sympy.Symbol("s0", positive=True, integer=True)
+    hint = {"n": 13550}
+    monkeypatch.setattr(backends, "_size_hint", lambda: (lambda e: e.subs(s, hint["n"])))
+    with backends.wide_indexing_near_bound():
+        assert SIMDScheduling.can_use_32bit_indexing(151936 * s, iter(())) is False
+        assert asked == []
+        hint["n"] = 2000
+        assert SIMDScheduling.can_use_32bit_indexing(151936 * s, iter(())) is True
+        assert asked == [151936 * s]
+    assert SIMDScheduling.__dict__["can_use_32bit_indexing"].__func__ is original

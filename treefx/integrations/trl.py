@@ -72,6 +72,7 @@ import torch
 import torch.utils.checkpoint
 
 import treefx
+from treefx.run.model import twin
 
 __all__ = ["SUPPORTED_TRL_VERSIONS", "TreeGRPOTrainer", "check_trl_version",
            "composition_dependent_options", "shuffle_groups", "tree_logps_and_entropies"]
@@ -402,12 +403,24 @@ class TreeGRPOTrainer(trl.GRPOTrainer):
                 )
 
     def tree_model(self, model):
-        """The :func:`treefx.compile` of ``model``, compiled on first use."""
+        """The :func:`treefx.compile` of ``model``, compiled on first use.
+
+        A model of the same architecture as one compiled before (the reference model beside
+        the policy: same class, config, parameter names, shapes and dtypes) runs that one's
+        no-grad graph instead of capturing and compiling its own, where its first-call check
+        (on by default) finds the graph exact for it (:func:`treefx.run.model.twin`)."""
         entry = self._tree_models.get(id(model))
         if entry is None or entry[0] is not model:
-            entry = (model, treefx.compile(model, **self.compile_options))
+            tm = None
+            for other, other_tm in list(self._tree_models.values()):
+                if other is not model:
+                    tm = twin(other_tm, model)
+                    if tm is not None:
+                        break
+            entry = (model, tm or treefx.compile(model, **self.compile_options))
             self._tree_models[id(model)] = entry
-            log.info("treefx.integrations.trl: compiled %s for trees", type(model).__name__)
+            log.info("treefx.integrations.trl: compiled %s for trees%s", type(model).__name__,
+                     " (sharing a twin's no-grad graph)" if tm is not None else "")
         return entry[1]
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask,

@@ -98,7 +98,7 @@ def compile_graph(backend: str, gm: fx.GraphModule, example_inputs):
         from torch._inductor.compile_fx import compile_fx
 
         with backward_compiled_now(), _autograd_cache(sizes is not None), \
-                kernel_waits_deferred():
+                kernel_waits_deferred(), wide_indexing_near_bound():
             fn = compile_fx(gm, example_inputs, config_patches={
                 **inductor_patches(), **cacheable_patch(gm), **patches})
     else:
@@ -236,6 +236,96 @@ def inductor_patches() -> dict:
     if hasattr(config, "emulate_precision_casts"):
         patches["emulate_precision_casts"] = True
     return patches
+
+
+# ------------------------------------------------------------ 64-bit indexing near 2**31
+#
+# Inductor indexes a kernel in 32 bits where its sizes at the capture fit, and then guards
+# them (``151936*s0 <= 2**31-1``: "only install guards for 32-bit indexing as there is no
+# correctness issue with using 64-bit for everything"). A later call past the bound fails
+# the guard, and a regional graph is captured again, every piece with it (Dynamo's trace,
+# the passes, the compile). A tree's token count is anything: TRL's GRPO micro-batches of
+# Qwen3-1.7B at 13,550-15,235 tokens straddle the output layer's bound of 14,135 tokens
+# (151,936 × 14,135 > 2**31). So a size that varies per call (a symbolic one) whose value at
+# the capture is within a factor INDEX_MARGIN of 2**31 takes 64-bit indexing at once, with no
+# guard; static sizes, and sizes well below the bound, keep Inductor's choice.
+
+#: A kernel whose symbolic sizes reach 1 / INDEX_MARGIN of 2**31 at the capture is indexed in
+#: 64 bits (no guard): a later call with up to INDEX_MARGIN times the tokens reuses it.
+INDEX_MARGIN = 2
+
+
+def near_int32_bound(exprs, hint, margin: int = INDEX_MARGIN) -> bool:
+    """Whether one of ``exprs`` (sympy expressions or ints) has a free symbol and a value
+    (``hint(expr)``, the capture's) below 2**31 but above 2**31 / ``margin``."""
+    import sympy
+
+    int_max = torch.iinfo(torch.int32).max
+    for e in exprs:
+        e = sympy.sympify(e)
+        if not e.free_symbols:
+            continue
+        try:
+            value = int(hint(e))
+        except Exception:  # no hint (an unbacked size): Inductor's own choice
+            continue
+        if value <= int_max < value * margin:
+            return True
+    return False
+
+
+def _size_hint():
+    from torch._inductor.virtualized import V
+
+    sizevars = V.graph.sizevars
+    for name in ("optimization_hint", "size_hint"):  # torch 2.13 / earlier
+        fn = getattr(sizevars, name, None)
+        if fn is not None:
+            return fn
+    raise AttributeError("no size hint")
+
+
+@contextlib.contextmanager
+def wide_indexing_near_bound():
+    """Inductor's choice of 32-bit indexing refused for kernels whose symbolic sizes are near
+    2**31 (:func:`near_int32_bound`), for the compilations inside the block. Where this
+    torch's Inductor has no ``SIMDScheduling.can_use_32bit_indexing`` to wrap, or with
+    ``TREEFX_WIDE_INDEXING=0``, nothing changes (a later call past the bound captures
+    again)."""
+    if switched_off("TREEFX_WIDE_INDEXING"):
+        yield
+        return
+    try:
+        from torch._inductor.codegen.simd import SIMDScheduling
+    except ImportError:  # pragma: no cover - a torch without it
+        yield
+        return
+    original = SIMDScheduling.__dict__.get("can_use_32bit_indexing")
+    if not isinstance(original, staticmethod):
+        yield
+        return
+    inner = original.__func__
+
+    def can_use_32bit_indexing(numel, buffers):
+        buffers = list(buffers)
+        sizes = [numel]
+        for buf in buffers:
+            try:
+                if not hasattr(buf, "has_tensor_output") or buf.has_tensor_output():
+                    sizes.append(buf.get_layout().storage_size())
+            except Exception:  # a buffer without a layout: Inductor's own check sees it
+                continue
+        try:
+            near = near_int32_bound(sizes, _size_hint())
+        except Exception:
+            near = False
+        return False if near else inner(numel, buffers)
+
+    SIMDScheduling.can_use_32bit_indexing = staticmethod(can_use_32bit_indexing)
+    try:
+        yield
+    finally:
+        SIMDScheduling.can_use_32bit_indexing = original
 
 
 def mix_order_reduction() -> bool:

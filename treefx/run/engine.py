@@ -113,6 +113,8 @@ class TreeEngine:
         self._timing_stack: list[float] = []
         self._callables: dict[str, object] = {}
         self._prepared: weakref.WeakSet = weakref.WeakSet()  # models made ready for capture
+        # another engine whose no-grad regional graphs this one's model may run (share_from)
+        self._twin: dict | None = None
 
     def make_traced(self, tag: int):
         """A fresh copy of the captured function (its own Dynamo cache)."""
@@ -354,6 +356,8 @@ class TreeEngine:
         graphs = self._regional.setdefault(key, [])
         graph = next((g for g in graphs if g.accepts(args)), None)
         if graph is None:
+            graph = self._twin_graph(backend, args, model, root)
+        if graph is None:
             if len(graphs) >= 8:
                 raise TreeCompileError(
                     "regional execution: 8 captures for one model state and none accepts "
@@ -383,6 +387,66 @@ class TreeEngine:
                 return run()
         self._runs += 1
         return graph(model, args, root_call)
+
+    # ------------------------------------------------------------------ twins
+
+    def share_from(self, engine: TreeEngine, model: torch.nn.Module) -> None:
+        """Let this engine's model run the no-grad regional graphs that ``engine`` captured
+        on ``model``, its twin (:func:`treefx.run.model.twin` decides who is one), while
+        :meth:`twin_pending` or after :meth:`twin_verified`; :meth:`end_twin` stops it."""
+        self._twin = {"engine": engine, "model": weakref.ref(model), "state": "pending",
+                      "key": None, "given": []}
+
+    def _twin_graph(self, backend, args, model, root):
+        """A no-grad regional graph of the twin (:meth:`share_from`) that accepts ``args``,
+        or None. Once one served the first-call check, only graphs of that key (the twin's
+        model state it was checked in) are taken."""
+        t = self._twin
+        if t is None or t["state"] == "off" or torch.is_grad_enabled() or self.plan.find_layout:
+            return None
+        other = t["model"]()
+        if other is None:
+            return None
+        try:  # hooks on this model's blocks would run around the twin's pieces
+            regional.check_hooks(model, root if root is not model else None)
+        except TreeCompileError:
+            return None
+        key = t["key"] or t["engine"]._regional_key(backend, other)
+        # the graph takes the model it was captured on as a constant argument; it reads the
+        # parameters of the model it is called with
+        theirs = tuple(other if a is model else a for a in args)
+        graph = next((g for g in t["engine"]._regional.get(key, []) if g.accepts(theirs)),
+                     None)
+        if graph is not None and not t["given"]:
+            log.info("treefx: running the no-grad graph of a twin model (%s)",
+                     type(other).__name__)
+        if graph is not None:
+            t["key"] = key
+            t["given"] = [graph]
+        return graph
+
+    @property
+    def twin_pending(self) -> bool:
+        """Whether a twin's graph may serve this engine but none was checked yet."""
+        return self._twin is not None and self._twin["state"] == "pending"
+
+    @property
+    def twin_used(self) -> bool:
+        """Whether a twin's graph served a call of this engine."""
+        return self._twin is not None and bool(self._twin["given"])
+
+    def twin_verified(self) -> None:
+        """The first-call check passed: a twin's graph that served it keeps serving (graphs of
+        the same key); where none served it, none will."""
+        if self._twin is not None:
+            if self._twin["given"]:
+                self._twin["state"] = "verified"
+            else:
+                self.end_twin()
+
+    def end_twin(self) -> None:
+        """No twin's graph serves this engine from now on."""
+        self._twin = None
 
     def _find_layout_regional(self, backend, args, dynamic, model):
         fn = torch.compile(self.make_traced(1000 + len(self.compiled)),

@@ -13,6 +13,7 @@ import torch
 from . import backends
 from . import regional as regional_mod
 from .. import verification
+from .._switches import switched_off
 from .engine import TreeEngine, check_batch, tree_info, unwrap_compiled
 from ..layout import TreeBatch
 from ..ops.cross_entropy import weighted_logprob_loss
@@ -105,6 +106,11 @@ class TreeModel(torch.nn.Module):
         super().__init__()
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"treefx.compile expects a torch.nn.Module, got {type(model).__name__}")
+        # the options as given (a twin, treefx.run.model.twin, is compiled with the same)
+        self._options = dict(backend=backend, block_size=block_size,
+                             pass_position_ids=pass_position_ids, kernel_options=kernel_options,
+                             interleave_heads=interleave_heads, verify=verify, logits=logits,
+                             forward_signature=forward_signature, regional=regional)
         if not isinstance(logits, bool):
             raise TypeError(f"logits must be True or False, got {logits!r}")
         backends.check_available(backends.check(backend))  # inductor without CUDA: refused
@@ -232,11 +238,123 @@ class TreeModel(torch.nn.Module):
             # compares log-probabilities only (the tests compare the gathered gradients).
             log.info("first-call check under %s: log-probabilities only", kind.upper())
             grads = False
-        try:
-            self.verification = verification.verify_compiled(self, grads=grads, pad_to=pad_to)
-        except verification.VerificationUnavailable as e:
-            self.verification = str(e)
-            log.warning("%s", e)
+        for _ in range(2):
+            try:
+                self.verification = verification.verify_compiled(self, grads=grads,
+                                                                 pad_to=pad_to)
+            except verification.TreeVerificationError as e:
+                if self.engine.twin_used:
+                    # the twin's graph is not this model's (it was captured in another
+                    # training mode, with other hooks): this model gets its own graph
+                    log.warning("treefx: the graph of a twin model failed this model's first-"
+                                "call check; capturing its own (%s)", str(e).splitlines()[0])
+                    self.engine.end_twin()
+                    continue
+                if not isinstance(e, verification.VerificationUnavailable):
+                    raise
+                self.verification = str(e)
+                log.warning("%s", e)
+            break
+        # a twin's graph checked here keeps serving this model; if none was, none will
+        self.engine.twin_verified()
+
+
+def twin(tm: TreeModel, model: torch.nn.Module) -> TreeModel | None:
+    """A :class:`TreeModel` for ``model``, compiled with ``tm``'s options, that runs ``tm``'s
+    no-grad regional graphs instead of capturing its own, when ``model`` is a twin of
+    ``tm.model``; None when it is not one (compile it on its own).
+
+    For a reference model beside a policy of the same architecture (TRL's GRPO): the policy's
+    no-grad graph, captured in training mode, serves the reference in eval mode, with its
+    parameters (a regional graph reads each block's parameters from the module it runs).
+
+    Twins: the same class; the same modules (names, classes); the same parameters and
+    buffers (names, shapes, dtypes, devices); the same plain attributes on every module
+    (numbers, strings, flags; ``training`` aside) and the same Hugging Face config (``use_cache``
+    aside, which treefx passes itself); both run regionally on their device's backend, neither
+    under FSDP2 or DDP. What may differ, and what the graph took from the model it was
+    captured on, are the modules' training modes and forward hooks (``tm``'s model keeps
+    transformers' ``make_inputs_require_grads`` hook under gradient checkpointing): so the
+    twin shares graphs only under its own first-call check (``verify``, on), which runs the
+    shared graph on the probe with the twin's parameters against the twin itself, each
+    sequence alone; where they differ, the twin captures its own graph (a warning says so).
+    Only calls without gradients are shared; a twin's calls with gradients capture its own.
+    ``TREEFX_SHARE_TWINS=0`` turns sharing off (None, always)."""
+    if switched_off("TREEFX_SHARE_TWINS"):
+        return None
+    opts = dict(tm._options)
+    verify = verify_default() if opts["verify"] is None else opts["verify"]
+    if not verify:
+        return None
+    why = twin_difference(tm.model, model)
+    if why is not None:
+        log.info("treefx: %s is compiled on its own: %s", type(model).__name__, why)
+        return None
+    device = _parameter_device(model)
+    if device is None or _parameter_device(tm.model) != device:
+        return None
+    new = TreeModel(model, **opts)
+    backend = new.engine.resolve_backend(device)
+    if not (new.engine.uses_regions(model, None, backend)
+            and tm.engine.uses_regions(tm.model, None, backend)) \
+            or regional_mod.distributed_kind(model) is not None \
+            or regional_mod.distributed_kind(tm.model) is not None:
+        return None
+    new.engine.share_from(tm.engine, tm.model)
+    return new
+
+
+_PLAIN = (bool, int, float, str, type(None))
+
+
+def _plain_attributes(module: torch.nn.Module) -> dict:
+    out = {}
+    for k, v in vars(module).items():
+        if k == "training" or k.startswith("_"):
+            continue
+        if isinstance(v, _PLAIN) or (isinstance(v, tuple) and all(isinstance(x, _PLAIN)
+                                                                   for x in v)):
+            out[k] = v
+    return out
+
+
+def _config_dict(model: torch.nn.Module) -> dict | None:
+    config = getattr(model, "config", None)
+    to_dict = getattr(config, "to_dict", None)
+    if not callable(to_dict):
+        return None
+    d = dict(to_dict())
+    for k in ("use_cache", "_name_or_path", "transformers_version", "_commit_hash"):
+        d.pop(k, None)
+    return d
+
+
+def twin_difference(a: torch.nn.Module, b: torch.nn.Module) -> str | None:
+    """Why ``b`` is not a twin of ``a`` (:func:`twin`), in words; None when it is one."""
+    if a is b:
+        return "the same module"
+    if type(a) is not type(b):
+        return f"{type(b).__name__} is not a {type(a).__name__}"
+    ma, mb = list(a.named_modules()), list(b.named_modules())
+    if [(n, type(m)) for n, m in ma] != [(n, type(m)) for n, m in mb]:
+        return "other modules"
+    missing = object()
+    for (name, x), (_, y) in zip(ma, mb):
+        # an attribute one instance set and the other reads from its class compares by value
+        keys = set(_plain_attributes(x)) | set(_plain_attributes(y))
+        if any(getattr(x, k, missing) != getattr(y, k, missing) for k in keys):
+            return f"other attributes in {name or 'the model'}"
+    if _config_dict(a) != _config_dict(b):
+        return "another config"
+
+    def tensors(m):
+        return [(n, tuple(t.shape), t.dtype, t.device) for n, t in
+                [*m.named_parameters(remove_duplicate=False),
+                 *m.named_buffers(remove_duplicate=False)]]
+
+    if tensors(a) != tensors(b):
+        return "other parameters or buffers"
+    return None
 
 
 def _check_peft(model: torch.nn.Module) -> None:
