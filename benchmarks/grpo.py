@@ -10,7 +10,9 @@ wheels as benchmarks/README.md says).
 **The two paths.** ``trl``: TRL's own ``trl.GRPOTrainer``. ``treefx``:
 ``treefx.integrations.trl.TreeGRPOTrainer``, the same trainer with every log-prob call on
 prefix trees (the model compiled by ``treefx.compile``, Inductor on the GPU; each micro-batch's
-rows one tree; groups kept together in micro-batches). Both load the same checkpoint (a
+rows one tree; groups kept together in micro-batches, ``keep_groups_together=True``, as
+in the runs of 2026-11-26 (``--row-shuffle``: TRL's own row shuffle, the trainer's default
+since 2026-12-04)). Both load the same checkpoint (a
 Qwen3-shaped model with random weights, saved once to a temporary directory; TRL loads the
 policy and the reference model from it), both take TRL's defaults where this script sets
 nothing (bfloat16 autocast on bfloat16 weights, gradient checkpointing, ``loss_type="dapo"``,
@@ -62,6 +64,8 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
+import logging
 import os
 import statistics
 import sys
@@ -220,6 +224,144 @@ class _Clock:
         return a.elapsed_time(b) if self.cuda else (b - a) * 1e3
 
 
+class _CountingTreeModel:
+    """A compiled model that notes the token count of each batch it runs in ``runs``."""
+
+    def __init__(self, tm, runs: list):
+        self.tm, self.runs = tm, runs
+
+    def __call__(self, batch):
+        self.runs.append((torch.is_grad_enabled(), batch.num_tokens))
+        return self.tm(batch)
+
+    def __getattr__(self, name):
+        return getattr(self.tm, name)
+
+
+class _TreefxNotes(logging.Handler):
+    """treefx's log lines about its captures during training (``messages``), kept for the
+    result; nothing else of the log changes."""
+
+    KEEP = ("capturing again", "twin", "whole graph", "regional execution:", "verify")
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.messages: list[str] = []
+        self.logger = logging.getLogger("treefx")
+        self.level_before = self.logger.level
+        self.propagate_before = self.logger.propagate
+        self.logger.addHandler(self)
+        if self.logger.getEffectiveLevel() > logging.INFO:
+            self.logger.setLevel(logging.INFO)
+            # INFO lines reach this handler only: the root's handlers saw none before
+            self.logger.propagate = False
+            self.others = [h for h in logging.getLogger().handlers]
+            for h in self.others:
+                self.logger.addHandler(_AtLeast(h, logging.WARNING))
+
+    def emit(self, record):
+        text = record.getMessage()
+        if len(self.messages) < 40 and any(k in text for k in self.KEEP):
+            self.messages.append(text[:600])
+
+    def close(self):
+        for h in list(self.logger.handlers):
+            if h is self or isinstance(h, _AtLeast):
+                self.logger.removeHandler(h)
+        self.logger.setLevel(self.level_before)
+        self.logger.propagate = self.propagate_before
+        super().close()
+
+
+class _AtLeast(logging.Handler):
+    """``handler`` for records of ``level`` and above."""
+
+    def __init__(self, handler, level):
+        super().__init__(level)
+        self.handler = handler
+
+    def emit(self, record):
+        self.handler.handle(record)
+
+
+def _compile_state(trainer, model) -> dict:
+    """What a log-prob call's compile-time breakdown is measured from: Dynamo's timers (its
+    whole compile of a frame, and within it the backend call: treefx's passes and the
+    backend's compilation) and graph count, and the tree model's own timings
+    (:attr:`treefx.TreeModel.timings`) and first-call check."""
+    from torch._dynamo.utils import compilation_time_metrics, counters
+
+    tm = (getattr(trainer, "_tree_models", None) or {}).get(id(model))
+    tm = tm[1] if tm is not None and tm[0] is model else None
+    rep = getattr(tm, "verification", None)
+    return {
+        "wall": time.perf_counter(),
+        "dynamo_s": sum(compilation_time_metrics.get("_compile.compile_inner", ())),
+        "backend_call_s": sum(compilation_time_metrics.get("OutputGraph.call_user_compiler",
+                                                          ())),
+        "graphs": int(counters["stats"].get("unique_graphs", 0)),
+        "timers": {k: sum(v) for k, v in compilation_time_metrics.items()},
+        "timings": dict(tm.timings) if tm is not None else {},
+        "compilations": tm.num_compilations if tm is not None else 0,
+        "check": rep if rep is not None and not isinstance(rep, str) else None,
+    }
+
+
+def _compile_delta(a: dict, b: dict) -> dict:
+    """One call's breakdown, from the states before (``a``) and after (``b``)."""
+    t = {k: v - a["timings"].get(k, 0.0) for k, v in b["timings"].items()}
+    out = {
+        "dynamo_trace_s": (b["dynamo_s"] - a["dynamo_s"])
+        - (b["backend_call_s"] - a["backend_call_s"]),
+        "treefx_passes_s": t.get("passes", 0.0), "backend_compile_s": t.get("compile", 0.0),
+        "check_s": t.get("check", 0.0), "new_graphs": b["graphs"] - a["graphs"],
+        "tree_compilations": b["compilations"] - a["compilations"],
+    }
+    timers = {k: v - a["timers"].get(k, 0.0) for k, v in b["timers"].items()}
+    # torch.compile's own timers (Dynamo, AOTAutograd, Inductor; nested, so they overlap):
+    # the largest of this call
+    out["torch_timers_s"] = dict(sorted(((k, round(v, 2)) for k, v in timers.items()
+                                         if v >= 0.05), key=lambda kv: -kv[1])[:14])
+    rep = b["check"] if b["check"] is not a["check"] else None
+    if rep is not None:
+        stages = dict(getattr(rep, "stage_seconds", {}) or {})
+        out["check_stages_s"] = stages
+        out["check_oracle_s"] = stages.get("oracle", 0.0) + stages.get("floor", 0.0)
+        out["check_tokens"] = rep.num_tokens
+    return out
+
+
+def first_cycle_breakdown(record: dict) -> dict:
+    """Where the first cycle's log-prob calls spent their time, by kind (old, ref, loss): the
+    calls' wall time; Dynamo's trace (its frame compile less the backend call); treefx's
+    passes; the backend's compilation (AOTAutograd, Inductor, Triton); the first-call check's
+    own runs of the unmodified model (``check_oracle_s``); and the rest (the compiled graphs'
+    runs, the check's tree run included, and host work)."""
+    if not record.get("cycles"):
+        return {}
+    out: dict = {}
+    keys = ("wall_s", "dynamo_trace_s", "treefx_passes_s", "backend_compile_s",
+            "check_oracle_s", "new_graphs", "tree_compilations")
+    for kind, _a, _b, d in record["cycles"][0]["logps"]:
+        if d is None:
+            continue
+        k = out.setdefault(kind, {x: 0 for x in keys} | {"calls": 0})
+        k["calls"] += 1
+        for x in keys:
+            k[x] += d.get(x, 0)
+        if "check_stages_s" in d:
+            k["check_stages_s"] = d["check_stages_s"]
+            k["check_tokens"] = d["check_tokens"]
+        if d.get("torch_timers_s"):
+            k.setdefault("torch_timers_s", []).append(d["torch_timers_s"])
+    for k in out.values():
+        k["rest_s"] = k["wall_s"] - sum(k[x] for x in ("dynamo_trace_s", "treefx_passes_s",
+                                                      "backend_compile_s", "check_oracle_s"))
+    total = {x: sum(k[x] for k in out.values()) for x in keys + ("rest_s", "calls")}
+    out["total"] = total
+    return out
+
+
 def timed_class(base, clock: _Clock, record: dict):
     """``base`` (TRL's trainer class or treefx's) with events recorded around its own methods:
     what they compute is unchanged. ``record`` gets a list of cycles (one per generation
@@ -270,10 +412,25 @@ def timed_class(base, clock: _Clock, record: dict):
         def _get_per_token_logps_and_entropies(self, model, *a, **kw):
             kind = ("loss" if torch.is_grad_enabled() else
                     "ref" if model is self.ref_model else "old")
+            first = len(cycles) == 1
+            before = _compile_state(self, model) if first else None
             s = clock.mark()
             out = super()._get_per_token_logps_and_entropies(model, *a, **kw)
-            cycles[-1]["logps"].append((kind, s, clock.mark()))
+            e = clock.mark()
+            detail = None
+            if first:
+                if clock.cuda:
+                    torch.cuda.synchronize()
+                detail = _compile_delta(before, _compile_state(self, model))
+                detail["wall_s"] = time.perf_counter() - before["wall"]
+            cycles[-1]["logps"].append((kind, s, e, detail))
             return out
+
+        def tree_model(self, model):
+            # the token count of each tree run, by call (a shape guard of a capture fails on
+            # a count, so these say which call could have captured again)
+            tm = super().tree_model(model)
+            return _CountingTreeModel(tm, cycles[-1].setdefault("tree_runs", []))
 
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
             loss = super().compute_loss(model, inputs, return_outputs=return_outputs,
@@ -291,7 +448,7 @@ def summarize_cycles(record: dict, clock: _Clock, ga: int) -> list[dict]:
         steps = [clock.ms(a, b) for a, b in c["steps"]]
         prep = clock.ms(*c["prep"]) if c["prep"] else 0.0
         calls: dict[str, float] = {}
-        for kind, a, b in c["logps"]:
+        for kind, a, b, _ in c["logps"]:
             calls[kind] = calls.get(kind, 0.0) + clock.ms(a, b)
         losses = [float(x) for x in c["losses"]]
         out.append({
@@ -305,6 +462,8 @@ def summarize_cycles(record: dict, clock: _Clock, ga: int) -> list[dict]:
             "micro_batch_losses": losses,
             "step_losses": [sum(losses[i:i + ga]) for i in range(0, len(losses), ga)],
             "tree_stats": c.get("tree_stats"), "dynamo": c.get("dynamo"),
+            # (grad, tokens) of each tree run, in order (treefx's path)
+            "tree_runs": c.get("tree_runs"),
         })
     return out
 
@@ -366,8 +525,12 @@ def run_path(name: str, ckpt: str, rollouts: dict, args, cuda: bool, tmp: str,
         from treefx.integrations.trl import TreeGRPOTrainer
 
         base = TreeGRPOTrainer
-        kwargs = {"compile_options": {} if args.verify is None else {"verify": args.verify}}
+        options = dict(args.compile_options)
+        if args.verify is not None:
+            options["verify"] = args.verify
+        kwargs = {"compile_options": options, "keep_groups_together": not args.row_shuffle}
     cls = timed_class(base, clock, record)
+    notes = _TreefxNotes() if name == "treefx" else None
     t0 = time.perf_counter()
     trainer = cls(model=ckpt, reward_funcs=reward, args=config, train_dataset=dataset,
                   rollout_func=rollout_func(rollouts), callbacks=[Grads()], **kwargs)
@@ -376,7 +539,11 @@ def run_path(name: str, ckpt: str, rollouts: dict, args, cuda: bool, tmp: str,
     print(f"[{name}] {base.__module__}.{base.__name__} built in {setup_s:.1f} s; {cycles} "
           f"cycles of {args.iterations * ga} micro-batches", flush=True)
     t0 = time.perf_counter()
-    trainer.train()
+    try:
+        trainer.train()
+    finally:
+        if notes is not None:
+            notes.close()
     trainer._bench_close_cycle()
     train_s = time.perf_counter() - t0
     per_cycle = summarize_cycles(record, clock, ga)
@@ -398,6 +565,7 @@ def run_path(name: str, ckpt: str, rollouts: dict, args, cuda: bool, tmp: str,
         "timed_peak_gib": max((c["peak_gib"] for c in timed if c["peak_gib"] is not None),
                               default=None),
         "cycles": per_cycle,
+        "first_cycle_breakdown": first_cycle_breakdown(record),
         "grad_norm_first_step": (sum(v * v for v in grads.get("norms", {}).values())) ** 0.5,
         "gradient_checkpointing": bool(getattr(trainer.model, "is_gradient_checkpointing",
                                                config.gradient_checkpointing)),
@@ -413,6 +581,9 @@ def run_path(name: str, ckpt: str, rollouts: dict, args, cuda: bool, tmp: str,
                     "passed": rep.passed, "max_abs_logprob_err": rep.max_logprob_error,
                     "max_rel_grad_err": rep.max_grad_error}
         res["first_call_checks"] = checks
+        # treefx's own account of its captures: a capture made again (which guard failed),
+        # a twin's graph shared, the whole graph run instead of regions
+        res["treefx_notes"] = notes.messages
     fm = record.get("first_batch", {})
     for_compare = {"first_batch": fm, "grads": grads.pop("tensors", {}),
                    "grad_norms": grads.get("norms", {}), "grad_errors": grads.get("errors", {}),
@@ -529,6 +700,14 @@ def main(argv=None):
     p.add_argument("--paths", default="trl,treefx", help="which trainers, in this order")
     p.add_argument("--verify", choices=("default", "on", "off"), default="default",
                    help="treefx's first-call check (default: treefx's default, on)")
+    p.add_argument("--row-shuffle", action="store_true",
+                   help="treefx's path with TRL's row shuffle (keep_groups_together=False, the "
+                        "trainer's default) instead of whole groups per micro-batch")
+    p.add_argument("--compile-options", type=json.loads, default={},
+                   help="treefx.compile's keyword arguments for the treefx path, as JSON "
+                        "(e.g. '{\"regional\": false}'; on the CPU '{\"backend\": "
+                        "\"aot-eager\", \"regional\": true}' runs the GPU's regional path "
+                        "eagerly)")
     p.add_argument("--seed", type=int, default=0)
     common.add_run_args(p, "CPU, a tiny float32 Qwen3 and short rollouts; the two paths must "
                            "agree to 1e-5")

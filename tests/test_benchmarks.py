@@ -137,6 +137,32 @@ def test_grpo_dry_run_paths_agree(tmp_path):
     assert "| TRL | treefx |" in res["table"]
 
 
+@pytest.mark.slow  # ~1.5 min: the GPU's regional path on the CPU (aot-eager), TRL's too
+@pytest.mark.filterwarnings("ignore")
+def test_grpo_dry_run_regional_first_cycle_breakdown(tmp_path):
+    """benchmarks.grpo's treefx path as it runs on the GPU (regional execution, AOTAutograd)
+    on the CPU: the paths agree, the reference model runs the policy's no-grad graph (its own
+    first-call check passed on it, nothing captured for it), and the first cycle's breakdown
+    accounts for the log-prob calls' time."""
+    pytest.importorskip("trl")
+    pytest.importorskip("datasets")
+    res = _run("grpo", "--verify", "on", "--layers", "3", "--compile-options",
+               '{"backend": "aot-eager", "regional": true}', out=tmp_path / "grpo.json")
+    cmp = res["comparison"]
+    assert cmp["within_tolerance"], cmp
+    tree = res["paths"]["treefx"]
+    assert tree["first_call_checks"]["reference"]["passed"]
+    parts = tree["first_cycle_breakdown"]
+    assert parts["old"]["tree_compilations"] == 1 and parts["loss"]["tree_compilations"] == 1
+    assert parts["ref"]["tree_compilations"] == 0 and parts["ref"]["new_graphs"] == 0
+    assert parts["ref"]["wall_s"] < parts["old"]["wall_s"]
+    for kind in ("old", "ref", "loss"):
+        p = parts[kind]
+        assert p["rest_s"] >= -0.05 and p["wall_s"] > 0, (kind, p)
+    assert parts["old"]["dynamo_trace_s"] > 0 and parts["old"]["check_oracle_s"] > 0
+    assert any("twin" in m for m in tree["treefx_notes"])
+
+
 def test_profile_kinds_do_not_count_fused_kernels_as_copies():
     sys.path.insert(0, ROOT)
     try:
