@@ -133,9 +133,10 @@ def test_stats_max_tokens(synth_file, capsys):
     header, rows, seps, lines = _table(capsys.readouterr().out)
     assert header[:9] == ["tree", "sequences", "unique", "baseline", "POR", "bound",
                           "parts", "ERR", "ERR/POR"]
-    assert header[9:] == ["rf", "parts", "rf", "ERR", "rf", "held", "rf", "K/V", "rf", "recomp"]
+    assert header[9:] == ["rf", "parts", "rf", "ERR", "rf", "held", "rf", "K/V", "rf", "host",
+                          "rf", "recomp"]
     total_part_tokens = 0
-    held = kv = recomputed = 0
+    held = kv = recomputed = hosted = 0
     for i, (row, t) in enumerate(zip(rows, trees)):
         parts = partition(t, budget)
         assert all(p.num_tokens <= budget for p in parts)
@@ -149,11 +150,12 @@ def test_stats_max_tokens(synth_file, capsys):
         held = max(held, rf.peak_held_tokens())
         kv = max(kv, rf.peak_context_tokens())
         recomputed += rf.recompute_tokens
+        hosted += rf.host_tokens
         assert rf.peak_held_tokens() <= budget
         assert row == _expected_row(str(i), t.num_sequences, t.num_tokens, t.num_baseline_tokens) + [
             str(len(parts)), f"{e:.3f}", f"{e / t.por:.3f}", str(rf.num_parts), f"{t.por:.3f}",
             str(rf.peak_held_tokens()), str(rf.peak_context_tokens()),
-            f"{rf.recompute_tokens / t.num_tokens:.3f}"
+            f"{rf.host_tokens / t.num_tokens:.3f}", f"{rf.recompute_tokens / t.num_tokens:.3f}"
         ]
     baseline = sum(t.num_baseline_tokens for t in trees)
     e_tot = 1 - total_part_tokens / baseline
@@ -163,7 +165,8 @@ def test_stats_max_tokens(synth_file, capsys):
         "total", sum(t.num_sequences for t in trees), sum(t.num_tokens for t in trees), baseline
     )
     assert rows[-1][6:] == [f"{e_tot:.3f}", f"{e_tot / por_tot:.3f}", f"{por_tot:.3f}", str(held),
-                            str(kv), f"{recomputed / sum(t.num_tokens for t in trees):.3f}"]
+                            str(kv), f"{hosted / sum(t.num_tokens for t in trees):.3f}",
+                            f"{recomputed / sum(t.num_tokens for t in trees):.3f}"]
 
 
 def test_stats_max_tokens_below_a_sequence_plans_redundancy_free_parts_only(tmp_path, capsys):
@@ -174,10 +177,11 @@ def test_stats_max_tokens_below_a_sequence_plans_redundancy_free_parts_only(tmp_
     main(["stats", str(path), "--max-tokens", "3"])
     _, rows, _, _ = _table(capsys.readouterr().out)
     # tree 1's sequence of 4 tokens fits no part of whole sequences; it takes the fewest
-    # redundancy-free parts of at most 3 tokens (2): the first two tokens are recomputed
-    # (their keys and values, the open path, kept for the last two, which attend to them;
-    # no part of one token), so at most 2 tokens hold activations at once
-    assert rows[1][6:] == ["-", "-", "-", "2", "0.000", "2", "2", "0.500"]
+    # redundancy-free parts of at most 3 tokens (2): the first two tokens are recomputed by
+    # default (their keys and values, the open path, kept for the last two, which attend to
+    # them; no part of one token), so at most 2 tokens hold activations at once, none on the
+    # host
+    assert rows[1][6:] == ["-", "-", "-", "2", "0.000", "2", "2", "0.000", "0.500"]
 
 
 def test_unknown_command_and_missing_arguments(capsys):

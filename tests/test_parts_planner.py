@@ -110,7 +110,7 @@ def test_plan_equals_the_frozen_planner(name, batch):
         block = (1, 8, 128)[i % 3]
         for recompute in (True, False):
             assert_same_plan(
-                parts.plan(batch, budget, block_size=block, recompute=recompute),
+                parts.plan(batch, budget, block_size=block, recompute=recompute, min_part=0),
                 frozen.plan(batch, budget, block_size=block, recompute=recompute))
 
 
@@ -123,7 +123,7 @@ def test_plan_even_equals_the_frozen_planner(name, batch):
         recompute = bool(i % 2)
         first = frozen.plan(batch, budget, recompute=recompute).num_parts
         for k in sorted({max(1, first - 1), first + 1, 2 * first + 1}):
-            assert_same_plan(parts.plan_even(batch, budget, k, recompute=recompute),
+            assert_same_plan(parts.plan_even(batch, budget, k, recompute=recompute, min_part=0),
                              frozen.plan_even(batch, budget, k, recompute=recompute))
 
 
@@ -136,10 +136,10 @@ def test_large_comb_trees_equal_the_frozen_planner():
     n = batch.num_tokens
     for budget in (997, 4096, 8192, n // 3, int(rng.integers(2000, n))):
         for recompute in (True, False):
-            assert_same_plan(parts.plan(batch, budget, recompute=recompute),
+            assert_same_plan(parts.plan(batch, budget, recompute=recompute, min_part=0),
                              frozen.plan(batch, budget, recompute=recompute))
     for budget, k in ((8192, 4), (8192, 7), (n // 3, 5), (4096, 12)):
-        assert_same_plan(parts.plan_even(batch, budget, k, recompute=False),
+        assert_same_plan(parts.plan_even(batch, budget, k, recompute=False, min_part=0),
                          frozen.plan_even(batch, budget, k, recompute=False))
 
 
@@ -149,7 +149,7 @@ def test_large_comb_trees_equal_the_frozen_planner():
 def test_random_forests_equal_the_frozen_planner(forest, budget, num_parts, recompute, pad):
     trees = [treefx.Tree.from_sequences(s) for s in forest]
     batch = treefx.pack(trees, pad_to_multiple=8 if pad else None)
-    assert_same_plan(parts.plan(batch, budget, block_size=4, recompute=recompute),
+    assert_same_plan(parts.plan(batch, budget, block_size=4, recompute=recompute, min_part=0),
                      frozen.plan(batch, budget, block_size=4, recompute=recompute))
-    assert_same_plan(parts.plan_even(batch, budget, num_parts, recompute=recompute),
+    assert_same_plan(parts.plan_even(batch, budget, num_parts, recompute=recompute, min_part=0),
                      frozen.plan_even(batch, budget, num_parts, recompute=recompute))

@@ -81,7 +81,10 @@ class Part:
     holds tokens of a node whose subtree does not fit the room (held until that subtree is
     done). ``recompute``: its forward keeps no activations (only what later parts read: its
     own keys, values and conv inputs and its exit states), and its backward runs the forward
-    again first; only open parts held beyond the budget are."""
+    again first; only open parts held beyond the budget are, and only when planned with
+    ``beyond="recompute"`` (the default). ``host``: what its forward saves for its backward is
+    held in host memory between the two (an open part held beyond the budget, planned with
+    ``beyond="host"``): its forward runs once."""
 
     index: int
     start: int
@@ -96,6 +99,7 @@ class Part:
     release: int
     open: bool
     recompute: bool = False
+    host: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -107,16 +111,25 @@ class PartPlan:
     """The parts of one packed batch, in DFS order.
 
     ``max_tokens``: the budget.
-    ``part_of_token`` [N]: which part holds each token."""
+    ``part_of_token`` [N]: which part holds each token.
+    ``beyond``: where the open parts held beyond the budget keep their activations
+    (:func:`plan`'s)."""
 
     batch: TreeBatch
     parts: list[Part]
     max_tokens: int
     part_of_token: np.ndarray
+    beyond: str = "recompute"
 
     @property
     def num_parts(self) -> int:
         return len(self.parts)
+
+    @property
+    def host_tokens(self) -> int:
+        """Tokens of the host parts: what their forwards save for their backwards is held in
+        host memory between the two (copied out, then back), not on the device."""
+        return sum(p.num_tokens for p in self.parts if p.host)
 
     @property
     def recompute_tokens(self) -> int:
@@ -128,14 +141,17 @@ class PartPlan:
         """The most tokens whose activations are held at once when the parts run in order and
         each part's backward runs as soon as nothing after it reads it (what
         :func:`treefx.backward` does): the current part's and those of the parts held
-        for their backward, but not of recompute parts other than the current one (they
-        hold no activations between their forward and their backward). At most
-        ``max_tokens``. A recompute part's backward, which builds its activations again,
-        holds no more than its forward did (the parts held then were all held then too)."""
+        for their backward, but not of recompute or host parts other than the current one
+        (they hold no activations on the device between their forward and their backward).
+        At most ``max_tokens`` (unless planned with ``beyond="device"``). A recompute part's
+        backward, which builds its activations again, or a host part's, which copies them
+        back, holds no more than its forward did (the parts held then were all held then
+        too)."""
         peak = 0
         for j, held in schedule(self):
             peak = max(peak, sum(self.parts[i].num_tokens for i in held
-                                 if i == j or not self.parts[i].recompute))
+                                 if i == j or not (self.parts[i].recompute
+                                                   or self.parts[i].host)))
         return peak
 
     def peak_context_tokens(self) -> int:
@@ -304,28 +320,73 @@ def _chunks(total: int, room: int) -> list[int]:
     return [q + 1] * r + [q] * (k - r)
 
 
+BEYOND = ("host", "recompute", "device")
+
+
+def _beyond(recompute, beyond) -> str:
+    """The mode for the open parts the budget cannot hold on the device: ``beyond`` (default
+    ``"recompute"``), or the older spelling ``recompute=True`` ("recompute") / ``False``
+    ("device")."""
+    if recompute is not None:
+        old = "recompute" if recompute else "device"
+        if beyond is not None and beyond != old:
+            raise ValueError(f"recompute={recompute!r} and beyond={beyond!r} disagree")
+        return old
+    beyond = "recompute" if beyond is None else beyond
+    if beyond not in BEYOND:
+        raise ValueError(f"beyond must be one of {BEYOND}, got {beyond!r}")
+    return beyond
+
+
+def _min_part(min_part, max_tokens: int, mode: str) -> int:
+    if min_part is None:
+        # the merges come with host parts: beside recompute parts they would hold recompute
+        # parts' keys and values past the current part's context
+        return max_tokens // 8 if mode == "host" else 0
+    if not isinstance(min_part, numbers.Integral) or isinstance(min_part, bool) or min_part < 0:
+        raise ValueError(f"min_part must be a non-negative integer, got {min_part!r}")
+    return int(min_part)
+
+
 def plan(batch: TreeBatch, max_tokens: int, *, block_size: int = 128,
-         recompute: bool = True) -> PartPlan:
+         recompute: bool | None = None, beyond: str | None = None,
+         min_part: int | None = None) -> PartPlan:
     """Plan the parts of a packed batch under a token budget.
 
     Cut ``batch``'s row into parts of at most ``max_tokens`` tokens (see the module's
     docstring for how, and for the memory bound this gives). ``block_size``: the context row
-    is padded to a multiple of it (FlexAttention's blocks). ``recompute=False``: no recompute
-    parts; the open tokens the budget cannot hold are held with their activations all the
-    same, so ``peak_held_tokens()`` may exceed ``max_tokens`` (:func:`treefx.backward` plans
-    so under FSDP2, whose ranks' backward rounds a second forward would put out of step)."""
+    is padded to a multiple of it (FlexAttention's blocks).
+
+    ``beyond``: what becomes of the open tokens the budget cannot hold on the device beside
+    the current part. ``"recompute"`` (the default): *recompute* parts, whose forwards run
+    twice (``plan.recompute_tokens``); ``"host"``: *host* parts, whose forwards run once,
+    with what they save for their backwards held in host memory until then
+    (``plan.host_tokens``; tested on the CPU, not yet measured on a GPU, where its copies run
+    on a stream of their own: it becomes the default once measured); ``"device"``: held on the device all the same, so
+    ``peak_held_tokens()`` may exceed ``max_tokens``. ``recompute=True`` / ``False`` is the
+    older spelling of ``"recompute"`` / ``"device"``.
+
+    ``min_part``: a part pays a fixed cost (the weights' gradients summed into ``.grad``,
+    the launches of every layer), so a part smaller than this (default with host parts
+    ``max_tokens // 8``, else 0: the merges beside recompute parts are not done yet) is merged into a neighbour wherever the merged part fits ``max_tokens`` and the tokens
+    held on the device at once stay within the bound; host parts next to each other merge
+    too (wherever they fit), and a small part merges into a host part beside it (its
+    activations then held on the host as well). ``min_part=0``: the plan without those
+    merges."""
     max_tokens = _check_budget(max_tokens)
     if not isinstance(batch, TreeBatch):
         raise TypeError(f"expected a treefx.TreeBatch, got {type(batch).__name__}")
+    mode = _beyond(recompute, beyond)
+    small = _min_part(min_part, max_tokens, mode)
     shape = _Shape(batch)
-    return _build(shape, _ranges(shape, max_tokens, recompute), max_tokens, block_size)
+    return _build(shape, _ranges(shape, max_tokens, mode, small), max_tokens, block_size, mode)
 
 
-def _ranges(shape: _Shape, max_tokens: int, recompute: bool):
-    """The parts' (start, end, open, recompute) in DFS order, without building them: all
-    :func:`plan_even`'s bisection needs (their count)."""
+def _ranges(shape: _Shape, max_tokens: int, beyond: str, min_part: int = 0):
+    """The parts' (start, end, open, beyond the budget) in DFS order, without building them:
+    all :func:`plan_even`'s bisection needs (their count)."""
     units = _units(shape, max_tokens)
-    if not recompute:
+    if beyond == "device":
         units = [(s, e, o, False, room) for s, e, o, _, room in units]
     # Padding tokens (each its own root) close the row as closed units of one token each.
     units += [(t, t + 1, False, False, max_tokens) for t in range(shape.n_real, shape.num_tokens)]
@@ -337,11 +398,90 @@ def _ranges(shape: _Shape, max_tokens: int, recompute: bool):
             ranges[-1] = (ranges[-1][0], e, False, False, min(ranges[-1][4], room))
         else:
             ranges.append((s, e, is_open, rec, room))
-    return _fewer_parts(_no_single_tokens(ranges), shape.subtree_end, max_tokens)
+    ranges = _fewer_parts(_no_single_tokens(ranges), shape.subtree_end, max_tokens)
+    if min_part > 0 or beyond == "host":
+        ranges = _merge_small(ranges, shape.subtree_end, max_tokens, min_part,
+                              host=beyond == "host")
+    return ranges
 
 
-def _build(shape: _Shape, ranges, max_tokens: int, block_size: int) -> PartPlan:
-    """The plan of the given ranges: each part's context, entries, exits and labels."""
+def _merge_small(ranges, subtree_end, max_tokens: int, min_part: int, *, host: bool):
+    """The fixed cost of a part in the plan's objective: adjacent parts merged, wherever the
+    merged part fits ``max_tokens`` and the tokens held on the device at once
+    (:func:`_held_tokens`) stay within the bound, when that saves a part at no other cost:
+
+    - two parts beyond the budget (host parts: the same tokens go to the host; recompute
+      parts: the same tokens are recomputed);
+    - a part smaller than ``min_part`` and a neighbour within the budget;
+    - with ``host``, a part smaller than ``min_part`` and a host part beside it: the merged
+      part is a host part (the small part's activations go to the host too, which costs
+      less than a part of its own). A recompute part never takes in other tokens (they
+      would be computed twice).
+
+    The smallest parts first, each with its smaller neighbour first; then pairs beyond the
+    budget left to right, until nothing merges. What is held is counted again for each
+    merge tried (few parts are small)."""
+    if len(ranges) < 2:
+        return ranges
+    out = [tuple(r[:4]) for r in ranges]
+    se = np.asarray(subtree_end)
+
+    def held_peak(rs) -> int:
+        starts = [r[0] for r in rs]
+        ends = [r[1] for r in rs]
+        release = np.maximum.reduceat(se[:ends[-1]], starts).tolist()
+        return int(_held_tokens(starts, ends, release, [bool(r[3]) for r in rs]).max())
+
+    bound = max(max_tokens, held_peak(out))
+
+    def mergeable(a, b) -> bool:
+        if b[1] - a[0] > max_tokens:
+            return False
+        small = min(a[1] - a[0], b[1] - b[0]) < min_part
+        if a[3] and b[3]:
+            return True
+        if a[3] or b[3]:
+            return host and small
+        return small
+
+    def try_merge(i) -> bool:
+        a, b = out[i], out[i + 1]
+        if not mergeable(a, b):
+            return False
+        merged = (a[0], b[1], a[2] or b[2], a[3] or b[3])
+        candidate = out[:i] + [merged] + out[i + 2:]
+        if held_peak(candidate) > bound:
+            return False
+        out[i:i + 2] = [merged]
+        return True
+
+    changed = True
+    while changed and len(out) > 1:
+        changed = False
+        for k in sorted(range(len(out)), key=lambda k: out[k][1] - out[k][0]):
+            if out[k][1] - out[k][0] >= min_part:
+                break
+            sides = [i for i in (k - 1, k) if 0 <= i < len(out) - 1]
+            sides.sort(key=lambda i: out[i + 1 if i == k else i][1] - out[i + 1 if i == k
+                                                                          else i][0])
+            if any(try_merge(i) for i in sides):
+                changed = True
+                break
+        if changed:
+            continue
+        i = 0
+        while i + 1 < len(out):
+            if out[i][3] and out[i + 1][3] and try_merge(i):
+                changed = True
+                continue
+            i += 1
+    return out
+
+
+def _build(shape: _Shape, ranges, max_tokens: int, block_size: int,
+           beyond: str = "recompute") -> PartPlan:
+    """The plan of the given ranges: each part's context, entries, exits and labels; the
+    ranges beyond the budget become host or recompute parts (``beyond``)."""
     batch, parent, se, n_real = shape.batch, shape.parent, shape.subtree_end, shape.n_real
     n = shape.num_tokens
     part_of = np.empty(n, dtype=np.int64)
@@ -364,12 +504,16 @@ def _build(shape: _Shape, ranges, max_tokens: int, block_size: int) -> PartPlan:
         parts.append(Part(
             index=j, start=s, end=e, context=ctx, context_pad=pad, entries=entries,
             entry_of_token=entry_of, exits=exits, label_rows=rows, label_tokens=pred,
-            release=int(se[s:e].max()), open=is_open, recompute=rec))
-    return PartPlan(batch=batch, parts=parts, max_tokens=max_tokens, part_of_token=part_of)
+            release=int(se[s:e].max()), open=is_open,
+            recompute=bool(rec) and beyond == "recompute",
+            host=bool(rec) and beyond == "host"))
+    return PartPlan(batch=batch, parts=parts, max_tokens=max_tokens, part_of_token=part_of,
+                    beyond=beyond)
 
 
 def plan_even(batch: TreeBatch, max_tokens: int, num_parts: int, *, block_size: int = 128,
-              recompute: bool = True) -> PartPlan:
+              recompute: bool | None = None, beyond: str | None = None,
+              min_part: int | None = None) -> PartPlan:
     """Plan at most ``num_parts`` parts, the largest as small as the trees allow.
 
     :func:`plan` at the smallest budget between ``tokens / num_parts`` and ``max_tokens`` that
@@ -377,15 +521,20 @@ def plan_even(batch: TreeBatch, max_tokens: int, num_parts: int, *, block_size: 
     that one would hold more tokens at once.
     Under FSDP2 :func:`treefx.backward` runs every rank's parts in common rounds, each as long
     as its largest part: ranks that cut their trees into as many even parts wait less for
-    each other (a rank's first plan may have fewer parts, of very different sizes)."""
+    each other (a rank's first plan may have fewer parts, of very different sizes).
+    ``recompute``, ``beyond``, ``min_part``: as :func:`plan` takes them (``min_part`` at
+    ``max_tokens``'s default for every budget tried)."""
     max_tokens = _check_budget(max_tokens)
     if not isinstance(num_parts, numbers.Integral) or isinstance(num_parts, bool) \
             or num_parts < 1:
         raise ValueError(f"num_parts must be a positive integer, got {num_parts!r}")
     if not isinstance(batch, TreeBatch):
         raise TypeError(f"expected a treefx.TreeBatch, got {type(batch).__name__}")
+    mode = _beyond(recompute, beyond)
+    small = _min_part(min_part, max_tokens, mode)
     shape = _Shape(batch)  # once for every budget tried
-    first = _build(shape, _ranges(shape, max_tokens, recompute), max_tokens, block_size)
+    first = _build(shape, _ranges(shape, max_tokens, mode, small), max_tokens, block_size,
+                   mode)
     if first.num_parts > num_parts:
         return first
     # About log2(max_tokens) budgets, each only cut into ranges (the count is all the
@@ -395,15 +544,15 @@ def plan_even(batch: TreeBatch, max_tokens: int, num_parts: int, *, block_size: 
     lo, hi = max(1, -(-batch.num_tokens // int(num_parts))), max_tokens - 1
     while lo <= hi:
         mid = (lo + hi) // 2
-        candidate = _ranges(shape, mid, recompute)
+        candidate = _ranges(shape, mid, mode, small)
         if len(candidate) <= num_parts:
             best, hi = (candidate, mid), mid - 1
         else:
             lo = mid + 1
     if best is None:
         return first
-    best = _build(shape, best[0], best[1], block_size)
-    if best.recompute_tokens > first.recompute_tokens or \
+    best = _build(shape, best[0], best[1], block_size, mode)
+    if best.recompute_tokens + best.host_tokens > first.recompute_tokens + first.host_tokens or \
             best.peak_held_tokens() > max(first.peak_held_tokens(), max_tokens):
         return first
     return best

@@ -209,14 +209,17 @@ def cmd_stats(args) -> int:
     sequence alone is over the budget) and redundancy-free parts (:func:`treefx.backward`:
     every token once, ERR = POR), with the most tokens those hold activations for at once
     (at most the budget), the longest open path whose keys and values they keep for later
-    parts, and the share of the tokens whose forward runs twice (recompute parts)."""
+    parts, the share of the tokens whose activations would wait in host memory with
+    ``beyond="host"`` (none as planned by default) and of those whose forward runs twice
+    (recompute parts, the default)."""
     if args.max_tokens is not None:
         from ..layout import pack
         from ..partition import partition
         from ..parts import plan
 
     # row -> [trees, sequences, unique, baseline tokens, parts, parts' tokens, rf parts,
-    #         rf held tokens (max), rf open-path K/V tokens (max), rf recomputed tokens];
+    #         rf held tokens (max), rf open-path K/V tokens (max), rf recomputed tokens,
+    #         rf host tokens];
     #         parts' entries None when a tree cannot be partitioned
     rows: dict = {}
     by_task = False
@@ -231,7 +234,7 @@ def cmd_stats(args) -> int:
         task = tree.metadata.get("task")
         by_task |= task is not None
         counts = rows.setdefault(("task", task) if task is not None else ("tree", i),
-                                 [0] * 6 + [0] * 4)
+                                 [0] * 6 + [0] * 5)
         for k, v in enumerate((1, tree.num_sequences, tree.num_tokens, tree.num_baseline_tokens)):
             counts[k] += v
         if args.max_tokens is not None:
@@ -242,13 +245,14 @@ def cmd_stats(args) -> int:
             counts[7] = max(counts[7], rf.peak_held_tokens())
             counts[8] = max(counts[8], rf.peak_context_tokens())
             counts[9] += rf.recompute_tokens
+            counts[10] += rf.host_tokens
     if not rows:
         raise CLIError(f"{args.file} holds no trees")
     header = (["task", "trees"] if by_task else ["tree"]) + ["sequences", "unique", "baseline",
                                                                "POR", "bound"]
     if args.max_tokens is not None:
         header += ["parts", "ERR", "ERR/POR", "rf parts", "rf ERR", "rf held", "rf K/V",
-                   "rf recomp"]
+                   "rf host", "rf recomp"]
 
     def row(name, c, show_parts):
         extra = ()
@@ -261,7 +265,7 @@ def cmd_stats(args) -> int:
                 extra = (str(c[4]) if show_parts else "", f"{e:.3f}",
                          f"{e / por:.3f}" if por > 0 else "-")
             extra += (str(c[6]) if show_parts else "", f"{por:.3f}", str(c[7]), str(c[8]),
-                      f"{c[9] / c[2]:.3f}")
+                      f"{c[10] / c[2]:.3f}", f"{c[9] / c[2]:.3f}")
         r = _stats_row(name, c[1], c[2], c[3], extra)
         return r[:1] + [str(c[0])] + r[1:] if by_task else r
 
@@ -271,7 +275,8 @@ def cmd_stats(args) -> int:
     total += [None if any(c[k] is None for c in rows.values()) else
               sum(c[k] for c in rows.values()) for k in (4, 5)]
     total += [sum(c[6] for c in rows.values()), max(c[7] for c in rows.values()),
-              max(c[8] for c in rows.values()), sum(c[9] for c in rows.values())]
+              max(c[8] for c in rows.values()), sum(c[9] for c in rows.values()),
+              sum(c[10] for c in rows.values())]
     table.append(row("total", total, False))
     _print_table(header, table)
     return 0
@@ -775,8 +780,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "(treefx.backward: rf parts, rf ERR = POR, rf held = most tokens "
                         "holding activations at once, at most the budget; rf K/V = the "
                         "longest open path, whose keys and values are kept for later parts; "
+                        "rf host = share of the tokens in host parts, whose activations wait "
+                        "in host memory for their backward (each forward run once); "
                         "rf recomp = share of the tokens in recompute parts, whose forward "
-                        "runs twice)")
+                        "runs twice, as treefx.backward plans by default)")
     s.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="progress bar (default: on a terminal, for files from 1 MiB)")
     s.set_defaults(fn=cmd_stats)

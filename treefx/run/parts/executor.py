@@ -20,6 +20,7 @@ from .. import regional
 from ..engine import check_batch
 from ..model import TreeOutput
 from ..step import step_weights
+from .host import HostStore
 from .runner import PartRunner
 
 __all__ = ["Held", "Run", "add_embedding_grad", "backward_part", "events"]
@@ -44,6 +45,7 @@ class Held:
     emb_inverse: torch.Tensor
     dummy: bool = False  # a zero-weight part run to keep the ranks' collectives in step
     rerun: Callable | None = None
+    on_host: list | None = None  # a host part's saved tensors, held in host memory
 
 
 def _hold(part, loss, own, exits, t: dict, rerun: Callable) -> Held:
@@ -79,7 +81,8 @@ class Run:
 
     def __init__(self, runner: PartRunner, batch: TreeBatch | None, max_tokens: int,
                  target: torch.nn.Module, *, step, loss_fn, collective: bool,
-                 on_logprobs: Callable | None = None):
+                 on_logprobs: Callable | None = None, beyond: str = "recompute",
+                 host_copy: bool | None = None):
         self.runner, self.step, self.loss_fn = runner, step, loss_fn
         # called with each part's log-probabilities in the batch's row, in the forward that
         # builds the backward's graph (the first-call check records them)
@@ -90,22 +93,27 @@ class Run:
         self.events: list[tuple[str, int]] = []
         self.plan = None
         if batch is not None:
-            # Under FSDP2 no recompute parts: a recompute part's backward gathers the layers
-            # for its second forward too, once more than another rank's backward in that
-            # round. What the budget cannot hold there is held (as before recompute parts).
+            # What the budget cannot hold on the device: recomputed (recompute parts, the
+            # default), held on the host (host parts, each forward run once), or held on the
+            # device over the budget ("device"). Under FSDP2 no recompute parts: a recompute
+            # part's backward gathers the layers for its second forward too, once more than
+            # another rank's backward in that round; what the budget cannot hold there is
+            # held on the device, as before recompute parts, unless host parts are asked for.
+            if collective and beyond == "recompute":
+                beyond = "device"
             self.max_tokens = max_tokens
             self.plan = parts_mod.plan(batch, max_tokens, block_size=runner.plan.block_size,
-                                       recompute=not collective)
-            if collective and self.plan.peak_held_tokens() > max_tokens:
-                log.warning("treefx.backward under FSDP2: activations of %d tokens held at "
-                            "once, over max_tokens=%d (an open path longer than the budget "
-                            "holds; recompute parts do not run under FSDP2 yet)",
-                            self.plan.peak_held_tokens(), max_tokens)
+                                       beyond=beyond)
+            if self.plan.peak_held_tokens() > max_tokens:
+                log.warning("treefx.backward: activations of %d tokens held at once, over "
+                            "max_tokens=%d (an open path longer than the budget holds, "
+                            "beyond=%r)", self.plan.peak_held_tokens(), max_tokens, beyond)
             self.full = batch.to(device)
             check_batch(target, self.full)
             self.events = events(self.plan)
-            log.info("treefx.backward: %d tokens in %d part(s) of at most %d",
-                     batch.num_tokens, self.plan.num_parts, self.plan.max_tokens)
+            log.info("treefx.backward: %d tokens in %d part(s) of at most %d (%d held on the "
+                     "host, %d recomputed)", batch.num_tokens, self.plan.num_parts,
+                     self.plan.max_tokens, self.plan.host_tokens, self.plan.recompute_tokens)
             # Each part predicts the tokens whose predecessor it holds; for treefx.backward's
             # own loss and a step's only the trained ones (weight nonzero), whose weights come
             # with the part: no [N] scatter, and the log-prob backward needs no host
@@ -120,6 +128,10 @@ class Run:
         self.dummy_plan = None
         # the weights whose gradients the part graphs add into .grad directly have one from here
         self.created = runner.prepare_grads()
+        # where host parts' saved tensors go (never the parameters or the gradients the
+        # graphs add into)
+        self.host = HostStore(device, [*target.parameters(),
+                                       *(p.grad for p in runner.grad_params)], copy=host_copy)
         self.total = torch.zeros((), dtype=torch.float64, device=device)
         self.dtype = next(target.parameters()).dtype
         self.min_tokens = 3 if step is not None else 2
@@ -131,7 +143,8 @@ class Run:
         if self.plan is None or not self.collective:
             return
         even = parts_mod.plan_even(self.plan.batch, self.max_tokens, num_parts,
-                                   block_size=self.runner.plan.block_size, recompute=False)
+                                   block_size=self.runner.plan.block_size,
+                                   beyond=self.plan.beyond)
         if even is not self.plan and even.num_parts <= num_parts:
             log.info("treefx.backward under FSDP2: %d part(s) of at most %d tokens, as many "
                      "as the rank with the most (%d), largest %d (was %d part(s), largest %d)",
@@ -177,7 +190,9 @@ class Run:
         # a recompute part's forward keeps no graph; its backward runs it again (_backward)
         rerun = _rerun(self.runner, plan, part, t, self.held, self.device, self._loss,
                        self._report)
-        with torch.no_grad() if part.recompute else contextlib.nullcontext():
+        # a host part's forward saves what its backward reads in host memory
+        with torch.no_grad() if part.recompute else \
+                self.host.saving() if part.host else contextlib.nullcontext() as on_host:
             first, own, exits, *rest = _forward(self.runner, plan, part, t, self.held,
                                                 self.device, self.created, self._agree(group))
             loss = self._loss(first, t)
@@ -188,6 +203,7 @@ class Run:
         self.total = self.total + loss.detach().to(self.total.dtype)
         self.dtype = first.dtype
         self.held[j] = _hold(part, loss, own, exits, t, rerun)
+        self.held[j].on_host = on_host
 
     def _loss(self, lp: torch.Tensor, t: dict) -> torch.Tensor:
         """A part's loss from its graph's first output: the loss itself (a step's, or
@@ -248,6 +264,8 @@ class Run:
         """Held part ``i``'s backward; None: a held dummy's."""
         h = self.held.pop(i) if i is not None else self.dummies.pop()
         backward_part(h, self.runner.embedding, every_output=self.collective)
+        if h.on_host:
+            self.host.release(h.on_host)
         forget_host_rows(self.row_keys.pop(i) if i is not None else self.dummy_keys.pop())
 
     def finish(self) -> None:

@@ -31,7 +31,7 @@ def backward(tm: TreeModel, trees: Tree | Iterable[Tree] | TreeBatch | None, *,
              max_tokens: int,
              reduction: str | None = None, loss_fn: Callable | None = None,
              num_sequences: int | None = None, loss_scale: float | None = None,
-             model: torch.nn.Module | None = None) -> torch.Tensor:
+             model: torch.nn.Module | None = None, beyond: str = "recompute") -> torch.Tensor:
     """Train on trees larger than memory: forward and backward in parts, each token computed once.
 
     Forward and backward of ``trees`` (one tree or a forest, packed as one batch) in parts
@@ -85,8 +85,13 @@ def backward(tm: TreeModel, trees: Tree | Iterable[Tree] | TreeBatch | None, *,
     node too. Memory: activations are held for at most ``max_tokens`` tokens at once
     (``plan.peak_held_tokens()``): the current part's and those of the held parts of open
     nodes on the current root path (nodes whose subtrees exceed the room), as many as the
-    budget leaves room for; the other open parts are recomputed (``plan.recompute_tokens``:
-    their forward runs twice, once without a graph; not under FSDP2, where they are held). Beside them, the keys, values and conv
+    budget leaves room for. ``beyond``: what becomes of the other open parts.
+    ``"recompute"`` (the default): their forward runs twice, once without a graph
+    (``plan.recompute_tokens``; refused under FSDP2, and for a model that draws random
+    numbers); ``"host"``: their forward runs once, and what it saves for their backward is
+    held in host memory until then (``plan.host_tokens``; on a GPU in pinned buffers, copied
+    on a stream of its own so the copies overlap compute, a path not yet measured on a GPU;
+    on the CPU nothing is copied); ``"device"``: held on the device over the budget. Beside them, the keys, values and conv
     inputs of the open path at every layer (``plan.peak_context_tokens()`` tokens, whatever
     the budget: later parts attend to them) and the recurrent states at the parts'
     boundaries; a held part's attention also saves its context's keys and values (it
@@ -159,8 +164,11 @@ def backward(tm: TreeModel, trees: Tree | Iterable[Tree] | TreeBatch | None, *,
                      loss_scale=1.0 if loss_scale is None else loss_scale)
     if kind == "ddp":
         check_ddp(wrapper)
+    if beyond not in ("host", "recompute", "device"):
+        raise ValueError(f"treefx.backward: beyond must be 'host', 'recompute' or 'device', "
+                         f"got {beyond!r}")
     run = Run(runner, batch, max_tokens, target, step=step, loss_fn=loss_fn,
-               collective=kind == "fsdp")
+              collective=kind == "fsdp", beyond=beyond)
     if kind == "fsdp":
         try:
             rounds(run, group)
