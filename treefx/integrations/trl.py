@@ -72,6 +72,7 @@ import torch
 import torch.utils.checkpoint
 
 import treefx
+from treefx.integrations.vocab import logits_row_statistics
 from treefx.run.model import twin
 
 __all__ = ["SUPPORTED_TRL_VERSIONS", "TreeGRPOTrainer", "check_trl_version",
@@ -193,7 +194,8 @@ def tree_logps_and_entropies(tree_model, input_ids: torch.Tensor, attention_mask
             raise ValueError("temperature != 1 and entropies need the logits: compile the model "
                              "with logits=True (treefx.compile's default)")
         unique, inverse = torch.unique(as_index(prev_row), return_inverse=True)
-        lse, ent = _lse_and_entropy(out.logits[0], unique, temperature, compute_entropy)
+        lse, ent, _ = logits_row_statistics(out.logits[0], unique, temperature,
+                                           entropy=compute_entropy)
         values = out.logits[0, as_index(prev_row), as_index(tokens)].float() / temperature \
             - lse[inverse]
         if compute_entropy:
@@ -201,37 +203,6 @@ def tree_logps_and_entropies(tree_model, input_ids: torch.Tensor, attention_mask
             entropies = ent.new_zeros(B, C).index_put((bi, ji), ent)
     logps = values.new_zeros(B, C).index_put((bi, ji), values)
     return logps, entropies
-
-
-# Rows of logits per chunk of the log-sum-exp and entropy: [rows, vocab] in float32 at a time
-# (0.6 GB at a 152k vocabulary), recomputed in the backward.
-_ENTROPY_ROWS = 1024
-
-
-def _lse_and_entropy(logits: torch.Tensor, rows: torch.Tensor, temperature: float,
-                     entropy: bool):
-    """Per row ``r`` of ``rows``: the log-sum-exp of ``logits[r] / temperature`` in float32,
-    and (``entropy``) the entropy of its softmax, ``lse − Σ p·z``; else None. In chunks of
-    rows, each checkpointed (recomputed in the backward): no [rows, vocab] float32 copy of the
-    logits is held for the backward (on an H100 the whole-batch log-softmax and entropy held
-    about 11 GB per float32 copy at Qwen3-1.7B's vocabulary and 19k completion tokens)."""
-    def chunk(z_all, idx):
-        z = z_all[idx].float() / temperature
-        lse = torch.logsumexp(z, dim=-1)
-        if not entropy:
-            return lse, lse.new_zeros(0)
-        return lse, lse - (torch.softmax(z, dim=-1) * z).sum(-1)
-
-    grad = torch.is_grad_enabled() and logits.requires_grad
-    lses, ents = [], []
-    for idx in rows.split(_ENTROPY_ROWS):
-        if grad:
-            lse, ent = torch.utils.checkpoint.checkpoint(chunk, logits, idx, use_reentrant=False)
-        else:
-            lse, ent = chunk(logits, idx)
-        lses.append(lse)
-        ents.append(ent)
-    return torch.cat(lses), (torch.cat(ents) if entropy else None)
 
 
 def shuffle_groups(batch: dict, group_size: int) -> dict:
