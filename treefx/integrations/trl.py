@@ -69,7 +69,6 @@ import logging
 import warnings
 
 import torch
-import torch.utils.checkpoint
 
 import treefx
 from treefx.integrations.vocab import logits_row_statistics
