@@ -19,6 +19,7 @@ import os
 import sys
 import time
 import traceback
+from pathlib import Path
 
 from .._progress import Progress
 from .._version import __version__
@@ -212,10 +213,12 @@ def cmd_stats(args) -> int:
     parts, the share of the tokens whose activations would wait in host memory with
     ``beyond="host"`` (none as planned by default) and of those whose forward runs twice
     (recompute parts, the default)."""
-    if args.max_tokens is not None:
+    memory = _memory_model(args)
+    if args.max_tokens is not None or memory is not None:
         from ..layout import pack
         from ..partition import partition
         from ..parts import plan
+        from ..run.parts import memory as mem
 
     # row -> [trees, sequences, unique, baseline tokens, parts, parts' tokens, rf parts,
     #         rf held tokens (max), rf open-path K/V tokens (max), rf recomputed tokens,
@@ -234,7 +237,17 @@ def cmd_stats(args) -> int:
         task = tree.metadata.get("task")
         by_task |= task is not None
         counts = rows.setdefault(("task", task) if task is not None else ("tree", i),
-                                 [0] * 6 + [0] * 5)
+                                 [0] * 6 + [0] * 5 + [None, 0, 0])
+        if memory is not None:  # [11] mem tokens (min), [12] mem parts, [13] mem peak (max)
+            batch = pack(tree)
+            try:
+                tokens = mem.plan_tokens(memory, args.max_memory, batch)
+            except ValueError as e:
+                raise CLIError(f"--max-memory {args.max_memory}: {e}") from None
+            mp = plan(batch, tokens)
+            counts[11] = tokens if counts[11] is None else min(counts[11], tokens)
+            counts[12] += mp.num_parts
+            counts[13] = max(counts[13], memory.plan_peak(mp))
         for k, v in enumerate((1, tree.num_sequences, tree.num_tokens, tree.num_baseline_tokens)):
             counts[k] += v
         if args.max_tokens is not None:
@@ -253,6 +266,8 @@ def cmd_stats(args) -> int:
     if args.max_tokens is not None:
         header += ["parts", "ERR", "ERR/POR", "rf parts", "rf ERR", "rf held", "rf K/V",
                    "rf host", "rf recomp"]
+    if memory is not None:
+        header += ["mem tokens", "mem parts", "mem peak"]
 
     def row(name, c, show_parts):
         extra = ()
@@ -266,6 +281,8 @@ def cmd_stats(args) -> int:
                          f"{e / por:.3f}" if por > 0 else "-")
             extra += (str(c[6]) if show_parts else "", f"{por:.3f}", str(c[7]), str(c[8]),
                       f"{c[10] / c[2]:.3f}", f"{c[9] / c[2]:.3f}")
+        if memory is not None:
+            extra += (str(c[11]), str(c[12]), f"{c[13] / 2 ** 30:.2f} GiB")
         r = _stats_row(name, c[1], c[2], c[3], extra)
         return r[:1] + [str(c[0])] + r[1:] if by_task else r
 
@@ -277,9 +294,55 @@ def cmd_stats(args) -> int:
     total += [sum(c[6] for c in rows.values()), max(c[7] for c in rows.values()),
               max(c[8] for c in rows.values()), sum(c[9] for c in rows.values()),
               sum(c[10] for c in rows.values())]
+    if memory is not None:
+        total += [min(c[11] for c in rows.values()), sum(c[12] for c in rows.values()),
+                  max(c[13] for c in rows.values())]
     table.append(row("total", total, False))
+    if memory is not None:
+        print(f"memory model ({args.model}{', checkpointing' if args.checkpointing else ''}):"
+              f" {memory.per_token:,} bytes a token held, {memory.context_per_token:,} an "
+              f"open-path token, loss {memory.loss(memory.chunk_rows) / 2 ** 30:.2f} GiB at "
+              f"most, fixed {memory.fixed / 2 ** 30:.2f} GiB; budget {args.max_memory} "
+              "(estimates from the shape, not measured)")
     _print_table(header, table)
     return 0
+
+
+def _memory_model(args):
+    """``--max-memory``'s memory model (:mod:`treefx.run.parts.memory`) from ``--model``, or
+    None without ``--max-memory``."""
+    extra = [o for o, v in (("--model", args.model), ("--fixed-memory", args.fixed_memory),
+                            ("--checkpointing", args.checkpointing)) if v]
+    if args.max_memory is None:
+        if extra:
+            raise CLIError(f"{extra[0]} goes with --max-memory")
+        return None
+    from ..run.parts import memory as mem
+
+    try:
+        mem.parse_size(args.max_memory)
+        fixed = None if args.fixed_memory is None else mem.parse_size(args.fixed_memory)
+    except ValueError as e:
+        raise CLIError(str(e)) from None
+    if args.model is None:
+        raise CLIError("--max-memory needs --model: a Hugging Face config.json (or its "
+                       "folder), or a shape like hidden=4096,intermediate=12288,layers=36,"
+                       "heads=32,kv_heads=8,vocab=151936")
+    path = Path(args.model)
+    if path.is_dir():
+        path = path / "config.json"
+    try:
+        if path.is_file():
+            config = json.loads(path.read_text(encoding="utf-8"))
+            config = config.get("text_config", config)
+        else:
+            config = mem.parse_shape(args.model)
+        if fixed is None:
+            dtype = config.get("torch_dtype") or config.get("dtype") or "bfloat16"
+            fixed = 2 * mem.parameter_count(config) * mem.dtype_size(dtype)
+        return mem.from_config(config, checkpointing=args.checkpointing, fixed_bytes=fixed)
+    except (ValueError, TypeError, AttributeError, OSError) as e:
+        raise CLIError(f"--model {args.model}: {e}") from None
 
 
 def _ingest_file(path: str, tokenizer, options: dict) -> list:
@@ -784,6 +847,19 @@ def build_parser() -> argparse.ArgumentParser:
                         "in host memory for their backward (each forward run once); "
                         "rf recomp = share of the tokens in recompute parts, whose forward "
                         "runs twice, as treefx.backward plans by default)")
+    s.add_argument("--max-memory", metavar="SIZE",
+                   help="also plan each tree for treefx.backward(max_memory=SIZE), e.g. 40GiB, "
+                        "with --model's memory model: mem tokens = the token budget it gives, "
+                        "mem parts, mem peak = the estimated peak of the plan (GiB)")
+    s.add_argument("--model", metavar="CONFIG",
+                   help="with --max-memory: a Hugging Face config.json (or its folder), or a "
+                        "shape: hidden=4096,intermediate=12288,layers=36,heads=32,kv_heads=8,"
+                        "head_dim=128,vocab=151936,dtype=bfloat16")
+    s.add_argument("--checkpointing", action="store_true",
+                   help="with --max-memory: every layer activation-checkpointed")
+    s.add_argument("--fixed-memory", metavar="SIZE",
+                   help="with --max-memory: weights, gradients and optimizer state (default: "
+                        "the weights and their gradients, from the shape)")
     s.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="progress bar (default: on a terminal, for files from 1 MiB)")
     s.set_defaults(fn=cmd_stats)

@@ -34,7 +34,8 @@ One job a module:
 - :mod:`.executor`: one call's parts run in order, held, differentiated (:class:`~.executor.Run`);
 - :mod:`.ddp`: DDP's buffers and its gradients averaged once, at the end;
 - :mod:`.fsdp`: FSDP2's common rounds over the ranks;
-- :mod:`.front`: :func:`backward` itself.
+- :mod:`.front`: :func:`backward` itself;
+- :mod:`.memory`: ``max_memory=``, the memory model and the token budget it plans.
 
 What the model is wrapped in (FSDP2, DDP) is read in :mod:`treefx.run.wrapping`, shared with
 regional execution.

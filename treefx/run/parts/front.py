@@ -28,7 +28,7 @@ log = logging.getLogger("treefx")
 
 
 def backward(tm: TreeModel, trees: Tree | Iterable[Tree] | TreeBatch | None, *,
-             max_tokens: int,
+             max_tokens: int | None = None, max_memory=None, memory=None,
              reduction: str | None = None, loss_fn: Callable | None = None,
              num_sequences: int | None = None, loss_scale: float | None = None,
              model: torch.nn.Module | None = None, beyond: str = "recompute") -> torch.Tensor:
@@ -80,6 +80,19 @@ def backward(tm: TreeModel, trees: Tree | Iterable[Tree] | TreeBatch | None, *,
     the inner module and the gradients are averaged over the group once, at the end (a
     wrapper with a communication hook or mixed precision is refused). See
     docs/ARCHITECTURE.md, "Parts on several processes".
+
+    ``max_memory`` (bytes, or a string like ``"40GiB"``, ``"512MB"``): a budget in bytes
+    instead of tokens, turned into ``max_tokens`` by the memory model ``memory`` (default
+    :func:`treefx.run.parts.memory.for_model` of the model: its config's shape, its
+    checkpointing, and as fixed bytes ``torch.cuda.memory_allocated()`` now on a GPU or its
+    parameters and gradients on the CPU; pass ``memory.for_model(model, fixed_bytes=...)``
+    or a calibrated :class:`~treefx.run.parts.memory.MemoryModel` instead): the whole batch
+    in one part where it fits, else a token budget whose estimated peak, with the longest
+    open path the batch can have, fits, chosen for the fewest parts
+    (:func:`~treefx.run.parts.memory.plan_tokens`; docs/parts.md, "A memory budget"). Give
+    ``max_tokens`` or ``max_memory``; given both, the smaller token budget wins. The
+    estimate is derived from the shape, not yet measured on a GPU; with
+    ``beyond="device"`` held parts may exceed it.
 
     Parts are planned by :func:`treefx.parts.plan`: a boundary may fall anywhere, inside a
     node too. Memory: activations are held for at most ``max_tokens`` tokens at once
@@ -167,6 +180,7 @@ def backward(tm: TreeModel, trees: Tree | Iterable[Tree] | TreeBatch | None, *,
     if beyond not in ("host", "recompute", "device"):
         raise ValueError(f"treefx.backward: beyond must be 'host', 'recompute' or 'device', "
                          f"got {beyond!r}")
+    max_tokens = _token_budget(max_tokens, max_memory, memory, target, batch, beyond)
     run = Run(runner, batch, max_tokens, target, step=step, loss_fn=loss_fn,
               collective=kind == "fsdp", beyond=beyond)
     if kind == "fsdp":
@@ -194,6 +208,29 @@ def backward(tm: TreeModel, trees: Tree | Iterable[Tree] | TreeBatch | None, *,
             run.release()
         run.finish()
     return run.total.to(run.dtype)
+
+
+def _token_budget(max_tokens, max_memory, memory, target, batch, beyond) -> int:
+    """``max_tokens``, or the token budget of ``max_memory`` (the smaller where both)."""
+    if max_memory is None:
+        if max_tokens is None:
+            raise TypeError("treefx.backward: give max_tokens= (a token budget) or "
+                            "max_memory= (bytes, or e.g. '40GiB')")
+        if memory is not None:
+            raise TypeError("treefx.backward: memory= goes with max_memory=")
+        return max_tokens
+    from . import memory as mem
+
+    if memory is None:
+        memory = mem.for_model(target)
+    elif not isinstance(memory, mem.MemoryModel):
+        raise TypeError(f"treefx.backward: memory= takes a treefx.run.parts.memory."
+                        f"MemoryModel, got {type(memory).__name__}")
+    tokens = mem.plan_tokens(memory, max_memory, batch, beyond=beyond)
+    if max_tokens is not None:
+        tokens = min(tokens, max_tokens)
+    log.info("treefx.backward: max_memory=%s: max_tokens=%d", max_memory, tokens)
+    return tokens
 
 
 def _verify_first_call(tm: TreeModel, runner: PartRunner) -> None:

@@ -1,0 +1,217 @@
+"""``treefx.backward(..., max_memory=)``: the memory model (:mod:`treefx.run.parts.memory`),
+the sizes it reads, the token budget it plans, ``treefx stats --max-memory``, and a step
+planned by it against the oracle."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from support import VOCAB, grads, hf_model
+
+import treefx
+from treefx.run.parts import memory as mem
+from treefx.tools.cli import main
+from treefx.tools.synth import odd_forest
+
+GiB = 2 ** 30
+# a hand-sized shape: h 8, i 16, 2 layers, 2 heads of 4, one KV head, vocabulary 32, float32
+SMALL = dict(hidden_size=8, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
+             num_key_value_heads=1, head_dim=4, vocab_size=32, torch_dtype="float32")
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("40GiB", 40 * GiB), ("40 GiB", 40 * GiB), ("40gib", 40 * GiB), ("512MB", 512 * 10 ** 6),
+    ("512MiB", 512 * 2 ** 20), ("1.5G", 3 * GiB // 2), ("2TB", 2 * 10 ** 12), ("1000", 1000),
+    ("7B", 7), (1000, 1000), (".5KiB", 512),
+])
+def test_sizes(text, expected):
+    assert mem.parse_size(text) == expected
+
+
+@pytest.mark.parametrize("bad", ["", "GiB", "40 parsecs", "4 0GB", "-1GB", 0, -5, True, 1.5,
+                                 None, "0.1B"])
+def test_bad_sizes(bad):
+    with pytest.raises(ValueError, match="memory size"):
+        mem.parse_size(bad)
+
+
+def test_the_arithmetic_on_a_known_shape():
+    """Every term by hand for SMALL (s = 4 bytes; q = 8, kv = 4)."""
+    m = mem.from_config(SMALL, fixed_bytes=100)
+    # a layer: 4·(4·8 + 2·8 + 2·4 + 4·16) + 4·(2 + 2) = 4·120 + 16 = 496 bytes a token;
+    # the final norm 2·4·8 + 4 = 68
+    assert m.per_token == 2 * 496 + 68 == 1060
+    # checkpointed: the 2 layers' inputs (2·4·8) and one layer's activations
+    assert mem.from_config(SMALL, checkpointing=True).per_token == 64 + 496 + 68 == 628
+    # 2 attention layers × 2 × 1 KV head × 4 × 4 bytes, three times (kept, gradients, copy)
+    assert m.context_per_token == 3 * 2 * 2 * 1 * 4 * 4 == 192
+    # keys and values only at the softmax attention layers
+    hybrid = {**SMALL, "layer_types": ["linear_attention", "full_attention"]}
+    assert mem.from_config(hybrid).context_per_token == 192 // 2
+    assert m.logit_row == 2 * 32 * 4 == 256
+    assert m.chunk_rows == 4 * (1 << 27) // 32
+    assert m.head_grad == 32 * 8 * 4 == 1024
+    assert m.fixed == 100
+    assert m.peak(10, 3) == 100 + 10 * 1060 + 3 * 192 + 10 * 256 + 1024 == 14860
+    # the per-token bytes that would have predicted a step 500 bytes heavier: 50 more a token
+    assert m.calibrate(14860 + 500, 10, 3) == 1060 + 50
+    assert m.calibrated("15360B", 10, 3).peak(10, 3) == 15360
+    with pytest.raises(ValueError, match="leaves nothing"):
+        m.calibrate(1000, 10, 3)
+    # bfloat16 halves every activation byte but the float32 statistics
+    b = mem.from_config(SMALL, dtype=torch.bfloat16)
+    assert b.per_token == 2 * (2 * 120 + 16) + (2 * 2 * 8 + 4) == 548
+    # the same from a transformers config object, and the short names of a shape
+    cfg = pytest.importorskip("transformers").Qwen3Config(
+        **{k: v for k, v in SMALL.items() if k != "torch_dtype"}, dtype="float32")
+    assert mem.from_config(cfg, fixed_bytes=100) == m
+    shape = mem.parse_shape("hidden=8,intermediate=16,layers=2,heads=2,kv_heads=1,head_dim=4,"
+                            "vocab=32,dtype=float32")
+    assert mem.from_config(shape, fixed_bytes=100) == m
+    # parameters: embedding and head 2·32·8; a layer 8·(8+8) + 8·8 + 3·8·16 + 2·8 = 592
+    assert mem.parameter_count(SMALL) == 512 + 2 * 592 + 8 == 1704
+    assert mem.parameter_count({**SMALL, "tie_word_embeddings": True}) == 1704 - 256
+
+
+def test_the_token_budget_on_a_known_shape():
+    m = mem.from_config(SMALL, fixed_bytes=100)
+    batch = treefx.pack(odd_forest(3, VOCAB))
+    n, path = batch.num_tokens, mem.longest_path(batch)
+    assert 1 < path < n
+    # the whole batch in one part where it fits
+    assert mem.tokens_for(m, m.peak(n, 0), batch) == n
+    # else the largest T whose peak, with the longest path as the open path, fits
+    budget = m.peak(7, path) + 1000
+    assert mem.tokens_for(m, budget, batch) == 7 + 1000 // (1060 + 256) == 7
+    assert mem.tokens_for(m, m.peak(8, path) - 1, batch) == 7
+    assert mem.tokens_for(m, m.peak(8, path), batch) == 8
+    with pytest.raises(ValueError, match="holds no token"):
+        mem.tokens_for(m, m.peak(1, path) - 1, batch)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+@pytest.mark.parametrize("seed", range(4))
+def test_a_larger_budget_never_gives_more_parts_and_the_peak_stays_under(seed, checkpointing):
+    trees = treefx.synth.agent_tree(seed, vocab_size=VOCAB, rollouts=3, system_len=(40, 60),
+                                    prompt_len=(10, 30), think_len=(20, 60),
+                                    answer_len=(5, 20), tool_len=(20, 60))
+    batch = treefx.pack(trees)
+    m = mem.from_config(SMALL, checkpointing=checkpointing, fixed_bytes=10 ** 6)
+    low, high = m.peak(4, mem.longest_path(batch)), m.peak(batch.num_tokens, 0) + 1
+    last_raw, last_parts = 0, None
+    for k in range(60):
+        budget = low + (high - low) * k // 59
+        tokens = mem.plan_tokens(m, budget, batch)
+        assert tokens <= mem.tokens_for(m, budget, batch)
+        plan = treefx.parts.plan(batch, tokens)
+        assert m.plan_peak(plan) <= budget
+        raw = mem.tokens_for(m, budget, batch)
+        assert raw >= last_raw
+        assert last_parts is None or plan.num_parts <= last_parts, (budget, tokens)
+        last_raw, last_parts = raw, plan.num_parts
+    assert last_parts == 1
+
+
+def test_stats_max_memory(tmp_path, capsys):
+    path = tmp_path / "trees.jsonl"
+    main(["synth", "-o", str(path), "-n", "3", "--vocab-size", "128"])
+    capsys.readouterr()
+    config = tmp_path / "config.json"
+    shape = dict(SMALL, vocab_size=128)
+    config.write_text(json.dumps(shape))
+    m = mem.from_config(shape, fixed_bytes=2 * mem.parameter_count(shape) * 4)
+    trees = list(treefx.read_jsonl(path))
+    budget = m.peak(300, max(mem.longest_path(treefx.pack(t)) for t in trees))
+    for model in (str(config), str(tmp_path),
+                  "hidden=8,intermediate=16,layers=2,heads=2,kv_heads=1,head_dim=4,vocab=128,"
+                  "dtype=float32"):
+        assert main(["stats", str(path), "--max-memory", str(budget), "--model", model]) == 0
+        out = capsys.readouterr().out.splitlines()
+        assert out[0].startswith(f"memory model ({model}): {m.per_token:,} bytes a token held")
+        header = out[1].split()
+        assert header[-6:] == ["mem", "tokens", "mem", "parts", "mem", "peak"]
+        rows = [line.split() for line in out[3:-2]]
+        total_parts, peak = 0, 0
+        for row, t in zip(rows, trees):
+            batch = treefx.pack(t)
+            tokens = mem.plan_tokens(m, budget, batch)
+            plan = treefx.parts.plan(batch, tokens)
+            assert row[-4:] == [str(tokens), str(plan.num_parts),
+                                f"{m.plan_peak(plan) / GiB:.2f}", "GiB"]
+            assert m.plan_peak(plan) <= budget
+            total_parts += plan.num_parts
+            peak = max(peak, m.plan_peak(plan))
+        assert out[-1].split()[-3:] == [str(total_parts), f"{peak / GiB:.2f}", "GiB"]
+    with pytest.raises(SystemExit):
+        main(["stats", str(path), "--max-memory", "40GiB"])  # no --model
+    assert "needs --model" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["stats", str(path), "--max-memory", "40 parsecs", "--model", str(config)])
+    assert "not a memory size" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["stats", str(path), "--model", str(config)])
+    assert "--model goes with --max-memory" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["stats", str(path), "--max-memory", "1KiB", "--model", str(config)])
+    assert "holds no token" in capsys.readouterr().err
+
+
+def test_backward_with_max_memory_matches_the_oracle():
+    """The token budget max_memory plans (7 tokens here, in parts inside nodes) trains
+    exactly: the loss and every gradient equal each sequence alone."""
+    model = hf_model("qwen3", "sdpa")
+    tm = treefx.compile(model, backend="eager", verify=False)
+    trees = odd_forest(3, VOCAB)
+    batch = treefx.pack(trees)
+    m = mem.for_model(model)
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert m.fixed == 2 * params  # on the CPU: the weights and their gradients
+    assert m == mem.from_config(model.config, fixed_bytes=2 * params, dtype=torch.float32)
+    model.activation_checkpointing_enable()
+    assert mem.for_model(model) == mem.from_config(model.config, fixed_bytes=2 * params,
+                                                   dtype=torch.float32, checkpointing=True)
+    model.activation_checkpointing_disable()
+    budget = m.peak(7, mem.longest_path(batch))
+    assert mem.tokens_for(m, budget, batch) == 7 < batch.num_tokens
+    used = []
+    real_plan = treefx.parts.plan
+
+    def spy(batch, max_tokens, **kw):
+        used.append(max_tokens)
+        return real_plan(batch, max_tokens, **kw)
+
+    loss_ref = treefx.reference.sequence_loss(model, trees, reduction="mean")
+    loss_ref.backward()
+    ref = grads(model)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(treefx.parts, "plan", spy)
+        loss = treefx.backward(tm, trees, max_memory=budget)
+    assert used[-1] == 7  # the executor's plan (after plan_tokens' search)
+    got = grads(model)
+    torch.testing.assert_close(loss, loss_ref.detach().to(loss.dtype), atol=1e-5, rtol=1e-5)
+    assert set(got) == set(ref)
+    for name, g in ref.items():
+        err = float((got[name] - g).abs().max() / g.abs().max().clamp(min=1e-12))
+        assert err <= 1e-4, f"{name}: relative gradient error {err:.2e}"
+    # both budgets: the smaller wins; a memory model given
+    path = mem.longest_path(batch)
+    for kw, expected in ((dict(max_memory=budget, max_tokens=5), 5),
+                         (dict(max_memory=budget, max_tokens=500), 7),
+                         (dict(max_memory=f"{m.peak(9, path)}B", memory=m),
+                          mem.plan_tokens(m, m.peak(9, path), batch))):
+        used.clear()
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(treefx.parts, "plan", spy)
+            treefx.backward(tm, trees, **kw)
+        assert used[-1] == expected, kw
+    model.zero_grad(set_to_none=True)
+    with pytest.raises(TypeError, match="max_tokens= .* or max_memory="):
+        treefx.backward(tm, trees)
+    with pytest.raises(TypeError, match="memory= goes with max_memory="):
+        treefx.backward(tm, trees, max_tokens=8, memory=m)
+    with pytest.raises(TypeError, match="MemoryModel"):
+        treefx.backward(tm, trees, max_memory="1GiB", memory=object())
+    with pytest.raises(ValueError, match="holds no token"):
+        treefx.backward(tm, trees, max_memory="1KiB")
