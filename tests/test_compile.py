@@ -500,6 +500,10 @@ def test_inductor_for_a_cpu_batch_is_refused(monkeypatch):
     with pytest.raises(ValueError, match="backend='inductor'"):
         engine.resolve_backend(torch.device("cpu"))
     monkeypatch.setenv("TREEFX_INDUCTOR_ON_CPU", "1")  # treefx's own tests of that path
+    # read once, when the step is made (treefx.options): the earlier step still refuses
+    with pytest.raises(ValueError, match="backend='inductor'"):
+        engine.resolve_backend(torch.device("cpu"))
+    engine = treefx.step(lambda model, batch: None, backend="inductor").engine
     assert engine.resolve_backend(torch.device("cpu")) == "inductor"
 
 

@@ -263,7 +263,7 @@ def test_a_models_kernels_are_guessed_from_its_config(monkeypatch):
     from treefx.tools import zoo
 
     started = []
-    monkeypatch.setattr(interval_warmup, "start_for", lambda *a: started.append(a))
+    monkeypatch.setattr(interval_warmup, "start_for", lambda *a: started.append(a[:6]))
     cuda = torch.device("cuda", 0)
     model = hf_model("qwen3", "sdpa", torch.bfloat16)  # 4 heads, 2 KV heads of 16
     intervals.warm_up_model(model, cuda)  # no frontend here
@@ -358,7 +358,8 @@ def test_parts_on_intervals_match_the_oracle(monkeypatch):
 
     from treefx.run.parts import runners
 
-    monkeypatch.setattr(treefx.run.backends, "compile_graph", lambda backend, gm, ex: gm.forward)
+    monkeypatch.setattr(treefx.run.backends, "compile_graph",
+                        lambda backend, gm, ex, options=None: gm.forward)
     monkeypatch.setenv("TREEFX_INDUCTOR_ON_CPU", "1")
     monkeypatch.setenv(intervals.SWITCH, "1")
     tm = treefx.compile(hf_model("qwen3", "sdpa", torch.float64), backend="inductor",
@@ -383,7 +384,8 @@ def test_families_in_parts_on_intervals_match_the_oracle(model_type, checkpointi
     from treefx.run.parts import runners
     from treefx.tools import zoo
 
-    monkeypatch.setattr(treefx.run.backends, "compile_graph", lambda backend, gm, ex: gm.forward)
+    monkeypatch.setattr(treefx.run.backends, "compile_graph",
+                        lambda backend, gm, ex, options=None: gm.forward)
     monkeypatch.setenv("TREEFX_INDUCTOR_ON_CPU", "1")
     monkeypatch.setenv(intervals.SWITCH, "1")
     model = zoo.build_model(model_type, torch.float32, checkpointing=checkpointing)
@@ -408,16 +410,19 @@ def test_a_model_on_a_gpu_starts_its_background_work_at_compile(monkeypatch):
     monkeypatch.setattr(engine_mod.backends, "warm_compile_workers",
                         lambda: started.append("workers"))
     monkeypatch.setattr(engine_mod.intervals, "warm_up_model",
-                        lambda m, d: started.append(("kernels", type(m).__name__, str(d))))
+                        lambda m, d, options=None: started.append(
+                            ("kernels", type(m).__name__, str(d))))
     model = tiny_decoder(vocab_size=VOCAB)
     treefx.compile(model)  # on the CPU
     assert started == []
     gpu = torch.device("cuda", 0)
     monkeypatch.setattr(model_mod, "_parameter_device", lambda m: gpu)
     monkeypatch.setattr(engine_mod.backends, "resolve",
-                        lambda backend, device: "inductor" if backend in ("auto", "inductor")
+                        lambda backend, device, options=None: "inductor"
+                        if backend in ("auto", "inductor")
                         and device.type == "cuda" else "eager")
-    monkeypatch.setattr(engine_mod.backends, "check_available", lambda backend: None)
+    monkeypatch.setattr(engine_mod.backends, "check_available",
+                        lambda backend, options=None: None)
     tm = treefx.compile(model)
     assert started == ["workers", ("kernels", type(model).__name__, "cuda:0")]
     treefx.compile(model, backend="eager")  # eager: nothing

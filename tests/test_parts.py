@@ -590,7 +590,8 @@ def test_regional_parts_with_a_sliding_window(monkeypatch):
     ``F.pad`` it failed: ``constant_pad_nd``'s kernel wants concrete sizes outside a trace)."""
     from test_window_blocks import long_trees
 
-    monkeypatch.setattr(treefx.run.backends, "compile_graph", lambda backend, gm, ex: gm.forward)
+    monkeypatch.setattr(treefx.run.backends, "compile_graph",
+                        lambda backend, gm, ex, options=None: gm.forward)
     monkeypatch.setenv("TREEFX_INDUCTOR_ON_CPU", "1")
     tm = treefx.compile(hf_model("mistral", "sdpa"), backend="inductor", verify=False,
                         block_size=16, regional=True)
@@ -665,7 +666,8 @@ def test_flex_attention_part_sites_match_the_oracle(name, monkeypatch):
     """The inductor backend's part graph (FlexAttention over [context; part], the window as
     its mask_mod), run op by op on the CPU: FlexAttention's eager form differentiates there,
     Inductor's kernels need a GPU (benchmarks/parts.py checks those)."""
-    monkeypatch.setattr(treefx.run.backends, "compile_graph", lambda backend, gm, ex: gm.forward)
+    monkeypatch.setattr(treefx.run.backends, "compile_graph",
+                        lambda backend, gm, ex, options=None: gm.forward)
     monkeypatch.setenv("TREEFX_INDUCTOR_ON_CPU", "1")  # the inductor backend's graph on the CPU
     model = hf_model(name, "sdpa")
     tm = treefx.compile(model, backend="inductor", verify=False)
@@ -685,7 +687,8 @@ def test_flex_part_sink_sites_keep_the_usual_layout(monkeypatch):
     Inductor's backward on the H100), and match the oracle."""
     from test_scored_attention import scored_model
 
-    monkeypatch.setattr(treefx.run.backends, "compile_graph", lambda backend, gm, ex: gm.forward)
+    monkeypatch.setattr(treefx.run.backends, "compile_graph",
+                        lambda backend, gm, ex, options=None: gm.forward)
     monkeypatch.setenv("TREEFX_INDUCTOR_ON_CPU", "1")  # the inductor backend's graph on the CPU
     tm = treefx.compile(scored_model("gpt_oss"), backend="inductor", verify=False)
     _check(tm, odd_forest(3, VOCAB), 7)
@@ -700,7 +703,8 @@ def test_flex_part_sites_leave_blocks_beyond_the_window_out(monkeypatch):
     gradients still match the oracle."""
     from test_window_blocks import long_trees
 
-    monkeypatch.setattr(treefx.run.backends, "compile_graph", lambda backend, gm, ex: gm.forward)
+    monkeypatch.setattr(treefx.run.backends, "compile_graph",
+                        lambda backend, gm, ex, options=None: gm.forward)
     monkeypatch.setenv("TREEFX_INDUCTOR_ON_CPU", "1")  # the inductor backend's graph on the CPU
     tm = treefx.compile(hf_model("mistral", "sdpa"), backend="inductor", verify=False,
                         block_size=16)
@@ -920,7 +924,8 @@ def test_parts_copy_no_row_back_and_forget_their_rows(monkeypatch):
     from treefx import layout
     from treefx.ops import host_row
 
-    monkeypatch.setattr(treefx.run.backends, "compile_graph", lambda backend, gm, ex: gm.forward)
+    monkeypatch.setattr(treefx.run.backends, "compile_graph",
+                        lambda backend, gm, ex, options=None: gm.forward)
     monkeypatch.setenv("TREEFX_INDUCTOR_ON_CPU", "1")
     monkeypatch.setenv("TREEFX_TRUNK_ATTENTION", "1")
     copies = []

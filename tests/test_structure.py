@@ -116,7 +116,7 @@ def test_the_package_has_no_import_cycles():
 # (test_the_pages_show_these_layers, test_modules_md_lists_every_module).
 LAYERS: list[tuple[str, set[str]]] = [
     # data, and the plan a capture is compiled for (treefx.plan: data only)
-    ("data", {"treefx._version", "treefx._progress", "treefx._switches", "treefx.tree",
+    ("data", {"treefx._version", "treefx._progress", "treefx.options", "treefx.tree",
               "treefx.mask", "treefx.plan", "treefx.chat_pieces", "treefx.trajectories"}),
     ("data on trees", {"treefx.layout", "treefx.reference", "treefx.agent_trees",
                        "treefx.partition", "treefx.data", "treefx.parts"}),
@@ -566,3 +566,89 @@ def test_the_allowed_device_names_are_still_there():
 def test_the_device_pattern():
     assert all(_DEVICE.search(s) for s in ("on an H100", "H200s", "A100,", "GB200"))
     assert not any(_DEVICE.search(s) for s in ("fla-9", "z15", "H1", "sha256", "bf16", "B·H"))
+
+
+# ------------------------------------------------------------ one options object
+#
+# Every TREEFX_* environment switch is a field of treefx.options.Options, read there and
+# nowhere else (issue 67). Other modules may mention a switch in a docstring or a comment (the
+# reader's documentation), never name one in code: a string that is not a docstring (what
+# os.environ would be asked for, or a message). Files another session owns keep theirs until
+# it moves them (each entry: why).
+_SWITCH = re.compile(r"\bTREEFX_[A-Z0-9_]+")
+ALLOWED_SWITCH_NAMES = {
+    "treefx/tools/cli.py",  # a help text naming TREEFX_VERIFY (the command line's session)
+}
+
+
+def _docstrings(tree: ast.AST) -> set[int]:
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            body = node.body
+            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
+                    and isinstance(body[0].value.value, str):
+                out.add(id(body[0].value))
+    return out
+
+
+def switch_names_in_code() -> dict[str, list[str]]:
+    """The TREEFX_* names each treefx/ file (but treefx/options.py) writes in a string that is
+    not a docstring."""
+    out = {}
+    for f in sorted(ROOT.rglob("*.py")):
+        rel = str(f.relative_to(ROOT.parent))
+        if rel == "treefx/options.py":
+            continue
+        tree = ast.parse(f.read_text(encoding="utf-8"))
+        docs = _docstrings(tree)
+        names = sorted({m for node in ast.walk(tree)
+                        if isinstance(node, ast.Constant) and isinstance(node.value, str)
+                        and id(node) not in docs for m in _SWITCH.findall(node.value)})
+        if names:
+            out[rel] = names
+    return out
+
+
+def test_switches_are_read_only_by_the_options():
+    bad = {f: n for f, n in switch_names_in_code().items() if f not in ALLOWED_SWITCH_NAMES}
+    assert not bad, ("TREEFX_* names in code outside treefx/options.py (add a field to Options "
+                     f"and take it from the plan or as an argument): {bad}")
+
+
+def test_the_allowed_switch_names_are_still_there():
+    gone = sorted(ALLOWED_SWITCH_NAMES - set(switch_names_in_code()))
+    assert not gone, f"remove from ALLOWED_SWITCH_NAMES: {gone}"
+
+
+def test_the_switch_check_sees_one(tmp_path):
+    tree = ast.parse('"""TREEFX_A in a docstring."""\nimport os\n'
+                     'x = os.environ.get("TREEFX_B")\n')
+    docs = _docstrings(tree)
+    found = {m for node in ast.walk(tree) if isinstance(node, ast.Constant)
+             and isinstance(node.value, str) and id(node) not in docs
+             for m in _SWITCH.findall(node.value)}
+    assert found == {"TREEFX_B"}
+
+
+def _switch_rows(text: str, heading: str) -> list[str]:
+    """The switches in the first column of the table under ``heading``."""
+    part = text.split(heading, 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"^\|\s*`(TREEFX_[A-Z0-9_]+)`", part, flags=re.M)
+
+
+def test_the_switch_tables_list_what_options_reads():
+    """docs/debugging.md's table (and treefx/options.py's docstring table) list each switch
+    :class:`treefx.options.Options` reads, once, and no other."""
+    from treefx.options import Options
+
+    read = sorted(Options.switches())
+    rows = _switch_rows((ROOT.parent / "docs" / "debugging.md").read_text(encoding="utf-8"),
+                        "## Environment switches")
+    assert sorted(rows) == read and len(set(rows)) == len(rows), (
+        f"docs/debugging.md's switch table: missing {sorted(set(read) - set(rows))}, not read "
+        f"{sorted(set(rows) - set(read))}")
+    import treefx.options
+
+    doc = re.findall(r"^``(TREEFX_[A-Z0-9_]+)``", treefx.options.__doc__, flags=re.M)
+    assert sorted(doc) == read, "treefx/options.py's docstring table"

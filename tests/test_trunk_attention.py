@@ -177,7 +177,8 @@ def test_parts_with_the_split_match_the_oracle(monkeypatch):
 
     from treefx.run.parts import runners
 
-    monkeypatch.setattr(treefx.run.backends, "compile_graph", lambda backend, gm, ex: gm.forward)
+    monkeypatch.setattr(treefx.run.backends, "compile_graph",
+                        lambda backend, gm, ex, options=None: gm.forward)
     monkeypatch.setenv("TREEFX_INDUCTOR_ON_CPU", "1")
     monkeypatch.setenv(trunk.SWITCH, "1")
     seen = []  # (chain rows, context rows) of every call that computed rows

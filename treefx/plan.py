@@ -10,8 +10,8 @@ their rewrite log, and for a part the layout and routing the compiler found. Not
 travels between the layers: no attribute of an engine or a graph context is set from another
 module.
 
-This module holds data only (no treefx imports): the compiler below the engine reads it, the
-engine and the front ends above build it.
+This module holds data only (its one treefx import is :mod:`treefx.options`, data too): the
+compiler below the engine reads it, the engine and the front ends above build it.
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ from types import MappingProxyType
 from typing import Any
 
 import torch
+
+from .options import Options
 
 __all__ = ["Compiled", "PartFindings", "PartLayout", "Plan"]
 
@@ -63,6 +65,9 @@ class Plan:
     never run; ``route_embedding``: the input embedding's gradient may go to the part's
     ``emb_sink`` rows, which the driver adds into ``.grad`` (off for a sharded model, whose
     ``.grad`` is a shard: autograd then accumulates it as the wrapper expects).
+    ``options``: the ``TREEFX_*`` switches (:class:`treefx.options.Options`), read once when
+    the front end is built (the environment then, when a plan is made without them), with
+    the front end's own arguments over them (``verify=``).
     """
 
     backend: str = "auto"
@@ -74,6 +79,7 @@ class Plan:
     grad_params: tuple = ()
     find_layout: bool = False
     route_embedding: bool = True
+    options: Options = field(default_factory=Options.from_env)
 
     def __post_init__(self):
         if self.mode not in ("tree", "step", "part", "part-step"):

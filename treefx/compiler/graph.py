@@ -9,6 +9,9 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from ..options import Options
+from ..plan import Plan
+
 __all__ = [
     "TreeCompileError",
     "UnmatchedAttentionError",
@@ -266,15 +269,15 @@ class GraphContext:
     def __init__(self, gm: fx.GraphModule, backend: str, *, input_ids: fx.Node,
                  tree_info: fx.Node, positions: fx.Node, subtree_end: fx.Node, seq_len,
                  prelude: fx.Node, tree_weights: fx.Node | None = None,
-                 part_labels: fx.Node | None = None, block_size: int = 128,
-                 kernel_options: dict | None = None, interleave_heads: bool | None = None,
-                 code_before: str = "", modules_before: dict | None = None,
+                 part_labels: fx.Node | None = None, code_before: str = "",
+                 modules_before: dict | None = None,
                  parent: GraphContext | None = None, name: str = "", plan=None,
                  real_inputs: tuple = (), part_sites=None, body=None):
         self.gm = gm
-        # root only: the capture's Plan (treefx.plan; None for a graph built by hand) and its
-        # real inputs by position, the parameters among them (None elsewhere)
-        self.plan = plan
+        # root only: the capture's Plan (treefx.plan; the defaults for a graph built by hand)
+        # and its real inputs by position, the parameters among them (None elsewhere); a body
+        # reads its root's (block_size, kernel_options, interleave_heads, options)
+        self.plan = plan if plan is not None or parent is not None else Plan()
         self.real_inputs = tuple(real_inputs)
         self.backend = backend
         self.seq_len = seq_len
@@ -282,9 +285,6 @@ class GraphContext:
         # Shared nodes go right after it (never "before the model's first node": a pass may
         # erase that node, an arange, and an insertion before an erased node is lost).
         self.prelude = prelude
-        self.block_size = block_size
-        self.kernel_options = dict(kernel_options or {})  # FlexAttention's, for every site
-        self.interleave_heads = interleave_heads  # KV heads along the row (None: in training)
         self.code_before = code_before  # the captured graph's code before any pass ran
         self.modules_before = dict(modules_before or {})  # node name -> module path, before
         self.done = False  # every pass ran and the graph was handed to the backend
@@ -328,8 +328,27 @@ class GraphContext:
     @property
     def grad_params(self) -> tuple:
         """The parameters whose ``.grad`` a part's graph is given (the plan's), else ()."""
-        plan = self.root.plan
-        return tuple(plan.grad_params) if plan is not None else ()
+        return tuple(self.root.plan.grad_params)
+
+    @property
+    def block_size(self) -> int:
+        """FlexAttention's block size (the plan's)."""
+        return self.root.plan.block_size
+
+    @property
+    def kernel_options(self) -> dict:
+        """FlexAttention's kernel options for every site (the plan's; a copy)."""
+        return dict(self.root.plan.kernel_options)
+
+    @property
+    def interleave_heads(self) -> bool | None:
+        """KV heads along the row (the plan's; None: where gradients are computed)."""
+        return self.root.plan.interleave_heads
+
+    @property
+    def options(self) -> Options:
+        """The capture's ``TREEFX_*`` switches (:class:`treefx.options.Options`, the plan's)."""
+        return self.root.plan.options
 
     @property
     def part(self):

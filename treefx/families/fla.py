@@ -38,7 +38,6 @@ import importlib
 import importlib.metadata
 import importlib.util
 import logging
-import os
 import re
 import warnings
 from dataclasses import dataclass
@@ -46,6 +45,7 @@ from dataclasses import dataclass
 import torch
 
 from ..ops.recurrence.reference import takes_keyword
+from ..options import Options, current
 from . import fla_l2norm
 
 __all__ = ["ENV", "Decision", "Environment", "FlaFallbackWarning", "decide", "environment",
@@ -54,7 +54,7 @@ __all__ = ["ENV", "Decision", "Environment", "FlaFallbackWarning", "decide", "en
 
 log = logging.getLogger("treefx")
 
-ENV = "TREEFX_FLA"
+ENV = Options.env_name("fla")
 KERNELS = ("gated_delta_rule", "kimi_delta_attention")
 
 
@@ -183,7 +183,7 @@ def _installed() -> tuple[str | None, str | None, bool]:
     return fla, triton, tilelang
 
 
-def environment(device: torch.device) -> Environment:
+def environment(device: torch.device, options: Options | None = None) -> Environment:
     """This process's :class:`Environment` for tensors on ``device``."""
     fla, triton, tilelang = _installed()
     cap, name = None, ""
@@ -192,7 +192,7 @@ def environment(device: torch.device) -> Environment:
         name = torch.cuda.get_device_name(device)
     return Environment(device_type=device.type, capability=cap, device_name=name, fla=fla,
                        triton=triton, tilelang=tilelang, hip=torch.version.hip is not None,
-                       setting=os.environ.get(ENV, ""))
+                       setting=current(options).fla)
 
 
 def decide(kernel: str, env: Environment, dtype: torch.dtype,
@@ -244,11 +244,11 @@ def _env_for(device: torch.device, setting: str) -> Environment:
     return environment(device)
 
 
-def use_fla(kernel: str, seq: dict, static: dict) -> bool:
+def use_fla(kernel: str, seq: dict, static: dict, options: Options | None = None) -> bool:
     """Whether the tree recurrence runs ``kernel`` on fla for these arguments (the seq args
     of Gated DeltaNet's signature: ``query``, ``key``, ``value``, ...); announces a fallback."""
     q = seq["query"]
-    env = _env_for(q.device, os.environ.get(ENV, ""))
+    env = _env_for(q.device, current(options).fla)
     decision = decide(kernel, env, q.dtype, key_head_dim=q.shape[-1])
     announce(kernel, decision, env)
     return decision.use

@@ -27,11 +27,12 @@ import re
 
 import torch
 
-from .._switches import switched_off
+from ..options import Options, current
 
 __all__ = ["ENV", "FIXED_NB", "L2Norm", "available", "l2norm", "l2norm_bwd", "l2norm_fwd"]
 
-ENV = "TREEFX_FLA_L2NORM"  # 0: fla's own L2-norm wrapper (a tuning per band of row lengths)
+# 0: fla's own L2-norm wrapper (a tuning per band of row lengths)
+ENV = Options.env_name("fla_l2norm")
 
 FIXED_NB = 1  # the constant handed to fla's kernels in place of cdiv(rows, 65,536)
 EPS = 1e-6  # fla's default, which chunk_gated_delta_rule uses
@@ -84,7 +85,7 @@ def _kernels():
 def available() -> bool:
     """Whether the fixed-key kernels run: fla with the kernels described above, and not turned
     off (``TREEFX_FLA_L2NORM=0``: fla's own wrapper and keys, as before)."""
-    if switched_off(ENV):
+    if not current().fla_l2norm:
         return False
     return _kernels() is not None
 

@@ -37,8 +37,8 @@ import inspect
 import numpy as np
 import torch
 
-from .._switches import switched_off, switched_on
 from ..layout import move_tensors
+from ..options import Options, current
 from . import fla_l2norm, fla_tree_state
 from .fla import fla_distribution_version
 
@@ -46,8 +46,10 @@ __all__ = ["CHECKED_FLA", "ENV", "KEEP_ENV", "TreePlan", "kernels", "plan",
            "tree_gated_delta_rule"]
 
 CHECKED_FLA = ("0.4.2",)
-ENV = "TREEFX_FLA_TREE"  # 0: fla depth by depth (its whole pipeline per depth), as before
-KEEP_ENV = "TREEFX_FLA_TREE_KEEP_STATES"  # 1: the forward's chunk states kept for the backward
+# 0: fla depth by depth (its whole pipeline per depth), as before
+ENV = Options.env_name("fla_tree")
+# 1: the forward's chunk states kept for the backward
+KEEP_ENV = Options.env_name("fla_tree_keep_states")
 CHUNK = 64
 GRID_AXIS = 65_535  # CUDA's limit on a grid's second and third axes (see .fla.GRID_AXIS)
 
@@ -327,7 +329,7 @@ class _TreeGatedDeltaRule(torch.autograd.Function):
         # fla recomputes w, the chunk states and the new values in the backward; kept (opt-in),
         # the backward skips that recomputation (its state pass per depth and the w/u stage)
         # for T x H x (K + V) + chunks x H x K x V more memory a layer
-        ctx.keep_states = switched_on(KEEP_ENV)
+        ctx.keep_states = current().fla_tree_keep_states
         ctx.save_for_backward(q, q_rstd, k, k_rstd, v, g, beta, A,
                               *([w, h, v_new] if ctx.keep_states else []),
                               *[x for x in inits if x is not None])
@@ -408,7 +410,7 @@ def tree_gated_delta_rule(seq: dict, static: dict, nodes, root_init, keep):
     with an illegal memory access whose cause is not known (packing on fla's own entry point
     stopped so twice before, [fla-12], [fla-16], and ran clean in [fla-20]): such rows run
     what a packing trainer runs."""
-    if switched_off(ENV) or kernels() is None or max(nodes[3], default=0) == 0:
+    if not current().fla_tree or kernels() is None or max(nodes[3], default=0) == 0:
         return None
     from .fla import expand_heads
 

@@ -31,16 +31,15 @@ these nodes, for the chunk-local stages around it.
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import torch
 
-from .._switches import switched_off
+from ..options import Options, current
 
 __all__ = ["ENV", "TreeTables", "available", "tables", "tree_bwd_dhu", "tree_fwd_h"]
 
-ENV = "TREEFX_FLA_TREE_STATE"  # 0: the state pass depth by depth (fla's kernel per depth)
+# 0: the state pass depth by depth (fla's kernel per depth)
+ENV = Options.env_name("fla_tree_state")
 BT = 64
 
 try:  # Triton is optional: the CPU build of torch comes without it
@@ -53,7 +52,7 @@ except ImportError:  # pragma: no cover - depends on the installation
 def available(key_dim: int) -> bool:
     """Whether the one-launch state pass runs: Triton importable, key heads of 64 or 128
     (two 64-wide halves at most, as fla's kernel holds them), and not turned off by ``ENV``."""
-    if switched_off(ENV):
+    if not current().fla_tree_state:
         return False
     return triton is not None and key_dim in (64, 128)
 
@@ -61,18 +60,7 @@ def available(key_dim: int) -> bool:
 def _config() -> tuple[int, int, int]:
     """(BV, num_warps, num_stages): value columns per program and the launch's settings.
     ``TREEFX_FLA_TREE_STATE_CONFIG=BV,warps,stages`` sets them (for timing variants)."""
-    raw = os.environ.get(ENV + "_CONFIG", "").strip()
-    if not raw:
-        return 32, 4, 2
-    try:
-        bv, warps, stages = (int(x) for x in raw.split(","))
-    except ValueError:
-        raise ValueError(f"{ENV}_CONFIG={raw!r}: expected 'BV,warps,stages', e.g. '32,4,2'") \
-            from None
-    if bv < 16 or bv & (bv - 1) or warps not in (1, 2, 4, 8) or stages < 1:
-        raise ValueError(f"{ENV}_CONFIG={raw!r}: BV a power of two >= 16, warps 1, 2, 4 or 8, "
-                         "stages >= 1")
-    return bv, warps, stages
+    return current().fla_tree_state_config
 
 
 class TreeTables:

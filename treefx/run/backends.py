@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import time
 from unittest import mock
 
 import torch
 import torch.fx as fx
 
-from .._switches import switched_off, switched_on
+from ..options import Options, current
 
 __all__ = ["BACKENDS", "capture_config", "check", "check_available", "compile_graph", "lowering",
            "resolve"]
@@ -41,34 +40,34 @@ def check(backend: str) -> str:
     return backend
 
 
-def inductor_on_cpu() -> bool:
+def inductor_on_cpu(options: Options | None = None) -> bool:
     """Whether ``TREEFX_INDUCTOR_ON_CPU=1`` lets the inductor backend run on the CPU (for
     treefx's tests of that path; not a way to train)."""
-    return switched_on("TREEFX_INDUCTOR_ON_CPU")
+    return current(options).inductor_on_cpu
 
 
-def check_available(backend: str) -> str:
+def check_available(backend: str, options: Options | None = None) -> str:
     """``backend``, or a ``ValueError`` when it cannot run on this machine: ``"inductor"``
     needs CUDA (``"auto"`` picks eager without it)."""
-    if backend == "inductor" and not torch.cuda.is_available() and not inductor_on_cpu():
+    if backend == "inductor" and not torch.cuda.is_available() and not inductor_on_cpu(options):
         raise ValueError("backend='inductor' needs CUDA, which is not available here "
                          "(torch.cuda.is_available() is False); use backend='auto' (inductor on "
                          "CUDA, eager elsewhere) or backend='eager'")
     return backend
 
 
-def resolve(backend: str, device: torch.device) -> str:
+def resolve(backend: str, device: torch.device, options: Options | None = None) -> str:
     """The backend a batch on ``device`` runs with; ``"inductor"`` for a batch on the CPU is a
     ``ValueError``."""
     if backend != "auto":
         if backend == "inductor" and device.type == "cpu":
-            if not inductor_on_cpu():
-                check_available(backend)  # without CUDA: say that first
+            if not inductor_on_cpu(options):
+                check_available(backend, options)  # without CUDA: say that first
                 raise ValueError("backend='inductor' runs on CUDA, but the batch is on the "
                                  "CPU; move the model and the batch to the GPU "
                                  "(batch.to('cuda')), or use backend='auto' or 'eager'")
-            log.warning("inductor backend on the CPU (TREEFX_INDUCTOR_ON_CPU=1): FlexAttention "
-                        "has no CPU backward")
+            log.warning("inductor backend on the CPU (%s=1): FlexAttention has no CPU backward",
+                        Options.env_name("inductor_on_cpu"))
         return backend
     return "inductor" if device.type == "cuda" else "eager"
 
@@ -80,9 +79,12 @@ def lowering(backend: str) -> str:
         backend, "eager")
 
 
-def compile_graph(backend: str, gm: fx.GraphModule, example_inputs):
+def compile_graph(backend: str, gm: fx.GraphModule, example_inputs,
+                  options: Options | None = None):
     """The rewritten graph, compiled for ``backend``: a callable. Its backward is compiled
-    now, with the forward (:func:`backward_compiled_now`)."""
+    now, with the forward (:func:`backward_compiled_now`). ``options``: the capture's
+    (:class:`~treefx.options.Options`; Inductor's settings and waits)."""
+    options = current(options)
     if backend not in ("inductor", "aot-eager"):
         return gm.forward
     sizes = size_inputs(example_inputs)
@@ -98,9 +100,9 @@ def compile_graph(backend: str, gm: fx.GraphModule, example_inputs):
         from torch._inductor.compile_fx import compile_fx
 
         with backward_compiled_now(), _autograd_cache(sizes is not None), \
-                kernel_waits_deferred(), wide_indexing_near_bound():
+                kernel_waits_deferred(options), wide_indexing_near_bound(options):
             fn = compile_fx(gm, example_inputs, config_patches={
-                **inductor_patches(), **cacheable_patch(gm), **patches})
+                **inductor_patches(options), **cacheable_patch(gm), **patches})
     else:
         from torch._functorch.aot_autograd import aot_module_simplified
 
@@ -211,7 +213,7 @@ def _as_is(gm, example_inputs):
     return gm
 
 
-def inductor_patches() -> dict:
+def inductor_patches(options: Options | None = None) -> dict:
     """Inductor settings for tree graphs:
 
     - mix-order reductions off (:func:`mix_order_reduction`), and their heuristic's size
@@ -226,11 +228,12 @@ def inductor_patches() -> dict:
     - pointwise kernels not autotuned (:func:`autotune_pointwise`)."""
     from torch._inductor import config
 
+    options = current(options)
     patches = {}
     if hasattr(config.triton, "autotune_pointwise"):
-        patches["triton.autotune_pointwise"] = autotune_pointwise()
+        patches["triton.autotune_pointwise"] = autotune_pointwise(options)
     if hasattr(config.triton, "mix_order_reduction"):
-        patches["triton.mix_order_reduction"] = mix_order_reduction()
+        patches["triton.mix_order_reduction"] = mix_order_reduction(options)
     if hasattr(config.triton, "mix_order_reduction_non_strict_mode"):
         patches["triton.mix_order_reduction_non_strict_mode"] = True
     if hasattr(config, "emulate_precision_casts"):
@@ -286,13 +289,13 @@ def _size_hint():
 
 
 @contextlib.contextmanager
-def wide_indexing_near_bound():
+def wide_indexing_near_bound(options: Options | None = None):
     """Inductor's choice of 32-bit indexing refused for kernels whose symbolic sizes are near
     2**31 (:func:`near_int32_bound`), for the compilations inside the block. Where this
     torch's Inductor has no ``SIMDScheduling.can_use_32bit_indexing`` to wrap, or with
     ``TREEFX_WIDE_INDEXING=0``, nothing changes (a later call past the bound captures
     again)."""
-    if switched_off("TREEFX_WIDE_INDEXING"):
+    if not current(options).wide_indexing:
         yield
         return
     try:
@@ -328,7 +331,7 @@ def wide_indexing_near_bound():
         SIMDScheduling.can_use_32bit_indexing = original
 
 
-def mix_order_reduction() -> bool:
+def mix_order_reduction(options: Options | None = None) -> bool:
     """Whether Inductor may fuse a norm's two backward reductions (over the features for the
     input's gradient, over the tokens for the weight's) into one mix-order kernel: not by
     default, ``TREEFX_MIX_ORDER_REDUCTION=1`` for Inductor's own default.
@@ -341,10 +344,10 @@ def mix_order_reduction() -> bool:
     backend and the CPU exact; ``benchmarks/nan_check.sh z52a``). A tree's token count is
     anything, so whether rows are masked changes from batch to batch, and the first-call check
     sees only its own. Switch it on only with a torch whose Inductor masks those rows."""
-    return switched_on("TREEFX_MIX_ORDER_REDUCTION")
+    return current(options).mix_order_reduction
 
 
-def autotune_pointwise() -> bool:
+def autotune_pointwise(options: Options | None = None) -> bool:
     """Whether Inductor autotunes the pointwise kernels of tree graphs: not by default,
     ``TREEFX_AUTOTUNE_POINTWISE=1`` for Inductor's own default.
 
@@ -352,8 +355,7 @@ def autotune_pointwise() -> bool:
     timed on its first run. On 4 Qwen3-8B-shaped layers (H100, empty compile caches) that
     was 6.6-9.1 s of a 48-56 s first step, and one configuration each gave the same step
     time within run-to-run noise (BENCHMARKS.md, "First step and compile time")."""
-    value = os.environ.get("TREEFX_AUTOTUNE_POINTWISE", "0").strip().lower()
-    return value not in ("", "0", "false", "no", "off")
+    return current(options).autotune_pointwise
 
 
 def warm_compile_workers() -> None:
@@ -390,11 +392,11 @@ def warm_compile_workers() -> None:
 _deferred_waits: list | None = None
 
 
-def defer_kernel_waits() -> bool:
+def defer_kernel_waits(options: Options | None = None) -> bool:
     """Whether Inductor's waits for its Triton compiles are deferred to the end of a capture's
     compilation (:func:`kernel_waits_deferred`): by default; ``TREEFX_DEFER_KERNEL_WAITS=0``
     waits graph by graph, as Inductor does."""
-    return not switched_off("TREEFX_DEFER_KERNEL_WAITS")
+    return current(options).defer_kernel_waits
 
 
 def _future_types() -> tuple:
@@ -433,7 +435,7 @@ class _PendingKernel:
 
 
 @contextlib.contextmanager
-def kernel_waits_deferred():
+def kernel_waits_deferred(options: Options | None = None):
     """Inside, a generated module's wait for its compiled kernels is recorded, not made: each
     kernel still compiling stands in the module as a :class:`_PendingKernel` (its first use
     waits for it). On leaving the outermost such block without an error, every recorded wait
@@ -444,7 +446,7 @@ def kernel_waits_deferred():
     except ImportError:  # pragma: no cover - a torch without Inductor
         yield
         return
-    if _deferred_waits is not None or not defer_kernel_waits():
+    if _deferred_waits is not None or not defer_kernel_waits(options):
         yield
         return
     pending: list = []

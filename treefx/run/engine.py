@@ -151,7 +151,7 @@ class TreeEngine:
         return [c.context for c in self.compiled]
 
     def resolve_backend(self, device: torch.device) -> str:
-        return backends.resolve(self.backend, device)
+        return backends.resolve(self.backend, device, self.plan.options)
 
     def _capture(self, gm: fx.GraphModule, example_inputs, backend: str) -> Compiled:
         """The passes on a captured graph: its :class:`Compiled`, kept (before the passes run,
@@ -195,7 +195,8 @@ class TreeEngine:
 
                 return run
             with self.timed("compile"):
-                fn = backends.compile_graph(backend, compiled.context.gm, example_inputs)
+                fn = backends.compile_graph(backend, compiled.context.gm, example_inputs,
+                                            self.plan.options)
             compiled.fn = fn
 
             def run(*args):
@@ -216,7 +217,7 @@ class TreeEngine:
             return
         backends.warm_compile_workers()
         if model is not None:
-            intervals.warm_up_model(model, device)
+            intervals.warm_up_model(model, device, self.plan.options)
 
     def __call__(self, device: torch.device, *args, dynamic: tuple[int, ...] = (),
                  discover_in: torch.nn.Module | None = None, root=None):
@@ -463,10 +464,11 @@ class TreeEngine:
             compiled = self._capture(gm, example_inputs, backend)
             ctx = compiled.context
             # the Triton compiles of every piece are waited for once, after the last piece
-            with self.timed("compile"), backends.kernel_waits_deferred():
+            with self.timed("compile"), backends.kernel_waits_deferred(self.plan.options):
                 holder["graph"] = regional.build(ctx.gm, example_inputs, backend=backend,
                                                  model=model, call_args=args,
-                                                 token_args=dynamic)
+                                                 token_args=dynamic,
+                                                 options=self.plan.options)
             log.info("compiled a regional tree graph (%s backend, %d so far)", backend,
                      self.num_compilations)
 
@@ -584,9 +586,8 @@ def _context(gm: fx.GraphModule, backend: str, plan: Plan, real_inputs) -> Graph
     ctx = GraphContext(
         gm, backends.lowering(backend),
         input_ids=ids, tree_info=info, positions=pos, subtree_end=se,
-        seq_len=example(ids).shape[1], prelude=se, block_size=plan.block_size,
-        kernel_options=dict(plan.kernel_options), interleave_heads=plan.interleave_heads,
-        code_before=code_before, modules_before=modules_before,
+        seq_len=example(ids).shape[1], prelude=se, code_before=code_before,
+        modules_before=modules_before,
         tree_weights=by_name.get("tree_weights"),
         part_labels=by_name.get("labels") if marker is not None else None,
         plan=plan, real_inputs=real_inputs,

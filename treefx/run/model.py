@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import os
 from dataclasses import dataclass
 
 import torch
@@ -13,12 +12,12 @@ import torch
 from . import backends
 from . import regional as regional_mod
 from .. import verification
-from .._switches import switched_off
 from .engine import TreeEngine, check_batch, tree_info, unwrap_compiled
 from ..layout import TreeBatch
 from ..ops.cross_entropy import weighted_logprob_loss
 from ..ops.logprobs import register_site, token_logprobs_site, tree_logprobs_from_logits
 from ..compiler import GraphContext
+from ..options import Options
 from ..plan import Plan
 from ..reference import logits_of
 
@@ -113,7 +112,9 @@ class TreeModel(torch.nn.Module):
                              forward_signature=forward_signature, regional=regional)
         if not isinstance(logits, bool):
             raise TypeError(f"logits must be True or False, got {logits!r}")
-        backends.check_available(backends.check(backend))  # inductor without CUDA: refused
+        # the TREEFX_* switches, read once, with this call's own arguments over them
+        options = Options.from_env(verify=verify)
+        backends.check_available(backends.check(backend), options)  # inductor without CUDA
         if not logits:
             register_site()
         model = unwrap_compiled(model)
@@ -149,14 +150,14 @@ class TreeModel(torch.nn.Module):
         self.opts = opts
         self.plan = Plan(backend=backend, block_size=block_size,
                          kernel_options=kernel_options, interleave_heads=interleave_heads,
-                         regional=regional, mode="tree")
+                         regional=regional, mode="tree", options=options)
         self.engine = TreeEngine(tree_forward(opts), self.plan)
         # A model already on a GPU: the first call's background work (compile workers, cuDNN's
         # kernels) starts here, while the job prepares its data and optimizer.
         device = _parameter_device(model)
         if device is not None and device.type == "cuda":
             self.engine.warm_start(device, model)
-        self.verify_on_first_call = verify_default() if verify is None else verify
+        self.verify_on_first_call = options.verify
         if not isinstance(self.verify_on_first_call, bool):
             raise TypeError(f"verify must be True, False or None, got {verify!r}")
         # whether first calls check themselves (treefx.backward's part graph checks itself on
@@ -279,12 +280,12 @@ def twin(tm: TreeModel, model: torch.nn.Module) -> TreeModel | None:
     shared graph on the probe with the twin's parameters against the twin itself, each
     sequence alone; where they differ, the twin captures its own graph (a warning says so).
     Only calls without gradients are shared; a twin's calls with gradients capture its own.
-    ``TREEFX_SHARE_TWINS=0`` turns sharing off (None, always)."""
-    if switched_off("TREEFX_SHARE_TWINS"):
+    ``TREEFX_SHARE_TWINS=0`` (:attr:`treefx.options.Options.share_twins`, read when the twin
+    is made) turns sharing off (None, always)."""
+    if not Options.from_env().share_twins:
         return None
     opts = dict(tm._options)
-    verify = verify_default() if opts["verify"] is None else opts["verify"]
-    if not verify:
+    if not tm.plan.options.verify:
         return None
     why = twin_difference(tm.model, model)
     if why is not None:
@@ -406,11 +407,9 @@ def _forward_parameters(model: torch.nn.Module, forward_signature=None) -> dict:
 
 def verify_default() -> bool:
     """Whether compiled models verify themselves on their first call when ``verify`` is
-    not given: yes, unless the environment variable ``TREEFX_VERIFY`` is ``0``."""
-    value = os.environ.get("TREEFX_VERIFY", "1").strip().lower()
-    if value not in ("0", "1", "false", "true", "no", "yes", "off", "on"):
-        raise ValueError(f"TREEFX_VERIFY must be 0 or 1, got {value!r}")
-    return value in ("1", "true", "yes", "on")
+    not given: yes, unless the environment variable ``TREEFX_VERIFY`` is ``0``
+    (:attr:`treefx.options.Options.verify`)."""
+    return Options.from_env().verify
 
 
 def _parameter_device(model: torch.nn.Module) -> torch.device | None:

@@ -335,13 +335,13 @@ def _global_state_balanced(nodes) -> bool:
 
 
 def build(gm: fx.GraphModule, example_inputs, *, backend: str, model: torch.nn.Module,
-          call_args: tuple, token_args: tuple[int, ...]) -> RegionalGraph:
+          call_args: tuple, token_args: tuple[int, ...], options=None) -> RegionalGraph:
     """Split the rewritten graph ``gm`` (Dynamo's, after the passes) at ``model``'s blocks
     and compile the pieces; called inside the Dynamo backend (its tracing context and fake
     mode). ``call_args``: the traced function's arguments; ``token_args``: the sizes that vary
     per call, as the engine marks them dynamic: ``i`` (the last dimension of ``call_args[i]``,
     the token count for the first) or ``(i, dim)`` (a part's other sizes: its context, labels,
-    states)."""
+    states). ``options``: the capture's :class:`~treefx.options.Options`."""
     t0 = time.perf_counter()
     blocks = find_blocks(model)
     if not blocks:
@@ -457,7 +457,7 @@ def build(gm: fx.GraphModule, example_inputs, *, backend: str, model: torch.nn.M
             # to drop that gradient). Same key, same inputs' kinds: same outputs. (Inductor's
             # function runs on fake inputs only on its first call.)
             if compiled is None:
-                compiled = backends.compile_graph(backend, piece.gm, args)
+                compiled = backends.compile_graph(backend, piece.gm, args, options)
                 outs = _fake_run(compiled, args, fake_mode) if aot else None
                 cache[piece.key] = (compiled, outs)
             else:

@@ -18,6 +18,7 @@ import torch
 
 from .engine import TreeEngine, check_batch, tree_info, unwrap_compiled
 from ..layout import TreeBatch
+from ..options import Options
 from ..plan import Plan
 from .regional import unwrap_ddp
 
@@ -67,7 +68,7 @@ class TreeStep:
         self.fn = fn
         self.plan = Plan(backend=backend, block_size=block_size,
                          kernel_options=kernel_options, interleave_heads=interleave_heads,
-                         regional=regional, mode="step")
+                         regional=regional, mode="step", options=Options.from_env())
         self.engine = TreeEngine(step_function(fn), self.plan)
 
     @property

@@ -166,9 +166,8 @@ def _child(ctx: GraphContext, gm: fx.GraphModule, target: str, kind: _Kind,
         gm, ctx.backend, input_ids=ctx.root_node("input_ids"),
         tree_info=ctx.root_node("tree_info"), positions=ctx.root_node("positions"),
         subtree_end=ctx.root_node("subtree_end"), seq_len=ctx.seq_len, prelude=placeholders[-1],
-        tree_weights=ctx.root_node("tree_weights"), block_size=ctx.block_size,
-        kernel_options=ctx.kernel_options, interleave_heads=ctx.interleave_heads,
-        parent=ctx, name=f"{ctx.name}.{target}" if ctx.name else target, body=Body(kind, op),
+        tree_weights=ctx.root_node("tree_weights"), parent=ctx,
+        name=f"{ctx.name}.{target}" if ctx.name else target, body=Body(kind, op),
     )
     return child
 

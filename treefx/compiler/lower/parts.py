@@ -453,8 +453,8 @@ def _attention(ctx: GraphContext, site: AttentionSite) -> fx.Node:
         k, v, shared_kv = kv_for_flex(site, k)
         ck, cv = _part_context(ctx, site, k, v)
         if ctx.backend != "eager" and lifted is None and intervals.wanted(
-                example(site.q), example(k), example(v)):
-            intervals.warm_up(example(site.q), example(k), example(v))
+                example(site.q), example(k), example(v), ctx.options):
+            intervals.warm_up(example(site.q), example(k), example(v), ctx.options)
             new = g.call_function(intervals.tree_part_interval_attention,
                                   (site.q, k, v, ck, cv, ctx.parent_token(), site.scale))
             return _replace_site(ctx, site, new, note + INTERVAL_NOTE)

@@ -305,9 +305,9 @@ def interval_site(ctx: GraphContext, site, k: fx.Node) -> tuple[fx.Node, str] | 
     takes its q, k, v (the model's KV heads, its repeat undone): (the output node, the note);
     else None (FlexAttention)."""
     k, v, shared_kv = kv_for_flex(site, k)
-    if not intervals.wanted(example(site.q), example(k), example(v)):
+    if not intervals.wanted(example(site.q), example(k), example(v), ctx.options):
         return None
-    intervals.warm_up(example(site.q), example(k), example(v))
+    intervals.warm_up(example(site.q), example(k), example(v), ctx.options)
     out = ctx.graph.call_function(intervals.tree_interval_attention,
                                   (site.q, k, v, ctx.parent_token(), site.scale))
     note = INTERVAL_NOTE
@@ -326,7 +326,7 @@ def trunk_split(ctx: GraphContext, q: fx.Node, k: fx.Node, v: fx.Node,
     context rows (the op can take them, as a second piece) made parts slower on the GPU
     (the SWE trees in parts; BENCHMARKS.md, "Real agent trajectories: SWE-bench runs against
     per-call packing"), so those parts run on FlexAttention alone."""
-    if not trunk.wanted(example(q), example(k), example(v)):
+    if not trunk.wanted(example(q), example(k), example(v), ctx.options):
         return None
 
     def start(c: GraphContext):  # where the rows start in the predecessor row

@@ -237,8 +237,8 @@ def recurrence(ctx: GraphContext, site: RecurrenceSite) -> fx.Node:
         else:
             key, tensors = traced_site(rec, node)
             # a graph traced with gradients on keeps the kernels' graph for its backward
-            # (TREEFX_KEEP_RECURRENCE_GRAPH=0: the backward recomputes the forward)
-            keep = torch.is_grad_enabled() and traced.keeps_forward_graph()
+            # (options.keep_recurrence_graph off: the backward recomputes the forward)
+            keep = torch.is_grad_enabled() and traced.keeps_forward_graph(ctx.options)
             new = g.call_function(TracedTreeRecurrence(key, keep=keep), (parent, *tensors))
     return replace_recurrence(ctx, site, new)
 

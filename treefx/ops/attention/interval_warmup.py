@@ -40,8 +40,19 @@ import time
 
 __all__ = ["PROCESSES", "ROLES", "SWITCH", "start", "start_for", "wait"]
 
-SWITCH = "TREEFX_CUDNN_WARMUP"
-PROCESSES = "TREEFX_CUDNN_WARMUP_PROCESSES"
+
+
+def __getattr__(name: str) -> str:
+    """``SWITCH`` and ``PROCESSES``, the switches' variable names (:mod:`treefx.options`),
+    looked up when asked: this file also runs as a script in the children, without the
+    package, so it imports treefx's modules only inside its functions."""
+    fields = {"SWITCH": "cudnn_warmup", "PROCESSES": "cudnn_warmup_processes"}
+    if name not in fields:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from ...options import Options
+
+    return Options.env_name(fields[name])
+
 # What the op waits for: the plan's and the forward's kernels before its first plan, the
 # backward's before its first backward.
 ROLES = ("forward", "backward")
@@ -96,33 +107,34 @@ def _disk_cache_on() -> bool:
     return os.environ.get("FLEX_ATTENTION_CUTE_DSL_CACHE_ENABLED", "0") == "1"
 
 
-def _groups() -> tuple[tuple[str, ...], ...]:
+def _groups(options: Options | None = None) -> tuple[tuple[str, ...], ...]:
     """The roles of each child: one each (the default), or both in one
-    (``TREEFX_CUDNN_WARMUP_PROCESSES=1``)."""
-    value = os.environ.get(PROCESSES, "").strip()
-    if value not in ("", "1", "2"):
-        raise ValueError(f"{PROCESSES}={value!r}: 1 (one process compiles all of cuDNN's "
-                         "kernels) or 2 (the forward's and the backward's apart, the default)")
-    return (ROLES,) if value == "1" else tuple((r,) for r in ROLES)
+    (``options.cudnn_warmup_processes`` 1)."""
+    from ...options import current
+
+    return (ROLES,) if current(options).cudnn_warmup_processes == 1 \
+        else tuple((r,) for r in ROLES)
 
 
-def start(q, k, v) -> None:
+def start(q, k, v, options: Options | None = None) -> None:
     """Launch the children for these example q, k, v (``[1, H, N, D]``, on the GPU): see
     :func:`start_for`."""
-    start_for(q.dtype, q.shape[1], k.shape[1], q.shape[-1], v.shape[-1], q.device)
+    start_for(q.dtype, q.shape[1], k.shape[1], q.shape[-1], v.shape[-1], q.device, options)
 
 
-def start_for(dtype, hq: int, hk: int, d: int, dv: int, device) -> None:
+def start_for(dtype, hq: int, hk: int, d: int, dv: int, device,
+              options: Options | None = None) -> None:
     """Launch the children for the kernels of this dtype, these query / KV heads and head
     widths on ``device`` (a GPU) unless they ran or run for them, the switch is off, or the
     frontend's disk cache is off (then their kernels could not reach this process)."""
-    from ..._switches import switched_off
+    from ...options import current
 
+    options = current(options)
     key = _key(dtype, hq, hk, d, dv, device)
     if any((key, r) in _running or (key, r) in _done for r in ROLES) \
-            or switched_off(SWITCH) or not _disk_cache_on():
+            or not options.cudnn_warmup or not _disk_cache_on():
         return
-    for roles in _groups():
+    for roles in _groups(options):
         out = tempfile.TemporaryFile()
         try:
             # run by its path, its folder not on sys.path (its modules' names would shadow)

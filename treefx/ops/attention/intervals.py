@@ -42,14 +42,14 @@ import os
 import numpy as np
 import torch
 
-from ..._switches import switched_off, switched_on
+from ...options import Options, current
 from ..host_row import derived
 from . import interval_warmup
 
 __all__ = ["SWITCH", "available", "tree_intervals", "tree_interval_attention",
            "tree_part_interval_attention", "wanted", "warm_up", "warm_up_model"]
 
-SWITCH = "TREEFX_CUDNN_ATTENTION"
+SWITCH = Options.env_name("cudnn_attention")
 _DTYPES = (torch.bfloat16, torch.float16)
 # The frontend's kernels by architecture (Hopper, Blackwell); checked on Hopper only.
 _ARCH_HEAD_DIMS = {90: (64, 96, 128), 100: (64, 96, 128), 103: (64, 96, 128)}
@@ -120,15 +120,17 @@ def available(device: torch.device) -> bool:
             and _arch(device.index or 0) in _ARCH_HEAD_DIMS)
 
 
-def wanted(q, k, v) -> bool:
-    """Whether a site with these example q, k, v (``[1, H, N, D]``) runs here."""
-    if switched_off(SWITCH) or q is None or k is None or v is None:
+def wanted(q, k, v, options: Options | None = None) -> bool:
+    """Whether a site with these example q, k, v (``[1, H, N, D]``) runs here
+    (``options.cudnn_attention``: the capture's :class:`~treefx.options.Options`)."""
+    switch = current(options).cudnn_attention
+    if switch is False or q is None or k is None or v is None:
         return False
     if not (q.dim() == k.dim() == v.dim() == 4 and q.shape[0] == 1
             and q.shape[1] % k.shape[1] == 0 and k.shape[1] == v.shape[1]
             and q.shape[-1] == k.shape[-1] and q.dtype == k.dtype == v.dtype):
         return False
-    if switched_on(SWITCH):
+    if switch:
         return q.dtype.is_floating_point
     if not (q.dtype in _DTYPES and available(q.device)):
         return False
@@ -136,22 +138,24 @@ def wanted(q, k, v) -> bool:
     return q.shape[-1] in dims and v.shape[-1] == q.shape[-1]
 
 
-def warm_up(q, k, v) -> None:
+def warm_up(q, k, v, options: Options | None = None) -> None:
     """Where a site is lowered onto the op with these example ``[1, H, N, D]`` q, k, v:
     compile cuDNN's kernels for them in second processes meanwhile
     (:mod:`.interval_warmup`), where they will run on cuDNN's kernels."""
     if q.device.type == "cuda" and q.dtype in _DTYPES and available(q.device):
-        interval_warmup.start(q, k, v)
+        interval_warmup.start(q, k, v, options)
 
 
-def warm_up_model(model: torch.nn.Module, device: torch.device) -> None:
+def warm_up_model(model: torch.nn.Module, device: torch.device,
+                  options: Options | None = None) -> None:
     """Before a model's first capture on ``device``: compile cuDNN's kernels, in second
     processes, for the attention its Hugging Face config describes (query and KV heads, head
     width) in its parameters' dtype. Dynamo's trace of a deep model comes before the sites
     are lowered (15 s at 36 layers), so this starts the kernels' compilation that much
     earlier. A guess: where the sites differ, :func:`warm_up` starts theirs at lowering; a
     config it cannot read, or one with MLA's head widths, starts nothing."""
-    if switched_off(SWITCH) or device.type != "cuda" or not available(device):
+    options = current(options)
+    if options.cudnn_attention is False or device.type != "cuda" or not available(device):
         return
     cfg = getattr(model, "config", None)
     if cfg is not None and hasattr(cfg, "get_text_config"):
@@ -164,7 +168,7 @@ def warm_up_model(model: torch.nn.Module, device: torch.device) -> None:
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
     if (dtype in _DTYPES and isinstance(hk, int) and hk > 0 and hq % hk == 0
             and d in _ARCH_HEAD_DIMS[_arch(device.index or 0)]):
-        interval_warmup.start_for(dtype, hq, hk, d, d, device)
+        interval_warmup.start_for(dtype, hq, hk, d, d, device, options)
 
 
 def tree_intervals(parent: np.ndarray, context: int = 0) -> np.ndarray:

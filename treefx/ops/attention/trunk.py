@@ -37,23 +37,25 @@ import math
 import numpy as np
 import torch
 
-from ..._switches import switched_off, switched_on
+from ...options import Options, current
 from ..host_row import derived
 
 __all__ = ["SWITCH", "trunk_attention", "trunk_blocks", "trunk_rows", "wanted"]
 
-SWITCH = "TREEFX_TRUNK_ATTENTION"
+SWITCH = Options.env_name("trunk_attention")
 _CUDNN_DTYPES = (torch.bfloat16, torch.float16)
 
 
-def wanted(q, k, v) -> bool:
-    """Whether a site with these example q, k, v (``[B, H, N, D]``) runs its trunk here."""
-    if switched_off(SWITCH) or q is None or k is None or v is None:
+def wanted(q, k, v, options: Options | None = None) -> bool:
+    """Whether a site with these example q, k, v (``[B, H, N, D]``) runs its trunk here
+    (``options.trunk_attention``: the capture's :class:`~treefx.options.Options`)."""
+    switch = current(options).trunk_attention
+    if switch is False or q is None or k is None or v is None:
         return False
     if not (q.dim() == k.dim() == v.dim() == 4 and q.shape[1] % k.shape[1] == 0
             and k.shape[1] == v.shape[1] and q.shape[-1] == k.shape[-1] == v.shape[-1]):
         return False
-    if switched_on(SWITCH):
+    if switch:
         return q.dtype == k.dtype == v.dtype and q.dtype.is_floating_point
     return (q.is_cuda and q.dtype in _CUDNN_DTYPES and q.dtype == k.dtype == v.dtype
             and q.shape[-1] <= 128 and torch.backends.cudnn.is_available())

@@ -15,10 +15,11 @@ a tree.
 
 from __future__ import annotations
 
-import os
+
 
 import torch
 
+from ...options import Options, current
 from .reference import Recurrence, tree_recurrence
 
 __all__ = ["TracedSite", "TracedTreeRecurrence", "backward_paths", "keeps_forward_graph",
@@ -29,15 +30,13 @@ _SITES: dict[str, tuple] = {}  # key -> (recurrence, tensor argument names, stat
 _PATHS = {"kept": 0, "recomputed": 0}  # backward calls that used a kept graph / recomputed
 
 
-def keeps_forward_graph() -> bool:
+def keeps_forward_graph(options: Options | None = None) -> bool:
     """Whether graphs traced with gradients on keep the recurrence's forward graph for its
-    backward (read when a graph is traced): yes by default, ``TREEFX_KEEP_RECURRENCE_GRAPH=0``
-    recomputes the forward in the backward instead (the earlier path: the same
-    values, every kernel call run twice; BENCHMARKS.md, "Hybrids on fla's kernels")."""
-    value = os.environ.get("TREEFX_KEEP_RECURRENCE_GRAPH", "1").strip()
-    if value not in ("0", "1"):
-        raise ValueError(f"TREEFX_KEEP_RECURRENCE_GRAPH must be 0 or 1, got {value!r}")
-    return value == "1"
+    backward (the capture's ``options``, read when a graph is traced): yes by default,
+    ``TREEFX_KEEP_RECURRENCE_GRAPH=0`` recomputes the forward in the backward instead (the
+    earlier path: the same values, every kernel call run twice; BENCHMARKS.md, "Hybrids on
+    fla's kernels")."""
+    return current(options).keep_recurrence_graph
 
 
 def register_site(rec: Recurrence, tensor_names: list[str], static: dict,
@@ -214,8 +213,8 @@ def run_keeping(run, tensors: list[torch.Tensor]
             raise RuntimeError(
                 "treefx recurrence: the kernel's output has no autograd history although its "
                 "inputs require grad, so the backward could only return zeros. Set "
-                "TREEFX_KEEP_RECURRENCE_GRAPH=0 (recompute the forward in the backward) and "
-                "report the model")
+                f"{Options.env_name('keep_recurrence_graph')}=0 (recompute the forward in the "
+                "backward) and report the model")
         # edges, not the outputs: holding an output would keep its memory until the backward
         # (made here, where autograd records: _edge may add a view)
         edges = [(_edge(o), o.dtype) if o.requires_grad else None for o in outs]
