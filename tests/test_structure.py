@@ -535,8 +535,6 @@ def test_no_function_has_injected_globals():
 # Files of treefx/ that still name a GPU in a comment or docstring, being edited by other
 # branches of issue 67 now; their figures move to BENCHMARKS.md as they go. Shrink it as they
 # do: an entry whose file names no GPU any more fails test_the_allowed_device_names_are_still_there.
-ALLOWED_DEVICE_NAMES = {"treefx/run/engine.py", "treefx/run/backends.py",
-                        "treefx/integrations/trl.py"}
 _DEVICE = re.compile(r"(?<!\w)(?:[ABHL]\d{2,3}|RTX ?\d{4}|G[HB]200|MI\d{3}X?)(?!\d)")
 
 
@@ -554,13 +552,8 @@ def device_names() -> dict[str, list[int]]:
 def test_no_device_names_in_the_code():
     """Measurements and the devices they were taken on live in BENCHMARKS.md (and docs/), not
     in comments and docstrings: a comment states the reason and points to the section."""
-    bad = {f: lines for f, lines in device_names().items() if f not in ALLOWED_DEVICE_NAMES}
+    bad = device_names()
     assert not bad, f"GPU names in treefx/ (move the figure to BENCHMARKS.md): {bad}"
-
-
-def test_the_allowed_device_names_are_still_there():
-    gone = sorted(ALLOWED_DEVICE_NAMES - set(device_names()))
-    assert not gone, f"remove from ALLOWED_DEVICE_NAMES: {gone}"
 
 
 def test_the_device_pattern():

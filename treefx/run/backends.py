@@ -126,9 +126,8 @@ def compile_graph(backend: str, gm: fx.GraphModule, example_inputs,
 # out. They read those sizes from the graph's integer inputs only: a graph Dynamo makes takes
 # every symbolic size of its tensors as one, but a piece of a regional graph takes tensors
 # alone. Its cache entry then had no guards at all, and a later graph of the same code hit
-# it at any size: on an H100, packing's 68,762-token row ran the 32-bit output layer compiled
-# for a 17,187-token tree and stopped with an illegal memory access (2026-11-27, stage z12 of
-# benchmarks/speed_check.sh). So a graph whose tensors' sizes use a symbol that no integer
+# it at any size: a longer row then ran the 32-bit output layer compiled for a shorter tree
+# and stopped with an illegal memory access (benchmarks/HISTORY.md, 2026-11-27). So a graph whose tensors' sizes use a symbol that no integer
 # input carries is compiled with one more input per such symbol, filled from its tensors'
 # sizes on every call.
 
@@ -223,8 +222,8 @@ def inductor_patches(options: Options | None = None) -> dict:
     - ``emulate_precision_casts``: a low-precision intermediate rounds where eager rounds it.
       Inductor otherwise computes a fused ``bf16 * int`` in float32 and rounds once: Falcon's
       ALiBi (``slopes.bfloat16() * positions``, in a float32 model) then differs from the
-      per-sequence model at positions past 256 (2.7e-3 in log-prob on the H100), which the
-      first-call check refused;
+      per-sequence model at positions past 256 (on the GPU; BENCHMARKS.md, "Model families"),
+      which the first-call check refused;
     - pointwise kernels not autotuned (:func:`autotune_pointwise`)."""
     from torch._inductor import config
 
@@ -340,7 +339,7 @@ def mix_order_reduction(options: Options | None = None) -> bool:
     past the last token (pytorch/pytorch#195845; torch 2.11 and 2.13 generate it so). Where the
     fused arithmetic turns a masked row's zero into something else, the sum takes it in:
     Gemma 4's RMSNorm recomputes ``pow(mean_squared, -0.5)`` in the backward, so a masked row
-    gave ``0 · inf`` and every norm weight's gradient came out NaN on an H100 (the eager
+    gave ``0 · inf`` and every norm weight's gradient came out NaN on the GPU (the eager
     backend and the CPU exact; ``benchmarks/nan_check.sh z52a``). A tree's token count is
     anything, so whether rows are masked changes from batch to batch, and the first-call check
     sees only its own. Switch it on only with a torch whose Inductor masks those rows."""
@@ -352,9 +351,9 @@ def autotune_pointwise(options: Options | None = None) -> bool:
     ``TREEFX_AUTOTUNE_POINTWISE=1`` for Inductor's own default.
 
     Autotuned, a pointwise kernel is compiled in two or more configurations and each is
-    timed on its first run. On 4 Qwen3-8B-shaped layers (H100, empty compile caches) that
-    was 6.6-9.1 s of a 48-56 s first step, and one configuration each gave the same step
-    time within run-to-run noise (BENCHMARKS.md, "First step and compile time")."""
+    timed on its first run: a large share of the first step, for the same step time within
+    run-to-run noise with one configuration each (BENCHMARKS.md, "First step and compile
+    time")."""
     return current(options).autotune_pointwise
 
 
@@ -377,8 +376,8 @@ def warm_compile_workers() -> None:
 # (``async_compile.wait(globals())`` at the end of the generated module), before it turns to
 # the next graph. A graph's backward, and the next piece of a regional graph, therefore
 # started only once the previous graph's slowest kernel (FlexAttention's backward template,
-# say) was compiled, and the main process sat idle meanwhile: 8.2 s of the 4-layer first step
-# on an H100 (BENCHMARKS.md, "First step and compile time"). Deferred, the workers compile one
+# say) was compiled, and the main process sat idle meanwhile (BENCHMARKS.md, "First step and
+# compile time"). Deferred, the workers compile one
 # graph's kernels while the main process traces, partitions and lowers the next graphs, and
 # the waits happen once, when every graph of the capture has been generated. Nothing runs a
 # compiled graph in between: a regional piece's first call is made on fake inputs, which

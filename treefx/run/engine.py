@@ -45,8 +45,8 @@ _FRESH = itertools.count()
 # without FSDP2 or DDP: where each layer type compiled once saves compile time (Inductor).
 REGIONAL_BY_DEFAULT = ("inductor",)
 # the modes that run regionally by default through those backends: a compiled model on whole
-# batches and on parts of trees (treefx.backward: 1-4% faster per step on the H100, BENCHMARKS.md
-# "Real agent trajectories", and a first step that does not compile the whole stack)
+# batches and on parts of trees (treefx.backward: faster per step, BENCHMARKS.md "Real agent
+# trajectories", and a first step that does not compile the whole stack)
 REGIONAL_MODES = ("tree", "part")
 
 
