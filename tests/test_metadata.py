@@ -182,7 +182,7 @@ def test_stats_reports_por_per_task(tmp_path, capsys):
     assert rows[4] == row("total", 4, 7, 16, 22)
     assert main(["stats", str(path), "--max-tokens", "5"]) == 0
     rows = _table(capsys.readouterr().out)
-    assert rows[0][-13:-7] == ["parts", "ERR", "ERR/POR", "rf", "parts", "rf"]  # "rf parts", ...
+    assert rows[0][-15:-9] == ["parts", "ERR", "ERR/POR", "rf", "parts", "rf"]  # "rf parts", ...
     parts = [q for t in (a1, a2) for q in treefx.partition(t, 5)]
     err = 1 - sum(q.num_tokens for q in parts) / 13
     rf = [treefx.parts.plan(treefx.pack(t), 5) for t in (a1, a2)]
@@ -190,6 +190,7 @@ def test_stats_reports_por_per_task(tmp_path, capsys):
                            str(sum(p.num_parts for p in rf)), f"{1 - 10 / 13:.3f}",
                            str(max(p.peak_held_tokens() for p in rf)),
                            str(max(p.peak_context_tokens() for p in rf)),
+                           f"{sum(p.host_tokens for p in rf) / 10:.3f}",
                            f"{sum(p.recompute_tokens for p in rf) / 10:.3f}"]
     # Without task ids the table is per tree, as before.
     write_jsonl(path, [lone, lone])
