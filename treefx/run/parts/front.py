@@ -193,21 +193,22 @@ def backward(tm: TreeModel, trees: Tree | Iterable[Tree] | TreeBatch | None, *,
         # the parts' backwards); the gradients are averaged over the group once, at the end.
         with wrapper.no_sync():
             sync_ddp_buffers(wrapper)
-            try:
-                for event, i in run.events:
-                    run.forward(i) if event == "F" else run.backward(i)
-            finally:
-                run.release()
+            _run_in_order(run)
         run.finish()
         reduce_ddp(wrapper, group)
     else:
-        try:
-            for event, i in run.events:
-                run.forward(i) if event == "F" else run.backward(i)
-        finally:
-            run.release()
+        _run_in_order(run)
         run.finish()
     return run.total.to(run.dtype)
+
+
+def _run_in_order(run: Run) -> None:
+    """The run's forwards and backwards in its events' order, its held parts released after."""
+    try:
+        for event, i in run.events:
+            run.forward(i) if event == "F" else run.backward(i)
+    finally:
+        run.release()
 
 
 def _token_budget(max_tokens, max_memory, memory, target, batch, beyond) -> int:

@@ -148,6 +148,20 @@ def _get(config, *names, default=None):
     raise ValueError(f"the model's config has none of {names}")
 
 
+def _shape(config) -> tuple[int, int, int, int, int, int, int]:
+    """hidden size, intermediate size, layers, heads, KV heads, head dim and vocabulary of
+    ``config`` (a Hugging Face config, a dict, or the short names)."""
+    h = int(_get(config, "hidden_size", "hidden", "n_embd", "d_model"))
+    i = int(_get(config, "intermediate_size", "intermediate", "n_inner", "ffn_dim",
+                 default=4 * h))
+    layers = int(_get(config, "num_hidden_layers", "layers", "n_layer", "num_layers"))
+    heads = int(_get(config, "num_attention_heads", "heads", "n_head"))
+    kv_heads = int(_get(config, "num_key_value_heads", "kv_heads", default=heads))
+    head_dim = int(_get(config, "head_dim", default=h // heads))
+    vocab = int(_get(config, "vocab_size", "vocab"))
+    return h, i, layers, heads, kv_heads, head_dim, vocab
+
+
 def from_config(config, *, dtype=None, checkpointing: bool = False,
                 fixed_bytes: int = 0) -> MemoryModel:
     """A :class:`MemoryModel` from a Hugging Face config (an object or a dict:
@@ -158,14 +172,7 @@ def from_config(config, *, dtype=None, checkpointing: bool = False,
     ``kv_heads``, ``vocab``). ``dtype``: the activations' (default the config's, else
     bfloat16). ``checkpointing``: every layer activation-checkpointed. ``fixed_bytes``:
     weights, gradients, optimizer state."""
-    h = int(_get(config, "hidden_size", "hidden", "n_embd", "d_model"))
-    i = int(_get(config, "intermediate_size", "intermediate", "n_inner", "ffn_dim",
-                 default=4 * h))
-    layers = int(_get(config, "num_hidden_layers", "layers", "n_layer", "num_layers"))
-    heads = int(_get(config, "num_attention_heads", "heads", "n_head"))
-    kv_heads = int(_get(config, "num_key_value_heads", "kv_heads", default=heads))
-    head_dim = int(_get(config, "head_dim", default=h // heads))
-    vocab = int(_get(config, "vocab_size", "vocab"))
+    h, i, layers, heads, kv_heads, head_dim, vocab = _shape(config)
     if dtype is None:
         dtype = _get(config, "dtype", "torch_dtype", default="bfloat16")
     s = dtype_size(dtype)
@@ -188,14 +195,7 @@ def parameter_count(config) -> int:
     """The parameters of a decoder of ``config``'s shape (as :func:`from_config` reads it):
     the embedding, the output projection unless ``tie_word_embeddings``, per layer the
     attention's four projections, the SwiGLU MLP's three and two norms, the final norm."""
-    h = int(_get(config, "hidden_size", "hidden", "n_embd", "d_model"))
-    i = int(_get(config, "intermediate_size", "intermediate", "n_inner", "ffn_dim",
-                 default=4 * h))
-    layers = int(_get(config, "num_hidden_layers", "layers", "n_layer", "num_layers"))
-    heads = int(_get(config, "num_attention_heads", "heads", "n_head"))
-    kv_heads = int(_get(config, "num_key_value_heads", "kv_heads", default=heads))
-    head_dim = int(_get(config, "head_dim", default=h // heads))
-    vocab = int(_get(config, "vocab_size", "vocab"))
+    h, i, layers, heads, kv_heads, head_dim, vocab = _shape(config)
     q, kv = heads * head_dim, kv_heads * head_dim
     tied = bool(_get(config, "tie_word_embeddings", default=False))
     layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h
