@@ -19,7 +19,7 @@ import torch
 from .mask import dense_tree_mask, tree_block_mask
 from .tree import Tree
 
-__all__ = ["TreeBatch", "check_num_sequences", "known_host_row", "pack", "remember_host_row",
+__all__ = ["TreeBatch", "TreeOutput", "check_num_sequences", "known_host_row", "pack", "remember_host_row",
            "row_key"]
 
 # The loss normalizations a batch may have (read by distributed.pack too).
@@ -604,3 +604,15 @@ def _safe_inv(x: np.ndarray) -> np.ndarray:
     out = np.zeros_like(x, dtype=np.float64)
     np.divide(1.0, x, out=out, where=x > 0)
     return out
+
+
+@dataclass
+class TreeOutput:
+    """What a tree-compiled model returns: its logits and each token's log-probability.
+
+    ``logits`` [1, N, V] in DFS order (None for a model compiled with ``logits=False``);
+    ``token_logprobs`` [N] (float32, float64 for a float64 model), entry t is
+    log p(token t | its own sequence's prefix), 0 where t has no predecessor."""
+
+    logits: torch.Tensor | None
+    token_logprobs: torch.Tensor

@@ -57,7 +57,7 @@ import torch
 
 from .layout import TreeBatch
 from .tree import Tree
-from .run.model import TreeOutput
+from .layout import TreeOutput
 
 __all__ = [
     "KL_ESTIMATORS",

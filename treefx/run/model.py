@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-from dataclasses import dataclass
 
 import torch
 
@@ -13,7 +12,7 @@ from . import backends
 from . import regional as regional_mod
 from .. import verification
 from .engine import TreeEngine, check_batch, tree_info, unwrap_compiled
-from ..layout import TreeBatch
+from ..layout import TreeBatch, TreeOutput
 from ..ops.cross_entropy import weighted_logprob_loss
 from ..ops.logprobs import register_site, token_logprobs_site, tree_logprobs_from_logits
 from ..compiler import GraphContext
@@ -24,18 +23,6 @@ from ..reference import logits_of
 __all__ = ["compile", "TreeModel", "TreeOutput", "tree_loss", "verify", "verify_default"]
 
 log = logging.getLogger("treefx")
-
-
-@dataclass
-class TreeOutput:
-    """What a tree-compiled model returns: its logits and each token's log-probability.
-
-    ``logits`` [1, N, V] in DFS order (None for a model compiled with ``logits=False``);
-    ``token_logprobs`` [N] (float32, float64 for a float64 model), entry t is
-    log p(token t | its own sequence's prefix), 0 where t has no predecessor."""
-
-    logits: torch.Tensor | None
-    token_logprobs: torch.Tensor
 
 
 def tree_loss(out: TreeOutput, batch: TreeBatch) -> torch.Tensor:

@@ -18,7 +18,7 @@ from ...layout import TreeBatch, forget_host_rows, move_tensors, pack
 from ...tree import Tree
 from .. import regional
 from ..engine import check_batch
-from ..model import TreeOutput
+from ...layout import TreeOutput
 from ..step import step_weights
 from .host import HostStore
 from .runner import PartRunner
