@@ -122,7 +122,12 @@ def _state_config() -> tuple[int, int, int]:
 
 
 def _switch(env: str, default, read, doc: str):
-    """A field of :class:`Options`: its environment variable, how it is read, what it does."""
+    """A field of :class:`Options`: its environment variable, how it is read (``None``: an
+    on/off switch, on unless turned off where its default is True, off unless turned on where
+    False), what it does."""
+    if read is None:
+        read = ((lambda: not switched_off(env)) if default is True
+                else (lambda: switched_on(env)))
     return field(default=default, metadata={"env": env, "read": read, "doc": doc})
 
 
@@ -134,7 +139,7 @@ class Options:
     verify: bool = _switch("TREEFX_VERIFY", True, _verify,
                            "first-call check when verify= is not given")
     share_twins: bool = _switch("TREEFX_SHARE_TWINS", True,
-                                lambda: not switched_off("TREEFX_SHARE_TWINS"),
+                                None,
                                 "a reference model shares its policy's no-grad graph")
     trunk_attention: bool | None = _switch("TREEFX_TRUNK_ATTENTION", None,
                                            lambda: _tri("TREEFX_TRUNK_ATTENTION"),
@@ -143,7 +148,7 @@ class Options:
                                            lambda: _tri("TREEFX_CUDNN_ATTENTION"),
                                            "whole-tree sites on the interval op (None: auto)")
     cudnn_warmup: bool = _switch("TREEFX_CUDNN_WARMUP", True,
-                                 lambda: not switched_off("TREEFX_CUDNN_WARMUP"),
+                                 None,
                                  "cuDNN's kernels compiled in second processes")
     cudnn_warmup_processes: int = _switch("TREEFX_CUDNN_WARMUP_PROCESSES", 2, _warmup_processes,
                                           "how many second processes (1 or 2)")
@@ -151,29 +156,29 @@ class Options:
                                           _keep_recurrence_graph,
                                           "the recurrence's forward graph kept for backward")
     inductor_on_cpu: bool = _switch("TREEFX_INDUCTOR_ON_CPU", False,
-                                    lambda: switched_on("TREEFX_INDUCTOR_ON_CPU"),
+                                    None,
                                     "the inductor backend allowed on the CPU")
     wide_indexing: bool = _switch("TREEFX_WIDE_INDEXING", True,
-                                  lambda: not switched_off("TREEFX_WIDE_INDEXING"),
+                                  None,
                                   "64-bit indexing near 2**31")
     mix_order_reduction: bool = _switch("TREEFX_MIX_ORDER_REDUCTION", False,
-                                        lambda: switched_on("TREEFX_MIX_ORDER_REDUCTION"),
+                                        None,
                                         "Inductor's mix-order reductions")
     autotune_pointwise: bool = _switch("TREEFX_AUTOTUNE_POINTWISE", False, _autotune_pointwise,
                                        "Inductor autotunes pointwise kernels")
     defer_kernel_waits: bool = _switch("TREEFX_DEFER_KERNEL_WAITS", True,
-                                       lambda: not switched_off("TREEFX_DEFER_KERNEL_WAITS"),
+                                       None,
                                        "Triton compiles waited for once per capture")
     fla: str = _switch("TREEFX_FLA", "", lambda: os.environ.get("TREEFX_FLA", ""),
                        "fla's kernels: the raw setting, judged by families.fla.decide")
     fla_tree: bool = _switch("TREEFX_FLA_TREE", True,
-                             lambda: not switched_off("TREEFX_FLA_TREE"),
+                             None,
                              "fla's tree path (off: depth by depth)")
     fla_tree_keep_states: bool = _switch("TREEFX_FLA_TREE_KEEP_STATES", False,
-                                         lambda: switched_on("TREEFX_FLA_TREE_KEEP_STATES"),
+                                         None,
                                          "the chunk states kept for the backward")
     fla_tree_state: bool = _switch("TREEFX_FLA_TREE_STATE", True,
-                                   lambda: not switched_off("TREEFX_FLA_TREE_STATE"),
+                                   None,
                                    "the one-launch state pass")
     fla_tree_state_config: tuple = _switch("TREEFX_FLA_TREE_STATE_CONFIG", (32, 4, 2),
                                            _state_config,
