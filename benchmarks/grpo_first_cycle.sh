@@ -4,11 +4,14 @@
 # benchmarks/README.md): `bash benchmarks/grpo_first_cycle.sh a`.
 # Stage a:
 #   1. both paths at the issue's settings (Qwen3-1.7B shape, 28 layers, G = 8, bf16, gradient
-#      checkpointing, num_iterations=2, beta=0.04), empty compile caches: $OUT/grpo_a.json
-#   2. the treefx path alone with what issue 65 added switched off (TREEFX_WIDE_INDEXING=0: the
-#      output layer indexed in 32 bits under a guard the next micro-batch may fail;
-#      TREEFX_SHARE_TWINS=0: the reference model captures and compiles its own graph), the
-#      first cycle only, empty compile caches: $OUT/grpo_b.json
+#      checkpointing, num_iterations=2, beta=0.04) with the tree trainer's defaults (TRL's row
+#      shuffle, --row-shuffle), empty compile caches: $OUT/grpo_a.json
+#   2. the treefx path alone with whole groups kept in micro-batches (keep_groups_together=True,
+#      the setting of the runs of 2026-11-26), empty compile caches: $OUT/grpo_g.json
+# Stage b: the treefx path alone with what issue 65 added switched off (TREEFX_WIDE_INDEXING=0:
+#   the output layer indexed in 32 bits under a guard the next micro-batch may fail;
+#   TREEFX_SHARE_TWINS=0: the reference model captures and compiles its own graph), the first
+#   cycle only, empty compile caches: $OUT/grpo_b.json
 set -u
 export PYTHONUNBUFFERED=1
 stage=${1:-a}
@@ -27,7 +30,10 @@ run() {  # run <name> <seconds> <args...>: a fresh process, empty compile caches
 }
 case $stage in
   a)
-    run a 330
+    run a 320 --row-shuffle
+    run g 200 --paths treefx
+    ;;
+  b)
     TREEFX_WIDE_INDEXING=0 TREEFX_SHARE_TWINS=0 run b 170 --paths treefx --warmup 0 --cycles 0
     ;;
   *) echo "unknown stage $stage"; exit 2 ;;
