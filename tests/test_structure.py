@@ -117,7 +117,8 @@ def test_the_package_has_no_import_cycles():
 LAYERS: list[tuple[str, set[str]]] = [
     # data, and the plan a capture is compiled for (treefx.plan: data only)
     ("data", {"treefx._version", "treefx._progress", "treefx.options", "treefx.tree",
-              "treefx.mask", "treefx.plan", "treefx.chat_pieces", "treefx.trajectories"}),
+              "treefx.tree.*", "treefx.mask", "treefx.plan", "treefx.chat_pieces",
+              "treefx.trajectories"}),
     ("data on trees", {"treefx.layout", "treefx.reference", "treefx.agent_trees",
                        "treefx.partition", "treefx.data", "treefx.parts"}),
     # the ops (one folder per op)
