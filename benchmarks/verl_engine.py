@@ -14,7 +14,10 @@ same checkpoint (a Qwen3 with random weights, saved once): verl's defaults where
 sets nothing (float32 master weights, bf16 mixed precision and autocast, activation
 checkpointing, ``use_remove_padding``), SDPA attention for verl's engine (flash-attn is not
 installed there; verl's packed rows reach SDPA as one sequence with position ids that restart
-per row, which transformers turns into a block-causal mask).
+per row, which transformers turns into a dense block-causal mask over the whole micro-batch).
+``verl-flex``: verl's engine with FlexAttention (``attn_implementation="flex_attention"``), for
+which transformers turns the same position ids into a sparse block mask: the stand-in for
+flash-attn's variable-length kernel that a GPU machine with flash-attn would use.
 
 **The data.** GRPO on multi-turn prompts, as ``benchmarks.grpo`` makes them (its arguments, the
 same defaults): ``--groups`` prompts sharing a ``--context``-token system prompt, each with its
@@ -81,13 +84,14 @@ def _tree_tokens(seqs) -> int:
     return treefx.Tree.from_sequences(seqs).num_tokens
 
 
-def _configs(folder: str, model_type: str, dry_run: bool, checkpointing: bool):
+def _configs(folder: str, model_type: str, dry_run: bool, checkpointing: bool,
+             attention: str = "sdpa"):
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
 
     model = HFModelConfig(path=folder, load_tokenizer=False, model_type=model_type,
                           enable_gradient_checkpointing=checkpointing,
-                          override_config={"attn_implementation": "sdpa"})
+                          override_config={"attn_implementation": attention})
     engine = dict(strategy="fsdp2", use_torch_compile=not dry_run)
     if dry_run:
         engine.update(model_dtype="fp32", mixed_precision={
@@ -107,19 +111,20 @@ def run_engine(name: str, folder: str, td, args, cuda: bool) -> dict:
 
     if args.compile_options:
         tv.register(compile_options=args.compile_options)
-    model_type = "language_model" if name == "verl" else tv.MODEL_TYPE
+    model_type = "language_model" if name.startswith("verl") else tv.MODEL_TYPE
+    attention = "flex_attention" if name == "verl-flex" else "sdpa"
     if model_type == "language_model" and not cuda:
         from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
         EngineRegistry._engines["language_model"]["fsdp2"].setdefault("cpu", FSDPEngineWithLMHead)
     engine = EngineRegistry.new(model_type=model_type, backend="fsdp2",
                                 **_configs(folder, model_type, args.dry_run,
-                                           not args.no_checkpointing))
+                                           not args.no_checkpointing, attention))
     engine.initialize()
     loss_fn = functools.partial(ppo_loss, ActorConfig(
         strategy="fsdp2", rollout_n=args.G, ppo_micro_batch_size_per_gpu=args.micro,
         use_kl_loss=True, kl_loss_coef=0.001, entropy_coeff=0.0, loss_agg_mode="token-mean"))
     timer = functools.partial(timed, cuda=cuda)
-    rec = {"engine": type(engine).__name__, "log_prob_ms": [], "update_ms": [], "losses": []}
+    rec = {"engine": type(engine).__name__, "attention": attention, "log_prob_ms": [], "update_ms": [], "losses": []}
 
     def log_prob():
         with engine.eval_mode():
@@ -183,7 +188,8 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--no-checkpointing", action="store_true")
-    p.add_argument("--engines", default="verl,treefx")
+    p.add_argument("--engines", default="verl,treefx",
+                   help="comma-separated: verl (SDPA), verl-flex (FlexAttention), treefx")
     p.add_argument("--compile-options", type=__import__("json").loads, default={})
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
@@ -214,14 +220,16 @@ def main(argv=None):
     for name in args.engines.split(","):
         print(f"[{name}] ...", flush=True)
         res["engines"][name] = run_engine(name, folder, td, args, cuda)
-    if {"verl", "treefx"} <= res["engines"].keys():
-        a, b = res["engines"]["verl"], res["engines"]["treefx"]
-        dtype = "float32" if args.dry_run else "bfloat16"
-        lens = td["responses"].offsets().diff().tolist() if td["responses"].is_nested else \
-            td["response_mask"].sum(1).tolist()
-        res["comparison"] = compare(a, b, lens, TOL[dtype])
-        res["speedup_update"] = a["update_median_ms"] / b["update_median_ms"]
-        res["speedup_log_prob"] = a["log_prob_median_ms"] / b["log_prob_median_ms"]
+    dtype = "float32" if args.dry_run else "bfloat16"
+    lens = td["responses"].offsets().diff().tolist() if td["responses"].is_nested else \
+        td["response_mask"].sum(1).tolist()
+    for stock in ("verl", "verl-flex"):
+        if {stock, "treefx"} <= res["engines"].keys():
+            a, b = res["engines"][stock], res["engines"]["treefx"]
+            key = "" if stock == "verl" else "_flex"
+            res["comparison" + key] = compare(a, b, lens, TOL[dtype])
+            res["speedup_update" + key] = a["update_median_ms"] / b["update_median_ms"]
+            res["speedup_log_prob" + key] = a["log_prob_median_ms"] / b["log_prob_median_ms"]
     for rec in res["engines"].values():
         rec.pop("log_probs", None)
     for name, rec in res["engines"].items():
@@ -229,9 +237,10 @@ def main(argv=None):
               f"{rec['log_prob_median_ms']:.1f} ms, first cycle {rec['first_cycle_s']:.1f} s, "
               f"peak {rec['peak_gib'] if rec['peak_gib'] is None else round(rec['peak_gib'], 1)}"
               f" GiB")
-    if "comparison" in res:
-        print(f"update {res['speedup_update']:.2f}x, log-prob {res['speedup_log_prob']:.2f}x; "
-              f"{res['comparison']}")
+    for key in ("", "_flex"):
+        if "comparison" + key in res:
+            print(f"against verl{key.replace('_', '-')}: update {res['speedup_update' + key]:.2f}x,"
+                  f" log-prob {res['speedup_log_prob' + key]:.2f}x; {res['comparison' + key]}")
     common.save_json(res, common.resolve_out(args, "verl_engine", cuda))
     dist.destroy_process_group()
     if args.dry_run and "comparison" in res and not res["comparison"]["within_tolerance"]:

@@ -32,8 +32,9 @@ picks the budget with the fewest parts below that. The estimate of a step cut at
   buffer (``head_grad = vocab · hidden · 4``).
 - ``fixed``: weights, gradients and optimizer state: ``fixed_bytes=``, else on a GPU
   ``torch.cuda.memory_allocated()`` when :func:`for_model` is called (what is allocated then:
-  weights, gradients and optimizer state where they exist), on the CPU the parameters' bytes
-  twice (weights and their gradients).
+  weights, gradients and optimizer state where they exist) plus the gradients the step will
+  allocate (trainable parameters without one yet), on the CPU the parameters' bytes twice
+  (weights and their gradients).
 
 The formula is derived, not measured: the target (a measured peak under the budget and within
 15% of it) is **not yet measured on a GPU**. :meth:`MemoryModel.calibrate` takes one measured
@@ -223,8 +224,9 @@ def for_model(model: torch.nn.Module, *, checkpointing: bool | None = None,
     model's ``.model``). ``checkpointing``: default the model's
     ``is_activation_checkpointing`` (``is_gradient_checkpointing`` before transformers
     5.17). ``fixed_bytes`` (bytes or ``"20GiB"``): default, on a GPU,
-    ``torch.cuda.memory_allocated()`` of the model's device now; on the CPU, its parameters'
-    bytes twice (weights and gradients). ``dtype``: default its parameters'."""
+    ``torch.cuda.memory_allocated()`` of the model's device now, plus the bytes of the gradients
+    of trainable parameters that have none yet (the step allocates them); on the CPU, its
+    parameters' bytes twice (weights and gradients). ``dtype``: default its parameters'."""
     config = getattr(model, "config", None)
     if config is None:
         raise ValueError(f"max_memory= needs a model with a Hugging Face config (hidden size, "
@@ -240,7 +242,11 @@ def for_model(model: torch.nn.Module, *, checkpointing: bool | None = None,
         dtype = param.dtype if param is not None else None
     if fixed_bytes is None:
         if param is not None and param.device.type == "cuda":
-            fixed_bytes = torch.cuda.memory_allocated(param.device)
+            # the step allocates the gradients that do not exist yet (after
+            # ``zero_grad(set_to_none=True)``, every optimizer's default): count them now
+            missing = sum(p.numel() * p.element_size() for p in model.parameters()
+                          if p.requires_grad and p.grad is None)
+            fixed_bytes = torch.cuda.memory_allocated(param.device) + missing
         else:
             fixed_bytes = 2 * sum(p.numel() * p.element_size() for p in model.parameters())
     elif not isinstance(fixed_bytes, numbers.Integral):

@@ -1,0 +1,216 @@
+"""Issue 66's table: a real tree trained whole and in parts at several budgets, one process.
+
+    python -m benchmarks.parts_budget --trees .data/swe_issue66.jsonl --layers 4
+    python -m benchmarks.parts_budget --trees .data/swe_issue66.jsonl --tasks 1 --layers 36 \
+        --checkpointing
+    python -m benchmarks.parts_budget --dry-run     # CPU: a tiny model, a synthetic comb
+
+Model and data as :mod:`benchmarks.real_trees` has them (Qwen3-8B-shaped layers, bf16, random
+weights, ``treefx.compile(model, logits=False, verify=False)``, Inductor, regional; real trees
+from ``--trees``). ``--checkpointing``: Hugging Face activation checkpointing (non-reentrant)
+on every layer.
+
+Per task, in this order, each step from no gradients (``zero_grad(set_to_none=True)``):
+
+- ``whole``: the tree in one forward and backward (``treefx.tree_loss(tm(batch),
+  batch).backward()``);
+- ``half`` / ``quarter``: ``treefx.backward(tm, batch, max_tokens=ceil(N / 2))`` / ``N / 4``;
+- ``memory``: ``treefx.backward(tm, batch, max_memory=B)`` with ``B = --memory-fraction`` of
+  the whole step's measured peak (or ``--max-memory``): the budget a user who knows the whole
+  tree does not fit would give.
+
+Recorded per budget: ``first_s`` (its first call in this process: compiles of new part lengths
+included; the ``whole`` row's is the process's first step, with every compile), ``graphs``
+(Dynamo graphs compiled by that first call), the median step of ``--reps`` after it (a step
+that compiled is run again, as in ``benchmarks.real_trees``), the peak allocated during a step
+(weights and gradients included), the plan (parts, ``max_tokens``, held and open-path tokens,
+recomputed and host tokens) and the memory model's estimate of the plan's peak
+(:mod:`treefx.run.parts.memory`, ``for_model`` as ``treefx.backward`` makes it); relative to
+``whole``: the step (``x_whole``) and peak. ``--packing``: one packed step of the task's calls
+(``benchmarks.real_trees``' FFD micro-batches of ``--packing-budget`` tokens), and each row's
+share of the token-count bound, ``(packing step / step) / (call tokens / tree tokens)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+import types
+
+import torch
+
+import treefx
+from benchmarks import common
+from benchmarks.parts import SHAPE_8B, TINY
+from benchmarks.real_trees import load_tasks, packing_batches, timed
+from treefx.run.parts import memory as mem
+
+CONFIGS = ("whole", "half", "quarter", "memory")
+
+
+def _graphs() -> int:
+    return common.dynamo_counts().get("unique_graphs", 0)
+
+
+def _first(fn, model, cuda: bool) -> tuple[float, int]:
+    """Seconds and Dynamo graphs of one call of ``fn`` from no gradients."""
+    model.zero_grad(set_to_none=True)
+    if cuda:
+        torch.cuda.synchronize()
+    g0, t0 = _graphs(), time.perf_counter()
+    fn()
+    if cuda:
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0, _graphs() - g0
+
+
+def _plan_row(batch, max_tokens: int, memory: mem.MemoryModel) -> dict:
+    plan = treefx.parts.plan(batch, max_tokens)
+    return {"max_tokens": max_tokens, "parts": plan.num_parts,
+            "part_tokens": [int(n) for n in plan.part_tokens()]
+            if hasattr(plan, "part_tokens") else None,
+            "held_tokens": plan.peak_held_tokens(), "context_tokens": plan.peak_context_tokens(),
+            "recompute_tokens": plan.recompute_tokens, "host_tokens": plan.host_tokens,
+            "estimate_gib": memory.plan_peak(plan) / 2**30}
+
+
+def run_task(tree, tm, model, args, cuda: bool, dev: str) -> dict:
+    batch = treefx.pack(tree, reduction="mean")
+    n = batch.num_tokens
+    row = {"task": tree.metadata.get("task"), "calls": tree.num_sequences,
+           "unique_tokens": n, "sequence_tokens": tree.num_baseline_tokens,
+           "token_bound": tree.num_baseline_tokens / n, "budgets": {}}
+    whole_batch = batch.to(dev)
+
+    def whole():
+        loss = treefx.tree_loss(tm(whole_batch), whole_batch)
+        loss.backward()
+        return loss.detach()
+
+    for name in args.configs:
+        model.zero_grad(set_to_none=True)
+        memory = mem.for_model(model)  # as treefx.backward makes it: before the step
+        if name == "whole":
+            step, rec = whole, {"estimate_gib": memory.peak(n, 0) / 2**30}
+        else:
+            if name == "memory":
+                whole_peak = row["budgets"].get("whole", {}).get("peak_gib")
+                budget = args.max_memory or (
+                    f"{args.memory_fraction * whole_peak:.3f}GiB" if whole_peak else None)
+                if budget is None:
+                    continue
+                tokens = mem.plan_tokens(memory, budget, batch)
+                rec = {"max_memory": budget, **_plan_row(batch, tokens, memory)}
+                kwargs = {"max_memory": budget}
+            else:
+                tokens = math.ceil(n / (2 if name == "half" else 4))
+                rec = _plan_row(batch, tokens, memory)
+                kwargs = {"max_tokens": tokens}
+
+            def step(kwargs=kwargs):
+                return treefx.backward(tm, batch, **kwargs)
+        try:
+            rec["first_s"], rec["graphs"] = _first(step, model, cuda)
+            rec.update(timed(step, model, cuda, warmup=0, reps=args.reps))
+        except torch.OutOfMemoryError as e:
+            rec["oom"] = str(e).splitlines()[0]
+        row["budgets"][name] = rec
+        print(f"  {name:>7}: {_line(rec)}", flush=True)
+        model.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.empty_cache()
+    if args.packing:
+        micro = [b.to(dev) for b in packing_batches(tree, args.packing_budget)]
+
+        def packed():
+            total = torch.zeros((), dtype=torch.float64, device=dev)
+            for b in micro:
+                loss = treefx.tree_loss(tm(b), b)
+                loss.backward()
+                total += loss.detach().to(total.dtype)
+            return total
+
+        biggest = max(micro, key=lambda b: b.num_tokens)
+
+        def warm():
+            treefx.tree_loss(tm(biggest), biggest).backward()
+
+        row["packing"] = timed(packed, model, cuda, warmup=0, reps=1, pre_warm=warm)
+        row["packing"]["micro_batches"] = len(micro)
+        print(f"  packing: {row['packing']['step_ms'] / 1e3:.2f} s, "
+              f"{len(micro)} micro-batches", flush=True)
+    whole = row["budgets"].get("whole", {})
+    for rec in row["budgets"].values():
+        if "step_ms" not in rec:
+            continue
+        if whole.get("step_ms"):
+            rec["x_whole"] = rec["step_ms"] / whole["step_ms"]
+        if whole.get("peak_gib") and rec.get("peak_gib"):
+            rec["peak_x_whole"] = rec["peak_gib"] / whole["peak_gib"]
+        if "packing" in row:
+            rec["share_of_bound"] = row["packing"]["step_ms"] / rec["step_ms"] / row["token_bound"]
+    return row
+
+
+def _line(rec: dict) -> str:
+    if "oom" in rec:
+        return f"OOM ({rec['oom'][:80]})"
+    peak = "-" if rec.get("peak_gib") is None else f"{rec['peak_gib']:.1f} GiB"
+    plan = "" if "parts" not in rec else \
+        f", {rec['parts']} parts of <= {rec['max_tokens']} (est. {rec['estimate_gib']:.1f} GiB)"
+    return (f"step {rec['step_ms'] / 1e3:.2f} s, peak {peak}, first {rec['first_s']:.1f} s "
+            f"({rec['graphs']} graphs){plan}")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--trees", default=None, help="JSON Lines of trees (treefx.write_jsonl)")
+    p.add_argument("--tasks", type=int, default=None, help="the first N trees (default all)")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--checkpointing", action="store_true")
+    p.add_argument("--configs", default=",".join(CONFIGS),
+                   help=f"comma-separated, in order: {', '.join(CONFIGS)}")
+    p.add_argument("--memory-fraction", type=float, default=0.75,
+                   help="the memory row's budget: this share of the whole step's peak")
+    p.add_argument("--max-memory", default=None, help="the memory row's budget, e.g. 30GiB")
+    p.add_argument("--reps", type=int, default=2)
+    p.add_argument("--packing", action="store_true")
+    p.add_argument("--packing-budget", type=int, default=65536)
+    common.add_run_args(p, "CPU, a tiny float32 model, the eager backend, a synthetic comb")
+    args = p.parse_args(argv)
+    args.configs = [c for c in args.configs.split(",") if c]
+    if set(args.configs) - set(CONFIGS):
+        p.error(f"--configs: {', '.join(CONFIGS)}")
+    cuda = common.use_cuda(args.dry_run)
+    dev = "cuda" if cuda else "cpu"
+    shape, dtype = (dict(SHAPE_8B), torch.bfloat16) if cuda else (dict(TINY), torch.float32)
+    select = types.SimpleNamespace(trees=args.trees, tasks=args.tasks, sample=None, seed=0,
+                                   slice=None, dry_run=args.dry_run)
+    if args.dry_run and args.tasks is None:
+        select.tasks = 1
+    tasks, prov = load_tasks(select, SHAPE_8B["vocab_size"] if args.trees else
+                             shape["vocab_size"])
+    if args.trees and not cuda:
+        shape["vocab_size"] = SHAPE_8B["vocab_size"]
+    common.bump_dynamo_limits()
+    model = common.hf_model("qwen3", dev=dev, dtype=dtype, on_device=cuda,
+                            num_hidden_layers=args.layers, train=True,
+                            checkpointing="nonreentrant" if args.checkpointing else None,
+                            **shape)
+    tm = treefx.compile(model, backend="inductor" if cuda else "eager", logits=False,
+                        verify=False)
+    res = {"meta": common.run_meta(cuda), "args": vars(args), "data": prov,
+           "model": {"type": "qwen3", "layers": args.layers, "dtype": str(dtype),
+                     "checkpointing": args.checkpointing, **shape}, "tasks": []}
+    for _, tree in tasks:
+        print(f"{tree.metadata.get('task', 'tree')}: {tree.num_sequences} calls, "
+              f"{tree.num_tokens:,} tokens ({tree.num_baseline_tokens:,} in the calls)",
+              flush=True)
+        res["tasks"].append(run_task(tree, tm, model, args, cuda, dev))
+        common.save_json(res, common.resolve_out(args, "parts_budget", cuda))
+    return res
+
+
+if __name__ == "__main__":
+    main()
