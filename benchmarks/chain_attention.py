@@ -39,7 +39,7 @@ import torch
 import treefx
 from benchmarks import common
 from benchmarks.internals import intervals
-from benchmarks.trunk_attention import _rel, _time, _whole
+from benchmarks.trunk_attention import _time, _whole
 
 
 def chains(parent: np.ndarray):
@@ -330,8 +330,8 @@ def main(argv=None):
                 xs = [x.clone().requires_grad_() for x in (q, k, v)]
                 o = fn(*xs)
                 o.backward(grad)
-                r["out_rel"] = _rel(o.detach(), ref[0])
-                r["grad_rel"] = [_rel(x.grad, g) for x, g in zip(xs, ref[1:])]
+                r["out_rel"] = common.norm_rel(o.detach(), ref[0])
+                r["grad_rel"] = [common.norm_rel(x.grad, g) for x, g in zip(xs, ref[1:])]
                 if cuda:
                     def f(xs=xs):
                         with torch.no_grad():

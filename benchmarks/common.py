@@ -307,6 +307,18 @@ def report_dict(rep) -> dict:
             "report": str(rep)}
 
 
+def max_rel(a: torch.Tensor, r: torch.Tensor, floor: float = 0.0) -> float:
+    """``max |a - r| / max(max |r|, floor)`` in float64 (the checks' worst relative error)."""
+    a, r = a.detach().double(), r.detach().double()
+    return float((a - r).abs().max()) / max(float(r.abs().max()), floor, 1e-30)
+
+
+def norm_rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``||a - b|| / ||b||`` in float64 (the timings' agreement between two paths)."""
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
 def grads_of(model) -> dict:
     """The parameters' gradients (float32 copies), then cleared."""
     g = {n: p.grad.detach().float().clone() for n, p in model.named_parameters()

@@ -20,6 +20,7 @@ import treefx
 from treefx.ops.conv import boundary_taps, tree_causal_conv1d, tree_causal_conv1d_fast
 
 from .common import make_tree
+from .timing import median_ms
 
 
 def _step(fn, x, w, b, parent, probe):
@@ -28,16 +29,8 @@ def _step(fn, x, w, b, parent, probe):
 
 
 def _time(fn, args, reps: int) -> float:
-    for _ in range(2):
-        fn(*args)
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn(*args)
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps
+    """Median milliseconds of ``reps`` calls after two warm-ups (:mod:`benchmarks.timing`)."""
+    return median_ms(lambda: fn(*args), reps, True, warmup=2)
 
 
 def main(argv=None) -> dict:

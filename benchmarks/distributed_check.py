@@ -106,11 +106,6 @@ DRY_HYBRID = _hybrid(32, 64, 2, 4, 2, 8, 2, 4, 8, 1024)
 PARTS_BUDGET = {False: 256, True: 8}  # rank r: (r + 1) × this (GPU, dry run)
 
 
-def _rel(a: torch.Tensor, r: torch.Tensor, scale: float) -> float:
-    a, r = a.double(), r.double()
-    return float((a - r).abs().max()) / max(float(r.abs().max()), scale, 1e-30)
-
-
 def _say(msg: str, t0: float) -> None:
     if dist.get_rank() == 0:
         print(f"[{time.perf_counter() - t0:6.1f}s] {msg}", flush=True)
@@ -175,8 +170,8 @@ def _verdict(grads: dict, loss: float, oracle, ref_loss: float, floors: list) ->
     groups, worst, where = {}, 0.0, None
     for n, r in refs.items():
         g = torch.zeros_like(r) if grads[n] is None else grads[n]
-        err = _rel(g, r, scale)
-        fl = max(_rel(f[n].to(r.dtype), r, scale) for f in floors)
+        err = common.max_rel(g, r, scale)
+        fl = max(common.max_rel(f[n].to(r.dtype), r, scale) for f in floors)
         tol = max(GRAD_TOL, FLOOR_FACTOR * fl)
         grp = groups.setdefault(re.sub(r"\.\d+\.", ".*.", n),
                                 {"max_rel_err": 0.0, "max_oracle_floor": 0.0,

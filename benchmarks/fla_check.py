@@ -54,11 +54,6 @@ from . import common  # noqa: E402
 SCALE_FLOOR = 1e-3
 
 
-def _rel(a: torch.Tensor, r: torch.Tensor, floor: float = 0.0) -> float:
-    a, r = a.detach().double(), r.detach().double()
-    return float((a - r).abs().max()) / max(float(r.abs().max()), floor, 1e-30)
-
-
 # ----------------------------------------------------------------------------- trees
 
 def odd_trees(vocab: int) -> dict[str, list[treefx.Tree]]:
@@ -189,7 +184,7 @@ def op_case(dev, dtype, layout, trees) -> dict:
 
     def errors(out, grads):
         names = ("out", "dq", "dk", "dv", "dg", "dbeta")
-        return dict(zip(names, [_rel(out, ref_out)] + [_rel(g, r)
+        return dict(zip(names, [common.max_rel(out, ref_out)] + [common.max_rel(g, r)
                                                        for g, r in zip(grads, ref_grads)]))
 
     res = {"tokens": n, "sequences": batch.num_sequences, "key_heads": hk, "value_heads": hv,
@@ -270,7 +265,7 @@ def _grads(model) -> dict:
 
 def _param_err(got: dict, ref: dict) -> tuple[float, str]:
     scale = SCALE_FLOOR * max(float(r.abs().max()) for r in ref.values())
-    worst = max(((_rel(got[n].float(), r, scale), n) for n, r in ref.items()))
+    worst = max(((common.max_rel(got[n].float(), r, scale), n) for n, r in ref.items()))
     return worst
 
 

@@ -14,8 +14,9 @@ or + 1e-3 (bf16): the same fla stages, run in another grouping. Roots alone (the
 separate-sequences case) take fla's own variable-length call on both paths since 2026-11-27
 (``tree_gated_delta_rule``'s docstring says why), so there the two paths are the same call.
 float32 on the GPU: Triton's compile of fla's float32 state-pass backward took more than
-200 s for one configuration (2026-11-27); its exactness in float32 is shown on the CPU through
-the same kernels under Triton's interpreter (``benchmarks/fla_tree_interpret.py``).
+200 s for one configuration (2026-11-27); its exactness in float32 was shown on the CPU through
+fla's kernels under Triton's interpreter (``benchmarks/fla_tree_interpret.py``, removed in
+issue 67; its findings: BENCHMARKS.md, "Hybrids on fla's kernels").
 
 Timing: forward and backward of the tree recurrence op as a compiled graph runs it
 (``run_tree``), Qwen3-Next's heads (16 key heads expanded to 32 value heads of 128), bf16,
@@ -28,7 +29,9 @@ and the one-pass path with its forward's chunk states kept for the backward
 ``--cases state``: treefx's one-launch state pass alone (``fla_tree_state``), forward and
 backward, float32 against its float64 reference: two random forests, then a 214-node, 27-depth
 tree at Qwen3-Next's heads run 20 times, every output the same bit for bit (a race between
-its programs would show there). The exactness cases include that tree too (``many-nodes``).
+its programs would show there). ``--cases interpret-state``: the kernels on the CPU under
+Triton's interpreter (``TRITON_INTERPRET=1``, NumPy < 2.3; no fla, no GPU), three random
+forests, float32, printed as JSON lines (tests/test_family_fla_tree_state.py runs it). The exactness cases include that tree too (``many-nodes``).
 Timed variants: fla depth by depth; one pass with the state pass per depth
 (``TREEFX_FLA_TREE_STATE=0``); one pass with the state pass in one launch (the default), also
 with each ``--state-configs`` setting; the chunk states kept. ``--profile-op`` profiles named
@@ -56,7 +59,7 @@ import torch  # noqa: E402
 import treefx  # noqa: E402
 
 from . import common  # noqa: E402
-from .fla_check import _rel, odd_trees  # noqa: E402
+from .fla_check import odd_trees  # noqa: E402
 
 
 def _walk_float64(q, k, v, g, beta, parent, root_state):
@@ -145,7 +148,7 @@ def exact_case(dev, dtype, trees, seed: int = 0, value_heads: int = 4) -> dict:
         f = torch.stack([final[i] for i in keep])
         total = (o[0].double() * probe).sum() + (f.double() * probe_fin).sum()
         got = [o[0], f, *torch.autograd.grad(total, xs)]
-        res[label] = {nm: _rel(a, r) for nm, a, r in zip(names, got, ref)}
+        res[label] = {nm: common.max_rel(a, r) for nm, a, r in zip(names, got, ref)}
         after_runs = kernel_runs()
         res[label]["paths"] = sorted(p for (nm, p), c in after_runs.items()
                                      if c != before.get((nm, p), 0))
@@ -394,6 +397,14 @@ def main(argv=None):
     if args.trace_after:
         import faulthandler
         faulthandler.dump_traceback_later(args.trace_after, repeat=True)
+    if args.cases == "interpret-state":
+        import json
+
+        runs = [state_pass_exact("cpu", seed, *shape)
+                for seed, shape in enumerate([(2, 128, 32), (3, 64, 64), (1, 128, 48)])]
+        for r in runs:
+            print(json.dumps({"case": "state-pass", **r}), flush=True)
+        return 0 if all(r["passed"] for r in runs) else 1
     cuda = common.use_cuda(args.dry_run)
     if not cuda:
         raise SystemExit("fla_tree_check needs a GPU with fla installed")
@@ -465,4 +476,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -62,10 +62,6 @@ def _token_chunked_backward(grad, h, weight, ids, parent, lse):
     return dh.to(h.dtype), dw.to(weight.dtype)
 
 
-def _rel(a, b) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
-
-
 def run_case(n: int, hidden: int, vocab: int, dev: str, dtype, reps: int) -> dict:
     g = torch.Generator(device=dev).manual_seed(n)
     h = torch.randn(n, hidden, device=dev, dtype=dtype, generator=g)
@@ -85,7 +81,7 @@ def run_case(n: int, hidden: int, vocab: int, dev: str, dtype, reps: int) -> dic
     ref = _token_chunked_backward(upstream, h.float(), w.float(), ids, parent, lse)
     for name, fn in (("vocab_slices", new), ("token_chunks", old)):
         dh, dw = fn()
-        out[f"{name}_dh_err"], out[f"{name}_dw_err"] = _rel(dh, ref[0]), _rel(dw, ref[1])
+        out[f"{name}_dh_err"], out[f"{name}_dw_err"] = common.norm_rel(dh, ref[0]), common.norm_rel(dw, ref[1])
         del dh, dw
         times = []
         for _ in range(reps + 1):
@@ -184,8 +180,8 @@ def run_paths(n: int, hidden: int, vocab: int, dev: str, dtype, reps: int) -> di
     ref = grads.get("materialized")
     for name, (dh, dw) in grads.items():
         if name != "materialized" and ref is not None:
-            out[f"{name}_dh_vs_materialized"] = _rel(dh, ref[0])
-            out[f"{name}_dw_vs_materialized"] = _rel(dw, ref[1])
+            out[f"{name}_dh_vs_materialized"] = common.norm_rel(dh, ref[0])
+            out[f"{name}_dw_vs_materialized"] = common.norm_rel(dw, ref[1])
     for name in ("materialized_inductor", "fused_logprobs", "fused_loss"):
         out[f"{name}_x_materialized"] = out[f"{name}_ms"] / out["materialized_ms"]
     out["fused_logprobs_no_grad_x_materialized"] = (out["fused_logprobs_no_grad_ms"]

@@ -26,13 +26,12 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import statistics
 
 import torch
 import torch.nn.functional as F
 
 import treefx
-from benchmarks import common
+from benchmarks import common, timing
 from benchmarks.internals import attention_ops, tree_block_tensors
 
 BLOCK = 128
@@ -40,23 +39,8 @@ EXPANDED: set = set()  # SDPA backends that refused grouped-query attention (KV 
 
 
 def _time(dev, fn, reps):
-    """Median seconds of ``reps`` calls after one warm-up (CUDA events on the GPU)."""
-    fn()
-    times = []
-    for _ in range(reps):
-        if dev == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            torch.cuda.synchronize()
-            times.append(a.elapsed_time(b) / 1e3)
-        else:
-            import time
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    """Median seconds of ``reps`` calls after one warm-up (:mod:`benchmarks.timing`)."""
+    return timing.median_ms(fn, reps, dev == "cuda", warmup=1) / 1e3
 
 
 def trunk_length(parent: torch.Tensor) -> int:
@@ -152,10 +136,6 @@ def _split_compiled(q, k, v, se, marker):
     return torch.cat([trunk, _rest_flex(q[:, :, t0:], k, v, se, t0)], dim=2)
 
 
-def _rel(a, b):
-    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m benchmarks.trunk_attention",
                                 description=__doc__.split("\n\n")[0])
@@ -206,11 +186,11 @@ def main(argv=None):
                 x.grad = None
         ref = ref or (out.detach(), gs)
         r = {"fwd_ms": f_s * 1e3, "fwd_tflops": pairs * 4 * d / f_s / 1e12,
-             "out_rel": _rel(out.detach(), ref[0])}
+             "out_rel": common.norm_rel(out.detach(), ref[0])}
         if grad:
             r.update(fwd_bwd_ms=b_s * 1e3, tflops=pairs * 14 * d / b_s / 1e12,
                      bwd_tflops=pairs * 10 * d / max(b_s - f_s, 1e-9) / 1e12,
-                     grad_rel=[_rel(g, h) for g, h in zip(gs, ref[1])])
+                     grad_rel=[common.norm_rel(g, h) for g, h in zip(gs, ref[1])])
         return r, ref
 
     def variants_row(variants, q, k, v, pairs, label, row):

@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import types
 
 import pytest
 
@@ -442,19 +443,23 @@ def test_real_trees_profile_dry_run(tmp_path, monkeypatch, capsys):
 
 
 def test_real_trees_time_limit_and_skips(tmp_path, monkeypatch):
-    """``--time-limit`` stops before a task that would not fit, the file keeping the tasks
-    done; ``--max-call-tokens`` records a longer task as skipped."""
+    """``--time-limit`` stops before a task that would not fit (0.3 s a task on a fake clock
+    against a limit of 0.1 s), the file keeping the tasks done; ``--max-call-tokens`` records
+    a longer task as skipped."""
     rt = _real_trees()
     trees = _comb_file(tmp_path / "t.jsonl", n=4)
     longest = [int(t.sequence_lengths.max()) for t in trees]
     calls = []
+    # the module's clock, advanced by the tasks alone: each fake task takes 0.3 s of it, so
+    # the decision to stop depends on no machine's speed
+    clock = [0.0]
+    monkeypatch.setattr(rt, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
 
     def fake_task(index, tree, tm, model, args, cuda, dev, profile=False):
         calls.append(index)
         if args.max_call_tokens is not None and longest[index] > args.max_call_tokens:
             return real_task(index, tree, tm, model, args, cuda, dev, profile)
-        import time
-        time.sleep(0.3)
+        clock[0] += 0.3
         return {"index": index, "task": None, "calls": tree.num_sequences,
                 "unique_tokens": tree.num_tokens, "sequence_tokens": tree.num_baseline_tokens,
                 "longest_call": longest[index], "bound": tree.bound, "status": "ok",
@@ -535,20 +540,6 @@ def test_multi_gpu_dry_run(tmp_path, monkeypatch):
     assert p["losses"] == pytest.approx(t["losses"], rel=1e-5)
 
 
-@pytest.mark.slow
-def test_gdn_parts_check_dry_run(tmp_path):
-    """Three Gated DeltaNet layers, two sharing a compiled piece, in parts through AOTAutograd:
-    within 10x of whole trees (the shared-piece bug was 400x)."""
-    from benchmarks import gdn_parts_check
-
-    out = tmp_path / "gdn.json"
-    rc = gdn_parts_check.main(["--dry-run", "--variants", "regional", "--backends",
-                               "aot-eager", "--out", str(out)])
-    assert rc == 0
-    rows = json.loads(out.read_text())["rows"]
-    assert set(rows) == {"regional aot-eager whole", "regional aot-eager parts 16"}
-
-
 def test_fla_check_op_case_on_the_cpu():
     """fla_check's tree-op case where fla cannot run (the CPU): the torch kernel's path,
     exact against the float64 per-sequence recurrence (the Qwen3-Next layout of transformers
@@ -563,17 +554,6 @@ def test_fla_check_op_case_on_the_cpu():
     assert res["fla"]["use"] is False and "CUDA" in res["fla"]["reason"]
     assert res["kernel_runs"] == {"qwen3_next_gated_delta_rule:padded": 1}
     assert res["worst"] < 1e-5
-
-
-@pytest.mark.slow  # ~45 s on 2 cores: two regional captures through aot-eager
-def test_regional_recapture_dry_run():
-    """The script the GPU runs for regional execution captured twice (a batch, then a larger
-    one), on the CPU: both batches agree with the eager backend (one capture serves both on
-    the CPU, whose code indexes in 64 bits; on the GPU the larger batch is captured anew)."""
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.regional_recapture", "--dry-run"],
-                          capture_output=True, text=True, cwd=ROOT, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert proc.stdout.count("  agree") == 2 and "PASSED" in proc.stdout
 
 
 def test_flop_budget_reads_a_profiled_e2e_result():
@@ -597,3 +577,58 @@ def test_flop_budget_reads_a_profiled_e2e_result():
     assert e["gemm_tflops"] == pytest.approx(gemm_tflop / e["gemm_ms"] * 1e3, rel=1e-3)
     ms = [s["ms"] for s in e["steps"].values()]
     assert ms == sorted(ms, reverse=True) and e["logprob_floor_ms"] < e["logprob_ms"]
+
+
+def test_stages_name_existing_benchmarks_and_group_steps_by_gpu():
+    """Every stage's step runs a module of the suite with an argument parser; steps on other
+    GPUs form lanes of their own, in order; ``"fresh"`` caches are new folders, a named cache
+    is shared by the steps that name it."""
+    import importlib.util
+
+    from benchmarks import stages
+
+    for name, st in stages.STAGES.items():
+        names = [s.name for phase in st.phases for s in phase]
+        assert len(names) == len(set(names)), name
+        for phase in st.phases:
+            for s in phase:
+                module = s.args.split()[0]
+                assert importlib.util.find_spec(module) is not None, (name, module)
+    fla = stages.STAGES["fla"].phases[0]
+    assert [[s.name for s in lane] for lane in stages.lanes(fla)] == [
+        ["fla_check", "e2e_qwen3_5"], ["e2e_qwen3_next"], ["fla_tree_check"]]
+    made = iter(["/a", "/b", "/c"])
+    caches = {}
+    restart = stages.STAGES["restart"].phases[0]
+    envs = [stages.command(s, "/out", caches, lambda: next(made))[1] for s in restart]
+    assert [e["TORCHINDUCTOR_CACHE_DIR"] for e in envs] == ["/a/inductor"] * 2 + ["/b/inductor"]
+    argv, env = stages.command(stages.STAGES["distributed"].phases[0][0], "/out", {})
+    assert argv[1:5] == ["-m", "torch.distributed.run", "--nproc_per_node=2",
+                         "--master_port=29505"]
+    assert argv[-2:] == ["--out", "/out/distributed_check.json"]
+    assert env["CUDA_VISIBLE_DEVICES"] == "0,1" and "TORCHINDUCTOR_CACHE_DIR" not in env
+
+
+def test_stages_run_phases_in_order_and_record_each_step(tmp_path, monkeypatch):
+    """A stage's run with a stand-in runner: the second phase starts after the first is done,
+    each step's exit status (124: stopped at its limit) and command go to the stage's JSON."""
+    from benchmarks import stages
+
+    monkeypatch.setattr(stages, "prepare", lambda needs, env: env.update(PYTHONPATH="/x"))
+    seen = []
+
+    def runner(argv, env, limit, log):
+        seen.append((os.path.basename(log), env["PYTHONPATH"]))
+        return (124 if "x2" in log else 0), 1.0
+
+    res = stages.run("multi-gpu", str(tmp_path), runner=runner)
+    assert sorted(seen[:2]) == [("multi_gpu_l8_x1.log", "/x"), ("multi_gpu_l8_x2.log", "/x")]
+    assert seen[2] == ("multi_gpu_l8_x4.log", "/x")
+    saved = json.loads((tmp_path / "stage_multi-gpu.json").read_text())
+    assert saved == res and saved["was"].startswith("x4_check.sh d")
+    rows = {r["name"]: r for r in saved["steps"]}
+    assert rows["multi_gpu_l8_x2"]["timed_out"] and rows["multi_gpu_l8_x4"]["rc"] == 0
+    assert "timeout 260 python -m torch.distributed.run --nproc_per_node=4" in \
+        rows["multi_gpu_l8_x4"]["command"]
+    assert stages.main(["multi-gpu", "--print", "--out", str(tmp_path / "p")]) == 0
+    assert not (tmp_path / "p").exists()  # printed only
