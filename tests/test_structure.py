@@ -132,7 +132,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     # the run layer: the capture environment, the engine, regional execution
     # (and what the model is wrapped in: FSDP2, DDP)
     ("run", {"treefx.run", "treefx.run.capture", "treefx.run.engine", "treefx.run.regional",
-             "treefx.run.wrapping"}),
+             "treefx.run.regional.*", "treefx.run.wrapping"}),
     # the front ends (compile, step, backward: the package run.parts, one job a module, and
     # run.backward, its former module's names) and the user modules beside them
     ("front ends", {"treefx.run.model", "treefx.run.step", "treefx.rl", "treefx.run.backward",
