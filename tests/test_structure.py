@@ -128,7 +128,8 @@ LAYERS: list[tuple[str, set[str]]] = [
     # one file per model family's knowledge: a family imports the compiler (and registers
     # into it, or into the oracle: hf_flex), never the reverse
     ("families", {"treefx.families", "treefx.families.*"}),
-    ("backends, check", {"treefx.run.backends", "treefx.verification"}),
+    ("backends, check", {"treefx.run.backends", "treefx.verification",
+                         "treefx.verification.*"}),
     # the run layer: the capture environment, the engine, regional execution
     # (and what the model is wrapped in: FSDP2, DDP)
     ("run", {"treefx.run", "treefx.run.capture", "treefx.run.engine", "treefx.run.regional",

@@ -260,14 +260,14 @@ def test_floor_perturbs_the_embeddings_by_one_rounding():
     """The floor run moves the outputs of the embeddings (and linear layers) by up to one
     rounding of their dtype (so that a model which amplifies rounding, an MoE router near a
     tie, shows it), and leaves no hook behind."""
-    from treefx.verification import _rounding_noise
+    from treefx.verification import rounding_noise
 
     m = model().to(torch.bfloat16)
     ids = torch.randint(0, VOCAB, (1, 50))
     emb = m.get_input_embeddings() if hasattr(m, "get_input_embeddings") else next(
         x for x in m.modules() if isinstance(x, torch.nn.Embedding))
     plain = emb(ids)
-    with _rounding_noise(m, 0):
+    with rounding_noise(m, 0):
         noisy = emb(ids)
     assert not emb._forward_hooks
     rel = ((noisy.float() - plain.float()).abs() / plain.float().abs().clamp_min(1e-30))
