@@ -12,8 +12,10 @@ import numbers
 import numpy as np
 
 from treefx.layout import TreeBatch
-from treefx.parts import (Part, PartPlan, _check_budget, _chunks, _kept,  # noqa: F401
-                          _no_single_tokens)
+from treefx.parts import Part, PartPlan  # noqa: F401
+from treefx.parts.merge import no_single_tokens as _no_single_tokens  # noqa: F401
+from treefx.parts.planner import check_budget as _check_budget
+from treefx.parts.units import chunks as _chunks, tokens_kept as _kept
 
 
 def _units(node_offset, node_length, node_parent, subtree_end_of_node, max_tokens):

@@ -276,7 +276,7 @@ def test_plan_covers_the_row_and_bounds_memory(seed, monkeypatch):
         assert plan.recompute_tokens == 0
     _check_held(plan)
     # merging parts never raises the peak past the budget
-    monkeypatch.setattr(parts, "_fewer_parts", lambda ranges, *_: ranges)
+    monkeypatch.setattr(parts.planner, "fewer_parts", lambda ranges, *_: ranges)
     unmerged = parts.plan(batch, budget, block_size=8)
     assert plan.num_parts <= unmerged.num_parts
     assert unmerged.peak_held_tokens() <= budget
@@ -288,7 +288,7 @@ def _check_held(plan):
     context only (so ``peak_context_tokens`` bounds them)."""
     starts, ends, release, rec = (np.array([getattr(q, a) for q in plan.parts])
                                   for a in ("start", "end", "release", "recompute"))
-    held_model = parts._held_tokens(starts, ends, release, rec)
+    held_model = parts.merge.held_tokens(starts, ends, release, rec)
     held_run = [sum(plan.parts[i].num_tokens for i in h if i == j or not rec[i])
                 for j, h in parts.schedule(plan)]
     assert held_model.tolist() == held_run

@@ -79,7 +79,7 @@ def _held_peak(plan, ranges) -> int:
     starts = [r[0] for r in ranges]
     ends = [r[1] for r in ranges]
     release = np.maximum.reduceat(se[:ends[-1]], starts).tolist()
-    return int(parts._held_tokens(starts, ends, release, [r[2] for r in ranges]).max())
+    return int(parts.merge.held_tokens(starts, ends, release, [r[2] for r in ranges]).max())
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

@@ -120,7 +120,7 @@ LAYERS: list[tuple[str, set[str]]] = [
               "treefx.tree.*", "treefx.mask", "treefx.plan", "treefx.chat_pieces",
               "treefx.trajectories"}),
     ("data on trees", {"treefx.layout", "treefx.reference", "treefx.agent_trees",
-                       "treefx.partition", "treefx.data", "treefx.parts"}),
+                       "treefx.partition", "treefx.data", "treefx.parts", "treefx.parts.*"}),
     # the ops (one folder per op)
     ("ops", {"treefx.ops", "treefx.ops.*"}),
     # the compiler (graph -> sites -> tree ops, the checks, the recurrence registry)
