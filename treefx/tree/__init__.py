@@ -37,8 +37,8 @@ One concept a module:
 from __future__ import annotations
 
 from .core import Tree, bound, por, rebuild_tree
-from .inputs import as_token_array
-from .metadata import NODE_KEYS, SEQUENCE_KEYS, STRUCTURE_KEYS, values_equal
+from .inputs import as_token_array  # noqa: F401  (imported from here: treefx.data)
+from .metadata import NODE_KEYS, SEQUENCE_KEYS, STRUCTURE_KEYS, values_equal  # noqa: F401
 from .records import read_jsonl, write_jsonl
 
 __all__ = ["Tree", "por", "bound", "read_jsonl", "write_jsonl"]
