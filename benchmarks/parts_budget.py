@@ -15,9 +15,9 @@ Per task, in this order, each step from no gradients (``zero_grad(set_to_none=Tr
 - ``whole``: the tree in one forward and backward (``treefx.tree_loss(tm(batch),
   batch).backward()``);
 - ``half`` / ``quarter``: ``treefx.backward(tm, batch, max_tokens=ceil(N / 2))`` / ``N / 4``;
-- ``memory``: ``treefx.backward(tm, batch, max_memory=B)`` with ``B = --memory-fraction`` of
-  the whole step's measured peak (or ``--max-memory``): the budget a user who knows the whole
-  tree does not fit would give.
+- ``memory``: ``treefx.backward(tm, batch, max_memory=B)`` with ``B = W + f · (P - W)``: ``P``
+  the whole step's measured peak, ``W`` the weights and gradients (the memory model's fixed
+  bytes), ``f = --memory-fraction`` (or ``B = --max-memory``): a budget below the whole tree's.
 
 Recorded per budget: ``first_s`` (its first call in this process: compiles of new part lengths
 included; the ``whole`` row's is the process's first step, with every compile), ``graphs``
@@ -96,11 +96,18 @@ def run_task(tree, tm, model, args, cuda: bool, dev: str) -> dict:
         else:
             if name == "memory":
                 whole_peak = row["budgets"].get("whole", {}).get("peak_gib")
+                fixed = memory.fixed / 2**30
                 budget = args.max_memory or (
-                    f"{args.memory_fraction * whole_peak:.3f}GiB" if whole_peak else None)
+                    f"{fixed + args.memory_fraction * (whole_peak - fixed):.3f}GiB"
+                    if whole_peak else None)
                 if budget is None:
                     continue
-                tokens = mem.plan_tokens(memory, budget, batch)
+                try:
+                    tokens = mem.plan_tokens(memory, budget, batch)
+                except ValueError as e:  # not one token fits: recorded, not run
+                    row["budgets"][name] = {"max_memory": budget, "error": str(e)}
+                    print(f"  {name:>7}: {e}", flush=True)
+                    continue
                 rec = {"max_memory": budget, **_plan_row(batch, tokens, memory)}
                 kwargs = {"max_memory": budget}
             else:
@@ -172,7 +179,8 @@ def main(argv=None):
     p.add_argument("--configs", default=",".join(CONFIGS),
                    help=f"comma-separated, in order: {', '.join(CONFIGS)}")
     p.add_argument("--memory-fraction", type=float, default=0.75,
-                   help="the memory row's budget: this share of the whole step's peak")
+                   help="the memory row's budget: the weights and gradients plus this share "
+                        "of the rest of the whole step's peak")
     p.add_argument("--max-memory", default=None, help="the memory row's budget, e.g. 30GiB")
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--packing", action="store_true")
