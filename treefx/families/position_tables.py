@@ -115,7 +115,39 @@ def rewrite_table_cut(ctx: GraphContext, node) -> bool:
         return False
     if any(sym in _size_expr(d).free_symbols for d in tv.shape):
         return False  # not a table: it already has a token axis
-    # Output dims cut to the token count: (output dim, slice start expression).
+    found = _token_cuts(tv, out, key, sym)
+    if found is None:
+        return False
+    cuts, full_key = found
+    # (A checkpointed layer takes the table as an operand: its taint is its caller's.)
+    if not cuts or DATA in Taint(ctx).of(ctx.resolve(table)):
+        return False
+    pos = ctx.positions
+    shape = _read_shape(node, out, cuts)
+    if shape is None:
+        return False
+    g = ctx.graph
+    with g.inserting_before(node):
+        base = g.call_function(operator.getitem, (table, tuple(full_key)))
+        base.meta[TABLE] = True
+        if shape == "token":
+            new = _read_per_token(g, pos, base, cuts)
+        else:
+            new = _read_per_pair(g, pos, base, cuts, shape, sym, out)
+    set_example(new)
+    ctx.record("positions", node, f"{new.name} (the table read at path positions)",
+               note="a table cut to the token count")
+    node.replace_all_uses_with(new)
+    g.erase_node(node)
+    return True
+
+
+def _token_cuts(tv: torch.Tensor, out: torch.Tensor, key: tuple, sym):
+    """The output dims ``key`` cuts to the token count, as ``(output dim, slice start
+    expression)``, and the key with those cuts made whole (``slice(None)``); None where a cut
+    is not of the form ``[start(L) : start(L) + L]``."""
+    import sympy  # lazily: 0.4 s of `import treefx` otherwise
+
     cuts, d_out, full_key = [], 0, []
     used = sum(1 for k in key if k is not None and k is not Ellipsis)
     for k in key:
@@ -130,13 +162,13 @@ def rewrite_table_cut(ctx: GraphContext, node) -> bool:
                 size = _size_expr(out.shape[d_out])
                 start = _size_expr(k.start) if k.start is not None else sympy.Integer(0)
             except TypeError:
-                return False
+                return None
             if sym in size.free_symbols:
                 if k.step not in (None, 1) or start.free_symbols - {sym}:
-                    return False
+                    return None
                 # The cut must hold exactly L entries for a sequence of L tokens.
                 if any(size.subs(sym, v) != v for v in range(1, 65)):
-                    return False
+                    return None
                 cuts.append((d_out, start))
                 full_key.append(slice(None))
             else:
@@ -144,72 +176,75 @@ def rewrite_table_cut(ctx: GraphContext, node) -> bool:
             d_out += 1
         else:
             full_key.append(k)
-    # (A checkpointed layer takes the table as an operand: its taint is its caller's.)
-    if not cuts or DATA in Taint(ctx).of(ctx.resolve(table)):
-        return False
+    return cuts, full_key
+
+
+def _read_shape(node, out: torch.Tensor, cuts) -> str | None:
+    """How the cut table is read on the tree: ``"qk"`` ([..., Q, K]: queries, keys), ``"1k"``
+    ([..., 1, K]: keys, the same for every query; becomes [..., N, N]), ``"token"`` (at each
+    token's own position), or None (none of these)."""
     r = out.dim()
-    pos = ctx.positions
-    g = ctx.graph
     dims = [d for d, _ in cuts]
     depends = any(start.free_symbols for _, start in cuts)
     if dims == [r - 2, r - 1]:
-        shape = "qk"  # [..., Q, K]: queries, keys
-    elif dims == [r - 1] and r >= 2 and same_size(out.shape[r - 2], 1) and (
+        return "qk"
+    if dims == [r - 1] and r >= 2 and same_size(out.shape[r - 2], 1) and (
             _broadcasts_into_users(node, r)):
-        shape = "1k"  # [..., 1, K]: keys, the same for every query; becomes [..., N, N]
-    elif len(cuts) == 1 and not depends:
-        shape = "token"  # read at each token's own position
-    else:
-        return False
-    with g.inserting_before(node):
-        base = g.call_function(operator.getitem, (table, tuple(full_key)))
-        base.meta[TABLE] = True
-        if shape == "token":
-            (d, start), = cuts
-            idx = pos if start == 0 else g.call_function(torch.add, (pos, int(start)))
-            new = g.call_function(operator.getitem, (base, (*[slice(None)] * d, idx)))
-        else:
-            pq = g.call_function(operator.getitem, (pos, (slice(None), None)))  # [N, 1]
-            pk = g.call_function(operator.getitem, (pos, (None, slice(None))))  # [1, N]
-            prefix = g.call_function(torch.add, (pq, 1))  # each query's own sequence length
+        return "1k"
+    if len(cuts) == 1 and not depends:
+        return "token"
+    return None
 
-            # A key after its query (a pair the tree hides) is read at the query's own
-            # offset instead, so it stays inside the table; the tree mask drops it anyway. A
-            # query past the table's end fails in the gather, as the model fails on a sequence
-            # longer than its table.
-            pk = g.call_function(torch.minimum, (pk, pq))
 
-            def at(start, p):
-                if not start.free_symbols:
-                    return p if start == 0 else g.call_function(torch.add, (p, int(start)))
-                return g.call_function(torch.add, (g.call_function(SymFn(start, sym),
-                                                                   (prefix,)), p))
+def _read_per_token(g: fx.Graph, pos: fx.Node, base: fx.Node, cuts) -> fx.Node:
+    """The table read at each token's own position (plus the cut's constant start)."""
+    (d, start), = cuts
+    idx = pos if start == 0 else g.call_function(torch.add, (pos, int(start)))
+    return g.call_function(operator.getitem, (base, (*[slice(None)] * d, idx)))
 
-            starts = dict(cuts)
-            if shape == "qk":
-                iq = at(starts[r - 2], pq)
-            else:  # the table's one query row, read at every query
-                iq = g.call_function(torch.mul, (pq, 0))
-            ik = at(starts[r - 1], pk)
-            # Every leading dim indexed by its own arange (broadcast), so the result is
-            # [..., N, N] with the table's leading dims and every index a grid the attention
-            # pass can lift (a head axis of the table becomes the head index).
-            device = example(pos).device
-            lead = []
-            for j in range(r - 2):
-                ar = g.call_function(torch.arange, (out.shape[j],), {"device": device})
-                with example(pos).fake_mode:  # no tensor input to take a fake mode from
-                    ar.meta["example_value"] = torch.arange(out.shape[j], device=device)
-                view = [1] * r
-                view[j] = -1
-                lead.append(g.call_method("view", (ar, *view)))
-            new = g.call_function(operator.getitem, (base, (*lead, iq, ik)))
-    set_example(new)
-    ctx.record("positions", node, f"{new.name} (the table read at path positions)",
-               note="a table cut to the token count")
-    node.replace_all_uses_with(new)
-    g.erase_node(node)
-    return True
+
+def _read_per_pair(g: fx.Graph, pos: fx.Node, base: fx.Node, cuts, shape: str, sym,
+                   out: torch.Tensor) -> fx.Node:
+    """The table read at each (query, key) pair of path positions: [..., N, N]."""
+    r = out.dim()
+    pq = g.call_function(operator.getitem, (pos, (slice(None), None)))  # [N, 1]
+    pk = g.call_function(operator.getitem, (pos, (None, slice(None))))  # [1, N]
+    prefix = g.call_function(torch.add, (pq, 1))  # each query's own sequence length
+
+    # A key after its query (a pair the tree hides) is read at the query's own offset instead,
+    # so it stays inside the table; the tree mask drops it anyway. A query past the table's
+    # end fails in the gather, as the model fails on a sequence longer than its table.
+    pk = g.call_function(torch.minimum, (pk, pq))
+
+    def at(start, p):
+        if not start.free_symbols:
+            return p if start == 0 else g.call_function(torch.add, (p, int(start)))
+        return g.call_function(torch.add, (g.call_function(SymFn(start, sym), (prefix,)), p))
+
+    starts = dict(cuts)
+    if shape == "qk":
+        iq = at(starts[r - 2], pq)
+    else:  # the table's one query row, read at every query
+        iq = g.call_function(torch.mul, (pq, 0))
+    ik = at(starts[r - 1], pk)
+    return g.call_function(operator.getitem, (base, (*_leading_grids(g, pos, out), iq, ik)))
+
+
+def _leading_grids(g: fx.Graph, pos: fx.Node, out: torch.Tensor) -> list[fx.Node]:
+    """Every leading dim indexed by its own arange (broadcast), so the result is [..., N, N]
+    with the table's leading dims and every index a grid the attention pass can lift (a head
+    axis of the table becomes the head index)."""
+    r = out.dim()
+    device = example(pos).device
+    lead = []
+    for j in range(r - 2):
+        ar = g.call_function(torch.arange, (out.shape[j],), {"device": device})
+        with example(pos).fake_mode:  # no tensor input to take a fake mode from
+            ar.meta["example_value"] = torch.arange(out.shape[j], device=device)
+        view = [1] * r
+        view[j] = -1
+        lead.append(g.call_method("view", (ar, *view)))
+    return lead
 
 
 register_node_rewrite("positions", rewrite_table_cut)
