@@ -5,6 +5,7 @@ AOTAutograd (block masks, opaque recurrence ops), as the backend asks."""
 from __future__ import annotations
 
 import operator
+from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
@@ -16,7 +17,7 @@ from ...ops.embedding import embedding as tree_embedding
 from ...ops.recurrence import TracedTreeRecurrence, traced, tree_recurrence
 from ...ops.scan import tree_cumsum
 from ..graph import GraphContext, arg, attention_error, describe, example, set_example
-from ..mask_lift import LiftedScore, MaskLiftError, implied_by_tree, lift_mask
+from ..mask_lift import LiftedMask, LiftedScore, MaskLiftError, implied_by_tree, lift_mask
 from ..sites import (
     AttentionSite,
     ConvSite,
@@ -68,78 +69,111 @@ def attention(ctx: GraphContext, site: AttentionSite) -> fx.Node:
     with g.inserting_before(site.out):
         if site.kind == "eager-kT":
             k = g.call_method("transpose", (k, -2, -1))
-        mask = mask_value(ctx, site) if site.mask is not None else None
-        note = site.kind
-        lifted, bufs, lift_error = None, (), None
-        if mask is not None:
-            check_mask_sources(ctx, site, mask)
-            try:
-                lifted, bufs = lift_mask(ctx, mask)
-            except MaskLiftError as e:
-                lift_error = e
-            if lifted is not None and implied_by_tree(lifted, bufs):
-                # Causal in positions: the tree mask implies it. Dropping it keeps the
-                # tree's full blocks (no mask_mod work there) and the dense mask small.
-                mask, lifted, bufs = None, None, ()
-                note += ", model mask implied by the tree"
-            elif mask is not None:
-                note += ", model mask kept (evaluated at path positions)"
-            bufs = tuple(ctx.local(b) for b in bufs)
+        mm = _ModelMask.of(ctx, site)
+        note = site.kind + mm.note
         if ctx.backend == "eager":
             tree = ctx.shared("dense_tree_mask",
                               lambda c: c.graph.call_function(dense_tree_mask, (c.subtree_end,)))
             new = g.call_function(
-                tree_attention_dense, (site.q, k, site.v, tree, mask),
+                tree_attention_dense, (site.q, k, site.v, tree, mm.mask),
                 {"scale": site.scale, "enable_gqa": site.enable_gqa},
             )
         else:
-            score_mod, score_bufs = None, ()
-            if mask is not None and lifted is None:
-                # An additive mask that carries a bias (Falcon adds its ALiBi into it): the
-                # bias at path positions, added to the scores by a score_mod.
-                try:
-                    value, vbufs = side_for_flex(ctx, mask)
-                except MaskLiftError as e:
-                    raise _fail(site.anchor, f"its model-built attention mask cannot be lifted "
-                                             f"into a FlexAttention mask_mod ({lift_error}) nor "
-                                             f"a score_mod ({e}); use backend='eager' for this "
-                                             "model") from None
-                score_mod = LiftedScore(add_bias, [(value, len(vbufs))])
-                score_bufs = tuple(ctx.local(b) for b in vbufs)
-                note += (", applied to the scores by the score_mod"
-                         if example(mask).dtype == torch.bool
-                         else ", added to the scores by the score_mod")
-            window, more = window_note(lifted)
+            new, more = _flex_attention(ctx, site, k, mm)
             note += more
-            interval = interval_site(ctx, site, k) if lifted is None and score_mod is None \
-                else None
-            if interval is not None:
-                new, more = interval
-                note += more
-                return _record(ctx, site, new, note)
-            blocks = _block_nodes(ctx, full=lifted is None, window=window)
-            fn = TreeFlexAttention(scale=site.scale, block_size=ctx.block_size,
-                                   model_mask=lifted, kernel_options=ctx.kernel_options,
-                                   interleave_heads=ctx.interleave_heads,
-                                   score_mod=score_mod, mask_buffers=len(bufs),
-                                   name=f"tree_flex_attention_{site.anchor.name}")
-            k, v, shared_kv = kv_for_flex(site, k)
-            if shared_kv:
-                note += ", KV heads shared by FlexAttention (the model's repeat undone)"
-            kv = example(k)
-            if ctx.interleave_heads is not False and (kv is None or kv.shape[1] != 1) and (
-                    score_mod is None):
-                note += (", KV heads interleaved along the row"
-                         + (" where gradients are computed" if ctx.interleave_heads is None
-                            else ""))
-            split = trunk_split(ctx, site.q, k, v) if lifted is None and score_mod is None \
-                else None
-            new = g.call_function(fn, (site.q, k, v, *blocks, *bufs, *score_bufs),
-                                  {} if split is None else {"skip_blocks": split.skip})
-            if split is not None:
-                new = split.add(ctx, new, site.q, k, v, site.scale)
-                note += split.note
     return _record(ctx, site, new, note)
+
+
+@dataclass(frozen=True)
+class _ModelMask:
+    """The mask the model built, as the whole tree's attention takes it: ``mask`` (None: no
+    mask, or one the tree implies, dropped), ``lifted`` and its buffers ``bufs`` (this graph's
+    nodes) where it lifts into a ``mask_mod``, ``lift_error`` where it does not, and what was
+    done with it in words (``note``)."""
+
+    mask: fx.Node | None = None
+    lifted: LiftedMask | None = None
+    bufs: tuple = ()
+    lift_error: MaskLiftError | None = None
+    note: str = ""
+
+    @classmethod
+    def of(cls, ctx: GraphContext, site: AttentionSite) -> _ModelMask:
+        mask = mask_value(ctx, site) if site.mask is not None else None
+        if mask is None:
+            return cls()
+        lifted, bufs, lift_error = None, (), None
+        check_mask_sources(ctx, site, mask)
+        try:
+            lifted, bufs = lift_mask(ctx, mask)
+        except MaskLiftError as e:
+            lift_error = e
+        if lifted is not None and implied_by_tree(lifted, bufs):
+            # Causal in positions: the tree mask implies it. Dropping it keeps the tree's full
+            # blocks (no mask_mod work there) and the dense mask small.
+            mask, lifted, bufs = None, None, ()
+            note = ", model mask implied by the tree"
+        else:
+            note = ", model mask kept (evaluated at path positions)"
+        return cls(mask, lifted, tuple(ctx.local(b) for b in bufs), lift_error, note)
+
+
+def _flex_attention(ctx: GraphContext, site: AttentionSite, k: fx.Node,
+                    mm: _ModelMask) -> tuple[fx.Node, str]:
+    """FlexAttention over the tree's block mask (or the interval kernel, or the trunk split),
+    the model's mask as the ``mask_mod`` or, carrying a bias, as a ``score_mod``; the output
+    node and what was done in words."""
+    g = ctx.graph
+    lifted, bufs, note = mm.lifted, mm.bufs, ""
+    score_mod, score_bufs = None, ()
+    if mm.mask is not None and lifted is None:
+        score_mod, score_bufs, note = _bias_score_mod(ctx, site, mm)
+    window, more = window_note(lifted)
+    note += more
+    interval = interval_site(ctx, site, k) if lifted is None and score_mod is None else None
+    if interval is not None:
+        new, more = interval
+        return new, note + more
+    blocks = _block_nodes(ctx, full=lifted is None, window=window)
+    fn = TreeFlexAttention(scale=site.scale, block_size=ctx.block_size,
+                           model_mask=lifted, kernel_options=ctx.kernel_options,
+                           interleave_heads=ctx.interleave_heads,
+                           score_mod=score_mod, mask_buffers=len(bufs),
+                           name=f"tree_flex_attention_{site.anchor.name}")
+    k, v, shared_kv = kv_for_flex(site, k)
+    if shared_kv:
+        note += ", KV heads shared by FlexAttention (the model's repeat undone)"
+    kv = example(k)
+    if ctx.interleave_heads is not False and (kv is None or kv.shape[1] != 1) and (
+            score_mod is None):
+        note += (", KV heads interleaved along the row"
+                 + (" where gradients are computed" if ctx.interleave_heads is None
+                    else ""))
+    split = trunk_split(ctx, site.q, k, v) if lifted is None and score_mod is None else None
+    new = g.call_function(fn, (site.q, k, v, *blocks, *bufs, *score_bufs),
+                          {} if split is None else {"skip_blocks": split.skip})
+    if split is not None:
+        new = split.add(ctx, new, site.q, k, v, site.scale)
+        note += split.note
+    return new, note
+
+
+def _bias_score_mod(ctx: GraphContext, site: AttentionSite,
+                    mm: _ModelMask) -> tuple[LiftedScore, tuple, str]:
+    """An additive mask that carries a bias (Falcon adds its ALiBi into it): the bias at path
+    positions, added to the scores by a score_mod; its buffers (this graph's) and a note."""
+    try:
+        value, vbufs = side_for_flex(ctx, mm.mask)
+    except MaskLiftError as e:
+        raise _fail(site.anchor, f"its model-built attention mask cannot be lifted "
+                                 f"into a FlexAttention mask_mod ({mm.lift_error}) nor "
+                                 f"a score_mod ({e}); use backend='eager' for this "
+                                 "model") from None
+    score_mod = LiftedScore(add_bias, [(value, len(vbufs))])
+    note = (", applied to the scores by the score_mod"
+            if example(mm.mask).dtype == torch.bool
+            else ", added to the scores by the score_mod")
+    return score_mod, tuple(ctx.local(b) for b in vbufs), note
 
 
 def _record(ctx: GraphContext, site: AttentionSite, new: fx.Node, note: str) -> fx.Node:
