@@ -137,7 +137,8 @@ LAYERS: list[tuple[str, set[str]]] = [
     # the front ends (compile, step, backward: the package run.parts, one job a module, and
     # run.backward, its former module's names) and the user modules beside them
     ("front ends", {"treefx.run.model", "treefx.run.step", "treefx.rl", "treefx.run.backward",
-                    "treefx.run.parts", "treefx.run.parts.*", "treefx.distributed"}),
+                    "treefx.run.parts", "treefx.run.parts.*", "treefx.distributed",
+                    "treefx.distributed.*"}),
     # the user API and the example models
     ("user API", {"treefx", "treefx.models", "treefx.models.*"}),
     # the tools (the root package reaches treefx.debug, .explain and .synth lazily, by name),
