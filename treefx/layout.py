@@ -424,6 +424,24 @@ def pack(
     with the global P and s = the world size W, so the mean of the W rank losses is the global
     batch's loss: :func:`treefx.distributed.pack` does both.
     """
+    trees = _tree_list(trees, reduction)
+    _check_padding(pad_to_multiple, pad_node_tokens)
+    pad_token_id = _check_pad_token_id(pad_token_id)
+    _check_weight_dtype(weight_dtype)
+    normalizer = check_num_sequences(num_sequences, sum(t.num_sequences for t in trees))
+    loss_scale = _check_loss_scale(loss_scale)
+
+    rows = _Rows()
+    for ti, tree in enumerate(trees):
+        rows.add_tree(ti, tree, normalizer, loss_scale)
+    num_real = rows.num_tokens
+    if pad_to_multiple:
+        rows.add_padding(pad_to_multiple, pad_node_tokens, pad_token_id)
+    return rows.batch(trees, reduction, weight_dtype, num_real, normalizer, loss_scale)
+
+
+def _tree_list(trees, reduction: str) -> list[Tree]:
+    """:func:`pack`'s ``trees`` as a non-empty list of trees (``reduction`` checked first)."""
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
     if isinstance(trees, Tree):
@@ -434,6 +452,10 @@ def pack(
     for i, t in enumerate(trees):
         if not isinstance(t, Tree):
             raise TypeError(f"trees[{i}] is a {type(t).__name__}, not a treefx.Tree")
+    return trees
+
+
+def _check_padding(pad_to_multiple, pad_node_tokens) -> None:
     if pad_to_multiple is not None and (
         not isinstance(pad_to_multiple, int) or isinstance(pad_to_multiple, bool)
         or pad_to_multiple <= 0
@@ -442,20 +464,29 @@ def pack(
     if not isinstance(pad_node_tokens, numbers.Integral) or isinstance(pad_node_tokens, bool) \
             or pad_node_tokens <= 0:
         raise ValueError(f"pad_node_tokens must be a positive integer, got {pad_node_tokens!r}")
-    pad_token_id = _check_pad_token_id(pad_token_id)
+
+
+def _check_weight_dtype(weight_dtype) -> None:
     if not isinstance(weight_dtype, torch.dtype) or not weight_dtype.is_floating_point:
         raise ValueError(
             f"weight_dtype must be a floating torch dtype (float64, float32, ...), got "
             f"{weight_dtype!r}: loss weights are fractions, an integer dtype would make them 0"
         )
-    normalizer = check_num_sequences(num_sequences, sum(t.num_sequences for t in trees))
-    loss_scale = _check_loss_scale(loss_scale)
 
-    ids, pos, par, send, tix = [], [], [], [], []
-    wts: dict[str, list] = {r: [] for r in REDUCTIONS}
-    n_off, n_len, n_par, s_end, s_tree = [], [], [], [], []
-    tok_base = node_base = 0
-    for ti, tree in enumerate(trees):
+
+class _Rows:
+    """The row :func:`pack` lays out, as numpy pieces per tree (then the padding), made one
+    :class:`TreeBatch` by :meth:`batch`."""
+
+    def __init__(self):
+        self.ids, self.pos, self.par, self.send, self.tix = [], [], [], [], []
+        self.wts: dict[str, list] = {r: [] for r in REDUCTIONS}
+        self.n_off, self.n_len, self.n_par, self.s_end, self.s_tree = [], [], [], [], []
+        self.num_tokens = self.num_nodes = 0
+
+    def add_tree(self, ti: int, tree: Tree, normalizer: int, loss_scale: float) -> None:
+        """Tree ``ti`` laid out depth-first after what the row holds."""
+        tok_base, node_base = self.num_tokens, self.num_nodes
         order = _dfs_order(tree.parents, tree.segment_lengths)
         rank = np.empty_like(order)
         rank[order] = np.arange(len(order))
@@ -482,66 +513,73 @@ def pack(
             w = _token_weights(tree, ends, offs, lens, parents, node_of_tok, r, normalizer,
                                loss_scale)
             w[depth[node_of_tok] + within == 0] = 0.0  # nothing predicts a sequence's 1st token
-            wts[r].append(w)
+            self.wts[r].append(w)
 
-        ids.append(seg)
-        pos.append(depth[node_of_tok] + within)
-        par.append(np.where(parent_tok >= 0, parent_tok + tok_base, -1))
-        send.append((offs + sub)[node_of_tok] + tok_base)
-        tix.append(np.full(n, ti))
-        n_off.append(offs + tok_base)
-        n_len.append(lens)
-        n_par.append(np.where(parents >= 0, parents + node_base, -1))
-        s_end.append(ends + node_base)
-        s_tree.append(np.full(len(ends), ti))
-        tok_base += n
-        node_base += len(order)
+        self.ids.append(seg)
+        self.pos.append(depth[node_of_tok] + within)
+        self.par.append(np.where(parent_tok >= 0, parent_tok + tok_base, -1))
+        self.send.append((offs + sub)[node_of_tok] + tok_base)
+        self.tix.append(np.full(n, ti))
+        self.n_off.append(offs + tok_base)
+        self.n_len.append(lens)
+        self.n_par.append(np.where(parents >= 0, parents + node_base, -1))
+        self.s_end.append(ends + node_base)
+        self.s_tree.append(np.full(len(ends), ti))
+        self.num_tokens += n
+        self.num_nodes += len(order)
 
-    num_real = tok_base
-    if pad_to_multiple:
+    def add_padding(self, pad_to_multiple: int, pad_node_tokens: int, pad_token_id: int) -> None:
+        """Inert tokens up to a multiple of ``pad_to_multiple``, in nodes of up to
+        ``pad_node_tokens`` tokens, each a root of its own chain."""
+        num_real = self.num_tokens
         total = -(-num_real // pad_to_multiple) * pad_to_multiple
         k = total - num_real
         if k:
             ar = np.arange(num_real, total)
             rel = np.arange(k) % int(pad_node_tokens)  # a pad token's place in its node
-            ids.append(np.full(k, pad_token_id))
-            pos.append(rel)
-            par.append(np.where(rel == 0, -1, ar - 1))
-            send.append(np.minimum(ar - rel + int(pad_node_tokens), total))
+            self.ids.append(np.full(k, pad_token_id))
+            self.pos.append(rel)
+            self.par.append(np.where(rel == 0, -1, ar - 1))
+            self.send.append(np.minimum(ar - rel + int(pad_node_tokens), total))
             for r in REDUCTIONS:
-                wts[r].append(np.zeros(k))
-            tix.append(np.full(k, -1))
+                self.wts[r].append(np.zeros(k))
+            self.tix.append(np.full(k, -1))
 
-    def cat(xs, dtype=torch.int64):
-        return torch.from_numpy(np.ascontiguousarray(np.concatenate(xs))).to(dtype)
+    def batch(self, trees: list[Tree], reduction: str, weight_dtype: torch.dtype,
+              num_real: int, normalizer: int, loss_scale: float) -> TreeBatch:
+        """The batch of the row: its tensors, the weights in ``weight_dtype`` (a weight that
+        dtype loses raises for ``reduction``, or later for the other one)."""
+        def cat(xs, dtype=torch.int64):
+            return torch.from_numpy(np.ascontiguousarray(np.concatenate(xs))).to(dtype)
 
-    weights = {r: cat(wts[r], weight_dtype) for r in REDUCTIONS}
-    errors = {r: e for r in REDUCTIONS
-              if (e := _weights_lost(np.concatenate(wts[r]), weights[r], r)) is not None}
-    if reduction in errors:
-        raise ValueError(errors[reduction])
+        wts = self.wts
+        weights = {r: cat(wts[r], weight_dtype) for r in REDUCTIONS}
+        errors = {r: e for r in REDUCTIONS
+                  if (e := _weights_lost(np.concatenate(wts[r]), weights[r], r)) is not None}
+        if reduction in errors:
+            raise ValueError(errors[reduction])
 
-    return TreeBatch(
-        input_ids=cat(ids)[None],
-        position_ids=cat(pos)[None],
-        parent_token=cat(par),
-        subtree_end=cat(send),
-        loss_weights=weights[reduction].clone(),
-        loss_weights_by_reduction=weights,
-        tree_index=cat(tix),
-        node_offset=cat(n_off),
-        node_length=cat(n_len),
-        node_parent=cat(n_par),
-        sequence_node_ends=cat(s_end),
-        sequence_tree=cat(s_tree),
-        reduction=reduction,
-        num_real_tokens=num_real,
-        num_sequences_normalizer=normalizer,
-        loss_scale=loss_scale,
-        max_token_id=max(int(np.max(x)) for x in ids),
-        trees=trees,
-        _weight_errors=errors,
-    )
+        return TreeBatch(
+            input_ids=cat(self.ids)[None],
+            position_ids=cat(self.pos)[None],
+            parent_token=cat(self.par),
+            subtree_end=cat(self.send),
+            loss_weights=weights[reduction].clone(),
+            loss_weights_by_reduction=weights,
+            tree_index=cat(self.tix),
+            node_offset=cat(self.n_off),
+            node_length=cat(self.n_len),
+            node_parent=cat(self.n_par),
+            sequence_node_ends=cat(self.s_end),
+            sequence_tree=cat(self.s_tree),
+            reduction=reduction,
+            num_real_tokens=num_real,
+            num_sequences_normalizer=normalizer,
+            loss_scale=loss_scale,
+            max_token_id=max(int(np.max(x)) for x in self.ids),
+            trees=trees,
+            _weight_errors=errors,
+        )
 
 
 # Losses are computed in float32 at least (token log-probs are promoted to it): a weight below
