@@ -138,7 +138,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     # run.backward, its former module's names) and the user modules beside them
     ("front ends", {"treefx.run.model", "treefx.run.step", "treefx.rl", "treefx.run.backward",
                     "treefx.run.parts", "treefx.run.parts.*", "treefx.distributed",
-                    "treefx.distributed.*"}),
+                    "treefx.distributed.*", "treefx.rl.*"}),
     # the user API and the example models
     ("user API", {"treefx", "treefx.models", "treefx.models.*"}),
     # the tools (the root package reaches treefx.debug, .explain and .synth lazily, by name),
