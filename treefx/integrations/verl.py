@@ -342,31 +342,38 @@ def use_cpu_platform() -> None:
 
     if torch.cuda.is_available():
         return
+    current = platform_manager._current_platform
+    if current is None or current.device_name != "cpu":
+        platform_manager._current_platform = _cpu_platform(PlatformBase)
 
-    class _CPUModule:
-        """``torch.cpu`` with the memory statistics verl's workers read (zero on the CPU)."""
 
-        def __getattr__(self, name):
-            return getattr(torch.cpu, name)
+class _CPUModule:
+    """``torch.cpu`` with the memory statistics verl's workers read (zero on the CPU)."""
 
-        @staticmethod
-        def max_memory_allocated(*_):
-            return 0
+    def __getattr__(self, name):
+        return getattr(torch.cpu, name)
 
-        max_memory_reserved = memory_allocated = memory_reserved = max_memory_allocated
+    @staticmethod
+    def max_memory_allocated(*_):
+        return 0
 
-        @staticmethod
-        def get_device_name(*_):
-            return "cpu"
+    max_memory_reserved = memory_allocated = memory_reserved = max_memory_allocated
 
-        @staticmethod
-        def mem_get_info(*_):
-            import psutil
+    @staticmethod
+    def get_device_name(*_):
+        return "cpu"
 
-            vm = psutil.virtual_memory()
-            return vm.available, vm.total
+    @staticmethod
+    def mem_get_info(*_):
+        import psutil
 
-    class CPUPlatform(PlatformBase):
+        vm = psutil.virtual_memory()
+        return vm.available, vm.total
+
+
+def _cpu_platform(base: type):
+    """verl's platform for the CPU, a subclass of verl's ``PlatformBase`` (``base``)."""
+    class CPUPlatform(base):
         device_name = property(lambda self: "cpu")
         vendor_name = property(lambda self: "cpu")
         device_module = property(lambda self: _CPUModule())
@@ -430,6 +437,4 @@ def use_cpu_platform() -> None:
         def cudart(self):
             return None
 
-    current = platform_manager._current_platform
-    if current is None or current.device_name != "cpu":
-        platform_manager._current_platform = CPUPlatform()
+    return CPUPlatform()
