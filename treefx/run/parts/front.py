@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import torch
 
@@ -34,172 +35,179 @@ def backward(tm: TreeModel, trees: Tree | Iterable[Tree] | TreeBatch | None, *,
              model: torch.nn.Module | None = None, beyond: str = "recompute") -> torch.Tensor:
     """Train on trees larger than memory: forward and backward in parts, each token computed once.
 
-    Forward and backward of ``trees`` (one tree or a forest, packed as one batch) in parts
-    of at most ``max_tokens`` tokens, every token computed once; the parameter gradients are
-    added to ``.grad`` (like ``loss.backward()``). Returns the loss, detached: the batch's
-    loss as :func:`treefx.tree_loss` gives it for ``treefx.pack(trees, reduction=...)``.
+    Forward and backward of ``trees`` (one tree or a forest, packed as one batch) in parts of
+    at most ``max_tokens`` tokens, planned by :func:`treefx.parts.plan` (a boundary may fall
+    anywhere, inside a node too); the parameter gradients are added to ``.grad`` (like
+    ``loss.backward()``). Returns the loss, detached: the batch's loss as
+    :func:`treefx.tree_loss` gives it for ``treefx.pack(trees, reduction=...)``. How the parts
+    train, what they hold and what they cost: docs/parts.md.
 
     ``tm``: a model from :func:`treefx.compile`. ``trees``: trees, packed here with
     ``reduction`` (default ``"mean"``), ``num_sequences`` and ``loss_scale`` as
-    :func:`treefx.pack` takes them; or a batch already packed (by :func:`treefx.pack`, or
-    :func:`treefx.distributed.pack` for a rank's share of a global batch), which carries
-    those itself. ``loss_fn(out, part_batch) -> scalar``:
-    another per-token objective instead of :func:`treefx.tree_loss` (every :mod:`treefx.rl`
-    objective is one); it is called once per part with ``out.token_logprobs`` [N] over the
-    whole batch's row, the part's predicted tokens filled in and 0 elsewhere (``out.logits``
-    is None), and ``part_batch`` the whole batch with its loss weights (and the
-    sequences' coefficients :mod:`treefx.rl` reads) kept only on those tokens. The losses of
-    the parts add up to the batch's loss for any objective that is a sum over tokens of a term
-    of that token's log-probability.
+    :func:`treefx.pack` takes them; or a batch packed already (:func:`treefx.pack`, or
+    :func:`treefx.distributed.pack` for a rank's share of a global batch), which carries those.
+    ``loss_fn(out, part_batch) -> scalar``: another per-token objective instead of
+    :func:`treefx.tree_loss` (every :mod:`treefx.rl` objective), called once per part with
+    ``out.token_logprobs`` [N] over the batch's row (the part's predicted tokens filled in, 0
+    elsewhere; ``out.logits`` None) and the batch with its loss weights (and the coefficients
+    :mod:`treefx.rl` reads) kept only on those tokens: the parts' losses add up to the batch's
+    for any sum over tokens of a term of that token's log-probability. ``tm`` may instead be a
+    ``@treefx.step`` function, its model given as ``model=``: it runs once per part, its
+    cross-entropy rewritten to the part's predicted tokens, and the loss is what
+    ``train_step(model, treefx.pack(trees))`` returns (its own reduction: no ``reduction`` or
+    ``loss_fn``; it takes no extra arguments and returns the loss alone, a scalar).
 
-    ``tm`` may instead be a ``@treefx.step`` function, with the model it trains as ``model=``
-    (``treefx.backward(train_step, trees, model=model, max_tokens=...)``): the step runs once
-    per part, its cross-entropy rewritten to the part's predicted tokens, and the returned
-    loss is what ``train_step(model, treefx.pack(trees))`` returns (the step's own reduction,
-    so ``reduction`` and ``loss_fn`` are not taken; the step takes no extra arguments and
-    returns the loss alone, as a scalar).
+    Gradients: a training linear layer's weight and the output projection's go straight into
+    ``.grad`` in a part's backward (a zero ``.grad`` is made at the start where none is); a
+    parameter with a gradient hook, and every parameter of a model run regionally (FSDP2,
+    ``regional=True``), gets its gradient through autograd, once per part that reads it.
 
-    Gradients: each linear layer whose weight trains, and the output projection, add their
-    weight's gradient straight into ``.grad`` in a part's backward (no per-part gradient for
-    autograd to add); such a weight without a ``.grad`` gets a zero one when the call starts.
-    A parameter with a gradient hook (``register_hook``, ``register_post_accumulate_grad_hook``)
-    gets its gradient through autograd, once per part that reads it, as usual; so does every
-    parameter of a model run regionally (FSDP2, ``regional=True``).
+    Several processes (FSDP2, ``fully_shard`` per layer and root; DDP): every rank calls it
+    with its share (:func:`treefx.distributed.pack`; None or ``[]`` for a rank without trees)
+    and may cut it into its own parts; the gradients are one process's on all trees whole, the
+    loss the rank's. Under FSDP2 the ranks run common rounds (a rank without a part runs a
+    two-token part of zero weight), each cutting its trees into as many parts as the rank with
+    the most (:func:`treefx.parts.plan_even`); under DDP the parts run on the inner module and
+    the gradients are averaged once, at the end (a wrapper with a communication hook or mixed
+    precision is refused). See docs/ARCHITECTURE.md, "Parts on several processes".
 
-    Several processes: a model sharded with FSDP2 (``fully_shard`` per layer and root) or
-    wrapped in DDP trains in parts too. Every rank of the group calls ``backward`` with its
-    share of the global batch (:func:`treefx.distributed.pack`, whose ``allow_empty=True``
-    gives None to a rank without trees: pass that, or ``[]``) and may cut it into its own
-    number of parts; the gathered gradients equal one process on all trees whole, and the
-    returned loss is the rank's (their mean over ranks is the global batch's). Under FSDP2 the
-    ranks run their parts in common rounds, a rank without a part to run in a round running a
-    two-token part of zero weight, so that their collectives pair up; a round lasts as long
-    as its largest part, so every rank cuts its trees into as many parts as the rank with the
-    most, as evenly as they allow within ``max_tokens`` (:func:`treefx.parts.plan_even`); gradients go through
-    autograd (FSDP reduce-scatters them in every part's backward). Under DDP the parts run on
-    the inner module and the gradients are averaged over the group once, at the end (a
-    wrapper with a communication hook or mixed precision is refused). See
-    docs/ARCHITECTURE.md, "Parts on several processes".
+    ``max_memory`` (bytes, or ``"40GiB"``, ``"512MB"``): a budget in bytes instead, turned into
+    the token budget with the fewest parts whose estimated peak fits by the memory model
+    ``memory`` (default :func:`treefx.run.parts.memory.for_model`, or a calibrated
+    :class:`~treefx.run.parts.memory.MemoryModel`; :func:`~treefx.run.parts.memory.plan_tokens`;
+    docs/parts.md, "A memory budget": derived, not yet measured on a GPU). Given both budgets,
+    the smaller wins. ``beyond``: what becomes of the open parts the budget cannot hold:
+    ``"recompute"`` (the default) runs their forward again without a graph (refused under FSDP2
+    and for a model that draws random numbers); ``"host"`` holds what their forward saves for
+    their backward in host memory; ``"device"`` holds it on the device over the budget. Held
+    besides, whatever the budget: the open path's keys, values and conv inputs
+    (``plan.peak_context_tokens()``) and the states at the parts' boundaries. Activation
+    checkpointing works in parts; attention the model scores itself (a softcap, a sink, a bias
+    of positions) is exact, a bias read only at the part's own rows is refused. Runs on the
+    compiled model's backend.
 
-    ``max_memory`` (bytes, or a string like ``"40GiB"``, ``"512MB"``): a budget in bytes
-    instead of tokens, turned into ``max_tokens`` by the memory model ``memory`` (default
-    :func:`treefx.run.parts.memory.for_model` of the model: its config's shape, its
-    checkpointing, and as fixed bytes ``torch.cuda.memory_allocated()`` now on a GPU or its
-    parameters and gradients on the CPU; pass ``memory.for_model(model, fixed_bytes=...)``
-    or a calibrated :class:`~treefx.run.parts.memory.MemoryModel` instead): the whole batch
-    in one part where it fits, else a token budget whose estimated peak, with the longest
-    open path the batch can have, fits, chosen for the fewest parts
-    (:func:`~treefx.run.parts.memory.plan_tokens`; docs/parts.md, "A memory budget"). Give
-    ``max_tokens`` or ``max_memory``; given both, the smaller token budget wins. The
-    estimate is derived from the shape, not yet measured on a GPU; with
-    ``beyond="device"`` held parts may exceed it.
-
-    Parts are planned by :func:`treefx.parts.plan`: a boundary may fall anywhere, inside a
-    node too. Memory: activations are held for at most ``max_tokens`` tokens at once
-    (``plan.peak_held_tokens()``): the current part's and those of the held parts of open
-    nodes on the current root path (nodes whose subtrees exceed the room), as many as the
-    budget leaves room for. ``beyond``: what becomes of the other open parts.
-    ``"recompute"`` (the default): their forward runs twice, once without a graph
-    (``plan.recompute_tokens``; refused under FSDP2, and for a model that draws random
-    numbers); ``"host"``: their forward runs once, and what it saves for their backward is
-    held in host memory until then (``plan.host_tokens``; on a GPU in pinned buffers, copied
-    on a stream of its own so the copies overlap compute, a path not yet measured on a GPU;
-    on the CPU nothing is copied); ``"device"``: held on the device over the budget. Beside them, the keys, values and conv
-    inputs of the open path at every layer (``plan.peak_context_tokens()`` tokens, whatever
-    the budget: later parts attend to them) and the recurrent states at the parts'
-    boundaries; a held part's attention also saves its context's keys and values (it
-    attends over them) for its backward. With activation checkpointing, a held part keeps
-    its checkpointed layers' inputs instead of their activations, and its backward
-    recomputes them. Runs on
-    the compiled model's backend. Attention the model scores itself (a softcap, a sink, a
-    bias of positions) is exact in parts; a bias the passes can read only at the part's own
-    rows (not a function of positions) is refused.
-
-    The first call for a compiled model checks the part graph on a small probe forest cut
-    into parts against each sequence run alone (log-probabilities and gradients), unless the
-    model was compiled with ``verify=False`` (or ``TREEFX_VERIFY=0``); the report is
-    ``treefx.run.parts.runners(tm)[0].verification`` (a step is not checked: its loss is
-    the user's code; nor is an FSDP2 model's part graph, whose gradients are shards).
+    The first call for a compiled model checks the part graph on a probe forest cut into parts
+    against each sequence run alone, unless compiled with ``verify=False`` (or
+    ``TREEFX_VERIFY=0``); the report is ``treefx.run.parts.runners(tm)[0].verification`` (a
+    step is not checked, nor an FSDP2 model's part graph).
     """
-    from ..engine import unwrap_compiled
+    front = _Front.of(tm, model, loss_fn, reduction)
+    if front.runner.verify:
+        _check_first_call(tm, front, trees)
+    batch = _batch(trees, front.kind, reduction, num_sequences, loss_scale)
+    if front.kind == "ddp":
+        check_ddp(front.wrapper)
+    if beyond not in ("host", "recompute", "device"):
+        raise ValueError(f"treefx.backward: beyond must be 'host', 'recompute' or 'device', "
+                         f"got {beyond!r}")
+    max_tokens = _token_budget(max_tokens, max_memory, memory, front.target, batch, beyond)
+    run = Run(front.runner, batch, max_tokens, front.target, step=front.step, loss_fn=loss_fn,
+              collective=front.kind == "fsdp", beyond=beyond)
+    _run_parts(run, front)
+    return run.total.to(run.dtype)
 
-    step = None
-    if isinstance(tm, TreeStep):
-        if not isinstance(model, torch.nn.Module):
-            raise TypeError("treefx.backward(step, trees, model=..., max_tokens=...): a "
-                            "@treefx.step function needs the model it trains as model=")
-        if loss_fn is not None or reduction is not None:
-            raise TypeError("treefx.backward: a @treefx.step function computes its own loss "
-                            "and reduction; loss_fn= and reduction= are for a compiled model")
-        step, root = tm, unwrap_compiled(model)
-        target = wrapping.unwrap_ddp(root)[0]
-    elif isinstance(tm, TreeModel):
-        if model is not None:
-            raise TypeError("treefx.backward: model= goes with a @treefx.step function; a "
-                            "model from treefx.compile is the first argument itself")
-        target, root = tm.model, tm._root[0]
-    else:
-        raise TypeError(f"treefx.backward takes a model from treefx.compile or a @treefx.step "
-                        f"function, got {type(tm).__name__}")
 
-    kind = wrapping.distributed_kind(target, root if root is not target else None)
-    wrapper = wrapping.unwrap_ddp(root)[1] if kind == "ddp" else None
-    group = wrapping.process_group(kind, target, wrapper)
-    runner = runner_for(tm, own_loss=loss_fn is None) if step is None else \
-        step_runner(step, target)
-    if runner.verify:
-        runner.verify = False
-        if kind == "fsdp":
-            # the probe's parts would gather and reduce-scatter (sharded .grad, collectives
-            # every rank must match): not checked here; tests/test_distributed_parts.py
-            runner.verification = ("not checked: the part graph of a model sharded with FSDP2 "
-                                   "is not probed on its first call")
-            log.info("treefx.backward: %s", runner.verification)
-        else:  # a DDP model's parts run on its inner module, with no collective
-            if trees is not None:  # the probe's vocabulary, where the model declares none
-                tm._note_token_ids(trees)
-            with wrapper.no_sync() if wrapper is not None else contextlib.nullcontext():
-                _verify_first_call(tm, runner)
+@dataclass(frozen=True)
+class _Front:
+    """What a call trains: the ``@treefx.step`` function (None: a compiled model), the model
+    it runs (``target``) and what wraps it (``root``), its distributed kind, its DDP wrapper,
+    its ranks' process group and the part runner."""
+
+    step: TreeStep | None
+    target: torch.nn.Module
+    root: torch.nn.Module
+    kind: str | None
+    wrapper: object
+    group: object
+    runner: PartRunner
+
+    @classmethod
+    def of(cls, tm, model, loss_fn, reduction) -> _Front:
+        from ..engine import unwrap_compiled
+
+        step = None
+        if isinstance(tm, TreeStep):
+            if not isinstance(model, torch.nn.Module):
+                raise TypeError("treefx.backward(step, trees, model=..., max_tokens=...): a "
+                                "@treefx.step function needs the model it trains as model=")
+            if loss_fn is not None or reduction is not None:
+                raise TypeError("treefx.backward: a @treefx.step function computes its own "
+                                "loss and reduction; loss_fn= and reduction= are for a "
+                                "compiled model")
+            step, root = tm, unwrap_compiled(model)
+            target = wrapping.unwrap_ddp(root)[0]
+        elif isinstance(tm, TreeModel):
+            if model is not None:
+                raise TypeError("treefx.backward: model= goes with a @treefx.step function; a "
+                                "model from treefx.compile is the first argument itself")
+            target, root = tm.model, tm._root[0]
+        else:
+            raise TypeError(f"treefx.backward takes a model from treefx.compile or a "
+                            f"@treefx.step function, got {type(tm).__name__}")
+        kind = wrapping.distributed_kind(target, root if root is not target else None)
+        wrapper = wrapping.unwrap_ddp(root)[1] if kind == "ddp" else None
+        group = wrapping.process_group(kind, target, wrapper)
+        runner = runner_for(tm, own_loss=loss_fn is None) if step is None else \
+            step_runner(step, target)
+        return cls(step, target, root, kind, wrapper, group, runner)
+
+
+def _check_first_call(tm, front: _Front, trees) -> None:
+    """The runner's first-call check, once: skipped (and said why) under FSDP2."""
+    runner = front.runner
+    runner.verify = False
+    if front.kind == "fsdp":
+        # the probe's parts would gather and reduce-scatter (sharded .grad, collectives
+        # every rank must match): not checked here; tests/test_distributed_parts.py
+        runner.verification = ("not checked: the part graph of a model sharded with FSDP2 "
+                               "is not probed on its first call")
+        log.info("treefx.backward: %s", runner.verification)
+    else:  # a DDP model's parts run on its inner module, with no collective
+        if trees is not None:  # the probe's vocabulary, where the model declares none
+            tm._note_token_ids(trees)
+        wrapper = front.wrapper
+        with wrapper.no_sync() if wrapper is not None else contextlib.nullcontext():
+            _verify_first_call(tm, runner)
+
+
+def _batch(trees, kind, reduction, num_sequences, loss_scale) -> TreeBatch | None:
+    """The call's batch on the host: ``trees`` packed, or a packed batch; None for a rank
+    without trees (under FSDP2 or DDP only)."""
     if trees is None or (isinstance(trees, (list, tuple)) and not trees):
         if kind is None:
             raise ValueError("treefx.backward: no trees (an empty forest trains nothing); a "
                              "rank with no trees passes None (or []) only under FSDP2 or DDP")
-        batch = None
-    elif isinstance(trees, TreeBatch):
+        return None
+    if isinstance(trees, TreeBatch):
         given = [k for k, v in (("reduction", reduction), ("num_sequences", num_sequences),
                                 ("loss_scale", loss_scale)) if v is not None]
         if given:
             raise TypeError(f"treefx.backward: a packed batch carries its own {given[0]}; "
                             "pack it with that, or pass the trees")
-        batch = trees.to("cpu")
-    else:
-        batch = pack(trees, reduction=reduction or "mean", num_sequences=num_sequences,
-                     loss_scale=1.0 if loss_scale is None else loss_scale)
-    if kind == "ddp":
-        check_ddp(wrapper)
-    if beyond not in ("host", "recompute", "device"):
-        raise ValueError(f"treefx.backward: beyond must be 'host', 'recompute' or 'device', "
-                         f"got {beyond!r}")
-    max_tokens = _token_budget(max_tokens, max_memory, memory, target, batch, beyond)
-    run = Run(runner, batch, max_tokens, target, step=step, loss_fn=loss_fn,
-              collective=kind == "fsdp", beyond=beyond)
-    if kind == "fsdp":
+        return trees.to("cpu")
+    return pack(trees, reduction=reduction or "mean", num_sequences=num_sequences,
+                loss_scale=1.0 if loss_scale is None else loss_scale)
+
+
+def _run_parts(run: Run, front: _Front) -> None:
+    """The parts run: in FSDP2's common rounds, under DDP on the inner module (its gradients
+    averaged at the end), or on this process alone."""
+    if front.kind == "fsdp":
         try:
-            rounds(run, group)
+            rounds(run, front.group)
         finally:
             run.release()
-    elif kind == "ddp":
+    elif front.kind == "ddp":
         # The parts run on the inner module, without DDP's hooks (no_sync: its reducer ignores
         # the parts' backwards); the gradients are averaged over the group once, at the end.
-        with wrapper.no_sync():
-            sync_ddp_buffers(wrapper)
+        with front.wrapper.no_sync():
+            sync_ddp_buffers(front.wrapper)
             _run_in_order(run)
         run.finish()
-        reduce_ddp(wrapper, group)
+        reduce_ddp(front.wrapper, front.group)
     else:
         _run_in_order(run)
         run.finish()
-    return run.total.to(run.dtype)
 
 
 def _run_in_order(run: Run) -> None:
