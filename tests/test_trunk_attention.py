@@ -228,3 +228,30 @@ def test_a_step_with_the_split_matches_the_oracle(monkeypatch):
     check_step(step, model, [comb(0)] + odd_forest(5, VOCAB), "mean", rtol=1e-6)
     notes = [r.note for c in step.contexts for r in c.log if r.pass_name == "attention"]
     assert notes and all("dense causal kernel" in n for n in notes)
+
+
+def test_the_skipped_block_counts_are_an_opaque_op():
+    """The first query blocks' key-block counts are zeroed by ``treefx::skip_query_blocks``, an
+    op of its own (a fixed-layout buffer for Inductor; as a pointwise ``where`` the counts
+    reached FlexAttention's template unrealized in a forward without autograd, and Inductor
+    failed to lower it on the GPU): its values are the rows from ``skip`` on, and a traced
+    site computes both counts (partial and full blocks) with it."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from treefx.mask import skip_query_blocks, tree_block_tensors
+
+    num = torch.arange(1, 8, dtype=torch.int32).reshape(1, 1, 7)
+    out = skip_query_blocks(num, torch.tensor(3))
+    assert out.tolist() == [[[0, 0, 0, 4, 5, 6, 7]]] and num.tolist() == [[[1, 2, 3, 4, 5, 6, 7]]]
+    batch = treefx.pack([comb(2)])
+    n, bs = batch.num_tokens, 16
+    blocks = tree_block_tensors(batch.subtree_end, bs)
+    pos_pad = F.pad(batch.position_ids[0], (0, blocks[-1].numel() - n))
+    skip = trunk.trunk_blocks(batch.parent_token, 0, bs)
+    q = torch.randn(1, 4, n, 8)
+    k, v = (torch.randn(1, 2, n, 8) for _ in range(2))
+    site = TreeFlexAttention(block_size=bs, interleave_heads=False)
+    with torch.no_grad():
+        gm = make_fx(lambda *a: site(*a, skip_blocks=skip))(q, k, v, *blocks, pos_pad)
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert targets.count(torch.ops.treefx.skip_query_blocks.default) == 2  # kv and full counts

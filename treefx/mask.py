@@ -73,6 +73,22 @@ def _(x, block_size):
     return x.new_empty((num_blocks(x.shape[0], block_size) * block_size,))
 
 
+@torch.library.custom_op("treefx::skip_query_blocks", mutates_args=())
+def skip_query_blocks(num: torch.Tensor, skip: torch.Tensor) -> torch.Tensor:
+    """A block mask's per-query-block key-block counts ``num`` [..., Q] with the first ``skip``
+    (a 0-d tensor) query blocks listing none, as an opaque op like :func:`pad_to_block`: its
+    output is a buffer of its own with a fixed layout. (As a pointwise ``where`` in the graph,
+    the counts reach FlexAttention's kernel template unrealized in a forward without autograd,
+    and Inductor's lowering fails: "convert FlexibleLayout to FixedLayout first", torch 2.11.)"""
+    rows = torch.arange(num.shape[-1], device=num.device)
+    return torch.where(rows >= skip, num, torch.zeros_like(num))
+
+
+@skip_query_blocks.register_fake
+def _(num, skip):
+    return torch.empty_like(num)
+
+
 @torch.library.custom_op("treefx::pad_rows_to_block", mutates_args=())
 def pad_rows_to_block(x: torch.Tensor, block_size: int, dims: list[int]) -> torch.Tensor:
     """``x`` zero-padded along ``dims`` (token axes of N) to :func:`num_blocks` blocks, like

@@ -17,7 +17,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ...mask import tree_visible
+from ...mask import skip_query_blocks, tree_visible
 
 __all__ = [
     "FlexSite",
@@ -228,10 +228,8 @@ class FlexSite:
         (their rows come out zero: :mod:`.trunk` computes them); None skips none."""
         if skip_blocks is None:
             return kv_num, full_num
-        rows = torch.arange(kv_num.shape[-1], device=kv_num.device)
-        keep = rows >= skip_blocks
-        return (torch.where(keep, kv_num, 0),
-                None if full_num is None else torch.where(keep, full_num, 0))
+        return (skip_query_blocks(kv_num, skip_blocks),
+                None if full_num is None else skip_query_blocks(full_num, skip_blocks))
 
     def _call_flex(self, q, k, v, block_mask, score_mod, score_bufs, mask_bufs):
         """FlexAttention's kernel on ``q``, ``k``, ``v`` with the standard kernel and the
