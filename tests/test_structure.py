@@ -648,3 +648,44 @@ def test_the_switch_tables_list_what_options_reads():
 
     doc = re.findall(r"^``(TREEFX_[A-Z0-9_]+)``", treefx.options.__doc__, flags=re.M)
     assert sorted(doc) == read, "treefx/options.py's docstring table"
+
+
+# ------------------------------------------------------------ rooms of one concept (issue 67)
+
+MAX_FILE_LINES, MAX_FUNCTION_LINES = 700, 80
+
+
+def _core_files() -> list[Path]:
+    """The core's modules: the package without its tools (the command line and the zoo
+    sweep, which only the user runs)."""
+    return sorted(p for p in ROOT.rglob("*.py") if "tools" not in p.relative_to(ROOT).parts)
+
+
+def _too_long(files, root: Path = ROOT.parent) -> tuple[list[str], list[str]]:
+    big, long_fns = [], []
+    for path in files:
+        text = path.read_text()
+        lines = text.count("\n")
+        if lines > MAX_FILE_LINES:
+            big.append(f"{path.relative_to(root)}: {lines} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                if n > MAX_FUNCTION_LINES:
+                    long_fns.append(f"{path.relative_to(root)}:{node.lineno} "
+                                    f"{node.name}: {n} lines")
+    return big, long_fns
+
+
+def test_no_core_file_or_function_is_too_long():
+    """No core file over 700 lines and no core function over 80 (its docstring included)."""
+    big, long_fns = _too_long(_core_files())
+    assert not big, f"core files over {MAX_FILE_LINES} lines: {big}"
+    assert not long_fns, f"core functions over {MAX_FUNCTION_LINES} lines: {long_fns}"
+
+
+def test_the_length_check_sees_one(tmp_path):
+    long_body = "\n".join(f"    x{i} = {i}" for i in range(MAX_FUNCTION_LINES))
+    (tmp_path / "m.py").write_text(f"def f():\n{long_body}\n" + "\n" * MAX_FILE_LINES)
+    big, long_fns = _too_long([tmp_path / "m.py"], root=tmp_path)
+    assert len(big) == 1 and len(long_fns) == 1 and "f: 81 lines" in long_fns[0]
