@@ -154,3 +154,10 @@ def test_ci_runs_the_readme_test_command():
     ci = [ln.strip() for ln in (ROOT / ".ci" / "run").read_text(encoding="utf-8").splitlines()
           if ln.strip() and not ln.startswith("#") and not ln.startswith(("set ", "cd "))]
     assert ci[-1] == commands[0]
+
+
+def test_the_readme_is_a_page():
+    """The README stays a page (issue 67): at most 150 lines; the figures live in
+    BENCHMARKS.md."""
+    lines = (ROOT / "README.md").read_text(encoding="utf-8").count("\n")
+    assert lines <= 150, f"README.md has {lines} lines; move detail to docs/ or BENCHMARKS.md"
