@@ -1,11 +1,6 @@
-"""Setup shared by the benchmarks: device and backend choice, model builders, synthetic trees,
-the oracle comparisons that ``treefx.verify`` cannot express, dynamo counters, argument
-helpers and the result writer.
-
-Conventions kept in one place so that every script measures the same way: GPU runs use CUDA,
-bf16 where a script times training, and the inductor backend; ``--dry-run`` runs the same code
-on the CPU with a tiny float32 model and eager backends, to check the harness without a GPU.
-"""
+"""Setup shared by the benchmarks: device, run metadata, arguments and results, model builders,
+synthetic trees and the oracle comparisons ``treefx.verify`` cannot express. GPU runs use
+CUDA and Inductor; ``--dry-run`` runs the same code on the CPU, tiny float32, eager."""
 
 from __future__ import annotations
 
@@ -44,54 +39,32 @@ def device_tag(cuda: bool) -> str:
     return (m.group(1) if m else re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-")).lower()
 
 
-def device_name(cuda: bool) -> str:
-    return torch.cuda.get_device_name() if cuda else "cpu"
-
-
-def versions() -> dict:
-    """torch, triton, transformers and Python versions (None where not installed)."""
+def _version(module: str):
     try:
-        import triton
+        return __import__(module).__version__
     except ImportError:
-        triton = None
-    try:
-        import transformers
-    except ImportError:
-        transformers = None
-    return {"torch": torch.__version__, "triton": getattr(triton, "__version__", None),
-            "transformers": getattr(transformers, "__version__", None),
-            "python": platform.python_version()}
-
-
-def host_cpu() -> str:
-    """The host's CPU model and the cores this process may use (compile times depend on
-    both: the same GPU kind comes on hosts of different CPUs)."""
-    model = platform.processor() or "?"
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next((line.split(":", 1)[1].strip() for line in f
-                          if line.startswith("model name")), model)
-    except OSError:
-        pass
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return f"{model}, {cores} cores"
+        return None
 
 
 def run_meta(cuda: bool) -> dict:
-    """Device, host CPU, versions, date and command line of this run (recorded in every
-    result file)."""
-    return {"device": device_name(cuda) if cuda else f"cpu ({platform.processor()})",
-            "host_cpu": host_cpu(), "cuda": cuda, **versions(),
+    """Device, host CPU (compile times depend on it), versions, date and command line of this
+    run, recorded in every result file."""
+    model = platform.processor() or "?"
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((ln.split(":", 1)[1].strip() for ln in f
+                          if ln.startswith("model name")), model)
+    except OSError:
+        pass
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    module = (getattr(spec, "name", None) or "?").removesuffix(".__main__")
+    return {"device": torch.cuda.get_device_name() if cuda else f"cpu ({platform.processor()})",
+            "host_cpu": f"{model}, {cores} cores", "cuda": cuda, "torch": torch.__version__,
+            "triton": _version("triton"), "transformers": _version("transformers"),
+            "python": platform.python_version(),
             "date": datetime.datetime.now().isoformat(timespec="seconds"),
-            "command": " ".join([os.path.basename(sys.executable), "-m",
-                                 _module_name(), *sys.argv[1:]])}
-
-
-def _module_name() -> str:
-    main = sys.modules.get("__main__")
-    spec = getattr(main, "__spec__", None)
-    name = getattr(spec, "name", None) or "?"
-    return name.removesuffix(".__main__")
+            "command": " ".join([os.path.basename(sys.executable), "-m", module, *sys.argv[1:]])}
 
 
 def attention_heads(cuda: bool) -> tuple[int, int, int, torch.dtype]:
@@ -141,17 +114,12 @@ def add_run_args(p: argparse.ArgumentParser, dry_run_help: str) -> None:
     p.add_argument("--dry-run", action="store_true", help=dry_run_help)
 
 
-def default_out(name: str, cuda: bool, dry_run: bool = False) -> str:
-    """``benchmarks/results/<name>_<YYYY-MM-DD>_<device>.json`` (a dry run's name ends in
-    ``_dryrun``, which git ignores): never the working directory."""
-    date = datetime.date.today().isoformat()
-    suffix = "_dryrun" if dry_run else ""
-    return str(RESULTS / f"{name}_{date}_{device_tag(cuda)}{suffix}.json")
-
-
 def resolve_out(args, name: str, cuda: bool) -> str:
+    """``--out``, or ``benchmarks/results/<name>_<YYYY-MM-DD>_<device>.json`` (a dry run's ends
+    in ``_dryrun``, which git ignores)."""
     if not args.out:
-        args.out = default_out(name, cuda, getattr(args, "dry_run", False))
+        dry = "_dryrun" if getattr(args, "dry_run", False) else ""
+        args.out = str(RESULTS / f"{name}_{datetime.date.today()}_{device_tag(cuda)}{dry}.json")
     return args.out
 
 
@@ -208,13 +176,107 @@ def hf_labels_step(model, batch):
                  labels=batch["labels"]).loss
 
 
+# ----------------------------------------------------------------------------- several GPUs
+
+# Qwen3 shapes of the FSDP2 / DDP benchmarks (multi_gpu, distributed_check, grpo, verl_engine).
+SHAPES = {
+    "qwen3-8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                     vocab_size=151936, tie_word_embeddings=False),
+    "qwen3-1.7b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                       num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                       vocab_size=151936, tie_word_embeddings=True),
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=1024,
+                 tie_word_embeddings=False),
+}
+
+
+def dist_setup(dry_run: bool) -> torch.device:
+    """The process group (NCCL on the GPU, gloo on the CPU; plain ``python``: one process)."""
+    import torch.distributed as dist
+
+    cuda = use_cuda(dry_run)
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=os.environ.get("MASTER_PORT", "29512"))
+    local = int(os.environ["LOCAL_RANK"])
+    if cuda:
+        torch.cuda.set_device(local)
+    dist.init_process_group("nccl" if cuda else "gloo",
+                            device_id=torch.device("cuda", local) if cuda else None)
+    return torch.device("cuda", local) if cuda else torch.device("cpu")
+
+
+def dist_sync(dev) -> None:
+    import torch.distributed as dist
+
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    dist.barrier()
+
+
+def dist_build(model_type: str, config: dict, dev, checkpointing: bool, dtype=torch.float32):
+    """A Hugging Face causal LM built on ``dev`` in ``dtype`` (the same weights on every rank),
+    SDPA attention, in training mode."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model(model_type, **config)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    with dev:
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    if checkpointing:
+        enable_activation_checkpointing(model, use_reentrant=False)
+    return model.train()
+
+
+def fsdp_shard(model, mp_policy=None):
+    """FSDP2: ``fully_shard`` on every decoder layer and on the root."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp_policy = mp_policy or MixedPrecisionPolicy()
+    for layer in model.model.layers:
+        fully_shard(layer, mp_policy=mp_policy)
+    return fully_shard(model, mp_policy=mp_policy)
+
+
+def fsdp_qwen3(shape: str, dev, checkpointing: bool, layers: int | None = None,
+               vocab_size: int | None = None):
+    """A Qwen3 of ``SHAPES[shape]`` sharded by FSDP2, bf16 compute on the GPU."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    config = dict(SHAPES[shape], num_hidden_layers=layers or SHAPES[shape]["num_hidden_layers"])
+    if vocab_size:
+        config["vocab_size"] = vocab_size
+    model = dist_build("qwen3", config, dev, checkpointing)
+    low = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    fsdp_shard(model, MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32))
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    return model
+
+
+def tree_pool(world: int, tokens: int, por: float, vocab: int, seed: int = 0, **lengths):
+    """Synthetic agent trees, the same on every rank: about ``tokens`` unique tokens per rank,
+    at least two trees per rank."""
+    trees, total, i = [], 0, 0
+    while total < world * tokens or len(trees) < 2 * world:
+        t = synth.agent_tree(seed=seed + i, vocab_size=vocab, target_por=por, rollouts=2,
+                             **lengths)
+        trees.append(t)
+        total += t.num_tokens
+        i += 1
+    return trees
+
+
 # ----------------------------------------------------------------------------- trees
 
 # synth.agent_tree's default length ranges; multiplied per POR so that each tree has ~12-17k
 # unique tokens at scale 1 (the POR-0.75 tree is 17.2k / 68.8k tokens).
 LENGTHS = dict(system_len=(150, 400), prompt_len=(30, 200), think_len=(40, 300),
                answer_len=(10, 80), tool_len=(20, 250))
-SHAPES = {  # POR: (shape, length multiplier)
+POR_SHAPES = {  # POR: (shape, length multiplier)
     0.3: (dict(rollouts=1, turns=(2, 3)), 8.0),
     0.5: (dict(rollouts=1, turns=(3, 5)), 4.0),
     0.75: (dict(rollouts=4), 1.8),
@@ -228,9 +290,9 @@ def scaled_lengths(mult: float) -> dict:
 
 
 def make_tree(por: float, scale: float, vocab: int, seed: int = 0) -> treefx.Tree:
-    """A synth agent tree at POR ~ ``por`` (the nearest shape of SHAPES)."""
-    key = min(SHAPES, key=lambda k: abs(k - por))
-    shape, mult = SHAPES[key]
+    """A synth agent tree at POR ~ ``por`` (the nearest shape of POR_SHAPES)."""
+    key = min(POR_SHAPES, key=lambda k: abs(k - por))
+    shape, mult = POR_SHAPES[key]
     err = None
     for s in range(seed, seed + 4):  # another seed if a shape cannot reach the POR
         try:
@@ -254,7 +316,7 @@ def stream_trees(n: int, scale: float, vocab: int) -> list[treefx.Tree]:
 def agent_row(n: int, first_seed: int, scale: float = 1.0, vocab: int = 32000):
     """``subtree_end`` of a DFS row of POR-0.75-shaped agent trees (4 rollouts) cut at ``n``
     tokens, ends clipped to ``n`` (still a valid forest layout), and the trees."""
-    shape, mult = SHAPES[0.75]
+    shape, mult = POR_SHAPES[0.75]
     lengths = {k: (max(1, round(lo * mult * scale)), max(1, round(hi * mult * scale)))
                for k, (lo, hi) in LENGTHS.items()}
     trees, total, i = [], 0, 0
@@ -287,13 +349,6 @@ def tiny_forest() -> list[treefx.Tree]:
 
 
 # ----------------------------------------------------------------------------- oracle checks
-
-
-def tolerance(logprob: float, grad: float, **kw):
-    """A ``treefx.verify`` tolerance (``treefx.Tolerance``)."""
-    import treefx
-
-    return treefx.Tolerance(logprob=logprob, grad=grad, **kw)
 
 
 def report_dict(rep) -> dict:

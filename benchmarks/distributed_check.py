@@ -1,52 +1,22 @@
 """Several GPUs: FSDP2 on a Qwen3-Next hybrid and DDP on Qwen3, exact against one process and
-timed against sequence packing (issue 37). One process per GPU, NCCL:
+timed against sequence packing (issue 37; BENCHMARKS.md, "Several GPUs"). One process per GPU:
 
     torchrun --nproc_per_node=2 -m benchmarks.distributed_check
     torchrun --nproc_per_node=2 -m benchmarks.distributed_check --cases fsdp-hybrid-exact,ddp-exact
     torchrun --nproc_per_node=2 -m benchmarks.distributed_check --dry-run   # CPU, gloo, tiny
 
-Cases (``--cases``; each runs even if another fails, its traceback recorded):
+- ``fsdp-hybrid-exact`` / ``ddp-exact``: float32 Qwen3-Next under FSDP2 (checkpointed) / Qwen3
+  under DDP; odd forests (and on the GPU an agent tree) assigned over the ranks, trained whole
+  and in parts of (rank + 1) × 256 tokens; the gathered gradients against one process running
+  every sequence alone, per parameter within max(1e-5, 4 × the oracle's floor), reported per
+  parameter group; the loss within 1e-5.
+- ``fsdp-hybrid-speed`` / ``ddp-speed``: a Qwen3-Next-shaped model under FSDP2 (bf16 compute)
+  / Qwen3-1.7B's layers under DDP, synthetic agent trees; treefx whole or in parts of
+  ``--budget`` against packing's micro-batches of the same budget (zero-weight padding ones
+  under FSDP2), lr 0: first step, median step, peak memory, share of the token-count bound.
 
-- ``fsdp-hybrid-exact``: HF Qwen3-Next (Gated DeltaNet linear attention and gated full
-  attention, dense MLPs) in float32, TF32 off, ``fully_shard`` per decoder layer and root,
-  activation checkpointing; ``ddp-exact``: HF Qwen3 in float32 wrapped in DDP. The trees (two
-  odd forests: single-token nodes, a sequence that is a prefix of another, duplicates, loss
-  masks, weights; on the GPU also a synthetic agent tree of 48 attention blocks) are balanced
-  over the ranks by ``treefx.distributed.assign`` and trained (a) whole, ``treefx.compile`` +
-  ``treefx.tree_loss`` on ``treefx.distributed.pack``, and (b) in parts, ``treefx.backward``
-  of (rank + 1) × 256 tokens (8 in a dry run): the ranks run different numbers of parts. The
-  gradients are gathered (``full_tensor()`` under FSDP2, DDP's reduced ``.grad``) and rank 0
-  compares them with one process: an unsharded copy of the same initial weights running every
-  sequence of all trees alone (``treefx.reference.sequence_loss``, the global mean). Per
-  parameter, the error is max |g - g_ref| / max |g_ref|, within max(1e-5, 4 × the oracle's own
-  floor), the floor the larger of the oracle against itself perturbed by one rounding
-  (``treefx.verification.oracle_floor_gradients``) and against its float64 values (the
-  model in float64, Hugging Face's float32 casts lifted: Gated DeltaNet's A_log and dt_bias
-  cancel in float32, by more than the perturbation shows), all over max(max |g_ref|, 1e-3 ×
-  the model's largest gradient entry);
-  reported as the worst per parameter group (layer index dropped), with
-  the floor. The loss (mean of the ranks' losses) within 1e-5 relative.
-- ``fsdp-hybrid-speed``: a Qwen3-Next-shaped model (hidden 2048, 16 heads and 2 KV heads of
-  256 for full attention, Qwen3-Next's linear-attention heads: 16 key and 32 value heads of
-  128, a full-attention layer after every three linear ones; dense MLPs of 5632 in place of its
-  experts; vocabulary 151,936; ``--layers`` layers), float32 masters sharded by FSDP2 with bf16
-  compute (``MixedPrecisionPolicy``), activation checkpointing; ``ddp-speed``: Qwen3-1.7B's
-  layers (``--layers`` of them), bf16 parameters, DDP. Synthetic agent trees (POR about
-  ``--por``, about ``--tokens`` unique tokens per rank), balanced by ``assign``. treefx: every
-  rank's trees whole (``treefx.compile(logits=False)``), or in parts of ``--budget`` tokens
-  (``treefx.backward``); packing: every sequence as its own chain, first-fit decreasing into
-  micro-batches of the same budget (the largest rank's tree tokens when trees go whole),
-  through the same compiled model, gradients synchronized on the last micro-batch only; under
-  FSDP2 a rank with fewer micro-batches runs zero-weight ones until the ranks run as many
-  forwards and backwards (their collectives pair up). AdamW with lr 0 (its cost, the weights
-  kept) so the two methods' losses compare. Reported: the first step (compiles included), the
-  median of ``--steps`` steps after one more, peak memory per GPU, the token-count bound
-  (sequence tokens / tree tokens) and the share of it reached: (packing step / treefx step) /
-  bound.
-
-``--dry-run``: the CPU, gloo, tiny shapes, the eager backend, every case (its times say
-nothing). Rank 0 writes the JSON (``--out``) after every case; ``--time-limit`` skips what
-would start past it. The process exits with 1 when a case fails or errs.
+Rank 0 writes the JSON after every case; ``--time-limit`` skips what would start past it; the
+exit status is 1 when a case fails.
 """
 
 from __future__ import annotations
@@ -67,8 +37,7 @@ import torch.distributed as dist
 import treefx
 
 from . import common
-from .common import check_forest, odd_forest
-from .fsdp import SHAPES, _build, _pool, _setup, _shard, _sync
+from .common import SHAPES, check_forest, odd_forest
 from .gpu_check import SMALL, TINY, _kernels
 from .real_trees import packing_batches
 
@@ -192,7 +161,7 @@ def _wrap(model, wrapper: str, dev, mp_policy=None):
     from torch.nn.parallel import DistributedDataParallel
 
     if wrapper == "fsdp":
-        return _shard(model, mp_policy)
+        return common.fsdp_shard(model, mp_policy)
     return DistributedDataParallel(model, device_ids=[dev.index] if dev.type == "cuda" else None)
 
 
@@ -206,7 +175,7 @@ def exact(ctx, model_type: str, config: dict, wrapper: str, checkpointing: bool)
     if not ctx["dry_run"]:  # two odd trees more and an agent tree of 6,098 tokens
         trees += check_forest(vocab)
     mine = treefx.distributed.assign(trees, world)[rank]
-    model = _build(model_type, config, dev, checkpointing)
+    model = common.dist_build(model_type, config, dev, checkpointing)
     out = {"model": model_type, "config": config, "wrapper": wrapper,
            "checkpointing": checkpointing, "trees": len(trees),
            "tokens": sum(t.num_tokens for t in trees),
@@ -265,20 +234,20 @@ def _timed(step, ctx) -> dict:
     """The first step (compiles), one more, then the median of ``--steps``: seconds, with the
     ranks synchronized around each; the first step's loss (mean over ranks) and peak memory."""
     dev = ctx["dev"]
-    _sync(dev)
+    common.dist_sync(dev)
     t0 = time.perf_counter()
     loss = step()
-    _sync(dev)
+    common.dist_sync(dev)
     first = time.perf_counter() - t0
     step()
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     times = []
     for _ in range(ctx["steps"]):
-        _sync(dev)
+        common.dist_sync(dev)
         t0 = time.perf_counter()
         step()
-        _sync(dev)
+        common.dist_sync(dev)
         times.append(time.perf_counter() - t0)
     peak = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None
     return {"first_step_s": round(first, 2), "step_s": round(statistics.median(times), 4),
@@ -293,10 +262,10 @@ def speed(ctx, model_type: str, config: dict, wrapper: str) -> dict:
     dev, rank, world = ctx["dev"], dist.get_rank(), dist.get_world_size()
     fsdp = wrapper == "fsdp"
     low = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    trees = _pool(world, ctx["tokens"], ctx["por"], config["vocab_size"], **ctx["lengths"])
+    trees = common.tree_pool(world, ctx["tokens"], ctx["por"], config["vocab_size"], **ctx["lengths"])
     mine = treefx.distributed.assign(trees, world)[rank]
     t0 = time.perf_counter()
-    model = _build(model_type, config, dev, True, dtype=torch.float32 if fsdp else low)
+    model = common.dist_build(model_type, config, dev, True, dtype=torch.float32 if fsdp else low)
     held = _wrap(model, wrapper, dev,
                  MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32))
     build_s = time.perf_counter() - t0
@@ -401,7 +370,7 @@ def main(argv=None):
         p.error(f"unknown cases {sorted(unknown)}; of {', '.join(CASES)}")
 
     t0 = time.perf_counter()
-    dev = _setup(args.dry_run)
+    dev = common.dist_setup(args.dry_run)
     cuda = dev.type == "cuda"
     if args.dry_run:
         torch.set_num_threads(1)

@@ -1,36 +1,19 @@
 """Gated DeltaNet (and Kimi Delta Attention) on fla's kernels through the tree, against each
-sequence run alone: values and gradients, float32 and bf16, whole trees and in parts.
+sequence run alone: values and gradients, float32 and bf16, whole trees and in parts
+(BENCHMARKS.md, "Hybrids on fla's kernels").
 
     python -m benchmarks.fla_check                 # GPU with fla installed, a few minutes
     python -m benchmarks.fla_check --dry-run       # CPU: the same code, torch kernel (no fla)
 
-Two levels, each case in its own try/except (failures keep their traceback in the JSON):
+- ``op``: the tree recurrence alone on odd trees, in the Qwen3-Next and Qwen3.5 layouts,
+  against a float64 recurrence, beside the torch kernel's and fla's own per-sequence errors
+  (float32 within max(2 × fla's own, 10 × the torch floor) + 1e-6; bf16 within 2 × fla's own
+  + 1e-3). ``TRITON_F32_DEFAULT=ieee`` is set unless given.
+- ``model``: HF Qwen3-Next and Qwen3.5 (2 Gated DeltaNet + 1 attention layers), loss and every
+  gradient, whole and in parts, against the torch-kernel oracle and its floor; bf16 against
+  the float32 oracle beside the bf16 per-sequence run.
 
-- ``op``: the tree recurrence alone (treefx.ops.recurrence.tree_recurrence, as the compiled
-  graph's op runs it) on random inputs over odd trees (single-token nodes, a sequence that is
-  a prefix of another, nodes across fla's 64-token chunks, forests), in the Qwen3-Next layout
-  (query/key expanded to the value heads before the kernel: transformers 5.17) and the
-  Qwen3.5 layout (fewer key than value heads at the kernel: transformers 5.24). The oracle
-  runs every root-to-leaf sequence alone. Errors are relative to the largest reference value
-  (``max |x - ref| / max |ref|``), for the output and the gradient of every input, against
-  a float64 recurrence written out token by token; beside them the floors: Hugging Face's
-  torch kernel in float32 on each sequence alone (the oracle's own floor) and fla on each
-  sequence alone (the kernel's own error, no tree involved). Float32 passes where the tree's
-  error is within max(2 x fla's own, 10 x the torch floor) + 1e-6; bf16 where it is within
-  2 x fla's own per-sequence bf16 error + 1e-3. ``TRITON_F32_DEFAULT=ieee`` is set (unless
-  given) so that fla's float32 matrix products are not TF32.
-- ``model``: HF Qwen3-Next and Qwen3.5 (text) from configs (2 Gated DeltaNet + 1 attention
-  layers, 2 key / 4 value heads of 128 channels), ``treefx.compile``: loss and every
-  parameter gradient of the whole forest and of ``treefx.backward`` in parts (a small
-  budget), against the per-sequence oracle with Hugging Face's torch kernel (treefx's oracle
-  runs the torch function beneath HF's fla wrapper), beside the oracle's floor (``oracle_floor_gradients``) and the
-  per-sequence run on fla (HF's own fla call). bf16: the bf16 model through treefx against
-  the float32 oracle, beside the bf16 per-sequence run (fla) against it. Parameter errors:
-  ``max |g - ref| / max(max |ref|, 1e-3 x the largest |ref| of the model)``.
-
-Every case records which kernel path the tree took (``kernel_runs``: ``varlen`` is fla depth by
-depth, ``tree`` fla in one pass per stage (:mod:`treefx.families.fla_tree`),
-``padded`` the torch kernel) and fla's decision with its reason; the JSON has the versions.
+Every case records the kernel path the tree took (``kernel_runs``) and fla's decision.
 """
 
 from __future__ import annotations

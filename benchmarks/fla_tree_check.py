@@ -1,46 +1,18 @@
 """Gated DeltaNet over a tree on fla in one pass per stage (treefx.families.fla_tree) against
-fla depth by depth and a float64 recurrence walked token by token along the tree; then both
-paths timed.
+fla depth by depth and a float64 walk along the tree; then both paths timed (BENCHMARKS.md,
+"Hybrids on fla's kernels"; benchmarks/README.md for the options).
 
     python -m benchmarks.fla_tree_check            # GPU, fla 0.4.2 installed
+    python -m benchmarks.fla_tree_check --cases interpret-state   # CPU, Triton's interpreter
 
-Exactness (float32, ``TRITON_F32_DEFAULT=ieee``, and bf16): odd trees (single-token nodes,
-nodes across 64-token chunks, a forest, four depths), the roots started from given states and
-some nodes' final states handed out, as a part of a tree runs. Errors are
-``max |x - ref| / max |ref|`` of the output, the final states handed out and the gradients of
-every input (query, key, value, gate, beta, root states) for a random linear objective. The
-one-pass path passes where its error is within 2x the depth-by-depth path's + 1e-6 (float32)
-or + 1e-3 (bf16): the same fla stages, run in another grouping. Roots alone (the
-separate-sequences case) take fla's own variable-length call on both paths since 2026-11-27
-(``tree_gated_delta_rule``'s docstring says why), so there the two paths are the same call.
-float32 on the GPU: Triton's compile of fla's float32 state-pass backward took more than
-200 s for one configuration (2026-11-27); its exactness in float32 was shown on the CPU through
-fla's kernels under Triton's interpreter (``benchmarks/fla_tree_interpret.py``, removed in
-issue 67; its findings: BENCHMARKS.md, "Hybrids on fla's kernels").
-
-Timing: forward and backward of the tree recurrence op as a compiled graph runs it
-(``run_tree``), Qwen3-Next's heads (16 key heads expanded to 32 value heads of 128), bf16,
-on the e2e benchmark's POR 0.75 agent tree (17,187 tokens, 36 nodes, 7 depths), median of
-``--reps``; beside it each sequence packed end to end as one variable-length call (what a
-packing trainer's layer runs, 68,762 tokens; on both paths fla's own call since 2026-11-27);
-and the one-pass path with its forward's chunk states kept for the backward
-(``TREEFX_FLA_TREE_KEEP_STATES=1``).
-
-``--cases state``: treefx's one-launch state pass alone (``fla_tree_state``), forward and
-backward, float32 against its float64 reference: two random forests, then a 214-node, 27-depth
-tree at Qwen3-Next's heads run 20 times, every output the same bit for bit (a race between
-its programs would show there). ``--cases interpret-state``: the kernels on the CPU under
-Triton's interpreter (``TRITON_INTERPRET=1``, NumPy < 2.3; no fla, no GPU), three random
-forests, float32, printed as JSON lines (tests/test_family_fla_tree_state.py runs it). The exactness cases include that tree too (``many-nodes``).
-Timed variants: fla depth by depth; one pass with the state pass per depth
-(``TREEFX_FLA_TREE_STATE=0``); one pass with the state pass in one launch (the default), also
-with each ``--state-configs`` setting; the chunk states kept. ``--profile-op`` profiles named
-variants once after their timing: GPU time by kernel.
-
-``--first-config`` (exactness only): each fla kernel runs the first of its autotuning
-configurations that compiles and runs, not the fastest of all of them, so the check compiles
-one configuration per kernel instead of every one (fla's cold autotuning took more than 560 s
-for the float32 kernels alone). The arithmetic is the kernels' own; no choice is kept on disk.
+``exact``: odd trees with given root states and handed-out final states, float32 and bf16;
+errors ``max |x - ref| / max |ref|`` of the output, states and every input's gradient; the
+one-pass path passes within 2× the depth-by-depth path's + 1e-6 (float32) or + 1e-3 (bf16).
+``timing``: the op's forward and backward at Qwen3-Next's heads, bf16, on the e2e tree and on
+its sequences packed, per variant. ``state``: the one-launch state pass against its float64
+reference, a 214-node tree 20 times bit for bit; ``interpret-state``: its kernels under
+``TRITON_INTERPRET=1`` (tests/test_family_fla_tree_state.py runs it). ``--first-config``:
+exactness with each fla kernel on its first configuration that compiles, no autotuning.
 """
 
 from __future__ import annotations
@@ -372,8 +344,6 @@ def main(argv=None):
                                 description=__doc__.split("\n\n")[0])
     common.add_run_args(p, "not available: fla's kernels need a GPU")
     p.add_argument("--reps", type=int, default=10)
-    p.add_argument("--trace-after", type=float, default=None,
-                   help="print every thread's stack after this many seconds (where it waits)")
     p.add_argument("--cases", default="exact,timing")
     p.add_argument("--value-heads", type=int, default=4,
                    help="heads of the exactness cases (32: Qwen3-Next's, whose kernels the "
@@ -394,9 +364,6 @@ def main(argv=None):
         if "timing" in args.cases:
             raise SystemExit("--first-config is for exactness: its kernels are not tuned")
         first_working_config()
-    if args.trace_after:
-        import faulthandler
-        faulthandler.dump_traceback_later(args.trace_after, repeat=True)
     if args.cases == "interpret-state":
         import json
 

@@ -1,16 +1,10 @@
-"""How close a profiled e2e step can come to the matmul rate without new kernels: the step's
-time split into GEMMs and the rest, and what the model FLOP/s would be with the host's idle
-time gone and the log-probs' two kernels at the memory's peak rate.
+"""How close a profiled e2e step can come to the matmul rate without new kernels: the step split
+into GEMMs and the rest, and the model FLOP/s with the host's idle time gone and the log-probs'
+kernels at ``--bandwidth`` TB/s (BENCHMARKS.md, "Training step against sequence packing").
 
     python -m benchmarks.flop_budget benchmarks/results/e2e_z51a_two_2026-11-28_h100.json
 
-Reads one ``benchmarks.e2e --profile`` result (no GPU needed). The model's FLOPs are the e2e
-report's own (:func:`benchmarks.e2e.report.model_flops`: 6 per parameter-token without the
-embedding lookups, attention 3× its forward on the tree's attended pairs); the GEMMs' are the
-same count without attention, over the profile's GEMM time. Savings are taken from the timed step (CUDA events), their sizes from the
-profile (which runs slower under the profiler). The log-probs' kernels move the logits three
-times (the log-sum-exp reads them, the gradient reads them and writes its own); at
-``--bandwidth`` TB/s (the H100 SXM's HBM3 peak, 3.35, by default) that is their floor.
+Reads one ``benchmarks.e2e --profile`` result; FLOPs as :func:`benchmarks.e2e.report.model_flops`.
 """
 
 from __future__ import annotations

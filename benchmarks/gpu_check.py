@@ -1,21 +1,14 @@
-"""GPU exactness of the inductor backend against the per-sequence oracle, and a first timing.
+"""GPU exactness of the inductor backend against the per-sequence oracle (``treefx.verify``),
+case by case (BENCHMARKS.md, "Exactness on the GPU" and "Model families").
 
-    python -m benchmarks.gpu_check                      # GPU, every case, ~4 min
-    python -m benchmarks.gpu_check --cases qwen3-fp32   # some cases
+    python -m benchmarks.gpu_check                      # GPU, every case
+    python -m benchmarks.gpu_check --cases qwen3-fp32   # some cases (CASES below)
     python -m benchmarks.gpu_check --dry-run            # CPU: tiny model, eager, a few cases
 
-Cases (each runs even if another fails; failures are recorded with their traceback):
-- qwen3-fp32: HF Qwen3, float32, TF32 off, inductor (FlexAttention + Triton) vs the oracle;
-- qwen3-bf16: the same weights in bf16 through treefx vs the float32 oracle, beside the error
-  of the plain bf16 per-sequence run vs the same oracle (the error bf16 training has anyway);
-- mistral-window: sliding window 64, the lifted mask_mod on long sequences;
-- recompiles: 20 trees of different sizes through one compiled model;
-- timing: one training step on a POR ~0.75 agent tree, treefx vs one sequence at a time;
-- and the cases of ``CASES`` below (short rows, no-grad inference, hybrids, loss memory, ...).
-
-Tree models are compared with ``treefx.verify`` (log-probs and every gradient, its report's
-fields in the JSON); what is not a tree model (``@treefx.step``, the per-sequence bf16 run)
-with :mod:`benchmarks.common`'s oracle helpers.
+The cases recompiles, recompiles-wide, small-sizes, timing, hybrid-forward and loss-memory and
+the options --tma and --interleave-heads were retired in issue 67 (compilation counts and
+short rows are tests' now; the loss's memory is benchmarks.logprobs'):
+``git show cdfeaf0:benchmarks/gpu_check.py``.
 """
 
 from __future__ import annotations
@@ -35,15 +28,14 @@ from treefx.models import enable_activation_checkpointing
 
 from . import common
 from .common import check_forest, odd_forest, tiny_forest
-from .internals import attention_ops, recurrence_registry
-from .timing import median_ms
+from .internals import recurrence_registry
 
 # Set by configure(): CUDA with the inductor backend for the numbers that count; the CPU with
 # the eager backend checks the script's logic (--dry-run, or no GPU).
 DEV = "cpu"
 BACKEND = "eager"
 DRY_RUN = False
-COMPILE_KW = {"backend": BACKEND}  # every treefx.compile / treefx.step here (--interleave-heads)
+COMPILE_KW = {"backend": BACKEND}  # every treefx.compile / treefx.step here
 
 SMALL = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
              num_attention_heads=8, num_key_value_heads=4, head_dim=32)
@@ -112,88 +104,6 @@ def case_mistral_window(res):
     res["mistral-window64-fp32"] = compare(tm, small_trees(cfg["vocab_size"]), "mean")
 
 
-def case_recompiles(res):
-    model = hf_model("qwen3", torch.bfloat16, **SMALL)
-    tm = treefx.compile(model, **COMPILE_KW)
-    sizes = []
-    for seed in range(20):
-        tree = synth.agent_tree(100 + seed, vocab_size=SMALL["vocab_size"],
-                                rollouts=1 + seed % 4)
-        batch = treefx.pack(tree).to(DEV)
-        sizes.append(batch.num_tokens)
-        treefx.tree_loss(tm(batch), batch).backward()
-    res["recompiles"] = {"sizes": sizes, "compilations": tm.num_compilations}
-
-
-def case_recompiles_wide(res):
-    """Tree sizes from 71 to ~20k tokens on a hidden-1024 model, where Inductor's size
-    heuristics have thresholds inside that range (mix-order reductions at 5,120 tokens):
-    graphs compiled for a stream of training steps, then of forwards without autograd."""
-    model = hf_model("qwen3", torch.bfloat16, **{**SMALL, "hidden_size": 1024,
-                                                  "intermediate_size": 2048,
-                                                  "num_hidden_layers": 2, "head_dim": 64,
-                                                  "num_attention_heads": 16,
-                                                  "num_key_value_heads": 8})
-    streams = [tiny_forest()] + [[synth.agent_tree(200 + i, vocab_size=SMALL["vocab_size"],
-                                         rollouts=1 + i % 4)] * (1 + i % 3) for i in range(11)]
-    tm = treefx.compile(model, **COMPILE_KW)
-    for mode in ("training", "no-grad"):
-        sizes, counts = [], []
-        for trees in streams:
-            batch = treefx.pack(trees).to(DEV)
-            sizes.append(batch.num_tokens)
-            if mode == "training":
-                treefx.tree_loss(tm(batch), batch).backward()
-            else:
-                with torch.no_grad():
-                    tm(batch)
-            counts.append(tm.num_compilations)
-        res[f"recompiles-wide-{mode}"] = {"sizes": sizes, "compilations_after_each": counts}
-        print(f"  {mode}: sizes {sizes} compilations {counts}", flush=True)
-
-
-def _time(fn, reps=5):
-    """Median of ``reps`` calls after one untimed call (NaN on the CPU)."""
-    fn()
-    if DEV != "cuda":
-        return float("nan")
-    return median_ms(fn, reps, True)
-
-
-def case_timing(res):
-    torch.backends.cuda.matmul.allow_tf32 = True
-    cfg = dict(vocab_size=32000, hidden_size=1024, intermediate_size=3072, num_hidden_layers=8,
-               num_attention_heads=16, num_key_value_heads=8, head_dim=128)
-    model = hf_model("qwen3", torch.bfloat16, **cfg)
-    tree = synth.agent_tree(7, vocab_size=32000, rollouts=4, target_por=0.75)
-    tm = treefx.compile(model, **COMPILE_KW)
-
-    def tree_step():
-        batch = treefx.pack(tree, reduction="mean").to(DEV)  # layout and mask included
-        treefx.tree_loss(tm(batch), batch).backward()
-        model.zero_grad(set_to_none=True)
-
-    def one_by_one():
-        treefx.reference.sequence_loss(model, tree, reduction="mean").backward()
-        model.zero_grad(set_to_none=True)
-
-    t0 = time.perf_counter()
-    tree_step()
-    compile_s = time.perf_counter() - t0
-    torch.cuda.reset_peak_memory_stats()
-    t_tree = _time(tree_step)
-    mem_tree = torch.cuda.max_memory_allocated() / 2**30
-    torch.cuda.reset_peak_memory_stats()
-    t_seq = _time(one_by_one)
-    mem_seq = torch.cuda.max_memory_allocated() / 2**30
-    res["timing"] = {
-        "tree": repr(tree), "bound": tree.bound, "first_step_s": compile_s,
-        "tree_ms": t_tree, "one_by_one_ms": t_seq, "speedup": t_seq / t_tree,
-        "tree_peak_gib": mem_tree, "one_by_one_peak_gib": mem_seq,
-        "compilations": tm.num_compilations,
-    }
-
-
 hf_labels_step = common.hf_labels_step
 
 
@@ -211,37 +121,6 @@ def case_step_fp32(res):
         **common.loss_vs_oracle(model, loss.detach(), ref),
         "loss_rewrite": [r.note for r in step.contexts[0].log if r.pass_name == "loss"],
     }
-
-
-def case_loss_memory(res):
-    """Peak memory of one training step: logits materialized (compile + tree_loss) vs the
-    fused chunked loss (@treefx.step), Qwen3 with a 151k vocabulary, bf16."""
-    torch.backends.cuda.matmul.allow_tf32 = True
-    cfg = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=4,
-               num_attention_heads=16, num_key_value_heads=8, head_dim=128)
-    model = hf_model("qwen3", torch.bfloat16, **cfg)
-    tree = synth.agent_tree(3, vocab_size=cfg["vocab_size"], rollouts=8, target_por=0.75)
-    batch = treefx.pack(tree, reduction="mean").to(DEV)
-    tm = treefx.compile(model, **COMPILE_KW)
-    step = treefx.step(hf_labels_step, **COMPILE_KW)
-    out = {"tree": repr(tree), "vocab": cfg["vocab_size"]}
-    for name, fn in (
-        ("logits-materialized", lambda: treefx.tree_loss(tm(batch), batch)),
-        ("fused-chunked", lambda: step(model, batch)),
-    ):
-        fn().backward()  # compile
-        model.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        loss = fn()
-        loss.backward()
-        model.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
-        out[name] = {"loss": loss.item(),
-                     "peak_gib_above_start": (torch.cuda.max_memory_allocated() - base) / 2**30,
-                     "ms": _time(lambda: (fn().backward(), model.zero_grad(set_to_none=True)))}
-    res["loss-memory"] = out
 
 
 def hybrid_models(dtype=torch.float32) -> dict:
@@ -317,26 +196,6 @@ def case_inference(res):
         res[f"inference-qwen3-{label}"] = _forward_err(tm, trees)
 
 
-def case_small_sizes(res):
-    """Training steps on rows of 50 to 1,000 tokens (two sequences sharing a prefix): which
-    sizes compile a graph of their own. Run with TORCH_LOGS=recompiles to see the guard that
-    failed."""
-    model = hf_model("qwen3", torch.bfloat16, **SMALL)
-    tm = treefx.compile(model, **COMPILE_KW)
-    sizes, counts = [], []
-    for n in (50, 100, 128, 200, 256, 300, 600, 1000):
-        a = n // 2
-        b = n - a - n // 4
-        tree = treefx.Tree.from_sequences([[3] * a + [4] * b, [3] * a + [5] * (n - a - b)])
-        batch = treefx.pack(tree).to(DEV)
-        assert batch.num_tokens == n
-        treefx.tree_loss(tm(batch), batch).backward()
-        sizes.append(n)
-        counts.append(tm.num_compilations)
-        print(f"  small-sizes: {n} tokens -> {tm.num_compilations} compilations", flush=True)
-        res["small-sizes"] = {"sizes": sizes, "compilations_after_each": counts}
-
-
 def case_short_rows(res):
     """Rows of one attention block or less, and exactly one and two blocks, without autograd
     (Inductor's decoding-kernel choice and its one-block reduction bug) and with it."""
@@ -361,21 +220,6 @@ def case_short_rows(res):
                                                              f"short-{label}-training")
         model.zero_grad(set_to_none=True)
     res["short-compilations"] = tm.num_compilations
-
-
-def case_hybrid_forward(res):
-    """Forward only (log-probs) of the hybrids against the oracle: with fla installed this
-    checks the varlen fast path (per-node initial states, cu_seqlens) where fla refuses its
-    backward (Triton < 3.7.1 on Hopper)."""
-    torch.backends.cuda.matmul.allow_tf32 = False
-    res["hybrid-varlen-fast-path"] = _kernels()
-    trees = small_trees(1024)
-    for dtype in (torch.float32, torch.bfloat16):
-        for name, model in hybrid_models(dtype).items():
-            tm = treefx.compile(model, **COMPILE_KW)
-            key = f"hybrid-{name}-forward-{str(dtype)[6:]}"
-            res[key] = _forward_err(tm, trees)
-            print(f"  {key}: {res[key]}", flush=True)  # a run stopped at its limit keeps it
 
 
 def case_small_trees(res):
@@ -549,6 +393,20 @@ def case_regional(res):
                                         "pieces": [len(g.pieces) for g in graphs]}
 
 
+def _rel(a, b):
+    return float((a - b).norm() / b.norm())
+
+
+def _grad_run(fn, xs, go, rows=None):
+    """``fn(*xs)`` on detached copies: [output (its first ``rows`` rows), *input gradients for
+    the output gradient ``go``], in float64."""
+    xs = [x.detach().clone().requires_grad_() for x in xs]
+    out = fn(*xs)
+    grads = torch.autograd.grad(out, xs, go.to(out.dtype))
+    out = out.detach() if rows is None else out.detach()[:, :, :rows]
+    return [out.double(), *(x.double() for x in grads)]
+
+
 def _trunk_op_errors(dtype, n=1000, t=700, hq=8, hk=2, d=128):
     """The trunk op alone (:mod:`treefx.ops.attention.trunk`) on a row whose first ``t`` rows
     are a chain: output and gradients against float64 causal attention, beside FlexAttention's
@@ -566,10 +424,7 @@ def _trunk_op_errors(dtype, n=1000, t=700, hq=8, hk=2, d=128):
     go[:, :, t0:] = 0
 
     def run(fn, xs):
-        xs = [x.detach().clone().requires_grad_() for x in xs]
-        out = fn(*xs)
-        grads = torch.autograd.grad(out, xs, go.to(out.dtype))
-        return [out.detach()[:, :, :t0].double(), *(x.double() for x in grads)]
+        return _grad_run(fn, xs, go, t0)
 
     ref = run(lambda q, k, v: F.pad(F.scaled_dot_product_attention(
         q[:, :, :t0], k[:, :, :t0].repeat_interleave(hq // hk, 1),
@@ -577,11 +432,8 @@ def _trunk_op_errors(dtype, n=1000, t=700, hq=8, hk=2, d=128):
     low = [x.to(dtype) for x in x64]
     got = run(lambda q, k, v: trunk.trunk_attention(q, k, v, parent), low)
 
-    def rel(a, b):
-        return float((a - b).norm() / b.norm())
-
     names = ("out", "dq", "dk", "dv")
-    out = {"trunk_rows": t0, "trunk_op": dict(zip(names, map(rel, got, ref)))}
+    out = {"trunk_rows": t0, "trunk_op": dict(zip(names, map(_rel, got, ref)))}
     # a part's rows under a context of ``seen`` rows (padded to a block): the chain sees it all
     a, seen = 256, 200
     kc64, vc64 = (torch.randn(1, hk, a, d, device=DEV, generator=g, dtype=torch.float64)
@@ -603,12 +455,12 @@ def _trunk_op_errors(dtype, n=1000, t=700, hq=8, hk=2, d=128):
                                                                 kc, vc),
                 [x.to(dtype) for x in (*x64, kc64, vc64)])
     names_c = ("out", "dq", "dk", "dv", "dk_context", "dv_context")
-    out["trunk_op_with_context"] = dict(zip(names_c, map(rel, got_c, ref_c)))
+    out["trunk_op_with_context"] = dict(zip(names_c, map(_rel, got_c, ref_c)))
     if DEV == "cuda":  # FlexAttention has no backward on the CPU
         bm = create_block_mask(lambda b, h, qi, ki: ki <= qi, None, None, n, n, device=DEV)
         flex = torch.compile(flex_attention)
         fl = run(lambda q, k, v: flex(q, k, v, block_mask=bm, enable_gqa=True), low)
-        out["flex"] = dict(zip(names, map(rel, fl, ref)))
+        out["flex"] = dict(zip(names, map(_rel, fl, ref)))
     return out
 
 
@@ -682,29 +534,23 @@ def _interval_op_errors(dtype, hq=8, hk=2, d=128):
     go = torch.randn(1, hq, n, d, device=DEV, generator=g, dtype=torch.float64)
 
     def run(fn, xs):
-        xs = [x.detach().clone().requires_grad_() for x in xs]
-        out = fn(*xs)
-        grads = torch.autograd.grad(out, xs, go.to(out.dtype))
-        return [out.detach().double(), *(x.double() for x in grads)]
+        return _grad_run(fn, xs, go)
 
     dense = dense_tree_mask(batch.subtree_end)
     ref = run(lambda q, k, v: tree_attention_dense(q, k, v, dense, None, enable_gqa=True), x64)
     low = [x.to(dtype) for x in x64]
     names = ("out", "dq", "dk", "dv")
 
-    def rel(a, b):
-        return float((a - b).norm() / b.norm())
-
     got = run(lambda q, k, v: intervals.tree_interval_attention(q, k, v, batch.parent_token),
               low)
     out = {"tokens": n, "intervals": int(intervals.tree_intervals(
         batch.parent_token.cpu().numpy()).shape[0]),
-        "cudnn": intervals.wanted(*low), "op": dict(zip(names, map(rel, got, ref)))}
+        "cudnn": intervals.wanted(*low), "op": dict(zip(names, map(_rel, got, ref)))}
     if DEV == "cuda":  # FlexAttention has no backward on the CPU
-        from benchmarks.attention import treefx_op
+        from benchmarks.trunk_attention import treefx_op
 
         fl = run(treefx_op(batch.subtree_end, n, True, True, interleave=True), low)
-        out["flex"] = dict(zip(names, map(rel, fl, ref)))
+        out["flex"] = dict(zip(names, map(_rel, fl, ref)))
     out["parts"] = _part_interval_errors(batch, x64, go, low[0].dtype)
     return out
 
@@ -736,11 +582,8 @@ def _part_interval_errors(batch, x64, go, dtype) -> dict:
         g = go[:, :, s:e]
         mask = dense_tree_mask(torch.cat([t["part_info"][2], t["tree_info"][2]]))[a:]
 
-        def run(fn, xs):
-            xs = [x.detach().clone().requires_grad_() for x in xs]
-            out = fn(*xs)
-            grads = torch.autograd.grad(out, xs, g.to(out.dtype))
-            return [out.detach().double(), *(x.double() for x in grads)]
+        def run(fn, xs, g=g):
+            return _grad_run(fn, xs, g)
 
         def dense(q, k, v, kc, vc):
             group = q.shape[1] // k.shape[1]
@@ -819,18 +662,12 @@ CASES = {
     "small-trees": case_small_trees,
     "hybrid-fp32": case_hybrid_fp32,
     "hybrid-bf16": case_hybrid_bf16,
-    "hybrid-forward": case_hybrid_forward,
     "inference": case_inference,
     "short-rows": case_short_rows,
     "step-fp32": case_step_fp32,
-    "loss-memory": case_loss_memory,
     "qwen3-fp32": case_qwen3_fp32,
     "qwen3-bf16": case_qwen3_bf16,
     "mistral-window": case_mistral_window,
-    "recompiles": case_recompiles,
-    "recompiles-wide": case_recompiles_wide,
-    "small-sizes": case_small_sizes,
-    "timing": case_timing,
 }
 
 
@@ -857,10 +694,6 @@ def main(argv=None):
     p.add_argument("--cases", default=None, help=f"comma-separated, of {', '.join(CASES)} "
                                                  "(default: all)")
     p.add_argument("--err-dir", default=None, help="write full tracebacks here")
-    p.add_argument("--tma", action="store_true",
-                   help="FlexAttention kernel option USE_TMA on (treefx leaves it off)")
-    p.add_argument("--interleave-heads", choices=("auto", "on", "off"), default="auto",
-                   help="treefx.compile(..., interleave_heads=None/True/False) everywhere")
     args = p.parse_args(argv)
     cuda = common.use_cuda(args.dry_run)
     configure(cuda)
@@ -870,11 +703,7 @@ def main(argv=None):
     args.cases = args.cases or (DRY_RUN_CASES if args.dry_run else ",".join(CASES))
     common.resolve_out(args, "gpu_check", cuda)
     ERR_DIR = args.err_dir
-    COMPILE_KW["interleave_heads"] = {"auto": None, "on": True, "off": False}[
-        args.interleave_heads]
-    if args.tma:
-        attention_ops.STANDARD_KERNEL["USE_TMA"] = True
-    res = {**common.run_meta(cuda), "tma": args.tma, "interleave_heads": args.interleave_heads}
+    res = common.run_meta(cuda)
     for name in args.cases.split(","):
         t0 = time.perf_counter()
         try:

@@ -78,7 +78,7 @@ import zlib
 import torch
 
 from benchmarks import common
-from benchmarks.fsdp import SHAPES
+from benchmarks.common import SHAPES
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 

@@ -1,106 +1,28 @@
-"""The fused per-token log-probability op (``treefx.ops.logprobs.fast``) at an 8B model's output
-shape: its backward over vocabulary slices (each slice of the weight's gradient one matrix
-product, written once) against the token-chunked backward it replaced (every chunk of ~900
-tokens added a [vocab, hidden] float32 product into the weight's gradient).
+"""The output layer's log-probabilities at an 8B model's shape (BENCHMARKS.md, "Log-probs
+without logits"; benchmarks/README.md for the three modes).
 
-    python -m benchmarks.logprobs                    # GPU: hidden 4096, vocab 151,936, bf16
-    python -m benchmarks.logprobs --dry-run          # CPU: tiny shapes
     python -m benchmarks.logprobs --paths 17187      # GPU: the output layer's paths
+    python -m benchmarks.logprobs --dry-run          # CPU: tiny shapes
     python -m benchmarks.logprobs --check-from-logits  # the log-probs read from logits
 
-``--paths N``: at N tokens, the output layer of a training step (hidden states and the
-projection's weight requiring grad, every token trained) several ways, forward + backward and
-forward alone under ``torch.no_grad()``: the logits materialized (``F.linear``, then
-``tree_logprobs_from_logits``, as ``treefx.compile``'s default: Triton kernels on the GPU,
-one pass over the logits each way), the same with the plain form compiled by Inductor in one
-graph with the projection (``materialized_inductor``: how the default read them before
-2026-11-27), the fused log-probabilities (``logits=False``: the backward recomputes the logits, four matrix
-products against three), and the fused loss (``@treefx.step``: its gradients made in the
-forward, three products); the matrix products alone (the three a materialized step needs) as
-the floor. Median of ``--reps`` after two warm-up calls, CUDA events; peak memory above the
-inputs.
-
-Per token count: the median time of forward + backward over ``--reps`` (after a warm-up), the
-peak memory above the inputs, and each backward's gradients against a float32 computation of
-the same bf16 inputs (relative Frobenius error, so both are judged on the same scale).
+``--paths N``: at N tokens, forward + backward and no-grad forward of the logits materialized
+(Triton kernels, or ``materialized_inductor``), the fused log-probs (``logits=False``) and the
+fused loss (``@treefx.step``), beside the matrix products alone; median of ``--reps`` after
+two warm-ups, peak memory above the inputs, gradients against a float32 computation. The
+backward's comparison of vocabulary slices with token chunks (the default before) and
+``--tune-from-logits`` were retired in issue 67: ``git show cdfeaf0:benchmarks/logprobs.py``.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 
 from benchmarks import common
-from treefx.ops.cross_entropy import fast as ce
 from treefx.ops.logprobs import fast as lp_ops
-
-
-def _token_chunked_backward(grad, h, weight, ids, parent, lse):
-    """The replaced backward (no bias): chunks of tokens over the whole vocabulary, the
-    weight's gradient summed in float32 chunk by chunk."""
-    acc = torch.float32
-    g = torch.where(parent >= 0, grad.float(), torch.zeros_like(grad, dtype=acc))
-    dh = torch.zeros(h.shape, dtype=acc, device=h.device)
-    dw = torch.zeros(weight.shape, dtype=acc, device=h.device)
-    tokens = torch.nonzero(g).reshape(-1)
-    step = max(1, ce.CHUNK_ELEMENTS // weight.shape[0])
-    for s in range(0, tokens.shape[0], step):
-        t = tokens[s:s + step]
-        rows = parent[t]
-        hc = h[rows]
-        logits = F.linear(hc, weight).float()
-        gt = g[t]
-        d = torch.exp(logits - lse[t, None]) * -gt[:, None]
-        d.scatter_add_(1, ids[t, None], gt[:, None])
-        dc = d.to(weight.dtype)
-        dh.index_add_(0, rows, (dc @ weight).float())
-        dw += (dc.t() @ hc).float()
-    return dh.to(h.dtype), dw.to(weight.dtype)
-
-
-def run_case(n: int, hidden: int, vocab: int, dev: str, dtype, reps: int) -> dict:
-    g = torch.Generator(device=dev).manual_seed(n)
-    h = torch.randn(n, hidden, device=dev, dtype=dtype, generator=g)
-    w = (torch.randn(vocab, hidden, device=dev, dtype=dtype, generator=g) / hidden ** 0.5)
-    ids = torch.randint(0, vocab, (n,), device=dev, generator=g)
-    parent = torch.arange(n, device=dev) - 1
-    upstream = torch.randn(n, device=dev, generator=g)
-    lp, lse = torch.ops.treefx.linear_tree_logprobs(h, w, None, ids, parent)
-
-    def new():
-        return lp_ops._backward(upstream, h, w, None, ids, parent, lse, True, True, False)[:2]
-
-    def old():
-        return _token_chunked_backward(upstream, h, w, ids, parent, lse)
-
-    out = {"tokens": n}
-    ref = _token_chunked_backward(upstream, h.float(), w.float(), ids, parent, lse)
-    for name, fn in (("vocab_slices", new), ("token_chunks", old)):
-        dh, dw = fn()
-        out[f"{name}_dh_err"], out[f"{name}_dw_err"] = common.norm_rel(dh, ref[0]), common.norm_rel(dw, ref[1])
-        del dh, dw
-        times = []
-        for _ in range(reps + 1):
-            if dev == "cuda":
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-                base = torch.cuda.memory_allocated()
-            t0 = time.perf_counter()
-            r = fn()
-            if dev == "cuda":
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
-            del r
-        out[f"{name}_ms"] = statistics.median(times[1:]) * 1e3
-        if dev == "cuda":
-            out[f"{name}_peak_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30
-        print(f"{n:6d} tokens {name:13s} {out[f'{name}_ms']:8.1f} ms  d/dh err "
-              f"{out[f'{name}_dh_err']:.2e}  d/dW err {out[f'{name}_dw_err']:.2e}", flush=True)
-    return out
 
 
 def run_paths(n: int, hidden: int, vocab: int, dev: str, dtype, reps: int) -> dict:
@@ -320,60 +242,14 @@ def _check_fused(n: int, vocab: int) -> dict:
                     float((lp - rlp).abs().max()), "grad_err": rel}, 1e-4, 1e-5)
 
 
-LSE_CONFIGS = [(2048, 4), (4096, 4), (4096, 8), (8192, 8), (8192, 16), (16384, 16)]
-GRAD_CONFIGS = [(1024, 4), (2048, 4), (2048, 8), (4096, 4), (4096, 8), (8192, 8), (8192, 16)]
-
-
-def tune_from_logits(n: int = 17187, vocab: int = 151936, reps: int = 10) -> dict:
-    """Each (block, warps) of ``from_logits``' two kernels at [n, vocab] bf16 logits (a random
-    forest's rows): median ms of ``reps`` and the memory rate (the log-sum-exp reads the logits
-    once; the gradient reads them and writes its own)."""
-    from benchmarks.timing import median_ms
-    from treefx.ops.logprobs import from_logits
-
-    gen = torch.Generator().manual_seed(n)
-    parent = forest_row(n, n).cuda()
-    ids = torch.randint(0, vocab, (n,), generator=gen).cuda()
-    logits = torch.randn(n, vocab, device="cuda", dtype=torch.bfloat16) * 4
-    up = torch.randn(n, device="cuda")
-    nbytes = logits.numel() * logits.element_size()
-    lse = torch.logsumexp(logits.float(), -1)
-    ref_grad = None
-    out = {"tokens": n, "vocab": vocab, "lse": {}, "grad": {}}
-    default = (from_logits.LSE_CONFIG, from_logits.GRAD_CONFIG)
-    try:
-        for cfg in LSE_CONFIGS:
-            from_logits.LSE_CONFIG = cfg
-            ms = median_ms(lambda: from_logits.lse_rows(logits), reps, True, warmup=2)
-            err = float((from_logits.lse_rows(logits) - lse).abs().max())
-            out["lse"][str(cfg)] = {"ms": ms, "tb_s": nbytes / ms / 1e9, "err": err}
-            print(f"lse  {cfg}: {ms:6.2f} ms {nbytes / ms / 1e9:5.2f} TB/s err {err:.1e}",
-                  flush=True)
-        for cfg in GRAD_CONFIGS:
-            from_logits.GRAD_CONFIG = cfg
-            ms = median_ms(lambda: from_logits.rows_gradient(logits, lse, ids, parent, up),
-                           reps, True, warmup=2)
-            d = from_logits.rows_gradient(logits, lse, ids, parent, up)
-            ref_grad = d if ref_grad is None else ref_grad
-            same = bool(torch.equal(d, ref_grad))
-            out["grad"][str(cfg)] = {"ms": ms, "tb_s": 2 * nbytes / ms / 1e9, "same": same}
-            print(f"grad {cfg}: {ms:6.2f} ms {2 * nbytes / ms / 1e9:5.2f} TB/s "
-                  f"{'bitwise equal to the first' if same else 'DIFFERS'}", flush=True)
-    finally:
-        from_logits.LSE_CONFIG, from_logits.GRAD_CONFIG = default
-    return out
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--tokens", default="883,8192,35530")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--profile", type=int, default=0,
                    help="also print the top kernels of the fused log-probabilities' forward "
                         "and backward at this many tokens")
-    p.add_argument("--paths", default="",
-                   help="comma-separated token counts: compare the output layer's paths there "
-                        "(see the module's docstring) instead of the two backwards")
+    p.add_argument("--paths", default="17187,35530",
+                   help="comma-separated token counts: compare the output layer's paths there")
     p.add_argument("--check-from-logits", action="store_true",
                    help="only check tree_logprobs_from_logits against the float64 plain form "
                         "(exit status 1 on a difference); on the CPU under "
@@ -381,16 +257,10 @@ def main(argv=None):
     p.add_argument("--token-block", type=int, default=0,
                    help="the fused log-probabilities' backward in blocks of this many tokens "
                         "(treefx.ops.logprobs.fast._TOKEN_BLOCK; 0: its default)")
-    p.add_argument("--tune-from-logits", action="store_true",
-                   help="GPU: time the from_logits kernels' block sizes and warps")
     common.add_run_args(p, "CPU, tiny shapes")
     args = p.parse_args(argv)
     if args.token_block:
         lp_ops._TOKEN_BLOCK = args.token_block
-    if args.tune_from_logits:
-        common.save_json({"meta": common.run_meta(True), "tune": tune_from_logits()},
-                         common.resolve_out(args, "logprobs_tune", True))
-        return
     if args.check_from_logits:
         cuda = torch.cuda.is_available()
         rows = check_from_logits("cuda" if cuda else "cpu")
@@ -399,15 +269,10 @@ def main(argv=None):
     cuda = common.use_cuda(args.dry_run)
     dev = "cuda" if cuda else "cpu"
     hidden, vocab = (4096, 151936) if cuda else (64, 1024)
-    tokens = [int(x) for x in args.tokens.split(",")] if cuda else [50, 300]
     res = {"meta": common.run_meta(cuda), "args": vars(args), "hidden": hidden, "vocab": vocab}
-    if args.paths:
-        paths = [int(x) for x in args.paths.split(",")] if cuda else [300]
-        res["paths"] = [run_paths(n, hidden, vocab, dev, torch.bfloat16 if cuda else
-                                  torch.float32, args.reps) for n in paths]
-    else:
-        res["cases"] = [run_case(n, hidden, vocab, dev, torch.bfloat16, args.reps)
-                        for n in tokens]
+    paths = [int(x) for x in args.paths.split(",")] if cuda else [300]
+    res["paths"] = [run_paths(n, hidden, vocab, dev, torch.bfloat16 if cuda else
+                              torch.float32, args.reps) for n in paths]
     if args.profile and cuda:
         res["profile"] = profile_fused(args.profile, hidden, vocab)
     common.save_json(res, common.resolve_out(args, "logprobs", cuda))

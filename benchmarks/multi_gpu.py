@@ -1,83 +1,23 @@
 """Several GPUs, real agent trees: ``treefx.backward`` in parts against per-call sequence packing
-under FSDP2, side by side in one run per machine (issue 37).
+under FSDP2, side by side in one run per machine (issue 37; BENCHMARKS.md, "Several GPUs";
+benchmarks/README.md for the commands).
 
     torchrun --nproc_per_node=2 -m benchmarks.multi_gpu --trees .data/swe200.jsonl \\
         --shape qwen3-8b --budget 8192 --time-limit 480 --out mg_8b_x2.json
-    torchrun --nproc_per_node=1 -m benchmarks.multi_gpu --trees .data/swe200.jsonl --layers 8 \\
-        --tasks 4 --max-sequence-tokens 120000 --out mg_l8_x1.json   # then --nproc_per_node=2
     python -m benchmarks.multi_gpu --dry-run                    # CPU, gloo, one process
-    torchrun --nproc_per_node=2 -m benchmarks.multi_gpu --dry-run
 
-Setup (``benchmarks.fsdp``'s): a Hugging Face Qwen3 of ``--shape`` (``--layers`` overrides the
-depth, so that one GPU holds the model and AdamW for a scaling run), random weights, float32
-master weights sharded with ``fully_shard`` per decoder layer and on the root, bf16 compute
-(``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``), activation checkpointing
-(off with ``--no-checkpointing``), AdamW (fused on the GPU: the foreach one's temporaries are
-4 bytes a parameter), one process per GPU. ``treefx.compile(model, logits=False,
-verify=False)`` (Inductor on the GPU, eager on the CPU; regional under FSDP2), shared by both
-methods.
-
-Data: ``--trees``, a JSON Lines file of trees (``treefx ingest`` / ``treefx.write_jsonl``),
-read whole by every rank; ``--tasks K`` of them drawn with ``--seed`` among those with at most
-``--max-tree-tokens`` unique and ``--max-sequence-tokens`` sequence tokens (packing recomputes
-every call: the sequence tokens set its step time), or ``--select i,j,...`` (line indices,
-from 0). Every rank chooses the same trees, and ``treefx.distributed.assign`` (the cost model
-``CostModel.from_config`` of the model's config) gives each rank its own; the same global set
-whatever the number of ranks, so runs on 1 and 2 GPUs measure scaling on the same data.
-Without ``--trees``: synthetic combs (``benchmarks.real_trees.comb_tree``). Every step trains
-on the same global batch.
-
-Methods, one after the other in one process on the same model (its initial shards kept on the
-CPU and put back before the second method; a fresh optimizer each; gradients, optimizer state
-and cached memory freed between), the same loss (the global mean over every rank's calls of
-each call's mean token loss over its loss mask), each step ``opt.step(); opt.zero_grad()``:
-
-- ``treefx``: ``treefx.backward(tm, treefx.distributed.pack(mine, allow_empty=True),
-  max_tokens=--budget)``: each rank's trees in parts of at most ``--budget`` tokens, every
-  unique token computed once (under FSDP2 the ranks run their parts in common rounds; a rank
-  with fewer parts runs zero-weight two-token parts, and plans have no recompute parts).
-- ``packing``, the baseline trainers use: every call as its own sequence, the calls shared
-  out over the ranks on their own (``--packing-split calls``, the default: ``assign`` on the
-  one-sequence trees, as a trainer balances independent sequences; ``trees``: each rank the
-  calls of its treefx trees, whose sequence tokens ``assign`` did not balance), each rank's
-  packed first-fit-decreasing (``benchmarks.real_trees.packing_batches``) into micro-batches
-  of at most ``max(--budget, longest call of the selection)`` tokens, with the global sequence
-  count and ``loss_scale`` = world size (as ``treefx.distributed.pack``), each micro-batch one
-  forward and backward (``treefx.tree_loss(tm(b), b)``: document-masked packing through the
-  same compiled layers), gradients accumulated. FSDP2's collectives must pair up, so every
-  rank runs as many micro-batches: a rank with fewer runs **zero-weight padding micro-batches**
-  (a two-token chain whose loss weights are 0: its forward and backward gather and
-  reduce-scatter like the others, and add nothing). Gradients are reduce-scattered on the
-  last micro-batch only (``set_requires_gradient_sync``; FSDP2 then accumulates unsharded
-  float32 gradients, 4 bytes a parameter more on every GPU) or, ``--grad-sync every``, on each
-  (as ``treefx.backward`` does on each part). Before each micro-batch the ranks agree on
-  whether one of them captures a graph (a capture gathers every unit: the others gather and
-  free as often; ``benchmarks.internals.agree_captures``), a one-number all-reduce.
-
-Timing: the first step (capture and compile included) alone, then up to ``--steps`` steps,
-each between barriers (CUDA synchronized); ``--time-limit`` (seconds since the start): no
-further timed step starts once it has passed (the ranks decide together), and the JSON is
-written after every step. Figures per method: ``first_step_s``; ``step_s``, the median step
-(the slowest rank's: the barrier's); ``step_s_per_rank``, each rank's median time to its own
-end before the barrier; tree and sequence tokens per rank, and per second
-(``unique_tokens_per_s`` = the global tree tokens / step, ``sequence_tokens_per_s`` = the
-global sequence tokens / step, the figure trainers count; ``per_gpu`` divided by the world
-size); ``peak_gib_per_rank`` (``max_memory_allocated`` over the method's steps, reset before
-it); parts per rank (treefx,
-as ``treefx.parts.plan(..., recompute=False)`` plans them) or micro-batches per rank before
-padding (packing); graphs captured per rank, and in timed steps. The assignments' balance: the
-largest rank's cost over the mean (``CostModel``), and of tree and sequence tokens; packing's
-cost and tokens likewise. At the end: ``speedup`` = packing's step / treefx's, ``bound`` =
-sequence tokens / tree tokens (global), ``share_of_bound`` = speedup / bound (target ≥ 0.9),
-and the first step's losses (the same weights and data: within 1e-2 relative in bf16, 1e-5 in
-float32). Before running, rank 0 prints the selection, the tokens per rank and a rough time
-per packing step (from the cost model's FLOPs at 3e14 FLOP/s per GPU, about what an 8B step
-with checkpointing reaches).
-
-``--dry-run``: CPU, gloo, the tiny shape, eager, float32, 4 synthetic combs (or ``--trees``,
-with Qwen3's vocabulary then), a budget of 64 tokens (several parts per rank), 1 timed step,
-lr 1e-3 (so that weights not put back between the methods would show in the losses); one
-process under plain ``python``, or as many as ``torchrun`` starts. Its times say nothing.
+Qwen3 of ``--shape`` (``--layers`` overrides the depth), float32 masters sharded per layer and
+root, bf16 compute, activation checkpointing, fused AdamW; one ``treefx.compile(model,
+logits=False, verify=False)`` shared by both methods, run one after the other from the same
+initial shards. ``treefx``: ``treefx.backward`` on ``treefx.distributed.pack`` of the rank's
+trees (``assign``), parts of ``--budget`` tokens. ``packing``: every call its own sequence,
+shared out over the ranks (``--packing-split``), first-fit-decreasing micro-batches of
+``max(--budget, longest call)`` tokens, gradients accumulated (reduce-scattered on the last,
+or ``--grad-sync every``); a rank with fewer micro-batches runs zero-weight padding ones so
+the collectives pair up. Per method: first step, median step (the slowest rank's), tokens
+per second, peak memory per rank, parts or micro-batches, the assignment's balance; then
+``speedup``, ``bound`` and ``share_of_bound``. The JSON is written after every step;
+``--time-limit`` stops further timed steps.
 """
 
 from __future__ import annotations
@@ -94,7 +34,7 @@ import torch.distributed as dist
 
 import treefx
 from benchmarks import common
-from benchmarks.fsdp import SHAPES, _model, _setup, _sync
+from benchmarks.common import SHAPES
 from benchmarks.internals import agree_captures
 from benchmarks.real_trees import _sha256, _top_id, call_chains, comb_tree, packing_batches
 
@@ -173,12 +113,12 @@ def measure(name: str, step, args, dev, on_step) -> dict:
     cuda = dev.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats(dev)
-    _sync(dev)
+    common.dist_sync(dev)
     g0 = common.dynamo_counts().get("unique_graphs", 0)
     say(f"{name}: first step (capture and compile) ...")
     t0 = time.perf_counter()
     loss = step(first=True)
-    _sync(dev)
+    common.dist_sync(dev)
     first = time.perf_counter() - t0
     g1 = common.dynamo_counts().get("unique_graphs", 0)
     res = {"first_step_s": first, "first_loss": _global_loss(loss, dev), "step_times_s": [],
@@ -191,7 +131,7 @@ def measure(name: str, step, args, dev, on_step) -> dict:
             res["stopped"] = f"time limit after {k} timed steps"
             say(f"{name}: time limit ({args.time_limit:.0f} s) passed: {k} timed steps")
             break
-        _sync(dev)
+        common.dist_sync(dev)
         t0 = time.perf_counter()
         loss = step()
         if cuda:
@@ -332,7 +272,7 @@ def main(argv=None):
     if not args.trees:  # synthetic: exactly the trees made
         args.max_sequence_tokens = None
 
-    dev = _setup(args.dry_run)
+    dev = common.dist_setup(args.dry_run)
     rank, world = dist.get_rank(), dist.get_world_size()
     common.bump_dynamo_limits()
     torch.backends.cuda.matmul.allow_tf32 = True
@@ -404,7 +344,7 @@ def main(argv=None):
             common.save_json(res, out)
 
     t0 = time.perf_counter()
-    model = _model(args.shape, dev, not args.no_checkpointing, args.layers, vocab)
+    model = common.fsdp_qwen3(args.shape, dev, not args.no_checkpointing, args.layers, vocab)
     res["build_s"] = time.perf_counter() - t0
     say(f"model built and sharded in {res['build_s']:.1f} s "
         f"({sum(p.numel() for p in model.parameters()) / 1e9:.2f}B parameters)")

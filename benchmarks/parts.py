@@ -1,25 +1,15 @@
 """Trees larger than the token budget: ``treefx.backward`` (redundancy-free parts) against the
-whole tree in one step, the current ``treefx.partition`` (parts of whole sequences, shared
-prefixes recomputed) and one step per sequence.
+whole tree in one step, ``treefx.partition`` and one step per sequence (BENCHMARKS.md, "Trees
+larger than memory").
 
     python -m benchmarks.parts                       # GPU: 8B-shaped layers, bf16
     python -m benchmarks.parts --dry-run             # CPU: a tiny model, eager backend
     python -m benchmarks.parts --checkpointing --budget 16384   # every layer checkpointed
-    python -m benchmarks.parts --step --methods ""   # exactness through a @treefx.step
 
-Model: Hugging Face Qwen3 with 8B-shaped layers (hidden 4096, 32 heads, 8 KV heads, head_dim
-128, intermediate 12288, vocab 151,936), ``--layers`` of them, bf16 weights, compiled once
-with ``treefx.compile(model, logits=False)``. Tree: a synthetic agent tree (POR about 0.75) of
-at least 4x ``--budget`` tokens. ``budget_step``: the largest part of ``partition``, one
-step from no gradients; ``budget_step_acc``: the same into allocated gradients (a
-micro-batch of gradient accumulation, which ``treefx.backward``'s later parts are). Per
-method: the median step time over ``--reps`` (after one
-warm-up step that compiles), the peak memory (``max_memory_allocated``, weights and gradients
-included), the tokens computed, the loss, and the gradients' largest difference from the whole
-step (relative to each parameter's largest gradient). Before that, an exactness check in
-float32 against the per-branch oracle (a tiny Qwen3, Mistral with a window and Qwen3-Next, on
-the same backend). ``--checkpointing``: Hugging Face gradient checkpointing (non-reentrant) on
-every layer of every model, the exactness check's included.
+Qwen3 with 8B-shaped layers (``--layers``), bf16, ``treefx.compile(model, logits=False)``; a
+synthetic agent tree of at least 4× ``--budget`` tokens. Per method: the median step over
+``--reps`` after a warm-up, peak memory, tokens, loss and gradients against the whole step.
+First, exactness in float32 against the per-sequence oracle (``--exactness-models``).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Real agent trees, side by side: ``treefx.backward`` against per-call sequence packing, task by
-task, on the same model and the same data in one run (issue 34, "the paper's experiment").
+"""Real agent trees task by task: ``treefx.backward`` against per-call sequence packing on the
+same model and data in one run (issue 34; BENCHMARKS.md, "Real agent trajectories").
 
     python -m benchmarks.real_trees --trees swe.jsonl --tasks 20 --time-limit 450
     python -m benchmarks.real_trees --trees swe.jsonl --sample 50 --seed 0 --slice 0:17 \
@@ -7,90 +7,18 @@ task, on the same model and the same data in one run (issue 34, "the paper's exp
     python -m benchmarks.real_trees --merge a.json b.json c.json --out all.json
     python -m benchmarks.real_trees --dry-run        # CPU: a tiny model, synthetic comb trees
 
-Data: ``--trees``, a JSON Lines file of trees as ``treefx.write_jsonl`` writes them (one agent
-task a line; a tree's ``"task"`` metadata names it), e.g. coding-agent trajectories laid out the
-way a think-mode chat template sees them (each call's earlier reasoning dropped), so each tree
-is a comb: a trunk growing call by call, each call's completion a leaf off it, and each call's
-loss mask covering its completion only. The first ``--tasks`` trees, or ``--sample`` of them
-drawn with ``--seed``; ``--slice A:B`` runs a shard of that selection (a run of one command
-is limited in time: shards in several commands, joined with ``--merge``). Without
-``--trees``: synthetic combs of that shape (``treefx.synth.agent_tree``, think mode, one
-rollout, no forks, completions masked).
-
-Model: Hugging Face Qwen3 with Qwen3-8B-shaped layers (hidden 4096, 32 heads, 8 KV heads,
-head_dim 128, intermediate 12288, vocab 151,936, untied), ``--layers`` of them, bf16, random
-weights; token ids must be below the vocabulary. Compiled once, ``treefx.compile(model,
-logits=False, verify=False)`` (Inductor on the GPU, eager on the CPU; ``--regional`` sets its
-``regional=``), and shared by both methods. Since regional execution became the default
-(2026-11-26), a compiled model runs whole trees and packing's micro-batches one layer graph at
-a time on Inductor, and ``treefx.backward``'s parts too (since 2026-11-27). ``--dry-run``:
-the same code on the CPU, a tiny float32 Qwen3 (hidden 64, vocab 1024, or Qwen3's vocabulary
-when a tree's ids need it), the eager backend; its times say nothing.
-
-Methods, per task, the same loss (the mean over the task's calls of each call's mean token
-loss over its loss mask), no optimizer step, each step from no gradients:
-
-- ``treefx``: ``treefx.backward(tm, tree, max_tokens=--budget)``: the tree in parts of at
-  most ``--budget`` tokens, every unique token computed once.
-- ``treefx_whole`` (a diagnostic, where the tree fits the budget): the tree in one forward
-  and backward of the compiled model (``treefx.tree_loss(tm(batch), batch).backward()``), to
-  tell what ``treefx.backward``'s part engine costs on a tree that is one part.
-- ``packing``, the baseline real trainers use: every call laid out as its own sequence,
-  the sequences packed first-fit-decreasing into micro-batches of at most
-  ``max(--budget, longest call)`` tokens, each micro-batch one forward and backward with a
-  document mask (each token attends within its own sequence: FlexAttention's block
-  sparsity), gradients accumulated over the micro-batches. The capacity is the task's: with
-  a call longer than the budget, every micro-batch of that task may be as long (a trainer
-  must raise its tokens per micro-batch to its longest sequence). It runs through the same
-  compiled model, on a forest of one-sequence trees (``Tree.from_sequences([call])`` each,
-  packed with the task's sequence count): a forest of separate sequences is exactly
-  document-masked packing, through the same Inductor-compiled layers and FlexAttention
-  kernels as treefx, so what differs is the tokens each method computes and how (parts
-  reading their context's keys and values, against whole micro-batches).
-
-Host-side packing (``treefx.pack`` of the tree, the FFD micro-batches) is data-loader work done
-before the timed steps for both methods (its time is recorded as ``host_pack_ms``); the part
-plan is made inside ``treefx.backward`` and is timed. Packing's micro-batches are moved to
-the device before timing.
-
-Timing: wall time of a step (CUDA synchronized before and after), median of ``--reps`` after
-``--warmup`` full steps (``--packing-reps`` / ``--packing-warmup`` for packing, whose step is
-many times longer: by default one rep, after a warm-up on its largest micro-batch alone, which
-compiles any new shape and grows the allocator). A timed step during which Dynamo compiled a
-graph is thrown away and run again (``recompiled_in_timing`` counts them).
-
-Figures, per task and method: ``step_ms``; ``tokens_per_s``, the tokens the method computes
-per second (the tree's unique tokens for treefx, the sum of call lengths for packing);
-``sequence_tokens_per_s``, the sum of call lengths per second for both (the figure users
-compare: training tokens as a trainer counts them); ``peak_gib``, the peak allocated memory
-of its timed steps (``torch.cuda.max_memory_allocated``, reset per method, weights and
-gradients included); ``parts`` (treefx, as ``treefx.parts.plan`` plans them) or
-``micro_batches`` (packing). Per task: ``speedup`` = packing's step time / treefx's;
-``bound`` = sum of call lengths / unique tokens (``tree.bound``, the token-count bound on the
-speed-up); ``share_of_bound`` = speedup / bound. Exactness, once per task at no extra cost:
-the two methods' losses (relative difference, within 1e-2 in bf16, 1e-5 in float32) and,
-with ``--check-grads``, the gradients of a few parameters (relative norm of the difference,
-packing as the reference). At the end, over the tasks both methods ran: median and worst
-(lowest) share of the bound, median and lowest speed-up, and the tasks slower than packing.
-With random weights every token's loss is close to log(vocab), so the loss agrees even when
-the two methods train different tokens (dropping the loss masks moves it by about 4e-4 on the
-dry run's trees, inside bf16's 1e-2): ``--check-grads`` is the check that sees such a mistake
-on the GPU, the dry run's float32 comparison (1e-5) the one the tests hold.
-
-A method that runs out of GPU memory on a task is recorded as ``"oom"`` for that task and the
-run goes on; ``--max-call-tokens`` skips tasks with a longer call (recorded as skipped).
-``--time-limit``: stop before a task that would not finish in time (estimated from the
-seconds per sequence token of the tasks so far); the result file is rewritten after every
-task, so a run stopped from outside keeps every task done.
-
-``--profile N``: for the first N tasks the run times (skipped tasks not counted), one more step
-of each method that ran, after its timed steps and gradient copy (its figures unchanged), the
-same step callable under ``torch.profiler`` (``benchmarks.e2e.profile.profile_step``, one
-step): GPU busy and span, wall time, GPU time by kernel kind, the busiest kernels, the GPU's
-idle gaps and the host work in them, in the method's ``"profile"`` (``"error"`` where the
-profiled step failed or ran out of memory; the run goes on). Methods and tasks timed after a
-profiled step run after a profiler session: compare with a run without ``--profile`` where
-that matters. On the CPU there are no kernels: the GPU figures are zero.
+Qwen3 with Qwen3-8B-shaped layers (``--layers``), bf16, random weights, one
+``treefx.compile(model, logits=False, verify=False)`` shared by both methods. Per task, the
+same loss, each step from no gradients: ``treefx`` is ``treefx.backward(tm, tree,
+max_tokens=--budget)``; ``treefx_whole`` the tree in one step; ``packing`` every call its own
+sequence, first-fit-decreasing micro-batches of ``max(--budget, longest call)`` tokens through
+the same compiled model (document mask), gradients accumulated. Host packing is done before
+timing (``host_pack_ms``). Step: wall time, median of ``--reps`` after ``--warmup`` (packing:
+``--packing-reps`` after a warm-up on its largest micro-batch); a step that compiled is run
+again. Per task: ``speedup`` (packing / treefx), ``bound`` (call tokens / unique tokens),
+``share_of_bound``, peak memory, the losses' agreement (``--check-grads``: a few gradients).
+An OOM is recorded and the run goes on; ``--time-limit`` stops before a task that would not
+finish; ``--profile N`` profiles one more step of each method on the first N tasks.
 """
 
 from __future__ import annotations

@@ -1,24 +1,13 @@
-"""Device stages: the benchmark runs behind BENCHMARKS.md's figures, by name, each one call of a
-GPU machine (under its 10-minute limit), from the repository root:
+"""Device stages: the benchmark runs behind BENCHMARKS.md's GPU figures, by name, each one call
+of a GPU machine (benchmarks/README.md, "Device stages", lists them and what they carry).
 
     python -m benchmarks.stages --list           # the stages, what each reruns
     python -m benchmarks.stages dense --print    # its command lines, nothing run
     python -m benchmarks.stages dense            # run: logs and JSON under $OUT (or --out)
 
 A stage is phases run one after another; a phase's steps on different GPUs run at the same
-time, those on the same GPUs one after another. Each step is ``python -m <benchmark> ...`` (or
-torchrun) with a time limit, its environment, ``CUDA_VISIBLE_DEVICES`` and, for first steps,
-empty compile caches; it writes ``<name>.log`` and ``<name>.json`` under the output folder, and
-the stage ``stage_<stage>.json`` (each step's command, exit status, seconds). ``needs``: what
-the stage installs first from carried files (``cudnn``: the cuDNN frontend's wheels carried in
-pieces, ``.whl/wpart_*``, one a call, installed into /tmp/site once all three are there;
-``fla``: ``.whl/fla``; ``grpo``: ``.whl/grpo``, TRL and datasets) or reads (``swe``:
-``.data/swe200.jsonl``, made as BENCHMARKS.md's SWE section says).
-
-These replace the shell scripts speed_check.sh, cudnn_check.sh and x4_check.sh (removed in
-issue 67; their one-off diagnostic stages are not kept; each stage's ``was`` names the old
-stage it reruns, whose results BENCHMARKS.md cites). Their command lines stay in git:
-``git show 25cc067:benchmarks/speed_check.sh``.
+time. Each step writes ``<name>.log`` and ``<name>.json``, the stage ``stage_<stage>.json``.
+The shell scripts these replace: ``git show 25cc067:benchmarks/speed_check.sh``.
 """
 
 from __future__ import annotations
@@ -114,11 +103,10 @@ STAGES = {
         cold("e2e_steps", f"{E2E} --warmup 2 --reps 5 "
              "--methods treefx,treefx_nologits,treefx_step", 300)),
     "first-step": stage(
-        "gpu_check's intervals case, the embedding gradient, first steps with empty caches as "
+        "gpu_check's intervals case, first steps with empty caches as "
         "shipped: 4 layers, then 36 (a quarter of the tree)",
-        "cudnn_check.sh z51b ([e2e-25], [emb-1])",
+        "cudnn_check.sh z51b ([e2e-25])",
         Step("gpu_check_intervals", "benchmarks.gpu_check --cases intervals", 170),
-        Step("embedding_grad", "benchmarks.embedding_grad", 60),
         cold("e2e_first", f"{E2E} --warmup 2 --reps 5 --methods treefx", 150),
         cold("e2e_first_l36", f"{L36} --methods treefx", 200),
         needs=("cudnn",)),

@@ -1,12 +1,5 @@
-"""The tokenizer the real-trajectory benchmark builds its trees with, trained offline.
-
-No hub is reachable here, so Qwen3's own tokenizer cannot be downloaded: this trains a
-byte-level BPE (``treefx.models.tiny_chat_tokenizer``: Qwen3's special and added tokens, a
-Qwen3-style think-mode chat template without ``{% generation %}`` markers, as Qwen3's own has
-none) on the message texts of every tenth trajectory file of a folder, and saves it for
-``treefx ingest --tokenizer``. Token counts come out close to a production tokenizer's on the
-same text (the 200 first mini-swe-agent SWE-bench runs: 6.6M unique tokens with 32k entries,
-against 6.9M the issue measured with its tokenizer).
+"""Trains the 32k byte-level BPE the SWE trees are tokenized with (no hub here; BENCHMARKS.md,
+"Real agent trajectories"), on every tenth trajectory of a folder, for ``treefx ingest``.
 
     python -m benchmarks.swe_tokenizer TRAJ_DIR OUT_DIR [--vocab-size 32000]
     treefx ingest TRAJ_DIR/*.traj.json --tokenizer OUT_DIR -o trees.jsonl --workers 2

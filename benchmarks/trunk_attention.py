@@ -1,24 +1,13 @@
-"""Tree attention alone with its first chain split off: how fast the leading fully causal rows
-of a depth-first row run on a dense causal kernel against FlexAttention.
+"""Tree attention alone with its leading chain (the trunk) on a dense causal kernel and the rest
+on FlexAttention, against FlexAttention on the whole row (BENCHMARKS.md, "Real agent
+trajectories").
 
     python -m benchmarks.trunk_attention --trees .data/swe200.jsonl --tasks 25,35,52,10
     python -m benchmarks.trunk_attention --dry-run       # CPU: tiny heads, forward only
 
-In a depth-first row laid out largest subtree first, the row starts with the longest chain
-of the tree (on the comb-shaped agent trees, the whole conversation trunk): rows ``[0, T)``
-see exactly the keys ``[0, i]``, plain causal attention. Those rows can run on a dense causal
-kernel (cuDNN's or FlashAttention's through SDPA) and only the rest of the rows on
-FlexAttention with the tree's block mask; the two query sets are disjoint, so the output is
-their concatenation and the keys' gradients add. Per layer of an 8B-shaped model (32 query
-heads, 8 KV heads, head_dim 128, bf16), random q, k, v:
-
-- ``causal``: plain causal attention at ``--causal-lengths`` on each kernel (FlexAttention
-  with a causal block mask, SDPA's cuDNN, flash and memory-efficient backends), forward
-  and forward + backward, TFLOP/s counted on attended pairs (4·d FLOPs a pair forward,
-  2.5 times that backward);
-- per tree: the whole row on FlexAttention against the split (cuDNN's, flash's or the
-  memory-efficient kernel on the trunk; ``split_cudnn_compiled``: the split in one compiled
-  graph), each output and gradient compared with the whole row's.
+Per layer at Qwen3-8B's heads, bf16, random q, k, v: causal attention at ``--causal-lengths``
+on each kernel, then per tree the whole row against the split (each SDPA backend on the
+trunk; ``split_cudnn_compiled`` in one graph), outputs and gradients against the whole row's.
 """
 
 from __future__ import annotations
@@ -32,7 +21,7 @@ import torch.nn.functional as F
 
 import treefx
 from benchmarks import common, timing
-from benchmarks.internals import attention_ops, tree_block_tensors
+from benchmarks.internals import TreeFlexAttention, attention_ops, tree_block_tensors
 
 BLOCK = 128
 EXPANDED: set = set()  # SDPA backends that refused grouped-query attention (KV expanded)
@@ -118,6 +107,29 @@ def _whole(q, k, v, se):
                                   mask_mod=mask_mod, seq_lengths=(n, n))
     return flex_attention(q, k, v, block_mask=bm, enable_gqa=True,
                           kernel_options=dict(attention_ops.STANDARD_KERNEL))
+
+
+def treefx_op(se, n, cuda, gqa, interleave=False):
+    """The op treefx's attention pass inserts (TreeFlexAttention), its block tensors built once;
+    on the GPU one node of an FX graph handed to Inductor, as treefx runs it."""
+    kv_num, kv_idx, full_num, full_idx, se_pad = tree_block_tensors(se, BLOCK)
+    args = (kv_num, kv_idx, full_num, full_idx, se_pad, torch.zeros_like(se_pad))
+    op = TreeFlexAttention(block_size=BLOCK, interleave_heads=interleave)
+    if not cuda:
+        return lambda q, k, v: op(q, k, v, *args)
+    from torch._inductor.compile_fx import compile_fx
+
+    compiled = {}
+
+    def run(q, k, v):
+        xs = (q, k, v, *args)
+        if "fn" not in compiled:
+            g = torch.fx.Graph()
+            g.output((g.call_function(op, tuple(g.placeholder(f"a{i}") for i in range(len(xs)))),))
+            compiled["fn"] = compile_fx(torch.fx.GraphModule({}, g), list(xs))
+        return compiled["fn"](*xs)[0]
+
+    return run
 
 
 def _split_compiled(q, k, v, se, marker):

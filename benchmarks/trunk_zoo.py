@@ -1,21 +1,14 @@
-"""The trunk split (:mod:`treefx.ops.attention.trunk`) across Hugging Face's model families on the
-CPU: each family's tiny zoo model (float32) through FlexAttention's sites (``flex-eager``,
-16-token blocks) with ``TREEFX_TRUNK_ATTENTION=1`` (the op in plain torch), on the zoo's
-probe forest and a comb whose 70-token trunk spans four blocks, against each sequence run
-alone (``treefx.verify``, every gradient). Reports per family: passed, whether any site
-split its chain off (a site with the model's own mask, score ops or sinks keeps
-FlexAttention alone), and the errors. ``--checkpointing``: every layer checkpointed (the
-sites then live in the checkpointed bodies). ``--intervals``: the same families with the
-whole-tree sites on :mod:`treefx.ops.attention.intervals` instead (``TREEFX_CUDNN_ATTENTION=1``,
-the op in plain torch from the rows' key intervals; it takes precedence over the split).
-``--parts``: besides, ``treefx.backward`` in parts of at most 40 and 9 tokens on the probe
-forest, its loss and every gradient against each sequence run alone (reduction "mean", its
-default); per family the part graph's sites on the interval op and the worst errors.
+"""The trunk split (:mod:`treefx.ops.attention.trunk`), or with ``--intervals`` the interval op,
+across the zoo's model families on the CPU, each against every sequence run alone
+(``treefx.verify``; docs/performance.md has the results).
 
     python -m benchmarks.trunk_zoo --models qwen3,llama,mistral
     python -m benchmarks.trunk_zoo            # the default sample below
-    python -m benchmarks.trunk_zoo --checkpointing
     python -m benchmarks.trunk_zoo --intervals [--checkpointing] [--parts]
+
+Per family: passed, whether a site split its chain off (or took the interval op), the errors;
+``--checkpointing``: every layer checkpointed; ``--parts``: ``treefx.backward`` in parts of 40
+and 9 tokens too.
 """
 
 from __future__ import annotations

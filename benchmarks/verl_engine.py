@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 
 from benchmarks import common
-from benchmarks.fsdp import SHAPES
+from benchmarks.common import SHAPES
 from benchmarks.grpo import make_rollouts
 from benchmarks.timing import timed
 

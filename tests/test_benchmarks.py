@@ -32,18 +32,17 @@ def _run(module: str, *args: str, out) -> dict:
 @pytest.mark.filterwarnings("ignore")
 def test_e2e_dry_run_checks(tmp_path):
     res = _run("e2e", "--por", "0.75", "--methods",
-               "treefx,treefx_standard,treefx_nologits,treefx_regional,packed,hand",
+               "treefx,treefx_standard,treefx_nologits,treefx_regional,packed",
                out=tmp_path / "e2e.json")
     checks = res["dry_run_checks"]["por0.75"]
-    for method in ("treefx", "packed", "hand"):
+    for method in ("treefx", "packed"):
         assert checks[method]["loss_rel_err"] < 1e-5, method
         assert checks[method]["max_rel_grad_err"] < 1e-5, method
     flex = checks["flex_forward"]
     assert flex["hand_blocks_match_tree_block_mask"] is True
     assert max(v for k, v in flex.items() if k.endswith("_max_abs")) < 1e-5
     run = res["runs"]["hidden64"]["por0.75"]
-    for method in ("treefx", "treefx_standard", "treefx_nologits", "treefx_regional", "packed",
-                   "hand"):
+    for method in ("treefx", "treefx_standard", "treefx_nologits", "treefx_regional", "packed"):
         assert "step_ms" in run[method], (method, run[method].get("error", "")[-1500:])
         # every treefx variant's loss is the tree's (the packed one's, to rounding)
         assert abs(run[method]["loss"] - run["packed"]["loss"]) < 1e-5 * abs(
@@ -67,27 +66,13 @@ def test_e2e_packing_of_a_hybrid_in_micro_batches(tmp_path):
     assert abs(packed["loss"] - tree["loss"]) < 1e-5 * abs(tree["loss"])
 
 
-@pytest.mark.slow
-@pytest.mark.filterwarnings("ignore")
-def test_attention_dry_run_checks(tmp_path):
-    res = _run("attention", "--tokens", "512", "--kv-heads", "2", out=tmp_path / "att.json")
-    checks = res["sizes"]["512"]["checks"]
-    assert checks["pairs_match_dense"] is True
-    for key in ("flex_tree", "heads_interleaved", "treefx_op", "treefx_op_interleaved"):
-        assert checks[f"{key}_vs_dense_max_abs"] < 1e-5, key
-
-
 def test_chain_attention_dry_run_checks(tmp_path):
-    """The probe's chain decompositions of tree attention (own and ancestor pieces merged by
-    log-sum-exps; one piece over gathered keys, causal aligned bottom-right) in plain torch
-    against its float32 chain-by-chain reference, values and gradients."""
+    """The tree's chains, and FlexAttention on the whole row (forward: no backward on the CPU)
+    against the float32 chain-by-chain reference."""
     res = _run("chain_attention", out=tmp_path / "chains.json")
     (row,) = res["trees"]
-    assert row["chains"] > 1 and row["gathered_keys"] > 0
-    for name in ("chains_cudnn", "chains_flash"):
-        r = row[name]
-        assert "error" not in r, r
-        assert r["out_rel"] < 1e-5 and max(r["grad_rel"]) < 1e-5, (name, r)
+    assert row["chains"] > 1
+    assert row["flex"]["out_rel"] < 1e-5, row["flex"]
 
 
 @pytest.mark.slow
@@ -99,14 +84,6 @@ def test_gpu_check_dry_run_checks(tmp_path):
         assert res[key]["max_abs_logprob_err"] < 1e-5, key
     assert res["qwen3-bf16-tree-vs-fp32-oracle"]["passed"] is True
     assert "max_rel_grad_err" in res["qwen3-bf16-perbranch-vs-fp32-oracle"]
-
-
-@pytest.mark.slow
-@pytest.mark.filterwarnings("ignore")
-def test_checkpointing_dry_run_checks(tmp_path):
-    res = _run("checkpointing", "--parts", "verify", out=tmp_path / "ckpt.json")
-    for name in ("ckpt-off", "ckpt-nonreentrant"):
-        assert res["verify"][name].get("passed") is True, res["verify"][name]
 
 
 @pytest.mark.slow  # ~1 min: TRL's GRPOTrainer and TreeGRPOTrainer, two cycles each

@@ -1,5 +1,5 @@
-"""What the packed and hand-written steps share: the model body on one row under an interval
-mask, and a chunked weighted cross-entropy."""
+"""The packed step's model body on one row under an interval mask, and its chunked weighted
+cross-entropy."""
 
 from __future__ import annotations
 

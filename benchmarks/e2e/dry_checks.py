@@ -13,7 +13,7 @@ from ..internals import tree_block_mask, tree_block_tensors
 from .body import make_body
 from .env import BLOCK, set_attn, tree_attn_impl
 from .mask_build import same_blocks
-from .methods.hand import HandMask
+from .mask_build import HandMask
 from .methods.packed import PackedData
 
 
@@ -21,8 +21,8 @@ def dry_checks(env, model, trees, parts) -> dict:
     """CPU, float32: every method's loss and gradients against the per-branch oracle; the
     FlexAttention forward of the packed and tree BlockMasks against the dense masks.
 
-    The methods are whole training steps, most of them not treefx models (packing, the hand
-    step, one by one), so each is compared through its loss and ``.grad``
+    The methods are whole training steps, some of them not treefx models (packing), so each
+    is compared through its loss and ``.grad``
     (:func:`benchmarks.common.loss_vs_oracle`) rather than ``treefx.verify``."""
     from torch.nn.attention.flex_attention import BlockMask
 
@@ -41,7 +41,7 @@ def dry_checks(env, model, trees, parts) -> dict:
     # BlockMask built in the compiled body from block tensors must give the dense-mask result.
     flex_body = make_body(env, model, "flex")
     dense_body = make_body(env, model, "dense")
-    hand_mask = parts.get("hand_mask") or HandMask(env)
+    hand_mask = HandMask(env)
     for label, tree in trees.items():
         batch = treefx.pack(tree, reduction="mean")
         data = PackedData(tree)

@@ -20,7 +20,7 @@ class Env:
         # torch.compile backend of the baselines; treefx's backend.
         self.backend = "inductor" if self.cuda else args.cpu_backend
         self.tree_backend = "inductor" if self.cuda else "eager"
-        # Attention of the packed / hand steps: FlexAttention + BlockMask on the GPU; SDPA with
+        # Attention of the packed steps: FlexAttention + BlockMask on the GPU; SDPA with
         # the same mask as a dense 4-D bool tensor on the CPU (no FlexAttention backward there).
         self.mask_kind = "flex" if self.cuda else "dense"
         self.chunk = args.chunk if not self.dry else 128
@@ -42,12 +42,12 @@ _EAGER_ONLY = ("gpt_oss", "gemma2")
 
 
 def tree_attn_impl(model) -> str:
-    """The HF attention implementation treefx (and the one-by-one baseline) capture."""
+    """The HF attention implementation treefx captures."""
     return "eager" if model.config.model_type in _EAGER_ONLY else "sdpa"
 
 
 def attn_impl(env: Env) -> str:
-    """The HF attention implementation of the packed and hand steps."""
+    """The HF attention implementation of the packed steps."""
     return "flex_attention" if env.mask_kind == "flex" else "sdpa"
 
 

@@ -16,7 +16,7 @@ from .dry_checks import print_dry_checks
 from .env import HYBRID_ARCHS, Env
 from .mask_build import mask_build_bench
 from .methods import EXTRA_METHODS, HYBRID_METHODS, METHODS
-from .report import conventions, print_table, summarize, targets, tree_info
+from .report import conventions, print_table, summarize, tree_info
 
 
 def _windows(args) -> tuple[int, ...]:
@@ -60,8 +60,6 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--chunk", type=int, default=8192, help="cross-entropy chunk (tokens)")
-    p.add_argument("--obo-compile", choices=("dynamic", "none"), default="dynamic",
-                   help="one-by-one: torch.compile(dynamic=True) of model+loss, or eager")
     p.add_argument("--mask-tokens", type=int, default=65536)
     p.add_argument("--mask-reps", type=int, default=50)
     p.add_argument("--stream", type=int, default=20, help="trees in the recompilation check")
@@ -160,7 +158,6 @@ def main(argv=None):
         common.save_json(res, args.out)
 
     res["summary"] = summarize(res)
-    res["targets"] = targets(res)
     res["total_s"] = time.perf_counter() - t_start
     common.save_json(res, args.out)
     if env.dry and "dry_run_checks" in res:

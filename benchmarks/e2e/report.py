@@ -1,4 +1,4 @@
-"""The e2e run's tree sizes and bounds, the summary rows, the issue's targets, and the table
+"""The e2e run's tree sizes and bounds, the summary rows and the table
 printed at the end."""
 
 from __future__ import annotations
@@ -98,14 +98,14 @@ def flop_bound(info: dict, model: dict) -> float | None:
 
 
 # Methods that compute on the tree's tokens (the others on every sequence's own tokens).
-_ON_TREE = ("treefx", "treefx_step", "hand")
+_ON_TREE = ("treefx", "treefx_step")
 
 
 def model_flops(info: dict, model: dict, method: str) -> float | None:
     """The model FLOPs of one step of ``method`` (what utilization is usually counted in):
     6 per parameter-token, attention at 3x its forward per attended pair (the scores'
     recomputation in the backward not counted); on the tree's tokens and pairs for treefx and
-    the hand-written step, on the sequences' for the baselines."""
+    its variants, on the sequences' for the baselines."""
     tree = method in _ON_TREE or method.startswith("treefx_")
     return _step_flops(info, model, "tree" if tree else "baseline", 3.0)
 
@@ -119,7 +119,6 @@ def summarize(res) -> list[dict]:
             pk = methods.get("packed") if "step_ms" in methods.get("packed", {}) else \
                 methods.get("packed_reset", {})
             base = pk.get("step_ms")
-            obo = methods.get("one_by_one", {}).get("step_ms")
             for name, r in methods.items():
                 row = {"model": key, "tree": label, "method": name, "por": info["por"],
                        "tokens": info["tokens"], "baseline_tokens": info["baseline_tokens"],
@@ -137,8 +136,6 @@ def summarize(res) -> list[dict]:
                         row["share_of_bound"] = base / t / info["bound"]
                         if "flop_bound" in row:
                             row["share_of_flop_bound"] = base / t / row["flop_bound"]
-                    if obo:
-                        row["speedup_vs_one_by_one"] = obo / t
                     flops = model_flops(info, res["models"][key], name) \
                         if "tree_pairs" in info and key in res.get("models", {}) else None
                     if flops is not None:
@@ -166,53 +163,6 @@ def summarize(res) -> list[dict]:
     return rows
 
 
-def targets(res) -> list[dict]:
-    """The issue's targets, evaluated on this run (value None: not measured)."""
-    out = []
-    trees = {k: v for k, v in res["trees"].items() if "por" in v}
-
-    def add(what, value, ok):
-        out.append({"target": what, "value": value, "ok": ok})
-
-    if trees:
-        lab = min(trees, key=lambda k: abs(trees[k]["por"] - 0.75))
-        info = trees[lab]
-        for key, need in (("hidden1024", 0.93), ("hidden2048", 0.95)):
-            m = res["runs"].get(key, {}).get(lab, {})
-            pk, hd = (m.get(x, {}).get("step_ms") for x in ("packed", "hand"))
-            for meth in ("treefx", "treefx_step", "treefx_standard"):
-                if meth != "treefx" and meth not in m:
-                    continue
-                tf = m.get(meth, {}).get("step_ms")
-                share = pk / tf / info["bound"] if tf and pk else None
-                add(f"{key} POR {info['por']:.2f}: {meth} speedup over packed >= {need:.0%} of "
-                    f"bound {info['bound']:.2f}", share, None if share is None else share >= need)
-                add(f"{key} POR {info['por']:.2f}: {meth} step <= hand-written step (ms)",
-                    None if not (tf and hd) else [round(tf, 2), round(hd, 2)],
-                    None if not (tf and hd) else tf <= hd)
-        for key, runs in res["runs"].items():
-            for label, m in runs.items():
-                a, b = m.get("treefx", {}).get("peak_gib"), m.get("packed", {}).get("peak_gib")
-                if a is not None and b is not None:
-                    add(f"{key} {label}: treefx peak memory < packed (GiB)",
-                        [round(a, 2), round(b, 2)], a < b)
-    mb = res.get("mask_build") or {}
-    e = mb.get("tree_block_mask eager (batch.block_mask())", {})
-    times = {k: v["ms_median"] for k, v in mb.items() if isinstance(v, dict) and "ms_median" in v
-             and "create_block_mask" not in k and "kv tensors only" not in k}
-    if times:
-        add(f"BlockMask for {mb.get('tokens')} tokens <= 1 ms: batch.block_mask() (eager)",
-            e.get("ms_median"), None if "ms_median" not in e else e["ms_median"] <= 1.0)
-        best = min(times, key=times.get)
-        add(f"BlockMask for {mb.get('tokens')} tokens <= 1 ms: best treefx variant ({best})",
-            times[best], times[best] <= 1.0)
-    st = res.get("stream") or {}
-    if "further_compilations" in st:
-        add(f"stream of {st['trees']} trees after warm-up: no further compilation",
-            st["further_compilations"], st["further_compilations"] == 0)
-    return out
-
-
 def print_table(res, rows) -> None:
     def f(v, fmt):
         width = int("0" + fmt.split(".")[0].rstrip("dfe"))
@@ -235,11 +185,6 @@ def print_table(res, rows) -> None:
             what = (st.get("skipped") or st.get("error", "?").strip().splitlines()[-1])[:300]
         sizes = st.get("sizes") or [0]
         print(f"stream of {len(sizes)} trees, {min(sizes)}-{max(sizes)} tokens: {what}")
-    for t in res.get("targets", []):
-        mark = {True: "MET ", False: "MISS", None: "n/a "}[t["ok"]]
-        val = t["value"]
-        val = f"{val:.3f}" if isinstance(val, float) else val
-        print(f"  [{mark}] {t['target']}: {val}")
     errs = [(r["model"], r["tree"], r["method"]) for r in rows if r.get("status") == "FAILED"]
     for key, tree, meth in errs:
         tb = res["runs"][key][tree][meth]["error"].strip().splitlines()
@@ -263,7 +208,7 @@ def print_table(res, rows) -> None:
                f"{mr['sustained_tflops']:.0f}" if mr.get("sustained_tflops") else "") + ")")
     hdr = (f"{'model':10s} {'tree':8s} {'POR':>5s} {'N_tree':>7s} {'N_base':>7s} "
            f"{'bound':>5s} {'method':16s} {'step ms':>9s} {'Mtok/s':>7s} {'peak GiB':>8s} "
-           f"{'x packed':>8s} {'x 1by1':>7s} {'% bound':>7s} {'% flop':>6s} {'graphs':>6s} "
+           f"{'x packed':>8s} {'% bound':>7s} {'% flop':>6s} {'graphs':>6s} "
            f"{'tfx comp':>8s} {'dloss':>7s} {'TFLOP/s':>7s} {'% mm':>5s} {'1st s':>6s} "
            f"{'rec.':>5s}")
     print(hdr)
@@ -278,7 +223,6 @@ def print_table(res, rows) -> None:
         mm = r.get("share_of_matmul_rate")
         print(head + f"{r['step_ms']:9.2f} {r['tokens_per_s'] / 1e6:7.3f} "
               f"{f(r['peak_gib'], '8.2f')} {f(r.get('speedup_vs_packed'), '8.2f')} "
-              f"{f(r.get('speedup_vs_one_by_one'), '7.2f')} "
               f"{f(None if share is None else 100 * share, '7.1f')} "
               f"{f(None if fshare is None else 100 * fshare, '6.1f')} {r['graphs']:6d} "
               f"{f(r['compilations'], '8d')} {f(r.get('loss_rel_diff_vs_packed'), '7.1e')} "
@@ -298,15 +242,12 @@ def conventions(args, env) -> dict:
         "peak_gib": "torch.cuda.max_memory_allocated over the timed steps (reset before)",
         "graphs": "Dynamo unique graphs compiled during warm-up + timed steps of that "
                   "tree/method (recompiles_timed: during timed steps only)",
-        "one_by_one": "HF sdpa (flash), torch.compile dynamic=True"
-                      if args.obo_compile == "dynamic" else "HF sdpa, eager (no compile)",
         "packed_mask": "flex BlockMask from per-block doc ends (tree_block_tensors on "
                        "doc_end), mask_mod kv <= q < doc_end[kv]",
-        "hand_mask": "compiled create_block_mask, mask_mod kv <= q < subtree_end[kv]",
         "model_tflops_per_s": "model FLOPs of the step / step time: 6 per parameter-token "
                               "(embedding lookups excluded, output projection counted), "
                               "attention 3x its forward per attended pair; tree tokens and "
-                              "pairs for treefx/hand, the sequences' for the baselines",
+                              "pairs for treefx, the sequences' for the baselines",
         "matmul_rate": "bf16 torch.mm at the model's shapes and 8192^3, median of 20 after "
                        "3 warm-up, measured in the same run; share_of_matmul_rate = "
                        "model_tflops_per_s / the best of them; sustained_tflops: the "
@@ -314,6 +255,5 @@ def conventions(args, env) -> dict:
                        "as one (the clock under sustained load); share_of_sustained_"
                        "matmul_rate = model_tflops_per_s / that",
         "loss": f"chunked weighted cross-entropy, {env.chunk}-token chunks, each a "
-                "compiled call (packed, hand); treefx.tree_loss (treefx); per-sequence "
-                "mean CE (one_by_one)",
+                "compiled call (packed); treefx.tree_loss (treefx)",
     }

@@ -5,9 +5,10 @@ compiled body, treefx models, masks)."""
 
 from __future__ import annotations
 
-from . import hand, one_by_one, packed, packed_reset, tree, tree_step
+from . import packed, packed_reset, tree, tree_step
 
-METHODS = ("treefx", "packed", "hand", "one_by_one")
+# hand and one_by_one were retired in issue 67: git show cdfeaf0:benchmarks/e2e/methods/NAME.py
+METHODS = ("treefx", "packed")
 # opt-in with --methods; the treefx_* variants: treefx.compile with one option changed
 # (methods/tree.py)
 EXTRA_METHODS = ("treefx_step", "packed_reset", *tree.VARIANTS)
@@ -20,8 +21,6 @@ MAKERS = {
     **{name: make for name, (make, _) in tree.VARIANTS.items()},
     "treefx_step": tree_step.make,
     "packed": packed.make,
-    "hand": hand.make,
-    "one_by_one": one_by_one.make,
     "packed_reset": packed_reset.make,
 }
 
