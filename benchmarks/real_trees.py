@@ -337,7 +337,7 @@ def run_task(index: int, tree: treefx.Tree, tm, model, args, cuda: bool, dev: st
                 dev_batches = [b.to(dev) for b in micro]
                 largest = max(dev_batches, key=lambda b: b.num_tokens)
                 step = lambda: run_micro(dev_batches)  # noqa: E731
-                st = timed(step, model, cuda, args.packing_warmup, args.packing_reps,
+                st = timed(step, model, cuda, 0, args.packing_reps,
                            pre_warm=lambda: run_micro([largest]))
                 st.update(micro_batches=len(micro), capacity=max(budget, row["longest_call"]),
                           micro_batch_tokens=[b.num_tokens for b in micro],
@@ -489,17 +489,9 @@ def main(argv=None):
                         "report in the JSON's 'verification')")
     p.add_argument("--warmup", type=int, default=1, help="treefx's full warm-up steps per task")
     p.add_argument("--reps", type=int, default=3, help="treefx's timed steps per task")
-    p.add_argument("--packing-warmup", type=int, default=0,
-                   help="packing's full warm-up steps per task (after its largest micro-batch "
-                        "alone, always)")
     p.add_argument("--packing-reps", type=int, default=1, help="packing's timed steps per task")
     p.add_argument("--check-grads", action="store_true",
                    help="compare a few parameters' gradients between the methods")
-    p.add_argument("--loss-tol", type=float, default=None,
-                   help="relative loss difference allowed (default 1e-2 bf16, 1e-5 float32)")
-    p.add_argument("--grad-tol", type=float, default=None,
-                   help="relative gradient difference allowed (default 5e-2 bf16, 1e-4 "
-                        "float32)")
     p.add_argument("--max-call-tokens", type=int, default=None,
                    help="skip tasks with a longer call (recorded as skipped)")
     p.add_argument("--time-limit", type=float, default=None,
@@ -532,10 +524,7 @@ def main(argv=None):
     backend = "inductor" if cuda else "eager"
     if args.budget is None:
         args.budget = 16384 if cuda else 96
-    if args.loss_tol is None:
-        args.loss_tol = 1e-2 if cuda else 1e-5
-    if args.grad_tol is None:
-        args.grad_tol = 5e-2 if cuda else 1e-4
+    args.loss_tol, args.grad_tol = (1e-2, 5e-2) if cuda else (1e-5, 1e-4)
     common.bump_dynamo_limits()
     shape, dtype = (dict(SHAPE_8B), torch.bfloat16) if cuda else (dict(TINY), torch.float32)
     out = common.resolve_out(args, "real_trees", cuda)

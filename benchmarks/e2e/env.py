@@ -18,12 +18,12 @@ class Env:
         self.dev = "cuda" if self.cuda else "cpu"
         self.dtype = torch.bfloat16 if self.cuda else torch.float32
         # torch.compile backend of the baselines; treefx's backend.
-        self.backend = "inductor" if self.cuda else args.cpu_backend
+        self.backend = "inductor" if self.cuda else "aot_eager"
         self.tree_backend = "inductor" if self.cuda else "eager"
         # Attention of the packed steps: FlexAttention + BlockMask on the GPU; SDPA with
         # the same mask as a dense 4-D bool tensor on the CPU (no FlexAttention backward there).
         self.mask_kind = "flex" if self.cuda else "dense"
-        self.chunk = args.chunk if not self.dry else 128
+        self.chunk = 128 if self.dry else 8192  # cross-entropy chunk (tokens)
 
     def sync(self):
         if self.cuda:

@@ -59,8 +59,6 @@ def parse_args(argv=None):
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--chunk", type=int, default=8192, help="cross-entropy chunk (tokens)")
-    p.add_argument("--mask-tokens", type=int, default=65536)
     p.add_argument("--mask-reps", type=int, default=50)
     p.add_argument("--stream", type=int, default=20, help="trees in the recompilation check")
     p.add_argument("--seed", type=int, default=0)
@@ -81,8 +79,6 @@ def parse_args(argv=None):
                    help="hidden 1024 only, 1 warm-up + 3 reps, 20 mask reps")
     p.add_argument("--log", action="store_true",
                    help="print treefx's log (INFO): its captures, compilations, checks")
-    p.add_argument("--cpu-backend", default="aot_eager",
-                   help="torch.compile backend for the baselines in --dry-run")
     args = p.parse_args(argv)
     if args.methods is None:
         args.methods = ",".join(HYBRID_METHODS if args.arch in HYBRID_ARCHS else METHODS)
@@ -98,7 +94,6 @@ def parse_args(argv=None):
         args.hiddens = args.hiddens[:1]
         args.warmup, args.reps, args.mask_reps = 1, 2, 5
         args.vocab = 256
-        args.mask_tokens = min(args.mask_tokens, 2048)
     if not torch.cuda.is_available() and not args.dry_run:
         p.error("no CUDA device: use --dry-run on the CPU")
     return args

@@ -38,10 +38,10 @@ class HandMask:
 
 def mask_build_bench(env, args, vocab) -> dict:
     """BlockMask for a 64k-token row of agent trees (POR-0.75 shape, the DFS row cut at
-    --mask-tokens with subtree_end clipped), built on the device."""
+    65,536 tokens (2,048 in a dry run) with subtree_end clipped), built on the device."""
     from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
-    n = args.mask_tokens
+    n = 2048 if env.dry else 65536
     se, trees = agent_row(n, 900, vocab=vocab)
     se = se.to(env.dev)
     res = {"tokens": n, "trees": len(trees), "reps": args.mask_reps}
