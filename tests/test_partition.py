@@ -325,19 +325,19 @@ def test_err_refuses_parts_that_are_not_a_partition_of_the_tree():
     assert err(tree, parts) == pytest.approx(1 - sum(p.num_tokens for p in parts) / 11)
     assert err(tree, (p for p in parts)) == err(tree, parts)  # any iterable
     other = Tree.from_sequences([[7, 8, 9, 10, 11, 12, 13, 14], [7, 8]])
-    with pytest.raises(ValueError, match=r"parts\[0\], its sequence 0 \(8 tokens \[7, 8, 9, 10, "
+    with pytest.raises(ValueError, match=r"subtrees\[0\], its sequence 0 \(8 tokens \[7, 8, 9, 10, "
                                          r"11, 12, \.\.\.\]\) is not in the tree"):
         err(tree, [other])  # was a negative number
     with pytest.raises(ValueError, match=r"sequence 3 of the tree \(2 tokens \[5, 6\]\) is in no "
-                                         r"part"):
+                                         r"subtree"):
         err(tree, [tree.subtree([0, 1, 2])])
-    with pytest.raises(ValueError, match=r"parts\[1\], its sequence 0 .* more often than the tree"):
+    with pytest.raises(ValueError, match=r"subtrees\[1\], its sequence 0 .* more often than the tree"):
         err(tree, [tree, tree.subtree([0])])
-    with pytest.raises(ValueError, match=r"sequence 2 of the tree .* is in no part"):
+    with pytest.raises(ValueError, match=r"sequence 2 of the tree .* is in no subtree"):
         err(tree, [tree.subtree([0, 1, 3])])  # one of the two duplicates is missing
-    with pytest.raises(ValueError, match="parts is empty"):
+    with pytest.raises(ValueError, match="subtrees is empty"):
         err(tree, [])
-    with pytest.raises(TypeError, match=r"parts\[0\] is a list"):
+    with pytest.raises(TypeError, match=r"subtrees\[0\] is a list"):
         err(tree, [[1, 2, 3]])
     with pytest.raises(TypeError, match="tree must be a treefx.Tree"):
         err([[1, 2, 3]], parts)

@@ -1,13 +1,14 @@
-"""Split a tree that is over a token budget into parts that fit.
+"""Split a tree that is over a token budget into subtrees that fit.
 
-A part is the tree of a subset of the sequences (:meth:`Tree.subtree`): whole sequences, each
-with its own weight and loss mask, so the parts' losses add up exactly to the whole tree's loss
-(``L = sum_t w_t l_t`` is a sum over sequences; nothing is renormalised) — provided each part is
-packed with the whole's sequence count, ``pack(part, num_sequences=tree.num_sequences)`` (or the
+A subtree here is the tree of a subset of the sequences (:meth:`Tree.subtree`; not a part of
+:func:`treefx.backward`, which is a slice of one packed row): whole sequences, each
+with its own weight and loss mask, so the subtrees' losses add up exactly to the whole tree's loss
+(``L = sum_t w_t l_t`` is a sum over sequences; nothing is renormalised) — provided each subtree is
+packed with the whole's sequence count, ``pack(subtree, num_sequences=tree.num_sequences)`` (or the
 count of the whole batch the tree is in): a batch's loss is the mean over its sequences, and a
-part packed alone would average over its own, fewer ones. What a split costs is
-the prefix tokens that more than one part must compute again, so the goal is the fewest total
-tokens, ``sum over parts of part.num_tokens``, with every part within ``max_tokens``.
+subtree packed alone would average over its own, fewer ones. What a split costs is
+the prefix tokens that more than one subtree must compute again, so the goal is the fewest total
+tokens, ``sum over subtrees of subtree.num_tokens``, with every subtree within ``max_tokens``.
 
 The unique tokens of a set of sequences are the tokens of the union of their root-to-end node
 paths (the tree is a trie, so two paths share a token iff they share its whole prefix). All
@@ -38,48 +39,48 @@ ProgressArg = bool | Callable[[int, int], None]
 def partition(
     tree: Tree, max_tokens: int, *, method: str = "greedy", progress: ProgressArg = False
 ) -> list[Tree]:
-    """Split a tree into parts of whole sequences that each fit a token budget.
+    """Split a tree into subtrees of whole sequences that each fit a token budget.
 
-    The parts of ``tree`` (``tree.subtree`` of each group of :func:`partition_ids`), each with
+    The subtrees of ``tree`` (``tree.subtree`` of each group of :func:`partition_ids`), each with
     at most ``max_tokens`` unique tokens.
 
-    Every sequence lands in exactly one part with its weight and loss mask unchanged, so the
-    parts' losses sum to the tree's loss when every part is packed with the whole tree's
-    sequence count, ``pack(part, num_sequences=tree.num_sequences)`` (the losses are means over
-    sequences; a part packed without it averages over its own sequences only). ``method``: ``"greedy"`` (fast, for any size) or
+    Every sequence lands in exactly one subtree with its weight and loss mask unchanged, so the
+    subtrees' losses sum to the tree's loss when every subtree is packed with the whole tree's
+    sequence count, ``pack(subtree, num_sequences=tree.num_sequences)`` (the losses are means over
+    sequences; a subtree packed without it averages over its own sequences only). ``method``: ``"greedy"`` (fast, for any size) or
     ``"exact"`` (fewest total tokens; at most :data:`EXACT_MAX_SEQUENCES` sequences).
     ``progress``: ``True`` draws a bar on stderr; a callable gets ``(done, total)`` after each
-    step (planning, then building the parts).
+    step (planning, then building the subtrees).
     """
     report = _reporter(progress, 2 * _num_sequences(tree), "partitioning")
     groups = _plan(tree, max_tokens, method, report)
-    parts = []
+    subtrees = []
     for ids in groups:
-        parts.append(tree.subtree(ids))
+        subtrees.append(tree.subtree(ids))
         report(len(ids))
     report(None)
-    return parts
+    return subtrees
 
 
 def partition_ids(
     tree: Tree, max_tokens: int, *, method: str = "greedy", progress: ProgressArg = False
 ) -> list[list[int]]:
-    """Which sequences go into each part when a tree is split under a token budget.
+    """Which sequences go into each subtree when a tree is split under a token budget.
 
-    Sequence indices of each part (sequence ``i`` is ``tree.sequences[i]``), see
+    Sequence indices of each subtree (sequence ``i`` is ``tree.sequences[i]``), see
     :func:`partition`.
 
     Groups hold increasing indices and come ordered by their first index. A tree that fits
     whole comes back as one group.
 
-    - ``"exact"``: the minimum of ``sum part.num_tokens`` over all partitions (then the fewest
-      parts), by dynamic programming over subsets of sequences. Time grows about 3x per
+    - ``"exact"``: the minimum of ``sum subtree.num_tokens`` over all partitions (then the fewest
+      subtrees), by dynamic programming over subsets of sequences. Time grows about 3x per
       sequence: 4 ms at 12 sequences, 40 ms at 14, 0.2 s and 100 MB at 16 (the limit,
       :data:`EXACT_MAX_SEQUENCES`, for trees that do not fit whole); 17 and 18 would take 0.7 s
       and 1.6 s.
     - ``"greedy"``: places sequences one by one where they add the fewest new tokens, in
-      depth-first order (next fit and best fit) and longest first (best fit), merges parts
-      whose union fits, and keeps the best of the three. Sequences x path nodes x open parts;
+      depth-first order (next fit and best fit) and longest first (best fit), merges subtrees
+      whose union fits, and keeps the best of the three. Sequences x path nodes x open subtrees;
       0.06-0.2 s for 2,000 sequences and 1M unique tokens. About 1% above the exact optimum on
       average on small random trees (up to ~20% on a few).
 
@@ -91,48 +92,48 @@ def partition_ids(
     return groups
 
 
-def err(tree: Tree, parts: Sequence[Tree]) -> float:
-    """Effective reuse ratio of a partition: ``1 - sum part.num_tokens / baseline tokens``.
+def err(tree: Tree, subtrees: Sequence[Tree]) -> float:
+    """Effective reuse ratio of a partition: ``1 - sum subtree.num_tokens / baseline tokens``.
 
     The tree's own POR is the best any split can reach; what a split loses against it is the
-    prefix tokens computed again in several parts. ``parts`` must be a partition of the tree's
-    sequences (every sequence in exactly one part, as :func:`partition` gives): a ``ValueError``
-    names a sequence missing from the parts, or one the tree does not hold (as often); the ratio
+    prefix tokens computed again in several subtrees. ``subtrees`` must be a partition of the tree's
+    sequences (every sequence in exactly one subtree, as :func:`partition` gives): a ``ValueError``
+    names a sequence missing from the subtrees, or one the tree does not hold (as often); the ratio
     of any other list of trees means nothing.
     """
     _num_sequences(tree)
-    parts = list(parts)
-    _check_is_partition(tree, parts)
-    return 1.0 - sum(p.num_tokens for p in parts) / tree.num_baseline_tokens
+    subtrees = list(subtrees)
+    _check_is_partition(tree, subtrees)
+    return 1.0 - sum(p.num_tokens for p in subtrees) / tree.num_baseline_tokens
 
 
-def _check_is_partition(tree: Tree, parts: list) -> None:
-    """The parts' sequences are the tree's, as a multiset (duplicates count)."""
-    if not parts:
-        raise ValueError("parts is empty; a partition of a tree has at least one part")
+def _check_is_partition(tree: Tree, subtrees: list) -> None:
+    """The subtrees' sequences are the tree's, as a multiset (duplicates count)."""
+    if not subtrees:
+        raise ValueError("subtrees is empty; a partition of a tree has at least one subtree")
     left: Counter = Counter(tuple(s) for s in tree.sequences)
-    for k, part in enumerate(parts):
-        if not isinstance(part, Tree):
-            raise TypeError(f"parts[{k}] is a {type(part).__name__}, not a treefx.Tree")
-        for i, s in enumerate(part.sequences):
+    for k, subtree in enumerate(subtrees):
+        if not isinstance(subtree, Tree):
+            raise TypeError(f"subtrees[{k}] is a {type(subtree).__name__}, not a treefx.Tree")
+        for i, s in enumerate(subtree.sequences):
             key = tuple(s)
             if left[key] == 0:
                 more = "more often than the tree holds it" if key in left else "not in the tree"
                 raise ValueError(
-                    f"parts[{k}], its sequence {i} ({_short(s)}) is {more}: parts must be a "
-                    "partition of the tree's sequences (every sequence in exactly one part; "
+                    f"subtrees[{k}], its sequence {i} ({_short(s)}) is {more}: subtrees must be a "
+                    "partition of the tree's sequences (every sequence in exactly one subtree; "
                     "treefx.partition gives one)"
                 )
             left[key] -= 1
-    # Some sequence is in no part: the first one in order that the parts do not account for.
+    # Some sequence is in no subtree: the first one in order that the subtrees do not account for.
     used = Counter(tuple(s) for s in tree.sequences)
-    used.subtract(left)  # how many of each the parts hold
+    used.subtract(left)  # how many of each the subtrees hold
     for i, s in enumerate(tree.sequences):
         key = tuple(s)
         if used[key] == 0:
             raise ValueError(
-                f"sequence {i} of the tree ({_short(s)}) is in no part: parts must be a "
-                "partition of the tree's sequences (every sequence in exactly one part; "
+                f"sequence {i} of the tree ({_short(s)}) is in no subtree: subtrees must be a "
+                "partition of the tree's sequences (every sequence in exactly one subtree; "
                 "treefx.partition gives one)"
             )
         used[key] -= 1
@@ -166,7 +167,7 @@ def _plan(tree: Tree, max_tokens, method: str, report) -> list[list[int]]:
         if tree.num_sequences > EXACT_MAX_SEQUENCES:
             raise ValueError(
                 f'method="exact" handles at most {EXACT_MAX_SEQUENCES} sequences (its cost grows '
-                f'as 3^P), this tree has {tree.num_sequences} and does not fit in one part; use '
+                f'as 3^P), this tree has {tree.num_sequences} and does not fit in one subtree; use '
                 'method="greedy"'
             )
         groups = _exact(_sequence_paths(_trie(tree)), max_tokens)
@@ -194,8 +195,8 @@ def _check_lengths(tree: Tree, max_tokens: int) -> None:
         more = f" ({over.size - 1} more sequences are too)" if over.size > 1 else ""
         raise ValueError(
             f"sequence {i} has {int(lengths[i])} tokens, more than max_tokens={max_tokens}{more}; "
-            "a part holds whole sequences, so each must fit on its own (splitting a long "
-            "sequence across parts is not supported yet; a later version may lift this)"
+            "a subtree holds whole sequences, so each must fit on its own (splitting a long "
+            "sequence across subtrees is not supported yet; a later version may lift this)"
         )
 
 
@@ -206,7 +207,7 @@ def _trie(tree: Tree) -> Tree:
     """``tree``, or its re-merged trie when two siblings start with the same token.
 
     ``Tree.from_nodes`` accepts such siblings, but a subtree re-merges them, so counting tokens
-    by nodes would overestimate parts (still safe, but no longer exact).
+    by nodes would overestimate subtrees (still safe, but no longer exact).
     """
     first = np.fromiter((s[0] for s in tree.segments), dtype=np.int64, count=tree.num_nodes)
     keys = np.stack([tree.parents, first], axis=1)
@@ -219,7 +220,7 @@ def _sequence_paths(tree: Tree) -> tuple[list[np.ndarray], list[np.ndarray], np.
     """Per sequence: its node path (root first) and the tokens up to the end of each path node
     (a leading 0 added); the node lengths; the node count.
 
-    The tokens a part shares with a sequence's path are a prefix of that path (parts are unions
+    The tokens a subtree shares with a sequence's path are a prefix of that path (subtrees are unions
     of root paths), so ``depth[k]`` with ``k`` = shared nodes is the shared token count.
     """
     lens = tree.segment_lengths
@@ -236,7 +237,7 @@ def _sequence_paths(tree: Tree) -> tuple[list[np.ndarray], list[np.ndarray], np.
 
 
 def _exact(plan, max_tokens: int) -> list[list[int]]:
-    """Set-partition DP: ``best[mask]`` = min over parts ``sub`` of ``mask`` holding its lowest
+    """Set-partition DP: ``best[mask]`` = min over subtrees ``sub`` of ``mask`` holding its lowest
     sequence of ``cost[sub] + best[mask ^ sub]``, all masks of one popcount at once."""
     paths, _, lens, num_nodes = plan
     p = len(paths)
@@ -269,7 +270,7 @@ def _exact(plan, max_tokens: int) -> list[list[int]]:
 
 
 def _subset_keys(paths, lens, num_nodes: int, max_tokens: int) -> np.ndarray:
-    """Per subset of sequences: ``tokens * (P + 1) + 1`` (ranks by tokens, then parts), or a
+    """Per subset of sequences: ``tokens * (P + 1) + 1`` (ranks by tokens, then subtrees), or a
     huge value when over budget.
 
     A node is in a subset's union iff the subset meets the sequences through it; nodes with the
@@ -303,12 +304,12 @@ def _submasks_with_lowest(pos: np.ndarray) -> np.ndarray:
 
 
 def _greedy(plan, max_tokens: int, report) -> list[list[int]]:
-    """Best of a few greedy packings, each tidied by merging parts whose union fits.
+    """Best of a few greedy packings, each tidied by merging subtrees whose union fits.
 
     Depth-first order keeps siblings and deep shared prefixes next to each other (next fit is
     the plain "cut the DFS order where the budget runs out"); longest first places the big
-    sequences while parts are still empty (as first-fit decreasing does in bin packing). Best fit
-    lets a sequence join an earlier part it shares a long prefix with.
+    sequences while subtrees are still empty (as first-fit decreasing does in bin packing). Best fit
+    lets a sequence join an earlier subtree it shares a long prefix with.
     """
     paths, depths, lens, num_nodes = plan
     p = len(paths)
@@ -337,11 +338,11 @@ def _dfs_rank(paths, num_nodes: int) -> np.ndarray:
 
 
 def _pack(order, fit: str, plan, max_tokens: int, report):
-    """Place sequences in ``order``: into the last part only (``fit="next"``) or into the part
-    where they add the fewest new tokens, the fullest on ties (``"best"``); open a new part when
+    """Place sequences in ``order``: into the last subtree only (``fit="next"``) or into the subtree
+    where they add the fewest new tokens, the fullest on ties (``"best"``); open a new subtree when
     none has room.
 
-    Returns the part x node membership table, the token count and sequence list of each part.
+    Returns the subtree x node membership table, the token count and sequence list of each subtree.
     """
     paths, depths, _, num_nodes = plan
     member = np.zeros((8, num_nodes), dtype=bool)
@@ -354,7 +355,7 @@ def _pack(order, fit: str, plan, max_tokens: int, report):
         after = cost[lo : len(groups)] + added
         room = np.flatnonzero(after <= max_tokens)
         if room.size:
-            # Fewest new tokens first, then the fullest part.
+            # Fewest new tokens first, then the fullest subtree.
             q = lo + int(room[np.lexsort((-after[room], added[room]))[0]])
             cost[q] = after[q - lo]
             groups[q].append(s)
@@ -371,12 +372,12 @@ def _pack(order, fit: str, plan, max_tokens: int, report):
 
 
 def _merge(member, cost: list[int], groups: list[list[int]], lens, max_tokens: int) -> None:
-    """Merge, while any pair of parts fits together, the pair sharing the most tokens.
+    """Merge, while any pair of subtrees fits together, the pair sharing the most tokens.
 
-    Updates ``cost`` and ``groups`` in place (merged parts are dropped).
+    Updates ``cost`` and ``groups`` in place (merged subtrees are dropped).
     """
-    # Only nodes in two or more parts are shared; in agent trees that is a few prompts and
-    # branch points, so the part x part product stays small. Float64 sums of token counts are
+    # Only nodes in two or more subtrees are shared; in agent trees that is a few prompts and
+    # branch points, so the subtree x subtree product stays small. Float64 sums of token counts are
     # exact far beyond any budget.
     multi = member.sum(axis=0) > 1
     member, lens = member[:, multi], lens[multi].astype(np.float64)
