@@ -190,6 +190,10 @@ SHAPES = {
                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=1024,
                  tie_word_embeddings=False),
 }
+# Qwen3-8B's layer shapes and the dry runs' tiny ones, the depth left to ``--layers``
+# (real_trees, parts_budget, real_trees_flops)
+SHAPE_8B = {k: v for k, v in SHAPES["qwen3-8b"].items() if k != "num_hidden_layers"}
+TINY = {k: v for k, v in SHAPES["tiny"].items() if k != "num_hidden_layers"}
 
 
 def dist_setup(dry_run: bool) -> torch.device:

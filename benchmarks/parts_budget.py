@@ -42,7 +42,7 @@ import torch
 
 import treefx
 from benchmarks import common
-from benchmarks.parts import SHAPE_8B, TINY
+from benchmarks.common import SHAPE_8B, TINY
 from benchmarks.real_trees import load_tasks, packing_batches, timed
 from treefx.run.parts import memory as mem
 

@@ -38,8 +38,8 @@ import torch
 
 import treefx
 from benchmarks import common
+from benchmarks.common import SHAPE_8B, TINY
 from benchmarks.e2e.profile import profile_step
-from benchmarks.parts import SHAPE_8B, TINY
 
 GRAD_PARAMS = ("model.embed_tokens.weight", "lm_head.weight",
                "model.layers.0.self_attn.q_proj.weight", "model.layers.0.input_layernorm.weight",

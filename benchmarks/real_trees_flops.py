@@ -17,7 +17,7 @@ import numpy as np
 import transformers
 
 import treefx
-from benchmarks.parts import SHAPE_8B
+from benchmarks.common import SHAPE_8B
 from treefx.distributed import CostModel, attended_pairs
 
 

@@ -665,7 +665,7 @@ def test_bad_arguments():
 def test_flex_attention_part_sites_match_the_oracle(name, monkeypatch):
     """The inductor backend's part graph (FlexAttention over [context; part], the window as
     its mask_mod), run op by op on the CPU: FlexAttention's eager form differentiates there,
-    Inductor's kernels need a GPU (benchmarks/parts.py checks those)."""
+    Inductor's kernels need a GPU (gpu_check --cases trunk,intervals checks parts there)."""
     monkeypatch.setattr(treefx.run.backends, "compile_graph",
                         lambda backend, gm, ex, options=None: gm.forward)
     monkeypatch.setenv("TREEFX_INDUCTOR_ON_CPU", "1")  # the inductor backend's graph on the CPU
