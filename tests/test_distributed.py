@@ -117,10 +117,10 @@ def _case(rank, name, model_name, wrapper, how, checkpointing, reduction):
             "worst_param": where, "my_trees": len(mine), "params": len(ref)}
 
 
-def _worker(rank: int, port: int, queue, case_fn, cases) -> None:
+def _worker(rank: int, port: int, queue, case_fn, cases, world: int = WORLD) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         for case in cases:
             try:
@@ -143,26 +143,29 @@ def _free_port() -> int:
 CI_CASES = {"fsdp-qwen3-checkpointing", "fsdp-qwen3_next-step", "ddp-qwen3-compile"}
 
 
-def run_cases(request, all_cases, case_fn) -> dict:
-    """``case_fn(rank, *case)`` on WORLD gloo processes for each case of ``all_cases`` (name
-    first) that this session selected from the requesting test module, the processes started
-    once for all of them: {(rank, name): result}."""
+def run_cases(request, all_cases, case_fn, world: int = WORLD) -> dict:
+    """``case_fn(rank, *case)`` on ``world`` gloo processes (default WORLD) for each case of
+    ``all_cases`` (name first) that this session selected from the requesting test module, the
+    processes started once for all of them: {(rank, name): result}. A case that no selected
+    test names is not run; none selected: no processes."""
     import multiprocessing as mp
 
     wanted = {item.callspec.params["case"] for item in request.session.items
               if item.module is request.module and hasattr(item, "callspec")}
     cases = [c for c in all_cases if c[0] in wanted]
+    if not cases:
+        return {}
 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, queue, case_fn, cases))
-             for r in range(WORLD)]
+    procs = [ctx.Process(target=_worker, args=(r, port, queue, case_fn, cases, world))
+             for r in range(world)]
     for p in procs:
         p.start()
     out: dict = {}
     try:
-        for _ in range(WORLD * len(cases)):
+        for _ in range(world * len(cases)):
             rank, name, result = queue.get(timeout=600)
             out[(rank, name)] = result
     finally:

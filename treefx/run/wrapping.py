@@ -9,8 +9,8 @@ import torch
 
 from ..compiler import TreeCompileError
 
-__all__ = ["distributed_kind", "fsdp_module_type", "fsdp_units", "is_fsdp_hook",
-           "is_fsdp_unit", "process_group", "unwrap_ddp"]
+__all__ = ["distributed_kind", "fsdp_gathered", "fsdp_module_type", "fsdp_param_groups",
+           "fsdp_units", "is_fsdp_hook", "is_fsdp_unit", "process_group", "unwrap_ddp"]
 
 
 def fsdp_module_type():
@@ -46,6 +46,26 @@ def fsdp_units(model: torch.nn.Module) -> list[torch.nn.Module]:
     if fsdp is None:
         return []
     return [m for m in model.modules() if isinstance(m, fsdp)]
+
+
+def fsdp_param_groups(unit: torch.nn.Module) -> list:
+    """An FSDP2 unit's parameter groups (FSDP's own state: ``_fsdp_param_groups``, one
+    ``_fsdp_param_group`` in older torch), where its gather and reduce settings live."""
+    state = unit._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    if hasattr(state, "_fsdp_param_group"):  # torch before per-parameter meshes
+        group = state._fsdp_param_group
+        return [] if group is None else [group]
+    raise TreeCompileError(
+        f"this torch's FSDP2 ({torch.__version__}) keeps its parameter groups where treefx "
+        "does not know to read them (neither _fsdp_param_groups nor _fsdp_param_group)")
+
+
+def fsdp_gathered(unit: torch.nn.Module) -> bool:
+    """Whether an FSDP2 unit's parameters are gathered (unsharded) now."""
+    return all(g.is_unsharded for g in fsdp_param_groups(unit))
 
 
 def is_fsdp_unit(module: torch.nn.Module) -> bool:

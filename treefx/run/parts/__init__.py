@@ -22,9 +22,11 @@ with a graph, reading the same context leaves, and is differentiated with the gr
 parts left in its leaves (part-level activation checkpointing). The first forward built no
 graph, so the context's gradients arrive once, through the second. A plan with recompute
 parts refuses a part graph that draws random numbers (dropout in training mode): the second
-forward would draw others. Under FSDP2 the plan has no recompute parts (a recompute part's
-backward gathers the layers for its second forward too, once more than another rank's
-backward in that round): what the budget cannot hold is held, with a warning.
+forward would draw others. In FSDP2's rounds the plan has no recompute parts (a recompute
+part's backward gathers the layers for its second forward too, once more than another rank's
+backward in that round): what the budget cannot hold is held, with a warning. With FSDP2's
+units gathered once (``fsdp="gather_once"``) a second forward gathers nothing: recompute parts
+run as on one process.
 
 One job a module:
 
@@ -33,7 +35,7 @@ One job a module:
 - :mod:`.registry`: the runners per compiled model and per step (:func:`runners`);
 - :mod:`.executor`: one call's parts run in order, held, differentiated (:class:`~.executor.Run`);
 - :mod:`.ddp`: DDP's buffers and its gradients averaged once, at the end;
-- :mod:`.fsdp`: FSDP2's common rounds over the ranks;
+- :mod:`.fsdp`: FSDP2's units gathered once a call, or its common rounds over the ranks;
 - :mod:`.front`: :func:`backward` itself;
 - :mod:`.memory`: ``max_memory=``, the memory model and the token budget it plans.
 

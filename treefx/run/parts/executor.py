@@ -77,29 +77,36 @@ def events(plan) -> list[tuple[str, int]]:
 class Run:
     """One call's parts (``batch`` None: a rank with no trees) and their state: the parts held
     for their backward, the dummies (zero-weight parts a rank runs to keep the ranks'
-    collectives in step, :func:`_rounds`), the loss so far."""
+    collectives in step: in FSDP2's rounds, :func:`.fsdp.rounds`, and the one that
+    reduce-scatters, :func:`.fsdp.gather_once`), the loss so far."""
 
     def __init__(self, runner: PartRunner, batch: TreeBatch | None, max_tokens: int,
                  target: torch.nn.Module, *, step, loss_fn, collective: bool,
-                 on_logprobs: Callable | None = None, beyond: str = "recompute",
-                 host_copy: bool | None = None):
+                 lockstep: bool = False, on_logprobs: Callable | None = None,
+                 beyond: str = "recompute", host_copy: bool | None = None):
         self.runner, self.step, self.loss_fn = runner, step, loss_fn
         # called with each part's log-probabilities in the batch's row, in the forward that
         # builds the backward's graph (the first-call check records them)
         self.on_logprobs = on_logprobs
         self.model = target
+        # collective: under FSDP2 (every backward takes every output as a root, so that every
+        # part's backward, a dummy's too, is the same graph); lockstep: in FSDP2's common
+        # rounds (the ranks meet in every part: no recompute parts, captures agreed on,
+        # parts evened out), not with the units gathered once (fsdp.gather_once)
         self.collective = collective
+        self.lockstep = lockstep
         self.device = device = next(target.parameters()).device
         self.events: list[tuple[str, int]] = []
         self.plan = None
         if batch is not None:
             # What the budget cannot hold on the device: recomputed (recompute parts, the
             # default), held on the host (host parts, each forward run once), or held on the
-            # device over the budget ("device"). Under FSDP2 no recompute parts: a recompute
-            # part's backward gathers the layers for its second forward too, once more than
-            # another rank's backward in that round; what the budget cannot hold there is
-            # held on the device, as before recompute parts, unless host parts are asked for.
-            if collective and beyond == "recompute":
+            # device over the budget ("device"). In FSDP2's rounds no recompute parts: a
+            # recompute part's backward gathers the layers for its second forward too, once
+            # more than another rank's backward in that round; what the budget cannot hold
+            # there is held on the device, as before recompute parts, unless host parts are
+            # asked for. With the units gathered once, a second forward gathers nothing.
+            if lockstep and beyond == "recompute":
                 beyond = "device"
             self.max_tokens = max_tokens
             self.plan = parts_mod.plan(batch, max_tokens, block_size=runner.plan.block_size,
@@ -140,7 +147,7 @@ class Run:
         """Under FSDP2, before the rounds: the plan replaced by the one with at most
         ``num_parts`` parts (the most any rank has) whose largest part is smallest
         (:func:`treefx.parts.plan_even`), within the same budget."""
-        if self.plan is None or not self.collective:
+        if self.plan is None or not self.lockstep:
             return
         even = parts_mod.plan_even(self.plan.batch, self.max_tokens, num_parts,
                                    block_size=self.runner.plan.block_size,
@@ -165,7 +172,7 @@ class Run:
         """Under FSDP2: before a forward, the ranks agree on the captures it makes (a capture
         gathers every unit): each rank tells how many it needs, and one that needs fewer than
         the most gathers and frees every unit as often, as a capture would."""
-        if not self.collective:
+        if not self.lockstep:
             return None
         import torch.distributed as dist
 

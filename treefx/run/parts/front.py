@@ -1,10 +1,12 @@
 """``treefx.backward``: the front end. Which model (a compiled one, or a ``@treefx.step``
 with its model), what it is wrapped in, the first call's check, the batch; then the parts run
-on this process alone, under DDP (:mod:`.ddp`) or in FSDP2's common rounds (:mod:`.fsdp`)."""
+on this process alone, under DDP (:mod:`.ddp`), or under FSDP2 with its units gathered once or
+in common rounds (:mod:`.fsdp`)."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -19,7 +21,7 @@ from ..model import TreeModel, tree_loss
 from ..step import TreeStep
 from .ddp import check_ddp, reduce_ddp, sync_ddp_buffers
 from .executor import Run
-from .fsdp import rounds
+from .fsdp import MODES, gather_once, held_bytes, rounds
 from .registry import runner_for, step_runner
 from .runner import PartRunner
 
@@ -32,7 +34,8 @@ def backward(tm: TreeModel, trees: Tree | Iterable[Tree] | TreeBatch | None, *,
              max_tokens: int | None = None, max_memory=None, memory=None,
              reduction: str | None = None, loss_fn: Callable | None = None,
              num_sequences: int | None = None, loss_scale: float | None = None,
-             model: torch.nn.Module | None = None, beyond: str = "recompute") -> torch.Tensor:
+             model: torch.nn.Module | None = None, beyond: str = "recompute",
+             fsdp: str | None = None) -> torch.Tensor:
     """Train on trees larger than memory: forward and backward in parts, each token computed once.
 
     Forward and backward of ``trees`` (one tree or a forest, packed as one batch) in parts of
@@ -65,11 +68,14 @@ def backward(tm: TreeModel, trees: Tree | Iterable[Tree] | TreeBatch | None, *,
     Several processes (FSDP2, ``fully_shard`` per layer and root; DDP): every rank calls it
     with its share (:func:`treefx.distributed.pack`; None or ``[]`` for a rank without trees)
     and may cut it into its own parts; the gradients are one process's on all trees whole, the
-    loss the rank's. Under FSDP2 the ranks run common rounds (a rank without a part runs a
-    two-token part of zero weight), each cutting its trees into as many parts as the rank with
-    the most (:func:`treefx.parts.plan_even`); under DDP the parts run on the inner module and
-    the gradients are averaged once, at the end (a wrapper with a communication hook or mixed
-    precision is refused). See docs/ARCHITECTURE.md, "Parts on several processes".
+    loss the rank's. DDP: the parts run on the inner module, the gradients averaged once at
+    the end (a communication hook or mixed precision is refused). FSDP2, ``fsdp=``:
+    ``"rounds"`` (the default) runs the ranks' parts in common rounds, each as long as its
+    largest part (memory stays sharded); ``"gather_once"`` gathers every unit once and
+    reduce-scatters the gradients once (ZeRO-2 style: each rank its own parts, no collective
+    between them), holding every parameter and gradient unsharded for the call (counted in
+    ``max_memory``). The same gradients either way: docs/distributed.md, "Trees larger than
+    memory in parts"; docs/ARCHITECTURE.md, "Parts on several processes".
 
     ``max_memory`` (bytes, or ``"40GiB"``, ``"512MB"``): a budget in bytes instead, turned into
     the token budget with the fewest parts whose estimated peak fits by the memory model
@@ -77,8 +83,8 @@ def backward(tm: TreeModel, trees: Tree | Iterable[Tree] | TreeBatch | None, *,
     :class:`~treefx.run.parts.memory.MemoryModel`; :func:`~treefx.run.parts.memory.plan_tokens`;
     docs/parts.md, "A memory budget": derived, not yet measured on a GPU). Given both budgets,
     the smaller wins. ``beyond``: what becomes of the open parts the budget cannot hold:
-    ``"recompute"`` (the default) runs their forward again without a graph (refused under FSDP2
-    and for a model that draws random numbers); ``"host"`` holds what their forward saves for
+    ``"recompute"`` (the default) runs their forward again without a graph (refused in FSDP2's
+    rounds and for a model that draws random numbers); ``"host"`` holds what their forward saves for
     their backward in host memory; ``"device"`` holds it on the device over the budget. Held
     besides, whatever the budget: the open path's keys, values and conv inputs
     (``plan.peak_context_tokens()``) and the states at the parts' boundaries. Activation
@@ -92,18 +98,14 @@ def backward(tm: TreeModel, trees: Tree | Iterable[Tree] | TreeBatch | None, *,
     step is not checked, nor an FSDP2 model's part graph).
     """
     front = _Front.of(tm, model, loss_fn, reduction)
+    mode = _fsdp_mode(fsdp, front.kind)
     if front.runner.verify:
         _check_first_call(tm, front, trees)
     batch = _batch(trees, front.kind, reduction, num_sequences, loss_scale)
-    if front.kind == "ddp":
-        check_ddp(front.wrapper)
-    if beyond not in ("host", "recompute", "device"):
-        raise ValueError(f"treefx.backward: beyond must be 'host', 'recompute' or 'device', "
-                         f"got {beyond!r}")
-    max_tokens = _token_budget(max_tokens, max_memory, memory, front.target, batch, beyond)
+    max_tokens = _token_budget(max_tokens, max_memory, memory, front.target, batch, beyond, mode)
     run = Run(front.runner, batch, max_tokens, front.target, step=front.step, loss_fn=loss_fn,
-              collective=front.kind == "fsdp", beyond=beyond)
-    _run_parts(run, front)
+              collective=front.kind == "fsdp", lockstep=mode == "rounds", beyond=beyond)
+    _run_parts(run, front, mode)
     return run.total.to(run.dtype)
 
 
@@ -146,6 +148,8 @@ class _Front:
                             f"@treefx.step function, got {type(tm).__name__}")
         kind = wrapping.distributed_kind(target, root if root is not target else None)
         wrapper = wrapping.unwrap_ddp(root)[1] if kind == "ddp" else None
+        if kind == "ddp":
+            check_ddp(wrapper)
         group = wrapping.process_group(kind, target, wrapper)
         runner = runner_for(tm, own_loss=loss_fn is None) if step is None else \
             step_runner(step, target)
@@ -189,10 +193,33 @@ def _batch(trees, kind, reduction, num_sequences, loss_scale) -> TreeBatch | Non
                 loss_scale=1.0 if loss_scale is None else loss_scale)
 
 
-def _run_parts(run: Run, front: _Front) -> None:
-    """The parts run: in FSDP2's common rounds, under DDP on the inner module (its gradients
-    averaged at the end), or on this process alone."""
-    if front.kind == "fsdp":
+def _fsdp_mode(fsdp, kind) -> str | None:
+    """``fsdp=`` checked: the FSDP2 mode of the call (its default ``"rounds"``), None for a
+    model not sharded with FSDP2."""
+    if fsdp is not None and fsdp not in MODES:
+        raise ValueError(f"treefx.backward: fsdp must be one of {', '.join(map(repr, MODES))}, "
+                         f"got {fsdp!r}")
+    if kind != "fsdp":
+        if fsdp is not None:
+            raise TypeError(f"treefx.backward: fsdp={fsdp!r} is for a model sharded with "
+                            f"FSDP2 (fully_shard); this one is "
+                            f"{'wrapped in DDP' if kind == 'ddp' else 'not distributed'}")
+        return None
+    return fsdp or DEFAULT_FSDP
+
+
+# FSDP2's default: rounds. gather_once holds every parameter and gradient unsharded for the
+# whole call, which is the memory the user chose FSDP2's full sharding to avoid
+# (docs/distributed.md, "Trees larger than memory in parts", has the reasoning and numbers).
+DEFAULT_FSDP = "rounds"
+
+
+def _run_parts(run: Run, front: _Front, mode: str | None) -> None:
+    """The parts run: under FSDP2 with its units gathered once or in common rounds, under DDP
+    on the inner module (its gradients averaged at the end), or on this process alone."""
+    if mode == "gather_once":
+        gather_once(run, front.target)
+    elif front.kind == "fsdp":
         try:
             rounds(run, front.group)
         finally:
@@ -219,8 +246,12 @@ def _run_in_order(run: Run) -> None:
         run.release()
 
 
-def _token_budget(max_tokens, max_memory, memory, target, batch, beyond) -> int:
-    """``max_tokens``, or the token budget of ``max_memory`` (the smaller where both)."""
+def _token_budget(max_tokens, max_memory, memory, target, batch, beyond, mode) -> int:
+    """``max_tokens``, or the token budget of ``max_memory`` (the smaller where both; under
+    ``fsdp="gather_once"`` the unsharded parameters and gradients count as fixed bytes)."""
+    if beyond not in ("host", "recompute", "device"):
+        raise ValueError(f"treefx.backward: beyond must be 'host', 'recompute' or 'device', "
+                         f"got {beyond!r}")
     if max_memory is None:
         if max_tokens is None:
             raise TypeError("treefx.backward: give max_tokens= (a token budget) or "
@@ -235,6 +266,8 @@ def _token_budget(max_tokens, max_memory, memory, target, batch, beyond) -> int:
     elif not isinstance(memory, mem.MemoryModel):
         raise TypeError(f"treefx.backward: memory= takes a treefx.run.parts.memory."
                         f"MemoryModel, got {type(memory).__name__}")
+    if mode == "gather_once":
+        memory = dataclasses.replace(memory, fixed=memory.fixed + held_bytes(target))
     tokens = mem.plan_tokens(memory, max_memory, batch, beyond=beyond)
     if max_tokens is not None:
         tokens = min(tokens, max_tokens)

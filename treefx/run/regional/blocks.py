@@ -9,7 +9,7 @@ import contextlib
 import torch
 
 from ...compiler import TreeCompileError
-from ..wrapping import fsdp_module_type, fsdp_units, is_fsdp_hook
+from ..wrapping import fsdp_gathered, fsdp_module_type, fsdp_units, is_fsdp_hook
 
 __all__ = ["call_with_forward", "capture_state", "check_hooks", "find_blocks",
            "forward_replaced"]
@@ -76,7 +76,9 @@ def _traced_output_hooks_hidden(module: torch.nn.Module):
 @contextlib.contextmanager
 def capture_state(model: torch.nn.Module):
     """The model as it computes, for Dynamo: every FSDP unit gathered, FSDP's hooks hidden
-    (their mixed-precision input/output casts kept as traceable hooks); all restored after."""
+    (their mixed-precision input/output casts kept as traceable hooks); all restored after,
+    a unit that was gathered before (``treefx.backward(..., fsdp="gather_once")`` holds
+    every unit gathered for the step) left gathered, the others resharded."""
     units = fsdp_units(model)
     if not units:
         yield
@@ -84,6 +86,7 @@ def capture_state(model: torch.nn.Module):
     saved = []
     root_state = units[0]._get_fsdp_state()
     root_state._lazy_init()
+    was_gathered = [fsdp_gathered(m) for m in units]
     try:
         for m in units:
             m.unshard()
@@ -108,8 +111,9 @@ def capture_state(model: torch.nn.Module):
     finally:
         for m, pre, post in saved:
             m._forward_pre_hooks, m._forward_hooks = pre, post
-        for m in units:
-            m.reshard()
+        for m, kept in zip(units, was_gathered):
+            if not kept:
+                m.reshard()
 
 
 def _cast_floats(dtype, x):
