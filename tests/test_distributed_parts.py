@@ -244,3 +244,13 @@ def test_parts_on_several_ranks_equal_one_process_on_all_trees(results, case):
 @pytest.mark.parametrize("case", _marked(CASES4))
 def test_parts_on_four_ranks_equal_one_process_on_all_trees(results4, case):
     _check([results4[(rank, case)] for rank in range(WORLD4)], case)
+
+
+def test_fsdp_mode_is_checked():
+    """``fsdp=`` takes the two modes, and only for a model sharded with FSDP2."""
+    tm = treefx.compile(_model("qwen3", False), backend="eager")
+    trees = _trees()[:1]
+    with pytest.raises(ValueError, match="fsdp must be one of 'gather_once', 'rounds'"):
+        treefx.backward(tm, trees, max_tokens=8, fsdp="once")
+    with pytest.raises(TypeError, match="is for a model sharded with FSDP2.*not distributed"):
+        treefx.backward(tm, trees, max_tokens=8, fsdp="gather_once")

@@ -53,11 +53,18 @@ def _settings_restored(units):
     restored on exit; FSDP2 has setters for them, not getters, so they are read from its
     parameter groups."""
     saved = []
-    for m in units:
-        state = m._get_fsdp_state()
-        saved.append((state, getattr(state, "_auto_reshard_after_forward", None),
-                      [(g, g.post_forward_mesh_info, g.reshard_after_backward, g.reduce_grads,
-                        g.all_reduce_grads) for g in wrapping.fsdp_param_groups(m)]))
+    try:
+        for m in units:
+            state = m._get_fsdp_state()
+            saved.append((state, getattr(state, "_auto_reshard_after_forward", None),
+                          [(g, g.post_forward_mesh_info, g.reshard_after_backward,
+                            g.reduce_grads, g.all_reduce_grads)
+                           for g in wrapping.fsdp_param_groups(m)]))
+    except AttributeError as e:
+        raise TreeCompileError(
+            f"treefx.backward(..., fsdp='gather_once'): this torch's FSDP2 ({torch.__version__}) "
+            f"keeps its settings elsewhere ({e}), so they could not be restored after the "
+            "call; use fsdp='rounds'") from e
     try:
         yield saved
     finally:
