@@ -1,9 +1,12 @@
-"""Gated DeltaNet (and Kimi Delta Attention) on fla's kernels through the tree, against each
-sequence run alone: values and gradients, float32 and bf16, whole trees and in parts
-(BENCHMARKS.md, "Hybrids on fla's kernels").
+"""Gated DeltaNet on fla's kernels through the tree, against each sequence alone and a float64
+recurrence: values and gradients, float32 and bf16, whole trees and in parts; the one-pass
+path (``treefx.families.fla_tree``) against fla depth by depth, and both timed (BENCHMARKS.md,
+"Hybrids on fla's kernels"; benchmarks/README.md for the options).
 
-    python -m benchmarks.fla_check                 # GPU with fla installed, a few minutes
-    python -m benchmarks.fla_check --dry-run       # CPU: the same code, torch kernel (no fla)
+    python -m benchmarks.fla_check                 # GPU with fla installed: op, model
+    python -m benchmarks.fla_check --cases state,exact,timing --dtypes bfloat16 --value-heads 32
+    python -m benchmarks.fla_check --dry-run       # CPU: op, model on the torch kernel (no fla)
+    python -m benchmarks.fla_check --cases interpret-state   # CPU, Triton's interpreter
 
 - ``op``: the tree recurrence alone on odd trees, in the Qwen3-Next and Qwen3.5 layouts,
   against a float64 recurrence, beside the torch kernel's and fla's own per-sequence errors
@@ -12,6 +15,17 @@ sequence run alone: values and gradients, float32 and bf16, whole trees and in p
 - ``model``: HF Qwen3-Next and Qwen3.5 (2 Gated DeltaNet + 1 attention layers), loss and every
   gradient, whole and in parts, against the torch-kernel oracle and its floor; bf16 against
   the float32 oracle beside the bf16 per-sequence run.
+- ``exact`` (GPU, the former ``fla_tree_check``): odd trees with given root states and
+  handed-out final states, ``--dtypes``; the output's, states' and every input's gradient's
+  ``max |x - ref| / max |ref|`` against a float64 walk along the tree; the one-pass path
+  passes within 2× depth by depth's + 1e-6 (float32) or + 1e-3 (bf16).
+- ``state``: the one-launch state pass against its float64 reference, a 214-node tree 20 times
+  bit for bit; ``interpret-state``: its kernels under ``TRITON_INTERPRET=1``
+  (tests/test_family_fla_tree_state.py runs it).
+- ``timing``: the op's forward and backward at Qwen3-Next's heads, bf16, on the e2e tree and on
+  its sequences packed: depth by depth, the state pass per depth, in one launch, chunk states
+  kept (``--state-configs`` and ``--profile-op`` were retired in issue 67:
+  ``git show ae2d22b:benchmarks/fla_tree_check.py``).
 
 Every case records the kernel path the tree took (``kernel_runs``) and fla's decision.
 """
@@ -22,12 +36,15 @@ import argparse
 import contextlib
 import copy
 import inspect
+import json
 import os
+import statistics
 import time
 import traceback
 
 os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import treefx  # noqa: E402
@@ -317,40 +334,329 @@ def model_case(dev, model_type, trees, budget, backend, bf16: bool, fp32: bool =
     return res
 
 
-# ----------------------------------------------------------------------------- main
+
+# ----------------------------------------------------------------------------- the one-pass path
+
+def _walk_float64(q, k, v, g, beta, parent, root_state):
+    """The tree's Gated DeltaNet in float64, token by token in DFS order: a token's state is
+    its predecessor's after it, a root's ``root_state(t)`` (or zeros). q/k at the value heads
+    and L2-normalised here; returns (output [T, H, V], state after each token)."""
+    q, k, v, g, beta = (x.double() for x in (q, k, v, g, beta))
+    q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6) * q.shape[-1] ** -0.5
+    k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    after, out = [], []
+    for t in range(q.shape[0]):
+        p = int(parent[t])
+        s = after[p] if p >= 0 else root_state(t)
+        s = s * g[t].exp()[:, None, None]
+        delta = (v[t] - torch.einsum("hk,hkv->hv", k[t], s)) * beta[t, :, None]
+        s = s + torch.einsum("hk,hv->hkv", k[t], delta)
+        after.append(s)
+        out.append(torch.einsum("hk,hkv->hv", q[t], s))
+    return torch.stack(out), after
+
+
+def _recurrence(one_pass: bool, cpu: bool = False):
+    """Qwen3-Next's registered recurrence; without its one-pass path (``one_pass=False``: fla
+    depth by depth); ``cpu``: fla's path taken on CPU tensors too (Triton's interpreter)."""
+    from dataclasses import replace
+
+    from treefx.compiler.recurrences import recurrence
+
+    rec = recurrence("qwen3_next_gated_delta_rule")
+    if not one_pass:
+        rec = replace(rec, tree_varlen=None)
+    if cpu:
+        rec = replace(rec, varlen_devices=("cpu",), varlen_check=None)
+    return rec
+
+
+def exact_case(dev, dtype, trees, seed: int = 0, value_heads: int = 4) -> dict:
+    from treefx.ops.recurrence import kernel_runs
+    from treefx.ops.recurrence.reference import run_tree, tree_nodes
+
+    batch = treefx.pack(trees).to(dev)
+    parent = batch.parent_token[0] if batch.parent_token.dim() > 1 else batch.parent_token
+    n, hv, d = batch.num_tokens, value_heads, 128
+    gen = torch.Generator(device=dev).manual_seed(seed)
+
+    def rand(*shape):
+        return torch.randn(*shape, device=dev, generator=gen)
+
+    starts, lengths, parents, depth = tree_nodes(parent)
+    roots = [i for i, dp in enumerate(depth) if dp == 0]
+    leaves = [i for i in range(len(starts)) if i not in set(parents)]
+    keep = sorted({roots[0], leaves[0], leaves[-1], len(starts) // 2})
+    base = [rand(1, n, hv, d), rand(1, n, hv, d), rand(1, n, hv, d),
+            -torch.rand(1, n, hv, device=dev, generator=gen) * 0.5 - 0.01,
+            torch.rand(1, n, hv, device=dev, generator=gen),
+            rand(len(roots), hv, d, d) * 0.1]
+    probe, probe_fin = rand(n, hv, d).double(), rand(len(keep), hv, d, d).double()
+    row_of = {starts[r]: j for j, r in enumerate(roots)}
+
+    def leaf(x, dt):
+        return x.detach().to(dt).requires_grad_()
+
+    x64 = [leaf(x, torch.float64) for x in base]
+    out, after = _walk_float64(*(x[0] for x in x64[:5]), parent.tolist(),
+                               lambda t: x64[5][row_of[t]])
+    fin = torch.stack([after[starts[i] + lengths[i] - 1] for i in keep])
+    total = (out * probe).sum() + (fin * probe_fin).sum()
+    ref = [out.detach(), fin.detach(), *torch.autograd.grad(total, x64)]
+    names = ("out", "final", "dq", "dk", "dv", "dg", "dbeta", "dh0")
+    res = {"tokens": n, "nodes": len(starts), "depths": max(depth) + 1, "dtype": str(dtype)}
+    from treefx.families.fla_tree import KEEP_ENV
+
+    for label, one_pass in (("depth_by_depth", False), ("one_pass", True),
+                            ("one_pass_keep_states", True)):
+        os.environ[KEEP_ENV] = "1" if label.endswith("keep_states") else "0"
+        xs = [leaf(base[0], dtype), leaf(base[1], dtype), leaf(base[2], dtype),
+              leaf(base[3], torch.float32), leaf(base[4], dtype), leaf(base[5], torch.float32)]
+        before = kernel_runs()
+        row, final, _ = run_tree(
+            _recurrence(one_pass, cpu=dev == "cpu"), parent, tuple(xs[:3]),
+            dict(g=xs[3], beta=xs[4], use_qk_l2norm_in_kernel=True),
+            root_state=lambda t: xs[5][row_of[t]] if t in row_of else None,
+            nodes=(starts, lengths, parents, depth), keep=keep)
+        o = row[0] if isinstance(row, tuple) else row
+        f = torch.stack([final[i] for i in keep])
+        total = (o[0].double() * probe).sum() + (f.double() * probe_fin).sum()
+        got = [o[0], f, *torch.autograd.grad(total, xs)]
+        res[label] = {nm: common.max_rel(a, r) for nm, a, r in zip(names, got, ref)}
+        after_runs = kernel_runs()
+        res[label]["paths"] = sorted(p for (nm, p), c in after_runs.items()
+                                     if c != before.get((nm, p), 0))
+    os.environ.pop(KEEP_ENV, None)
+    slack = 1e-6 if dtype == torch.float32 else 1e-3
+    res["passed"] = all(res["one_pass"][nm] <= 2 * res["depth_by_depth"][nm] + slack
+                        for nm in names) and res["one_pass"]["paths"] == (
+        ["tree"] if res["depths"] > 1 else ["varlen"])  # roots alone: fla's own call
+    # the kept chunk states are the recomputed ones: every error the same
+    res["keep_states_equal"] = res["one_pass_keep_states"] == res["one_pass"]
+    res["passed"] = res["passed"] and res["keep_states_equal"]
+    return res
+
+
+def state_pass_exact(dev, seed: int, heads: int, key_dim: int, value_dim: int,
+                     row: np.ndarray | None = None, repeats: int = 1) -> dict:
+    """treefx's one-launch state pass (``fla_tree_state``), forward and backward, float32,
+    against its float64 reference on the forest ``row`` (a random one by default), roots from
+    given states, three nodes' final states handed out: relative errors, passed within 1e-5.
+    With ``repeats`` > 1 the kernels run that many times more and every output must be the
+    same bit for bit (the launch sums in a fixed order: a race would show here)."""
+    from treefx.families import fla_tree_state as st
+    from treefx.ops.recurrence.reference import _tree_nodes
+
+    from treefx.tools.synth import random_parent_row
+
+    row = random_parent_row(seed) if row is None else row
+    starts, lengths, parents, _ = _tree_nodes(row)
+    n, t = len(starts), len(row)
+    keep = sorted({0, n - 1, n // 2})
+    host, sizes = st.tables(np.asarray(parents), np.asarray(lengths), keep)
+    tabs = st.TreeTables()
+    for name, a in host.items():
+        setattr(tabs, name, torch.from_numpy(np.ascontiguousarray(a)).to(dev))
+    for name, v in sizes.items():
+        setattr(tabs, name, v)
+    cu_np = np.concatenate([[0], np.cumsum(lengths)])
+    cu = torch.from_numpy(cu_np).to(dev)
+    gen = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape, sc=1.0):
+        return (torch.randn(*shape, generator=gen) * sc).to(dev)
+
+    g = -torch.rand(1, t, heads, generator=gen) * 0.2
+    for a, b in zip(cu_np[:-1], cu_np[1:]):
+        for c0 in range(a, b, 64):
+            g[0, c0:min(c0 + 64, b)] = g[0, c0:min(c0 + 64, b)].cumsum(0)
+    g = g.to(dev)
+    k, w, q = (rnd(1, t, heads, key_dim, sc=0.2) for _ in range(3))
+    u, do, dv = (rnd(1, t, heads, value_dim) for _ in range(3))
+    h0 = rnd(len(host["roots"]), heads, key_dim, value_dim, sc=0.1)
+    dfinal = rnd(len(keep), heads, key_dim, value_dim)
+
+    def run():
+        return (*st.tree_fwd_h(tabs, k, w, u, g, h0, cu),
+                *st.tree_bwd_dhu(tabs, q, k, w, g, do, dv, dfinal, 0.3, True, cu))
+
+    got = run()
+    ref = (*st.reference_fwd_h(host, sizes, cu_np, k, w, u, g, h0),
+           *st.reference_bwd_dhu(host, sizes, cu_np, q, k, w, g, do, dv, dfinal, 0.3, True))
+    names = ("h", "v_new", "final", "dh", "dh0", "dv2")
+    errs = {}
+    for name, a, b in zip(names, got, ref):
+        if name == "final":  # slots past the filled ones are never read
+            a, b = a[:sizes["slots"]], b[:sizes["slots"]]
+        errs[name] = float((a.double() - b).abs().max() / b.abs().max().clamp_min(1e-30))
+    same = True
+    for _ in range(max(0, repeats - 1)):
+        again = run()
+        same = same and all(torch.equal(a[:sizes["slots"]] if nm == "final" else a,
+                                        b[:sizes["slots"]] if nm == "final" else b)
+                            for nm, a, b in zip(names, again, got))
+    return {"heads": heads, "key": key_dim, "value": value_dim, "tokens": t, "nodes": n,
+            "errors": errs, "repeats": repeats, "bitwise_same_on_repeats": same,
+            "passed": max(errs.values()) <= 1e-5 and same}
+
+
+def many_nodes(vocab: int, calls: int = 120, seed: int = 0) -> list[treefx.Tree]:
+    """A tree of a few hundred nodes (each call branching off a random earlier call at a
+    random point, some calls prefixes of others) beside two more roots: many programs of the
+    one-launch state pass waiting on each other at once."""
+    rng = np.random.default_rng(seed)
+    seqs = [rng.integers(3, vocab, 300).tolist()]
+    for _ in range(calls):
+        base = seqs[rng.integers(len(seqs))]
+        cut = int(rng.integers(1, len(base) + 1))
+        seqs.append(base[:cut] + rng.integers(3, vocab, int(rng.integers(0, 90))).tolist())
+    return [treefx.Tree.from_sequences(seqs),
+            treefx.Tree.from_sequences([rng.integers(3, vocab, 70).tolist()]),
+            treefx.Tree.from_sequences([rng.integers(3, vocab, 130).tolist(),
+                                        rng.integers(3, vocab, 5).tolist()])]
+
+
+def _state_variants() -> list[tuple[str, bool, dict]]:
+    """(label, one pass, environment) of the timed variants: fla depth by depth, the one-pass
+    path with its state pass per depth, in one launch, and with the chunk states kept."""
+    from treefx.families.fla_tree import KEEP_ENV
+    from treefx.families.fla_tree_state import ENV as STATE_ENV
+
+    return [("depth_by_depth", False, {}), ("one_pass_state_per_depth", True, {STATE_ENV: "0"}),
+            ("one_pass", True, {}), ("one_pass_keep_states", True, {KEEP_ENV: "1"})]
+
+
+def timing(dev, reps: int) -> dict:
+    from treefx.ops.recurrence.reference import run_tree, tree_nodes
+
+    res = {}
+    tree = common.make_tree(0.75, 1.0, 32000)
+    cases = {"tree": treefx.pack(tree).to(dev),
+             "packed": treefx.pack([treefx.Tree.from_sequences([s])
+                                    for s in tree.sequences]).to(dev)}
+    gen = torch.Generator(device=dev).manual_seed(0)
+    for name, batch in cases.items():
+        parent = batch.parent_token[0] if batch.parent_token.dim() > 1 else batch.parent_token
+        n = batch.num_tokens
+        nodes = tree_nodes(parent)
+        xs = [torch.randn(1, n, 16, 128, device=dev, generator=gen, dtype=torch.bfloat16),
+              torch.randn(1, n, 16, 128, device=dev, generator=gen, dtype=torch.bfloat16),
+              torch.randn(1, n, 32, 128, device=dev, generator=gen, dtype=torch.bfloat16),
+              -torch.rand(1, n, 32, device=dev, generator=gen) * 0.5,
+              torch.rand(1, n, 32, device=dev, generator=gen, dtype=torch.bfloat16)]
+        grad = torch.randn(1, n, 32, 128, device=dev, generator=gen, dtype=torch.bfloat16)
+        variants = _state_variants()
+        for label, one_pass, env in variants if name == "tree" else variants[:1] + variants[2:3]:
+            for _, _, e in variants:
+                for key in e:
+                    os.environ.pop(key, None)
+            os.environ.update(env)
+            rec = _recurrence(one_pass)
+            leaves = [x.detach().requires_grad_() for x in xs]
+
+            def step():
+                q, k = leaves[0].repeat_interleave(2, -2), leaves[1].repeat_interleave(2, -2)
+                row, _, _ = run_tree(rec, parent, (q, k, leaves[2]),
+                                     dict(g=leaves[3], beta=leaves[4],
+                                          use_qk_l2norm_in_kernel=True), nodes=nodes)
+                o = row[0] if isinstance(row, tuple) else row
+                torch.autograd.backward(o, grad)
+
+            for _ in range(3):
+                step()
+            times = []
+            for _ in range(reps):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                step()
+                torch.cuda.synchronize()
+                times.append((time.perf_counter() - t0) * 1e3)
+            res[f"{name}/{label}"] = {"ms": statistics.median(times), "tokens": n,
+                                      "nodes": len(nodes[0]),
+                                      "depths": max(nodes[3]) + 1}
+            print(f"  {name}/{label}: {res[f'{name}/{label}']}", flush=True)
+    for _, _, e in _state_variants():
+        for key in e:
+            os.environ.pop(key, None)
+    return res
+
+
+def first_working_config() -> None:
+    """Every Triton autotuner (fla's kernels) takes the first configuration that compiles and
+    runs instead of timing all of them, keeping nothing in Triton's autotuning cache."""
+    import math
+
+    from triton.runtime import autotuner
+
+    run, bench = autotuner.Autotuner.run, autotuner.Autotuner._bench
+
+    def first_run(self, *args, **kwargs):
+        self.cache_results = False
+        self._treefx_found = False
+        return run(self, *args, **kwargs)
+
+    def first_bench(self, *args, config, **meta):
+        if self._treefx_found:
+            return [math.inf] * 3
+        out = bench(self, *args, config=config, **meta)
+        self._treefx_found = math.isfinite(out[0] if isinstance(out, (list, tuple)) else out)
+        return out
+
+    autotuner.Autotuner.run, autotuner.Autotuner._bench = first_run, first_bench
+
 
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m benchmarks.fla_check",
                                 description=__doc__.split("\n\n")[0])
-    common.add_run_args(p, "CPU: the same cases on the torch kernel (fla needs a GPU)")
-    p.add_argument("--cases", default="op,model", help="op,model")
-    p.add_argument("--budget", type=int, default=None, help="parts' token budget (default 96)")
+    common.add_run_args(p, "CPU: op and model on the torch kernel (fla needs a GPU)")
+    p.add_argument("--cases", default="op,model",
+                   help="of op, model, exact, state, timing (GPU), interpret-state (alone)")
+    p.add_argument("--budget", type=int, default=96, help="model: the parts' token budget")
     p.add_argument("--backend", default=None, help="treefx backend (default: inductor on CUDA)")
     p.add_argument("--no-bf16", action="store_true")
     p.add_argument("--op-dtypes", default=None,
-                   help="the op level's dtypes among float32,bfloat16 (default both on the GPU; "
-                        "fla autotunes each dtype's kernels anew, minutes each: split them "
-                        "over processes)")
+                   help="op: of float32,bfloat16 (default both on the GPU; fla autotunes each "
+                        "dtype's kernels anew, minutes each: split them over processes)")
     p.add_argument("--model-dtypes", default="float32,bfloat16",
-                   help="the model level's runs (bfloat16 only on the GPU)")
-    p.add_argument("--op-layouts", default="qwen3_next,qwen3_5",
-                   help="the op level's layouts (split them over processes too)")
+                   help="model: its runs (bfloat16 only on the GPU)")
+    p.add_argument("--op-layouts", default="qwen3_next,qwen3_5", help="op: its layouts")
+    p.add_argument("--dtypes", default="float32,bfloat16", help="exact: its dtypes")
+    p.add_argument("--value-heads", type=int, default=4,
+                   help="exact: heads (32: Qwen3-Next's, whose kernels timing autotunes too)")
+    p.add_argument("--first-config", action="store_true",
+                   help="each fla kernel runs its first configuration that compiles (exactness "
+                        "without fla's minutes of autotuning; not for timing)")
+    p.add_argument("--reps", type=int, default=10, help="timing: timed steps")
     args = p.parse_args(argv)
+    cases = args.cases.split(",")
+    if cases == ["interpret-state"]:
+        runs = [state_pass_exact("cpu", seed, *shape)
+                for seed, shape in enumerate([(2, 128, 32), (3, 64, 64), (1, 128, 48)])]
+        for r in runs:
+            print(json.dumps({"case": "state-pass", **r}), flush=True)
+        return 0 if all(r["passed"] for r in runs) else 1
+    if args.first_config:
+        if "timing" in cases:
+            raise SystemExit("--first-config is for exactness: its kernels are not tuned")
+        first_working_config()
     cuda = common.use_cuda(args.dry_run)
     dev = "cuda" if cuda else "cpu"
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
+    if not cuda and {"exact", "state", "timing"} & set(cases):
+        raise SystemExit("exact, state and timing need a GPU with fla installed")
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     common.resolve_out(args, "fla_check", cuda)
     backend = args.backend or ("inductor" if cuda else "eager")
     t0 = time.perf_counter()
-    res = {**common.run_meta(cuda), "TRITON_F32_DEFAULT": os.environ.get("TRITON_F32_DEFAULT"),
-           "TREEFX_FLA": os.environ.get("TREEFX_FLA"), "cases": {}}
-    from treefx.families import fla
+    from treefx.families import fla, fla_l2norm, fla_tree
 
-    res["fla_environment"] = fla.environment(torch.device(dev)).describe()
+    res = {**common.run_meta(cuda), "TRITON_F32_DEFAULT": os.environ.get("TRITON_F32_DEFAULT"),
+           "TREEFX_FLA": os.environ.get("TREEFX_FLA"), "first_config": args.first_config,
+           "fla_environment": fla.environment(torch.device(dev)).describe(), "cases": {}}
+    if cuda:
+        res.update(one_pass_available=fla_tree.kernels() is not None,
+                   l2norm_fixed_key=fla_l2norm.available())
     print(f"{res['device']}: {res['fla_environment']}", flush=True)
     trees = odd_trees(1024)
-    cases = args.cases.split(",")
     failed = []
 
     def record(key, fn):
@@ -362,16 +668,14 @@ def main(argv=None):
         # a model case passes on the runs it made (bf16 alone with --model-dtypes bfloat16)
         ok = out.get("passed", out.get("passed_fp32", "passed_bf16" in out)) \
             and out.get("passed_bf16", True)
-        if not ok:
-            failed.append(key)
+        failed.extend([] if ok else [key])
         brief = {k: out[k] for k in ("worst", "tolerance", "kernel_runs", "fp32_tolerance",
-                                     "passed_fp32", "passed_bf16", "passed") if k in out}
-        for label in ("fp32", "bf16"):
-            if isinstance(out.get(label), dict):
-                brief[label] = {k: out[label][k] for k in ("whole", "parts", "kernel_runs")}
-        if "error" in out:
-            brief["error"] = out["error"].strip().splitlines()[-1][:200]
-        print(f"[{time.perf_counter() - t0:6.1f}s] {key}: {brief}", flush=True)
+                                     "bf16_tolerance", "errors") if k in out}
+        brief.update({k: v for k, v in out.items() if k in ("fp32", "bf16", "depth_by_depth",
+                                                             "one_pass") and isinstance(v, dict)})
+        err = out["error"].strip().splitlines()[-1][:200] if "error" in out else ""
+        print(f"[{time.perf_counter() - t0:6.1f}s] {key}: {'passed' if ok else 'FAILED'} "
+              f"{brief} {err}", flush=True)
         common.save_json(res, args.out)
 
     if "op" in cases:
@@ -384,13 +688,32 @@ def main(argv=None):
                     record(f"op-{layout}-{str(dtype)[6:]}-{name}",
                            lambda: op_case(dev, dtype, layout, forest))
     if "model" in cases:
-        budget = args.budget or 96
-        forest = trees["forest"]
         for model_type in ("qwen3_next", "qwen3_5_text"):
             record(f"model-{model_type}", lambda: model_case(
-                dev, model_type, forest, budget, backend,
+                dev, model_type, trees["forest"], args.budget, backend,
                 bf16=cuda and not args.no_bf16 and "bfloat16" in args.model_dtypes,
                 fp32="float32" in args.model_dtypes))
+    if "exact" in cases:
+        rng = np.random.default_rng(0)
+        deep = [treefx.Tree.from_sequences([[int(t) for t in rng.integers(3, 1000, n)]
+                                            for n in (40, 90, 200)])]
+        for dtype in [getattr(torch, d) for d in args.dtypes.split(",") if d]:
+            for name, forest in {**trees, "separate-sequences": deep,
+                                 "many-nodes": many_nodes(1000)}.items():
+                record(f"{str(dtype)[6:]}-{name}", lambda: exact_case(
+                    "cuda", dtype, forest, value_heads=args.value_heads))
+    if "state" in cases:
+        # random forests, then the many-node tree at Qwen3-Next's heads 20 times (bit for bit)
+        batch = treefx.pack(many_nodes(1000))
+        big = (batch.parent_token[0] if batch.parent_token.dim() > 1
+               else batch.parent_token).numpy()
+        for key, kw in [("state-random-0", dict(seed=0, heads=2, key_dim=128, value_dim=32)),
+                        ("state-random-1", dict(seed=1, heads=3, key_dim=64, value_dim=64)),
+                        ("state-many-nodes", dict(seed=2, heads=32, key_dim=128, value_dim=128,
+                                                  row=big, repeats=20))]:
+            record(key, lambda: state_pass_exact("cuda", **kw))
+    if "timing" in cases:
+        res["timing"] = timing("cuda", args.reps)
     res["failed"] = failed
     res["total_s"] = time.perf_counter() - t0
     common.save_json(res, args.out)

@@ -168,7 +168,7 @@ STAGES = {
         Step("fla_check", "benchmarks.fla_check", 330),
         Step("e2e_qwen3_5", f"{NEXT} qwen3_5", 240),
         Step("e2e_qwen3_next", f"{NEXT} qwen3_next", 560, gpus="1"),
-        Step("fla_tree_check", "benchmarks.fla_tree_check --cases state,exact,timing "
+        Step("fla_tree_check", "benchmarks.fla_check --cases state,exact,timing "
              "--dtypes bfloat16 --value-heads 32", 560, gpus="2"),
         needs=("fla",), gpus=3),
     "grpo": stage(
@@ -184,17 +184,17 @@ STAGES = {
         then=[Step("multi_gpu_l8_x4", f"{SCALE} --time-limit 200", 260, gpus="0,1,2,3",
                    nproc=4, port=29503)], needs=("swe",), gpus=4),
     "multi-gpu-8b": stage(
-        "the full-depth Qwen3-8B on four GPUs, then distributed_check's hybrid speed case on "
+        "the full-depth Qwen3-8B on four GPUs, then multi_gpu --check's hybrid speed case on "
         "two", "x4_check.sh g ([mg-16])",
         Step("multi_gpu_8b_x4", f"{MG} --shape qwen3-8b --budget 32768 --steps 1 --grad-sync "
              "every --time-limit 240", 320, gpus="0,1,2,3", nproc=4, port=29502),
-        then=[Step("distributed_check_hybrid_speed", "benchmarks.distributed_check --cases "
+        then=[Step("distributed_check_hybrid_speed", "benchmarks.multi_gpu --check --cases "
                    "fsdp-hybrid-speed --time-limit 150", 170, gpus="0,1", nproc=2,
                    port=29506)], needs=("swe",), gpus=4),
     "distributed": stage(
-        "distributed_check on two GPUs: exactness (FSDP2 hybrid, DDP) and speed cases",
+        "multi_gpu --check on two GPUs: exactness (FSDP2 hybrid, DDP) and speed cases",
         "x4_check.sh e's GPUs 0-1 ([mg-15])",
-        Step("distributed_check", "benchmarks.distributed_check --time-limit 470", 570,
+        Step("distributed_check", "benchmarks.multi_gpu --check --time-limit 470", 570,
              gpus="0,1", nproc=2, port=29505), gpus=2),
 }
 

@@ -1,4 +1,4 @@
-"""``benchmarks/distributed_check.py --dry-run`` on two CPU processes (torchrun, gloo): FSDP2 on
+"""``benchmarks/multi_gpu.py --check --dry-run`` on two CPU processes (torchrun, gloo): FSDP2 on
 the Qwen3-Next hybrid and DDP on Qwen3, whole trees and parts, exact against one process; the
 speed cases' treefx and packing losses agree. Keeps the multi-GPU check from rotting while only
 the GPUs run it."""
@@ -22,7 +22,7 @@ def test_distributed_check_dry_run(tmp_path):
     out = tmp_path / "dc.json"
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         "-m", "benchmarks.distributed_check", "--dry-run", "--out", str(out)],
+         "-m", "benchmarks.multi_gpu", "--check", "--dry-run", "--out", str(out)],
         capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=ROOT), cwd=ROOT,
         timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

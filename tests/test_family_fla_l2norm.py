@@ -1,7 +1,7 @@
 """fla's L2-norm kernels run with their row-length key fixed (treefx.families.fla_l2norm): only
 where the kernel's body never reads that key. fla's kernels need a GPU or Triton's
 interpreter: their values are checked through the tree paths by
-``benchmarks/fla_tree_check.py`` (GPU; on the CPU under the interpreter by
+``benchmarks/fla_check.py --cases exact`` (GPU; on the CPU under the interpreter by
 ``benchmarks/fla_tree_interpret.py``, removed in issue 67, its findings in BENCHMARKS.md)."""
 
 from __future__ import annotations

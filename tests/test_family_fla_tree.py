@@ -1,7 +1,7 @@
 """Gated DeltaNet over a whole tree on fla in one pass per stage (treefx.families.fla_tree):
 the depth-ordered layout it plans on the host, and where it steps aside. fla's kernels need a
 GPU or Triton's interpreter: the values and gradients are checked by
-``benchmarks/fla_tree_check.py`` (GPU; on the CPU under the interpreter by
+``benchmarks/fla_check.py --cases exact`` (GPU; on the CPU under the interpreter by
 ``benchmarks/fla_tree_interpret.py``, removed in issue 67, its findings in BENCHMARKS.md)."""
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Gated DeltaNet's state pass over a whole tree in one launch (treefx.families.fla_tree_state):
 the per-tree tables the kernels read, and the float64 reference of their arithmetic, whose
 backward is checked here against autograd through its forward. The Triton kernels themselves
-run against that reference under Triton's interpreter (``python -m benchmarks.fla_tree_check
+run against that reference under Triton's interpreter (``python -m benchmarks.fla_check
 --cases interpret-state``, run by the last test where Triton is installed) and on the GPU
-(``benchmarks/fla_tree_check.py``)."""
+(``benchmarks/fla_check.py --cases state``)."""
 
 from __future__ import annotations
 
@@ -144,7 +144,7 @@ def test_launch_settings_come_from_the_environment_or_say_what_is_wrong(monkeypa
 
 
 def test_the_kernels_equal_the_reference_under_tritons_interpreter():
-    out = run_under_tritons_interpreter("benchmarks.fla_tree_check", "--cases",
+    out = run_under_tritons_interpreter("benchmarks.fla_check", "--cases",
                                         "interpret-state")
     assert '"case": "state-pass"' in out
 
