@@ -410,10 +410,7 @@ def test_the_private_import_check_sees_one():
 # that the parts branch of issue 67 is rebuilding now (the expression, whichever run/ module
 # holds it); shrink it as they go, an entry no longer found fails
 # test_the_allowed_reach_ins_are_still_there.
-ALLOWED_REACH_INS = {
-    "tm._root",  # TreeModel's wrapper-or-model (run/model.py), read by treefx.backward
-    "tm._note_token_ids",  # TreeModel's token-id check (run/model.py), called by it
-}
+ALLOWED_REACH_INS: set[str] = set()  # none left (issue 67)
 
 
 def _allowed_reach_in(entry: str) -> bool:

@@ -185,7 +185,7 @@ class TreeModel(torch.nn.Module):
                             f"{type(batch).__name__}")
         check_batch(self.model, batch)
         if batch.max_token_id >= 0 or self.verify_on_first_call:  # (no device sync otherwise)
-            self._note_token_ids(batch)
+            self.note_token_ids(batch)
         if self.verify_on_first_call:
             self.verify_on_first_call = False
             with self.engine.timed("check"):
@@ -201,7 +201,12 @@ class TreeModel(torch.nn.Module):
         return TreeOutput(logits, tree_logprobs_from_logits(logits, batch.input_ids,
                                                             batch.parent_token))
 
-    def _note_token_ids(self, batch) -> None:
+    @property
+    def root(self) -> torch.nn.Module:
+        """What the user holds: the DDP wrapper of :attr:`model`, or :attr:`model` itself."""
+        return self._root[0]
+
+    def note_token_ids(self, batch) -> None:
         """Remember the largest token id of ``batch`` (a TreeBatch, a Tree or Trees)."""
         if isinstance(batch, TreeBatch):
             top = batch.max_token_id if batch.max_token_id >= 0 else int(batch.input_ids.max())

@@ -142,7 +142,7 @@ class _Front:
             if model is not None:
                 raise TypeError("treefx.backward: model= goes with a @treefx.step function; a "
                                 "model from treefx.compile is the first argument itself")
-            target, root = tm.model, tm._root[0]
+            target, root = tm.model, tm.root
         else:
             raise TypeError(f"treefx.backward takes a model from treefx.compile or a "
                             f"@treefx.step function, got {type(tm).__name__}")
@@ -168,7 +168,7 @@ def _check_first_call(tm, front: _Front, trees) -> None:
         log.info("treefx.backward: %s", runner.verification)
     else:  # a DDP model's parts run on its inner module, with no collective
         if trees is not None:  # the probe's vocabulary, where the model declares none
-            tm._note_token_ids(trees)
+            tm.note_token_ids(trees)
         wrapper = front.wrapper
         with wrapper.no_sync() if wrapper is not None else contextlib.nullcontext():
             _verify_first_call(tm, runner)
