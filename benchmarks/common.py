@@ -317,22 +317,6 @@ def stream_trees(n: int, scale: float, vocab: int) -> list[treefx.Tree]:
     return out
 
 
-def agent_row(n: int, first_seed: int, scale: float = 1.0, vocab: int = 32000):
-    """``subtree_end`` of a DFS row of POR-0.75-shaped agent trees (4 rollouts) cut at ``n``
-    tokens, ends clipped to ``n`` (still a valid forest layout), and the trees."""
-    shape, mult = POR_SHAPES[0.75]
-    lengths = {k: (max(1, round(lo * mult * scale)), max(1, round(hi * mult * scale)))
-               for k, (lo, hi) in LENGTHS.items()}
-    trees, total, i = [], 0, 0
-    while total < n:
-        t = synth.agent_tree(first_seed + i, vocab_size=vocab, **shape, **lengths)
-        trees.append(t)
-        total += t.num_tokens
-        i += 1
-    se = treefx.pack(trees).subtree_end[:n].clamp(max=n).contiguous()
-    return se, trees
-
-
 def check_forest(vocab: int, small: bool = False) -> list[treefx.Tree]:
     """The exactness checks' forest: two odd trees and a synthetic agent tree (6,098 tokens at
     vocab 1024): odd shapes and more than one attention block. ``small``: a few hundred tokens

@@ -5,10 +5,12 @@ case by case (BENCHMARKS.md, "Exactness on the GPU" and "Model families").
     python -m benchmarks.gpu_check --cases qwen3-fp32   # some cases (CASES below)
     python -m benchmarks.gpu_check --dry-run            # CPU: tiny model, eager, a few cases
 
-The cases recompiles, recompiles-wide, small-sizes, timing, hybrid-forward and loss-memory and
-the options --tma and --interleave-heads were retired in issue 67 (compilation counts and
-short rows are tests' now; the loss's memory is benchmarks.logprobs'):
-``git show cdfeaf0:benchmarks/gpu_check.py``.
+Retired in issue 67, what the CPU tests, the zoo or another benchmark covers: recompiles,
+recompiles-wide, small-sizes, timing, hybrid-forward, loss-memory, --tma, --interleave-heads
+(``git show cdfeaf0:benchmarks/gpu_check.py``); small-trees, mistral-window, step-fp32 and
+regional (tests/test_compile.py, test_window_blocks.py, test_step.py, test_regional.py; the
+families case's windows; ``multi_gpu --check`` regional under FSDP2 and DDP):
+``git show ae2d22b:benchmarks/gpu_check.py``.
 """
 
 from __future__ import annotations
@@ -24,10 +26,9 @@ import torch.nn.functional as F
 
 import treefx
 from treefx import synth
-from treefx.models import enable_activation_checkpointing
 
 from . import common
-from .common import check_forest, odd_forest, tiny_forest
+from .common import check_forest, tiny_forest
 from .internals import recurrence_registry
 
 # Set by configure(): CUDA with the inductor backend for the numbers that count; the CPU with
@@ -42,7 +43,7 @@ SMALL = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden
 # --dry-run: the same shapes of trees through a tiny model
 TINY = dict(vocab_size=1024, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, head_dim=8)
-DRY_RUN_CASES = "qwen3-fp32,qwen3-bf16,inference,step-fp32"
+DRY_RUN_CASES = "qwen3-fp32,qwen3-bf16,inference"
 
 
 def configure(cuda: bool) -> None:
@@ -94,33 +95,6 @@ def case_qwen3_bf16(res):
                                       if r.pass_name == "embedding"]
 
     res["qwen3-bf16-perbranch-vs-fp32-oracle"] = common.oracle_vs_oracle(low, ref, trees, "mean")
-
-
-def case_mistral_window(res):
-    torch.backends.cuda.matmul.allow_tf32 = False
-    cfg = dict(SMALL, sliding_window=64)
-    model = hf_model("mistral", **cfg)
-    tm = treefx.compile(model, **COMPILE_KW)
-    res["mistral-window64-fp32"] = compare(tm, small_trees(cfg["vocab_size"]), "mean")
-
-
-hf_labels_step = common.hf_labels_step
-
-
-def case_step_fp32(res):
-    """@treefx.step with a Hugging Face labels= loss (fused projection + tree cross-entropy)."""
-    torch.backends.cuda.matmul.allow_tf32 = False
-    model = hf_model("qwen3", **SMALL)
-    step = treefx.step(hf_labels_step, **COMPILE_KW)
-    trees = small_trees(SMALL["vocab_size"])
-    ref = common.oracle(model, trees, reduction="mean")
-    batch = treefx.pack(trees).to(DEV)
-    loss = step(model, batch)
-    loss.backward()
-    res["step-hf-labels-fp32"] = {
-        **common.loss_vs_oracle(model, loss.detach(), ref),
-        "loss_rewrite": [r.note for r in step.contexts[0].log if r.pass_name == "loss"],
-    }
 
 
 def hybrid_models(dtype=torch.float32) -> dict:
@@ -220,20 +194,6 @@ def case_short_rows(res):
                                                              f"short-{label}-training")
         model.zero_grad(set_to_none=True)
     res["short-compilations"] = tm.num_compilations
-
-
-def case_small_trees(res):
-    """Trees shorter than one 128-token attention block (and a little longer), inductor."""
-    torch.backends.cuda.matmul.allow_tf32 = False
-    model = hf_model("qwen3", **SMALL)
-    few = tiny_forest()
-    for label, trees in (("tiny", few), ("odd-forest", odd_forest(3, 1024)),
-                         ("block-plus", few + odd_forest(4, 1024))):
-        tm = treefx.compile(model, **COMPILE_KW)
-        try:
-            res[f"small-{label}"] = compare(tm, trees, "mean")
-        except Exception:
-            res[f"small-{label}-error"] = _short_tb(traceback.format_exc(), label)
 
 
 # Model families with their own attention or state (issue "exact on the model families agent
@@ -358,39 +318,6 @@ def case_realistic_bf16(res):
         except Exception:
             res[f"realistic-{arch}-error"] = _short_tb(traceback.format_exc(), f"real-{arch}")
         print(f"  realistic {arch}: {time.perf_counter() - t0:.0f} s", flush=True)
-
-
-def case_regional(res):
-    """Regional execution (``treefx.compile(..., regional=True)``, the path FSDP2 and DDP
-    models take): the graph cut at the decoder layers, each layer type compiled once, against
-    the oracle (log-probs and every gradient), without and with activation checkpointing, on
-    Qwen3 and the Qwen3-Next hybrid; then trees of other sizes through the same capture."""
-    torch.backends.cuda.matmul.allow_tf32 = False
-    trees = small_trees(SMALL["vocab_size"])
-    models = {"qwen3": lambda: hf_model("qwen3", **SMALL),
-              "qwen3_next": lambda: hybrid_models()["qwen3_next"]}
-    for name, make in models.items():
-        for ck in (False, True):
-            model = make()
-            if ck:
-                enable_activation_checkpointing(model, use_reentrant=False)
-                model.train()
-            tm = treefx.compile(model, regional=True, verify=False, **COMPILE_KW)
-            label = f"regional-{name}{'-checkpointing' if ck else ''}"
-            res[label] = compare(tm, trees, "mean")
-            sizes = []
-            for seed in range(4):
-                t = synth.agent_tree(seed=seed, vocab_size=SMALL["vocab_size"],
-                                     system_len=(50 + 300 * seed,) * 2)
-                rep = treefx.verify(tm, [t], raise_on_failure=False)
-                sizes.append({"tokens": t.num_tokens, "passed": rep.passed,
-                              "logprob_err": rep.max_logprob_error,
-                              "grad_err": rep.max_grad_error})
-            res[f"{label}-sizes"] = sizes
-            graphs = [g for gs in tm.engine._regional.values() for g in gs]
-            res[f"{label}-captures"] = {"captures": len(graphs),
-                                        "compiled_pieces": [g.num_compiled for g in graphs],
-                                        "pieces": [len(g.pieces) for g in graphs]}
 
 
 def _rel(a, b):
@@ -656,18 +583,14 @@ def _bf16_copy(ref, cfg):
 CASES = {
     "intervals": case_intervals,
     "trunk": case_trunk,
-    "regional": case_regional,
     "families": case_families,
     "realistic-bf16": case_realistic_bf16,
-    "small-trees": case_small_trees,
     "hybrid-fp32": case_hybrid_fp32,
     "hybrid-bf16": case_hybrid_bf16,
     "inference": case_inference,
     "short-rows": case_short_rows,
-    "step-fp32": case_step_fp32,
     "qwen3-fp32": case_qwen3_fp32,
     "qwen3-bf16": case_qwen3_bf16,
-    "mistral-window": case_mistral_window,
 }
 
 

@@ -590,37 +590,14 @@ def main(argv=None):
 
 
 def _line(r: dict) -> str:
-    head = (f"task {r['index']:4d} {str(r.get('task') or '')[:28]:28s} {r['calls']:4d} calls "
-            f"{r['unique_tokens']:8,d} unique {r['sequence_tokens']:10,d} seq "
-            f"(bound {r['bound']:5.2f}x)")
-    if str(r["status"]).startswith("skipped"):
+    """One task's progress line: each method's step, and the speed-up against packing."""
+    head = f"task {r['index']} {r.get('task') or ''}: {r['calls']} calls, bound {r['bound']:.2f}x"
+    if "methods" not in r:
         return f"{head}  {r['status']}"
-    m = r["methods"]
-
-    def one(name):
-        st = m.get(name)
-        if st is None:
-            return ""
-        if st["status"] != "ok":
-            return f"  {name} OOM"
-        n = st.get("parts", st.get("micro_batches"))
-        what = "whole" if n is None else f"{n} {'parts' if 'parts' in st else 'mb'}"
-        mem = f" {st['peak_gib']:.1f} GiB" if st["peak_gib"] is not None else ""
-        return f"  {name} {st['step_ms']:9.1f} ms ({what}{mem})"
-
-    tail = ""
-    if "speedup" in r:
-        tail = (f"  {r['speedup']:.2f}x = {r['share_of_bound']:.0%} of bound, loss diff "
-                f"{r['loss_rel_diff']:.1e}{'' if r['loss_agree'] else ' DISAGREE'}")
-        if "grad_rel_diff" in r:
-            tail += f", grad diff {max(r['grad_rel_diff'].values()):.1e}" \
-                    f"{'' if r['grads_agree'] else ' DISAGREE'}"
-    if "whole_speedup" in r:
-        tail += f"; whole {r['whole_speedup']:.2f}x = {r['whole_share_of_bound']:.0%}"
-    return head + one("treefx") + one("treefx_whole") + one("packing") + tail
-
-
-PROFILE_KINDS = ("attention", "gemm", "triton pointwise/reduction", "copy/fill", "other")
+    steps = ", ".join(f"{k} {v['step_ms']:.1f} ms" if v["status"] == "ok" else f"{k} OOM"
+                      for k, v in r["methods"].items())
+    keys = ("speedup", "share_of_bound", "loss_rel_diff", "grad_rel_diff", "whole_speedup")
+    return f"{head}; {steps}; " + ", ".join(f"{k} {r[k]}" for k in keys if k in r)
 
 
 def _profile_lines(r: dict) -> list[str]:
@@ -629,43 +606,19 @@ def _profile_lines(r: dict) -> list[str]:
     lines = []
     for name, st in r.get("methods", {}).items():
         prof = st.get("profile")
-        if prof is None:
-            continue
-        if "error" in prof:
+        if prof is not None and "error" in prof:
             lines.append(f"  profile {name}: {'OOM' if prof.get('oom') else 'failed'}: "
                          f"{prof['error'].splitlines()[0][:200]}")
-            continue
-        kinds = prof.get("by_kind_ms_per_step", {})
-        gaps = prof.get("host_gaps", {})
-        lines.append(
-            f"  profile {name}: GPU busy {prof.get('gpu_busy_ms_per_step', 0.0):.1f} ms, span "
-            f"{prof.get('gpu_span_ms_per_step', 0.0):.1f} ms, wall "
-            f"{prof.get('wall_ms_per_step', 0.0):.1f} ms; "
-            + ", ".join(f"{k} {kinds.get(k, 0.0):.1f}" for k in PROFILE_KINDS)
-            + f" ms; host gaps {gaps.get('gap_ms_per_step', 0.0):.1f} ms "
-            f"({gaps.get('gaps', 0)} gaps)")
+        elif prof is not None:
+            lines.append(f"  profile {name}: GPU busy {prof['gpu_busy_ms_per_step']:.1f} ms, "
+                         f"span {prof['gpu_span_ms_per_step']:.1f}, wall "
+                         f"{prof['wall_ms_per_step']:.1f}; {prof.get('by_kind_ms_per_step')}; "
+                         f"host gaps {prof.get('host_gaps', {}).get('gap_ms_per_step', 0.0)}")
     return lines
 
 
 def _summary_lines(s: dict) -> str:
-    lines = [f"{s['tasks']} tasks, both methods on {s['both_measured']}; OOM {s['oom']}, "
-             f"skipped {s['skipped']}"]
-    if s.get("both_measured"):
-        lines.append(
-            f"share of the token-count bound: median {s['median_share_of_bound']:.1%}, worst "
-            f"{s['worst_share_of_bound']:.1%} (task {s['worst_share_task']}); speed-up: median "
-            f"{s['median_speedup']:.2f}x, lowest {s['lowest_speedup']:.2f}x (task "
-            f"{s['lowest_speedup_task']}); median bound {s['median_bound']:.2f}x")
-        lines.append(f"slower than packing: {s['slower_than_packing'] or 'none'}; losses agree: "
-                     f"{s['losses_agree']} (max rel diff {s['max_loss_rel_diff']:.1e})"
-                     + (f"; gradients agree: {s['grads_agree']} (max rel diff "
-                        f"{s['max_grad_rel_diff']:.1e})" if "grads_agree" in s else ""))
-    if "whole_median_share_of_bound" in s:
-        lines.append(f"treefx_whole (one forward and backward): median "
-                     f"{s['whole_median_share_of_bound']:.1%} of the bound, worst "
-                     f"{s['whole_worst_share_of_bound']:.1%}; treefx.backward / whole step: "
-                     f"median {s['whole_over_backward_median']:.3f}")
-    return "\n".join(lines)
+    return "summary: " + ", ".join(f"{k} {v}" for k, v in s.items())
 
 
 if __name__ == "__main__":

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import treefx
 
-from .mask_build import fmt_entry
-
 
 def _capped_pairs(n: int, window: int) -> int:
     """Attended pairs of one sequence of ``n`` tokens when a query sees at most ``window``
@@ -163,72 +161,44 @@ def summarize(res) -> list[dict]:
     return rows
 
 
-def print_table(res, rows) -> None:
-    def f(v, fmt):
-        width = int("0" + fmt.split(".")[0].rstrip("dfe"))
-        return format(v, fmt) if v is not None else "-".rjust(width)
+# the table's columns: (summary key, heading, format; "%" a share in percent)
+COLUMNS = (("step_ms", "step ms", "9.2f"), ("tokens_per_s", "tok/s", "10.0f"),
+           ("peak_gib", "peak GiB", "8.2f"), ("speedup_vs_packed", "x packed", "8.2f"),
+           ("share_of_bound", "% bound", "%7.1f"), ("share_of_flop_bound", "% flop", "%6.1f"),
+           ("graphs", "graphs", "6d"), ("compilations", "tfx comp", "8d"),
+           ("loss_rel_diff_vs_packed", "dloss", "7.1e"), ("model_tflops_per_s", "TFLOP/s", "7.1f"),
+           ("share_of_matmul_rate", "% mm", "%5.1f"), ("first_step_s", "1st s", "6.1f"),
+           ("recurrence_on", "rec.", "5s"))
 
-    print()
-    print("=" * 140)
-    mb = res.get("mask_build") or {}
-    if mb:
-        print(f"BlockMask building, {mb.get('tokens')} tokens (median of {mb.get('reps')}):")
-        for k, v in mb.items():
-            if isinstance(v, dict):
-                print(f"  {k:82s} {fmt_entry(v)}")
-    st = res.get("stream")
+
+def print_table(res, rows) -> None:
+    """The summary, a row per model, tree and method (``conventions`` in the JSON defines the
+    figures; % mm: of the best bf16 matmul rate measured in the run; rec.: the recurrent
+    layers' kernel)."""
+    st = res.get("stream") or {}
     if st:
-        if "further_compilations" in st:
-            what = (f"{st['further_compilations']} further treefx compilations, "
-                    f"dynamo {st['dynamo']}")
-        else:
-            what = (st.get("skipped") or st.get("error", "?").strip().splitlines()[-1])[:300]
-        sizes = st.get("sizes") or [0]
-        print(f"stream of {len(sizes)} trees, {min(sizes)}-{max(sizes)} tokens: {what}")
-    errs = [(r["model"], r["tree"], r["method"]) for r in rows if r.get("status") == "FAILED"]
-    for key, tree, meth in errs:
-        tb = res["runs"][key][tree][meth]["error"].strip().splitlines()
-        print(f"FAILED {key}/{tree}/{meth}: {tb[-1][:300] if tb else ''}")
-    m = res["meta"]
-    print(f"device {m['device']} | torch {m['torch']} | triton {m['triton']} | transformers "
-          f"{m['transformers']} | {'CUDA events' if m['cuda'] else 'CPU wall clock'}, median of "
-          f"{res['config']['reps']} after {res['config']['warmup']} warm-up | Mtok/s = baseline "
-          f"tokens / step | % flop = share of the FLOP bound (attended pairs counted) | "
-          f"graphs = Dynamo graphs compiled for this row | TFLOP/s = model FLOPs (6 per "
-          f"parameter-token, attention 3x forward) / step | % mm = of the best bf16 matmul "
-          f"rate measured in this run | 1st s = first step (capture, compile, first-call "
-          f"check) | rec. = the recurrent layers' kernel (fla: fla's kernels, by tree depth "
-          f"or in one pass, as recurrence_kernels in the JSON says; torch: Hugging Face's "
-          f"torch kernel)")
+        print(f"stream of {len(st.get('sizes') or [])} trees: further compilations "
+              f"{st.get('further_compilations', st.get('skipped', 'FAILED'))}")
     for key, mr in (res.get("matmul_rate") or {}).items():
-        print(f"bf16 matmul rate [{key}]: " + ", ".join(
-            f"{s['m']}x{s['k']}x{s['n']} {s['tflops']:.0f}" for s in mr["shapes"])
-            + f" TFLOP/s (max {mr['max_tflops']:.0f}"
-            + (f"; the first sustained over {mr['sustained_ms']:.0f} ms: "
-               f"{mr['sustained_tflops']:.0f}" if mr.get("sustained_tflops") else "") + ")")
-    hdr = (f"{'model':10s} {'tree':8s} {'POR':>5s} {'N_tree':>7s} {'N_base':>7s} "
-           f"{'bound':>5s} {'method':16s} {'step ms':>9s} {'Mtok/s':>7s} {'peak GiB':>8s} "
-           f"{'x packed':>8s} {'% bound':>7s} {'% flop':>6s} {'graphs':>6s} "
-           f"{'tfx comp':>8s} {'dloss':>7s} {'TFLOP/s':>7s} {'% mm':>5s} {'1st s':>6s} "
-           f"{'rec.':>5s}")
-    print(hdr)
-    print("-" * len(hdr))
+        print(f"bf16 matmul rate [{key}]: max {mr['max_tflops']:.0f} TFLOP/s, sustained "
+              f"{mr.get('sustained_tflops') or 0:.0f}")
+    m, c = res["meta"], res["config"]
+    print(f"{m['device']} | torch {m['torch']} | transformers {m['transformers']} | median of "
+          f"{c['reps']} after {c['warmup']} warm-up")
+
+    def cell(r, key, fmt):
+        v, width = r.get(key), int("0" + fmt.strip("%").split(".")[0].rstrip("dfes"))
+        if v is None:
+            return "-".rjust(width)
+        return format(100 * v, fmt[1:]) if fmt.startswith("%") else format(v, fmt)
+
+    hdr = f"{'model':10s} {'tree':8s} {'bound':>5s} {'method':16s} " + " ".join(
+        h.rjust(int("0" + f.strip("%").split(".")[0].rstrip("dfes"))) for _, h, f in COLUMNS)
+    print(hdr + "\n" + "-" * len(hdr))
     for r in rows:
-        head = (f"{r['model']:10s} {r['tree']:8s} {r['por']:5.3f} {r['tokens']:7d} "
-                f"{r['baseline_tokens']:7d} {r['bound']:5.2f} {r['method']:16s} ")
-        if "step_ms" not in r:
-            print(head + r["status"])
-            continue
-        share, fshare = r.get("share_of_bound"), r.get("share_of_flop_bound")
-        mm = r.get("share_of_matmul_rate")
-        print(head + f"{r['step_ms']:9.2f} {r['tokens_per_s'] / 1e6:7.3f} "
-              f"{f(r['peak_gib'], '8.2f')} {f(r.get('speedup_vs_packed'), '8.2f')} "
-              f"{f(None if share is None else 100 * share, '7.1f')} "
-              f"{f(None if fshare is None else 100 * fshare, '6.1f')} {r['graphs']:6d} "
-              f"{f(r['compilations'], '8d')} {f(r.get('loss_rel_diff_vs_packed'), '7.1e')} "
-              f"{f(r.get('model_tflops_per_s'), '7.1f')} "
-              f"{f(None if mm is None else 100 * mm, '5.1f')} {f(r.get('first_step_s'), '6.1f')} "
-              f"{r.get('recurrence_on') or '-':>5s}")
+        head = f"{r['model']:10s} {r['tree']:8s} {r['bound']:5.2f} {r['method']:16s} "
+        print(head + (" ".join(cell(r, k, f) for k, _, f in COLUMNS) if "step_ms" in r
+                      else r["status"]))
 
 
 def conventions(args, env) -> dict:

@@ -64,10 +64,6 @@ def run_hidden(env, args, hidden, trees, res, deadline, first_hidden) -> None:
                     raise FloatingPointError(f"the step's loss is {r['loss']}")
                 if args.profile and env.cuda:
                     r["profile"] = profile_step(env, step)
-                    hg = r["profile"]["host_gaps"]
-                    print(f"  GPU idle {hg.get('gap_ms_per_step', 0):.1f} ms/step in "
-                          f"{hg.get('gaps', 0)} gaps; largest: {hg.get('largest_gaps_us', [])[:6]}",
-                          flush=True)
                 if name in TREEFX_OBJECTS:
                     obj = parts[TREEFX_OBJECTS[name]]
                     r["treefx_compilations_total"] = obj.num_compilations
@@ -86,17 +82,8 @@ def run_hidden(env, args, hidden, trees, res, deadline, first_hidden) -> None:
                     r["compile_metrics_s"] = compile_metrics()
                     r["compile_cache"] = compile_cache_counters()
                 slot[name] = r
-                msg = (f"{r['step_ms']:.1f} ms, first step {r['first_step_s']:.1f} s"
-                       + (" (" + ", ".join(f"{k} {v:.1f} s" for k, v in
-                                          r["treefx_timings_s"].items()) + ")"
-                          if "treefx_timings_s" in r else "")
-                       + ("; check " + ", ".join(f"{k} {v:.1f} s" for k, v in
-                                                r["check_stages_s"].items())
-                          if r.get("check_stages_s") else "")
-                       + (f"; caches {r['compile_cache']}" if r.get("compile_cache") else "")
-                       + (f", peak {r['peak_gib']:.1f} GiB" if "peak_gib" in r else "")
-                       + (f", recurrence on {r['recurrence_on']}" if "recurrence_on" in r
-                          else ""))
+                msg = (f"{r['step_ms']:.1f} ms, first step {r['first_step_s']:.1f} s, peak "
+                       f"{r.get('peak_gib', 0):.1f} GiB, {r.get('treefx_timings_s', '')}")
             except Exception as e:
                 slot[name] = {"error": traceback.format_exc()[-4000:]}
                 msg = "FAILED: " + (str(e).strip().splitlines() or [""])[0][:200]
