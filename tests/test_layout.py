@@ -189,7 +189,8 @@ def test_pack_tree_mask_is_ancestor_relation(forest, pad):
 
 def test_pack_non_preorder_nodes_hand_checked():
     tree = Tree.from_nodes([[1, 2], [3], [4, 5], [6]], [-1, 0, 0, 1])
-    batch = pack([tree, Tree.from_sequences([[7, 8, 9], [7, 8]])], pad_to_multiple=4)
+    batch = pack([tree, Tree.from_sequences([[7, 8, 9], [7, 8]])], pad_to_multiple=4,
+                 reduction="sum")
     # DFS: [1 2] [3] [6] [4 5] | [7 8] [9] | pad pad pad
     assert batch.input_ids[0].tolist() == [1, 2, 3, 6, 4, 5, 7, 8, 9, 0, 0, 0]
     assert batch.position_ids[0].tolist() == [0, 1, 2, 3, 2, 3, 0, 1, 2, 0, 0, 0]
@@ -238,7 +239,7 @@ def test_pack_single_tree_and_generator():
     a = pack(tree)
     b = pack(t for t in [tree])
     assert torch.equal(a.input_ids, b.input_ids)
-    assert a.trees == [tree] and a.reduction == "sum"
+    assert a.trees == [tree] and a.reduction == "mean"  # the documented loss by default
     assert a.loss_weights.dtype == torch.float64  # exact sums by default
     assert pack(tree, pad_token_id=9, pad_to_multiple=4).input_ids[0].tolist() == [1, 2, 3, 9]
 
@@ -307,7 +308,7 @@ def test_loss_weights_hand_checked_with_length_one_sequence():
     masks = [[1, 1, 1], [0, 0, 1], [1], [1]]
     tree = Tree.from_sequences(seqs, weights=weights, loss_masks=masks)
     # DFS: 1 2 3 4 5; every weight divided by the 4 sequences.
-    b = pack(tree, weight_dtype=torch.float64)
+    b = pack(tree, weight_dtype=torch.float64, reduction="sum")
     assert b.input_ids[0].tolist() == [1, 2, 3, 4, 5]
     assert b.loss_weights.tolist() == [0.0, 0.125, 0.125, 0.0625, 0.0]
     b = pack(tree, reduction="mean", weight_dtype=torch.float64)
@@ -350,7 +351,7 @@ def test_forest_weights_are_the_mean_over_all_its_sequences():
     # Trees of 1 and 3 sequences: every sequence weighs 1/4, whichever tree it is in.
     small = Tree.from_sequences([[1, 2]])
     big = Tree.from_sequences([[3, 4], [3, 5], [3, 5, 6]])
-    b = pack([small, big], weight_dtype=torch.float64)
+    b = pack([small, big], weight_dtype=torch.float64, reduction="sum")
     # DFS, a node's larger child first: 1 2 | 3 5 6 4
     assert b.input_ids[0].tolist() == [1, 2, 3, 5, 6, 4]
     assert b.loss_weights.tolist() == [0.0, 0.25, 0.0, 0.5, 0.25, 0.25]
@@ -567,7 +568,7 @@ def test_pack_refuses_non_floating_weight_dtypes(dtype):
 def test_pack_floating_weight_dtypes():
     tree = Tree.from_sequences([[1, 2, 3], [1, 4]])
     for dtype in (torch.float64, torch.float32, torch.bfloat16, torch.float16):
-        b = pack(tree, weight_dtype=dtype)
+        b = pack(tree, weight_dtype=dtype, reduction="sum")
         assert b.loss_weights.dtype == dtype
         assert b.loss_weights.tolist() == [0.0, 0.5, 0.5, 0.5]
 
@@ -657,12 +658,14 @@ def test_weights_that_a_narrow_dtype_cannot_hold_raise():
     big = Tree.from_sequences([[1, 2], [1, 3]], weights=[1e6, 1.0])
     with pytest.raises(ValueError, match=r"loss weight of token 1 \(5e\+05, reduction=\"sum\"\) "
                                          r"overflows in torch.float16"):
-        pack(big, weight_dtype=torch.float16)
-    assert bool(pack(big, weight_dtype=torch.bfloat16).loss_weights.isfinite().all())
+        pack(big, weight_dtype=torch.float16, reduction="sum")
+    wide = pack(big, weight_dtype=torch.bfloat16, reduction="sum")
+    assert bool(wide.loss_weights.isfinite().all())
     # A weight below float32's range (losses are computed in float32 at least) means nothing
     # in any dtype: flushing it is no error.
     tiny = Tree.from_sequences([[4, 5], [4, 6]], weights=[1.0, 1e-300])
-    assert pack(tiny, weight_dtype=torch.float32).loss_weights.tolist() == [0, 0.5, 0]
+    flushed = pack(tiny, weight_dtype=torch.float32, reduction="sum")
+    assert flushed.loss_weights.tolist() == [0, 0.5, 0]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the error is for machines without CUDA")

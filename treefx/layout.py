@@ -379,7 +379,7 @@ def _check_pad_token_id(pad_token_id) -> int:
 def pack(
     trees: Tree | Iterable[Tree],
     *,
-    reduction: str = "sum",
+    reduction: str = "mean",
     num_sequences: int | None = None,
     pad_to_multiple: int | None = None,
     pad_token_id: int = 0,
@@ -398,8 +398,9 @@ def pack(
     ``reduction`` and P = ``num_sequences``. ``loss_weights`` holds, per token t, the sum of
     ``ω_p · r_p · m_p(t) / P`` over the sequences p through t.
 
-    ``reduction``: how each sequence's token losses combine — ``"sum"`` (r_p = 1) or ``"mean"``
-    (r_p = 1 / its loss-masked predicted tokens; 0 when it has none).
+    ``reduction``: how each sequence's token losses combine — ``"mean"`` (the default, the
+    documented loss: r_p = 1 / its loss-masked predicted tokens; 0 when it has none) or
+    ``"sum"`` (r_p = 1).
     ``num_sequences``: P, default the number of sequences in this batch (all trees). A global
     batch split into micro-batches, or over ranks, passes the global count to every ``pack``:
     the micro-batch losses and gradients then sum to those of the global batch's mean. At least

@@ -95,7 +95,7 @@ def sequence_logprobs(model: torch.nn.Module, tree) -> list[torch.Tensor]:
     return out
 
 
-def sequence_loss(model: torch.nn.Module, tree, *, reduction: str = "sum",
+def sequence_loss(model: torch.nn.Module, tree, *, reduction: str = "mean",
                   num_sequences: int | None = None) -> torch.Tensor:
     """The per-sequence baseline loss: the unmodified model run on each sequence alone.
 
@@ -103,8 +103,8 @@ def sequence_loss(model: torch.nn.Module, tree, *, reduction: str = "sum",
 
         L = (1/P) · Σ_p ω_p · r_p · Σ_{j≥1} m_p(j) · (−log p(s_p[j] | s_p[<j]))
 
-    with r_p = 1 ("sum") or 1 / Σ_{j≥1} m_p(j) ("mean"; a sequence with nothing to predict
-    adds 0), ω_p the tree's sequence weights and P = ``num_sequences``: by default the number of
+    with r_p = 1 / Σ_{j≥1} m_p(j) ("mean", the default, as :func:`treefx.pack`'s; a sequence
+    with nothing to predict adds 0) or 1 ("sum"), ω_p the tree's sequence weights and P = ``num_sequences``: by default the number of
     sequences given, or a global count as for :func:`treefx.pack` (its batch of the same trees
     and ``num_sequences`` has this loss). Differentiable."""
     trees = _trees(tree)
@@ -112,7 +112,7 @@ def sequence_loss(model: torch.nn.Module, tree, *, reduction: str = "sum",
                         num_sequences=num_sequences, device=_device(model))
 
 
-def logprob_loss(tree, logprobs: list[torch.Tensor], *, reduction: str = "sum",
+def logprob_loss(tree, logprobs: list[torch.Tensor], *, reduction: str = "mean",
                  num_sequences: int | None = None, device=None) -> torch.Tensor:
     """The per-sequence loss made from the sequences' log-probabilities.
 
