@@ -175,6 +175,24 @@ STAGES = {
     "grpo": stage(
         "TRL's GRPO step with and without treefx", "speed_check.sh b's GPU 2 ([grpo-1])",
         Step("grpo", "benchmarks.grpo", 560), needs=("grpo",)),
+    "grpo-first-cycle": stage(
+        "issue 65: TRL's first cycle, both trainers at the tree trainer's defaults (TRL's row "
+        "shuffle), then the treefx path with whole groups", "grpo_first_cycle.sh a (2026-12-05)",
+        Step("grpo_a", "benchmarks.grpo --row-shuffle", 320, cache="fresh"),
+        Step("grpo_g", "benchmarks.grpo --paths treefx", 200, cache="fresh"), needs=("grpo",)),
+    "verl-engine": stage(
+        "issue 65: verl 0.9.1's engine update and compute_log_prob, treefx's engine against "
+        "verl's with FlexAttention and with SDPA", "(new, 2026-12-05; not yet run through)",
+        Step("verl_engine", "benchmarks.verl_engine --engines treefx,verl-flex,verl", 500,
+             cache="fresh"), needs=("verl",)),
+    "parts-budget": stage(
+        "issue 66's table: issue 66's SWE task whole, at half and a quarter of its tokens and at "
+        "a max_memory budget, 36 layers with checkpointing, then three tasks at 4 layers",
+        "(new, 2026-12-05; not yet run through)",
+        Step("parts_budget_36", "benchmarks.parts_budget --trees .data/swe_issue66.jsonl "
+             "--tasks 1 --layers 36 --checkpointing", 330, env={"TREEFX_VERIFY": "0"}),
+        Step("parts_budget_4", "benchmarks.parts_budget --trees .data/swe_issue66.jsonl "
+             "--layers 4 --packing", 220, env={"TREEFX_VERIFY": "0"})),
     "multi-gpu": stage(
         "FSDP2 scaling on 8 SWE trees, 8 Qwen3-8B-shaped layers: one GPU (treefx) and two at "
         "once, then four", "x4_check.sh d ([mg-14])",
@@ -281,6 +299,17 @@ def prepare(needs, env: dict) -> None:
         subprocess.run(pip + ["--target", "/tmp/grpo", *glob.glob(".whl/grpo/*.whl")],
                        check=True)
         paths.append("/tmp/grpo")
+    if "verl" in needs:
+        # verl 0.9.1 and what it imports that the machine lacks (transformers 5.10.4 and
+        # tokenizers 0.22.2, which verl's pin needs), from .whl/verl, into a site of their own;
+        # ray's wheel (80 MB) is carried as .whl/verl/ray-pruned.tar.gz, without its cluster
+        # binaries (raylet, GCS), dashboard and libraries, which an engine in one process
+        # never starts (benchmarks/README.md says how it is made)
+        subprocess.run(pip + ["--target", "/tmp/verl", *glob.glob(".whl/verl/*.whl")],
+                       check=True)
+        subprocess.run(["tar", "xzf", ".whl/verl/ray-pruned.tar.gz", "-C", "/tmp/verl"],
+                       check=True)
+        paths.append("/tmp/verl")
     if "swe" in needs and not os.path.isfile(".data/swe200.jsonl"):
         raise SystemExit(".data/swe200.jsonl is missing (carry it)")
     if paths:
