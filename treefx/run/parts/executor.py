@@ -275,6 +275,15 @@ class Run:
             self.host.release(h.on_host)
         forget_host_rows(self.row_keys.pop(i) if i is not None else self.dummy_keys.pop())
 
+    def run_in_order(self) -> None:
+        """The forwards and backwards in :attr:`events`' order, this process's alone; the
+        held parts released after, on errors too."""
+        try:
+            for event, i in self.events:
+                self.forward(i) if event == "F" else self.backward(i)
+        finally:
+            self.release()
+
     def finish(self) -> None:
         self.release()
         if self.held:  # cannot happen: every part is released at the row's end

@@ -229,21 +229,12 @@ def _run_parts(run: Run, front: _Front, mode: str | None) -> None:
         # the parts' backwards); the gradients are averaged over the group once, at the end.
         with front.wrapper.no_sync():
             sync_ddp_buffers(front.wrapper)
-            _run_in_order(run)
+            run.run_in_order()
         run.finish()
         reduce_ddp(front.wrapper, front.group)
     else:
-        _run_in_order(run)
+        run.run_in_order()
         run.finish()
-
-
-def _run_in_order(run: Run) -> None:
-    """The run's forwards and backwards in its events' order, its held parts released after."""
-    try:
-        for event, i in run.events:
-            run.forward(i) if event == "F" else run.backward(i)
-    finally:
-        run.release()
 
 
 def _token_budget(max_tokens, max_memory, memory, target, batch, beyond, mode) -> int:
@@ -297,11 +288,7 @@ def _verify_first_call(tm: TreeModel, runner: PartRunner) -> None:
                 run = Run(runner, batch.to("cpu"), max(3, batch.num_tokens // 3), tm.model,
                            step=None, loss_fn=None if runner.own_loss else tree_loss,
                            collective=False, on_logprobs=lps.append)
-                try:
-                    for event, i in run.events:
-                        run.forward(i) if event == "F" else run.backward(i)
-                finally:
-                    run.release()
+                run.run_in_order()
                 run.finish()
         except TreeCompileError:
             if runner.draws_random() is None:

@@ -108,11 +108,7 @@ def gather_once(run: Run, model: torch.nn.Module) -> None:
                 m.set_requires_gradient_sync(False, recurse=False)
             for m in units:
                 m.unshard()
-            try:
-                for event, i in run.events:
-                    run.forward(i) if event == "F" else run.backward(i)
-            finally:
-                run.release()
+            run.run_in_order()
             run.finish()
             # the step's reduce-scatters: the units' own settings back, except that they stay
             # gathered until their backward (no gather again for the last forward)
