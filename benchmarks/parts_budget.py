@@ -43,7 +43,7 @@ import torch
 import treefx
 from benchmarks import common
 from benchmarks.common import SHAPE_8B, TINY
-from benchmarks.real_trees import load_tasks, packing_batches, timed
+from benchmarks.real_trees import load_tasks, packed_step, packing_batches, timed
 from treefx.run.parts import memory as mem
 
 CONFIGS = ("whole", "half", "quarter", "memory")
@@ -130,20 +130,9 @@ def run_task(tree, tm, model, args, cuda: bool, dev: str) -> dict:
     if args.packing:
         micro = [b.to(dev) for b in packing_batches(tree, args.packing_budget)]
 
-        def packed():
-            total = torch.zeros((), dtype=torch.float64, device=dev)
-            for b in micro:
-                loss = treefx.tree_loss(tm(b), b)
-                loss.backward()
-                total += loss.detach().to(total.dtype)
-            return total
-
         biggest = max(micro, key=lambda b: b.num_tokens)
-
-        def warm():
-            treefx.tree_loss(tm(biggest), biggest).backward()
-
-        row["packing"] = timed(packed, model, cuda, warmup=0, reps=1, pre_warm=warm)
+        row["packing"] = timed(lambda: packed_step(tm, micro, dev), model, cuda, warmup=0,
+                               reps=1, pre_warm=lambda: packed_step(tm, [biggest], dev))
         row["packing"]["micro_batches"] = len(micro)
         print(f"  packing: {row['packing']['step_ms'] / 1e3:.2f} s, "
               f"{len(micro)} micro-batches", flush=True)

@@ -181,6 +181,17 @@ def packing_batches(trees: treefx.Tree | list[treefx.Tree], budget: int, *,
             for b in ffd(lengths, cap)]
 
 
+def packed_step(tm, batches, dev) -> torch.Tensor:
+    """Forward and backward of each packed micro-batch (gradients accumulated): the summed
+    loss, float64."""
+    total = torch.zeros((), dtype=torch.float64, device=dev)
+    for b in batches:
+        loss = treefx.tree_loss(tm(b), b)
+        loss.backward()
+        total += loss.detach().to(total.dtype)
+    return total
+
+
 # ----------------------------------------------------------------------------- timing
 
 
@@ -314,12 +325,7 @@ def run_task(index: int, tree: treefx.Tree, tm, model, args, cuda: bool, dev: st
         return loss.detach()
 
     def run_micro(batches):
-        total = torch.zeros((), dtype=torch.float64, device=dev)
-        for b in batches:
-            loss = treefx.tree_loss(tm(b), b)
-            loss.backward()
-            total += loss.detach().to(total.dtype)
-        return total
+        return packed_step(tm, batches, dev)
 
     for name in args.methods:
         oom = None

@@ -608,3 +608,25 @@ def test_stages_run_phases_in_order_and_record_each_step(tmp_path, monkeypatch):
         rows["multi_gpu_l8_x4"]["command"]
     assert stages.main(["multi-gpu", "--print", "--out", str(tmp_path / "p")]) == 0
     assert not (tmp_path / "p").exists()  # printed only
+
+
+def test_parts_budget_dry_run(tmp_path):
+    """Issue 66's table on the CPU: each budget's plan is the planner's at that budget, the
+    whole tree is one step, and packing's loss equals every budget's (float32): the same
+    objective, whatever the budget."""
+    import json
+
+    from benchmarks import parts_budget
+
+    out = tmp_path / "pb.json"
+    res = parts_budget.main(["--dry-run", "--packing", "--configs", "whole,half,quarter",
+                             "--reps", "1", "--out", str(out)])
+    (task,) = res["tasks"]
+    assert json.loads(out.read_text())["tasks"][0]["unique_tokens"] == task["unique_tokens"]
+    n = task["unique_tokens"]
+    for name, div in (("half", 2), ("quarter", 4)):
+        rec = task["budgets"][name]
+        assert rec["max_tokens"] == -(-n // div)
+        assert rec["parts"] >= 2 and rec["held_tokens"] <= n
+    losses = [rec["loss"] for rec in task["budgets"].values()] + [task["packing"]["loss"]]
+    assert max(losses) - min(losses) <= 1e-5 * abs(losses[0]), losses
