@@ -423,6 +423,11 @@ def timed_class(base, clock: _Clock, record: dict):
                     torch.cuda.synchronize()
                 detail = _compile_delta(before, _compile_state(self, model))
                 detail["wall_s"] = time.perf_counter() - before["wall"]
+                print(f"  first cycle, {kind} log-probs: {detail['wall_s']:.1f} s (trace "
+                      f"{detail['dynamo_trace_s']:.1f}, passes {detail['treefx_passes_s']:.1f}, "
+                      f"compile {detail['backend_compile_s']:.1f}, check "
+                      f"{detail.get('check_oracle_s', 0.0):.1f}; "
+                      f"{detail['new_graphs']} new graphs)", flush=True)
             cycles[-1]["logps"].append((kind, s, e, detail))
             return out
 
