@@ -1,13 +1,9 @@
 """Tree attention alone at Qwen3-8B's heads: treefx's FlexAttention site, FlexAttention in the
 usual layout and cuDNN's interval-mask kernels, each against a float32 computation chain by
-chain (BENCHMARKS.md [att-1]).
+chain (BENCHMARKS.md [att-1]; retired variants: benchmarks/README.md).
 
     python -m benchmarks.chain_attention                 # the e2e benchmark's POR-0.75 tree
     python -m benchmarks.chain_attention --dry-run       # CPU: tiny heads, FlexAttention only
-
-The chain decompositions timed before (cuDNN's variable-length op over own and ancestor pieces,
-FlashAttention-2 varlen over gathered chains) were retired in issue 67:
-``git show cdfeaf0:benchmarks/chain_attention.py``.
 """
 
 from __future__ import annotations
@@ -21,9 +17,49 @@ import numpy as np
 import torch
 
 import treefx
-from benchmarks import common
-from benchmarks.internals import intervals
-from benchmarks.trunk_attention import _time, _whole, treefx_op
+from benchmarks import common, timing
+from benchmarks.internals import TreeFlexAttention, attention_ops, intervals, tree_block_tensors
+
+BLOCK = 128
+
+
+def _whole(q, k, v, se):
+    """The whole row on FlexAttention with the tree's block mask (the usual layout, not the
+    interleaved one treefx's site runs under autograd), through the public API so Dynamo
+    traces it."""
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+    kv_num, kv_idx, full_num, full_idx, se_pad = tree_block_tensors(se, BLOCK)
+    n = q.shape[-2]
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (q_idx < se_pad[kv_idx])
+
+    bm = BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=BLOCK,
+                                  mask_mod=mask_mod, seq_lengths=(n, n))
+    return flex_attention(q, k, v, block_mask=bm, enable_gqa=True,
+                          kernel_options=dict(attention_ops.STANDARD_KERNEL))
+
+
+def treefx_site(se):
+    """The op treefx's attention pass inserts (TreeFlexAttention, KV heads interleaved), its
+    block tensors built once, as one node of an FX graph handed to Inductor (the GPU)."""
+    from torch._inductor.compile_fx import compile_fx
+
+    kv_num, kv_idx, full_num, full_idx, se_pad = tree_block_tensors(se, BLOCK)
+    args = (kv_num, kv_idx, full_num, full_idx, se_pad, torch.zeros_like(se_pad))
+    op = TreeFlexAttention(block_size=BLOCK, interleave_heads=True)
+    compiled = {}
+
+    def run(q, k, v):
+        xs = (q, k, v, *args)
+        if "fn" not in compiled:
+            g = torch.fx.Graph()
+            g.output((g.call_function(op, tuple(g.placeholder(f"a{i}") for i in range(len(xs)))),))
+            compiled["fn"] = compile_fx(torch.fx.GraphModule({}, g), list(xs))
+        return compiled["fn"](*xs)[0]
+
+    return run
 
 
 def chains(parent: np.ndarray):
@@ -129,7 +165,7 @@ def main(argv=None):
         flex = whole if cuda else _whole
         variants = {"flex": lambda q, k, v: _rows(flex(*_heads(q, k, v), se))}
         if cuda:
-            site = treefx_op(se, n, True, True, interleave=True)
+            site = treefx_site(se)
             variants["treefx_site_interleaved"] = lambda q, k, v: _rows(site(*_heads(q, k, v)))
             try:
                 variants["cudnn_flex"] = _cudnn(row, q, k, v, grad, parent)
@@ -145,10 +181,11 @@ def main(argv=None):
                 if cuda:
                     o.backward(grad)
                     r["grad_rel"] = [common.norm_rel(x.grad, g) for x, g in zip(xs, ref[1:])]
-                    fs = _time(dev, lambda xs=xs: torch.no_grad()(fn)(*xs), args.reps)
-                    bs = _time(dev, lambda xs=xs: fn(*xs).backward(grad), args.reps)
-                    r.update(fwd_ms=fs * 1e3, fwd_bwd_ms=bs * 1e3,
-                             tflops=pairs * 14 * d / bs / 1e12)
+                    fs = timing.median_ms(lambda xs=xs: torch.no_grad()(fn)(*xs), args.reps,
+                                          cuda, warmup=1)
+                    bs = timing.median_ms(lambda xs=xs: fn(*xs).backward(grad), args.reps,
+                                          cuda, warmup=1)
+                    r.update(fwd_ms=fs, fwd_bwd_ms=bs, tflops=pairs * 14 * d / bs / 1e9)
             except Exception as e:
                 r["error"] = f"{type(e).__name__}: {str(e)[:400]}"
             row[name] = r

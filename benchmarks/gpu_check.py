@@ -474,9 +474,9 @@ def _interval_op_errors(dtype, hq=8, hk=2, d=128):
         batch.parent_token.cpu().numpy()).shape[0]),
         "cudnn": intervals.wanted(*low), "op": dict(zip(names, map(_rel, got, ref)))}
     if DEV == "cuda":  # FlexAttention has no backward on the CPU
-        from benchmarks.trunk_attention import treefx_op
+        from benchmarks.chain_attention import treefx_site
 
-        fl = run(treefx_op(batch.subtree_end, n, True, True, interleave=True), low)
+        fl = run(treefx_site(batch.subtree_end), low)
         out["flex"] = dict(zip(names, map(_rel, fl, ref)))
     out["parts"] = _part_interval_errors(batch, x64, go, low[0].dtype)
     return out
