@@ -1,16 +1,10 @@
 """GPU exactness of the inductor backend against the per-sequence oracle (``treefx.verify``),
-case by case (BENCHMARKS.md, "Exactness on the GPU" and "Model families").
+case by case (BENCHMARKS.md, "Exactness on the GPU" and "Model families"; the cases retired in
+issue 67: benchmarks/README.md).
 
     python -m benchmarks.gpu_check                      # GPU, every case
     python -m benchmarks.gpu_check --cases qwen3-fp32   # some cases (CASES below)
     python -m benchmarks.gpu_check --dry-run            # CPU: tiny model, eager, a few cases
-
-Retired in issue 67, what the CPU tests, the zoo or another benchmark covers: recompiles,
-recompiles-wide, small-sizes, timing, hybrid-forward, loss-memory, --tma, --interleave-heads
-(``git show cdfeaf0:benchmarks/gpu_check.py``); small-trees, mistral-window, step-fp32 and
-regional (tests/test_compile.py, test_window_blocks.py, test_step.py, test_regional.py; the
-families case's windows; ``multi_gpu --check`` regional under FSDP2 and DDP):
-``git show ae2d22b:benchmarks/gpu_check.py``.
 """
 
 from __future__ import annotations
@@ -29,7 +23,6 @@ from treefx import synth
 
 from . import common
 from .common import check_forest, tiny_forest
-from .internals import recurrence_registry
 
 # Set by configure(): CUDA with the inductor backend for the numbers that count; the CPU with
 # the eager backend checks the script's logic (--dry-run, or no GPU).
@@ -62,12 +55,12 @@ def small_trees(vocab):
     return check_forest(vocab, small=DRY_RUN)
 
 
-def compare(tree_model, trees, reduction, reference=None):
+def compare(tree_model, trees, reduction="mean", reference=None, grads=True):
     """``treefx.verify``: the tree model against the per-sequence oracle (``reference``: run
     the oracle on that module instead, e.g. the float32 copy of a bf16 model), log-probs and
-    every gradient."""
+    every gradient (``grads=False``: the forward alone, without autograd)."""
     rep = treefx.verify(tree_model, trees, reduction=reduction, reference=reference,
-                        raise_on_failure=False)
+                        grads=grads, raise_on_failure=False)
     return common.report_dict(rep)
 
 
@@ -85,8 +78,7 @@ def case_qwen3_fp32(res):
 def case_qwen3_bf16(res):
     torch.backends.cuda.matmul.allow_tf32 = False
     ref = hf_model("qwen3", **SMALL)
-    low = hf_model("qwen3", torch.bfloat16, **SMALL)
-    low.load_state_dict({k: v.to(torch.bfloat16) for k, v in ref.state_dict().items()})
+    low = _bf16_copy(ref, SMALL)
     trees = small_trees(SMALL["vocab_size"])
     tm = treefx.compile(low, **COMPILE_KW)
     res["qwen3-bf16-tree-vs-fp32-oracle"] = compare(tm, trees, "mean", reference=ref)
@@ -97,68 +89,6 @@ def case_qwen3_bf16(res):
     res["qwen3-bf16-perbranch-vs-fp32-oracle"] = common.oracle_vs_oracle(low, ref, trees, "mean")
 
 
-def hybrid_models(dtype=torch.float32) -> dict:
-    """A pure-torch GDN + attention hybrid and HF Qwen3-Next (GDN + attention) from configs."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from treefx.models import tiny_hybrid
-
-    torch.manual_seed(0)
-    models = {"tiny_hybrid": tiny_hybrid(("gdn", "attention"), vocab_size=1024, dim=128,
-                                         n_heads=8, n_kv_heads=4).to(DEV, dtype)}
-    cfg = AutoConfig.for_model(
-        "qwen3_next", vocab_size=1024, hidden_size=128, intermediate_size=256,
-        num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4, head_dim=16,
-        linear_num_value_heads=8, linear_num_key_heads=4, linear_key_head_dim=16,
-        linear_value_head_dim=16, linear_conv_kernel_dim=4,
-        layer_types=["linear_attention", "full_attention"], num_experts=0,
-        mlp_only_layers=[0, 1])
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    models["qwen3_next"] = AutoModelForCausalLM.from_config(cfg).to(DEV, dtype)
-    only = os.environ.get("TREEFX_HYBRID_MODELS")  # e.g. "qwen3_next"
-    return {k: v for k, v in models.items() if not only or k in only.split(",")}
-
-
-def _kernels() -> dict:
-    """Which recurrences have a variable-length fast path (fla) in this environment."""
-    return {name: rec.varlen is not None for name, rec in recurrence_registry().items()
-            if "gated_delta" in name}
-
-
-def case_hybrid_fp32(res):
-    """Hybrid models on the inductor backend: FlexAttention, tree conv1d, and the recurrence
-    as a traced custom op (per tree depth: fla's varlen kernel when installed, else the torch
-    kernel padded), against the oracle (the same model, same kernels, each sequence alone)."""
-    torch.backends.cuda.matmul.allow_tf32 = False
-    res["hybrid-varlen-fast-path"] = _kernels()
-    trees = small_trees(1024)
-    for name, model in hybrid_models().items():
-        tm = treefx.compile(model, **COMPILE_KW)
-        res[f"hybrid-{name}-fp32"] = compare(tm, trees, "mean")
-
-
-def case_hybrid_bf16(res):
-    """bf16 hybrids through treefx vs the float32 oracle, beside the plain bf16 per-branch run
-    vs the same oracle."""
-    torch.backends.cuda.matmul.allow_tf32 = False
-    trees = small_trees(1024)
-    refs = hybrid_models()
-    for name, low in hybrid_models(torch.bfloat16).items():
-        tm = treefx.compile(low, **COMPILE_KW)
-        res[f"hybrid-{name}-bf16-tree-vs-fp32-oracle"] = compare(tm, trees, "mean",
-                                                                 reference=refs[name])
-        res[f"hybrid-{name}-bf16-perbranch-vs-fp32-oracle"] = common.oracle_vs_oracle(
-            low, refs[name], trees, "mean")
-
-
-def _forward_err(tm, trees) -> dict:
-    """Forward only, without autograd (``treefx.verify(grads=False)``): the log-probs against
-    the oracle's."""
-    rep = treefx.verify(tm, trees, grads=False, raise_on_failure=False)
-    return common.report_dict(rep)
-
-
 def case_inference(res):
     """Forward without autograd (evaluation, RL reference log-probs): the inference graph,
     where Inductor may fuse the mask's padded tree tensors into the attention kernel."""
@@ -167,7 +97,7 @@ def case_inference(res):
     for label, trees in (("tiny", tiny_forest()),
                          ("small-trees", small_trees(SMALL["vocab_size"]))):
         tm = treefx.compile(model, **COMPILE_KW)
-        res[f"inference-qwen3-{label}"] = _forward_err(tm, trees)
+        res[f"inference-qwen3-{label}"] = compare(tm, trees, grads=False)
 
 
 def case_short_rows(res):
@@ -182,7 +112,7 @@ def case_short_rows(res):
     for label, trees in (("71", few), ("128", block), ("256", two)):
         assert treefx.pack(trees).num_tokens == int(label)
         try:
-            res[f"short-{label}-no-grad"] = _forward_err(tm, trees)
+            res[f"short-{label}-no-grad"] = compare(tm, trees, grads=False)
         except Exception:
             res[f"short-{label}-no-grad-error"] = _short_tb(traceback.format_exc(),
                                                             f"short-{label}-no-grad")
@@ -283,41 +213,6 @@ def case_families(res):
         for key, value in res.items():  # a run stopped at its limit keeps the families done
             if key.startswith(f"family-{mt}-") and key != f"family-{mt}-seconds":
                 print(f"    {key}: {str(value)[:600]}", flush=True)
-
-
-def case_realistic_bf16(res):
-    """Real layer shapes in bf16 (two layers of DeepSeek-V2-Lite, MLA + MoE, and of
-    gpt-oss-20b, sinks + windows + MoE; ``TREEFX_REALISTIC`` picks): the tree run and the plain
-    per-branch bf16 run, each against a float32 copy of the model run per branch, and the tree
-    run against the bf16 oracle with its floor (what the first-call check compares), on the
-    first-call check's probe forest."""
-    import copy
-
-    from treefx import verification
-
-    from .e2e.env import _ARCH_TINY, ARCH_SHAPES
-
-    torch.backends.cuda.matmul.allow_tf32 = False
-    only = os.environ.get("TREEFX_REALISTIC")
-    for arch in (only.split(",") if only else ARCH_SHAPES):
-        t0 = time.perf_counter()
-        try:
-            torch._dynamo.reset()
-            shapes = _ARCH_TINY if DRY_RUN else ARCH_SHAPES
-            cfg = dict(shapes[arch], vocab_size=32000, num_hidden_layers=2)
-            attn = "eager" if arch == "gpt_oss" else "sdpa"
-            ref = common.hf_model(arch, dev=DEV, dtype=torch.float32, attn=attn, **cfg)
-            low = copy.deepcopy(ref).to(torch.bfloat16)
-            trees = verification.probe_forest(cfg["vocab_size"], min_tokens=257)
-            tm = treefx.compile(low, **dict(COMPILE_KW, verify=False))
-            key = f"realistic-{arch}"
-            res[f"{key}-tree-vs-bf16-oracle"] = compare(tm, trees, "mean")
-            res[f"{key}-tree-vs-fp32-oracle"] = compare(tm, trees, "mean", reference=ref)
-            res[f"{key}-perbranch-vs-fp32-oracle"] = common.oracle_vs_oracle(low, ref, trees,
-                                                                           "mean")
-        except Exception:
-            res[f"realistic-{arch}-error"] = _short_tb(traceback.format_exc(), f"real-{arch}")
-        print(f"  realistic {arch}: {time.perf_counter() - t0:.0f} s", flush=True)
 
 
 def _rel(a, b):
@@ -584,9 +479,6 @@ CASES = {
     "intervals": case_intervals,
     "trunk": case_trunk,
     "families": case_families,
-    "realistic-bf16": case_realistic_bf16,
-    "hybrid-fp32": case_hybrid_fp32,
-    "hybrid-bf16": case_hybrid_bf16,
     "inference": case_inference,
     "short-rows": case_short_rows,
     "qwen3-fp32": case_qwen3_fp32,

@@ -49,8 +49,8 @@ import torch.distributed as dist
 import treefx
 from benchmarks import common
 from benchmarks.common import SHAPES, check_forest, odd_forest
-from benchmarks.gpu_check import SMALL, TINY, _kernels
-from benchmarks.internals import agree_captures
+from benchmarks.gpu_check import SMALL, TINY
+from benchmarks.internals import agree_captures, recurrence_registry
 from benchmarks.real_trees import _sha256, _top_id, call_chains, comb_tree, packing_batches
 
 START = time.perf_counter()
@@ -560,7 +560,9 @@ def run_check(args, dev) -> int:
     if rank == 0:
         common.resolve_out(args, "distributed_check", cuda)
     res = {**common.run_meta(cuda), "world_size": dist.get_world_size(),
-           "gdn_varlen_fast_path": _kernels(),
+           "gdn_varlen_fast_path": {name: rec.varlen is not None
+                                    for name, rec in recurrence_registry().items()
+                                    if "gated_delta" in name},
            "fla_installed": importlib.util.find_spec("fla") is not None}
     failed = []
     for name in args.cases.split(","):
