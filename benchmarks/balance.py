@@ -2,26 +2,15 @@
 "Several GPUs", and docs/distributed.md).
 
     python -m benchmarks.balance --trees .data/swe200.jsonl [--worlds 2 4 8] [--per-rank 1 2 4]
-    python -m benchmarks.balance --trees .data/swe200.jsonl --rounds 32768
     python -m benchmarks.balance --trees .data/swe200.jsonl --simulate 32768 --per-rank 1 4
 
 Per (world, trees per rank): the slowest rank's cost over the mean (Qwen3-8B's FLOP cost
-model), whole trees and ``split=True``. ``--rounds BUDGET``: the rounds' largest parts summed
-over the busiest rank's tokens, parts planned in input order, largest first, and even.
-
-``--simulate BUDGET`` (default ``--worlds 8 16 32 64``): both FSDP2 designs of
-``treefx.backward`` predicted by a cost model over random steps of ``world × per_rank`` trees
-drawn from the file with replacement, assigned largest first, planned without recompute parts
-in both. Tokens stand in for compute, ``--token-ms`` a token (0.176: Qwen3-8B, 36 layers with
-checkpointing on one H200, issue 66). ``rounds``: every rank replanned to the most parts
-(``plan_even``), a round as long as its largest part, the per-part collectives taken as hidden
-under compute (favouring rounds). ``gather_once``: the busiest rank's own parts plus one
-all-gather and one reduce-scatter of ``--param-gb`` (16.4: Qwen3-8B in bf16), exposed, at
-``(world - 1) / world`` of it over ``--node-gbs`` within ``--gpus-per-node`` GPUs, else
-``--net-gbs`` (360 and 45 GB/s: NVLink; 400 Gb/s InfiniBand a GPU). Reported: the efficiency,
-the step's tokens over ``world`` (perfect balance, no waiting, no communication) over the
-predicted step, median and worst over ``--steps``; and the balance (mean over the busiest
-rank's tokens) that the assignment alone leaves.
+model), whole trees and ``split=True``. ``--simulate BUDGET`` (default ``--worlds 8 16 32
+64``): both FSDP2 designs of ``treefx.backward``, ``rounds`` and ``gather_once``, predicted by
+the cost model docs/distributed.md states ("Predicted at 8-64 ranks"; tokens for time at
+``--token-ms``, one all-gather and one reduce-scatter of ``--param-gb`` over ``--node-gbs``
+within ``--gpus-per-node`` GPUs, else ``--net-gbs``), over random steps drawn from the file
+with replacement; the efficiency, median and worst over ``--steps``, and the balance.
 """
 
 from __future__ import annotations
@@ -40,23 +29,6 @@ from treefx.tree import Tree
 
 def imbalance(ranks, mean: float) -> float:
     return max(DEFAULT_COST.of_batch(r) for r in ranks) / mean
-
-
-def rounds_over_busiest(ranks, budget: int, even: bool = False) -> float:
-    """Under FSDP2 rounds: the sum over rounds of the largest part's tokens, over the busiest
-    rank's tokens (each rank's trees packed in the given order, planned at ``budget`` without
-    recompute parts, as treefx.backward did with FSDP2 before 2026-11-26; ``even``: then
-    replanned to the largest count as evenly as the trees allow, as it does since
-    (:func:`treefx.parts.plan_even`))."""
-    batches = [pack(r) for r in ranks]
-    plans = [parts.plan(b, budget, recompute=False) for b in batches]
-    if even:
-        k = max(p.num_parts for p in plans)
-        plans = [parts.plan_even(b, budget, k, recompute=False) for b in batches]
-    k = max(p.num_parts for p in plans)
-    rounds = sum(max(p.parts[i].num_tokens if i < p.num_parts else 0 for p in plans)
-                 for i in range(k))
-    return rounds / max(sum(x.num_tokens for x in p.parts) for p in plans)
 
 
 def simulate_step(ranks, budget: int, comm_tokens: float) -> dict:
@@ -112,8 +84,6 @@ def main(argv=None):
     p.add_argument("--per-rank", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--rounds", type=int, default=None, metavar="BUDGET",
-                   help="also the rounds' waiting under FSDP2 at this token budget")
     p.add_argument("--simulate", type=int, default=None, metavar="BUDGET",
                    help="predict both FSDP2 designs at this token budget")
     p.add_argument("--token-ms", type=float, default=0.176)
@@ -140,46 +110,27 @@ def main(argv=None):
                            "rows": rows}, f, indent=1)
         return
     rows = []
-    print("world  trees/rank  whole: median  worst   split: median  worst   slowest assign s"
-          + ("   rounds input: median worst   largest first: median worst   even: median worst"
-             if args.rounds else ""))
+    print("world  trees/rank  whole: median  worst   split: median  worst   slowest assign s")
     for world in args.worlds:
         for per in args.per_rank:
-            whole, cut, secs, r_in, r_lf, r_ev = [], [], [], [], [], []
+            whole, cut, secs = [], [], []
             for _ in range(args.steps):
                 step = rng.sample(trees, world * per)
                 mean = DEFAULT_COST.of_batch(step) / world
                 whole.append(imbalance(assign(step, world), mean))
-                if args.rounds:
-                    r_in.append(rounds_over_busiest(assign(step, world), args.rounds))
-                    lf = assign(step, world, order="largest_first")
-                    r_lf.append(rounds_over_busiest(lf, args.rounds))
-                    r_ev.append(rounds_over_busiest(lf, args.rounds, even=True))
                 t0 = time.perf_counter()
                 cut.append(imbalance(assign(step, world, split=True), mean))
                 secs.append(time.perf_counter() - t0)
             row = dict(world=world, trees_per_rank=per, whole_median=statistics.median(whole),
                        whole_worst=max(whole), split_median=statistics.median(cut),
                        split_worst=max(cut), slowest_split_assign_s=max(secs))
-            if args.rounds:
-                row.update(rounds_input_median=statistics.median(r_in), rounds_input_worst=max(
-                    r_in), rounds_largest_first_median=statistics.median(r_lf),
-                    rounds_largest_first_worst=max(r_lf),
-                    rounds_even_median=statistics.median(r_ev), rounds_even_worst=max(r_ev))
             rows.append(row)
             print(f"{world:5d}  {per:10d}  {row['whole_median']:13.3f}  {row['whole_worst']:5.3f}"
                   f"  {row['split_median']:13.3f}  {row['split_worst']:5.3f}"
-                  f"  {row['slowest_split_assign_s']:16.2f}"
-                  + (f"   {row['rounds_input_median']:19.3f} {row['rounds_input_worst']:5.3f}"
-                     f"   {row['rounds_largest_first_median']:20.3f} "
-                     f"{row['rounds_largest_first_worst']:5.3f}"
-                     f"   {row['rounds_even_median']:11.3f} {row['rounds_even_worst']:5.3f}"
-                     if args.rounds else ""),
-                  flush=True)
+                  f"  {row['slowest_split_assign_s']:16.2f}", flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"trees": args.trees, "steps": args.steps, "seed": args.seed,
-                       "rounds_budget": args.rounds,
                        "cost": "DEFAULT_COST (Qwen3-8B FLOPs)", "rows": rows}, f, indent=1)
 
 

@@ -1,33 +1,20 @@
 """Gated DeltaNet on fla's kernels through the tree, against each sequence alone and a float64
-recurrence: values and gradients, float32 and bf16, whole trees and in parts; the one-pass
-path (``treefx.families.fla_tree``) against fla depth by depth, and both timed (BENCHMARKS.md,
-"Hybrids on fla's kernels"; benchmarks/README.md for the options).
+recurrence, values and gradients (BENCHMARKS.md, "Hybrids on fla's kernels"; benchmarks/README.md
+for the cases and options).
 
     python -m benchmarks.fla_check                 # GPU with fla installed: op, model
     python -m benchmarks.fla_check --cases state,exact,timing --dtypes bfloat16 --value-heads 32
     python -m benchmarks.fla_check --dry-run       # CPU: op, model on the torch kernel (no fla)
     python -m benchmarks.fla_check --cases interpret-state   # CPU, Triton's interpreter
 
-- ``op``: the tree recurrence alone on odd trees, in the Qwen3-Next and Qwen3.5 layouts,
-  against a float64 recurrence, beside the torch kernel's and fla's own per-sequence errors
-  (float32 within max(2 × fla's own, 10 × the torch floor) + 1e-6; bf16 within 2 × fla's own
-  + 1e-3). ``TRITON_F32_DEFAULT=ieee`` is set unless given.
-- ``model``: HF Qwen3-Next and Qwen3.5 (2 Gated DeltaNet + 1 attention layers), loss and every
-  gradient, whole and in parts, against the torch-kernel oracle and its floor; bf16 against
-  the float32 oracle beside the bf16 per-sequence run.
-- ``exact`` (GPU, the former ``fla_tree_check``): odd trees with given root states and
-  handed-out final states, ``--dtypes``; the output's, states' and every input's gradient's
-  ``max |x - ref| / max |ref|`` against a float64 walk along the tree; the one-pass path
-  passes within 2× depth by depth's + 1e-6 (float32) or + 1e-3 (bf16).
-- ``state``: the one-launch state pass against its float64 reference, a 214-node tree 20 times
-  bit for bit; ``interpret-state``: its kernels under ``TRITON_INTERPRET=1``
-  (tests/test_family_fla_tree_state.py runs it).
-- ``timing``: the op's forward and backward at Qwen3-Next's heads, bf16, on the e2e tree and on
-  its sequences packed: depth by depth, the state pass per depth, in one launch, chunk states
-  kept (``--state-configs`` and ``--profile-op`` were retired in issue 67:
-  ``git show ae2d22b:benchmarks/fla_tree_check.py``).
-
-Every case records the kernel path the tree took (``kernel_runs``) and fla's decision.
+``op``: the tree recurrence alone on odd trees (Qwen3-Next's and Qwen3.5's layouts) against a
+float64 recurrence, beside the torch kernel's and fla's own per-sequence errors. ``model``: HF
+Qwen3-Next and Qwen3.5, whole and in parts, against the torch-kernel oracle and its floor.
+``exact``: the one-pass path (``treefx.families.fla_tree``) against fla depth by depth and a
+float64 walk along the tree. ``state``: the one-launch state pass against its float64 reference
+(``interpret-state``: under ``TRITON_INTERPRET=1``). ``timing``: the op at Qwen3-Next's heads on
+the e2e tree and its sequences packed. Each case's tolerance is in its code; every case records
+the kernel path the tree took (``kernel_runs``) and fla's decision.
 """
 
 from __future__ import annotations
@@ -75,13 +62,23 @@ def odd_trees(vocab: int) -> dict[str, list[treefx.Tree]]:
 
 # ----------------------------------------------------------------------------- op level
 
-def gdn_float64(q, k, v, g, beta):
-    """Gated DeltaNet token by token in float64 ([B, T, H, *]: B sequences of T tokens, each
-    from a zero state; q/k already at the value heads), query and key L2-normalised as
-    Hugging Face and fla do: the reference. One step runs all B sequences."""
+def _float64_inputs(q, k, v, g, beta):
+    """The inputs in float64, query and key L2-normalised as Hugging Face and fla do."""
     q, k, v, g, beta = (x.double() for x in (q, k, v, g, beta))
     q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6) * q.shape[-1] ** -0.5
     k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    return q, k, v, g, beta
+
+
+def _leaf(x, dtype):
+    return x.detach().to(dtype).requires_grad_()
+
+
+def gdn_float64(q, k, v, g, beta):
+    """Gated DeltaNet token by token in float64 ([B, T, H, *]: B sequences of T tokens, each
+    from a zero state; q/k already at the value heads): the reference. One step runs all B
+    sequences."""
+    q, k, v, g, beta = _float64_inputs(q, k, v, g, beta)
     state = q.new_zeros(q.shape[0], q.shape[2], q.shape[3], v.shape[3])
     out = []
     for t in range(q.shape[1]):
@@ -139,23 +136,22 @@ def op_case(dev, dtype, layout, trees) -> dict:
     for idx in idxs:
         mult[idx] += 1
 
-    def per_sequence(fn, xs):
-        """Σ over sequences of <probe, fn(sequence alone)> / multiplicity: the per-sequence
-        objective whose gradient the tree's equals; and the outputs scattered to the row."""
+    def gathered(outs):
+        """The sequences' outputs scattered to the row, and Σ over sequences of <probe,
+        output> / multiplicity: the per-sequence objective whose gradient the tree's equals."""
         out = torch.zeros(1, n, hv, d, dtype=torch.float64, device=dev)
         total = 0
-        for idx in idxs:
-            o = fn(*(x[:, idx] for x in xs))
+        for idx, o in zip(idxs, outs):
             out[:, idx] = o.double().detach()
             total = total + (o.double() * probe[:, idx].double()
                              / mult[idx, None, None]).sum()
         return out, total
 
+    def per_sequence(fn, xs):
+        return gathered([fn(*(x[:, idx] for x in xs)) for idx in idxs])
+
     def grads_of(total, xs):
         return [g.double() for g in torch.autograd.grad(total, xs)]
-
-    def leaf(x, dt):
-        return x.detach().to(dt).requires_grad_()
 
     def reference(xs):
         """per_sequence's result for the float64 recurrence, every sequence in one batch
@@ -170,15 +166,9 @@ def op_case(dev, dtype, layout, trees) -> dict:
 
         q_, k_, *rest = (padded(x) for x in xs)
         o = gdn_float64(*_expand(q_, k_, hv), *rest)
-        out = torch.zeros(1, n, hv, d, dtype=torch.float64, device=dev)
-        total = 0
-        for j, idx in enumerate(idxs):
-            oj = o[j, :len(idx)]
-            out[0, idx] = oj.detach()
-            total = total + (oj * probe[0, idx].double() / mult[idx, None, None]).sum()
-        return out, total
+        return gathered([o[j:j + 1, :len(idx)] for j, idx in enumerate(idxs)])
 
-    x64 = [leaf(x, torch.float64) for x in base]
+    x64 = [_leaf(x, torch.float64) for x in base]
     ref_out, ref_total = reference(x64)
     ref_grads = grads_of(ref_total, x64)
 
@@ -192,13 +182,13 @@ def op_case(dev, dtype, layout, trees) -> dict:
     env = fla.environment(torch.device(dev))
     decision = fla.decide("gated_delta_rule", env, dtype, d)
     res["fla"] = {"use": decision.use, "reason": decision.reason, "env": env.describe()}
-    xt = [leaf(x, torch.float32) for x in base]
+    xt = [_leaf(x, torch.float32) for x in base]
     floor_out, floor_total = per_sequence(_torch_kernel, xt)
     res["torch_kernel_per_sequence_fp32"] = errors(floor_out, grads_of(floor_total, xt))
 
     def inputs():  # as the model gives them: the decay in float32, the rest in ``dtype``
-        return [leaf(base[0], dtype), leaf(base[1], dtype), leaf(base[2], dtype),
-                leaf(base[3], torch.float32), leaf(base[4], dtype)]
+        return [_leaf(base[0], dtype), _leaf(base[1], dtype), _leaf(base[2], dtype),
+                _leaf(base[3], torch.float32), _leaf(base[4], dtype)]
 
     if decision.use:
         xf = inputs()
@@ -341,9 +331,7 @@ def _walk_float64(q, k, v, g, beta, parent, root_state):
     """The tree's Gated DeltaNet in float64, token by token in DFS order: a token's state is
     its predecessor's after it, a root's ``root_state(t)`` (or zeros). q/k at the value heads
     and L2-normalised here; returns (output [T, H, V], state after each token)."""
-    q, k, v, g, beta = (x.double() for x in (q, k, v, g, beta))
-    q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6) * q.shape[-1] ** -0.5
-    k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    q, k, v, g, beta = _float64_inputs(q, k, v, g, beta)
     after, out = [], []
     for t in range(q.shape[0]):
         p = int(parent[t])
@@ -393,11 +381,7 @@ def exact_case(dev, dtype, trees, seed: int = 0, value_heads: int = 4) -> dict:
             rand(len(roots), hv, d, d) * 0.1]
     probe, probe_fin = rand(n, hv, d).double(), rand(len(keep), hv, d, d).double()
     row_of = {starts[r]: j for j, r in enumerate(roots)}
-
-    def leaf(x, dt):
-        return x.detach().to(dt).requires_grad_()
-
-    x64 = [leaf(x, torch.float64) for x in base]
+    x64 = [_leaf(x, torch.float64) for x in base]
     out, after = _walk_float64(*(x[0] for x in x64[:5]), parent.tolist(),
                                lambda t: x64[5][row_of[t]])
     fin = torch.stack([after[starts[i] + lengths[i] - 1] for i in keep])
@@ -410,8 +394,8 @@ def exact_case(dev, dtype, trees, seed: int = 0, value_heads: int = 4) -> dict:
     for label, one_pass in (("depth_by_depth", False), ("one_pass", True),
                             ("one_pass_keep_states", True)):
         os.environ[KEEP_ENV] = "1" if label.endswith("keep_states") else "0"
-        xs = [leaf(base[0], dtype), leaf(base[1], dtype), leaf(base[2], dtype),
-              leaf(base[3], torch.float32), leaf(base[4], dtype), leaf(base[5], torch.float32)]
+        xs = [_leaf(base[0], dtype), _leaf(base[1], dtype), _leaf(base[2], dtype),
+              _leaf(base[3], torch.float32), _leaf(base[4], dtype), _leaf(base[5], torch.float32)]
         before = kernel_runs()
         row, final, _ = run_tree(
             _recurrence(one_pass, cpu=dev == "cpu"), parent, tuple(xs[:3]),
@@ -581,30 +565,6 @@ def timing(dev, reps: int) -> dict:
     return res
 
 
-def first_working_config() -> None:
-    """Every Triton autotuner (fla's kernels) takes the first configuration that compiles and
-    runs instead of timing all of them, keeping nothing in Triton's autotuning cache."""
-    import math
-
-    from triton.runtime import autotuner
-
-    run, bench = autotuner.Autotuner.run, autotuner.Autotuner._bench
-
-    def first_run(self, *args, **kwargs):
-        self.cache_results = False
-        self._treefx_found = False
-        return run(self, *args, **kwargs)
-
-    def first_bench(self, *args, config, **meta):
-        if self._treefx_found:
-            return [math.inf] * 3
-        out = bench(self, *args, config=config, **meta)
-        self._treefx_found = math.isfinite(out[0] if isinstance(out, (list, tuple)) else out)
-        return out
-
-    autotuner.Autotuner.run, autotuner.Autotuner._bench = first_run, first_bench
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m benchmarks.fla_check",
                                 description=__doc__.split("\n\n")[0])
@@ -612,8 +572,6 @@ def main(argv=None):
     p.add_argument("--cases", default="op,model",
                    help="of op, model, exact, state, timing (GPU), interpret-state (alone)")
     p.add_argument("--budget", type=int, default=96, help="model: the parts' token budget")
-    p.add_argument("--backend", default=None, help="treefx backend (default: inductor on CUDA)")
-    p.add_argument("--no-bf16", action="store_true")
     p.add_argument("--op-dtypes", default=None,
                    help="op: of float32,bfloat16 (default both on the GPU; fla autotunes each "
                         "dtype's kernels anew, minutes each: split them over processes)")
@@ -623,9 +581,6 @@ def main(argv=None):
     p.add_argument("--dtypes", default="float32,bfloat16", help="exact: its dtypes")
     p.add_argument("--value-heads", type=int, default=4,
                    help="exact: heads (32: Qwen3-Next's, whose kernels timing autotunes too)")
-    p.add_argument("--first-config", action="store_true",
-                   help="each fla kernel runs its first configuration that compiles (exactness "
-                        "without fla's minutes of autotuning; not for timing)")
     p.add_argument("--reps", type=int, default=10, help="timing: timed steps")
     args = p.parse_args(argv)
     cases = args.cases.split(",")
@@ -635,22 +590,18 @@ def main(argv=None):
         for r in runs:
             print(json.dumps({"case": "state-pass", **r}), flush=True)
         return 0 if all(r["passed"] for r in runs) else 1
-    if args.first_config:
-        if "timing" in cases:
-            raise SystemExit("--first-config is for exactness: its kernels are not tuned")
-        first_working_config()
     cuda = common.use_cuda(args.dry_run)
     dev = "cuda" if cuda else "cpu"
     if not cuda and {"exact", "state", "timing"} & set(cases):
         raise SystemExit("exact, state and timing need a GPU with fla installed")
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     common.resolve_out(args, "fla_check", cuda)
-    backend = args.backend or ("inductor" if cuda else "eager")
+    backend = "inductor" if cuda else "eager"
     t0 = time.perf_counter()
     from treefx.families import fla, fla_l2norm, fla_tree
 
     res = {**common.run_meta(cuda), "TRITON_F32_DEFAULT": os.environ.get("TRITON_F32_DEFAULT"),
-           "TREEFX_FLA": os.environ.get("TREEFX_FLA"), "first_config": args.first_config,
+           "TREEFX_FLA": os.environ.get("TREEFX_FLA"),
            "fla_environment": fla.environment(torch.device(dev)).describe(), "cases": {}}
     if cuda:
         res.update(one_pass_available=fla_tree.kernels() is not None,
@@ -679,7 +630,7 @@ def main(argv=None):
         common.save_json(res, args.out)
 
     if "op" in cases:
-        dtypes = [torch.float32] + ([torch.bfloat16] if cuda and not args.no_bf16 else [])
+        dtypes = [torch.float32] + ([torch.bfloat16] if cuda else [])
         if args.op_dtypes:
             dtypes = [d for d in dtypes if str(d)[6:] in args.op_dtypes.split(",")]
         for layout in args.op_layouts.split(","):
@@ -691,7 +642,7 @@ def main(argv=None):
         for model_type in ("qwen3_next", "qwen3_5_text"):
             record(f"model-{model_type}", lambda: model_case(
                 dev, model_type, trees["forest"], args.budget, backend,
-                bf16=cuda and not args.no_bf16 and "bfloat16" in args.model_dtypes,
+                bf16=cuda and "bfloat16" in args.model_dtypes,
                 fp32="float32" in args.model_dtypes))
     if "exact" in cases:
         rng = np.random.default_rng(0)

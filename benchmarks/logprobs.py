@@ -1,5 +1,5 @@
 """The output layer's log-probabilities at an 8B model's shape (BENCHMARKS.md, "Log-probs
-without logits"; benchmarks/README.md for the three modes).
+without logits"; benchmarks/README.md for the modes and what was retired).
 
     python -m benchmarks.logprobs --paths 17187      # GPU: the output layer's paths
     python -m benchmarks.logprobs --dry-run          # CPU: tiny shapes
@@ -8,9 +8,7 @@ without logits"; benchmarks/README.md for the three modes).
 ``--paths N``: at N tokens, forward + backward and no-grad forward of the logits materialized
 (Triton kernels, or ``materialized_inductor``), the fused log-probs (``logits=False``) and the
 fused loss (``@treefx.step``), beside the matrix products alone; median of ``--reps`` after
-two warm-ups, peak memory above the inputs, gradients against a float32 computation. The
-backward's comparison of vocabulary slices with token chunks (the default before) and
-``--tune-from-logits`` were retired in issue 67: ``git show cdfeaf0:benchmarks/logprobs.py``.
+two warm-ups, peak memory above the inputs, gradients against the materialized path's.
 """
 
 from __future__ import annotations
@@ -254,13 +252,8 @@ def main(argv=None):
                    help="only check tree_logprobs_from_logits against the float64 plain form "
                         "(exit status 1 on a difference); on the CPU under "
                         "TRITON_INTERPRET=1 the Triton kernels run in Triton's interpreter")
-    p.add_argument("--token-block", type=int, default=0,
-                   help="the fused log-probabilities' backward in blocks of this many tokens "
-                        "(treefx.ops.logprobs.fast._TOKEN_BLOCK; 0: its default)")
     common.add_run_args(p, "CPU, tiny shapes")
     args = p.parse_args(argv)
-    if args.token_block:
-        lp_ops._TOKEN_BLOCK = args.token_block
     if args.check_from_logits:
         cuda = torch.cuda.is_available()
         rows = check_from_logits("cuda" if cuda else "cpu")

@@ -10,9 +10,6 @@ One step = layout + mask + forward + loss + backward, CUDA events, median of --r
 trees through the warmed-up model (recompilations), and with ``--profile`` GPU time by kernel
 kind (:mod:`.profile`).
 ``--dry-run``: the CPU, eager backends, SDPA with a dense mask for packing, every method's loss
-and gradients against the per-sequence oracle (:mod:`.dry_checks`). The hand-written tree step
-and one-by-one baseline were retired in issue 67:
-``git show cdfeaf0:benchmarks/e2e/methods/hand.py`` (and ``one_by_one.py``); BlockMask
-building at 64k tokens (``--mask-reps``, now ignored) in its third pass:
-``git show ae2d22b:benchmarks/e2e/mask_build.py``.
+and gradients against the per-sequence oracle (:mod:`.dry_checks`). What was retired:
+benchmarks/README.md.
 """

@@ -4,7 +4,6 @@ docstring for what it measures)."""
 from __future__ import annotations
 
 import argparse
-import os
 import time
 import traceback
 
@@ -65,11 +64,6 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--profile", action="store_true",
                    help="also profile each measured step: GPU time by kernel kind")
-    p.add_argument("--recurrence-backward", choices=("default", "kept", "recompute"),
-                   default="default",
-                   help="the tree recurrence's backward: the forward's graph kept "
-                        "(TREEFX_KEEP_RECURRENCE_GRAPH=1, treefx's default) or the forward "
-                        "recomputed (=0); default: as the environment says")
     p.add_argument("--pack-budget", type=int, default=0,
                    help="packed_reset: micro-batches of at most max(N, longest sequence) "
                         "tokens (first-fit decreasing), gradients accumulated, as trainers "
@@ -78,8 +72,6 @@ def parse_args(argv=None):
                    help="seconds; measurements not started by then are skipped (recorded)")
     p.add_argument("--quick", action="store_true",
                    help="hidden 1024 only, 1 warm-up + 3 reps")
-    p.add_argument("--log", action="store_true",
-                   help="print treefx's log (INFO): its captures, compilations, checks")
     args = p.parse_args(argv)
     if args.methods is None:
         args.methods = ",".join(HYBRID_METHODS if args.arch in HYBRID_ARCHS else METHODS)
@@ -102,13 +94,6 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    if args.recurrence_backward != "default":
-        os.environ["TREEFX_KEEP_RECURRENCE_GRAPH"] = \
-            "1" if args.recurrence_backward == "kept" else "0"
-    if args.log:
-        import logging
-        logging.basicConfig(format="%(asctime)s %(name)s %(message)s")
-        logging.getLogger("treefx").setLevel(logging.INFO)
     t_start = run.START = time.perf_counter()
     deadline = t_start + args.budget
     env = Env(args)

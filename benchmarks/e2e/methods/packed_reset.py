@@ -5,7 +5,7 @@ in one variable-length call (fla): what a packing trainer does for GDN layers. W
 ``--pack-budget N`` the sequences go into micro-batches of at most max(N, longest) tokens
 (first-fit decreasing, as :mod:`benchmarks.real_trees` packs), one forward and backward each,
 gradients accumulated, their losses adding up to the mean over all sequences: a trainer's
-packing where one row of every sequence does not fit (Qwen3.5's shape at 68,762 tokens)."""
+packing where one row of every sequence does not fit."""
 
 from __future__ import annotations
 

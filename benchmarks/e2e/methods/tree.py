@@ -1,16 +1,10 @@
 """treefx: ``treefx.pack(tree).to(dev)``, ``treefx.compile(model)`` (inductor),
-``treefx.tree_loss``. Variants, each the same step with one option of ``treefx.compile``:
+``treefx.tree_loss``. Variants, each the same step with one option changed:
 ``treefx_standard``: ``interleave_heads=False`` (the usual [heads, row] layout at the attention
-sites; treefx interleaves the KV heads in training); ``treefx_nologits``: ``logits=False``
-(the output projection fused with the log-softmax, the [tokens, vocab] logits never built);
-``treefx_regional`` / ``treefx_whole``: ``regional=True`` / ``False`` (one compiled piece per
-layer type, or the whole graph compiled at once); ``treefx_regional_nologits``: both
-``regional=True`` and ``logits=False`` (deep models, whose whole graph compiles slowly);
-``treefx_depthwise`` (hybrids on fla): the default model with fla's Gated DeltaNet run depth by
-depth (``TREEFX_FLA_TREE=0``: fla's whole pipeline per tree depth), not in one pass per stage
-(:mod:`treefx.families.fla_tree`); ``treefx_keep_states`` (hybrids on fla, one pass): the
-forward's chunk states kept for the backward instead of recomputed
-(``TREEFX_FLA_TREE_KEEP_STATES=1``). Both share ``treefx``'s compiled model when it runs."""
+sites); ``treefx_nologits``: ``logits=False`` (the output projection fused with the log-softmax);
+``treefx_regional``: ``regional=True`` (one compiled piece per layer type);
+``treefx_keep_states`` (hybrids on fla, one pass): the forward's chunk states kept for the
+backward (``TREEFX_FLA_TREE_KEEP_STATES=1``), sharing ``treefx``'s compiled model."""
 
 from __future__ import annotations
 
@@ -40,15 +34,6 @@ def make_regional(env, model, parts, args=None):
     return make(env, model, parts, key="treefx_regional_model", regional=True)
 
 
-def make_whole(env, model, parts, args=None):
-    return make(env, model, parts, key="treefx_whole_model", regional=False)
-
-
-def make_regional_nologits(env, model, parts, args=None):
-    return make(env, model, parts, key="treefx_regional_nologits_model", regional=True,
-                logits=False)
-
-
 def _with_env(env, model, parts, key: str, name: str, value: str):
     """The default compiled model (shared with ``treefx`` when both run), each step run with
     the environment variable ``name`` set to ``value`` (a switch read at run time)."""
@@ -72,12 +57,6 @@ def _with_env(env, model, parts, key: str, name: str, value: str):
     return prepare
 
 
-def make_depthwise(env, model, parts, args=None):
-    from treefx.families.fla_tree import ENV
-
-    return _with_env(env, model, parts, "treefx_depthwise_model", ENV, "0")
-
-
 def make_keep_states(env, model, parts, args=None):
     from treefx.families.fla_tree import KEEP_ENV
 
@@ -88,10 +67,6 @@ def make_keep_states(env, model, parts, args=None):
 VARIANTS = {"treefx_standard": (make_standard, "treefx_standard_model"),
             "treefx_nologits": (make_nologits, "treefx_nologits_model"),
             "treefx_regional": (make_regional, "treefx_regional_model"),
-            "treefx_whole": (make_whole, "treefx_whole_model"),
-            "treefx_regional_nologits": (make_regional_nologits,
-                                         "treefx_regional_nologits_model"),
-            "treefx_depthwise": (make_depthwise, "treefx_depthwise_model"),
             "treefx_keep_states": (make_keep_states, "treefx_keep_states_model")}
 
 
