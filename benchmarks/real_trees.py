@@ -1,24 +1,22 @@
 """Real agent trees task by task: ``treefx.backward`` against per-call sequence packing on the
-same model and data in one run (issue 34; BENCHMARKS.md, "Real agent trajectories").
+same model and data in one run (issue 34; BENCHMARKS.md, "Real agent trajectories";
+benchmarks/README.md for the options and what was retired).
 
-    python -m benchmarks.real_trees --trees swe.jsonl --tasks 20 --time-limit 450
     python -m benchmarks.real_trees --trees swe.jsonl --sample 50 --seed 0 --slice 0:17 \
         --time-limit 450 --out a.json          # then --slice 17:34 --out b.json, 34:50 ...
     python -m benchmarks.real_trees --merge a.json b.json c.json --out all.json
     python -m benchmarks.real_trees --dry-run        # CPU: a tiny model, synthetic comb trees
 
 Qwen3 with Qwen3-8B-shaped layers (``--layers``), bf16, random weights, one
-``treefx.compile(model, logits=False, verify=False)`` shared by both methods. Per task, the
-same loss, each step from no gradients: ``treefx`` is ``treefx.backward(tm, tree,
-max_tokens=--budget)``; ``treefx_whole`` the tree in one step; ``packing`` every call its own
-sequence, first-fit-decreasing micro-batches of ``max(--budget, longest call)`` tokens through
-the same compiled model (document mask), gradients accumulated. Host packing is done before
-timing (``host_pack_ms``). Step: wall time, median of ``--reps`` after ``--warmup`` (packing:
-``--packing-reps`` after a warm-up on its largest micro-batch); a step that compiled is run
-again. Per task: ``speedup`` (packing / treefx), ``bound`` (call tokens / unique tokens),
-``share_of_bound``, peak memory, the losses' agreement (``--check-grads``: a few gradients).
-An OOM is recorded and the run goes on; ``--time-limit`` stops before a task that would not
-finish; ``--profile N`` profiles one more step of each method on the first N tasks.
+``treefx.compile(model, logits=False)`` shared by both methods; per task the same loss, each
+step from no gradients: ``treefx`` is ``treefx.backward(tm, tree, max_tokens=--budget)``,
+``packing`` every call its own sequence in first-fit-decreasing micro-batches of ``max(--budget,
+longest call)`` tokens through the same compiled model (document mask), gradients accumulated.
+Host packing is done before timing. Step: wall time, median of ``--reps`` after ``--warmup``
+(packing: one after a warm-up on its largest micro-batch); a step that compiled is run again.
+Per task: ``speedup`` (packing / treefx), ``bound`` (call tokens / unique tokens), ``share_of_bound``, peak memory, the losses'
+agreement (``--check-grads``: a few gradients too). An OOM is recorded and the run goes on;
+``--time-limit`` stops before a task that would not finish.
 """
 
 from __future__ import annotations
@@ -31,15 +29,12 @@ import os
 import random
 import statistics
 import time
-import types
-import warnings
 
 import torch
 
 import treefx
 from benchmarks import common
 from benchmarks.common import SHAPE_8B, TINY
-from benchmarks.e2e.profile import profile_step
 
 GRAD_PARAMS = ("model.embed_tokens.weight", "lm_head.weight",
                "model.layers.0.self_attn.q_proj.weight", "model.layers.0.input_layernorm.weight",
@@ -263,23 +258,6 @@ def _is_oom(e: BaseException) -> bool:
     return False
 
 
-def profiled(step, model, cuda: bool) -> dict:
-    """One more step of ``step`` (the timed step's callable, from no gradients) under
-    ``torch.profiler`` (:func:`benchmarks.e2e.profile.profile_step`), with the graphs Dynamo
-    compiled during it; ``{"error": ..., "oom": ...}`` where the step failed."""
-    model.zero_grad(set_to_none=True)
-    g0 = _graphs()
-    try:
-        with warnings.catch_warnings():
-            if not cuda:  # the CPU: no CUDA activity to record, nothing to warn about
-                warnings.filterwarnings("ignore", message="CUDA is not available")
-            prof = profile_step(types.SimpleNamespace(sync=lambda: _sync(cuda)), step, steps=1)
-        prof["compiled_graphs"] = _graphs() - g0
-        return prof
-    except Exception as e:  # noqa: BLE001  (recorded: the profile is a diagnostic)
-        return {"error": f"{type(e).__name__}: {str(e).strip()[:300]}", "oom": _is_oom(e)}
-
-
 def _free(model, cuda: bool):
     model.zero_grad(set_to_none=True)
     gc.collect()
@@ -290,10 +268,8 @@ def _free(model, cuda: bool):
 # ----------------------------------------------------------------------------- one task
 
 
-def run_task(index: int, tree: treefx.Tree, tm, model, args, cuda: bool, dev: str,
-             profile: bool = False) -> dict:
-    """One task: each method timed (``timed``), and with ``profile`` one more step of each
-    profiled (``profiled``) after its timed steps."""
+def run_task(index: int, tree: treefx.Tree, tm, model, args, cuda: bool, dev: str) -> dict:
+    """One task: each method timed (``timed``)."""
     lengths = tree.sequence_lengths
     row = {"index": index, "task": tree.metadata.get("task"), "calls": tree.num_sequences,
            "unique_tokens": tree.num_tokens, "sequence_tokens": tree.num_baseline_tokens,
@@ -317,13 +293,6 @@ def run_task(index: int, tree: treefx.Tree, tm, model, args, cuda: bool, dev: st
     def tree_step():
         return treefx.backward(tm, batch, max_tokens=budget)
 
-    whole_batch = batch.to(dev) if "treefx_whole" in args.methods else None
-
-    def whole_step():  # the tree in one forward and backward, as a tree that fits one part
-        loss = treefx.tree_loss(tm(whole_batch), whole_batch)
-        loss.backward()
-        return loss.detach()
-
     def run_micro(batches):
         return packed_step(tm, batches, dev)
 
@@ -331,19 +300,13 @@ def run_task(index: int, tree: treefx.Tree, tm, model, args, cuda: bool, dev: st
         oom = None
         try:
             if name == "treefx":
-                step = tree_step
-                st = timed(step, model, cuda, args.warmup, args.reps)
+                st = timed(tree_step, model, cuda, args.warmup, args.reps)
                 st.update(parts=plan.num_parts, peak_held_tokens=plan.peak_held_tokens(),
                           tokens=tree.num_tokens, host_pack_ms=pack_tree_ms)
-            elif name == "treefx_whole":
-                step = whole_step
-                st = timed(step, model, cuda, args.warmup, args.reps)
-                st.update(tokens=tree.num_tokens, host_pack_ms=pack_tree_ms)
             else:
                 dev_batches = [b.to(dev) for b in micro]
                 largest = max(dev_batches, key=lambda b: b.num_tokens)
-                step = lambda: run_micro(dev_batches)  # noqa: E731
-                st = timed(step, model, cuda, 0, args.packing_reps,
+                st = timed(lambda: run_micro(dev_batches), model, cuda, 0, 1,
                            pre_warm=lambda: run_micro([largest]))
                 st.update(micro_batches=len(micro), capacity=max(budget, row["longest_call"]),
                           micro_batch_tokens=[b.num_tokens for b in micro],
@@ -356,17 +319,13 @@ def run_task(index: int, tree: treefx.Tree, tm, model, args, cuda: bool, dev: st
                 st["grad_copy_s"] = time.perf_counter() - t0
             st["status"] = "ok"
             methods[name] = st
-            if profile:  # after the timed steps and the gradient copy: no figure changes
-                st["profile"] = profiled(step, model, cuda)
         except Exception as e:  # noqa: BLE001  (out of memory, however wrapped; else raised)
             if not _is_oom(e):
                 raise
             oom = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]}"
         if oom is not None:  # outside the handler: its traceback no longer holds the tensors
             if name == "packing":
-                dev_batches = largest = step = None
-            if name == "treefx_whole":
-                whole_batch = step = None
+                dev_batches = largest = None
             methods[name] = {"status": "oom", "error": oom}
         _free(model, cuda)
     row["methods"] = methods
@@ -383,12 +342,6 @@ def run_task(index: int, tree: treefx.Tree, tm, model, args, cuda: bool, dev: st
             rel = _grad_rel(grads["treefx"], grads["packing"])
             row["grad_rel_diff"] = rel
             row["grads_agree"] = bool(rel) and max(rel.values()) <= args.grad_tol
-    if {"treefx_whole", "packing"} <= ok:
-        w = methods["treefx_whole"]
-        row["whole_speedup"] = methods["packing"]["step_ms"] / w["step_ms"]
-        row["whole_share_of_bound"] = row["whole_speedup"] / row["bound"]
-        row["whole_loss_rel_diff"] = abs(w["loss"] - methods["packing"]["loss"]) / max(
-            abs(methods["packing"]["loss"]), 1e-30)
     return row
 
 
@@ -420,15 +373,6 @@ def summary(rows: list[dict]) -> dict:
         # all tasks one after the other: sequence tokens (as trainers count them) per second
         overall_sequence_tokens_per_s={"treefx": seq / t_tree, "packing": seq / t_pack},
         overall_speedup=t_pack / t_tree)
-    whole = [r for r in both if "whole_share_of_bound" in r]
-    if whole:  # the tree in one forward and backward beside treefx.backward's one part
-        out.update(
-            whole_median_share_of_bound=statistics.median(r["whole_share_of_bound"]
-                                                          for r in whole),
-            whole_worst_share_of_bound=min(r["whole_share_of_bound"] for r in whole),
-            whole_over_backward_median=statistics.median(
-                r["methods"]["treefx"]["step_ms"] / r["methods"]["treefx_whole"]["step_ms"]
-                for r in whole))
     if all("grads_agree" in r for r in both):
         out["grads_agree"] = all(r["grads_agree"] for r in both)
         out["max_grad_rel_diff"] = max(max(r["grad_rel_diff"].values()) for r in both)
@@ -486,26 +430,18 @@ def main(argv=None):
                    help="treefx.compile's regional= for the shared model: default (None: "
                         "whole trees, treefx.backward's parts and packing's micro-batches "
                         "regional on Inductor), on, off")
-    p.add_argument("--kernel-options", type=json.loads, default=None, metavar="JSON",
-                   help="treefx.compile(kernel_options=...): FlexAttention's options at the "
-                        "tree attention sites, e.g. '{\"USE_TMA\": true}'")
     p.add_argument("--verify", action="store_true",
                    help="treefx.compile(verify=True): treefx.backward's first call checks its "
                         "part graph on a probe forest against each sequence alone (the "
                         "report in the JSON's 'verification')")
     p.add_argument("--warmup", type=int, default=1, help="treefx's full warm-up steps per task")
     p.add_argument("--reps", type=int, default=3, help="treefx's timed steps per task")
-    p.add_argument("--packing-reps", type=int, default=1, help="packing's timed steps per task")
     p.add_argument("--check-grads", action="store_true",
                    help="compare a few parameters' gradients between the methods")
     p.add_argument("--max-call-tokens", type=int, default=None,
                    help="skip tasks with a longer call (recorded as skipped)")
     p.add_argument("--time-limit", type=float, default=None,
                    help="seconds: stop before a task that would not finish by then")
-    p.add_argument("--profile", type=int, default=0, metavar="N",
-                   help="profile one more step of each method on the first N tasks timed, "
-                        "after their timed steps (torch.profiler: GPU busy and span, wall, "
-                        "time by kernel kind, host gaps; in each method's 'profile')")
     p.add_argument("--merge", nargs="+", default=None, metavar="JSON",
                    help="join the result files of shards (needs --out) and summarize; runs "
                         "nothing")
@@ -516,15 +452,12 @@ def main(argv=None):
         if not args.out:
             p.error("--merge needs --out")
         return merge(args.merge, args.out)
-    if args.reps < 1 or args.packing_reps < 1:
-        p.error("--reps and --packing-reps must be at least 1")
-    if args.profile < 0:
-        p.error("--profile must be at least 0")
+    if args.reps < 1:
+        p.error("--reps must be at least 1")
     args.methods = [m for m in args.methods.split(",") if m]
-    bad = set(args.methods) - {"treefx", "packing", "treefx_whole"}
+    bad = set(args.methods) - {"treefx", "packing"}
     if bad or not args.methods:
-        p.error(f"--methods: treefx, treefx_whole and/or packing, got "
-                f"{sorted(bad) or 'none'}")
+        p.error(f"--methods: treefx and/or packing, got {sorted(bad) or 'none'}")
     cuda = common.use_cuda(args.dry_run)
     dev = "cuda" if cuda else "cpu"
     backend = "inductor" if cuda else "eager"
@@ -549,7 +482,7 @@ def main(argv=None):
                             num_hidden_layers=args.layers, **shape)
     regional = {"default": None, "on": True, "off": False}[args.regional]
     tm = treefx.compile(model, backend=backend, logits=False, verify=args.verify,
-                        regional=regional, kernel_options=args.kernel_options)
+                        regional=regional)
     res["setup_s"] = time.perf_counter() - start
     ran = []  # (wall seconds, sequence tokens) of the tasks run
     for k, (index, tree) in enumerate(tasks):
@@ -568,9 +501,7 @@ def main(argv=None):
                       flush=True)
                 break
         t0 = time.perf_counter()
-        timed_so_far = sum("methods" in r for r in res["tasks"])  # skipped tasks not counted
-        row = run_task(index, tree, tm, model, args, cuda, dev,
-                       profile=timed_so_far < args.profile)
+        row = run_task(index, tree, tm, model, args, cuda, dev)
         row["wall_s"] = time.perf_counter() - t0
         if "methods" in row:
             ran.append((row["wall_s"], row["sequence_tokens"]))
@@ -586,8 +517,6 @@ def main(argv=None):
         res["elapsed_s"] = time.perf_counter() - start
         common.save_json(res, out)
         print(_line(row), flush=True)
-        for line in _profile_lines(row):
-            print(line, flush=True)
     s = res["summary"]
     print(_summary_lines(s), flush=True)
     common.save_json(res, out)
@@ -602,25 +531,8 @@ def _line(r: dict) -> str:
         return f"{head}  {r['status']}"
     steps = ", ".join(f"{k} {v['step_ms']:.1f} ms" if v["status"] == "ok" else f"{k} OOM"
                       for k, v in r["methods"].items())
-    keys = ("speedup", "share_of_bound", "loss_rel_diff", "grad_rel_diff", "whole_speedup")
+    keys = ("speedup", "share_of_bound", "loss_rel_diff", "grad_rel_diff")
     return f"{head}; {steps}; " + ", ".join(f"{k} {r[k]}" for k in keys if k in r)
-
-
-def _profile_lines(r: dict) -> list[str]:
-    """One line per profiled method: GPU busy and span, wall, time by kernel kind, host gaps
-    (ms per step; zero where there were no CUDA kernels, as on the CPU)."""
-    lines = []
-    for name, st in r.get("methods", {}).items():
-        prof = st.get("profile")
-        if prof is not None and "error" in prof:
-            lines.append(f"  profile {name}: {'OOM' if prof.get('oom') else 'failed'}: "
-                         f"{prof['error'].splitlines()[0][:200]}")
-        elif prof is not None:
-            lines.append(f"  profile {name}: GPU busy {prof['gpu_busy_ms_per_step']:.1f} ms, "
-                         f"span {prof['gpu_span_ms_per_step']:.1f}, wall "
-                         f"{prof['wall_ms_per_step']:.1f}; {prof.get('by_kind_ms_per_step')}; "
-                         f"host gaps {prof.get('host_gaps', {}).get('gap_ms_per_step', 0.0)}")
-    return lines
 
 
 def _summary_lines(s: dict) -> str:

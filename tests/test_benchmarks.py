@@ -272,30 +272,6 @@ def test_real_trees_refuses_ids_beyond_the_vocabulary(tmp_path):
     assert [i for i, _ in trees] == [0] and prov["trees_in_file"] == 1
 
 
-@pytest.mark.filterwarnings("ignore")
-def test_real_trees_whole_step_beside_the_parts(tmp_path):
-    """``treefx_whole`` (the tree in one forward and backward) beside ``treefx.backward`` and
-    packing: the same loss, its share of the bound, the summary's comparison."""
-    rt = _real_trees()
-    _comb_file(tmp_path / "t.jsonl", n=1)
-    out = tmp_path / "res.json"
-    rt.main(["--dry-run", "--trees", str(tmp_path / "t.jsonl"), "--layers", "1", "--budget",
-             "4096", "--reps", "1", "--methods", "treefx,treefx_whole,packing",
-             "--regional", "off", "--out", str(out)])
-    with open(out) as f:
-        res = json.load(f)
-    (r,) = res["tasks"]
-    t, w, p = (r["methods"][m] for m in ("treefx", "treefx_whole", "packing"))
-    assert t["parts"] == 1 and "parts" not in w and w["tokens"] == t["tokens"]
-    assert w["loss"] == pytest.approx(t["loss"], rel=1e-5)
-    assert w["loss"] == pytest.approx(p["loss"], rel=1e-5)
-    assert r["whole_speedup"] == pytest.approx(p["step_ms"] / w["step_ms"])
-    assert r["whole_share_of_bound"] == pytest.approx(r["whole_speedup"] / r["bound"])
-    s = res["summary"]
-    assert s["whole_over_backward_median"] == pytest.approx(t["step_ms"] / w["step_ms"])
-    assert res["args"]["regional"] == "off"
-
-
 def test_real_trees_dry_run(tmp_path, monkeypatch):
     """The experiment on the CPU: two comb trees from a file, both methods, the losses and a
     few gradients equal (float32), every figure in the result file; a third task whose packing
@@ -369,55 +345,6 @@ def test_real_trees_dry_run(tmp_path, monkeypatch):
         rt.main(["--merge", str(a), str(a), "--out", str(tmp_path / "m2.json")])
 
 
-@pytest.mark.filterwarnings("ignore")
-def test_real_trees_profile_dry_run(tmp_path, monkeypatch, capsys):
-    """``--profile 1``: one more step of each method on the first task only, its profile in
-    the method's figures (no CUDA kernels on the CPU: the GPU figures are zero, nothing
-    divides by them), one printed line per method; a profiled step that runs out of memory
-    records its error, the method's timed figures and the run going on."""
-    import torch
-
-    rt = _real_trees()
-    _comb_file(tmp_path / "t.jsonl", n=2)
-    real_profile = rt.profile_step
-    calls = []
-
-    def oom_on_packing(env, step, steps=2):
-        calls.append(steps)
-        if len(calls) == 3:  # the third method profiled: packing
-            raise RuntimeError("the graph failed") from torch.OutOfMemoryError(
-                "CUDA out of memory (simulated)")
-        return real_profile(env, step, steps=steps)
-
-    monkeypatch.setattr(rt, "profile_step", oom_on_packing)
-    out = tmp_path / "res.json"
-    rt.main(["--dry-run", "--trees", str(tmp_path / "t.jsonl"), "--layers", "1", "--budget",
-             "96", "--reps", "1", "--methods", "treefx,treefx_whole,packing", "--profile",
-             "1", "--regional", "off", "--out", str(out)])
-    with open(out) as f:
-        res = json.load(f)
-    assert calls == [1, 1, 1] and res["args"]["profile"] == 1
-    first, second = res["tasks"]
-    assert first["status"] == second["status"] == "ok"
-    keys = {"wall_ms_per_step", "gpu_busy_ms_per_step", "gpu_span_ms_per_step",
-            "by_kind_ms_per_step", "host_gaps", "top_kernels_ms_per_step", "steps",
-            "compiled_graphs"}
-    for name in ("treefx", "treefx_whole"):
-        prof = first["methods"][name]["profile"]
-        assert keys <= set(prof), name
-        assert prof["steps"] == 1 and prof["wall_ms_per_step"] > 0
-        assert prof["gpu_busy_ms_per_step"] == prof["gpu_span_ms_per_step"] == 0.0
-    p = first["methods"]["packing"]
-    assert p["status"] == "ok" and p["profile"]["oom"] is True
-    assert "graph failed" in p["profile"]["error"]
-    assert first["speedup"] == pytest.approx(p["step_ms"] / first["methods"]["treefx"]["step_ms"])
-    assert all("profile" not in st for st in second["methods"].values())  # N = 1 task
-    printed = [line for line in capsys.readouterr().out.splitlines()
-               if line.startswith("  profile ")]
-    assert len(printed) == 3 and "GPU busy 0.0 ms" in printed[0] and "host gaps" in printed[0]
-    assert printed[2].startswith("  profile packing: OOM")
-
-
 def test_real_trees_time_limit_and_skips(tmp_path, monkeypatch):
     """``--time-limit`` stops before a task that would not fit (0.3 s a task on a fake clock
     against a limit of 0.1 s), the file keeping the tasks done; ``--max-call-tokens`` records
@@ -431,10 +358,10 @@ def test_real_trees_time_limit_and_skips(tmp_path, monkeypatch):
     clock = [0.0]
     monkeypatch.setattr(rt, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
 
-    def fake_task(index, tree, tm, model, args, cuda, dev, profile=False):
+    def fake_task(index, tree, tm, model, args, cuda, dev):
         calls.append(index)
         if args.max_call_tokens is not None and longest[index] > args.max_call_tokens:
-            return real_task(index, tree, tm, model, args, cuda, dev, profile)
+            return real_task(index, tree, tm, model, args, cuda, dev)
         clock[0] += 0.3
         return {"index": index, "task": None, "calls": tree.num_sequences,
                 "unique_tokens": tree.num_tokens, "sequence_tokens": tree.num_baseline_tokens,
