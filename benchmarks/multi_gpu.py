@@ -6,27 +6,17 @@ sequence packing (issue 37; BENCHMARKS.md, "Several GPUs"; benchmarks/README.md 
     torchrun --nproc_per_node=2 -m benchmarks.multi_gpu --check --cases fsdp-hybrid-exact,ddp-exact
     python -m benchmarks.multi_gpu --dry-run                  # CPU, gloo (--check: every case)
 
-Real trees (the default): Qwen3 of ``--shape`` (``--layers`` overrides the depth), float32
-masters sharded per layer and root by FSDP2, bf16 compute, activation checkpointing, fused
-AdamW; one ``treefx.compile(model, logits=False, verify=False)`` shared by both methods, run one
-after the other from the same initial shards. ``treefx``: ``treefx.backward`` on
-``treefx.distributed.pack`` of the rank's trees (``assign``), parts of ``--budget`` tokens.
-``packing``: every call its own sequence, shared out over the ranks (``--packing-split``),
-first-fit-decreasing micro-batches of ``max(--budget, longest call)`` tokens, gradients
-accumulated (reduce-scattered on the last, or ``--grad-sync every``), zero-weight padding
-micro-batches so the ranks' collectives pair up. Per method: first step, median step (the
-slowest rank's), tokens per second, peak memory per rank, the assignment's balance;
-``speedup`` and ``share_of_bound``. The JSON is written after every step.
-
-``--check`` (the former ``distributed_check``): ``fsdp-hybrid-exact`` / ``ddp-exact``, float32
-Qwen3-Next under FSDP2 (checkpointed) / Qwen3 under DDP on odd forests (and on the GPU an
-agent tree), whole and in parts of (rank + 1) × 256 tokens, the gathered gradients against
-one process running every sequence alone (per parameter within max(1e-5, 4 × the oracle's
-floor), per parameter group), the loss within 1e-5; ``fsdp-hybrid-speed`` / ``ddp-speed``, a
-Qwen3-Next-shaped model under FSDP2 (bf16 compute) / Qwen3-1.7B's layers under DDP on
-synthetic agent trees, treefx whole or in parts of ``--budget`` against packing at the same
-budget, lr 0. Exit status 1 when a case fails. ``--time-limit``: no timed step (trees) or
-case (check) starts past it.
+Real trees (the default): Qwen3 of ``--shape``, FSDP2 (float32 masters, bf16 compute,
+checkpointing, fused AdamW), one ``treefx.compile(model, logits=False, verify=False)`` for both
+methods, run one after the other from the same initial shards: ``treefx``, ``treefx.backward``
+in parts of ``--budget`` on the rank's trees (``treefx.distributed.assign``); ``packing``, every
+call its own sequence in first-fit-decreasing micro-batches, gradients accumulated, zero-weight
+padding micro-batches so the ranks' collectives pair up. Per method: first and median step (the
+slowest rank's), tokens per second, peak memory per rank, the balance; ``speedup`` and
+``share_of_bound``. ``--check`` (the former ``distributed_check``): the exactness cases (FSDP2
+Qwen3-Next, DDP Qwen3, whole and in parts, against one process running every sequence alone)
+and the speed cases (treefx against packing at the same budget); exit status 1 when a case
+fails. ``--time-limit``: no timed step (trees) or case (check) starts past it.
 """
 
 from __future__ import annotations
@@ -36,7 +26,6 @@ import contextlib
 import copy
 import gc
 import importlib.util
-import os
 import random
 import re
 import statistics
@@ -51,7 +40,8 @@ from benchmarks import common
 from benchmarks.common import SHAPES, check_forest, odd_forest
 from benchmarks.gpu_check import SMALL, TINY
 from benchmarks.internals import agree_captures, recurrence_registry
-from benchmarks.real_trees import _sha256, _top_id, call_chains, comb_tree, packing_batches
+from benchmarks.real_trees import (_top_id, call_chains, file_provenance, packing_batches,
+                                   synthetic_combs)
 
 START = time.perf_counter()
 PAD = treefx.Tree.from_sequences([[0] * 16], weights=[0.0])  # a zero-weight micro-batch
@@ -207,29 +197,16 @@ def select_trees(args, vocab: int) -> tuple[list[tuple[int, treefx.Tree]], dict]
     data's provenance."""
     if args.trees:
         pool = list(treefx.read_jsonl(args.trees))
-        prov = {"source": os.path.abspath(args.trees), "bytes": os.path.getsize(args.trees),
-                "sha256": _sha256(args.trees), "trees_in_file": len(pool)}
+        prov = dict(file_provenance(args.trees), trees_in_file=len(pool))
     else:
-        calls, scale = ((4, 6), 0.08) if args.dry_run else ((20, 40), 3.0)
-        rng = random.Random(args.seed)
-        pool = [comb_tree(args.seed * 1000 + i, vocab, rng.randint(*calls), scale)
-                for i in range(args.tasks)]
-        prov = {"source": "synthetic combs (benchmarks.real_trees.comb_tree)",
-                "calls": list(calls), "length_scale": scale}
-    if args.select:
-        chosen = [int(x) for x in args.select.split(",") if x]
-        if any(not 0 <= i < len(pool) for i in chosen):
-            raise SystemExit(f"--select: not all of {chosen} among {len(pool)} trees")
-    else:
-        fits = [i for i, t in enumerate(pool)
-                if (args.max_tree_tokens is None or t.num_tokens <= args.max_tree_tokens)
-                and (args.max_sequence_tokens is None
-                     or t.num_baseline_tokens <= args.max_sequence_tokens)]
-        if len(fits) < args.tasks:
-            raise SystemExit(f"only {len(fits)} of {len(pool)} trees pass the size filters; "
-                             f"--tasks {args.tasks} wants more")
-        chosen = sorted(random.Random(args.seed).sample(fits, args.tasks))
-        prov["candidates"] = len(fits)
+        pool, prov = synthetic_combs(args.tasks, vocab, args.seed, args.dry_run)
+    fits = [i for i, t in enumerate(pool)
+            if args.max_sequence_tokens is None or t.num_baseline_tokens <= args.max_sequence_tokens]
+    if len(fits) < args.tasks:
+        raise SystemExit(f"only {len(fits)} of {len(pool)} trees pass the size filter; "
+                         f"--tasks {args.tasks} wants more")
+    chosen = sorted(random.Random(args.seed).sample(fits, args.tasks))
+    prov["candidates"] = len(fits)
     for i in chosen:
         if _top_id(pool[i]) >= vocab:
             raise SystemExit(f"tree {i}: a token id is not below the vocabulary of {vocab:,}")
@@ -602,9 +579,6 @@ def main(argv=None):
                    help="trees drawn (--seed) among those that pass the size filters "
                         "(default 2; dry run 4)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--select", default=None, help="i,j,...: these trees (file line indices)")
-    p.add_argument("--max-tree-tokens", type=int, default=None,
-                   help="draw only trees with at most this many unique tokens")
     p.add_argument("--max-sequence-tokens", type=int, default=100_000,
                    help="draw only trees with at most this many sequence tokens (packing's "
                         "cost); 0: no limit")

@@ -78,21 +78,31 @@ def _sha256(path: str) -> str:
     return h.hexdigest()
 
 
+def synthetic_combs(n: int, vocab: int, seed: int, dry_run: bool):
+    """``n`` synthetic tasks (:func:`comb_tree`, a random number of calls each) and their
+    provenance."""
+    calls, scale = ((4, 6), 0.08) if dry_run else ((20, 40), 3.0)
+    rng = random.Random(seed)
+    trees = [comb_tree(seed * 1000 + i, vocab, rng.randint(*calls), scale) for i in range(n)]
+    return trees, {"source": "synthetic combs (treefx.synth.agent_tree, think mode, one "
+                             "rollout, no forks, completions masked)",
+                   "calls": list(calls), "length_scale": scale, "seed": seed}
+
+
+def file_provenance(path: str) -> dict:
+    return {"source": os.path.abspath(path), "bytes": os.path.getsize(path),
+            "sha256": _sha256(path)}
+
+
 def load_tasks(args, vocab: int) -> tuple[list[tuple[int, treefx.Tree]], dict]:
     """The selected trees with their line index in the file (0-based, non-empty lines), and
     the data's provenance. Only the selected lines are parsed."""
     if not args.trees:
         n = args.tasks if args.tasks is not None else (args.sample or 3)
-        calls, scale = ((4, 6), 0.08) if args.dry_run else ((20, 40), 3.0)
-        rng = random.Random(args.seed)
-        sizes = [rng.randint(*calls) for _ in range(n)]
+        trees, prov = synthetic_combs(n, vocab, args.seed, args.dry_run)
         cut = _slice(args.slice)
-        trees = [(i, comb_tree(args.seed * 1000 + i, vocab, sizes[i], scale))
-                 for i in range(n)[cut]]
-        return trees, {"source": "synthetic combs (treefx.synth.agent_tree, think mode, one "
-                                 "rollout, no forks, completions masked)",
-                       "calls": list(calls), "length_scale": scale, "seed": args.seed,
-                       "selected": list(range(n)), "positions": list(range(n)[cut])}
+        return list(enumerate(trees))[cut], dict(prov, selected=list(range(n)),
+                                                 positions=list(range(n)[cut]))
     offsets = _file_lines(args.trees)
     total = len(offsets)
     if args.sample is not None:
@@ -116,9 +126,8 @@ def load_tasks(args, vocab: int) -> tuple[list[tuple[int, treefx.Tree]], dict]:
                     f"token id {top} is not below the model's vocabulary of {vocab:,} "
                     "(Qwen3's): were these trees tokenized for another model?")
             out.append((i, tree))
-    prov = {"source": os.path.abspath(args.trees), "bytes": os.path.getsize(args.trees),
-            "sha256": _sha256(args.trees), "trees_in_file": total, "selected": chosen,
-            "positions": positions}
+    prov = dict(file_provenance(args.trees), trees_in_file=total, selected=chosen,
+                positions=positions)
     return out, prov
 
 
