@@ -18,7 +18,7 @@ import torch
 import treefx
 from treefx import synth
 from treefx.models import enable_activation_checkpointing
-from treefx.tools.synth import odd_forest, odd_tree  # noqa: F401  (the checks' trees)
+from treefx.tools.synth import odd_forest
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -170,12 +170,6 @@ def hf_model(model_type: str, *, dev: str, dtype=torch.float32, seed: int = 0,
     return model
 
 
-def hf_labels_step(model, batch):
-    """An ordinary Hugging Face training step's loss (``labels=``), for ``@treefx.step``."""
-    return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                 labels=batch["labels"]).loss
-
-
 # ----------------------------------------------------------------------------- several GPUs
 
 # Qwen3 shapes of the FSDP2 / DDP benchmarks (multi_gpu, distributed_check, grpo, verl_engine).
@@ -305,16 +299,6 @@ def make_tree(por: float, scale: float, vocab: int, seed: int = 0) -> treefx.Tre
         except ValueError as e:
             err = e
     raise err
-
-
-def stream_trees(n: int, scale: float, vocab: int) -> list[treefx.Tree]:
-    """``n`` trees of different shapes and sizes (~2k-20k tokens at scale 1)."""
-    out = []
-    for i in range(n):
-        mult = (0.4 + 1.6 * ((i * 7) % n) / max(n - 1, 1)) * scale
-        out.append(synth.agent_tree(500 + i, vocab_size=vocab, rollouts=1 + i % 4,
-                                    **scaled_lengths(mult)))
-    return out
 
 
 def check_forest(vocab: int, small: bool = False) -> list[treefx.Tree]:

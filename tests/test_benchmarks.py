@@ -32,7 +32,7 @@ def _run(module: str, *args: str, out) -> dict:
 @pytest.mark.filterwarnings("ignore")
 def test_e2e_dry_run_checks(tmp_path):
     res = _run("e2e", "--por", "0.75", "--methods",
-               "treefx,treefx_standard,treefx_nologits,treefx_regional,packed",
+               "treefx,treefx_nologits,treefx_regional,packed",
                out=tmp_path / "e2e.json")
     checks = res["dry_run_checks"]["por0.75"]
     for method in ("treefx", "packed"):
@@ -41,7 +41,7 @@ def test_e2e_dry_run_checks(tmp_path):
     flex = checks["flex_forward"]
     assert max(v for k, v in flex.items() if k.endswith("_max_abs")) < 1e-5
     run = res["runs"]["hidden64"]["por0.75"]
-    for method in ("treefx", "treefx_standard", "treefx_nologits", "treefx_regional", "packed"):
+    for method in ("treefx", "treefx_nologits", "treefx_regional", "packed"):
         assert "step_ms" in run[method], (method, run[method].get("error", "")[-1500:])
         # every treefx variant's loss is the tree's (the packed one's, to rounding)
         assert abs(run[method]["loss"] - run["packed"]["loss"]) < 1e-5 * abs(

@@ -175,10 +175,6 @@ def print_table(res, rows) -> None:
     """The summary, a row per model, tree and method (``conventions`` in the JSON defines the
     figures; % mm: of the best bf16 matmul rate measured in the run; rec.: the recurrent
     layers' kernel)."""
-    st = res.get("stream") or {}
-    if st:
-        print(f"stream of {len(st.get('sizes') or [])} trees: further compilations "
-              f"{st.get('further_compilations', st.get('skipped', 'FAILED'))}")
     for key, mr in (res.get("matmul_rate") or {}).items():
         print(f"bf16 matmul rate [{key}]: max {mr['max_tflops']:.0f} TFLOP/s, sustained "
               f"{mr.get('sustained_tflops') or 0:.0f}")

@@ -1,4 +1,4 @@
-"""One model size through every chosen method and tree, and the recompilation stream."""
+"""One model size through every chosen method and tree."""
 
 from __future__ import annotations
 
@@ -8,12 +8,11 @@ import traceback
 
 import torch
 
-import treefx
 from treefx.ops.recurrence import backward_paths, kernel_runs
 
-from ..common import counts_delta, dynamo_counts, save_json, stream_trees
+from ..common import save_json
 from .dry_checks import dry_checks
-from .env import build_model, set_attn, tree_attn_impl
+from .env import build_model
 from .measure import cleanup, is_oom, matmul_rate, measure
 from .methods import MAKERS, TREEFX_OBJECTS
 from .profile import profile_step
@@ -21,7 +20,7 @@ from .profile import profile_step
 START = time.perf_counter()  # reset by main(); the progress lines print seconds since
 
 
-def run_hidden(env, args, hidden, trees, res, deadline, first_hidden) -> None:
+def run_hidden(env, args, hidden, trees, res, deadline) -> None:
     """Build the model at ``hidden``, then time each method on each tree (each in its own
     try/except; an error other than out-of-memory skips the method's later trees), saving
     the JSON after every measurement."""
@@ -93,12 +92,6 @@ def run_hidden(env, args, hidden, trees, res, deadline, first_hidden) -> None:
             print(f"[{time.perf_counter() - START:5.0f}s] [{key}] {name:10s} {label}: {msg}",
                   flush=True)
             save_json(res, args.out)
-        if name == "treefx" and first_hidden and args.stream and "treefx_model" in parts:
-            if time.perf_counter() > deadline:
-                res["stream"] = {"skipped": "time budget spent"}
-            else:
-                res["stream"] = stream_check(env, args, model, parts)
-            save_json(res, args.out)
     if env.dry and args.arch == "qwen3":
         try:
             res["dry_run_checks"] = dry_checks(env, model, trees, parts)
@@ -126,35 +119,6 @@ def recurrence_paths(before: dict, after: dict) -> dict:
     fast = sum(v for k, v in delta.items() if k.endswith((":varlen", ":tree")))
     on = "fla" if fast == sum(delta.values()) else "torch" if fast == 0 else "mixed"
     return {"recurrence_kernels": delta, "recurrence_on": on}
-
-
-def stream_check(env, args, model, parts) -> dict:
-    """After warm-up: a stream of trees of different sizes through the compiled treefx model
-    (forward + backward); how many more compilations they trigger."""
-    tm = parts["treefx_model"]
-    trees = stream_trees(args.stream, args.scale * (0.03 if env.dry else 1.0), args.vocab)
-    c0, n0 = dynamo_counts(), tm.num_compilations
-    sizes, ms = [], []
-    try:
-        for t in trees:
-            set_attn(model, tree_attn_impl(model))
-            model.zero_grad(set_to_none=True)
-            w0 = time.perf_counter()
-            batch = treefx.pack(t, reduction="mean").to(env.dev)
-            treefx.tree_loss(tm(batch), batch).backward()
-            env.sync()
-            ms.append((time.perf_counter() - w0) * 1e3)
-            sizes.append(batch.num_tokens)
-        out = {"trees": len(trees), "sizes": sizes, "step_wall_ms": ms,
-               "further_compilations": tm.num_compilations - n0,
-               "dynamo": counts_delta(c0, dynamo_counts())}
-    except Exception:
-        out = {"error": traceback.format_exc()[-4000:], "sizes": sizes}
-    cleanup(env, model)
-    print(f"stream of {len(trees)} trees ({min(sizes, default=0)}-{max(sizes, default=0)} "
-          f"tokens): further compilations "
-          f"{out.get('further_compilations', 'FAILED')}", flush=True)
-    return out
 
 
 def compile_cache_counters() -> dict[str, int]:

@@ -1,7 +1,6 @@
 """treefx: ``treefx.pack(tree).to(dev)``, ``treefx.compile(model)`` (inductor),
 ``treefx.tree_loss``. Variants, each the same step with one option changed:
-``treefx_standard``: ``interleave_heads=False`` (the usual [heads, row] layout at the attention
-sites); ``treefx_nologits``: ``logits=False`` (the output projection fused with the log-softmax);
+``treefx_nologits``: ``logits=False`` (the output projection fused with the log-softmax);
 ``treefx_regional``: ``regional=True`` (one compiled piece per layer type);
 ``treefx_keep_states`` (hybrids on fla, one pass): the forward's chunk states kept for the
 backward (``TREEFX_FLA_TREE_KEEP_STATES=1``), sharing ``treefx``'s compiled model."""
@@ -20,10 +19,6 @@ def make(env, model, parts, args=None, key="treefx_model", **options):
     parts[key] = tm
 
     return lambda tree: tree_step(env, model, tm, tree)
-
-
-def make_standard(env, model, parts, args=None):
-    return make(env, model, parts, key="treefx_standard_model", interleave_heads=False)
 
 
 def make_nologits(env, model, parts, args=None):
@@ -64,8 +59,7 @@ def make_keep_states(env, model, parts, args=None):
 
 
 # Each variant's method name -> (maker, the parts entry holding its compiled model)
-VARIANTS = {"treefx_standard": (make_standard, "treefx_standard_model"),
-            "treefx_nologits": (make_nologits, "treefx_nologits_model"),
+VARIANTS = {"treefx_nologits": (make_nologits, "treefx_nologits_model"),
             "treefx_regional": (make_regional, "treefx_regional_model"),
             "treefx_keep_states": (make_keep_states, "treefx_keep_states_model")}
 
