@@ -242,7 +242,7 @@ class _TreefxNotes(logging.Handler):
     """treefx's log lines about its captures during training (``messages``), kept for the
     result; nothing else of the log changes."""
 
-    KEEP = ("capturing again", "twin", "whole graph", "regional execution:", "verify")
+    KEEP = ("capturing again", "twin", "whole graph", "regional execution:", "verify", "compiled a")
 
     def __init__(self):
         super().__init__(logging.INFO)
@@ -255,7 +255,8 @@ class _TreefxNotes(logging.Handler):
             self.logger.setLevel(logging.INFO)
             # INFO lines reach this handler only: the root's handlers saw none before
             self.logger.propagate = False
-            self.others = [h for h in logging.getLogger().handlers]
+            # (none: Python's last-resort handler, so that warnings still print)
+            self.others = [h for h in logging.getLogger().handlers] or [logging.lastResort]
             for h in self.others:
                 self.logger.addHandler(_AtLeast(h, logging.WARNING))
 
@@ -263,6 +264,7 @@ class _TreefxNotes(logging.Handler):
         text = record.getMessage()
         if len(self.messages) < 40 and any(k in text for k in self.KEEP):
             self.messages.append(text[:600])
+            print(f"  treefx: {text[:300]}", flush=True)
 
     def close(self):
         for h in list(self.logger.handlers):

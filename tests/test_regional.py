@@ -273,3 +273,42 @@ def test_other_step_arguments_are_guarded():
     torch.testing.assert_close(c[0], a[0])
     torch.testing.assert_close(c[1], torch.full((5,), 2.0))
     assert len(_graphs(step)) == 3
+
+
+def _autocast_forward(model):
+    """``model.forward`` wrapped in autocast, as accelerate's mixed precision (Trainer's and
+    TRL's ``bf16=True``) wraps it: the autocast region opens in the glue before the first
+    layer and closes after the last."""
+    model.forward = torch.autocast("cpu", dtype=torch.bfloat16)(model.forward)
+    return model
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_an_autocast_region_around_the_layers_runs_layer_by_layer(grad):
+    model = _autocast_forward(hf_model("qwen3", "sdpa"))
+    trees = odd_forest(3, VOCAB)
+    tm = treefx.compile(model, backend="aot-eager", regional=True, verify=False)
+    whole = treefx.compile(model, backend="aot-eager", regional=False, verify=False)
+    batch = treefx.pack(trees)
+    outs = []
+    for m in (tm, whole):
+        model.zero_grad(set_to_none=True)
+        with torch.set_grad_enabled(grad):
+            out = m(batch)
+            if grad:
+                treefx.tree_loss(out, batch).backward()
+        outs.append((out.token_logprobs.detach(),
+                     {n: p.grad.clone() for n, p in model.named_parameters()} if grad else {}))
+    (graph,) = _graphs(tm)
+    assert sum(p.block is not None for p in graph.pieces) == HF_CONFIGS["qwen3"]["num_hidden_layers"]
+    # every piece computes under the region: the same values as the whole graph, where the
+    # matmuls run in bfloat16 (without the region, float32: far from these)
+    torch.testing.assert_close(outs[0][0], outs[1][0], atol=0, rtol=0)
+    for n, g in outs[1][1].items():
+        torch.testing.assert_close(outs[0][1][n], g, atol=0, rtol=0, msg=n)
+    check_forward(tm, trees, atol=0.05, grad=grad)  # the oracle under the same autocast
+    with torch.no_grad():
+        plain = treefx.reference.sequence_logprobs(hf_model("qwen3", "sdpa"), trees)
+    err = max(float((outs[0][0][batch.sequence_index(i)[1:]] - lp).abs().max())
+              for i, lp in enumerate(plain) if lp.numel())
+    assert err > 1e-3  # the region made a difference that the equalities above checked

@@ -51,18 +51,43 @@ def _labels(gm: fx.GraphModule, blocks: dict) -> list[tuple[fx.Node, str | None]
     return list(zip(nodes, labels))
 
 
-def _global_state_balanced(nodes) -> bool:
-    depth = 0
-    grad = []
-    for n in nodes:
-        name = getattr(n.target, "__name__", "")
-        if name == "_enter_autocast":
-            depth += 1
-        elif name == "_exit_autocast":
-            depth -= 1
-        elif name == "_set_grad_enabled":
-            grad.append(n)
-    return depth == 0 and (not grad or grad[-1].args[0] == torch.is_grad_enabled())
+def _autocast(n: fx.Node) -> str | None:
+    """``"enter"`` or ``"exit"`` for Dynamo's autocast nodes, else None."""
+    if n.op != "call_function":
+        return None
+    return {"_enter_autocast": "enter", "_exit_autocast": "exit"}.get(
+        getattr(n.target, "__name__", ""))
+
+
+def _autocast_open(runs) -> list[list[fx.Node]]:
+    """The autocast regions open at the start of each run (their enter nodes, outermost
+    first): a region the glue opens around the blocks (accelerate's mixed precision wraps the
+    model's forward in ``torch.autocast``) is carried into each piece it spans."""
+    stack: list[fx.Node] = []
+    out = []
+    for lab, nodes in runs:
+        out.append(list(stack))
+        for n in nodes:
+            kind = _autocast(n)
+            if kind == "enter":
+                if n.all_input_nodes:
+                    raise TreeCompileError(f"regional execution: autocast entered with "
+                                           f"computed arguments ({n.name})")
+                stack.append(n)
+            elif kind == "exit":
+                if not stack or n.args[0] is not stack[-1]:
+                    raise TreeCompileError(f"regional execution: autocast regions that do "
+                                           f"not nest ({n.name})")
+                stack.pop()
+    if stack:
+        raise TreeCompileError("regional execution: an autocast region is left open at the "
+                               "graph's end")
+    return out
+
+
+def _grad_mode_kept(nodes) -> bool:
+    grad = [n for n in nodes if getattr(n.target, "__name__", "") == "_set_grad_enabled"]
+    return not grad or grad[-1].args[0] == torch.is_grad_enabled()
 
 
 def build(gm: fx.GraphModule, example_inputs, *, backend: str, model: torch.nn.Module,
@@ -86,7 +111,8 @@ def build(gm: fx.GraphModule, example_inputs, *, backend: str, model: torch.nn.M
     sources, fakes = _input_sources(placeholders, example_inputs, call_args,
                                     _tensor_names(model), n_tokens)
     runs = _runs(_labels(gm, blocks))
-    cuts = [_cut(gm, lab, nodes, sources) for lab, nodes in runs]
+    cuts = [_cut(gm, lab, nodes, sources, opened)
+            for (lab, nodes), opened in zip(runs, _autocast_open(runs))]
     compiling = _Compiling(backend, options, fakes)
     pieces = [compiling.compile(c) for c in cuts]
     for a in call_args:
@@ -172,31 +198,46 @@ class _Cut:
     out_nodes: list[fx.Node]
 
 
-def _cut(gm: fx.GraphModule, lab: str | None, nodes: list[fx.Node], sources) -> _Cut:
+def _cut(gm: fx.GraphModule, lab: str | None, nodes: list[fx.Node], sources,
+         opened: list[fx.Node] = ()) -> _Cut:
     """The run ``nodes`` (of block ``lab``, or the glue) as a graph of its own: parameters
-    and buffers first, then the values other pieces make."""
-    if not _global_state_balanced(nodes):
+    and buffers first, then the values other pieces make. ``opened``: the autocast regions
+    open where the run starts (:func:`_autocast_open`); the piece enters them itself and
+    leaves, at its end, those still open, so each piece computes under the autocast state
+    its nodes had in the whole graph (AOTAutograd traces each piece inside its regions)."""
+    if not _grad_mode_kept(nodes):
         raise TreeCompileError(
-            f"regional execution: the graph changes grad mode or autocast across the "
-            f"boundary of {'block ' + lab if lab else 'the glue'} ({nodes[0].name} ..)")
-    inside = set(nodes)
+            f"regional execution: the graph changes grad mode across the boundary of "
+            f"{'block ' + lab if lab else 'the glue'} ({nodes[0].name} ..)")
+    inside = set(nodes) | set(opened)
     params, inputs = [], []
     for n in nodes:
         for a in n.all_input_nodes:
             if a in inside or a in params or a in inputs:
                 continue
             (params if a in sources and sources[a].kind == "param" else inputs).append(a)
-    outputs = [n for n in nodes if any(u not in inside for u in n.users)]
+    # an enter node is never a value passed between pieces: each piece enters its own
+    outputs = [n for n in nodes if _autocast(n) is None and any(u not in inside for u in n.users)]
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for a in params + inputs:
         env[a] = g.placeholder(a.name)
         env[a].meta = dict(a.meta)
+    stack = list(opened)
+    for e in opened:
+        env[e] = g.node_copy(e, lambda x: env[x])
     attrs = {}
     for n in nodes:
         env[n] = g.node_copy(n, lambda x: env[x])
         if n.op in ("get_attr", "call_module"):
             attrs[n.target] = getattr_path(gm, n.target)
+        kind = _autocast(n)
+        if kind == "enter":
+            stack.append(n)
+        elif kind == "exit":
+            stack.pop()
+    for e in reversed(stack):
+        g.call_function(torch.amp.autocast_mode._exit_autocast, (env[e],))
     g.output(tuple(env[o] for o in outputs))
     rel_params = []
     for p in params:
