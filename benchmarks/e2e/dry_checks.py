@@ -11,7 +11,7 @@ import treefx
 from ..common import counts_delta, dynamo_counts, loss_vs_oracle, oracle
 from ..internals import tree_block_tensors
 from .body import make_body
-from .env import BLOCK, set_attn, tree_attn_impl
+from .env import BLOCK, TREE_ATTN, set_attn
 from .methods.packed import PackedData
 
 
@@ -24,7 +24,7 @@ def dry_checks(env, model, trees, parts) -> dict:
     (:func:`benchmarks.common.loss_vs_oracle`) rather than ``treefx.verify``."""
     out = {}
     for label, tree in trees.items():
-        set_attn(model, tree_attn_impl(model))
+        set_attn(model, TREE_ATTN)
         ref = oracle(model, tree, reduction="mean")
         entry = {"reference_loss": ref[0]}
         for name in parts["prepare"]:
@@ -51,12 +51,12 @@ def dry_checks(env, model, trees, parts) -> dict:
         with torch.no_grad():
             for kind, (i, p, e) in rows.items():
                 blocks = tree_block_tensors(e, BLOCK)[:4]
-                set_attn(model, tree_attn_impl(model))
+                set_attn(model, TREE_ATTN)
                 h_dense = dense_body(i, p, e, blocks)
                 set_attn(model, "flex_attention")
                 h_flex = flex_body(i, p, e, blocks)
                 res[f"{kind}_flex_vs_dense_max_abs"] = (h_flex - h_dense).abs().max().item()
-        set_attn(model, tree_attn_impl(model))
+        set_attn(model, TREE_ATTN)
         res["dynamo"] = counts_delta(c0, dynamo_counts())
         out[label]["flex_forward"] = res
     return out

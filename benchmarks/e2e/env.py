@@ -36,14 +36,8 @@ def set_attn(model, impl: str) -> None:
         model.config._attn_implementation = impl
 
 
-# Models whose attention Hugging Face runs only in its eager form (sinks, softcapping: its SDPA
-# path would drop them), which treefx then rewrites.
-_EAGER_ONLY = ("gpt_oss", "gemma2")
-
-
-def tree_attn_impl(model) -> str:
-    """The HF attention implementation treefx captures."""
-    return "eager" if model.config.model_type in _EAGER_ONLY else "sdpa"
+# The HF attention implementation treefx captures.
+TREE_ATTN = "sdpa"
 
 
 def attn_impl(env: Env) -> str:
@@ -51,21 +45,8 @@ def attn_impl(env: Env) -> str:
     return "flex_attention" if env.mask_kind == "flex" else "sdpa"
 
 
-# Real models' layer shapes (``--arch``; ``--hidden`` does not apply, ``--layers`` does).
+# Real hybrid models' layer shapes (``--arch``; ``--hidden`` does not apply, ``--layers`` does).
 ARCH_SHAPES = {
-    # DeepSeek-V2-Lite: multi-head latent attention (KV rank 512, 128 + 64 rotary query/key
-    # dims, 128 value dims, 16 heads), MoE of 64 routed experts of width 1408, 6 per token,
-    # 2 shared; the first layer dense (10944).
-    "deepseek_v2": dict(hidden_size=2048, intermediate_size=10944, num_attention_heads=16,
-                        num_key_value_heads=16, q_lora_rank=None, kv_lora_rank=512,
-                        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
-                        n_routed_experts=64, num_experts_per_tok=6, n_shared_experts=2,
-                        moe_intermediate_size=1408, first_k_dense_replace=1),
-    # gpt-oss-20b: 64 heads of 64, 8 KV heads, a learned sink per head, sliding window 128 in
-    # every other layer, MoE of 32 experts of width 2880, 4 per token.
-    "gpt_oss": dict(hidden_size=2880, intermediate_size=2880, num_attention_heads=64,
-                    num_key_value_heads=8, head_dim=64, num_local_experts=32,
-                    num_experts_per_tok=4, sliding_window=128),
     # Qwen3-Next-80B-A3B (transformers' Qwen3NextConfig defaults): hidden 2048, Gated DeltaNet
     # with 16 key and 32 value heads of 128, 16 attention heads of 256 with 2 KV heads, conv 4,
     # three Gated DeltaNet layers to one attention layer. Its MoE (512 experts of 512, 10 per
@@ -82,19 +63,9 @@ ARCH_SHAPES = {
                     linear_num_value_heads=32, linear_key_head_dim=128,
                     linear_value_head_dim=128, linear_conv_kernel_dim=4),
 }
-# Hybrid architectures: Gated DeltaNet layers and attention layers, 3 : 1.
-HYBRID_ARCHS = ("qwen3_next", "qwen3_5")
 # The transformers model type of each --arch (the text model of Qwen3.5).
 MODEL_TYPES = {"qwen3_5": "qwen3_5_text"}
 _ARCH_TINY = {
-    "deepseek_v2": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                        num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=16,
-                        qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
-                        n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
-                        moe_intermediate_size=32, first_k_dense_replace=1),
-    "gpt_oss": dict(hidden_size=64, intermediate_size=64, num_attention_heads=4,
-                    num_key_value_heads=2, head_dim=16, num_local_experts=4,
-                    num_experts_per_tok=2, sliding_window=16),
     "qwen3_next": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4,
                        num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
                        linear_num_value_heads=4, linear_key_head_dim=16,
@@ -109,22 +80,19 @@ _ARCH_TINY = {
 def build_model(env: Env, hidden: int, args):
     """HF Qwen3 from a config, in training mode: ``--heads`` heads (16), ``--kv-heads`` KV
     heads (8), head_dim 128, intermediate 3 x hidden on the GPU; a tiny one in the dry run.
-    ``--arch deepseek_v2`` / ``gpt_oss`` / ``qwen3_next`` / ``qwen3_5``: those models' real
-    layer shapes (:data:`ARCH_SHAPES`; the hybrids with a Gated DeltaNet : attention ratio of
-    3 : 1). Returns the model and its config."""
+    ``--arch qwen3_next`` / ``qwen3_5``: those models' real layer shapes (:data:`ARCH_SHAPES`,
+    Gated DeltaNet : attention 3 : 1). Returns the model and its config."""
     if args.arch in ARCH_SHAPES:
         shapes = _ARCH_TINY if env.dry else ARCH_SHAPES
-        layers = (4 if args.arch in HYBRID_ARCHS else 2) if env.dry else args.layers
-        cfg = dict(shapes[args.arch], vocab_size=args.vocab, num_hidden_layers=layers)
-        if args.arch in HYBRID_ARCHS:
-            cfg["layer_types"] = [("full_attention" if i % 4 == 3 else "linear_attention")
-                                  for i in range(layers)]
-            if args.arch == "qwen3_next":
-                cfg["mlp_only_layers"] = list(range(layers))
-        attn = "eager" if args.arch in _EAGER_ONLY else "sdpa"
+        layers = 4 if env.dry else args.layers
+        cfg = dict(shapes[args.arch], vocab_size=args.vocab, num_hidden_layers=layers,
+                   layer_types=[("full_attention" if i % 4 == 3 else "linear_attention")
+                                for i in range(layers)])
+        if args.arch == "qwen3_next":
+            cfg["mlp_only_layers"] = list(range(layers))
         model = common.hf_model(MODEL_TYPES.get(args.arch, args.arch), dev=env.dev,
                                 dtype=env.dtype, seed=0, on_device=True, use_cache=False,
-                                train=True, attn=attn, **cfg)
+                                train=True, **cfg)
         return model, dict(cfg, arch=args.arch)
     if env.dry:
         cfg = dict(vocab_size=args.vocab, hidden_size=64, intermediate_size=192,

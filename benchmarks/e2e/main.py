@@ -12,18 +12,9 @@ import torch
 from .. import common
 from . import run
 from .dry_checks import print_dry_checks
-from .env import HYBRID_ARCHS, Env
+from .env import ARCH_SHAPES, Env
 from .methods import EXTRA_METHODS, HYBRID_METHODS, METHODS
 from .report import conventions, print_table, summarize, tree_info
-
-
-def _windows(args) -> tuple[int, ...]:
-    """The sliding windows of ``--arch``'s layers (their attended pairs go in the tree info
-    for the FLOP bound)."""
-    from .env import _ARCH_TINY, ARCH_SHAPES
-
-    shapes = (_ARCH_TINY if args.dry_run else ARCH_SHAPES).get(args.arch, {})
-    return (shapes["sliding_window"],) if shapes.get("sliding_window") else ()
 
 
 def parse_args(argv=None):
@@ -45,15 +36,12 @@ def parse_args(argv=None):
                    help="attention heads of the qwen3 model (head_dim 128; "
                         "Qwen3-8B: --hidden 4096 --heads 32)")
     p.add_argument("--kv-heads", type=int, default=8, help="its key/value heads")
-    p.add_argument("--arch", choices=("qwen3", "qwen3_next", "qwen3_5", "deepseek_v2",
-                                      "gpt_oss"),
-                   default="qwen3",
+    p.add_argument("--arch", choices=("qwen3", "qwen3_next", "qwen3_5"), default="qwen3",
                    help="qwen3 (attention; --hidden), or real layer shapes: qwen3_next "
                         "(Qwen3-Next-80B-A3B's, Gated DeltaNet + attention, 3:1, MoE as a "
                         "dense MLP of the active width) and qwen3_5 (Qwen3.5's dense text "
                         "model; both 16 key / 32 value heads; treefx against packed_reset, "
-                        "each on fla where known good), DeepSeek-V2-Lite (MLA + MoE) or "
-                        "gpt-oss-20b (sinks, windows, MoE)")
+                        "each on fla where known good)")
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--reps", type=int, default=5)
@@ -76,7 +64,7 @@ def parse_args(argv=None):
                    help="hidden 1024 only, 1 warm-up + 3 reps")
     args = p.parse_args(argv)
     if args.methods is None:
-        args.methods = ",".join(HYBRID_METHODS if args.arch in HYBRID_ARCHS else METHODS)
+        args.methods = ",".join(HYBRID_METHODS if args.arch in ARCH_SHAPES else METHODS)
     args.methods = [m for m in args.methods.split(",") if m]
     for m in args.methods:
         if m not in METHODS + EXTRA_METHODS:
@@ -118,7 +106,7 @@ def main(argv=None):
         try:
             trees[label] = common.make_tree(por, args.scale * (0.03 if args.dry_run else 1.0),
                                             args.vocab, args.seed)
-            res["trees"][label] = tree_info(trees[label], windows=_windows(args))
+            res["trees"][label] = tree_info(trees[label])
         except Exception:
             res["trees"][label] = {"error": traceback.format_exc()[-2000:]}
         print(f"tree {label}: {res['trees'][label]}", flush=True)

@@ -6,83 +6,32 @@ from __future__ import annotations
 import treefx
 
 
-def _capped_pairs(n: int, window: int) -> int:
-    """Attended pairs of one sequence of ``n`` tokens when a query sees at most ``window``
-    keys (itself included): sum over positions of min(position + 1, window)."""
-    if n <= window:
-        return n * (n + 1) // 2
-    return window * (window + 1) // 2 + (n - window) * window
-
-
-def tree_info(t: treefx.Tree, windows=()) -> dict:
+def tree_info(t: treefx.Tree) -> dict:
     """Sizes, the token-count bound, and the attended (q, k) pairs of both layouts: a tree
-    token attends to its depth + 1 keys, a packed token to its position + 1; for each sliding
-    ``window`` (keys a query sees, itself included) also the pairs within it."""
+    token attends to its depth + 1 keys, a packed token to its position + 1."""
     depth = treefx.pack(t).position_ids[0].double() + 1
     info = {"tokens": t.num_tokens, "baseline_tokens": t.num_baseline_tokens,
             "sequences": t.num_sequences, "nodes": t.num_nodes, "por": round(t.por, 4),
             "bound": t.bound, "max_seq_len": int(max(t.sequence_lengths)),
             "tree_pairs": int(depth.sum()),
             "baseline_pairs": int(sum(n * (n + 1) // 2 for n in t.sequence_lengths))}
-    for w in windows:
-        info[f"tree_pairs_w{w}"] = int(depth.clamp(max=w).sum())
-        info[f"baseline_pairs_w{w}"] = int(sum(_capped_pairs(n, w) for n in t.sequence_lengths))
     return info
 
 
-def _layers(model: dict) -> list[tuple[int, int, int | None]] | None:
-    """Per layer: (matmul parameters a token uses, forward FLOPs per attended pair, the
-    sliding window in keys or None), for the architectures the e2e harness builds; None for
-    others (hybrids: their recurrent layers are not counted here)."""
-    arch = model.get("arch", "qwen3")
-    h, n_layers = model["hidden_size"], model["num_hidden_layers"]
-    heads = model["num_attention_heads"]
-    if arch == "qwen3":
-        kv, d = model["num_key_value_heads"], model["head_dim"]
-        layer = h * heads * d + 2 * h * kv * d + heads * d * h + 3 * h * model["intermediate_size"]
-        return [(layer, 4 * d * heads, None)] * n_layers
-    if arch == "gpt_oss":
-        # Hugging Face's default layer types: sliding window on even layers, full on odd.
-        kv, d = model["num_key_value_heads"], model["head_dim"]
-        experts, k = model["num_local_experts"], model["num_experts_per_tok"]
-        layer = (h * heads * d + 2 * h * kv * d + heads * d * h + h * experts
-                 + k * 3 * h * model["intermediate_size"])
-        # The window W of Hugging Face's mask: keys kv > q - W, so W keys with the query.
-        return [(layer, 4 * d * heads, model["sliding_window"] if i % 2 == 0 else None)
-                for i in range(n_layers)]
-    if arch == "deepseek_v2":
-        nope, rope, vd = (model["qk_nope_head_dim"], model["qk_rope_head_dim"],
-                          model["v_head_dim"])
-        rank = model["kv_lora_rank"]
-        attn = (h * heads * (nope + rope) + h * (rank + rope) + rank * heads * (nope + vd)
-                + heads * vd * h)
-        dense = attn + 3 * h * model["intermediate_size"]
-        moe = attn + h * model["n_routed_experts"] + (
-            model["num_experts_per_tok"] + model["n_shared_experts"]) * 3 * h * model[
-            "moe_intermediate_size"]
-        per_pair = 2 * heads * (nope + rope + vd)
-        return [(dense if i < model["first_k_dense_replace"] else moe, per_pair, None)
-                for i in range(n_layers)]
-    return None
-
-
 def _step_flops(info: dict, model: dict, side: str, per_pair_factor: float) -> float | None:
-    """FLOPs of one training step on ``side`` ("tree" or "baseline") tokens: 6 per parameter a
-    token uses (MoE: its active experts; embedding lookups excluded, the output projection
-    counted) and ``per_pair_factor`` times each layer's forward FLOPs per attended pair
-    (windowed layers count the pairs within their window). None for an architecture without
-    a formula, or a window whose pairs the tree info lacks."""
-    layers = _layers(model)
-    if layers is None:
+    """FLOPs of one training step of Qwen3 on ``side`` ("tree" or "baseline") tokens: 6 per
+    parameter a token uses (embedding lookups excluded, the output projection counted) and
+    ``per_pair_factor`` times each layer's forward FLOPs per attended pair. None for another
+    architecture (hybrids: their recurrent layers are not counted here)."""
+    if model.get("arch", "qwen3") != "qwen3":
         return None
-    per_token = 6 * (sum(p for p, _, _ in layers) + model["hidden_size"] * model["vocab_size"])
-    total = info["tokens" if side == "tree" else "baseline_tokens"] * per_token
-    for _, per_pair, window in layers:
-        key = "" if window is None else f"_w{window}"
-        if f"tree_pairs{key}" not in info:
-            return None
-        total += per_pair_factor * per_pair * info[f"{side}_pairs{key}"]
-    return total
+    h, heads = model["hidden_size"], model["num_attention_heads"]
+    kv, d = model["num_key_value_heads"], model["head_dim"]
+    layer = h * heads * d + 2 * h * kv * d + heads * d * h + 3 * h * model["intermediate_size"]
+    layers = model["num_hidden_layers"]
+    per_token = 6 * (layers * layer + h * model["vocab_size"])
+    return (info["tokens" if side == "tree" else "baseline_tokens"] * per_token
+            + per_pair_factor * layers * 4 * d * heads * info[f"{side}_pairs"])
 
 
 def flop_bound(info: dict, model: dict) -> float | None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import treefx
 
-from ..env import set_attn, tree_attn_impl
+from ..env import TREE_ATTN, set_attn
 from .tree import tree_step
 
 
@@ -42,7 +42,7 @@ def micro_batch_step(env, model, tm, tree, budget: int):
     batches = [b.to(env.dev) for b in packing_batches(tree, budget)]
 
     def step():
-        set_attn(model, tree_attn_impl(model))
+        set_attn(model, TREE_ATTN)
         model.zero_grad(set_to_none=True)
         total = None
         for b in batches:

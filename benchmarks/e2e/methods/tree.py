@@ -11,7 +11,7 @@ import os
 
 import treefx
 
-from ..env import set_attn, tree_attn_impl
+from ..env import TREE_ATTN, set_attn
 
 
 def make(env, model, parts, args=None, key="treefx_model", **options):
@@ -67,7 +67,7 @@ VARIANTS = {"treefx_nologits": (make_nologits, "treefx_nologits_model"),
 def tree_step(env, model, tm, trees):
     """One timed step of a compiled TreeModel: layout, forward, tree loss, backward."""
     def step():
-        set_attn(model, tree_attn_impl(model))
+        set_attn(model, TREE_ATTN)
         model.zero_grad(set_to_none=True)
         batch = treefx.pack(trees, reduction="mean").to(env.dev)
         loss = treefx.tree_loss(tm(batch), batch)

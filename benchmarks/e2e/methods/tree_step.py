@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 import treefx
 
-from ..env import set_attn, tree_attn_impl
+from ..env import TREE_ATTN, set_attn
 
 
 def hf_train_step(model, batch):
@@ -24,7 +24,7 @@ def make(env, model, parts, args=None):
 
     def prepare(tree):
         def step():
-            set_attn(model, tree_attn_impl(model))
+            set_attn(model, TREE_ATTN)
             model.zero_grad(set_to_none=True)
             batch = treefx.pack(tree, reduction="mean").to(env.dev)
             loss = train_step(model, batch)
