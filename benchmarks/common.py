@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import os
 import platform
@@ -67,12 +68,6 @@ def run_meta(cuda: bool) -> dict:
             "command": " ".join([os.path.basename(sys.executable), "-m", module, *sys.argv[1:]])}
 
 
-def attention_heads(cuda: bool) -> tuple[int, int, int, torch.dtype]:
-    """(query heads, KV heads, head width, dtype) the attention benchmarks time: Qwen3-8B's
-    in bf16 on the GPU, tiny float32 ones for a dry run on the CPU."""
-    return (32, 8, 128, torch.bfloat16) if cuda else (4, 2, 16, torch.float32)
-
-
 def bump_dynamo_limits(limit: int = 64, accumulated: int | None = 1024) -> None:
     """Room for the graphs a benchmark compiles on purpose (sizes, methods, variants);
     ``accumulated=None`` leaves the accumulated limits as they are."""
@@ -102,6 +97,22 @@ def dynamo_counts() -> dict:
 
 def counts_delta(a: dict, b: dict) -> dict:
     return {k: b.get(k, 0) - a.get(k, 0) for k in b}
+
+
+def kernel_runs_delta(before: dict, after: dict) -> dict:
+    """``{"name:path": runs}`` of the tree recurrences' kernel paths taken between two reads
+    of ``treefx.ops.recurrence.kernel_runs()``."""
+    return {f"{n}:{p}": after[(n, p)] - before.get((n, p), 0) for n, p in after
+            if after[(n, p)] != before.get((n, p), 0)}
+
+
+def free_memory(model, cuda: bool) -> None:
+    """The model's gradients dropped, garbage collected, the CUDA cache emptied."""
+    if model is not None:
+        model.zero_grad(set_to_none=True)
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
 
 
 # ----------------------------------------------------------------------------- arguments and results

@@ -200,7 +200,7 @@ def op_case(dev, dtype, layout, trees) -> dict:
                              dict(g=xs[3], beta=xs[4], use_qk_l2norm_in_kernel=True))
     tree_total = (out.double() * probe.double()).sum()
     res["tree"] = errors(out, grads_of(tree_total, xs))
-    res["kernel_runs"] = _runs_delta(before, kernel_runs())
+    res["kernel_runs"] = common.kernel_runs_delta(before, kernel_runs())
     worst = max(res["tree"].values())
     kernel_err = max(res.get("fla_per_sequence", res["torch_kernel_per_sequence_fp32"]).values())
     if dtype == torch.float32:
@@ -211,11 +211,6 @@ def op_case(dev, dtype, layout, trees) -> dict:
     res["worst"] = worst
     res["passed"] = worst <= res["tolerance"]
     return res
-
-
-def _runs_delta(before, after) -> dict:
-    return {f"{name}:{path}": after[(name, path)] - before.get((name, path), 0)
-            for name, path in after if after[(name, path)] != before.get((name, path), 0)}
 
 
 # ----------------------------------------------------------------------------- model level
@@ -300,7 +295,7 @@ def model_case(dev, model_type, trees, budget, backend, bf16: bool, fp32: bool =
         ploss = treefx.backward(tm, trees, max_tokens=budget, reduction="mean")
         row["parts"] = {"loss_rel": abs(float(ploss) - float(ref_loss)) / abs(float(ref_loss)),
                         "grad": _param_err(_grads(m), ref)}
-        row["kernel_runs"] = _runs_delta(before, kernel_runs())
+        row["kernel_runs"] = common.kernel_runs_delta(before, kernel_runs())
         if label == "bf16":
             try:
                 m.zero_grad(set_to_none=True)

@@ -50,11 +50,6 @@ def hf_model(model_type: str, dtype=torch.float32, seed=0, **cfg):
     return common.hf_model(model_type, dev=DEV, dtype=dtype, seed=seed, **cfg)
 
 
-def small_trees(vocab):
-    """The check forest (:func:`benchmarks.common.check_forest`; a small one in a dry run)."""
-    return check_forest(vocab, small=DRY_RUN)
-
-
 def compare(tree_model, trees, reduction="mean", reference=None, grads=True):
     """``treefx.verify``: the tree model against the per-sequence oracle (``reference``: run
     the oracle on that module instead, e.g. the float32 copy of a bf16 model), log-probs and
@@ -69,7 +64,7 @@ def case_qwen3_fp32(res):
     torch.backends.cudnn.allow_tf32 = False
     model = hf_model("qwen3", **SMALL)
     tm = treefx.compile(model, **COMPILE_KW)
-    trees = small_trees(SMALL["vocab_size"])
+    trees = check_forest(SMALL["vocab_size"], small=DRY_RUN)
     for red in ("sum", "mean"):
         res[f"qwen3-fp32-{red}"] = compare(tm, trees, red)
     res["qwen3-fp32-compilations"] = tm.num_compilations
@@ -79,7 +74,7 @@ def case_qwen3_bf16(res):
     torch.backends.cuda.matmul.allow_tf32 = False
     ref = hf_model("qwen3", **SMALL)
     low = _bf16_copy(ref, SMALL)
-    trees = small_trees(SMALL["vocab_size"])
+    trees = check_forest(SMALL["vocab_size"], small=DRY_RUN)
     tm = treefx.compile(low, **COMPILE_KW)
     res["qwen3-bf16-tree-vs-fp32-oracle"] = compare(tm, trees, "mean", reference=ref)
     # the input embedding's gradient by ATen's kernel (compiler/lower/whole.py, finish)
@@ -95,7 +90,7 @@ def case_inference(res):
     torch.backends.cuda.matmul.allow_tf32 = False
     model = hf_model("qwen3", **SMALL)
     for label, trees in (("tiny", tiny_forest()),
-                         ("small-trees", small_trees(SMALL["vocab_size"]))):
+                         ("small-trees", check_forest(SMALL["vocab_size"], small=DRY_RUN))):
         tm = treefx.compile(model, **COMPILE_KW)
         res[f"inference-qwen3-{label}"] = compare(tm, trees, grads=False)
 

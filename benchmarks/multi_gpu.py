@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import gc
 import importlib.util
 import random
 import re
@@ -305,10 +304,7 @@ def run_trees(args, dev) -> dict:
         say(f"{name}: step {r['step_s']:.3f} s, {entry['sequence_tokens_per_s']:,.0f} sequence "
             f"tokens/s, peak {r['peak_gib_per_rank']} GiB")
         del opt, step
-        model.zero_grad(set_to_none=True)
-        gc.collect()
-        if cuda:
-            torch.cuda.empty_cache()
+        common.free_memory(model, cuda)
         save()
     m = res["methods"]
     if {"treefx", "packing"} <= set(m):

@@ -22,7 +22,6 @@ agreement (``--check-grads``: a few gradients too). An OOM is recorded and the r
 from __future__ import annotations
 
 import argparse
-import gc
 import hashlib
 import json
 import os
@@ -267,13 +266,6 @@ def _is_oom(e: BaseException) -> bool:
     return False
 
 
-def _free(model, cuda: bool):
-    model.zero_grad(set_to_none=True)
-    gc.collect()
-    if cuda:
-        torch.cuda.empty_cache()
-
-
 # ----------------------------------------------------------------------------- one task
 
 
@@ -336,7 +328,7 @@ def run_task(index: int, tree: treefx.Tree, tm, model, args, cuda: bool, dev: st
             if name == "packing":
                 dev_batches = largest = None
             methods[name] = {"status": "oom", "error": oom}
-        _free(model, cuda)
+        common.free_memory(model, cuda)
     row["methods"] = methods
     ok = {k for k, v in methods.items() if v.get("status") == "ok"}
     row["status"] = "ok" if ok == set(args.methods) else \

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import statistics
 import time
 
@@ -86,14 +85,6 @@ def _sustained_rate(m: int, k: int, n: int, ms: float, span_ms: float = 250.0) -
     del a, b
     return {"sustained_tflops": 2 * m * k * n * reps / total / 1e9, "sustained_ms": total,
             "sustained_shape": [m, k, n]}
-
-
-def cleanup(env, model=None):
-    if model is not None:
-        model.zero_grad(set_to_none=True)
-    gc.collect()
-    if env.cuda:
-        torch.cuda.empty_cache()
 
 
 def is_oom(e: BaseException) -> bool:

@@ -10,10 +10,10 @@ import torch
 
 from treefx.ops.recurrence import backward_paths, kernel_runs
 
-from ..common import save_json
+from ..common import free_memory, kernel_runs_delta, save_json
 from .dry_checks import dry_checks
 from .env import build_model
-from .measure import cleanup, is_oom, matmul_rate, measure
+from .measure import is_oom, matmul_rate, measure
 from .methods import MAKERS, TREEFX_OBJECTS
 from .profile import profile_step
 
@@ -88,7 +88,7 @@ def run_hidden(env, args, hidden, trees, res, deadline) -> None:
                 msg = "FAILED: " + (str(e).strip().splitlines() or [""])[0][:200]
                 if not is_oom(e):
                     broken = label
-            cleanup(env, model)
+            free_memory(model, env.cuda)
             print(f"[{time.perf_counter() - START:5.0f}s] [{key}] {name:10s} {label}: {msg}",
                   flush=True)
             save_json(res, args.out)
@@ -99,7 +99,7 @@ def run_hidden(env, args, hidden, trees, res, deadline) -> None:
             res["dry_run_checks"] = {"error": traceback.format_exc()[-4000:]}
         save_json(res, args.out)
     del parts, model
-    cleanup(env)
+    free_memory(None, env.cuda)
     try:
         torch._dynamo.reset()
     except Exception:
@@ -112,8 +112,7 @@ def recurrence_paths(before: dict, after: dict) -> dict:
     ``recurrence_on``: "fla" (every run on fla's kernels: the variable-length path depth by
     depth, or the tree in one pass per stage), "torch" (none: Hugging Face's torch kernel) or
     "mixed"; nothing for a model without one."""
-    delta = {f"{n}:{p}": after[(n, p)] - before.get((n, p), 0) for n, p in after
-             if after[(n, p)] != before.get((n, p), 0)}
+    delta = kernel_runs_delta(before, after)
     if not delta:
         return {}
     fast = sum(v for k, v in delta.items() if k.endswith((":varlen", ":tree")))
