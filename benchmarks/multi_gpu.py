@@ -199,8 +199,8 @@ def select_trees(args, vocab: int) -> tuple[list[tuple[int, treefx.Tree]], dict]
         prov = dict(file_provenance(args.trees), trees_in_file=len(pool))
     else:
         pool, prov = synthetic_combs(args.tasks, vocab, args.seed, args.dry_run)
-    fits = [i for i, t in enumerate(pool)
-            if args.max_sequence_tokens is None or t.num_baseline_tokens <= args.max_sequence_tokens]
+    limit = args.max_sequence_tokens
+    fits = [i for i, t in enumerate(pool) if limit is None or t.num_baseline_tokens <= limit]
     if len(fits) < args.tasks:
         raise SystemExit(f"only {len(fits)} of {len(pool)} trees pass the size filter; "
                          f"--tasks {args.tasks} wants more")

@@ -14,9 +14,10 @@ step from no gradients: ``treefx`` is ``treefx.backward(tm, tree, max_tokens=--b
 longest call)`` tokens through the same compiled model (document mask), gradients accumulated.
 Host packing is done before timing. Step: wall time, median of ``--reps`` after ``--warmup``
 (packing: one after a warm-up on its largest micro-batch); a step that compiled is run again.
-Per task: ``speedup`` (packing / treefx), ``bound`` (call tokens / unique tokens), ``share_of_bound``, peak memory, the losses'
-agreement (``--check-grads``: a few gradients too). An OOM is recorded and the run goes on;
-``--time-limit`` stops before a task that would not finish.
+Per task: ``speedup`` (packing / treefx), ``bound`` (call tokens / unique tokens),
+``share_of_bound``, peak memory, the losses' agreement (``--check-grads``: a few gradients
+too). An OOM is recorded and the run goes on; ``--time-limit`` stops before a task that would
+not finish.
 """
 
 from __future__ import annotations
