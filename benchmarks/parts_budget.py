@@ -65,8 +65,8 @@ def _first(fn, model, cuda: bool) -> tuple[float, int]:
     return time.perf_counter() - t0, _graphs() - g0
 
 
-def _plan_row(batch, max_tokens: int, memory: mem.MemoryModel) -> dict:
-    plan = treefx.parts.plan(batch, max_tokens)
+def _plan_row(batch, max_tokens: int, memory: mem.MemoryModel, beyond: str) -> dict:
+    plan = treefx.parts.plan(batch, max_tokens, beyond=beyond)
     return {"max_tokens": max_tokens, "parts": plan.num_parts,
             "part_tokens": [int(n) for n in plan.part_tokens()]
             if hasattr(plan, "part_tokens") else None,
@@ -88,13 +88,15 @@ def run_task(tree, tm, model, args, cuda: bool, dev: str) -> dict:
         loss.backward()
         return loss.detach()
 
-    for name in args.configs:
+    rows = [(c, b) for c in args.configs for b in (args.beyond if c != "whole" else [None])]
+    for config, beyond in rows:
+        name = config if beyond in (None, args.beyond[0]) else f"{config}-{beyond}"
         model.zero_grad(set_to_none=True)
         memory = mem.for_model(model)  # as treefx.backward makes it: before the step
-        if name == "whole":
+        if config == "whole":
             step, rec = whole, {"estimate_gib": memory.peak(n, 0) / 2**30}
         else:
-            if name == "memory":
+            if config == "memory":
                 whole_peak = row["budgets"].get("whole", {}).get("peak_gib")
                 fixed = memory.fixed / 2**30
                 budget = args.max_memory or (
@@ -103,17 +105,17 @@ def run_task(tree, tm, model, args, cuda: bool, dev: str) -> dict:
                 if budget is None:
                     continue
                 try:
-                    tokens = mem.plan_tokens(memory, budget, batch)
+                    tokens = mem.plan_tokens(memory, budget, batch, beyond=beyond)
                 except ValueError as e:  # not one token fits: recorded, not run
                     row["budgets"][name] = {"max_memory": budget, "error": str(e)}
                     print(f"  {name:>7}: {e}", flush=True)
                     continue
-                rec = {"max_memory": budget, **_plan_row(batch, tokens, memory)}
-                kwargs = {"max_memory": budget}
+                rec = {"max_memory": budget, **_plan_row(batch, tokens, memory, beyond)}
+                kwargs = {"max_memory": budget, "beyond": beyond}
             else:
-                tokens = math.ceil(n / (2 if name == "half" else 4))
-                rec = _plan_row(batch, tokens, memory)
-                kwargs = {"max_tokens": tokens}
+                tokens = math.ceil(n / (2 if config == "half" else 4))
+                rec = _plan_row(batch, tokens, memory, beyond)
+                kwargs = {"max_tokens": tokens, "beyond": beyond}
 
             def step(kwargs=kwargs):
                 return treefx.backward(tm, batch, **kwargs)
@@ -171,6 +173,10 @@ def main(argv=None):
                    help="the memory row's budget: the weights and gradients plus this share "
                         "of the rest of the whole step's peak")
     p.add_argument("--max-memory", default=None, help="the memory row's budget, e.g. 30GiB")
+    p.add_argument("--beyond", default="recompute",
+                   help="treefx.backward's beyond= for the parts' rows, comma-separated: "
+                        "recompute, host, device (rows after the first are named "
+                        "'<budget>-<beyond>')")
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--packing", action="store_true")
     p.add_argument("--packing-budget", type=int, default=65536)
@@ -179,6 +185,9 @@ def main(argv=None):
     args.configs = [c for c in args.configs.split(",") if c]
     if set(args.configs) - set(CONFIGS):
         p.error(f"--configs: {', '.join(CONFIGS)}")
+    args.beyond = [b for b in args.beyond.split(",") if b]
+    if not args.beyond or set(args.beyond) - {"recompute", "host", "device"}:
+        p.error("--beyond: recompute, host, device")
     cuda = common.use_cuda(args.dry_run)
     dev = "cuda" if cuda else "cpu"
     shape, dtype = (dict(SHAPE_8B), torch.bfloat16) if cuda else (dict(TINY), torch.float32)
