@@ -65,6 +65,46 @@ def _first(fn, model, cuda: bool) -> tuple[float, int]:
     return time.perf_counter() - t0, _graphs() - g0
 
 
+def _where(frames) -> str:
+    """An allocation's place: the innermost treefx frame (or, failing that, the innermost),
+    with the innermost frame's function when it is another."""
+    names = [(f.get("filename", ""), f.get("line", 0), f.get("name", "")) for f in frames]
+    own = next((n for n in names if "/treefx/" in n[0]), names[0] if names else ("?", 0, "?"))
+    place = f"{own[0].rsplit('/', 2)[-1]}:{own[1]} {own[2]}"
+    return place if not names or names[0] == own else f"{place} <- {names[0][2]}"
+
+
+def peak_breakdown(fn, top: int = 14) -> dict:
+    """What is allocated at the peak of ``fn()`` beyond what was allocated before it, by
+    place (:func:`_where`), from the CUDA caching allocator's history of the call."""
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python",
+                                             clear_history=True)
+    try:
+        fn()
+        torch.cuda.synchronize()
+    finally:
+        snap = torch.cuda.memory._snapshot()
+        torch.cuda.memory._record_memory_history(enabled=None)
+    live, total, best, at_best = {}, 0, 0, {}
+    for e in (snap.get("device_traces") or [[]])[0]:
+        if e["action"] == "alloc":
+            live[e["addr"]] = (e["size"], _where(e.get("frames") or []))
+            total += e["size"]
+        elif e["action"] == "free_completed":
+            size = live.pop(e["addr"], (e["size"], None))[0]
+            total -= size
+        if total > best:
+            best, at_best = total, dict(live)
+    by: dict[str, int] = {}
+    for size, place in at_best.values():
+        by[place] = by.get(place, 0) + size
+    rows = sorted(by.items(), key=lambda kv: -kv[1])[:top]
+    return {"before_gib": base / 2**30, "peak_over_before_gib": best / 2**30,
+            "at_peak_gib": {k: round(v / 2**30, 3) for k, v in rows}}
+
+
 def _plan_row(batch, max_tokens: int, memory: mem.MemoryModel, beyond: str) -> dict:
     plan = treefx.parts.plan(batch, max_tokens, beyond=beyond)
     return {"max_tokens": max_tokens, "parts": plan.num_parts,
@@ -122,6 +162,15 @@ def run_task(tree, tm, model, args, cuda: bool, dev: str) -> dict:
         try:
             rec["first_s"], rec["graphs"] = _first(step, model, cuda)
             rec.update(timed(step, model, cuda, warmup=0, reps=args.reps))
+            if cuda and name in args.breakdown:
+                model.zero_grad(set_to_none=True)
+                try:
+                    rec["breakdown"] = peak_breakdown(step)
+                except Exception as e:  # a tool's failure: recorded, the table goes on
+                    rec["breakdown"] = {"error": repr(e)[:300], "at_peak_gib": {}}
+                print(f"  {name:>7} at its peak: " + "; ".join(
+                    f"{k} {v:.2f}" for k, v in rec["breakdown"]["at_peak_gib"].items()),
+                    flush=True)
         except torch.OutOfMemoryError as e:
             rec["oom"] = str(e).splitlines()[0]
         row["budgets"][name] = rec
@@ -177,6 +226,9 @@ def main(argv=None):
                    help="treefx.backward's beyond= for the parts' rows, comma-separated: "
                         "recompute, host, device (rows after the first are named "
                         "'<budget>-<beyond>')")
+    p.add_argument("--breakdown", default="",
+                   help="rows (e.g. whole,half) whose step is run once more with the CUDA "
+                        "allocator's history on: what is allocated at the peak, by place")
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--packing", action="store_true")
     p.add_argument("--packing-budget", type=int, default=65536)
@@ -186,6 +238,7 @@ def main(argv=None):
     if set(args.configs) - set(CONFIGS):
         p.error(f"--configs: {', '.join(CONFIGS)}")
     args.beyond = [b for b in args.beyond.split(",") if b]
+    args.breakdown = [b for b in args.breakdown.split(",") if b]
     if not args.beyond or set(args.beyond) - {"recompute", "host", "device"}:
         p.error("--beyond: recompute, host, device")
     cuda = common.use_cuda(args.dry_run)
