@@ -7,57 +7,33 @@
 Needs TRL 1.16.0 and datasets (``pip install -e ".[trl]"``; on a machine without them, the
 wheels as benchmarks/README.md says).
 
-**The two paths.** ``trl``: TRL's own ``trl.GRPOTrainer``. ``treefx``:
-``treefx.integrations.trl.TreeGRPOTrainer``, the same trainer with every log-prob call on
-prefix trees (the model compiled by ``treefx.compile``, Inductor on the GPU; each micro-batch's
-rows one tree; groups kept together in micro-batches, ``keep_groups_together=True``, as
-in the runs of 2026-11-26 (``--row-shuffle``: TRL's own row shuffle, the trainer's default
-since 2026-12-04)). Both load the same checkpoint (a
-Qwen3-shaped model with random weights, saved once to a temporary directory; TRL loads the
-policy and the reference model from it), both take TRL's defaults where this script sets
-nothing (bfloat16 autocast on bfloat16 weights, gradient checkpointing, ``loss_type="dapo"``,
-SDPA attention for TRL's path), and both train through ``trainer.train()``.
+**The two paths.** ``trl``: ``trl.GRPOTrainer``. ``treefx``:
+``treefx.integrations.trl.TreeGRPOTrainer`` (each micro-batch's rows one tree; whole groups per
+micro-batch, or TRL's row shuffle with ``--row-shuffle``, the trainer's default). Both load the
+same checkpoint (a Qwen3-shaped model with random weights; policy and reference), take TRL's
+defaults where this script sets nothing (bf16 autocast, gradient checkpointing, DAPO, SDPA for
+TRL) and train through ``trainer.train()``.
 
-**The data.** No generation: a ``rollout_func`` returns pre-made token ids (``logprobs=None``),
-the same for both paths. ``--groups`` prompts, each with ``G`` completions; every prompt is
-``--context`` tokens shared by all prompts (a system prompt with tool schemas), then its own
-earlier turns (``--history`` tokens) and a last user turn (``--question``); completions are
-``--completion`` tokens long, each ending in EOS. Lengths are drawn uniformly in the ranges,
-token ids uniformly below the vocabulary (seeded). The reward is a hash of the completion's ids,
-so advantages are not zero. The result records every length, the tokens TRL's padded batch
-computes (rows x (longest prompt + longest completion)), the rows' own tokens and the trees'.
+**The data.** A ``rollout_func`` returns pre-made token ids, the same for both paths: ``--groups``
+prompts (``--context`` tokens all share, then ``--history`` and ``--question`` tokens of their
+own), each with ``G`` completions of ``--completion`` tokens ending in EOS; lengths and ids
+uniform (seeded); the reward a hash of the completion's ids.
 
-**The schedule.** One generation batch = all ``--groups`` x G rows = ``--per-device`` rows x
-``steps_per_generation`` micro-batches (= ``gradient_accumulation_steps``: each optimizer step
-covers the whole batch). ``num_iterations=2`` (``--iterations``): each generation batch is
-trained on twice, so TRL computes the old policy's log-probs; ``beta=0.04`` (``--beta``): it
-computes the reference model's. A *cycle* is what TRL does per generation batch:
+**The schedule.** A generation batch (``--groups`` × G rows) is ``steps_per_generation`` =
+``gradient_accumulation_steps`` micro-batches of ``--per-device`` rows; ``num_iterations=2``
+and ``beta=0.04`` make TRL compute old and reference log-probs. A *cycle* per generation batch:
+**prep** (``_generate_and_score_completions``: old and reference log-probs without gradients,
+rewards, advantages) and ``iterations × steps_per_generation`` calls of ``training_step`` (loss
+and backward; the prep's time taken out of the first). SGD at learning rate 0 without clipping
+keeps the weights, so every cycle repeats the same work and the paths stay comparable. CUDA
+events time those methods (``perf_counter`` on the CPU), host work inside them included. The
+first cycle (treefx's captures, compiles and checks) is reported alone, then the median of
+``--cycles`` after ``--warmup``; peak memory is ``max_memory_allocated`` per cycle.
 
-- **prep**: ``GRPOTrainer._generate_and_score_completions`` on the pre-made rollouts: the old
-  policy's and the reference model's log-probs over the whole batch (no gradients, TRL's chunks
-  of ``per_device_train_batch_size`` rows), rewards, advantages, padding (generation itself is
-  the ``rollout_func``'s table look-up);
-- **loss + backward**: ``iterations x steps_per_generation`` calls of
-  ``GRPOTrainer.training_step`` (``compute_loss``: the current log-probs and entropies, TRL's
-  loss; then the backward), the prep's time taken out of the first one.
-
-The optimizer steps (SGD at learning rate 0 without clipping, so that the weights stay the
-same, every cycle repeats the same work, and both paths' losses and gradients stay comparable
-at every step) and the Trainer's bookkeeping between steps are not timed. Times are CUDA events
-around those methods (on the CPU, ``perf_counter``), so host work inside them (building the
-trees, TRL's ``.item()`` calls) counts where the GPU waits for it. The first cycle (treefx's
-captures, compiles and first-call check) is reported on its own; then ``--warmup`` cycles,
-then the median of ``--cycles`` timed cycles. Peak memory: ``max_memory_allocated`` per cycle
-(the weights of the policy and the reference model included).
-
-**The comparison.** The first generation batch's old and reference log-probs (over the
-completion tokens), the loss of every optimizer step (the sum of its micro-batches' losses: TRL
-shuffles rows and treefx whole groups, so the micro-batches differ but each step sums over the
-same rows; DAPO's normalisation is over the whole batch), and every parameter's gradient at the
-first optimizer step (clipping off, ``max_grad_norm=0``: the raw gradients). Tolerances:
-float32 (dry run) 1e-5 relative (absolute for log-probs), an error if exceeded; bfloat16 0.1
-(log-probs, nats) and 0.1 relative (gradients), treefx's bf16 check tolerance, and 1e-2
-relative for the loss, recorded as ``within_tolerance``.
+**The comparison.** The first batch's old and reference log-probs over the completions, every
+optimizer step's loss (its micro-batches' sum) and every parameter's gradient at the first
+step. Tolerances: float32 (dry run) 1e-5 (an error if exceeded); bf16 0.1 nats, 0.1 relative
+(gradients) and 1e-2 (loss), recorded as ``within_tolerance``.
 """
 
 from __future__ import annotations
