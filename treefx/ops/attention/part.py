@@ -127,9 +127,26 @@ class TreePartFlexAttention(FlexSite):
         own_num, own_full = self._skip_rows(kv_num[:, :, first:], full_num[:, :, first:],
                                             skip_blocks)
         site_mask = self._site_mask_mod(skip_blocks is not None)
+        hk = keys.shape[1]
+        # A site returning its log-sum-exp (a sink) keeps the usual layout in parts: on the
+        # GPU, Inductor's backward of the interleaved part with the log-sum-exp laid back
+        # failed a stride assertion (gpt-oss in parts); the usual layout is exact there
+        # (benchmarks/HISTORY.md, "Sliding windows in the block mask").
+        interleave = (interleave_wanted(self.interleave_heads, (q, k, v, k_context, v_context))
+                      and hk > 1 and self.score_mod is None and not self.return_lse)
+        # The usual layout's query row is padded by one block of zeros, which the block
+        # tensors already count (their spare block): its length n + block is then one block or
+        # more for every n, so Inductor's choice of its decoding kernel for rows of fewer than
+        # 128 queries (read off the query length even where the standard kernel is forced)
+        # is decided without a guard on n. Without it a part graph captured for a part of
+        # 128 tokens or more was captured again, every regional piece, for the first shorter
+        # part (a recompute part's forward without autograd). The padded rows see keys of
+        # no row or are cut off, exactly (not with ROWS_GUARANTEED_SAFE, which promises no
+        # row sees no key).
+        pad_rows = 0 if interleave or self.kernel_options.get("ROWS_GUARANTEED_SAFE") else bs
         block_mask = BlockMask.from_kv_blocks(
             own_num, kv_idx[:, :, first:], own_full, full_idx[:, :, first:], BLOCK_SIZE=bs,
-            mask_mod=site_mask, seq_lengths=(n, a + n))
+            mask_mod=site_mask, seq_lengths=(n + pad_rows, a + n))
         pos_pad = pad_to_block(pos_ext, bs)
         offset = torch.full((1,), a, dtype=se_ext.dtype, device=se_ext.device)
         m = len(bufs) if self.mask_buffers is None else self.mask_buffers
@@ -139,14 +156,9 @@ class TreePartFlexAttention(FlexSite):
             score_mod, score_bufs = identity_score, ()
         qw = q.to(wide)
         mask_bufs = (se_pad, pos_pad, offset, *bufs[:m], *self._skipped(skip_blocks))
-        hk = keys.shape[1]
-        # A site returning its log-sum-exp (a sink) keeps the usual layout in parts: on the
-        # GPU, Inductor's backward of the interleaved part with the log-sum-exp laid back
-        # failed a stride assertion (gpt-oss in parts); the usual layout is exact there
-        # (benchmarks/HISTORY.md, "Sliding windows in the block mask").
-        interleave = (interleave_wanted(self.interleave_heads, (q, k, v, k_context, v_context))
-                      and hk > 1 and self.score_mod is None and not self.return_lse)
         self.layouts.add("interleaved" if interleave else "standard")
+        if pad_rows:  # concatenated, not F.pad (see heads_to_row's pad_by_cat)
+            qw = torch.cat([qw, qw.new_zeros(*qw.shape[:2], pad_rows, qw.shape[-1])], dim=2)
         if interleave:
             nbq, nbk = kv_num.shape[-1] - first, kv_num.shape[-1]
             block_mask = interleaved_block_mask(
@@ -162,6 +174,10 @@ class TreePartFlexAttention(FlexSite):
             out = row_to_heads(out, hk, nbq, bs, n)
             if self.return_lse:
                 lse = row_to_heads(lse.unsqueeze(-1), hk, nbq, bs, n).squeeze(-1)
+        elif pad_rows:
+            out = out[:, :, :n]
+            if self.return_lse:
+                lse = lse[:, :, :n]
         if self.return_lse:
             return out.to(v.dtype), lse
         return out.to(v.dtype)

@@ -122,13 +122,49 @@ def gpu_compiled(fn, cuda: bool):
     """``fn`` for a chunk of logits: on the GPU compiled once (dynamic in every length), so a
     chunk's pointwise math and reductions are one fused kernel that reads the chunk once
     instead of one pass per op; ``fn`` itself on the CPU. Shared by the fused loss and the
-    fused log-probabilities (:mod:`treefx.ops.logprobs.fast`)."""
+    fused log-probabilities (:mod:`treefx.ops.logprobs.fast`).
+
+    Compiled with duck shaping off: a chunk's inputs are views whose sizes and storage
+    offsets are often equal on the first chunk only (the labels' row of token ids starts at
+    the label count, the weights' base is that long), and one symbol for the two would
+    compile the function again for the second chunk."""
     if not cuda:
         return fn
     compiled = _GPU_COMPILED.get(fn)
     if compiled is None:
-        compiled = _GPU_COMPILED[fn] = torch.compile(fn, dynamic=True)
+        import torch.fx.experimental._config as fx_config
+
+        inner = torch.compile(fn, dynamic=True)
+
+        def compiled(*args):
+            with fx_config.patch(use_duck_shape=False):
+                return inner(*args)
+
+        _GPU_COMPILED[fn] = compiled
     return compiled
+
+
+def _spans(n: int, step: int) -> list[tuple[int, int]]:
+    """Chunks ``[s, e)`` of ``n`` rows, ``step`` each but the last, which is never one row
+    alone where ``n`` > 1 (it joins the chunk before): the compiled chunk function
+    (:func:`gpu_compiled`) would otherwise compile again for it, Dynamo specializing a size
+    of 1."""
+    bounds = [*range(0, n, step), n]
+    if len(bounds) > 2 and bounds[-1] - bounds[-2] == 1:
+        del bounds[-2]
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def _lse_and_pick(logits, ids, acc: torch.dtype):
+    """One chunk's log-sum-exp and its labels' logits, in ``acc``: on the GPU Triton's
+    one-pass log-sum-exp (:func:`treefx.ops.logprobs.from_logits.lse_rows`, as the fused
+    log-probabilities take it), no compiled graph."""
+    from ..logprobs import from_logits
+
+    if from_logits.available(logits) and acc == torch.float32:
+        return from_logits.lse_rows(logits), logits.gather(1, ids[:, None])[:, 0].to(acc)
+    lg = logits.to(acc)
+    return torch.logsumexp(lg, dim=-1), lg.gather(1, ids[:, None])[:, 0]
 
 
 def _chunks(h, weight, bias, ids, parent, weights, want_grad: bool, want_weight: bool = True):
@@ -150,18 +186,24 @@ def _chunks(h, weight, bias, ids, parent, weights, want_grad: bool, want_weight:
         db = torch.zeros(weight.shape[0] if bias is not None and want_weight else 0, dtype=acc,
                          device=h.device)
     step = _grad_chunk(weight.shape[0]) if want_grad else _chunk(weight.shape[0])
-    pointwise = gpu_compiled(_loss_and_dlogits, h.is_cuda)
+    if want_grad:
+        pointwise = gpu_compiled(_loss_and_dlogits, h.is_cuda)
     # the logits' gradient in the weights' dtype (the products take it so), or in acc for a
     # bias, whose gradient sums it
     d_dtype = acc if bias is not None and want_weight else weight.dtype
-    for s in range(0, n, step):
-        e = min(s + step, n)
+    for s, e in _spans(n, step):
         hc = h2[row[s:e]]
         logits = torch.nn.functional.linear(hc, weight, bias)
+        if not want_grad:
+            # the loss alone: a chunk's log-sum-exp and its labels' logits as the fused
+            # log-probabilities read them (on the GPU Triton's, not a graph compiled for the
+            # loss without gradients: a part recomputed at its backward compiles none)
+            lse_c, picked = _lse_and_pick(logits, ids[s:e], acc)
+            lp[s:e] = picked - lse_c
+            total += -(w[s:e] * lp[s:e]).sum()
+            continue
         loss_c, lp[s:e], d = pointwise(logits, ids[s:e], w[s:e], acc, want_grad, d_dtype)
         total += loss_c
-        if not want_grad:
-            continue
         dc = d.to(weight.dtype)
         dh.index_add_(0, row[s:e], mm_acc(dc, weight, acc))
         if not want_weight:

@@ -359,15 +359,17 @@ def _forward(runner: PartRunner, plan, part, t: dict, held: dict, device, create
 
 def _gather_tokens(part, t: dict, held, width, dtype, device) -> torch.Tensor:
     """The context rows [A, W]: each context token's own row from the part that computed it
-    (through the autograd graph into that part's leaf), then zero padding."""
+    (through the autograd graph into that part's leaf), then zero padding. It requires grad
+    exactly when grad mode is on (:func:`_zeros`)."""
     pieces = [held[int(k[5:])].own_leaf[rows] for k, rows in t.items() if k.startswith("rows_")]
     pad = part.context_pad - len(part.context)
-    pieces.append(torch.zeros(pad, width, dtype=dtype, device=device, requires_grad=not pieces))
+    pieces.append(_zeros(pad, width, dtype, device, alone=not pieces))
     return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
 
 
 def _gather_states(plan, part, held, width, dtype, device) -> torch.Tensor:
-    """The entries' states [max(E, 2), S], each the exit state of its predecessor's part."""
+    """The entries' states [max(E, 2), S], each the exit state of its predecessor's part;
+    requires grad exactly when grad mode is on (:func:`_zeros`)."""
     pieces = []
     for p in part.entries.tolist():
         i = int(plan.part_of_token[p])
@@ -375,9 +377,20 @@ def _gather_states(plan, part, held, width, dtype, device) -> torch.Tensor:
         pieces.append(held[i].exits_leaf[row:row + 1])
     pad = max(0, 2 - len(pieces))
     if pad or not pieces:
-        pieces.append(torch.zeros(pad, width, dtype=dtype, device=device,
-                                  requires_grad=not pieces))
+        pieces.append(_zeros(pad, width, dtype, device, alone=not pieces))
     return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+
+
+def _zeros(rows: int, width: int, dtype, device, *, alone: bool) -> torch.Tensor:
+    """Zero padding of a context buffer; ``alone``: the whole buffer (no earlier part gives it
+    rows). A part graph is captured for the ``requires_grad`` of its inputs (Dynamo guards it,
+    a regional graph compares it), so the buffers require grad exactly when grad mode is on,
+    whatever the part: in grad mode rows gathered from earlier parts' leaves do, and zeros
+    alone (a part without context, as the first) are made to; without grad (a recompute
+    part's first forward) gathered rows do not, and zeros alone must not either, or a
+    recompute part without context would capture a no-grad graph of its own."""
+    return torch.zeros(rows, width, dtype=dtype, device=device,
+                       requires_grad=alone and torch.is_grad_enabled())
 
 
 def _rerun(runner: PartRunner, plan, part, t: dict, held: dict, device, part_loss, report):

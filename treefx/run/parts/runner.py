@@ -42,6 +42,9 @@ class PartRunner:
         self.own_loss = own_loss
         self.engine: TreeEngine | None = None
         self.no_grad_engine: TreeEngine | None = None
+        # captures made so far by engines no longer held (the layout's, and those of a part
+        # graph captured again for other trainable parameters): see num_compilations
+        self._past_compilations = 0
         self.layout: PartLayout | None = None
         self.model = model
         self.step = plan.mode == "part-step"
@@ -72,6 +75,16 @@ class PartRunner:
             self.plan = replace(plan, route_embedding=False)
 
     @property
+    def num_compilations(self) -> int:
+        """The part graphs captured so far for this model: the capture that finds the
+        layout, then the engines' (:attr:`TreeEngine.num_compilations`: the graph that
+        trains, and the one a recompute part's first forward runs without autograd). Once
+        each is the least a call with recompute parts makes; a later call, at any budget,
+        captures nothing more unless the trainable parameters change."""
+        return self._past_compilations + sum(
+            e.num_compilations for e in (self.engine, self.no_grad_engine) if e is not None)
+
+    @property
     def grad_params(self) -> tuple:
         return self.engine.plan.grad_params if self.engine is not None else self.offered
 
@@ -88,6 +101,7 @@ class PartRunner:
         if self.grad_key is not None and key != self.grad_key:
             log.info("treefx.backward: the trainable parameters changed; capturing the part "
                      "graph again")
+            self._past_compilations = self.num_compilations
             self.engine = None
             self.no_grad_engine = None
             self.layout = None
@@ -105,8 +119,8 @@ class PartRunner:
 
     def sink(self, t: dict) -> torch.Tensor:
         """Zero rows [n, D] that receive the part's rows of the input embedding's gradient
-        (:func:`treefx.compiler.lower.parts.route_embedding`; D and dtype the embedding's, [n, 1] for
-        a model without one)."""
+        (:func:`treefx.compiler.lower.parts.route_embedding`; D and dtype the embedding's,
+        [n, 1] for a model without one)."""
         width, dtype = self.sink_layout
         ids = t["input_ids"]
         return torch.zeros(ids.shape[1], width, dtype=dtype, device=ids.device,
@@ -143,6 +157,7 @@ class PartRunner:
                                              find_layout=True))
         self._run(finder, t, torch.zeros(n_ctx, 0, dtype=dtype, device=device),
                   torch.zeros(max(n_entries, 2), 0, dtype=dtype, device=device), self.sink(t))
+        self._past_compilations += finder.num_compilations
         found = finder.compiled[-1].part
         kept = tuple(self.offered[k] for k in found.grads_used)
         kept_ids, created_ids = set(map(id, kept)), set(map(id, created))
