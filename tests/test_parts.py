@@ -676,9 +676,12 @@ def test_flex_attention_part_sites_match_the_oracle(name, monkeypatch):
              if r.pass_name == "attention"]
     assert sites and all("tree_part_flex_attention" in s for s in sites)
     # in training the KV heads are interleaved along the query and key rows, as whole trees
+    # (run regionally, as the inductor backend runs by default, layers alike share one
+    # compiled piece: only the first one's sites run)
     ops = [n.target for n in runners(tm)[0].engine.contexts[-1].graph.nodes
            if isinstance(n.target, TreePartFlexAttention)]
-    assert ops and all(op.layouts == {"interleaved"} for op in ops)
+    assert ops and ops[0].layouts == {"interleaved"}
+    assert all(op.layouts <= {"interleaved"} for op in ops)
 
 
 def test_flex_part_sink_sites_keep_the_usual_layout(monkeypatch):
