@@ -215,3 +215,49 @@ def test_backward_with_max_memory_matches_the_oracle():
         treefx.backward(tm, trees, max_memory="1GiB", memory=object())
     with pytest.raises(ValueError, match="holds no token"):
         treefx.backward(tm, trees, max_memory="1KiB")
+
+
+@pytest.mark.parametrize("beyond", ["recompute", "host"])
+def test_a_held_part_keeps_only_the_rows_later_parts_read(beyond):
+    """A part keeps, of its own keys and values, only the rows later parts read as context
+    (``PartPlan.exported_rows``), not every token's: the leaves [exported, W] and, where
+    gradients come back, their gradients; the step stays exact."""
+    from treefx.run.parts import executor
+
+    model = hf_model("qwen3", "sdpa")
+    tm = treefx.compile(model, backend="eager", verify=False)
+    trees = [treefx.synth.agent_tree(5, vocab_size=VOCAB, rollouts=2, think_mode=True,
+                                     system_len=(6, 12), prompt_len=(3, 8), think_len=(3, 9),
+                                     answer_len=(2, 5), tool_len=(3, 9))]
+    batch = treefx.pack(trees)
+    plan = treefx.parts.plan(batch, 24, beyond=beyond)
+    exported = plan.exported_rows
+    # a plan whose parts read some, not all, of the rows before them
+    assert 0 < sum(map(len, exported)) < batch.num_tokens - plan.parts[-1].num_tokens
+    for p in plan.parts:
+        owner = plan.part_of_token[p.context]
+        for i in set(owner.tolist()):
+            assert set((p.context[owner == i] - plan.parts[i].start).tolist()) <= \
+                set(exported[i].tolist())
+    kept = {}
+    real_hold = executor._hold
+
+    def spy(part, *a):
+        h = real_hold(part, *a)
+        kept[part.index] = (part.num_tokens, h.own_leaf.shape[0])
+        return h
+
+    loss_ref = treefx.reference.sequence_loss(model, trees, reduction="mean")
+    loss_ref.backward()
+    ref = grads(model)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(executor, "_hold", spy)
+        loss = treefx.backward(tm, trees, max_tokens=24, beyond=beyond)
+    assert {j: rows for j, (_, rows) in kept.items()} == \
+        {j: len(r) for j, r in enumerate(exported)}
+    assert sum(rows for _, rows in kept.values()) < sum(n for n, _ in kept.values())
+    torch.testing.assert_close(loss, loss_ref.detach().to(loss.dtype), atol=1e-5, rtol=1e-5)
+    got = grads(model)
+    for name, g in ref.items():
+        err = float((got[name] - g).abs().max() / g.abs().max().clamp(min=1e-12))
+        assert err <= 1e-4, f"{name}: relative gradient error {err:.2e}"

@@ -5,6 +5,7 @@ forward in DFS order, its backward once it is released and nothing after it read
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -112,6 +113,25 @@ class PartPlan:
         held parts'. Bytes: tokens × layers × 2 × KV heads × head dim × dtype size for the
         keys and values."""
         return max((len(p.context) for p in self.parts), default=0)
+
+
+    @cached_property
+    def exported_rows(self) -> list[np.ndarray]:
+        """For each part, the rows (from its start, ascending) of its tokens that a later
+        part reads as context: the only own columns (keys, values, conv inputs) it keeps for
+        the parts after it, and the only rows whose gradients come back to it."""
+        out = [[] for _ in self.parts]
+        for p in self.parts:
+            owner = self.part_of_token[p.context]
+            for i in np.unique(owner).tolist():
+                out[i].append(p.context[owner == i] - self.parts[i].start)
+        return [np.unique(np.concatenate(r)) if r else np.zeros(0, np.int64) for r in out]
+
+    def peak_exported_tokens(self) -> int:
+        """The most exported rows (:attr:`exported_rows`) held at once: each part's from its
+        forward to its backward, in :func:`schedule`'s order."""
+        sizes = [len(r) for r in self.exported_rows]
+        return max((sum(sizes[i] for i in held) for _, held in schedule(self)), default=0)
 
 
 def schedule(plan: PartPlan):

@@ -48,10 +48,20 @@ class Held:
     on_host: list | None = None  # a host part's saved tensors, held in host memory
 
 
+def _exported(own: torch.Tensor, t: dict) -> torch.Tensor:
+    """The rows of a part's own columns [n, W] that later parts read as context
+    (:attr:`treefx.parts.PartPlan.exported_rows`, ``t["export"]``): the only ones it keeps
+    until its backward, and the only ones whose gradients come back (the others would be
+    rows of zeros)."""
+    return own.index_select(0, t["export"])
+
+
 def _hold(part, loss, own, exits, t: dict, rerun: Callable) -> Held:
     """What a part keeps from its forward until its backward: for a recompute part
     (``part.recompute``, its forward run without a graph) only the leaves later parts read,
-    its inputs (``t``) and ``rerun``, which runs the forward again with a graph."""
+    its inputs (``t``) and ``rerun``, which runs the forward again with a graph. Of its own
+    columns, only the rows later parts read (:func:`_exported`)."""
+    own = _exported(own, t)
     leaves = own.detach().requires_grad_(), exits.detach().requires_grad_()
     if part.recompute:  # the second forward makes its own sink for the embedding's rows
         t.pop("emb_sink")
@@ -323,11 +333,15 @@ def _to_device(plan, part, device, weights: torch.Tensor | None = None, *,
         t["tree_weights"] = w
     rows, inverse = np.unique(t["input_ids"][0].numpy(), return_inverse=True)
     t["emb_rows"], t["emb_inverse"] = torch.from_numpy(rows), torch.from_numpy(inverse)
+    # the context's rows in the exported rows their parts keep (_exported)
+    exported = plan.exported_rows
+    t["export"] = torch.from_numpy(exported[part.index])
     ctx = part.context
     if len(ctx):
         owner = plan.part_of_token[ctx]
         for i in np.unique(owner).tolist():
-            t[f"rows_{i}"] = torch.from_numpy(ctx[owner == i] - plan.parts[i].start)
+            rows = ctx[owner == i] - plan.parts[i].start
+            t[f"rows_{i}"] = torch.from_numpy(np.searchsorted(exported[i], rows))
     names = list(t)
     moved = move_tensors([t[k] for k in names], torch.device(device))
     # move_tensors hands back views into one buffer per dtype; Dynamo makes a view's storage
@@ -402,7 +416,7 @@ def _rerun(runner: PartRunner, plan, part, t: dict, held: dict, device, part_los
         with torch.enable_grad():
             first, own, exits, *rest = _forward(runner, plan, part, t, held, device)
             report(first, rest, t)
-            return part_loss(first, t), own, exits, t["emb_sink"]
+            return part_loss(first, t), _exported(own, t), exits, t["emb_sink"]
 
     return rerun
 

@@ -25,7 +25,10 @@ picks the budget with the fewest parts below that. The estimate of a step cut at
   ``per_token = layers · s · h + layer + head``, where ``head = 2 s h + 4`` (the final norm).
 - ``context_per_token``: the open path's keys and values at every attention layer,
   ``attention layers · 2 · KV heads · head dim · s``, three times: kept for later parts,
-  their gradients, and the current part's ``[context; part]`` copy its attention saves.
+  their gradients, and the current part's ``[context; part]`` copy its attention saves. A
+  part keeps only the rows later parts read (``PartPlan.exported_rows``), so for a plan
+  (:meth:`MemoryModel.plan_peak`) ``C`` is the longest open path or, where more, the most
+  such rows held at once.
 - ``loss``: the fused loss's chunk of logits (:mod:`treefx.ops.cross_entropy.fast`: two
   [rows, vocab] tensors in the weights' dtype, ``rows = min(T, 4 · CHUNK_ELEMENTS // vocab)``,
   so ``logit_row = 2 · vocab · s`` bytes a row) and the output weight's float32 gradient
@@ -115,9 +118,12 @@ class MemoryModel:
                 + context_tokens * self.context_per_token + self.loss(max_tokens))
 
     def plan_peak(self, plan) -> int:
-        """The estimated peak of a :class:`treefx.parts.PartPlan`: its most held tokens and
-        its longest open path."""
-        return self.peak(plan.peak_held_tokens(), plan.peak_context_tokens())
+        """The estimated peak of a :class:`treefx.parts.PartPlan`: its most held tokens, and
+        its longest open path or, where more, the most rows held parts keep for later parts
+        at once (:meth:`~treefx.parts.PartPlan.peak_exported_tokens`: those of several
+        branches' paths while their parts wait)."""
+        return self.peak(plan.peak_held_tokens(),
+                         max(plan.peak_context_tokens(), plan.peak_exported_tokens()))
 
     def calibrate(self, measured_peak, max_tokens: int, context_tokens: int = 0) -> int:
         """The per-token bytes that predict ``measured_peak`` (bytes or ``"41.2GiB"``, e.g.
@@ -307,21 +313,29 @@ def plan_tokens(memory: MemoryModel, max_memory, batch, *, beyond: str | None = 
     of those whose plan (:func:`treefx.parts.plan` with ``beyond``) has the fewest parts.
     The planner's part count is not monotone in ``max_tokens`` (a budget a token larger may
     cut a part more), so the budget is chosen among all the grid's below it: a larger
-    ``max_memory`` never gives more parts, and every budget tried is within
-    :func:`tokens_for`'s, so the plan's estimated peak is within ``max_memory``. A budget
-    ``T'`` cuts at least ``ceil(N / T')`` parts, so the search stops where that bound
-    reaches the fewest found."""
+    ``max_memory`` never gives more parts. Every budget tried is within :func:`tokens_for`'s,
+    and a plan whose estimated peak (:meth:`MemoryModel.plan_peak`: the rows kept for several
+    branches can outnumber the longest path) is over ``max_memory`` is passed over, so the
+    plan's estimated peak is within ``max_memory`` (where none is down to an eighth of
+    :func:`tokens_for`'s budget, that eighth). A budget ``T'`` cuts at least ``ceil(N / T')`` parts, so the search stops where
+    that bound reaches the fewest found."""
     from ... import parts as parts_mod
 
     tokens = tokens_for(memory, max_memory, batch)
     if batch is None or tokens >= batch.num_tokens:
         return tokens
     n = batch.num_tokens
+    limit = parse_size(max_memory)
     best, best_parts = None, None
-    for t in _grid_below(tokens):
+    grid = _grid_below(tokens)
+    for t in grid:
         if best_parts is not None and -(-n // t) >= best_parts:
             break
-        count = parts_mod.plan(batch, t, beyond=beyond).num_parts
-        if best_parts is None or count < best_parts:
-            best, best_parts = t, count
-    return best
+        if best is None and t < tokens // 8:  # none fits down to an eighth: the last tried
+            return t
+        plan = parts_mod.plan(batch, t, beyond=beyond)
+        if memory.plan_peak(plan) > limit:
+            continue
+        if best_parts is None or plan.num_parts < best_parts:
+            best, best_parts = t, plan.num_parts
+    return best if best is not None else grid[-1]
