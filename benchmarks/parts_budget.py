@@ -21,7 +21,7 @@ Per task, in this order, each step from no gradients (``zero_grad(set_to_none=Tr
 
 Recorded per budget: ``first_s`` (its first call in this process: compiles of new part lengths
 included; the ``whole`` row's is the process's first step, with every compile), ``graphs``
-(Dynamo graphs compiled by that first call), the median step of ``--reps`` after it (a step
+(Dynamo graphs compiled by that first call; ``part_captures``: the part graphs' captures), the median step of ``--reps`` after it (a step
 that compiled is run again, as in ``benchmarks.real_trees``), the peak allocated during a step
 (weights and gradients included), the plan (parts, ``max_tokens``, held and open-path tokens,
 recomputed and host tokens) and the memory model's estimate of the plan's peak
@@ -51,6 +51,13 @@ CONFIGS = ("whole", "half", "quarter", "memory")
 
 def _graphs() -> int:
     return common.dynamo_counts().get("unique_graphs", 0)
+
+
+def _part_captures(tm) -> int:
+    """The captures of ``tm``'s part graphs so far (layout, graph with gradients, no-grad)."""
+    from treefx.run.parts import runners
+
+    return sum(r.num_compilations for r in runners(tm))
 
 
 def _first(fn, model, cuda: bool) -> tuple[float, int]:
@@ -160,7 +167,9 @@ def run_task(tree, tm, model, args, cuda: bool, dev: str) -> dict:
             def step(kwargs=kwargs):
                 return treefx.backward(tm, batch, **kwargs)
         try:
+            c0 = _part_captures(tm)
             rec["first_s"], rec["graphs"] = _first(step, model, cuda)
+            rec["part_captures"] = _part_captures(tm) - c0
             rec.update(timed(step, model, cuda, warmup=0, reps=args.reps))
             if cuda and name in args.breakdown:
                 model.zero_grad(set_to_none=True)
@@ -207,7 +216,7 @@ def _line(rec: dict) -> str:
     plan = "" if "parts" not in rec else \
         f", {rec['parts']} parts of <= {rec['max_tokens']} (est. {rec['estimate_gib']:.1f} GiB)"
     return (f"step {rec['step_ms'] / 1e3:.2f} s, peak {peak}, first {rec['first_s']:.1f} s "
-            f"({rec['graphs']} graphs){plan}")
+            f"({rec['graphs']} graphs, {rec.get('part_captures', 0)} part captures){plan}")
 
 
 def main(argv=None):
