@@ -21,8 +21,9 @@ Per task, in this order, each step from no gradients (``zero_grad(set_to_none=Tr
 
 Recorded per budget: ``first_s`` (its first call in this process: compiles of new part lengths
 included; the ``whole`` row's is the process's first step, with every compile), ``graphs``
-(Dynamo graphs compiled by that first call; ``part_captures``: the part graphs' captures), the median step of ``--reps`` after it (a step
-that compiled is run again, as in ``benchmarks.real_trees``), the peak allocated during a step
+(Dynamo graphs compiled by that first call; ``part_captures``: the part graphs' captures),
+the median step of ``--reps`` after it (a step that compiled is run again, as in
+``benchmarks.real_trees``), the peak allocated during a step
 (weights and gradients included), the plan (parts, ``max_tokens``, held and open-path tokens,
 recomputed and host tokens) and the memory model's estimate of the plan's peak
 (:mod:`treefx.run.parts.memory`, ``for_model`` as ``treefx.backward`` makes it); relative to
