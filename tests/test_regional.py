@@ -253,6 +253,32 @@ def test_regional_is_the_default_through_inductor(monkeypatch, caplog):
     assert "whole graph, not layer by layer" in caplog.text and "forward hooks" in caplog.text
 
 
+def test_a_refused_call_names_the_argument_and_the_difference():
+    """The log of a capture again says what the earlier capture refused: an argument's
+    requires_grad, dtype or static size, a constant argument (not "?")."""
+    model = hf_model("mistral", "sdpa")
+    tm = treefx.compile(model, backend="eager", regional=True, verify=False)
+    small = treefx.pack([treefx.Tree.from_sequences([[1, 2, 3, 4], [1, 2, 5]])])
+    tm(small)
+    (graph,) = _graphs(tm)
+    ids, info = small.input_ids, treefx.run.engine.tree_info(small)
+    assert graph.failed_guard((tm.model, ids, info)) is None
+    cases = {
+        "argument 1 requires_grad True, captured False":
+            (tm.model, ids.float().requires_grad_(), info),
+        "argument 1 dtype torch.int32, captured torch.int64": (tm.model, ids.int(), info),
+        "argument 2 size 4 in dim 0, captured 3 (static)":
+            (tm.model, ids, torch.cat([info, info[:1]])),
+        "argument 1 rank 1, captured 2": (tm.model, ids[0], info),
+        "argument 2 a list, captured a tensor": (tm.model, ids, info.tolist()),
+        f"argument 0 another {type(model).__name__} than the capture's":
+            (hf_model("mistral", "sdpa"), ids, info),
+    }
+    for want, args in cases.items():
+        assert not graph.accepts(args)
+        assert graph.failed_guard(args) == want
+
+
 @pytest.mark.slow
 def test_other_step_arguments_are_guarded():
     """A step's other arguments are constants of the capture (numbers) or static shapes

@@ -305,11 +305,35 @@ class TreeFlexAttention(FlexSite):
         kv_num, full_num = self._skip_rows(kv_num, full_num, skip_blocks)
         site_mask, extra = self._site_mask_mod(skip_blocks is not None), \
             self._skipped(skip_blocks)
+        # The usual layout's query row is padded by one block of zeros, as a part's is
+        # (:class:`.part.TreePartFlexAttention`): the block tensors already count it (their
+        # spare block, which lists no key block), and ``se_pad`` / ``pos_pad`` and a score's
+        # padded buffers cover it. Its length n + block is then one block or more for every n,
+        # so Inductor's choice of its decoding kernel for rows of fewer than 128 queries (read
+        # off the query length even where the standard kernel is forced) is made without a
+        # guard on n. Without it the graph without autograd (the usual layout's default)
+        # captured for a batch of 128 tokens or more was captured again, every regional
+        # piece, for a shorter batch, and the reverse. The padded rows are cut off, so no row
+        # of the output reads them and their gradient is zero (they add nothing to the keys'
+        # and values'; through the mask_mod they see no key, keys' intervals ending at n,
+        # and the spare block lists none): exact. The interleaved row (the default with
+        # autograd) needs none: its length, blocks x KV heads x block, is a whole number of
+        # at least 2 blocks (the spare's). Not with ROWS_GUARANTEED_SAFE (a padded row sees no
+        # key, which it promises never happens).
+        pad_rows = (0 if interleave or self.kernel_options.get("ROWS_GUARANTEED_SAFE")
+                    else self.block_size)
         std = BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx,
                                        BLOCK_SIZE=self.block_size, mask_mod=site_mask,
-                                       seq_lengths=(n, n))
+                                       seq_lengths=(n + pad_rows, n))
         if not interleave:
-            return self._flex(q, k, v, std, se_pad, pos_pad, bufs, extra)
+            if not pad_rows:
+                return self._flex(q, k, v, std, se_pad, pos_pad, bufs, extra)
+            # concatenated, not F.pad (see heads_to_row's pad_by_cat)
+            qp = torch.cat([q, q.new_zeros(*q.shape[:2], pad_rows, q.shape[-1])], dim=2)
+            out = self._flex(qp, k, v, std, se_pad, pos_pad, bufs, extra)
+            if self.return_lse:
+                return out[0][:, :, :n], out[1][:, :, :n]
+            return out[:, :, :n]
         hk, bs = k.shape[1], self.block_size
         nb = kv_num.shape[-1]
         mask_mod = self._interleaved_mask_mod(hk, q.shape[1] // hk, site_mask)

@@ -124,10 +124,15 @@ class RegionalGraph:
         return True
 
     def failed_guard(self, args) -> str | None:
-        """Which of this capture's shape guards ``args`` fail, in words (None: none of them;
-        the difference is elsewhere, in a dtype, a device or a constant)."""
+        """What in ``args`` this capture does not accept, in words, the first difference
+        :meth:`accepts` checks: an argument's requires_grad, dtype, rank, device or a size kept
+        static ("argument 4 requires_grad True, captured False"), a constant argument, or a
+        shape guard (None: none of them)."""
         if len(args) != self.num_args:
             return f"{len(args)} arguments, captured with {self.num_args}"
+        differs = self._argument_difference(args)
+        if differs is not None:
+            return differs
         try:
             values = self._values(args)
         except Exception:
@@ -140,6 +145,33 @@ class RegionalGraph:
                 value = values[g[1]]
                 if (lo.is_finite and value < lo) or (hi.is_finite and value > hi):
                     return f"{g[1]} = {value} outside [{lo}, {hi}]"
+        return None
+
+    def _argument_difference(self, args) -> str | None:
+        """The first argument ``args`` differ in from the capture's, outside the shape guards
+        (what :meth:`accepts` compares first), in words; None: none."""
+        for i, f in self.call_fakes.items():
+            a = args[i]
+            if not isinstance(a, torch.Tensor):
+                return f"argument {i} a {type(a).__name__}, captured a tensor"
+            for what, got, want in (("requires_grad", a.requires_grad, f.requires_grad),
+                                    ("dtype", a.dtype, f.dtype), ("rank", a.dim(), f.dim()),
+                                    ("device", a.device.type, f.device.type)):
+                if got != want:
+                    return f"argument {i} {what} {got}, captured {want}"
+            for k, d in enumerate(f.shape):
+                if isinstance(d, int) and a.shape[k] != d:
+                    return f"argument {i} size {a.shape[k]} in dim {k}, captured {d} (static)"
+        for i, v in self.call_consts.items():
+            a = args[i]
+            if isinstance(v, (int, float, str, bool, type(None))):
+                if type(a) is not type(v) or a != v:
+                    return f"argument {i} {_brief(a)}, captured the constant {_brief(v)}"
+            elif isinstance(v, (list, tuple)) and not v:
+                if type(a) is not type(v) or a:
+                    return f"argument {i} {_brief(a)}, captured an empty {type(v).__name__}"
+            elif a is not v:
+                return f"argument {i} another {type(a).__name__} than the capture's"
         return None
 
     def _values(self, args) -> dict:
@@ -268,3 +300,9 @@ def _call_block(model, block: torch.nn.Module, piece: Piece, ins: list):
     return call_with_forward(block, forward, *ins)
 
 
+def _brief(value, limit: int = 60) -> str:
+    """``value``'s repr, cut to ``limit`` characters (a list of tensors stays one line)."""
+    text = repr(value)
+    if isinstance(value, (list, tuple)) and len(text) > limit:
+        return f"a {type(value).__name__} of {len(value)}"
+    return text if len(text) <= limit else text[:limit - 3] + "..."
