@@ -186,13 +186,20 @@ STAGES = {
         Step("verl_engine", "benchmarks.verl_engine --engines treefx,verl-flex,verl", 500,
              cache="fresh"), needs=("verl",)),
     "parts-budget": stage(
-        "issue 66's table: issue 66's SWE task whole, at half and a quarter of its tokens and at "
-        "a max_memory budget, 36 layers with checkpointing, then three tasks at 4 layers",
-        "(new, 2026-12-05; not yet run through)",
-        Step("parts_budget_36", "benchmarks.parts_budget --trees .data/swe_issue66.jsonl "
-             "--tasks 1 --layers 36 --checkpointing", 330, env={"TREEFX_VERIFY": "0"}),
+        "issue 66's table at 4 layers: three SWE tasks whole, at half and a quarter of their "
+        "tokens and at a max_memory budget, recompute and host parts, against packing",
+        "parts-7 (recompute parts only, 2026-12-05)",
         Step("parts_budget_4", "benchmarks.parts_budget --trees .data/swe_issue66.jsonl "
-             "--layers 4 --packing", 220, env={"TREEFX_VERIFY": "0"})),
+             "--layers 4 --packing --beyond recompute,host", 540,
+             env={"TREEFX_VERIFY": "0"})),
+    "parts-budget-36": stage(
+        "issue 66's table at 36 layers with checkpointing: issue 66's SWE task whole, at half "
+        "and a quarter, recompute and host parts, and what whole and half hold at their peaks",
+        "(new, 2026-12-05; not yet run)",
+        Step("parts_budget_36", "benchmarks.parts_budget --trees .data/swe_issue66.jsonl "
+             "--tasks 1 --layers 36 --checkpointing --configs whole,half,quarter --beyond "
+             "recompute,host --reps 1 --breakdown whole,half", 540,
+             env={"TREEFX_VERIFY": "0"})),
     "multi-gpu": stage(
         "FSDP2 scaling on 8 SWE trees, 8 Qwen3-8B-shaped layers: one GPU (treefx) and two at "
         "once, then four", "x4_check.sh d ([mg-14])",
