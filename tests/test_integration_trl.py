@@ -388,6 +388,37 @@ def test_first_call_check_with_trls_bf16_and_gradient_checkpointing(checkpoint, 
     assert len(params) == 1 and all(torch.isfinite(x) for x in losses)
 
 
+@pytest.mark.slow  # ~40 s; the cause is checked in tests/test_regional.py (autocast region)
+def test_bf16_runs_layer_by_layer_and_the_reference_shares_the_policys_graph(
+        checkpoint, tmp_path, caplog):
+    """TRL's ``bf16=True`` (what it sets on a GPU): accelerate wraps the model's forward in
+    ``torch.autocast``, whose region the captured graph enters before the first layer and
+    leaves after the last. Regional execution (the GPU's default, here through AOTAutograd on
+    the CPU) carries the region into each layer's piece instead of refusing the graph: no
+    fallback to the whole graph, whose compile grows with depth, and the reference model (a
+    twin, with ``beta != 0``, under the first-call check that twins need) runs the policy's
+    no-grad graph instead of capturing its own."""
+    import logging
+
+    from treefx.integrations.trl import TreeGRPOTrainer
+
+    config = dict(per_device_train_batch_size=4, gradient_accumulation_steps=1, beta=0.04,
+                  num_iterations=2, learning_rate=1e-4, bf16=True)
+    with caplog.at_level(logging.INFO, logger="treefx"):
+        losses, _, _, trainer = _train(
+            TreeGRPOTrainer, checkpoint, tmp_path, multi_turn=False, steps=2, config=config,
+            compile_options={"backend": "aot-eager", "regional": True, "verify": True})
+    text = caplog.text
+    assert "regional execution: the graph changes" not in text and "whole graph" not in text
+    assert "running the no-grad graph of a twin model" in text
+    tms = {("ref" if m is trainer.ref_model else "policy"): tm
+           for m, tm in trainer._tree_models.values()}
+    assert tms["ref"].engine.twin_used and tms["ref"].num_compilations == 0
+    graphs = [g for gs in tms["policy"].engine._regional.values() for g in gs]
+    assert len(graphs) == 2  # the no-grad graph and the one with gradients, both regional
+    assert all(torch.isfinite(x) for x in losses)
+
+
 def test_logps_and_entropies_equal_trls_fused_head():
     """The function the trainer calls, alone: rows of two prompts (left-padded), completions
     sharing a first turn (right-padded), temperature 0.7; log-probs, entropies and their
