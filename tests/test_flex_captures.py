@@ -8,13 +8,12 @@ the long batch and the short one, in either order; log-probs the oracle's."""
 
 from __future__ import annotations
 
-import logging
 
 import numpy as np
 import pytest
 import torch
 from support import VOCAB, hf_model
-from test_parts_captures import _query_lengths, _Recaptures
+from test_parts_captures import _query_lengths, recaptures_logged
 from trees import check_forward
 
 import treefx
@@ -53,18 +52,11 @@ def test_no_grad_log_probs_capture_once_on_both_sides_of_a_block(backend, region
     forests = (LONG, SHORT) if order == "long first" else (SHORT, LONG)
     model = hf_model("qwen3", "sdpa")
     queries = _query_lengths(monkeypatch)
-    log = logging.getLogger("treefx")
-    recaptures, level = _Recaptures(), log.level
-    log.addHandler(recaptures)
-    log.setLevel(logging.INFO)
-    try:
+    with recaptures_logged() as recaptures:
         tm = treefx.compile(model, backend=backend, regional=regional, verify=False)
         for trees in (*forests, *forests):
             check_forward(tm, trees, atol=1e-5)
             assert tm.engine.num_compilations == 1
-    finally:
-        log.removeHandler(recaptures)
-        log.setLevel(level)
     assert recaptures.seen and not recaptures.lines, recaptures.lines
     if regional:
         assert len(_graphs(tm)) == 1

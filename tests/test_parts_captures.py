@@ -7,6 +7,7 @@ run eagerly)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import numpy as np
@@ -134,6 +135,20 @@ class _Recaptures(logging.Handler):
             self.lines.append(msg)
 
 
+@contextlib.contextmanager
+def recaptures_logged():
+    """treefx's INFO lines inside the block, the captures made again among them."""
+    log = logging.getLogger("treefx")
+    recaptures, level = _Recaptures(), log.level
+    log.addHandler(recaptures)
+    log.setLevel(logging.INFO)
+    try:
+        yield recaptures
+    finally:
+        log.removeHandler(recaptures)
+        log.setLevel(level)
+
+
 def _model(name: str) -> torch.nn.Module:
     if name == "qwen3_next":  # test_parts' hybrid
         from test_hybrid import _gdn_config
@@ -173,11 +188,7 @@ def test_parts_capture_once_at_every_budget(name, backend, regional, monkeypatch
     want = grads(model)
     chunks = _chunk_compiles(monkeypatch)
     queries = _query_lengths(monkeypatch)
-    log = logging.getLogger("treefx")
-    recaptures, level = _Recaptures(), log.level
-    log.addHandler(recaptures)
-    log.setLevel(logging.INFO)
-    try:
+    with recaptures_logged() as recaptures:
         tm = treefx.compile(model, backend=backend, regional=regional, verify=False)
         graphs0 = counters["stats"]["unique_graphs"]
         for i, (budget, beyond) in enumerate((FIRST, *LATER)):
@@ -194,9 +205,6 @@ def test_parts_capture_once_at_every_budget(name, backend, regional, monkeypatch
             for param, g in grads(model).items():
                 torch.testing.assert_close(g, want[param], atol=1e-6, rtol=1e-4,
                                            msg=lambda m: f"{param} ({budget}, {beyond}): {m}")
-    finally:
-        log.removeHandler(recaptures)
-        log.setLevel(level)
     assert recaptures.seen and not recaptures.lines, recaptures.lines
     assert runner.engine.num_compilations == runner.no_grad_engine.num_compilations == 1
     if regional:
