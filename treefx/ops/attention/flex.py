@@ -222,6 +222,35 @@ class FlexSite:
 
         return mask_mod
 
+    def _query_pad(self, interleave: bool) -> int:
+        """Rows of zeros the usual layout's query row is padded with: one block, which the
+        block tensors already count (their spare block, which lists no key block). Its length
+        ``n + block`` is then one block or more for every ``n``, so Inductor's choice of its
+        decoding kernel for rows of fewer than 128 queries (read off the query length even
+        where the standard kernel is forced) is made without a guard on ``n``: a graph
+        captured for a row of 128 tokens or more (every regional piece) is not captured again
+        for a shorter one, or the reverse. The padded rows are cut off (:meth:`_unpad`), so
+        no output row reads them and their gradient is zero: exact. None for the interleaved
+        row (its length, blocks x KV heads x block, is at least 2 blocks, the spare's) and
+        with ``ROWS_GUARANTEED_SAFE`` (a padded row sees no key, which it promises never
+        happens)."""
+        return 0 if interleave or self.kernel_options.get("ROWS_GUARANTEED_SAFE") \
+            else self.block_size
+
+    @staticmethod
+    def _pad_rows(q: torch.Tensor, rows: int) -> torch.Tensor:
+        """``q`` [B, H, n, D] with ``rows`` rows of zeros after (concatenated, not F.pad:
+        see heads_to_row's pad_by_cat)."""
+        if not rows:
+            return q
+        return torch.cat([q, q.new_zeros(*q.shape[:2], rows, q.shape[-1])], dim=2)
+
+    def _unpad(self, out, n: int):
+        """The site's output (and log-sum-exp, where it returns one) cut to ``n`` rows."""
+        if self.return_lse:
+            return out[0][:, :, :n], out[1][:, :, :n]
+        return out[:, :, :n]
+
     @staticmethod
     def _skip_rows(kv_num, full_num, skip_blocks):
         """The block counts with the first ``skip_blocks`` query blocks listing no key block
@@ -305,35 +334,14 @@ class TreeFlexAttention(FlexSite):
         kv_num, full_num = self._skip_rows(kv_num, full_num, skip_blocks)
         site_mask, extra = self._site_mask_mod(skip_blocks is not None), \
             self._skipped(skip_blocks)
-        # The usual layout's query row is padded by one block of zeros, as a part's is
-        # (:class:`.part.TreePartFlexAttention`): the block tensors already count it (their
-        # spare block, which lists no key block), and ``se_pad`` / ``pos_pad`` and a score's
-        # padded buffers cover it. Its length n + block is then one block or more for every n,
-        # so Inductor's choice of its decoding kernel for rows of fewer than 128 queries (read
-        # off the query length even where the standard kernel is forced) is made without a
-        # guard on n. Without it the graph without autograd (the usual layout's default)
-        # captured for a batch of 128 tokens or more was captured again, every regional
-        # piece, for a shorter batch, and the reverse. The padded rows are cut off, so no row
-        # of the output reads them and their gradient is zero (they add nothing to the keys'
-        # and values'; through the mask_mod they see no key, keys' intervals ending at n,
-        # and the spare block lists none): exact. The interleaved row (the default with
-        # autograd) needs none: its length, blocks x KV heads x block, is a whole number of
-        # at least 2 blocks (the spare's). Not with ROWS_GUARANTEED_SAFE (a padded row sees no
-        # key, which it promises never happens).
-        pad_rows = (0 if interleave or self.kernel_options.get("ROWS_GUARANTEED_SAFE")
-                    else self.block_size)
+        pad_rows = self._query_pad(interleave)  # exact; no guard on n (_query_pad)
         std = BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx,
                                        BLOCK_SIZE=self.block_size, mask_mod=site_mask,
                                        seq_lengths=(n + pad_rows, n))
         if not interleave:
-            if not pad_rows:
-                return self._flex(q, k, v, std, se_pad, pos_pad, bufs, extra)
-            # concatenated, not F.pad (see heads_to_row's pad_by_cat)
-            qp = torch.cat([q, q.new_zeros(*q.shape[:2], pad_rows, q.shape[-1])], dim=2)
-            out = self._flex(qp, k, v, std, se_pad, pos_pad, bufs, extra)
-            if self.return_lse:
-                return out[0][:, :, :n], out[1][:, :, :n]
-            return out[:, :, :n]
+            out = self._flex(self._pad_rows(q, pad_rows), k, v, std, se_pad, pos_pad, bufs,
+                             extra)
+            return self._unpad(out, n) if pad_rows else out
         hk, bs = k.shape[1], self.block_size
         nb = kv_num.shape[-1]
         mask_mod = self._interleaved_mask_mod(hk, q.shape[1] // hk, site_mask)

@@ -134,16 +134,7 @@ class TreePartFlexAttention(FlexSite):
         # (benchmarks/HISTORY.md, "Sliding windows in the block mask").
         interleave = (interleave_wanted(self.interleave_heads, (q, k, v, k_context, v_context))
                       and hk > 1 and self.score_mod is None and not self.return_lse)
-        # The usual layout's query row is padded by one block of zeros, which the block
-        # tensors already count (their spare block): its length n + block is then one block or
-        # more for every n, so Inductor's choice of its decoding kernel for rows of fewer than
-        # 128 queries (read off the query length even where the standard kernel is forced)
-        # is decided without a guard on n. Without it a part graph captured for a part of
-        # 128 tokens or more was captured again, every regional piece, for the first shorter
-        # part (a recompute part's forward without autograd). The padded rows see keys of
-        # no row or are cut off, exactly (not with ROWS_GUARANTEED_SAFE, which promises no
-        # row sees no key).
-        pad_rows = 0 if interleave or self.kernel_options.get("ROWS_GUARANTEED_SAFE") else bs
+        pad_rows = self._query_pad(interleave)  # exact; no guard on n (_query_pad)
         block_mask = BlockMask.from_kv_blocks(
             own_num, kv_idx[:, :, first:], own_full, full_idx[:, :, first:], BLOCK_SIZE=bs,
             mask_mod=site_mask, seq_lengths=(n + pad_rows, a + n))
@@ -157,8 +148,7 @@ class TreePartFlexAttention(FlexSite):
         qw = q.to(wide)
         mask_bufs = (se_pad, pos_pad, offset, *bufs[:m], *self._skipped(skip_blocks))
         self.layouts.add("interleaved" if interleave else "standard")
-        if pad_rows:  # concatenated, not F.pad (see heads_to_row's pad_by_cat)
-            qw = torch.cat([qw, qw.new_zeros(*qw.shape[:2], pad_rows, qw.shape[-1])], dim=2)
+        qw = self._pad_rows(qw, pad_rows)
         if interleave:
             nbq, nbk = kv_num.shape[-1] - first, kv_num.shape[-1]
             block_mask = interleaved_block_mask(

@@ -82,26 +82,8 @@ class RegionalGraph:
     def accepts(self, args) -> bool:
         """Whether these call arguments satisfy the capture's guards (dtypes, devices, ranks,
         and Dynamo's shape guards on the sizes that vary per call)."""
-        if len(args) != self.num_args:
+        if len(args) != self.num_args or self._argument_difference(args) is not None:
             return False
-        for i, f in self.call_fakes.items():
-            a = args[i]
-            if not isinstance(a, torch.Tensor) or a.dtype != f.dtype or a.dim() != f.dim() \
-                    or a.device.type != f.device.type or a.requires_grad != f.requires_grad:
-                return False
-            # sizes Dynamo kept static (all but the dynamic ones) are baked in
-            if any(isinstance(d, int) and a.shape[k] != d for k, d in enumerate(f.shape)):
-                return False
-        for i, v in self.call_consts.items():  # other arguments are constants of the graph
-            a = args[i]
-            if isinstance(v, (int, float, str, bool, type(None))):
-                if type(a) is not type(v) or a != v:
-                    return False
-            elif isinstance(v, (list, tuple)) and not v:  # an empty list (no .grad buffers)
-                if type(a) is not type(v) or a:
-                    return False
-            elif a is not v:
-                return False
         if self._num_guards() != self._guards_read:
             # a compilation after the capture (a lazily compiled backward) added guards
             log.info("regional execution: %d shape guard(s) added since the capture; read "
@@ -149,7 +131,10 @@ class RegionalGraph:
 
     def _argument_difference(self, args) -> str | None:
         """The first argument ``args`` differ in from the capture's, outside the shape guards
-        (what :meth:`accepts` compares first), in words; None: none."""
+        (what :meth:`accepts` compares first), in words; None: none. Tensors: requires_grad,
+        dtype, rank, device, and the sizes Dynamo kept static (all but the dynamic ones are
+        baked in); the other arguments are constants of the graph (an empty list: no .grad
+        buffers)."""
         for i, f in self.call_fakes.items():
             a = args[i]
             if not isinstance(a, torch.Tensor):
