@@ -397,13 +397,16 @@ def test_bf16_runs_layer_by_layer_and_the_reference_shares_the_policys_graph(
     the CPU) carries the region into each layer's piece instead of refusing the graph: no
     fallback to the whole graph, whose compile grows with depth, and the reference model (a
     twin, with ``beta != 0``, under the first-call check that twins need) runs the policy's
-    no-grad graph instead of capturing its own."""
+    graph instead of capturing its own. With gradient checkpointing, which TRL turns off around
+    its no-grad calls, the policy captures one graph, checkpointed, for its old log-probs and
+    its loss alike (``TreeEngine.captures_training``), and its first-call check compares
+    gradients."""
     import logging
 
     from treefx.integrations.trl import TreeGRPOTrainer
 
     config = dict(per_device_train_batch_size=4, gradient_accumulation_steps=1, beta=0.04,
-                  num_iterations=2, learning_rate=1e-4, bf16=True)
+                  num_iterations=2, learning_rate=1e-4, bf16=True, gradient_checkpointing=True)
     with caplog.at_level(logging.INFO, logger="treefx"):
         losses, _, _, trainer = _train(
             TreeGRPOTrainer, checkpoint, tmp_path, multi_turn=False, steps=2, config=config,
@@ -414,8 +417,11 @@ def test_bf16_runs_layer_by_layer_and_the_reference_shares_the_policys_graph(
     tms = {("ref" if m is trainer.ref_model else "policy"): tm
            for m, tm in trainer._tree_models.values()}
     assert tms["ref"].engine.twin_used and tms["ref"].num_compilations == 0
-    graphs = [g for gs in tms["policy"].engine._regional.values() for g in gs]
-    assert len(graphs) == 2  # the no-grad graph and the one with gradients, both regional
+    policy = tms["policy"]
+    (key,) = [k for k, gs in policy.engine._regional.items() if gs]
+    assert len(policy.engine._regional[key]) == 1 and policy.num_compilations == 1
+    assert key[2] and any(key[-1])  # captured with gradients, checkpointing on
+    assert policy.verification.passed and policy.verification.compared_params > 0
     assert all(torch.isfinite(x) for x in losses)
 
 

@@ -19,6 +19,8 @@ switch                             default    what it does
                                               ``verify=`` is not given (strict: 0/1)
 ``TREEFX_SHARE_TWINS``             1          a reference model of the policy's architecture
                                               shares its no-grad graph (0: its own)
+``TREEFX_SHARE_NO_GRAD``           1          a training model's no-grad calls run its
+                                              training graph (0: a no-grad graph of their own)
 ``TREEFX_TRUNK_ATTENTION``         auto       a site's leading chain on cuDNN's kernels (auto:
                                               on CUDA, bf16/fp16, heads up to 128; 1: anywhere,
                                               0: never)
@@ -141,6 +143,9 @@ class Options:
     share_twins: bool = _switch("TREEFX_SHARE_TWINS", True,
                                 None,
                                 "a reference model shares its policy's no-grad graph")
+    share_no_grad: bool = _switch("TREEFX_SHARE_NO_GRAD", True,
+                                  None,
+                                  "a training model's no-grad calls run its training graph")
     trunk_attention: bool | None = _switch("TREEFX_TRUNK_ATTENTION", None,
                                            lambda: _tri("TREEFX_TRUNK_ATTENTION"),
                                            "leading chains on cuDNN's kernels (None: auto)")

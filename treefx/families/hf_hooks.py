@@ -13,6 +13,12 @@ checkpointing reaches adapter weights behind frozen embeddings. Dynamo of torch 
 graph there when the output does not require grad yet (a part's embedding rows); a captured
 checkpoint is non-reentrant, which reaches every parameter inside without them.
 :func:`without_input_grad_hooks` leaves them out of a capture (they are restored after).
+
+Checkpointing flags: which modules run Hugging Face's activation checkpointing (a module's
+``gradient_checkpointing``, with its ``_gradient_checkpointing_func``) decides whether a capture
+holds checkpointed layers. :func:`checkpointing_flags` reads them (a regional graph's key),
+:func:`checkpointing_state` snapshots them and :func:`checkpointing_restored` puts a snapshot
+back for a block (TRL turns checkpointing off around its no-grad calls).
 """
 
 from __future__ import annotations
@@ -23,7 +29,44 @@ import weakref
 
 import torch
 
-__all__ = ["install_output_hooks", "traced_padding_masks", "without_input_grad_hooks"]
+__all__ = ["checkpointing_flags", "checkpointing_restored", "checkpointing_state",
+           "install_output_hooks", "traced_padding_masks", "without_input_grad_hooks"]
+
+
+def checkpointing_flags(model: torch.nn.Module) -> tuple[bool, ...]:
+    """Each module's Hugging Face checkpointing flag (``gradient_checkpointing``), in
+    ``model.modules()`` order, for the modules that have one."""
+    return tuple(bool(m.gradient_checkpointing) for m in model.modules()
+                 if hasattr(m, "gradient_checkpointing"))
+
+
+def checkpointing_state(model: torch.nn.Module) -> list:
+    """A snapshot of ``model``'s checkpointing: (module, flag, checkpoint function) for each
+    module with a ``gradient_checkpointing`` flag."""
+    return [(m, m.gradient_checkpointing, m.__dict__.get("_gradient_checkpointing_func"))
+            for m in model.modules() if hasattr(m, "gradient_checkpointing")]
+
+
+@contextlib.contextmanager
+def checkpointing_restored(state: list):
+    """The checkpointing of a :func:`checkpointing_state` snapshot while the block runs; what
+    each module had before, after."""
+    before = [(m, m.gradient_checkpointing, m.__dict__.get("_gradient_checkpointing_func"))
+              for m, _, _ in state]
+    _set_checkpointing(state)
+    try:
+        yield
+    finally:
+        _set_checkpointing(before)
+
+
+def _set_checkpointing(state: list) -> None:
+    for m, flag, func in state:
+        m.gradient_checkpointing = flag
+        if func is not None:
+            m._gradient_checkpointing_func = func
+        else:
+            m.__dict__.pop("_gradient_checkpointing_func", None)
 
 
 @contextlib.contextmanager

@@ -71,6 +71,7 @@ import warnings
 import torch
 
 import treefx
+from treefx.families.hf_hooks import checkpointing_restored, checkpointing_state
 from treefx.integrations.vocab import logits_row_statistics
 from treefx.run.model import twin
 
@@ -346,6 +347,9 @@ class TreeGRPOTrainer(trl.GRPOTrainer):
         self.trees = trees
         self.compile_options = dict(compile_options or {})
         self._tree_models: dict[int, tuple[torch.nn.Module, object]] = {}
+        # the policy's activation checkpointing as training runs it, while TRL turns it off
+        # around its no-grad calls (see _get_per_token_logps_and_entropies)
+        self._policy_checkpointing: list | None = None
         #: Token counts of every tree call so far: the trees' and the rows' own (no padding).
         self.tree_stats: dict[str, int] = {"tree_tokens": 0, "sequence_tokens": 0}
         super().__init__(*args, **kwargs)
@@ -411,9 +415,18 @@ class TreeGRPOTrainer(trl.GRPOTrainer):
         tree_model = self.tree_model(model)
         batch_size = batch_size or input_ids.size(0)
         logps, entropies = [], []
+        # TRL runs the policy's no-grad calls with checkpointing off (an eager-mode warning);
+        # the tree call runs with it as training has it, so that the graph captured for
+        # training serves the no-grad call too (one capture, TreeEngine.captures_training).
+        # Without gradients checkpointing changes no value.
+        policy = self.accelerator.unwrap_model(model) is \
+            self.accelerator.unwrap_model(self.model)
+        restore = policy and self._policy_checkpointing and not torch.is_grad_enabled()
         for start in range(0, input_ids.size(0), batch_size):
             end = min(start + batch_size, input_ids.size(0))
-            with self.accelerator.autocast():
+            with self.accelerator.autocast(), \
+                    checkpointing_restored(self._policy_checkpointing) if restore \
+                    else contextlib.nullcontext():
                 lp, ent = tree_logps_and_entropies(
                     tree_model, input_ids[start:end], attention_mask[start:end], logits_to_keep,
                     temperature=self.temperature, compute_entropy=compute_entropy,
@@ -425,8 +438,13 @@ class TreeGRPOTrainer(trl.GRPOTrainer):
     def _generate_and_score_completions(self, inputs):
         if not self.trees:
             return super()._generate_and_score_completions(inputs)
-        with _keep_input_grad_hooks(self.accelerator.unwrap_model(self.model)):
-            return super()._generate_and_score_completions(inputs)
+        policy = self.accelerator.unwrap_model(self.model)
+        self._policy_checkpointing = checkpointing_state(policy)
+        try:
+            with _keep_input_grad_hooks(policy):
+                return super()._generate_and_score_completions(inputs)
+        finally:
+            self._policy_checkpointing = None
 
     def _prepare_inputs(self, generation_batch):
         # GRPOTrainer._prepare_inputs (TRL 1.16) with the row shuffle made a group shuffle.

@@ -29,6 +29,7 @@ from .capture import capture_environment, no_autocast_cache, no_cache, prepare_m
 from ..compiler import GraphBreakError, GraphContext, TreeCompileError, run_passes
 from ..compiler.graph import example, graph_code, module_path
 from ..compiler.lower.parts import PartSites, part_outputs
+from ..families.hf_hooks import checkpointing_flags
 from ..layout import TreeBatch, known_host_row, remember_host_row
 from ..ops.attention import check_interleave_heads, check_kernel_options, intervals
 from ..plan import Compiled, Plan
@@ -90,8 +91,11 @@ class TreeEngine:
     is compiled for. Each capture's :class:`~treefx.plan.Compiled` is kept in ``compiled``.
     """
 
-    def __init__(self, fn, plan: Plan):
+    def __init__(self, fn, plan: Plan, *, no_grad_runs_training: bool = False):
         self.fn = fn
+        # a no-grad call of a model that trains runs the training graph (one capture; see
+        # captures_training): a compiled model's engine, with Options.share_no_grad
+        self.no_grad_runs_training = no_grad_runs_training
         if plan.regional not in (None, True, False):
             raise TypeError(f"regional must be True, False or None, got {plan.regional!r}")
         given = plan.kernel_options
@@ -328,11 +332,54 @@ class TreeEngine:
 
     # ------------------------------------------------------------------ regional
 
-    def _regional_key(self, backend, model) -> tuple:
-        return (backend, id(model), torch.is_grad_enabled(),
+    def _regional_key(self, backend, model, grad: bool | None = None) -> tuple:
+        """What a regional graph was captured under: backend, model, grad mode, the modules'
+        training modes, CUDA autocast, and, for a graph with gradients, which modules have
+        Hugging Face's activation checkpointing on (a training call with checkpointing must
+        not run a graph captured without it: values alike, memory not)."""
+        grad = torch.is_grad_enabled() if grad is None else grad
+        return (backend, id(model), grad,
                 tuple(m.training for m in model.modules()),
                 torch.is_autocast_enabled("cuda") if hasattr(torch, "is_autocast_enabled")
-                else None)
+                else None,
+                checkpointing_flags(model) if grad else None)
+
+    def captures_training(self, model: torch.nn.Module, backend: str, root=None) -> bool:
+        """Whether a call without gradients of ``model`` captures (and runs) the graph its
+        training calls run, rather than a no-grad graph of its own: an engine made with
+        ``no_grad_runs_training`` (a compiled model's, ``TREEFX_SHARE_NO_GRAD`` on), a model
+        run regionally (:meth:`uses_regions`) in training mode with trainable parameters,
+        outside inference mode.
+
+        Why: a reinforcement-learning step computes the policy's old log-probs without
+        gradients, in training mode, then trains on the same rows. One capture, compiled for
+        training, serves both: Dynamo's trace and the passes run once, not twice, and the
+        no-grad call runs the training graph's forward, so the old and new log-probs of the
+        step's first update agree bit for bit, as they do in eager mode. The graph is keyed
+        by the checkpointing the model has at the capture (:func:`checkpointing_flags`):
+        TRL turns checkpointing off around its no-grad calls, and
+        :class:`~treefx.integrations.trl.TreeGRPOTrainer` turns it back on for the tree
+        call (no value changes without gradients)."""
+        return (self.no_grad_runs_training and not torch.is_grad_enabled()
+                and not torch.is_inference_mode_enabled() and model.training
+                and any(p.requires_grad for p in model.parameters())
+                and self.uses_regions(model, root, backend))
+
+    def _find_regional(self, backend, model, args):
+        """The captured regional graph of ``model``'s state that accepts ``args``, and its key
+        (None, None where there is none). A no-grad call takes a no-grad graph, else (with
+        ``no_grad_runs_training``) a training graph of the same training modes and autocast,
+        whatever its checkpointing (which changes no value without gradients)."""
+        key = self._regional_key(backend, model)
+        keys = [key]
+        if not key[2] and self.no_grad_runs_training:
+            keys += [k for k in self._regional if k[2] and k[:2] == key[:2]
+                     and k[3:5] == key[3:5]]
+        for k in keys:
+            graph = next((g for g in self._regional.get(k, []) if g.accepts(args)), None)
+            if graph is not None:
+                return k, graph
+        return None, None
 
     def needs_capture(self, device: torch.device, *args, discover_in: torch.nn.Module,
                       root=None) -> bool:
@@ -343,9 +390,7 @@ class TreeEngine:
             return False
         if self.plan.find_layout:
             return True
-        graphs = self._regional.get(self._regional_key(self.resolve_backend(device),
-                                                       discover_in), [])
-        return not any(g.accepts(args) for g in graphs)
+        return self._find_regional(self.resolve_backend(device), discover_in, args)[1] is None
 
     def _call_regional(self, backend, args, dynamic, model, root):
         if self.plan.find_layout:
@@ -353,12 +398,13 @@ class TreeEngine:
             # widths): the passes on the whole graph, nothing split or compiled
             regional.check_hooks(model, root)
             return self._find_layout_regional(backend, args, dynamic, model)
-        key = self._regional_key(backend, model)
-        graphs = self._regional.setdefault(key, [])
-        graph = next((g for g in graphs if g.accepts(args)), None)
+        _, graph = self._find_regional(backend, model, args)
         if graph is None:
             graph = self._twin_graph(backend, args, model, root)
         if graph is None:
+            training = self.captures_training(model, backend, root)
+            graphs = self._regional.setdefault(
+                self._regional_key(backend, model, grad=True if training else None), [])
             if len(graphs) >= 8:
                 raise TreeCompileError(
                     "regional execution: 8 captures for one model state and none accepts "
@@ -372,7 +418,12 @@ class TreeEngine:
                          "capture(s) failed: %s", args[dynamic[0]].shape[-1],
                          "; ".join(g.failed_guard(args) or "?" for g in graphs))
             regional.check_hooks(model, root)
-            graph = self._capture_regional(backend, args, dynamic, model)
+            if training:
+                log.info("regional execution: a call without gradients of a model that trains "
+                         "captures its training graph, which its training calls run too")
+            # (the capture runs nothing: the pieces are compiled on fake inputs)
+            with torch.enable_grad() if training else contextlib.nullcontext():
+                graph = self._capture_regional(backend, args, dynamic, model)
             graphs.append(graph)
         wrapper = root if root is not None and root is not model else None
         ids = args[dynamic[0]]
@@ -412,12 +463,15 @@ class TreeEngine:
             regional.check_hooks(model, root if root is not model else None)
         except TreeCompileError:
             return None
-        key = t["key"] or t["engine"]._regional_key(backend, other)
         # the graph takes the model it was captured on as a constant argument; it reads the
         # parameters of the model it is called with
         theirs = tuple(other if a is model else a for a in args)
-        graph = next((g for g in t["engine"]._regional.get(key, []) if g.accepts(theirs)),
-                     None)
+        if t["key"] is not None:
+            key = t["key"]
+            graph = next((g for g in t["engine"]._regional.get(key, []) if g.accepts(theirs)),
+                         None)
+        else:
+            key, graph = t["engine"]._find_regional(backend, other, theirs)
         if graph is not None and not t["given"]:
             log.info("treefx: running the no-grad graph of a twin model (%s)",
                      type(other).__name__)

@@ -138,7 +138,8 @@ class TreeModel(torch.nn.Module):
         self.plan = Plan(backend=backend, block_size=block_size,
                          kernel_options=kernel_options, interleave_heads=interleave_heads,
                          regional=regional, mode="tree", options=options)
-        self.engine = TreeEngine(tree_forward(opts), self.plan)
+        self.engine = TreeEngine(tree_forward(opts), self.plan,
+                                 no_grad_runs_training=options.share_no_grad)
         # A model already on a GPU: the first call's background work (compile workers, cuDNN's
         # kernels) starts here, while the job prepares its data and optimizer.
         device = _parameter_device(model)
@@ -218,12 +219,14 @@ class TreeModel(torch.nn.Module):
 
     def _verify_first_call(self, batch: TreeBatch) -> None:
         """The probe check (:mod:`treefx.verification`) through this model's own compiled graph,
-        with gradients when the call computes them, before the user's first batch. Through
+        with gradients when the call computes them or captures the training graph
+        (:meth:`TreeEngine.captures_training`), before the user's first batch. Through
         Inductor the probe's row is padded to the batch's length (``pad_to``): compiled on a
         short row, the graph would be compiled again for the batch."""
-        grads = torch.is_grad_enabled()
-        pad_to = batch.num_tokens if self.engine.resolve_backend(batch.device) == "inductor" \
-            else None
+        backend = self.engine.resolve_backend(batch.device)
+        grads = torch.is_grad_enabled() or self.engine.captures_training(
+            self.model, backend, self._root[0])
+        pad_to = batch.num_tokens if backend == "inductor" else None
         kind = regional_mod.distributed_kind(self.model, self._root[0] if self._root[0]
                                              is not self.model else None)
         if kind is not None and grads:
