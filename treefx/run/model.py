@@ -257,11 +257,12 @@ class TreeModel(torch.nn.Module):
 
 def twin(tm: TreeModel, model: torch.nn.Module) -> TreeModel | None:
     """A :class:`TreeModel` for ``model``, compiled with ``tm``'s options, that runs ``tm``'s
-    no-grad regional graphs instead of capturing its own, when ``model`` is a twin of
+    regional graphs without gradients instead of capturing its own, when ``model`` is a twin of
     ``tm.model``; None when it is not one (compile it on its own).
 
-    For a reference model beside a policy of the same architecture (TRL's GRPO): the policy's
-    no-grad graph, captured in training mode, serves the reference in eval mode, with its
+    For a reference model beside a policy of the same architecture (TRL's GRPO): the graph the
+    policy's no-grad calls run, captured in training mode (the policy's training graph, see
+    :meth:`TreeEngine.captures_training`), serves the reference in eval mode, with its
     parameters (a regional graph reads each block's parameters from the module it runs).
 
     Twins: the same class; the same modules (names, classes); the same parameters and
