@@ -101,3 +101,23 @@ def test_models_that_do_not_train_keep_a_no_grad_graph(monkeypatch):
     model.train().requires_grad_(True)
     check_forward(tm, trees, atol=1e-4, grad=True)  # (TREEFX_SHARE_NO_GRAD=0) its own
     assert len(_keys(tm)) == 2
+
+
+def test_a_model_that_computes_otherwise_without_gradients_keeps_a_no_grad_graph(caplog):
+    """A layer whose values depend on the grad mode (a hook inside it, traced into the graph,
+    that scales its output only without gradients): the first-call check runs the training
+    graph without gradients against the model run without them too, finds the difference,
+    says so, and calls without gradients capture a graph of their own, exact; the training
+    call keeps the training graph."""
+    model = hf_model("qwen3", "sdpa").train()
+    model.model.layers[1].mlp.register_forward_hook(
+        lambda m, args, out: out if torch.is_grad_enabled() else out * 1.5)
+    tm = treefx.compile(model, backend="eager", regional=True, verify=True)
+    trees = odd_forest(6, VOCAB)
+    with caplog.at_level("WARNING", logger="treefx"):
+        check_forward(tm, trees, atol=1e-4)
+    assert "differs from the model run without them" in caplog.text
+    assert tm.verification.compared_params > 0
+    assert sorted(k[2] for k in _keys(tm)) == [False, True]
+    check_against_oracle(tm, trees)
+    assert len(_keys(tm)) == 2

@@ -224,8 +224,8 @@ class TreeModel(torch.nn.Module):
         Inductor the probe's row is padded to the batch's length (``pad_to``): compiled on a
         short row, the graph would be compiled again for the batch."""
         backend = self.engine.resolve_backend(batch.device)
-        grads = torch.is_grad_enabled() or self.engine.captures_training(
-            self.model, backend, self._root[0])
+        training = self.engine.captures_training(self.model, backend, self._root[0])
+        grads = torch.is_grad_enabled() or training
         pad_to = batch.num_tokens if backend == "inductor" else None
         kind = regional_mod.distributed_kind(self.model, self._root[0] if self._root[0]
                                              is not self.model else None)
@@ -251,8 +251,27 @@ class TreeModel(torch.nn.Module):
                 self.verification = str(e)
                 log.warning("%s", e)
             break
+        if training and not isinstance(self.verification, str):
+            self._verify_no_grad_runs(pad_to)
         # a twin's graph checked here keeps serving this model; if none was, none will
         self.engine.twin_verified()
+
+    def _verify_no_grad_runs(self, pad_to) -> None:
+        """The training graph that serves this model's calls without gradients, checked without
+        gradients too: against the model run without them, whose code may take other paths
+        (``torch.is_grad_enabled()`` in a layer). Where it fails, calls without gradients
+        capture a graph of their own, checked here."""
+        try:
+            verification.verify_compiled(self, grads=False, pad_to=pad_to)
+            return
+        except verification.VerificationUnavailable:
+            return
+        except verification.TreeVerificationError as e:
+            log.warning("treefx: the training graph run without gradients differs from the "
+                        "model run without them; calls without gradients capture a graph of "
+                        "their own (%s)", str(e).splitlines()[0])
+        self.engine.no_grad_runs_training = False
+        verification.verify_compiled(self, grads=False, pad_to=pad_to)
 
 
 def twin(tm: TreeModel, model: torch.nn.Module) -> TreeModel | None:
