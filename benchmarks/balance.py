@@ -6,11 +6,9 @@
 
 Per (world, trees per rank): the slowest rank's cost over the mean (Qwen3-8B's FLOP cost
 model), whole trees and ``split=True``. ``--simulate BUDGET`` (default ``--worlds 8 16 32
-64``): both FSDP2 designs of ``treefx.backward``, ``rounds`` and ``gather_once``, predicted by
-the cost model docs/distributed.md states ("Predicted at 8-64 ranks"; tokens for time at
-``--token-ms``, one all-gather and one reduce-scatter of ``--param-gb`` over ``--node-gbs``
-within ``--gpus-per-node`` GPUs, else ``--net-gbs``), over random steps drawn from the file
-with replacement; the efficiency, median and worst over ``--steps``, and the balance.
+64``): both FSDP2 designs of ``treefx.backward``, ``rounds`` and ``gather_once``, predicted as
+docs/distributed.md states (``--token-ms``, ``--param-gb`` over ``--node-gbs`` within
+``--gpus-per-node`` GPUs, else ``--net-gbs``) over random steps drawn with replacement.
 """
 
 from __future__ import annotations
@@ -32,8 +30,8 @@ def imbalance(ranks, mean: float) -> float:
 
 
 def simulate_step(ranks, budget: int, comm_tokens: float) -> dict:
-    """One step's predicted efficiency under both FSDP2 designs (see the module's docstring):
-    ``ranks``' trees, the budget, and one gather plus one reduce-scatter in token-times."""
+    """One step's predicted efficiency under both FSDP2 designs (``comm_tokens``: one gather
+    plus one reduce-scatter in token-times)."""
     batches = [pack(r) if r else None for r in ranks]
     ideal = sum(b.num_tokens for b in batches if b is not None) / len(ranks)
     busiest = max(b.num_tokens for b in batches if b is not None)

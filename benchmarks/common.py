@@ -95,8 +95,30 @@ def dynamo_counts() -> dict:
     }
 
 
+def unique_graphs() -> int:
+    """Dynamo's compiled graphs so far."""
+    return dynamo_counts().get("unique_graphs", 0)
+
+
 def counts_delta(a: dict, b: dict) -> dict:
     return {k: b.get(k, 0) - a.get(k, 0) for k in b}
+
+
+def sync(cuda: bool) -> None:
+    if cuda:
+        torch.cuda.synchronize()
+
+
+def is_oom(e: BaseException) -> bool:
+    """An out-of-memory error, or one raised from it (Dynamo and treefx wrap what a compiled
+    graph raises while it compiles)."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower():
+            return True
+        e = getattr(e, "inner_exception", None) or e.__cause__ or e.__context__
+    return False
 
 
 def kernel_runs_delta(before: dict, after: dict) -> dict:
@@ -152,12 +174,9 @@ def hf_model(model_type: str, *, dev: str, dtype=torch.float32, seed: int = 0,
              on_device: bool = False, use_cache: bool | None = None,
              checkpointing: str | None = None, train: bool = False, attn: str = "sdpa",
              **cfg):
-    """A Hugging Face causal LM from a config (random weights, seeded), ``attn`` attention
-    (SDPA by default).
-
-    ``on_device``: initialise the weights on ``dev`` (the device's random generator) rather
-    than on the CPU and move them. ``checkpointing``: ``"reentrant"`` or ``"nonreentrant"`` HF
-    gradient checkpointing. ``use_cache``: set on the config when given."""
+    """A Hugging Face causal LM from a config (random weights, seeded), ``attn`` attention;
+    ``on_device``: the weights initialised on ``dev``; ``checkpointing``: ``"reentrant"`` or
+    ``"nonreentrant"`` HF gradient checkpointing."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.for_model(model_type, **cfg)
@@ -183,7 +202,7 @@ def hf_model(model_type: str, *, dev: str, dtype=torch.float32, seed: int = 0,
 
 # ----------------------------------------------------------------------------- several GPUs
 
-# Qwen3 shapes of the FSDP2 / DDP benchmarks (multi_gpu, distributed_check, grpo, verl_engine).
+# Qwen3 shapes of multi_gpu, grpo and verl_engine
 SHAPES = {
     "qwen3-8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                      num_attention_heads=32, num_key_value_heads=8, head_dim=128,
@@ -195,10 +214,24 @@ SHAPES = {
                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=1024,
                  tie_word_embeddings=False),
 }
-# Qwen3-8B's layer shapes and the dry runs' tiny ones, the depth left to ``--layers``
-# (real_trees, parts_budget, real_trees_flops)
+# the same, the depth left to ``--layers`` (real_trees, parts_budget, real_trees_flops)
 SHAPE_8B = {k: v for k, v in SHAPES["qwen3-8b"].items() if k != "num_hidden_layers"}
 TINY = {k: v for k, v in SHAPES["tiny"].items() if k != "num_hidden_layers"}
+
+
+def hybrid_config(hidden, intermediate, layers, heads, kv_heads, head_dim, k_heads, v_heads,
+                  k_dim, vocab) -> dict:
+    """A Qwen3-Next config: a full-attention layer after every three linear-attention ones
+    (the last layer full), dense MLPs."""
+    types = ["full_attention" if (i + 1) % 4 == 0 or i == layers - 1 else "linear_attention"
+             for i in range(layers)]
+    return dict(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+                num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+                linear_num_key_heads=k_heads, linear_num_value_heads=v_heads,
+                linear_key_head_dim=k_dim, linear_value_head_dim=k_dim,
+                linear_conv_kernel_dim=4, layer_types=types, num_experts=0,
+                mlp_only_layers=list(range(layers)), vocab_size=vocab,
+                tie_word_embeddings=False)
 
 
 def dist_setup(dry_run: bool) -> torch.device:
@@ -226,18 +259,9 @@ def dist_sync(dev) -> None:
 
 
 def dist_build(model_type: str, config: dict, dev, checkpointing: bool, dtype=torch.float32):
-    """A Hugging Face causal LM built on ``dev`` in ``dtype`` (the same weights on every rank),
-    SDPA attention, in training mode."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    cfg = AutoConfig.for_model(model_type, **config)
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    with dev:
-        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
-    if checkpointing:
-        enable_activation_checkpointing(model, use_reentrant=False)
-    return model.train()
+    """:func:`hf_model` on ``dev`` in training mode (the same weights on every rank)."""
+    return hf_model(model_type, dev=dev, dtype=dtype, on_device=True, train=True,
+                    checkpointing="nonreentrant" if checkpointing else None, **config)
 
 
 def fsdp_shard(model, mp_policy=None):
@@ -314,8 +338,7 @@ def make_tree(por: float, scale: float, vocab: int, seed: int = 0) -> treefx.Tre
 
 def check_forest(vocab: int, small: bool = False) -> list[treefx.Tree]:
     """The exactness checks' forest: two odd trees and a synthetic agent tree (6,098 tokens at
-    vocab 1024): odd shapes and more than one attention block. ``small``: a few hundred tokens
-    (a CPU dry run)."""
+    vocab 1024; ``small``: a few hundred tokens, a CPU dry run)."""
     forest = odd_forest(0, vocab)
     if small:
         agent = synth.agent_tree(1, vocab_size=vocab, rollouts=2, **scaled_lengths(0.1))
@@ -388,11 +411,8 @@ def oracle(model, trees, reduction: str = "mean"):
 
 
 def loss_vs_oracle(model, loss, reference) -> dict:
-    """A training step that is not a ``TreeModel`` (a baseline, ``@treefx.step``) against the
-    per-sequence oracle: ``loss`` was just computed and back-propagated, so the model's
-    ``.grad`` holds the step's gradients; ``reference`` is :func:`oracle`'s result.
-    ``treefx.verify`` checks tree models; this checks anything else that claims the same
-    loss."""
+    """A training step that is not a ``TreeModel`` (a baseline, ``@treefx.step``) against
+    :func:`oracle`'s ``reference``: ``loss`` was just back-propagated into ``.grad``."""
     ref_loss, g_ref = reference
     g = grads_of(model)
     return {"loss": float(loss),
@@ -402,9 +422,8 @@ def loss_vs_oracle(model, loss, reference) -> dict:
 
 
 def oracle_vs_oracle(model, reference, trees, reduction: str = "mean") -> dict:
-    """The per-sequence run of ``model`` (e.g. bf16) against that of ``reference`` (e.g. its
-    float32 copy): the error a precision has before any tree is involved, beside which a tree
-    run's error (``treefx.verify(..., reference=)``) is judged."""
+    """The per-sequence run of ``model`` (e.g. bf16) against that of ``reference`` (its float32
+    copy): a precision's own error, beside which a tree run's is judged."""
     lps = treefx.reference.sequence_logprobs(model, trees)
     ref_lps = treefx.reference.sequence_logprobs(reference, trees)
     lp_err = max((lp.float() - r.float()).abs().max().item()

@@ -7,14 +7,10 @@ for the cases and options).
     python -m benchmarks.fla_check --dry-run       # CPU: op, model on the torch kernel (no fla)
     python -m benchmarks.fla_check --cases interpret-state   # CPU, Triton's interpreter
 
-``op``: the tree recurrence alone on odd trees (Qwen3-Next's and Qwen3.5's layouts) against a
-float64 recurrence, beside the torch kernel's and fla's own per-sequence errors. ``model``: HF
-Qwen3-Next and Qwen3.5, whole and in parts, against the torch-kernel oracle and its floor.
-``exact``: the one-pass path (``treefx.families.fla_tree``) against fla depth by depth and a
-float64 walk along the tree. ``state``: the one-launch state pass against its float64 reference
-(``interpret-state``: under ``TRITON_INTERPRET=1``). ``timing``: the op at Qwen3-Next's heads on
-the e2e tree and its sequences packed. Each case's tolerance is in its code; every case records
-the kernel path the tree took (``kernel_runs``) and fla's decision.
+Cases: ``op`` (the tree recurrence alone), ``model`` (HF Qwen3-Next and Qwen3.5, whole and in
+parts), ``exact`` (the one-pass path against fla depth by depth), ``state`` (the one-launch
+state pass; ``interpret-state`` under ``TRITON_INTERPRET=1``), ``timing``; each case's
+tolerance is in its code.
 """
 
 from __future__ import annotations
@@ -75,9 +71,8 @@ def _leaf(x, dtype):
 
 
 def gdn_float64(q, k, v, g, beta):
-    """Gated DeltaNet token by token in float64 ([B, T, H, *]: B sequences of T tokens, each
-    from a zero state; q/k already at the value heads): the reference. One step runs all B
-    sequences."""
+    """Gated DeltaNet token by token in float64 ([B, T, H, *]: B sequences from a zero state,
+    q/k at the value heads): the reference."""
     q, k, v, g, beta = _float64_inputs(q, k, v, g, beta)
     state = q.new_zeros(q.shape[0], q.shape[2], q.shape[3], v.shape[3])
     out = []
@@ -154,9 +149,8 @@ def op_case(dev, dtype, layout, trees) -> dict:
         return [g.double() for g in torch.autograd.grad(total, xs)]
 
     def reference(xs):
-        """per_sequence's result for the float64 recurrence, every sequence in one batch
-        (right-padded; a padded step's output is not read): as many steps as the longest
-        sequence, not as all sequences' tokens (a GPU is launch-bound on such steps)."""
+        """per_sequence's result for the float64 recurrence, every sequence in one right-padded
+        batch (as many steps as the longest sequence)."""
         length = max(len(idx) for idx in idxs)
 
         def padded(x):
@@ -215,22 +209,10 @@ def op_case(dev, dtype, layout, trees) -> dict:
 
 # ----------------------------------------------------------------------------- model level
 
-def _config(model_type: str, vocab: int) -> dict:
-    cfg = dict(vocab_size=vocab, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
-               num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-               linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=128,
-               linear_value_head_dim=128, linear_conv_kernel_dim=4,
-               layer_types=["linear_attention", "linear_attention", "full_attention"])
-    if model_type == "qwen3_next":
-        cfg.update(num_experts=0, mlp_only_layers=[0, 1, 2])
-    return cfg
-
-
 @contextlib.contextmanager
 def model_kernel_oracle():
     """The per-sequence run as the model calls its kernel (Hugging Face's fla call when fla is
-    installed): the oracle's switch to the torch kernel beneath that wrapper
-    (:func:`treefx.families.hf_kernels.torch_kernel_paths`) left out while it runs."""
+    installed): the oracle's switch to the torch kernel left out while it runs."""
     from treefx import reference
     from treefx.families.hf_kernels import torch_kernel_paths
 
@@ -259,15 +241,11 @@ def model_case(dev, model_type, trees, budget, backend, bf16: bool, fp32: bool =
 
     vocab = 1024
     model = common.hf_model(model_type, dev=dev, dtype=torch.float32, seed=0, train=False,
-                            **_config(model_type, vocab))
+                            **common.hybrid_config(256, 512, 3, 4, 2, 64, 2, 4, 128, vocab))
     res: dict = {"model": model_type, "tokens": sum(t.num_tokens for t in trees),
                  "budget": budget, "backend": backend}
     # the oracle: the torch kernel beneath Hugging Face's fla wrapper (treefx.reference does so)
-    model.zero_grad(set_to_none=True)
-    ref_loss = treefx.reference.sequence_loss(model, trees, reduction="mean")
-    ref_loss.backward()
-    ref_loss = ref_loss.detach()
-    ref = _grads(model)
+    ref_loss, ref = common.oracle(model, trees)
     floor = treefx.verification.oracle_floor_gradients(model, trees, reduction="mean")
     res["oracle_floor"] = _param_err(floor, ref)
     try:  # the per-sequence run as the model calls its kernel (fla, when HF finds it)
@@ -359,7 +337,7 @@ def exact_case(dev, dtype, trees, seed: int = 0, value_heads: int = 4) -> dict:
     from treefx.ops.recurrence.reference import run_tree, tree_nodes
 
     batch = treefx.pack(trees).to(dev)
-    parent = batch.parent_token[0] if batch.parent_token.dim() > 1 else batch.parent_token
+    parent = batch.parent_token
     n, hv, d = batch.num_tokens, value_heads, 128
     gen = torch.Generator(device=dev).manual_seed(seed)
 
@@ -402,9 +380,8 @@ def exact_case(dev, dtype, trees, seed: int = 0, value_heads: int = 4) -> dict:
         total = (o[0].double() * probe).sum() + (f.double() * probe_fin).sum()
         got = [o[0], f, *torch.autograd.grad(total, xs)]
         res[label] = {nm: common.max_rel(a, r) for nm, a, r in zip(names, got, ref)}
-        after_runs = kernel_runs()
-        res[label]["paths"] = sorted(p for (nm, p), c in after_runs.items()
-                                     if c != before.get((nm, p), 0))
+        res[label]["paths"] = sorted(k.rsplit(":", 1)[1] for k in
+                                     common.kernel_runs_delta(before, kernel_runs()))
     os.environ.pop(KEEP_ENV, None)
     slack = 1e-6 if dtype == torch.float32 else 1e-3
     res["passed"] = all(res["one_pass"][nm] <= 2 * res["depth_by_depth"][nm] + slack
@@ -419,10 +396,8 @@ def exact_case(dev, dtype, trees, seed: int = 0, value_heads: int = 4) -> dict:
 def state_pass_exact(dev, seed: int, heads: int, key_dim: int, value_dim: int,
                      row: np.ndarray | None = None, repeats: int = 1) -> dict:
     """treefx's one-launch state pass (``fla_tree_state``), forward and backward, float32,
-    against its float64 reference on the forest ``row`` (a random one by default), roots from
-    given states, three nodes' final states handed out: relative errors, passed within 1e-5.
-    With ``repeats`` > 1 the kernels run that many times more and every output must be the
-    same bit for bit (the launch sums in a fixed order: a race would show here)."""
+    against its float64 reference on the forest ``row`` (default random), passed within 1e-5;
+    ``repeats`` > 1: every output the same bit for bit that many times (a race would show)."""
     from treefx.families import fla_tree_state as st
     from treefx.ops.recurrence.reference import _tree_nodes
 
@@ -481,8 +456,7 @@ def state_pass_exact(dev, seed: int, heads: int, key_dim: int, value_dim: int,
 
 def many_nodes(vocab: int, calls: int = 120, seed: int = 0) -> list[treefx.Tree]:
     """A tree of a few hundred nodes (each call branching off a random earlier call at a
-    random point, some calls prefixes of others) beside two more roots: many programs of the
-    one-launch state pass waiting on each other at once."""
+    random point) beside two more roots: many programs of the state pass waiting at once."""
     rng = np.random.default_rng(seed)
     seqs = [rng.integers(3, vocab, 300).tolist()]
     for _ in range(calls):
@@ -515,7 +489,7 @@ def timing(dev, reps: int) -> dict:
                                     for s in tree.sequences]).to(dev)}
     gen = torch.Generator(device=dev).manual_seed(0)
     for name, batch in cases.items():
-        parent = batch.parent_token[0] if batch.parent_token.dim() > 1 else batch.parent_token
+        parent = batch.parent_token
         n = batch.num_tokens
         nodes = tree_nodes(parent)
         xs = [torch.randn(1, n, 16, 128, device=dev, generator=gen, dtype=torch.bfloat16),
@@ -650,9 +624,7 @@ def main(argv=None):
                     "cuda", dtype, forest, value_heads=args.value_heads))
     if "state" in cases:
         # random forests, then the many-node tree at Qwen3-Next's heads 20 times (bit for bit)
-        batch = treefx.pack(many_nodes(1000))
-        big = (batch.parent_token[0] if batch.parent_token.dim() > 1
-               else batch.parent_token).numpy()
+        big = treefx.pack(many_nodes(1000)).parent_token.numpy()
         for key, kw in [("state-random-0", dict(seed=0, heads=2, key_dim=128, value_dim=32)),
                         ("state-random-1", dict(seed=1, heads=3, key_dim=64, value_dim=64)),
                         ("state-many-nodes", dict(seed=2, heads=32, key_dim=128, value_dim=128,

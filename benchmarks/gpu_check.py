@@ -121,20 +121,14 @@ def case_short_rows(res):
     res["short-compilations"] = tm.num_compilations
 
 
-# Model families with their own attention or state (issue "exact on the model families agent
-# trainers use"): MLA + group-limited MoE, sinks + alternating windows, logit softcapping,
-# Gated DeltaNet + MoE, Mamba2 with a dt floor, Mamba v1, sinks as sigmoid(lse - sink),
-# ALiBi and local attention from tables and the mask, attention over merged batch·head rows,
-# DeepSeek Sparse Attention's indexer (a top-k of keys per query);
-# "<type>-flex": the model built with attn_implementation="flex_attention" (its oracle is the
-# model itself, through Hugging Face's FlexAttention kernel on the GPU).
+# Model families with their own attention or state; "<type>-flex": the model built with
+# attn_implementation="flex_attention" (its oracle the model itself, through it).
 FAMILIES = ("deepseek_v3", "gpt_oss", "gemma2", "qwen3_5_moe", "nemotron_h", "granite_swa",
             "mamba", "jamba", "gpt_neo", "mpt", "falcon", "llama4_text", "bloom", "xglm", "mvp",
             "qwen3-flex", "mistral-flex", "gemma2-flex", "minimax", "deepseek_v32", "glm_moe_dsa",
             "gemma4_unified")
-# Config changes on top of the zoo's tiny config: ALiBi on for Falcon; tables (GPT-Neo's local
-# attention, MPT's ALiBi) longer than the agent tree's whole row, which Dynamo traces the cut on.
-# GPT-Neo's tiny heads (4 dims) are below FlexAttention's minimum of 16.
+# On top of the zoo's tiny configs: ALiBi on for Falcon; tables longer than the agent tree's
+# row; GPT-Neo's heads at FlexAttention's minimum of 16 dimensions.
 FAMILY_CONFIG = {"falcon": dict(alibi=True),
                  "gpt_neo": dict(max_position_embeddings=4096, hidden_size=64, num_heads=4),
                  "mpt": dict(max_seq_len=4096), "xglm": dict(max_position_embeddings=4096),
@@ -142,8 +136,8 @@ FAMILY_CONFIG = {"falcon": dict(alibi=True),
 
 
 def _family_trees(model) -> list:
-    """The zoo's probe forest (odd shapes) and a synthetic agent tree of ~1,800 tokens (many
-    attention blocks), both over token ids the model embeds, predicts and treats plainly."""
+    """The zoo's probe forest and a synthetic agent tree of ~1,800 tokens, over token ids the
+    model treats plainly."""
     import numpy as np
 
     from treefx.tools import zoo
@@ -157,10 +151,8 @@ def _family_trees(model) -> list:
 
 
 def case_families(res):
-    """Each family's tiny zoo model (the installed transformers) through the inductor backend:
-    float32 (TF32 off) against the oracle, and bf16 against the float32 oracle beside the plain
-    bf16 per-branch run against the same oracle, and against the bf16 oracle as the first-call
-    check compares (its tolerance: 0.1 or four times the oracle's own floor)."""
+    """Each family's tiny zoo model through the inductor backend: float32 against the oracle,
+    bf16 against the float32 oracle (beside the bf16 per-branch run) and the bf16 oracle."""
     import copy
 
     from treefx.tools import zoo
@@ -185,9 +177,8 @@ def case_families(res):
             fp32 = ref
             if DEV == "cuda" and getattr(ref.config, "_experts_implementation", None) not in (
                     None, "eager"):
-                # float32 experts on the GPU go through transformers' grouped-matmul fallback,
-                # whose backward torch.compile cannot trace (a Python branch on the group
-                # sizes); its per-expert loop breaks the graph (nonzero): batched matmuls.
+                # float32 experts: transformers' grouped-matmul fallback's backward does not
+                # trace, its per-expert loop breaks the graph: batched matmuls
                 fp32 = copy.deepcopy(ref)
                 fp32.set_experts_implementation("batched_mm")
                 res[f"family-{mt}-fp32-experts"] = "batched_mm"
@@ -210,10 +201,6 @@ def case_families(res):
                 print(f"    {key}: {str(value)[:600]}", flush=True)
 
 
-def _rel(a, b):
-    return float((a - b).norm() / b.norm())
-
-
 def _grad_run(fn, xs, go, rows=None):
     """``fn(*xs)`` on detached copies: [output (its first ``rows`` rows), *input gradients for
     the output gradient ``go``], in float64."""
@@ -226,8 +213,7 @@ def _grad_run(fn, xs, go, rows=None):
 
 def _trunk_op_errors(dtype, n=1000, t=700, hq=8, hk=2, d=128):
     """The trunk op alone (:mod:`treefx.ops.attention.trunk`) on a row whose first ``t`` rows
-    are a chain: output and gradients against float64 causal attention, beside FlexAttention's
-    (the tree site without the split) on the same rows, both in ``dtype``."""
+    are a chain, in ``dtype`` against float64 causal attention, beside FlexAttention's."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     from treefx.ops.attention import trunk
@@ -250,7 +236,7 @@ def _trunk_op_errors(dtype, n=1000, t=700, hq=8, hk=2, d=128):
     got = run(lambda q, k, v: trunk.trunk_attention(q, k, v, parent), low)
 
     names = ("out", "dq", "dk", "dv")
-    out = {"trunk_rows": t0, "trunk_op": dict(zip(names, map(_rel, got, ref)))}
+    out = {"trunk_rows": t0, "trunk_op": dict(zip(names, map(common.norm_rel, got, ref)))}
     # a part's rows under a context of ``seen`` rows (padded to a block): the chain sees it all
     a, seen = 256, 200
     kc64, vc64 = (torch.randn(1, hk, a, d, device=DEV, generator=g, dtype=torch.float64)
@@ -272,72 +258,41 @@ def _trunk_op_errors(dtype, n=1000, t=700, hq=8, hk=2, d=128):
                                                                 kc, vc),
                 [x.to(dtype) for x in (*x64, kc64, vc64)])
     names_c = ("out", "dq", "dk", "dv", "dk_context", "dv_context")
-    out["trunk_op_with_context"] = dict(zip(names_c, map(_rel, got_c, ref_c)))
+    out["trunk_op_with_context"] = dict(zip(names_c, map(common.norm_rel, got_c, ref_c)))
     if DEV == "cuda":  # FlexAttention has no backward on the CPU
         bm = create_block_mask(lambda b, h, qi, ki: ki <= qi, None, None, n, n, device=DEV)
         flex = torch.compile(flex_attention)
         fl = run(lambda q, k, v: flex(q, k, v, block_mask=bm, enable_gqa=True), low)
-        out["flex"] = dict(zip(names, map(_rel, fl, ref)))
+        out["flex"] = dict(zip(names, map(common.norm_rel, fl, ref)))
     return out
 
 
-def case_trunk(res):
-    """The leading chain on cuDNN's causal kernel (the default for bf16/fp16 on the GPU): the
-    op alone against float64 beside FlexAttention, then Qwen3 in bf16 on comb-shaped trees
-    whose trunks span several blocks, against the float32 oracle, with the split and without
-    (``TREEFX_TRUNK_ATTENTION=0``), whole and in parts."""
+def _parts_check(res, label, ref, low, tm, trees, note):
+    """``treefx.backward`` in parts of a third of the tree against the whole tree in one step
+    (the same bf16 model) and against the float32 oracle (``ref`` per sequence), and how many
+    of the part graph's sites' notes name ``note``."""
+    from treefx.run.parts import runners
 
-    from benchmarks.real_trees import comb_tree
-
-    torch.backends.cuda.matmul.allow_tf32 = False
-    for dtype in (torch.bfloat16, torch.float16):
-        res[f"trunk-op-{str(dtype)[6:]}"] = _trunk_op_errors(dtype)
-    cfg = dict(SMALL, head_dim=128, num_attention_heads=8, num_key_value_heads=2)
-    ref = hf_model("qwen3", **cfg)
-    trees = [comb_tree(s, cfg["vocab_size"], 6, 0.3) for s in range(2)]
-    res["trunk-trees"] = {"tokens": treefx.pack(trees).num_tokens}
-    _bf16_on_and_off(res, "TREEFX_TRUNK_ATTENTION", "trunk-qwen3-bf16", "dense causal kernel",
-                     ref, cfg, trees, _parts_check(res, ref, trees, "dense causal kernel"))
-    res["trunk-qwen3-bf16-perbranch-vs-fp32-oracle"] = common.oracle_vs_oracle(
-        _bf16_copy(ref, cfg), ref, trees, "mean")
-
-
-def _parts_check(res, ref, trees, note):
-    """``more`` of :func:`_bf16_on_and_off`: ``treefx.backward`` in parts of a third of the
-    tree against the whole tree in one step (the same bf16 model) and against the float32
-    oracle (``ref`` per sequence), and how many of the part graph's sites' notes name
-    ``note``."""
-
-    def parts(label, low, tm):
-        from treefx.run.parts import runners
-
-        batch = treefx.pack(trees, reduction="mean")
-        loss_parts = treefx.backward(tm, trees, max_tokens=batch.num_tokens // 3)
-        g_parts = common.grads_of(low)
-        loss = treefx.tree_loss(tm(batch.to(DEV)), batch.to(DEV))
-        loss.backward()
-        g_whole = common.grads_of(low)
-        ref_loss = treefx.reference.sequence_loss(ref, trees, reduction="mean")
-        ref_loss.backward()
-        g_ref = common.grads_of(ref)
-        log = [r.note for r in runners(tm)[0].engine.contexts[-1].log
-               if r.pass_name == "attention"]
-        res[f"{label}-parts-vs-whole"] = {
-            "loss_rel": abs(loss_parts.item() - loss.item()) / abs(loss.item()),
-            "max_rel_grad_err": common.max_rel_grad_err(g_parts, g_whole)}
-        res[f"{label}-parts-vs-fp32-oracle"] = {
-            "loss_rel": abs(loss_parts.item() - ref_loss.item()) / abs(ref_loss.item()),
-            "max_rel_grad_err": common.max_rel_grad_err(g_parts, g_ref),
-            "part_sites": len(log), "part_sites_noted": sum(note in n for n in log)}
-
-    return parts
+    batch = treefx.pack(trees, reduction="mean")
+    loss_parts = treefx.backward(tm, trees, max_tokens=batch.num_tokens // 3)
+    g_parts = common.grads_of(low)
+    loss = treefx.tree_loss(tm(batch.to(DEV)), batch.to(DEV))
+    loss.backward()
+    g_whole = common.grads_of(low)
+    ref_loss, g_ref = common.oracle(ref, trees)
+    log = [r.note for r in runners(tm)[0].engine.contexts[-1].log if r.pass_name == "attention"]
+    res[f"{label}-parts-vs-whole"] = {
+        "loss_rel": abs(loss_parts.item() - loss.item()) / abs(loss.item()),
+        "max_rel_grad_err": common.max_rel_grad_err(g_parts, g_whole)}
+    res[f"{label}-parts-vs-fp32-oracle"] = {
+        "loss_rel": abs(loss_parts.item() - ref_loss) / abs(ref_loss),
+        "max_rel_grad_err": common.max_rel_grad_err(g_parts, g_ref),
+        "part_sites": len(log), "part_sites_noted": sum(note in n for n in log)}
 
 
 def _interval_op_errors(dtype, hq=8, hk=2, d=128):
     """The interval op alone (:mod:`treefx.ops.attention.intervals`) on odd forests and a
-    comb (single-token nodes, duplicates, sequences that are prefixes of others): output and
-    gradients against float64 dense tree attention, beside FlexAttention's site on the same
-    rows, both in ``dtype``."""
+    comb, in ``dtype`` against float64 dense tree attention, beside FlexAttention's site."""
     from benchmarks.real_trees import comb_tree
     from treefx.mask import dense_tree_mask
     from treefx.ops.attention import intervals, tree_attention_dense
@@ -362,21 +317,20 @@ def _interval_op_errors(dtype, hq=8, hk=2, d=128):
               low)
     out = {"tokens": n, "intervals": int(intervals.tree_intervals(
         batch.parent_token.cpu().numpy()).shape[0]),
-        "cudnn": intervals.wanted(*low), "op": dict(zip(names, map(_rel, got, ref)))}
+        "cudnn": intervals.wanted(*low), "op": dict(zip(names, map(common.norm_rel, got, ref)))}
     if DEV == "cuda":  # FlexAttention has no backward on the CPU
         from benchmarks.chain_attention import treefx_site
 
         fl = run(treefx_site(batch.subtree_end), low)
-        out["flex"] = dict(zip(names, map(_rel, fl, ref)))
+        out["flex"] = dict(zip(names, map(common.norm_rel, fl, ref)))
     out["parts"] = _part_interval_errors(batch, x64, go, low[0].dtype)
     return out
 
 
 def _part_interval_errors(batch, x64, go, dtype) -> dict:
-    """The op with a part's context first (k longer than q; :func:`treefx.parts.part_tensors`
-    of the batch in parts of a fifth of it): each part's output and the gradients of its q,
-    k, v and of the context's keys and values, in ``dtype`` against float64 dense attention
-    under the part's mask; the worst part's relative errors."""
+    """The op with a part's context first (parts of a fifth of the batch): each part's output
+    and gradients (the context's keys and values too) in ``dtype`` against float64 dense
+    attention under the part's mask; the worst part's relative errors."""
     from treefx import parts
     from treefx.mask import dense_tree_mask
     from treefx.ops.attention import intervals
@@ -416,52 +370,53 @@ def _part_interval_errors(batch, x64, go, dtype) -> dict:
         for name, a_, b_ in zip(("out", "dq", "dk", "dv", "dk_context", "dv_context"),
                                 got, ref):
             if b_.norm() > 0:
-                worst[name] = max(worst.get(name, 0.0), float((a_ - b_).norm() / b_.norm()))
+                worst[name] = max(worst.get(name, 0.0), common.norm_rel(a_, b_))
     return {"parts": len(plan.parts), "with_context": with_context, "worst": worst}
 
 
-def case_intervals(res):
-    """Tree attention on cuDNN's interval-mask kernels (the default for bf16/fp16 where the
-    frontend is installed): the op alone against float64 beside FlexAttention, then Qwen3 in
-    bf16 on comb-shaped trees and odd forests against the float32 oracle, with the op and
-    without it (``TREEFX_CUDNN_ATTENTION=0``), and the bf16 run per sequence against the
-    same oracle (the tolerance's floor)."""
-
+def _attention_case(res, prefix, op_errors, switch, note, odd=False):
+    """An attention path (``switch``, its sites' notes naming ``note``): the op alone against
+    float64 beside FlexAttention (``op_errors``), then Qwen3 in bf16 on comb-shaped trees (and
+    odd forests) against the float32 oracle with the path and without it (``switch`` at 0),
+    whole and in parts, and the bf16 run per sequence against the same oracle (the floor)."""
     from benchmarks.real_trees import comb_tree
     from treefx.tools.synth import odd_forest
 
     torch.backends.cuda.matmul.allow_tf32 = False
     for dtype in (torch.bfloat16, torch.float16):
-        res[f"intervals-op-{str(dtype)[6:]}"] = _interval_op_errors(dtype)
+        res[f"{prefix}-op-{str(dtype)[6:]}"] = op_errors(dtype)
     cfg = dict(SMALL, head_dim=128, num_attention_heads=8, num_key_value_heads=2)
     ref = hf_model("qwen3", **cfg)
-    trees = [comb_tree(s, cfg["vocab_size"], 6, 0.3) for s in range(2)] + odd_forest(
-        1, cfg["vocab_size"])
-    res["intervals-trees"] = {"tokens": treefx.pack(trees).num_tokens}
-    _bf16_on_and_off(res, "TREEFX_CUDNN_ATTENTION", "intervals-qwen3-bf16", "interval-mask",
-                     ref, cfg, trees, _parts_check(res, ref, trees, "interval-mask"))
-    res["intervals-qwen3-bf16-perbranch-vs-fp32-oracle"] = common.oracle_vs_oracle(
-        _bf16_copy(ref, cfg), ref, trees, "mean")
-
-
-def _bf16_on_and_off(res, switch, label, note, ref, cfg, trees, more=None):
-    """A bf16 copy of ``ref`` compiled with an attention path as it comes and with its
-    ``switch`` at 0: each against the float32 oracle, how many sites' notes name ``note``,
-    then ``more(label, model, tree_model)``."""
-
+    trees = [comb_tree(s, cfg["vocab_size"], 6, 0.3) for s in range(2)]
+    trees += odd_forest(1, cfg["vocab_size"]) if odd else []
+    res[f"{prefix}-trees"] = {"tokens": treefx.pack(trees).num_tokens}
     for on in (True, False):
         if not on:
             os.environ[switch] = "0"
         try:
             low = _bf16_copy(ref, cfg)
             tm = treefx.compile(low, verify=False, **COMPILE_KW)
-            name = label + ("" if on else "-off")
+            name = f"{prefix}-qwen3-bf16" + ("" if on else "-off")
             res[f"{name}-vs-fp32-oracle"] = compare(tm, trees, "mean", reference=ref)
             res[f"{name}-sites"] = sum(note in r.note for c in tm.contexts for r in c.log)
-            if more is not None:
-                more(name, low, tm)
+            _parts_check(res, name, ref, low, tm, trees, note)
         finally:
             os.environ.pop(switch, None)
+    res[f"{prefix}-qwen3-bf16-perbranch-vs-fp32-oracle"] = common.oracle_vs_oracle(
+        _bf16_copy(ref, cfg), ref, trees, "mean")
+
+
+def case_trunk(res):
+    """The leading chain on cuDNN's causal kernel (the default for bf16/fp16 on the GPU)."""
+    _attention_case(res, "trunk", _trunk_op_errors, "TREEFX_TRUNK_ATTENTION",
+                    "dense causal kernel")
+
+
+def case_intervals(res):
+    """Tree attention on cuDNN's interval-mask kernels (the default for bf16/fp16 where the
+    frontend is installed)."""
+    _attention_case(res, "intervals", _interval_op_errors, "TREEFX_CUDNN_ATTENTION",
+                    "interval-mask", odd=True)
 
 
 def _bf16_copy(ref, cfg):

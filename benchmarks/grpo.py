@@ -1,45 +1,20 @@
-"""TRL's GRPO training step with and without treefx: one GPU, one process, the same data.
+"""TRL's GRPO training step with and without treefx: ``trl.GRPOTrainer`` against
+``treefx.integrations.trl.TreeGRPOTrainer``, one GPU, one process, the same pre-made rollouts
+(issue 35; benchmarks/README.md says what a cycle times, what is compared and what TRL needs).
 
     python -m benchmarks.grpo                  # GPU: Qwen3-1.7B shape, 28 layers, bf16
     python -m benchmarks.grpo --layers 8       # fewer decoder layers (recorded in the result)
     python -m benchmarks.grpo --dry-run        # CPU: tiny Qwen3, float32; the paths must agree
 
-Needs TRL 1.16.0 and datasets (``pip install -e ".[trl]"``; on a machine without them, the
-wheels as benchmarks/README.md says).
-
-**The two paths.** ``trl``: ``trl.GRPOTrainer``. ``treefx``:
-``treefx.integrations.trl.TreeGRPOTrainer`` (each micro-batch's rows one tree; whole groups per
-micro-batch, or TRL's row shuffle with ``--row-shuffle``, the trainer's default). Both load the
-same checkpoint (a Qwen3-shaped model with random weights; policy and reference), take TRL's
-defaults where this script sets nothing (bf16 autocast, gradient checkpointing, DAPO, SDPA for
-TRL) and train through ``trainer.train()``.
-
-**The data.** A ``rollout_func`` returns pre-made token ids, the same for both paths: ``--groups``
-prompts (``--context`` tokens all share, then ``--history`` and ``--question`` tokens of their
-own), each with ``G`` completions of ``--completion`` tokens ending in EOS; lengths and ids
-uniform (seeded); the reward a hash of the completion's ids.
-
-**The schedule.** A generation batch (``--groups`` × G rows) is ``steps_per_generation`` =
-``gradient_accumulation_steps`` micro-batches of ``--per-device`` rows; ``num_iterations=2``
-and ``beta=0.04`` make TRL compute old and reference log-probs. A *cycle* per generation batch:
-**prep** (``_generate_and_score_completions``: old and reference log-probs without gradients,
-rewards, advantages) and ``iterations × steps_per_generation`` calls of ``training_step`` (loss
-and backward; the prep's time taken out of the first). SGD at learning rate 0 without clipping
-keeps the weights, so every cycle repeats the same work and the paths stay comparable. CUDA
-events time those methods (``perf_counter`` on the CPU), host work inside them included. The
-first cycle (treefx's captures, compiles and checks) is reported alone, then the median of
-``--cycles`` after ``--warmup``; peak memory is ``max_memory_allocated`` per cycle.
-
-**The comparison.** The first batch's old and reference log-probs over the completions, every
-optimizer step's loss (its micro-batches' sum) and every parameter's gradient at the first
-step. Tolerances: float32 (dry run) 1e-5 (an error if exceeded); bf16 0.1 nats, 0.1 relative
-(gradients) and 1e-2 (loss), recorded as ``within_tolerance``.
+A ``rollout_func`` hands both trainers the same prompts (``--groups`` sharing a ``--context``,
+each with its own ``--history`` and ``--question``) and G completions each; a *cycle* per
+generation batch is TRL's prep (old and reference log-probs, rewards, advantages) and its
+``training_step`` calls, SGD at learning rate 0 so every cycle repeats the same work.
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import logging
 import os
@@ -92,10 +67,20 @@ def make_rollouts(args, vocab: int, eos: int) -> dict:
     return {"context": context, "groups": groups}
 
 
+def add_rollout_args(p: argparse.ArgumentParser) -> None:
+    """The rollouts' arguments (:func:`make_rollouts`; benchmarks.verl_engine's too)."""
+    p.add_argument("--groups", type=int, default=4, help="prompts per generation batch")
+    p.add_argument("--G", type=int, default=8, help="completions per prompt")
+    p.add_argument("--context", type=int, default=2000, help="tokens every prompt shares")
+    p.add_argument("--history", default="500,2000", help="each prompt's earlier turns: lo,hi")
+    p.add_argument("--question", default="20,150", help="each prompt's last user turn: lo,hi")
+    p.add_argument("--completion", default="100,1000", help="completion tokens: lo,hi")
+    p.add_argument("--seed", type=int, default=0)
+
+
 def data_stats(rollouts: dict, per_device: int, G: int) -> dict:
     """Token counts of one generation batch: TRL's padded rows, the rows' own tokens, the trees
-    (one per group; per micro-batch of ``per_device // G`` whole groups, in order; one for the
-    whole batch)."""
+    (per group, per micro-batch of whole groups, the whole batch)."""
     import treefx
 
     groups = rollouts["groups"]
@@ -157,9 +142,8 @@ def reward(completions, completion_ids=None, **kwargs):
 
 
 def save_checkpoint(path: str, config: dict, cuda: bool, dtype) -> tuple[dict, int]:
-    """A Qwen3 of ``config`` (random weights, seeded) and the offline chat tokenizer, saved to
-    ``path`` (TRL loads the policy and the reference model from it); its description and the
-    tokenizer's EOS id."""
+    """A Qwen3 of ``config`` and the offline chat tokenizer saved to ``path`` (TRL loads the
+    policy and the reference model from it); its description and the EOS id."""
     import transformers
 
     from treefx.models.chat import tiny_chat_tokenizer
@@ -176,9 +160,7 @@ def save_checkpoint(path: str, config: dict, cuda: bool, dtype) -> tuple[dict, i
             "dtype": str(dtype).removeprefix("torch."),
             "transformers": transformers.__version__}
     del model
-    gc.collect()
-    if cuda:
-        torch.cuda.empty_cache()
+    common.free_memory(None, cuda)
     return info, tok.eos_token_id
 
 
@@ -216,7 +198,7 @@ class _CountingTreeModel:
 
 class _TreefxNotes(logging.Handler):
     """treefx's log lines about its captures during training (``messages``), kept for the
-    result; nothing else of the log changes."""
+    result; what else the log shows is unchanged."""
 
     KEEP = ("capturing again", "twin", "whole graph", "regional execution:", "verify", "compiled a")
 
@@ -228,10 +210,10 @@ class _TreefxNotes(logging.Handler):
         self.propagate_before = self.logger.propagate
         self.logger.addHandler(self)
         if self.logger.getEffectiveLevel() > logging.INFO:
+            # INFO lines reach this handler only, warnings the root's handlers (or Python's
+            # last resort) as before
             self.logger.setLevel(logging.INFO)
-            # INFO lines reach this handler only: the root's handlers saw none before
             self.logger.propagate = False
-            # (none: Python's last-resort handler, so that warnings still print)
             self.others = [h for h in logging.getLogger().handlers] or [logging.lastResort]
             for h in self.others:
                 self.logger.addHandler(_AtLeast(h, logging.WARNING))
@@ -263,10 +245,8 @@ class _AtLeast(logging.Handler):
 
 
 def _compile_state(trainer, model) -> dict:
-    """What a log-prob call's compile-time breakdown is measured from: Dynamo's timers (its
-    whole compile of a frame, and within it the backend call: treefx's passes and the
-    backend's compilation) and graph count, and the tree model's own timings
-    (:attr:`treefx.TreeModel.timings`) and first-call check."""
+    """What a log-prob call's compile-time breakdown is measured from: Dynamo's timers and
+    graph count, the tree model's own timings and first-call check."""
     from torch._dynamo.utils import compilation_time_metrics, counters
 
     tm = (getattr(trainer, "_tree_models", None) or {}).get(id(model))
@@ -296,8 +276,7 @@ def _compile_delta(a: dict, b: dict) -> dict:
         "tree_compilations": b["compilations"] - a["compilations"],
     }
     timers = {k: v - a["timers"].get(k, 0.0) for k, v in b["timers"].items()}
-    # torch.compile's own timers (Dynamo, AOTAutograd, Inductor; nested, so they overlap):
-    # the largest of this call
+    # torch.compile's own timers (nested, so they overlap): the largest of this call
     out["torch_timers_s"] = dict(sorted(((k, round(v, 2)) for k, v in timers.items()
                                          if v >= 0.05), key=lambda kv: -kv[1])[:14])
     rep = b["check"] if b["check"] is not a["check"] else None
@@ -310,11 +289,9 @@ def _compile_delta(a: dict, b: dict) -> dict:
 
 
 def first_cycle_breakdown(record: dict) -> dict:
-    """Where the first cycle's log-prob calls spent their time, by kind (old, ref, loss): the
-    calls' wall time; Dynamo's trace (its frame compile less the backend call); treefx's
-    passes; the backend's compilation (AOTAutograd, Inductor, Triton); the first-call check's
-    own runs of the unmodified model (``check_oracle_s``); and the rest (the compiled graphs'
-    runs, the check's tree run included, and host work)."""
+    """Where the first cycle's log-prob calls spent their time, by kind (old, ref, loss): wall
+    time, Dynamo's trace, treefx's passes, the backend's compilation, the first-call check's
+    oracle runs, and the rest (the graphs' runs, host work)."""
     if not record.get("cycles"):
         return {}
     out: dict = {}
@@ -341,9 +318,8 @@ def first_cycle_breakdown(record: dict) -> dict:
 
 
 def timed_class(base, clock: _Clock, record: dict):
-    """``base`` (TRL's trainer class or treefx's) with events recorded around its own methods:
-    what they compute is unchanged. ``record`` gets a list of cycles (one per generation
-    batch), each with its prep, training steps, log-prob calls, losses and peak memory."""
+    """``base`` (TRL's trainer class or treefx's) with events recorded around its methods into
+    ``record["cycles"]`` (one per generation batch); what they compute is unchanged."""
     cycles = record.setdefault("cycles", [])
 
     class Timed(base):
@@ -409,9 +385,7 @@ def timed_class(base, clock: _Clock, record: dict):
             cycles[-1]["logps"].append((kind, s, e, detail))
             return out
 
-        def tree_model(self, model):
-            # the token count of each tree run, by call (a shape guard of a capture fails on
-            # a count, so these say which call could have captured again)
+        def tree_model(self, model):  # each tree run's token count, by call
             tm = super().tree_model(model)
             return _CountingTreeModel(tm, cycles[-1].setdefault("tree_runs", []))
 
@@ -483,8 +457,8 @@ def run_path(name: str, ckpt: str, rollouts: dict, args, cuda: bool, tmp: str,
     dataset = datasets.Dataset.from_list([{"prompt": f"group-{k}"} for k in range(args.groups)])
 
     class Grads(transformers.TrainerCallback):
-        """Every parameter's gradient at the first optimizer step: kept (on the CPU) for the
-        reference path, compared with it for the other."""
+        """Every parameter's gradient at the first optimizer step: kept for the reference
+        path, compared with it for the other."""
 
         def on_pre_optimizer_step(self, a, state, control, model=None, **kw):
             if grads.get("done"):
@@ -564,17 +538,13 @@ def run_path(name: str, ckpt: str, rollouts: dict, args, cuda: bool, tmp: str,
                     "passed": rep.passed, "max_abs_logprob_err": rep.max_logprob_error,
                     "max_rel_grad_err": rep.max_grad_error}
         res["first_call_checks"] = checks
-        # treefx's own account of its captures: a capture made again (which guard failed),
-        # a twin's graph shared, the whole graph run instead of regions
         res["treefx_notes"] = notes.messages
     fm = record.get("first_batch", {})
     for_compare = {"first_batch": fm, "grads": grads.pop("tensors", {}),
                    "grad_norms": grads.get("norms", {}), "grad_errors": grads.get("errors", {}),
                    "step_losses": [x for c in per_cycle for x in c["step_losses"]]}
     del trainer
-    gc.collect()
-    if cuda:
-        torch.cuda.empty_cache()
+    common.free_memory(None, cuda)
     return res, for_compare
 
 
@@ -663,17 +633,11 @@ def report(res: dict) -> str:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--layers", type=int, default=None,
-                   help="decoder layers (default: the shape's 28; fewer if time or memory "
-                        "is short)")
-    p.add_argument("--groups", type=int, default=4, help="prompts per generation batch")
-    p.add_argument("--G", type=int, default=8, help="completions per prompt")
+                   help="decoder layers (default: the shape's 28)")
+    add_rollout_args(p)
     p.add_argument("--per-device", type=int, default=16,
                    help="per_device_train_batch_size (rows per micro-batch and per log-prob "
                         "chunk); a multiple of G")
-    p.add_argument("--context", type=int, default=2000, help="tokens every prompt shares")
-    p.add_argument("--history", default="500,2000", help="each prompt's earlier turns: lo,hi")
-    p.add_argument("--question", default="20,150", help="each prompt's last user turn: lo,hi")
-    p.add_argument("--completion", default="100,1000", help="completion tokens: lo,hi")
     p.add_argument("--iterations", type=int, default=2, help="num_iterations (GRPO's mu)")
     p.add_argument("--beta", type=float, default=0.04, help="KL coefficient (reference model)")
     p.add_argument("--warmup", type=int, default=None,
@@ -684,14 +648,10 @@ def main(argv=None):
     p.add_argument("--verify", choices=("default", "on", "off"), default="default",
                    help="treefx's first-call check (default: treefx's default, on)")
     p.add_argument("--row-shuffle", action="store_true",
-                   help="treefx's path with TRL's row shuffle (keep_groups_together=False, the "
-                        "trainer's default) instead of whole groups per micro-batch")
+                   help="treefx's path with TRL's row shuffle (keep_groups_together=False) "
+                        "instead of whole groups per micro-batch")
     p.add_argument("--compile-options", type=json.loads, default={},
-                   help="treefx.compile's keyword arguments for the treefx path, as JSON "
-                        "(e.g. '{\"regional\": false}'; on the CPU '{\"backend\": "
-                        "\"aot-eager\", \"regional\": true}' runs the GPU's regional path "
-                        "eagerly)")
-    p.add_argument("--seed", type=int, default=0)
+                   help="treefx.compile's keyword arguments for the treefx path, as JSON")
     common.add_run_args(p, "CPU, a tiny float32 Qwen3 and short rollouts; the two paths must "
                            "agree to 1e-5")
     args = p.parse_args(argv)
@@ -765,9 +725,7 @@ def main(argv=None):
                 res["paths"][name] = {"error": f"{type(e).__name__}: {e}",
                                       "traceback": traceback.format_exc()[-6000:]}
                 print(f"[{name}] FAILED: {type(e).__name__}: {e}", flush=True)
-                gc.collect()
-                if cuda:
-                    torch.cuda.empty_cache()
+                common.free_memory(None, cuda)
             common.save_json(res, out_path)
     if "trl" in kept and "treefx" in kept:
         tol = TOL["bfloat16" if cuda else "float32"]

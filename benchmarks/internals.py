@@ -18,10 +18,9 @@ def recurrence_registry() -> dict:
 
 
 def agree_captures(tm, batch) -> int:
-    """Under FSDP2, before ``tm(batch)`` on every rank: a call that captures its regional graph
-    first gathers every FSDP unit (collectives), so a rank whose call would not capture gathers
-    and frees every unit as often as a rank whose call does, as ``treefx.backward`` does for
-    its parts. Returns the captures this rank's call will make (0 or 1)."""
+    """Under FSDP2, before ``tm(batch)`` on every rank: a rank whose call would not capture its
+    regional graph gathers and frees every FSDP unit as often as one whose call does (as
+    ``treefx.backward`` does for its parts). Returns this rank's captures (0 or 1)."""
     import torch
     import torch.distributed as dist
 

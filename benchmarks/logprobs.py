@@ -5,10 +5,8 @@ without logits"; benchmarks/README.md for the modes and what was retired).
     python -m benchmarks.logprobs --dry-run          # CPU: tiny shapes
     python -m benchmarks.logprobs --check-from-logits  # the log-probs read from logits
 
-``--paths N``: at N tokens, forward + backward and no-grad forward of the logits materialized
-(Triton kernels, or ``materialized_inductor``), the fused log-probs (``logits=False``) and the
-fused loss (``@treefx.step``), beside the matrix products alone; median of ``--reps`` after
-two warm-ups, peak memory above the inputs, gradients against the materialized path's.
+``--paths N``: at N tokens, the logits materialized, the fused log-probs and the fused loss,
+forward + backward and no-grad, beside the matrix products alone (median of ``--reps``).
 """
 
 from __future__ import annotations
@@ -116,9 +114,8 @@ def run_paths(n: int, hidden: int, vocab: int, dev: str, dtype, reps: int) -> di
 
 
 def forest_row(n: int, seed: int) -> torch.Tensor:
-    """[n] predecessor rows of a random forest in DFS order (:func:`treefx.tools.synth
-    .random_parent_row`: roots, nodes of one token and of several blocks, rows read by up to
-    five children), cut at ``n`` tokens (a cut DFS row is still one: parents come first)."""
+    """[n] predecessor rows of a random forest in DFS order
+    (:func:`treefx.tools.synth.random_parent_row`), cut at ``n`` tokens."""
     from treefx.tools.synth import random_parent_row
 
     roots = max(2, n // 500)
@@ -130,13 +127,10 @@ def forest_row(n: int, seed: int) -> torch.Tensor:
 
 
 def check_from_logits(dev: str, n: int = 517, vocab: int = 10007) -> list[dict]:
-    """``tree_logprobs_from_logits`` (the Triton kernels on the GPU, or under Triton's
-    interpreter) against the plain form in float64 on the same inputs: log-probabilities and
-    the logits' gradient for a random upstream gradient, random forests with branches,
-    duplicated labels on a branching row, a row of -inf but one entry, a vocabulary not a
-    multiple of the kernels' block; bf16 and float32 logits. The errors are absolute, beside
-    the largest reference value, and bounded by the inputs' rounding (bf16: the gradient is
-    rounded once to bf16 in both)."""
+    """``tree_logprobs_from_logits`` (the Triton kernels, or Triton's interpreter) against the
+    plain form in float64: log-probabilities and the logits' gradient on random forests with
+    duplicated labels on a branching row, a row of -inf but one entry and an odd vocabulary,
+    bf16 and float32 logits; absolute errors, bounded by the inputs' rounding."""
     from treefx.ops.cross_entropy import tree_token_logprobs
     from treefx.ops.logprobs import from_logits
 

@@ -1,22 +1,15 @@
 """Several GPUs, one process each (torchrun; plain ``python``: one process), treefx against
 sequence packing (issue 37; BENCHMARKS.md, "Several GPUs"; benchmarks/README.md for commands).
 
-    torchrun --nproc_per_node=2 -m benchmarks.multi_gpu --trees .data/swe200.jsonl \\
+    torchrun --nproc_per_node=2 -m benchmarks.multi_gpu --trees .data/swe200.jsonl \
         --shape qwen3-8b --budget 8192 --time-limit 480 --out mg_8b_x2.json
     torchrun --nproc_per_node=2 -m benchmarks.multi_gpu --check --cases fsdp-hybrid-exact,ddp-exact
     python -m benchmarks.multi_gpu --dry-run                  # CPU, gloo (--check: every case)
 
-Real trees (the default): Qwen3 of ``--shape``, FSDP2 (float32 masters, bf16 compute,
-checkpointing, fused AdamW), one ``treefx.compile(model, logits=False, verify=False)`` for both
-methods, run one after the other from the same initial shards: ``treefx``, ``treefx.backward``
-in parts of ``--budget`` on the rank's trees (``treefx.distributed.assign``); ``packing``, every
-call its own sequence in first-fit-decreasing micro-batches, gradients accumulated, zero-weight
-padding micro-batches so the ranks' collectives pair up. Per method: first and median step (the
-slowest rank's), tokens per second, peak memory per rank, the balance; ``speedup`` and
-``share_of_bound``. ``--check`` (the former ``distributed_check``): the exactness cases (FSDP2
-Qwen3-Next, DDP Qwen3, whole and in parts, against one process running every sequence alone)
-and the speed cases (treefx against packing at the same budget); exit status 1 when a case
-fails. ``--time-limit``: no timed step (trees) or case (check) starts past it.
+Real trees (the default): FSDP2 Qwen3, ``treefx.backward`` in parts of ``--budget`` against
+per-call packing, one after the other from the same initial shards. ``--check``: the exactness
+cases (against one process running every sequence alone) and the speed cases; exit status 1
+when a case fails. ``--time-limit``: no timed step (trees) or case (check) starts past it.
 """
 
 from __future__ import annotations
@@ -46,8 +39,7 @@ START = time.perf_counter()
 PAD = treefx.Tree.from_sequences([[0] * 16], weights=[0.0])  # a zero-weight micro-batch
 FLOOR_FACTOR = treefx.verification.FLOOR_FACTOR
 # a parameter's gradient relative to its largest entry or to this share of the model's
-# largest (treefx.verify's floor): Hugging Face's random Gated DeltaNet heads decay to ~0 at
-# once, their A_log and dt_bias gradients ~1e-5 of the largest, sums cancelling to rounding
+# largest (treefx.verify's floor: random Gated DeltaNet heads' gradients cancel to rounding)
 SCALE_FLOOR = treefx.verification.Tolerance.floor
 GRAD_TOL, LOSS_TOL = 1e-5, 1e-5
 SPEED_LOSS_TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}  # treefx's loss against packing's
@@ -101,10 +93,9 @@ def tree_step(tm, opt, batch, budget, dev):
 
 def packing_step(tm, held, opt, calls, capacity, num_sequences, loss_scale, dev, fsdp,
                  grad_sync="last"):
-    """``calls`` (one-sequence trees) packed first-fit decreasing into micro-batches of at most
-    ``capacity`` tokens, gradients accumulated, synchronized on the last (FSDP2: every one with
-    ``grad_sync="every"``), then the optimizer. Under FSDP2 every rank runs as many
-    micro-batches (zero-weight padding ones added). Returns the step and what it computes."""
+    """``calls`` packed first-fit decreasing into micro-batches of at most ``capacity`` tokens,
+    gradients accumulated and synchronized on the last (or ``grad_sync="every"``), then the
+    optimizer; under FSDP2 as many micro-batches on every rank (zero-weight padding ones)."""
     micro = packing_batches(calls, capacity, num_sequences=num_sequences, loss_scale=loss_scale)
     pad = max(gathered(len(micro))) - len(micro) if fsdp else 0
     pad_batch = treefx.pack(PAD, reduction="mean", num_sequences=num_sequences,
@@ -138,12 +129,12 @@ def measure(name: str, step, steps: int, dev, time_limit=None, on_step=lambda r:
             warm: int = 0) -> dict:
     """The first step alone, ``warm`` untimed ones, then up to ``steps`` timed ones (none
     starts past ``time_limit``), the ranks synchronized around each; ``on_step(result)``
-    after each. Per rank: its own step times, peak memory, graphs compiled."""
+    after each."""
     cuda = dev.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats(dev)
     common.dist_sync(dev)
-    g0 = common.dynamo_counts().get("unique_graphs", 0)
+    g0 = common.unique_graphs()
     t0 = time.perf_counter()
     loss = step(first=True)
     common.dist_sync(dev)
@@ -152,7 +143,7 @@ def measure(name: str, step, steps: int, dev, time_limit=None, on_step=lambda r:
         step()
     if cuda and warm:
         torch.cuda.reset_peak_memory_stats(dev)
-    g1 = common.dynamo_counts().get("unique_graphs", 0)
+    g1 = common.unique_graphs()
     res = {"first_step_s": first, "first_loss": mean_over_ranks(loss, dev), "step_times_s": [],
            "own_times_s": [], "losses": [], "graphs_first_step": g1 - g0}
     say(f"{name}: first step {first:.1f} s (capture and compile), loss {res['first_loss']:.6f}")
@@ -176,7 +167,7 @@ def measure(name: str, step, steps: int, dev, time_limit=None, on_step=lambda r:
     own = statistics.median(res["own_times_s"]) if res["own_times_s"] else None
     per_rank = gathered([own, torch.cuda.max_memory_allocated(dev) / 2**30 if cuda else None,
                          torch.cuda.max_memory_reserved(dev) / 2**30 if cuda else None,
-                         g1 - g0, common.dynamo_counts().get("unique_graphs", 0) - g1])
+                         g1 - g0, common.unique_graphs() - g1])
     res.update({key: [x[i] for x in per_rank] for i, key in enumerate(
         ("step_s_per_rank", "peak_gib_per_rank", "reserved_gib_per_rank",
          "graphs_first_step_per_rank", "graphs_in_timed_steps_per_rank"))})
@@ -327,21 +318,6 @@ def run_trees(args, dev) -> dict:
 # ----------------------------------------------------------------------------- --check
 
 
-def _hybrid(hidden, intermediate, layers, heads, kv_heads, head_dim, k_heads, v_heads, k_dim,
-            vocab) -> dict:
-    """A Qwen3-Next config: a full-attention layer after every three linear-attention ones
-    (the last layer full), dense MLPs."""
-    types = ["full_attention" if (i + 1) % 4 == 0 or i == layers - 1 else "linear_attention"
-             for i in range(layers)]
-    return dict(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
-                num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
-                linear_num_key_heads=k_heads, linear_num_value_heads=v_heads,
-                linear_key_head_dim=k_dim, linear_value_head_dim=k_dim,
-                linear_conv_kernel_dim=4, layer_types=types, num_experts=0,
-                mlp_only_layers=list(range(layers)), vocab_size=vocab,
-                tie_word_embeddings=False)
-
-
 def _whole_grads(model) -> dict:
     """Every parameter's whole gradient (FSDP2's shards gathered: every rank calls it), the
     ``.grad`` then cleared."""
@@ -354,10 +330,8 @@ def _whole_grads(model) -> dict:
 
 
 def _float64_oracle_grads(model, trees) -> dict:
-    """The oracle's gradients in float64 throughout (``treefx.tools.zoo.float64_throughout``):
-    the true values the float32 oracle rounds (Gated DeltaNet's kernels cancel on A_log and
-    dt_bias: perturbing by one rounding gave a floor of 2e-7 there, the float32 oracle was
-    1.3e-5 from these; tests/test_hybrid.py)."""
+    """The oracle's gradients in float64 throughout: the values the float32 oracle rounds (its
+    floor where Gated DeltaNet's kernels cancel, on A_log and dt_bias; tests/test_hybrid.py)."""
     from treefx.tools.zoo import float64_throughout
 
     wide = copy.deepcopy(model).double()
@@ -371,9 +345,8 @@ def _float64_oracle_grads(model, trees) -> dict:
 
 
 def _verdict(grads: dict, loss: float, oracle, ref_loss: float, floors: list) -> dict:
-    """Rank 0: the gathered gradients and loss against the one-process oracle's. A parameter's
-    error: max |g - g_ref| over max(max |g_ref|, SCALE_FLOOR × the model's largest); the
-    oracle's floor likewise, the largest over ``floors`` (perturbed by one rounding, float64)."""
+    """Rank 0: the gathered gradients and loss against the one-process oracle's, each
+    parameter's error beside the oracle's floor (the largest over ``floors``)."""
     refs = {n: torch.zeros_like(p) if p.grad is None else p.grad
             for n, p in oracle.named_parameters()}
     scale = SCALE_FLOOR * max(float(r.abs().max()) for r in refs.values())
@@ -517,17 +490,17 @@ def run_check(args, dev) -> int:
     if dry:
         torch.set_num_threads(1)
     layers = args.layers or 8
-    tiny_hybrid = _hybrid(32, 64, 2, 4, 2, 8, 2, 4, 8, 1024)
+    tiny_hybrid = common.hybrid_config(32, 64, 2, 4, 2, 8, 2, 4, 8, 1024)
     ctx = {"dev": dev, "dry_run": dry, "backend": "inductor" if cuda else "eager",
            "tokens": 300 if dry else args.tokens,
            "lengths": common.scaled_lengths(0.03) if dry else {}, "por": args.por,
            "budget": args.budget, "steps": 1 if dry else args.steps,
            "time_limit": args.time_limit,
            "shapes": {"exact_hybrid": tiny_hybrid if dry else
-                      _hybrid(256, 512, 4, 8, 2, 32, 4, 8, 32, 1024),
+                      common.hybrid_config(256, 512, 4, 8, 2, 32, 4, 8, 32, 1024),
                       "exact_qwen3": dict(TINY if dry else SMALL),
                       "speed_hybrid": tiny_hybrid if dry else
-                      _hybrid(2048, 5632, layers, 16, 2, 256, 16, 32, 128, 151936),
+                      common.hybrid_config(2048, 5632, layers, 16, 2, 256, 16, 32, 128, 151936),
                       "speed_qwen3": dict(SHAPES["tiny"]) if dry else
                       dict(SHAPES["qwen3-1.7b"], num_hidden_layers=layers)}}
     if rank == 0:

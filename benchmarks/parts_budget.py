@@ -1,35 +1,17 @@
-"""Issue 66's table: a real tree trained whole and in parts at several budgets, one process.
+"""Issue 66's table: a real tree trained whole and in parts at several budgets, one process
+(benchmarks/README.md and BENCHMARKS.md say what each row records).
 
     python -m benchmarks.parts_budget --trees .data/swe_issue66.jsonl --layers 4
     python -m benchmarks.parts_budget --trees .data/swe_issue66.jsonl --tasks 1 --layers 36 \
         --checkpointing
     python -m benchmarks.parts_budget --dry-run     # CPU: a tiny model, a synthetic comb
 
-Model and data as :mod:`benchmarks.real_trees` has them (Qwen3-8B-shaped layers, bf16, random
-weights, ``treefx.compile(model, logits=False, verify=False)``, Inductor, regional; real trees
-from ``--trees``). ``--checkpointing``: Hugging Face activation checkpointing (non-reentrant)
-on every layer.
-
-Per task, in this order, each step from no gradients (``zero_grad(set_to_none=True)``):
-
-- ``whole``: the tree in one forward and backward (``treefx.tree_loss(tm(batch),
-  batch).backward()``);
-- ``half`` / ``quarter``: ``treefx.backward(tm, batch, max_tokens=ceil(N / 2))`` / ``N / 4``;
-- ``memory``: ``treefx.backward(tm, batch, max_memory=B)`` with ``B = W + f · (P - W)``: ``P``
-  the whole step's measured peak, ``W`` the weights and gradients (the memory model's fixed
-  bytes), ``f = --memory-fraction`` (or ``B = --max-memory``): a budget below the whole tree's.
-
-Recorded per budget: ``first_s`` (its first call in this process: compiles of new part lengths
-included; the ``whole`` row's is the process's first step, with every compile), ``graphs``
-(Dynamo graphs compiled by that first call; ``part_captures``: the part graphs' captures),
-the median step of ``--reps`` after it (a step that compiled is run again, as in
-``benchmarks.real_trees``), the peak allocated during a step
-(weights and gradients included), the plan (parts, ``max_tokens``, held and open-path tokens,
-recomputed and host tokens) and the memory model's estimate of the plan's peak
-(:mod:`treefx.run.parts.memory`, ``for_model`` as ``treefx.backward`` makes it); relative to
-``whole``: the step (``x_whole``) and peak. ``--packing``: one packed step of the task's calls
-(``benchmarks.real_trees``' FFD micro-batches of ``--packing-budget`` tokens), and each row's
-share of the token-count bound, ``(packing step / step) / (call tokens / tree tokens)``.
+Model and data as :mod:`benchmarks.real_trees` has them. Per task, each step from no gradients:
+``whole`` (one forward and backward), ``half`` / ``quarter`` (``treefx.backward(max_tokens=)``
+of N / 2, N / 4) and ``memory`` (``max_memory=`` the weights and gradients plus
+``--memory-fraction`` of the rest of the whole step's peak, or ``--max-memory``); per row the
+first call, the median step (:func:`benchmarks.real_trees.timed`), the peak, the plan and the
+memory model's estimate; ``--packing``: the share of the token-count bound.
 """
 
 from __future__ import annotations
@@ -50,10 +32,6 @@ from treefx.run.parts import memory as mem
 CONFIGS = ("whole", "half", "quarter", "memory")
 
 
-def _graphs() -> int:
-    return common.dynamo_counts().get("unique_graphs", 0)
-
-
 def _part_captures(tm) -> int:
     """The captures of ``tm``'s part graphs so far (layout, graph with gradients, no-grad)."""
     from treefx.run.parts import runners
@@ -64,13 +42,11 @@ def _part_captures(tm) -> int:
 def _first(fn, model, cuda: bool) -> tuple[float, int]:
     """Seconds and Dynamo graphs of one call of ``fn`` from no gradients."""
     model.zero_grad(set_to_none=True)
-    if cuda:
-        torch.cuda.synchronize()
-    g0, t0 = _graphs(), time.perf_counter()
+    common.sync(cuda)
+    g0, t0 = common.unique_graphs(), time.perf_counter()
     fn()
-    if cuda:
-        torch.cuda.synchronize()
-    return time.perf_counter() - t0, _graphs() - g0
+    common.sync(cuda)
+    return time.perf_counter() - t0, common.unique_graphs() - g0
 
 
 def _where(frames) -> str:
@@ -185,12 +161,9 @@ def run_task(tree, tm, model, args, cuda: bool, dev: str) -> dict:
             rec["oom"] = str(e).splitlines()[0]
         row["budgets"][name] = rec
         print(f"  {name:>7}: {_line(rec)}", flush=True)
-        model.zero_grad(set_to_none=True)
-        if cuda:
-            torch.cuda.empty_cache()
+        common.free_memory(model, cuda)
     if args.packing:
         micro = [b.to(dev) for b in packing_batches(tree, args.packing_budget)]
-
         biggest = max(micro, key=lambda b: b.num_tokens)
         row["packing"] = timed(lambda: packed_step(tm, micro, dev), model, cuda, warmup=0,
                                reps=1, pre_warm=lambda: packed_step(tm, [biggest], dev))

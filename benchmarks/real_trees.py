@@ -1,23 +1,12 @@
-"""Real agent trees task by task: ``treefx.backward`` against per-call sequence packing on the
-same model and data in one run (issue 34; BENCHMARKS.md, "Real agent trajectories";
-benchmarks/README.md for the options and what was retired).
+"""Real agent trees task by task: ``treefx.backward`` against per-call sequence packing (FFD
+micro-batches, document mask, gradients accumulated) on Qwen3-8B-shaped layers, the same model
+and data in one run (issue 34; BENCHMARKS.md, "Real agent trajectories"; benchmarks/README.md
+for the options).
 
     python -m benchmarks.real_trees --trees swe.jsonl --sample 50 --seed 0 --slice 0:17 \
         --time-limit 450 --out a.json          # then --slice 17:34 --out b.json, 34:50 ...
     python -m benchmarks.real_trees --merge a.json b.json c.json --out all.json
     python -m benchmarks.real_trees --dry-run        # CPU: a tiny model, synthetic comb trees
-
-Qwen3 with Qwen3-8B-shaped layers (``--layers``), bf16, random weights, one
-``treefx.compile(model, logits=False)`` shared by both methods; per task the same loss, each
-step from no gradients: ``treefx`` is ``treefx.backward(tm, tree, max_tokens=--budget)``,
-``packing`` every call its own sequence in first-fit-decreasing micro-batches of ``max(--budget,
-longest call)`` tokens through the same compiled model (document mask), gradients accumulated.
-Host packing is done before timing. Step: wall time, median of ``--reps`` after ``--warmup``
-(packing: one after a warm-up on its largest micro-batch); a step that compiled is run again.
-Per task: ``speedup`` (packing / treefx), ``bound`` (call tokens / unique tokens),
-``share_of_bound``, peak memory, the losses' agreement (``--check-grads``: a few gradients
-too). An OOM is recorded and the run goes on; ``--time-limit`` stops before a task that would
-not finish.
 """
 
 from __future__ import annotations
@@ -170,11 +159,9 @@ def call_chains(trees: treefx.Tree | list[treefx.Tree]) -> list[treefx.Tree]:
 def packing_batches(trees: treefx.Tree | list[treefx.Tree], budget: int, *,
                     num_sequences: int | None = None,
                     loss_scale: float = 1.0) -> list[treefx.TreeBatch]:
-    """Every call of ``trees`` (one tree or several) as its own one-sequence tree
-    (:func:`call_chains`), packed first-fit-decreasing into micro-batches of at most
-    ``max(budget, longest call)`` tokens, each with ``num_sequences`` (default the trees'
-    sequence count: their losses add up to the mean over the calls) and ``loss_scale`` (as
-    ``treefx.distributed.pack`` sets them for a rank's share of a global batch)."""
+    """:func:`call_chains` packed first-fit-decreasing into micro-batches of at most
+    ``max(budget, longest call)`` tokens, each with ``num_sequences`` (default the calls': the
+    losses add up to their mean) and ``loss_scale`` (as ``treefx.distributed.pack`` sets them)."""
     chains = call_chains(trees)
     lengths = [c.num_tokens for c in chains]
     cap = max(budget, max(lengths))
@@ -199,15 +186,6 @@ def packed_step(tm, batches, dev) -> torch.Tensor:
 # ----------------------------------------------------------------------------- timing
 
 
-def _sync(cuda: bool):
-    if cuda:
-        torch.cuda.synchronize()
-
-
-def _graphs() -> int:
-    return common.dynamo_counts().get("unique_graphs", 0)
-
-
 def timed(fn, model, cuda: bool, warmup: int, reps: int, pre_warm=None) -> dict:
     """``warmup`` steps (and ``pre_warm`` once), then ``reps`` timed steps, each from no
     gradients; a step during which Dynamo compiled a graph is run again (at most ``reps``
@@ -219,19 +197,19 @@ def timed(fn, model, cuda: bool, warmup: int, reps: int, pre_warm=None) -> dict:
         model.zero_grad(set_to_none=True)
         fn()
     model.zero_grad(set_to_none=True)
-    _sync(cuda)
+    common.sync(cuda)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     times, recompiled, loss = [], 0, None
     for _ in range(2 * reps):
         model.zero_grad(set_to_none=True)
-        _sync(cuda)
-        g0 = _graphs()
+        common.sync(cuda)
+        g0 = common.unique_graphs()
         t0 = time.perf_counter()
         loss = fn()
-        _sync(cuda)
+        common.sync(cuda)
         dt = time.perf_counter() - t0
-        new = _graphs() - g0
+        new = common.unique_graphs() - g0
         if new:
             recompiled += new
             continue
@@ -253,18 +231,6 @@ def _grads(model, names) -> dict:
 def _grad_rel(g: dict, ref: dict) -> dict:
     return {n: float((g[n] - r).norm() / r.norm().clamp_min(1e-30))
             for n, r in ref.items() if n in g}
-
-
-def _is_oom(e: BaseException) -> bool:
-    """An out-of-memory error, or one raised from it (Dynamo and treefx wrap what a compiled
-    graph raises while it compiles)."""
-    seen = set()
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        if isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower():
-            return True
-        e = getattr(e, "inner_exception", None) or e.__cause__ or e.__context__
-    return False
 
 
 # ----------------------------------------------------------------------------- one task
@@ -295,9 +261,6 @@ def run_task(index: int, tree: treefx.Tree, tm, model, args, cuda: bool, dev: st
     def tree_step():
         return treefx.backward(tm, batch, max_tokens=budget)
 
-    def run_micro(batches):
-        return packed_step(tm, batches, dev)
-
     for name in args.methods:
         oom = None
         try:
@@ -308,8 +271,8 @@ def run_task(index: int, tree: treefx.Tree, tm, model, args, cuda: bool, dev: st
             else:
                 dev_batches = [b.to(dev) for b in micro]
                 largest = max(dev_batches, key=lambda b: b.num_tokens)
-                st = timed(lambda: run_micro(dev_batches), model, cuda, 0, 1,
-                           pre_warm=lambda: run_micro([largest]))
+                st = timed(lambda: packed_step(tm, dev_batches, dev), model, cuda, 0, 1,
+                           pre_warm=lambda: packed_step(tm, [largest], dev))
                 st.update(micro_batches=len(micro), capacity=max(budget, row["longest_call"]),
                           micro_batch_tokens=[b.num_tokens for b in micro],
                           tokens=tree.num_baseline_tokens, host_pack_ms=pack_seq_ms)
@@ -322,7 +285,7 @@ def run_task(index: int, tree: treefx.Tree, tm, model, args, cuda: bool, dev: st
             st["status"] = "ok"
             methods[name] = st
         except Exception as e:  # noqa: BLE001  (out of memory, however wrapped; else raised)
-            if not _is_oom(e):
+            if not common.is_oom(e):
                 raise
             oom = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]}"
         if oom is not None:  # outside the handler: its traceback no longer holds the tensors
@@ -429,12 +392,9 @@ def main(argv=None):
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--methods", default="treefx,packing")
     p.add_argument("--regional", choices=("default", "on", "off"), default="default",
-                   help="treefx.compile's regional= for the shared model: default (None: "
-                        "whole trees, treefx.backward's parts and packing's micro-batches "
-                        "regional on Inductor), on, off")
+                   help="treefx.compile's regional= for the shared model (default: None)")
     p.add_argument("--verify", action="store_true",
-                   help="treefx.compile(verify=True): treefx.backward's first call checks its "
-                        "part graph on a probe forest against each sequence alone (the "
+                   help="treefx.compile(verify=True): the part graph's first-call check (the "
                         "report in the JSON's 'verification')")
     p.add_argument("--warmup", type=int, default=1, help="treefx's full warm-up steps per task")
     p.add_argument("--reps", type=int, default=3, help="treefx's timed steps per task")

@@ -307,11 +307,8 @@ def prepare(needs, env: dict) -> None:
                        check=True)
         paths.append("/tmp/grpo")
     if "verl" in needs:
-        # verl 0.9.1 and what it imports that the machine lacks (transformers 5.10.4 and
-        # tokenizers 0.22.2, which verl's pin needs), from .whl/verl, into a site of their own;
-        # ray's wheel (80 MB) is carried as .whl/verl/ray-pruned.tar.gz, without its cluster
-        # binaries (raylet, GCS), dashboard and libraries, which an engine in one process
-        # never starts (benchmarks/README.md says how it is made)
+        # verl 0.9.1 and what it imports that the machine lacks, and ray pruned
+        # (benchmarks/README.md says how both are made)
         subprocess.run(pip + ["--target", "/tmp/verl", *glob.glob(".whl/verl/*.whl")],
                        check=True)
         subprocess.run(["tar", "xzf", ".whl/verl/ray-pruned.tar.gz", "-C", "/tmp/verl"],

@@ -44,20 +44,11 @@ def in_parts(tm, trees, budgets=BUDGETS) -> dict:
     gradients' norm), the loss's relative error; the part graph's attention sites and those
     on the interval op."""
     import treefx
+    from benchmarks.common import grads_of, oracle
     from treefx.run.parts import runners
 
     model = tm.model
-
-    def grads():  # tests/support.py's: taken, then cleared
-        out = {n: p.grad.detach().clone() for n, p in model.named_parameters()
-               if p.grad is not None}
-        model.zero_grad(set_to_none=True)
-        return out
-
-    model.zero_grad(set_to_none=True)
-    ref_loss = treefx.reference.sequence_loss(model, trees, reduction="mean")
-    ref_loss.backward()
-    ref_loss, ref = float(ref_loss.detach()), grads()
+    ref_loss, ref = oracle(model, trees)
     out = {}
     for b in budgets:
         try:
@@ -66,11 +57,9 @@ def in_parts(tm, trees, budgets=BUDGETS) -> dict:
             model.zero_grad(set_to_none=True)
             out[b] = {"status": "refused", "error": f"{type(e).__name__}: {e}"[:300]}
             continue
-        got = grads()
-        # treefx.verify's measure: |g - g_ref| / max(|g_ref|, 1e-3 |G_ref|) (norms; G_ref all
-        # the gradients together), so a parameter whose gradient is zero up to rounding (a
-        # key projection's bias: softmax ignores a score shift per query) is not judged on
-        # that rounding alone
+        got = grads_of(model)
+        # treefx.verify's measure: |g - g_ref| / max(|g_ref|, 1e-3 |G_ref|) (G_ref: all the
+        # gradients), so a gradient zero up to rounding is not judged on that rounding alone
         scale = float(sum(g.double().pow(2).sum() for g in ref.values()) ** 0.5)
         errs = {n: float((got[n] - g).double().norm()) / max(float(g.double().norm()),
                                                              1e-3 * scale, 1e-30)

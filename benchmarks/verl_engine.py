@@ -1,46 +1,23 @@
-"""verl's actor update with its own FSDP engine and with treefx's: one process, the same data.
+"""verl's actor update and ``compute_log_prob`` with its own FSDP engine
+(``FSDPEngineWithLMHead``, SDPA or ``verl-flex``: FlexAttention) and with treefx's
+(``treefx.integrations.verl.TreeFSDPEngine``), one process, the same GRPO batch of multi-turn
+prompts made as ``benchmarks.grpo`` makes them (issue 65; benchmarks/README.md says what verl
+needs).
 
     python -m benchmarks.verl_engine              # GPU: Qwen3-1.7B shape, 28 layers, verl's bf16
     python -m benchmarks.verl_engine --layers 8   # fewer decoder layers (recorded in the result)
     python -m benchmarks.verl_engine --dry-run    # CPU: tiny Qwen3, float32; the engines must agree
 
-Needs verl 0.9.1 (``pip install -e ".[verl]"``; on the GPU machine its wheels carried, as
-benchmarks/README.md says).
-
-**The engines.** ``verl``: verl's ``FSDPEngineWithLMHead`` (FSDP2, one rank). ``treefx``:
-``treefx.integrations.verl.TreeFSDPEngine``, the same engine with each micro-batch run as one
-prefix tree. Both are built by ``EngineRegistry.new`` from the same four configs and load the
-same checkpoint (a Qwen3 with random weights, saved once): verl's defaults where this script
-sets nothing (float32 master weights, bf16 mixed precision and autocast, activation
-checkpointing, ``use_remove_padding``), SDPA attention for verl's engine (flash-attn is not
-installed there; verl's packed rows reach SDPA as one sequence with position ids that restart
-per row, which transformers turns into a dense block-causal mask over the whole micro-batch).
-``verl-flex``: verl's engine with FlexAttention (``attn_implementation="flex_attention"``), for
-which transformers turns the same position ids into a sparse block mask: the stand-in for
-flash-attn's variable-length kernel that a GPU machine with flash-attn would use.
-
-**The data.** GRPO on multi-turn prompts, as ``benchmarks.grpo`` makes them (its arguments, the
-same defaults): ``--groups`` prompts sharing a ``--context``-token system prompt, each with its
-own earlier turns and question, ``G`` completions each; random ids, advantages per group,
-old and reference log-probs drawn once. One PPO mini-batch = the whole batch; micro-batches
-of ``--micro`` rows (verl's ``ppo_micro_batch_size_per_gpu``), in verl's order (whole groups
-when ``--micro`` is a multiple of G).
-
-**What is timed.** ``compute_log_prob`` (the old log-probs and entropies, no gradients) and
-the update (``train_batch``: every micro-batch's forward, verl's PPO loss with KL loss, backward,
-then the optimizer step), CUDA events; the first of each on its own (treefx captures, compiles
-and checks there), then the median of ``--steps`` after ``--warmup``. Peak memory:
-``max_memory_allocated`` over the timed steps. The learning rate is 0, so every step repeats the
-same work and both engines' log-probs stay comparable. Compared: the first
-``compute_log_prob``'s log-probs over the response tokens and the first update's loss (float32
-1e-5; bf16 0.1 nats and 1e-2 relative, recorded as ``within_tolerance``).
+Both engines take verl's defaults where this script sets nothing and load the same checkpoint;
+the first ``compute_log_prob`` and update alone, then the median of ``--steps`` after
+``--warmup`` (CUDA events); learning rate 0, so every step repeats the same work. Compared:
+the first log-probs over the response tokens and the first update's loss (``TOL``).
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
-import gc
 import os
 import statistics
 import tempfile
@@ -50,7 +27,7 @@ import torch.distributed as dist
 
 from benchmarks import common
 from benchmarks.common import SHAPES
-from benchmarks.grpo import make_rollouts
+from benchmarks.grpo import add_rollout_args, make_rollouts
 from benchmarks.timing import timed
 
 TOL = {"float32": {"logprob": 1e-5, "loss": 1e-5}, "bfloat16": {"logprob": 0.1, "loss": 1e-2}}
@@ -157,9 +134,7 @@ def run_engine(name: str, folder: str, td, args, cuda: bool) -> dict:
     rec["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
     rec["tree_stats"] = dict(getattr(engine, "tree_stats", {}) or {})
     engine = None  # free it before the next engine is built
-    gc.collect()
-    if cuda:
-        torch.cuda.empty_cache()
+    common.free_memory(None, cuda)
     return rec
 
 
@@ -178,20 +153,14 @@ def main(argv=None):
     common.add_run_args(p, "CPU: tiny Qwen3, float32, a small batch; the engines must agree")
     p.add_argument("--shape", default="qwen3-1.7b", choices=sorted(SHAPES))
     p.add_argument("--layers", type=int, default=None)
-    p.add_argument("--groups", type=int, default=4)
-    p.add_argument("--G", type=int, default=8)
+    add_rollout_args(p)
     p.add_argument("--micro", type=int, default=16, help="rows per micro-batch")
-    p.add_argument("--context", type=int, default=2000)
-    p.add_argument("--history", default="500,2000")
-    p.add_argument("--question", default="20,150")
-    p.add_argument("--completion", default="100,1000")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--no-checkpointing", action="store_true")
     p.add_argument("--engines", default="verl,treefx",
                    help="comma-separated: verl (SDPA), verl-flex (FlexAttention), treefx")
     p.add_argument("--compile-options", type=__import__("json").loads, default={})
-    p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     if args.dry_run:
         args.shape, args.groups, args.G, args.micro = "tiny", 2, 4, 4

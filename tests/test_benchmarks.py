@@ -313,7 +313,7 @@ def test_real_trees_dry_run(tmp_path, monkeypatch):
         assert r["grads_agree"] is True
     assert rows[2]["status"] == "oom: packing"
     assert "simulated" not in rows[2]["methods"]["packing"]["error"]  # the outer error's
-    assert not rt._is_oom(ValueError("a bug")) and rt._is_oom(torch.OutOfMemoryError("x"))
+    assert not rt.common.is_oom(ValueError("a bug")) and rt.common.is_oom(torch.OutOfMemoryError("x"))
     assert rows[2]["methods"]["packing"]["status"] == "oom"
     assert rows[2]["methods"]["treefx"]["status"] == "ok" and "speedup" not in rows[2]
     s = res["summary"]
