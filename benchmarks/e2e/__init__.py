@@ -6,9 +6,5 @@
     python -m benchmarks.e2e --dry-run       # CPU: tiny, float32, checks
 
 One step = layout + mask + forward + loss + backward, CUDA events, median of --reps after
---warmup; each method in its own module of :mod:`benchmarks.e2e.methods`; with ``--profile``
-GPU time by kernel kind (:mod:`.profile`).
-``--dry-run``: the CPU, eager backends, SDPA with a dense mask for packing, every method's loss
-and gradients against the per-sequence oracle (:mod:`.dry_checks`). What was retired:
-benchmarks/README.md.
+--warmup; the dry run checks every method against the per-sequence oracle (:mod:`.dry_checks`).
 """

@@ -43,12 +43,9 @@ class ChunkedCE:
 
 
 def make_body(env: Env, model, mask_kind: str):
-    """The model body (no lm_head) on one row with an interval mask ``kv <= q < ends[kv]``
-    (document-causal for packing, the tree mask for the tree layout), compiled.
-
-    ``mask_kind="flex"``: a FlexAttention BlockMask from the given block tensors (built inside
-    the compiled graph from tensors, so no per-step closure crosses the compile boundary);
-    ``"dense"``: the same mask as a [1, 1, N, N] bool tensor for SDPA (CPU dry run)."""
+    """The model body (no lm_head) on one row with an interval mask ``kv <= q < ends[kv]``,
+    compiled: a FlexAttention BlockMask built inside the graph from block tensors (``"flex"``)
+    or a [1, 1, N, N] bool tensor for SDPA (``"dense"``, the CPU dry run)."""
     from torch.nn.attention.flex_attention import BlockMask
 
     inner = model.model

@@ -16,12 +16,8 @@ from .methods.packed import PackedData
 
 
 def dry_checks(env, model, trees, parts) -> dict:
-    """CPU, float32: every method's loss and gradients against the per-branch oracle; the
-    FlexAttention forward of the packed and tree BlockMasks against the dense masks.
-
-    The methods are whole training steps, some of them not treefx models (packing), so each
-    is compared through its loss and ``.grad``
-    (:func:`benchmarks.common.loss_vs_oracle`) rather than ``treefx.verify``."""
+    """See the module's docstring; a method (not always a treefx model) is compared through its
+    loss and ``.grad`` (:func:`benchmarks.common.loss_vs_oracle`)."""
     out = {}
     for label, tree in trees.items():
         set_attn(model, TREE_ATTN)
@@ -33,8 +29,7 @@ def dry_checks(env, model, trees, parts) -> dict:
             entry[name] = loss_vs_oracle(model, loss, ref)
         out[label] = entry
 
-    # FlexAttention forward (no backward on the CPU) through the same HF plumbing: the
-    # BlockMask built in the compiled body from block tensors must give the dense-mask result.
+    # FlexAttention's forward (no backward on the CPU) through the same HF plumbing
     flex_body = make_body(env, model, "flex")
     dense_body = make_body(env, model, "dense")
     for label, tree in trees.items():
@@ -63,8 +58,7 @@ def dry_checks(env, model, trees, parts) -> dict:
 
 
 def print_dry_checks(checks: dict) -> None:
-    """Per tree: each method's loss / worst gradient relative error against the oracle, and the
-    FlexAttention forward's largest difference from the dense mask."""
+    """Per tree: each method's loss and worst gradient errors, FlexAttention's difference."""
     for label, e in checks.items():
         print(f"dry-run check {label}: " + ("FAILED" if label == "error" else str(
             {m: [v[k] for k in ("loss_rel_err", "max_rel_grad_err")] if "loss_rel_err" in v

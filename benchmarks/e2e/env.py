@@ -45,56 +45,39 @@ def attn_impl(env: Env) -> str:
     return "flex_attention" if env.mask_kind == "flex" else "sdpa"
 
 
-# Real hybrid models' layer shapes (``--arch``; ``--hidden`` does not apply, ``--layers`` does).
+# Real hybrid models' layer shapes (``--arch``; ``--hidden`` does not apply, ``--layers`` does):
+# Qwen3-Next-80B-A3B's (its MoE of 512 experts, 10 per token and a shared one, as a dense MLP
+# of the active width, 10 x 512 + 512) and Qwen3.5's (the 9B-class dense text model), each
+# transformers' config defaults; the dry run's tiny ones.
+_GDN = dict(linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+            linear_value_head_dim=128, linear_conv_kernel_dim=4)
 ARCH_SHAPES = {
-    # Qwen3-Next-80B-A3B (transformers' Qwen3NextConfig defaults): hidden 2048, Gated DeltaNet
-    # with 16 key and 32 value heads of 128, 16 attention heads of 256 with 2 KV heads, conv 4,
-    # three Gated DeltaNet layers to one attention layer. Its MoE (512 experts of 512, 10 per
-    # token, a shared expert of 512) is a dense MLP of the active width here, 10 x 512 + 512.
-    "qwen3_next": dict(hidden_size=2048, intermediate_size=5632, num_attention_heads=16,
-                       num_key_value_heads=2, head_dim=256, linear_num_key_heads=16,
-                       linear_num_value_heads=32, linear_key_head_dim=128,
-                       linear_value_head_dim=128, linear_conv_kernel_dim=4, num_experts=0),
-    # Qwen3.5 (transformers' Qwen3_5TextConfig defaults, the 9B-class dense text model):
-    # hidden 4096, Gated DeltaNet with 16 key and 32 value heads of 128, 16 attention heads of
-    # 256 with 4 KV heads, intermediate 12288, three Gated DeltaNet layers to one attention.
-    "qwen3_5": dict(hidden_size=4096, intermediate_size=12288, num_attention_heads=16,
-                    num_key_value_heads=4, head_dim=256, linear_num_key_heads=16,
-                    linear_num_value_heads=32, linear_key_head_dim=128,
-                    linear_value_head_dim=128, linear_conv_kernel_dim=4),
+    "qwen3_next": dict(_GDN, hidden_size=2048, intermediate_size=5632, num_attention_heads=16,
+                       num_key_value_heads=2, head_dim=256, num_experts=0),
+    "qwen3_5": dict(_GDN, hidden_size=4096, intermediate_size=12288, num_attention_heads=16,
+                    num_key_value_heads=4, head_dim=256),
 }
+_TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+             head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+             linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4)
+_ARCH_TINY = {"qwen3_next": dict(_TINY, num_experts=0), "qwen3_5": _TINY}
 # The transformers model type of each --arch (the text model of Qwen3.5).
 MODEL_TYPES = {"qwen3_5": "qwen3_5_text"}
-_ARCH_TINY = {
-    "qwen3_next": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                       num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
-                       linear_num_value_heads=4, linear_key_head_dim=16,
-                       linear_value_head_dim=16, linear_conv_kernel_dim=4, num_experts=0),
-    "qwen3_5": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                    num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
-                    linear_num_value_heads=4, linear_key_head_dim=16,
-                    linear_value_head_dim=16, linear_conv_kernel_dim=4),
-}
 
 
 def build_model(env: Env, hidden: int, args):
-    """HF Qwen3 from a config, in training mode: ``--heads`` heads (16), ``--kv-heads`` KV
-    heads (8), head_dim 128, intermediate 3 x hidden on the GPU; a tiny one in the dry run.
-    ``--arch qwen3_next`` / ``qwen3_5``: those models' real layer shapes (:data:`ARCH_SHAPES`,
-    Gated DeltaNet : attention 3 : 1). Returns the model and its config."""
+    """HF Qwen3 from a config, in training mode: ``--heads``, ``--kv-heads``, head_dim 128,
+    intermediate 3 x hidden (a tiny one in the dry run); ``--arch qwen3_next`` / ``qwen3_5``:
+    :data:`ARCH_SHAPES`, Gated DeltaNet : attention 3 : 1. Returns the model and its config."""
     if args.arch in ARCH_SHAPES:
-        shapes = _ARCH_TINY if env.dry else ARCH_SHAPES
         layers = 4 if env.dry else args.layers
-        cfg = dict(shapes[args.arch], vocab_size=args.vocab, num_hidden_layers=layers,
+        cfg = dict((_ARCH_TINY if env.dry else ARCH_SHAPES)[args.arch], vocab_size=args.vocab,
+                   num_hidden_layers=layers,
                    layer_types=[("full_attention" if i % 4 == 3 else "linear_attention")
                                 for i in range(layers)])
         if args.arch == "qwen3_next":
             cfg["mlp_only_layers"] = list(range(layers))
-        model = common.hf_model(MODEL_TYPES.get(args.arch, args.arch), dev=env.dev,
-                                dtype=env.dtype, seed=0, on_device=True, use_cache=False,
-                                train=True, **cfg)
-        return model, dict(cfg, arch=args.arch)
-    if env.dry:
+    elif env.dry:
         cfg = dict(vocab_size=args.vocab, hidden_size=64, intermediate_size=192,
                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                    head_dim=16)
@@ -102,6 +85,7 @@ def build_model(env: Env, hidden: int, args):
         cfg = dict(vocab_size=args.vocab, hidden_size=hidden, intermediate_size=3 * hidden,
                    num_hidden_layers=args.layers, num_attention_heads=args.heads,
                    num_key_value_heads=args.kv_heads, head_dim=128)
-    model = common.hf_model(args.arch, dev=env.dev, dtype=env.dtype, seed=0, on_device=True,
-                            use_cache=False, train=True, **cfg)
+    model = common.hf_model(MODEL_TYPES.get(args.arch, args.arch), dev=env.dev,
+                            dtype=env.dtype, seed=0, on_device=True, use_cache=False,
+                            train=True, **cfg)
     return model, dict(cfg, arch=args.arch)

@@ -37,20 +37,15 @@ def parse_args(argv=None):
                         "Qwen3-8B: --hidden 4096 --heads 32)")
     p.add_argument("--kv-heads", type=int, default=8, help="its key/value heads")
     p.add_argument("--arch", choices=("qwen3", "qwen3_next", "qwen3_5"), default="qwen3",
-                   help="qwen3 (attention; --hidden), or real layer shapes: qwen3_next "
-                        "(Qwen3-Next-80B-A3B's, Gated DeltaNet + attention, 3:1, MoE as a "
-                        "dense MLP of the active width) and qwen3_5 (Qwen3.5's dense text "
-                        "model; both 16 key / 32 value heads; treefx against packed_reset, "
-                        "each on fla where known good)")
+                   help="qwen3 (attention; --hidden), or Qwen3-Next-80B-A3B's and Qwen3.5's "
+                        "layer shapes (Gated DeltaNet + attention, 3:1; env.ARCH_SHAPES)")
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--mask-reps", type=int, default=0,
-                   help="accepted and ignored: the BlockMask-building measurement it repeated "
-                        "was retired in issue 67 (git show ae2d22b:benchmarks/e2e/mask_build.py)")
+                   help="accepted and ignored (retired in issue 67: benchmarks/README.md)")
     p.add_argument("--stream", type=int, default=0,
-                   help="accepted and ignored: the recompilation check over a stream of trees "
-                        "was retired in issue 67 (benchmarks/README.md)")
+                   help="accepted and ignored (retired in issue 67: benchmarks/README.md)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--profile", action="store_true",
                    help="also profile each measured step: GPU time by kernel kind")

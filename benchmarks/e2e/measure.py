@@ -48,10 +48,9 @@ def measure(env, step, warmup: int, reps: int) -> dict:
 
 
 def matmul_rate(env, cfg: dict, tokens: int, reps: int = 20) -> dict | None:
-    """The GPU's bf16 matrix-multiply rate, measured: ``torch.mm`` at the model's own shapes
-    for ``tokens`` rows (the MLP's up and down projections, the output projection) and at
-    8192^3; median of ``reps`` after 3 warm-up calls; and the first shape's rate sustained over
-    a step's length (:func:`_sustained_rate`). None on the CPU."""
+    """The GPU's bf16 ``torch.mm`` rate at the model's shapes for ``tokens`` rows (the MLP's up
+    and down projections, the output projection) and at 8192^3, median of ``reps`` after 3
+    warm-up calls, and the first shape's sustained rate (:func:`_sustained_rate`)."""
     if not env.cuda:
         return None
     h, f, v = cfg["hidden_size"], cfg.get("intermediate_size", 3 * cfg["hidden_size"]), \
@@ -71,8 +70,7 @@ def matmul_rate(env, cfg: dict, tokens: int, reps: int = 20) -> dict | None:
 
 def _sustained_rate(m: int, k: int, n: int, ms: float, span_ms: float = 250.0) -> dict:
     """The first shape's ``torch.mm`` back to back for about ``span_ms`` (a step's length),
-    timed as one: the rate a step's long run of matrix products meets (the GPU's clock under
-    sustained load), beside the per-call medians above, which are bursts of 20."""
+    timed as one: the clock under sustained load."""
     a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
     reps = max(1, round(span_ms / ms))
@@ -85,7 +83,3 @@ def _sustained_rate(m: int, k: int, n: int, ms: float, span_ms: float = 250.0) -
     del a, b
     return {"sustained_tflops": 2 * m * k * n * reps / total / 1e9, "sustained_ms": total,
             "sustained_shape": [m, k, n]}
-
-
-def is_oom(e: BaseException) -> bool:
-    return isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in str(e).lower()

@@ -70,8 +70,8 @@ def summarize(res) -> list[dict]:
                 row = {"model": key, "tree": label, "method": name, "por": info["por"],
                        "tokens": info["tokens"], "baseline_tokens": info["baseline_tokens"],
                        "bound": info["bound"]}
-                bound = flop_bound(info, res["models"][key]) if "tree_pairs" in info and \
-                    key in res.get("models", {}) else None
+                model = res.get("models", {}).get(key) if "tree_pairs" in info else None
+                bound = flop_bound(info, model) if model else None
                 if bound is not None:
                     row["flop_bound"] = bound
                 if "step_ms" in r:
@@ -83,8 +83,7 @@ def summarize(res) -> list[dict]:
                         row["share_of_bound"] = base / t / info["bound"]
                         if "flop_bound" in row:
                             row["share_of_flop_bound"] = base / t / row["flop_bound"]
-                    flops = model_flops(info, res["models"][key], name) \
-                        if "tree_pairs" in info and key in res.get("models", {}) else None
+                    flops = model_flops(info, model, name) if model else None
                     if flops is not None:
                         row["model_tflops_per_s"] = flops / (t / 1e3) / 1e12
                         mr = (res.get("matmul_rate") or {}).get(key, {})

@@ -10,10 +10,10 @@ import torch
 
 from treefx.ops.recurrence import backward_paths, kernel_runs
 
-from ..common import free_memory, kernel_runs_delta, save_json
+from ..common import free_memory, is_oom, kernel_runs_delta, save_json
 from .dry_checks import dry_checks
 from .env import build_model
-from .measure import is_oom, matmul_rate, measure
+from .measure import matmul_rate, measure
 from .methods import MAKERS, TREEFX_OBJECTS
 from .profile import profile_step
 
@@ -21,9 +21,8 @@ START = time.perf_counter()  # reset by main(); the progress lines print seconds
 
 
 def run_hidden(env, args, hidden, trees, res, deadline) -> None:
-    """Build the model at ``hidden``, then time each method on each tree (each in its own
-    try/except; an error other than out-of-memory skips the method's later trees), saving
-    the JSON after every measurement."""
+    """Time each method on each tree at ``hidden`` (an error other than out-of-memory skips
+    the method's later trees), saving the JSON after every measurement."""
     model, cfg = build_model(env, hidden, args)
     key = f"hidden{cfg['hidden_size']}"
     runs = res["runs"].setdefault(key, {})
@@ -57,9 +56,7 @@ def run_hidden(env, args, hidden, trees, res, deadline) -> None:
                 if "recurrence_kernels" in r:  # its backward: the forward's graph or recomputed
                     r["recurrence_backward"] = {k: v - back0[k]
                                                 for k, v in backward_paths().items()}
-                if not math.isfinite(r["loss"]):
-                    # a wrong result, not a timing: reported as a failure (a regional run
-                    # once gave an infinite loss on the GPU, BENCHMARKS.md "First step")
+                if not math.isfinite(r["loss"]):  # a wrong result, not a timing
                     raise FloatingPointError(f"the step's loss is {r['loss']}")
                 if args.profile and env.cuda:
                     r["profile"] = profile_step(env, step)
@@ -67,16 +64,11 @@ def run_hidden(env, args, hidden, trees, res, deadline) -> None:
                     obj = parts[TREEFX_OBJECTS[name]]
                     r["treefx_compilations_total"] = obj.num_compilations
                     report = getattr(obj, "verification", None)
-                    # the first-call check, within the first step: the graph is compiled on
-                    # its probe, so this includes the compilation (TREEFX_VERIFY=0 runs give
-                    # the check's own cost by difference)
+                    # the first-call check (the compilation on its probe included) and its
+                    # stages; where the first step went (treefx's passes, the compilation)
                     r["first_call_check_s"] = getattr(report, "seconds", None)
-                    # the check's stages: the tree run (Dynamo's trace and the compilation
-                    # included), the oracle, the oracle's floor (only where needed)
                     r["check_stages_s"] = {k: round(v, 2) for k, v in
                                            getattr(report, "stage_seconds", {}).items()}
-                    # where the first step went: treefx's passes, the backend's compilation,
-                    # the check's own runs (the rest: Dynamo's trace and the runs)
                     r["treefx_timings_s"] = {k: round(v, 2) for k, v in obj.timings.items()}
                     r["compile_metrics_s"] = compile_metrics()
                     r["compile_cache"] = compile_cache_counters()
@@ -107,11 +99,9 @@ def run_hidden(env, args, hidden, trees, res, deadline) -> None:
 
 
 def recurrence_paths(before: dict, after: dict) -> dict:
-    """Which kernel path the tree recurrences took during a measurement (treefx's counts of
-    tree runs per recurrence and path): ``recurrence_kernels`` {"name:path": runs} and
-    ``recurrence_on``: "fla" (every run on fla's kernels: the variable-length path depth by
-    depth, or the tree in one pass per stage), "torch" (none: Hugging Face's torch kernel) or
-    "mixed"; nothing for a model without one."""
+    """The tree recurrences' kernel paths during a measurement: ``recurrence_kernels``
+    {"name:path": runs} and ``recurrence_on``, "fla" (every run on fla's kernels), "torch"
+    (none) or "mixed"; nothing for a model without a recurrence."""
     delta = kernel_runs_delta(before, after)
     if not delta:
         return {}
@@ -121,8 +111,7 @@ def recurrence_paths(before: dict, after: dict) -> dict:
 
 
 def compile_cache_counters() -> dict[str, int]:
-    """Hits and misses of torch.compile's on-disk caches, process-wide so far (Inductor's FX
-    graph cache, AOTAutograd's cache): a restart with warm caches should hit."""
+    """Hits and misses of Inductor's and AOTAutograd's on-disk caches, process-wide so far."""
     try:
         from torch._dynamo.utils import counters
     except ImportError:
@@ -136,10 +125,7 @@ def compile_cache_counters() -> dict[str, int]:
 
 
 def compile_metrics(top: int = 14) -> dict[str, float]:
-    """torch.compile's own timers, process-wide so far (seconds; the largest ``top``):
-    ``_compile.compile_inner`` is Dynamo's whole time, ``bytecode_tracing`` its trace,
-    ``OutputGraph.call_user_compiler`` the backend (treefx's passes, AOTAutograd, Inductor),
-    ``async_compile.wait`` the wait for Triton's compile workers."""
+    """torch.compile's own timers, process-wide so far (seconds; the largest ``top``)."""
     try:
         from torch._dynamo.utils import compilation_time_metrics
     except ImportError:

@@ -9,11 +9,9 @@ from . import packed, packed_reset, tree, tree_step
 
 # hand and one_by_one were retired in issue 67: git show cdfeaf0:benchmarks/e2e/methods/NAME.py
 METHODS = ("treefx", "packed")
-# opt-in with --methods; the treefx_* variants: treefx.compile with one option changed
-# (methods/tree.py)
+# opt-in with --methods (the treefx_* variants: methods/tree.py)
 EXTRA_METHODS = ("treefx_step", "packed_reset", *tree.VARIANTS)
-# --arch qwen3_next / qwen3_5 by default: packing without a state reset would carry the
-# recurrent state from one sequence into the next
+# --arch qwen3_next / qwen3_5 by default (plain packing would carry the state across sequences)
 HYBRID_METHODS = ("treefx", "packed_reset")
 
 MAKERS = {

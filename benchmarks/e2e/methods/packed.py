@@ -1,9 +1,6 @@
-"""packed: the tree's sequences end to end in one row, as sequence packing trains today. HF
-``attn_implementation="flex_attention"`` with a document-causal BlockMask passed as
-``attention_mask`` (mask_mod ``kv <= q < doc_end[kv]``, which is ``same doc & causal``; block
-tensors from per-block doc boundaries, O(N + blocks^2)); ``position_ids`` restart per document;
-model body under ``torch.compile`` (dynamic N); loss: chunked (8k tokens) weighted
-cross-entropy with weights 1/(len-1)/P on shifted labels, each chunk a compiled function."""
+"""packed: the tree's sequences end to end in one row, as sequence packing trains today: HF
+FlexAttention with a document-causal BlockMask (``kv <= q < doc_end[kv]``), positions restarting
+per document, the compiled body (:mod:`..body`) and its chunked weighted cross-entropy."""
 
 from __future__ import annotations
 

@@ -8,6 +8,7 @@ backward (``TREEFX_FLA_TREE_KEEP_STATES=1``), sharing ``treefx``'s compiled mode
 from __future__ import annotations
 
 import os
+from functools import partial
 
 import treefx
 
@@ -21,56 +22,47 @@ def make(env, model, parts, args=None, key="treefx_model", **options):
     return lambda tree: tree_step(env, model, tm, tree)
 
 
-def make_nologits(env, model, parts, args=None):
-    return make(env, model, parts, key="treefx_nologits_model", logits=False)
-
-
-def make_regional(env, model, parts, args=None):
-    return make(env, model, parts, key="treefx_regional_model", regional=True)
-
-
-def _with_env(env, model, parts, key: str, name: str, value: str):
+def make_keep_states(env, model, parts, args=None):
     """The default compiled model (shared with ``treefx`` when both run), each step run with
-    the environment variable ``name`` set to ``value`` (a switch read at run time)."""
+    ``TREEFX_FLA_TREE_KEEP_STATES=1`` (a switch read at run time)."""
+    from treefx.families.fla_tree import KEEP_ENV
+
     tm = parts.get("treefx_model") or treefx.compile(model, backend=env.tree_backend)
-    parts[key] = tm
+    parts["treefx_keep_states_model"] = tm
 
     def prepare(trees):
         inner = tree_step(env, model, tm, trees)
 
         def step():
-            old = os.environ.get(name)
-            os.environ[name] = value
+            old = os.environ.get(KEEP_ENV)
+            os.environ[KEEP_ENV] = "1"
             try:
                 return inner()
             finally:
                 if old is None:
-                    os.environ.pop(name, None)
+                    os.environ.pop(KEEP_ENV, None)
                 else:
-                    os.environ[name] = old
+                    os.environ[KEEP_ENV] = old
         return step
     return prepare
 
 
-def make_keep_states(env, model, parts, args=None):
-    from treefx.families.fla_tree import KEEP_ENV
-
-    return _with_env(env, model, parts, "treefx_keep_states_model", KEEP_ENV, "1")
-
-
 # Each variant's method name -> (maker, the parts entry holding its compiled model)
-VARIANTS = {"treefx_nologits": (make_nologits, "treefx_nologits_model"),
-            "treefx_regional": (make_regional, "treefx_regional_model"),
+VARIANTS = {"treefx_nologits": (partial(make, key="treefx_nologits_model", logits=False),
+                                "treefx_nologits_model"),
+            "treefx_regional": (partial(make, key="treefx_regional_model", regional=True),
+                                "treefx_regional_model"),
             "treefx_keep_states": (make_keep_states, "treefx_keep_states_model")}
 
 
-def tree_step(env, model, tm, trees):
-    """One timed step of a compiled TreeModel: layout, forward, tree loss, backward."""
+def tree_step(env, model, tm, trees, loss_of=None):
+    """One timed step of a compiled TreeModel: layout, forward, tree loss, backward
+    (``loss_of(batch)``: another loss of the batch)."""
     def step():
         set_attn(model, TREE_ATTN)
         model.zero_grad(set_to_none=True)
         batch = treefx.pack(trees, reduction="mean").to(env.dev)
-        loss = treefx.tree_loss(tm(batch), batch)
+        loss = loss_of(batch) if loss_of else treefx.tree_loss(tm(batch), batch)
         loss.backward()
         return loss.detach()
     return step

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 import treefx
 
-from ..env import TREE_ATTN, set_attn
+from .tree import tree_step
 
 
 def hf_train_step(model, batch):
@@ -21,15 +21,4 @@ def hf_train_step(model, batch):
 def make(env, model, parts, args=None):
     train_step = treefx.step(hf_train_step, backend=env.tree_backend)
     parts["treefx_step_fn"] = train_step
-
-    def prepare(tree):
-        def step():
-            set_attn(model, TREE_ATTN)
-            model.zero_grad(set_to_none=True)
-            batch = treefx.pack(tree, reduction="mean").to(env.dev)
-            loss = train_step(model, batch)
-            loss.backward()
-            return loss.detach()
-        return step
-
-    return prepare
+    return lambda tree: tree_step(env, model, None, tree, lambda b: train_step(model, b))
