@@ -180,6 +180,14 @@ STAGES = {
         "shuffle), then the treefx path with whole groups", "grpo_first_cycle.sh a (2026-12-05)",
         Step("grpo_a", "benchmarks.grpo --row-shuffle", 320, cache="fresh"),
         Step("grpo_g", "benchmarks.grpo --paths treefx", 200, cache="fresh"), needs=("grpo",)),
+    "grpo-no-grad-graph": stage(
+        "issue 65: the treefx path's old and reference log-probs on the policy's training graph "
+        "(the default since 2026-12-05, one capture) against a no-grad graph of their own "
+        "(TREEFX_SHARE_NO_GRAD=0): first cycle and the timed cycles' no-grad calls",
+        "(new, 2026-12-05; not yet run)",
+        Step("grpo_share", "benchmarks.grpo --paths treefx --row-shuffle", 280, cache="fresh"),
+        Step("grpo_noshare", "benchmarks.grpo --paths treefx --row-shuffle", 280, cache="fresh",
+             env={"TREEFX_SHARE_NO_GRAD": "0"}), needs=("grpo",)),
     "verl-engine": stage(
         "issue 65: verl 0.9.1's engine update and compute_log_prob, treefx's engine against "
         "verl's with FlexAttention and with SDPA", "(new, 2026-12-05; not yet run through)",
