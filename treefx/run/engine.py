@@ -359,7 +359,10 @@ class TreeEngine:
         by the checkpointing the model has at the capture (:func:`checkpointing_flags`):
         TRL turns checkpointing off around its no-grad calls, and
         :class:`~treefx.integrations.trl.TreeGRPOTrainer` turns it back on for the tree
-        call (no value changes without gradients)."""
+        call (no value changes without gradients). The model's first-call check then runs
+        with gradients, on a probe padded to the first batch's length through Inductor: a
+        first no-grad batch much longer than the training batches can need more memory for the
+        check than for itself (``TREEFX_SHARE_NO_GRAD=0``, or ``verify=False``)."""
         return (self.no_grad_runs_training and not torch.is_grad_enabled()
                 and not torch.is_inference_mode_enabled() and model.training
                 and any(p.requires_grad for p in model.parameters())
