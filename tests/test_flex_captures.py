@@ -50,7 +50,9 @@ def test_no_grad_log_probs_capture_once_on_both_sides_of_a_block(backend, region
     and the log-probs the oracle's."""
     assert treefx.pack(LONG).num_tokens > 128 > treefx.pack(SHORT).num_tokens
     forests = (LONG, SHORT) if order == "long first" else (SHORT, LONG)
-    model = hf_model("qwen3", "sdpa")
+    # in eval mode: its no-grad graph (in training mode its no-grad calls would run the
+    # training graph, tests/test_no_grad_runs_training.py)
+    model = hf_model("qwen3", "sdpa").eval()
     queries = _query_lengths(monkeypatch)
     with recaptures_logged() as recaptures:
         tm = treefx.compile(model, backend=backend, regional=regional, verify=False)
