@@ -18,7 +18,8 @@ switch                             default    what it does
 ``TREEFX_VERIFY``                  1          the compiled model's first-call check when
                                               ``verify=`` is not given (strict: 0/1)
 ``TREEFX_SHARE_TWINS``             1          a reference model of the policy's architecture
-                                              shares its no-grad graph (0: its own)
+                                              runs the policy's graph without gradients
+                                              (0: its own)
 ``TREEFX_SHARE_NO_GRAD``           1          a training model's no-grad calls run its
                                               training graph (0: a no-grad graph of their own)
 ``TREEFX_TRUNK_ATTENTION``         auto       a site's leading chain on cuDNN's kernels (auto:
@@ -142,7 +143,7 @@ class Options:
                            "first-call check when verify= is not given")
     share_twins: bool = _switch("TREEFX_SHARE_TWINS", True,
                                 None,
-                                "a reference model shares its policy's no-grad graph")
+                                "a reference model runs its policy's graph without gradients")
     share_no_grad: bool = _switch("TREEFX_SHARE_NO_GRAD", True,
                                   None,
                                   "a training model's no-grad calls run its training graph")

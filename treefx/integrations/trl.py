@@ -381,7 +381,8 @@ class TreeGRPOTrainer(trl.GRPOTrainer):
 
         A model of the same architecture as one compiled before (the reference model beside
         the policy: same class, config, parameter names, shapes and dtypes) runs that one's
-        no-grad graph instead of capturing and compiling its own, where its first-call check
+        graph without gradients (the policy's training graph, which its old log-probs run too)
+        instead of capturing and compiling its own, where its first-call check
         (on by default) finds the graph exact for it (:func:`treefx.run.model.twin`)."""
         entry = self._tree_models.get(id(model))
         if entry is None or entry[0] is not model:
@@ -394,7 +395,7 @@ class TreeGRPOTrainer(trl.GRPOTrainer):
             entry = (model, tm or treefx.compile(model, **self.compile_options))
             self._tree_models[id(model)] = entry
             log.info("treefx.integrations.trl: compiled %s for trees%s", type(model).__name__,
-                     " (sharing a twin's no-grad graph)" if tm is not None else "")
+                     " (running a twin's graph without gradients)" if tm is not None else "")
         return entry[1]
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask,
