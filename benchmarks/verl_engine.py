@@ -188,7 +188,15 @@ def main(argv=None):
            "engines": {}}
     for name in args.engines.split(","):
         print(f"[{name}] ...", flush=True)
-        res["engines"][name] = run_engine(name, folder, td, args, cuda)
+        try:
+            res["engines"][name] = run_engine(name, folder, td, args, cuda)
+        except Exception as e:  # the other engines still run; the result says why this failed
+            if args.dry_run:
+                raise
+            import traceback
+            traceback.print_exc()
+            res["errors"] = {**res.get("errors", {}), name: f"{type(e).__name__}: {e}"[:2000]}
+            common.free_memory(None, cuda)
     dtype = "float32" if args.dry_run else "bfloat16"
     lens = td["responses"].offsets().diff().tolist() if td["responses"].is_nested else \
         td["response_mask"].sum(1).tolist()
