@@ -3,14 +3,14 @@ recurrence, values and gradients (BENCHMARKS.md, "Hybrids on fla's kernels"; ben
 for the cases and options).
 
     python -m benchmarks.fla_check                 # GPU with fla installed: op, model
-    python -m benchmarks.fla_check --cases state,exact,timing --dtypes bfloat16 --value-heads 32
+    python -m benchmarks.fla_check --cases state,exact --dtypes bfloat16 --value-heads 32
     python -m benchmarks.fla_check --dry-run       # CPU: op, model on the torch kernel (no fla)
     python -m benchmarks.fla_check --cases interpret-state   # CPU, Triton's interpreter
 
 Cases: ``op`` (the tree recurrence alone), ``model`` (HF Qwen3-Next and Qwen3.5, whole and in
 parts), ``exact`` (the one-pass path against fla depth by depth), ``state`` (the one-launch
-state pass; ``interpret-state`` under ``TRITON_INTERPRET=1``), ``timing``; each case's
-tolerance is in its code.
+state pass; ``interpret-state`` under ``TRITON_INTERPRET=1``); each case's tolerance is in its
+code.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import copy
 import inspect
 import json
 import os
-import statistics
 import time
 import traceback
 
@@ -469,77 +468,12 @@ def many_nodes(vocab: int, calls: int = 120, seed: int = 0) -> list[treefx.Tree]
                                         rng.integers(3, vocab, 5).tolist()])]
 
 
-def _state_variants() -> list[tuple[str, bool, dict]]:
-    """(label, one pass, environment) of the timed variants: fla depth by depth, the one-pass
-    path with its state pass per depth, in one launch, and with the chunk states kept."""
-    from treefx.families.fla_tree import KEEP_ENV
-    from treefx.families.fla_tree_state import ENV as STATE_ENV
-
-    return [("depth_by_depth", False, {}), ("one_pass_state_per_depth", True, {STATE_ENV: "0"}),
-            ("one_pass", True, {}), ("one_pass_keep_states", True, {KEEP_ENV: "1"})]
-
-
-def timing(dev, reps: int) -> dict:
-    from treefx.ops.recurrence.reference import run_tree, tree_nodes
-
-    res = {}
-    tree = common.make_tree(0.75, 1.0, 32000)
-    cases = {"tree": treefx.pack(tree).to(dev),
-             "packed": treefx.pack([treefx.Tree.from_sequences([s])
-                                    for s in tree.sequences]).to(dev)}
-    gen = torch.Generator(device=dev).manual_seed(0)
-    for name, batch in cases.items():
-        parent = batch.parent_token
-        n = batch.num_tokens
-        nodes = tree_nodes(parent)
-        xs = [torch.randn(1, n, 16, 128, device=dev, generator=gen, dtype=torch.bfloat16),
-              torch.randn(1, n, 16, 128, device=dev, generator=gen, dtype=torch.bfloat16),
-              torch.randn(1, n, 32, 128, device=dev, generator=gen, dtype=torch.bfloat16),
-              -torch.rand(1, n, 32, device=dev, generator=gen) * 0.5,
-              torch.rand(1, n, 32, device=dev, generator=gen, dtype=torch.bfloat16)]
-        grad = torch.randn(1, n, 32, 128, device=dev, generator=gen, dtype=torch.bfloat16)
-        variants = _state_variants()
-        for label, one_pass, env in variants if name == "tree" else variants[:1] + variants[2:3]:
-            for _, _, e in variants:
-                for key in e:
-                    os.environ.pop(key, None)
-            os.environ.update(env)
-            rec = _recurrence(one_pass)
-            leaves = [x.detach().requires_grad_() for x in xs]
-
-            def step():
-                q, k = leaves[0].repeat_interleave(2, -2), leaves[1].repeat_interleave(2, -2)
-                row, _, _ = run_tree(rec, parent, (q, k, leaves[2]),
-                                     dict(g=leaves[3], beta=leaves[4],
-                                          use_qk_l2norm_in_kernel=True), nodes=nodes)
-                o = row[0] if isinstance(row, tuple) else row
-                torch.autograd.backward(o, grad)
-
-            for _ in range(3):
-                step()
-            times = []
-            for _ in range(reps):
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                step()
-                torch.cuda.synchronize()
-                times.append((time.perf_counter() - t0) * 1e3)
-            res[f"{name}/{label}"] = {"ms": statistics.median(times), "tokens": n,
-                                      "nodes": len(nodes[0]),
-                                      "depths": max(nodes[3]) + 1}
-            print(f"  {name}/{label}: {res[f'{name}/{label}']}", flush=True)
-    for _, _, e in _state_variants():
-        for key in e:
-            os.environ.pop(key, None)
-    return res
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m benchmarks.fla_check",
                                 description=__doc__.split("\n\n")[0])
     common.add_run_args(p, "CPU: op and model on the torch kernel (fla needs a GPU)")
     p.add_argument("--cases", default="op,model",
-                   help="of op, model, exact, state, timing (GPU), interpret-state (alone)")
+                   help="of op, model, exact, state (GPU), interpret-state (alone)")
     p.add_argument("--budget", type=int, default=96, help="model: the parts' token budget")
     p.add_argument("--op-dtypes", default=None,
                    help="op: of float32,bfloat16 (default both on the GPU; fla autotunes each "
@@ -548,9 +482,7 @@ def main(argv=None):
                    help="model: its runs (bfloat16 only on the GPU)")
     p.add_argument("--op-layouts", default="qwen3_next,qwen3_5", help="op: its layouts")
     p.add_argument("--dtypes", default="float32,bfloat16", help="exact: its dtypes")
-    p.add_argument("--value-heads", type=int, default=4,
-                   help="exact: heads (32: Qwen3-Next's, whose kernels timing autotunes too)")
-    p.add_argument("--reps", type=int, default=10, help="timing: timed steps")
+    p.add_argument("--value-heads", type=int, default=4, help="exact: heads (32: Qwen3-Next's)")
     args = p.parse_args(argv)
     cases = args.cases.split(",")
     if cases == ["interpret-state"]:
@@ -561,8 +493,8 @@ def main(argv=None):
         return 0 if all(r["passed"] for r in runs) else 1
     cuda = common.use_cuda(args.dry_run)
     dev = "cuda" if cuda else "cpu"
-    if not cuda and {"exact", "state", "timing"} & set(cases):
-        raise SystemExit("exact, state and timing need a GPU with fla installed")
+    if not cuda and {"exact", "state"} & set(cases):
+        raise SystemExit("exact and state need a GPU with fla installed")
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     common.resolve_out(args, "fla_check", cuda)
     backend = "inductor" if cuda else "eager"
@@ -630,8 +562,6 @@ def main(argv=None):
                         ("state-many-nodes", dict(seed=2, heads=32, key_dim=128, value_dim=128,
                                                   row=big, repeats=20))]:
             record(key, lambda: state_pass_exact("cuda", **kw))
-    if "timing" in cases:
-        res["timing"] = timing("cuda", args.reps)
     res["failed"] = failed
     res["total_s"] = time.perf_counter() - t0
     common.save_json(res, args.out)

@@ -18,7 +18,6 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks import common
-from treefx.ops.logprobs import fast as lp_ops
 
 
 def run_paths(n: int, hidden: int, vocab: int, dev: str, dtype, reps: int) -> dict:
@@ -237,9 +236,6 @@ def _check_fused(n: int, vocab: int) -> dict:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--profile", type=int, default=0,
-                   help="also print the top kernels of the fused log-probabilities' forward "
-                        "and backward at this many tokens")
     p.add_argument("--paths", default="17187,35530",
                    help="comma-separated token counts: compare the output layer's paths there")
     p.add_argument("--check-from-logits", action="store_true",
@@ -260,44 +256,7 @@ def main(argv=None):
     paths = [int(x) for x in args.paths.split(",")] if cuda else [300]
     res["paths"] = [run_paths(n, hidden, vocab, dev, torch.bfloat16 if cuda else
                               torch.float32, args.reps) for n in paths]
-    if args.profile and cuda:
-        res["profile"] = profile_fused(args.profile, hidden, vocab)
     common.save_json(res, common.resolve_out(args, "logprobs", cuda))
-
-
-def profile_fused(n: int, hidden: int, vocab: int) -> dict:
-    """The top GPU kernels of the fused log-probabilities' forward and backward at ``n``
-    tokens (every token trained)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    h = torch.randn(n, hidden, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(vocab, hidden, device="cuda", dtype=torch.bfloat16) / hidden ** 0.5
-    ids = torch.randint(0, vocab, (n,), device="cuda")
-    parent = torch.arange(n, device="cuda") - 1
-    up = torch.randn(n, device="cuda")
-
-    def forward():
-        return torch.ops.treefx.linear_tree_logprobs(h, w, None, ids, parent)[1]
-
-    lse = forward()
-
-    def backward():
-        lp_ops._backward(up, h, w, None, ids, parent, lse, True, True, False)
-
-    out = {}
-    for name, fn in (("forward", forward), ("backward", backward)):
-        for _ in range(2):
-            fn()
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            fn()
-            torch.cuda.synchronize()
-        ev = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
-        out[name] = [(e.key[:80], e.count, round(e.self_device_time_total / 1e3, 2))
-                     for e in sorted(ev, key=lambda e: -e.self_device_time_total)[:15]]
-        for row in out[name]:
-            print("profile", name, n, row, flush=True)
-    return out
 
 
 if __name__ == "__main__":

@@ -88,18 +88,18 @@ STAGES = {
         cold("e2e_paths_off", f"{E2E} --warmup 2 --reps 5 --methods treefx", 200, env=FLEX),
         needs=("cudnn",)),
     "flex": stage(
-        "FlexAttention's sites (no frontend): the output layer's paths profiled, the step of "
-        "every path beside packing profiled", "speed_check.sh z37 ([e2e-13], [lp-9])",
-        Step("logprobs_paths_profile", "benchmarks.logprobs --paths 17187 --reps 10 "
-             "--profile 17187", 200),
+        "FlexAttention's sites (no frontend): the output layer's paths, the step of every path "
+        "beside packing profiled", "speed_check.sh z37 ([e2e-13], [lp-9]; logprobs' "
+        "--profile retired in issue 67)",
+        Step("logprobs_paths", "benchmarks.logprobs --paths 17187 --reps 10", 200),
         cold("e2e_steps", f"{E2E} --warmup 2 --reps 5 --profile "
              "--methods treefx,treefx_nologits,treefx_step,packed", 330)),
     "logprobs": stage(
-        "the log-prob kernels against float64, the output layer's paths profiled, the step of "
-        "the three loss paths", "speed_check.sh z38 ([lp-8], [e2e-14])",
+        "the log-prob kernels against float64, the output layer's paths, the step of the three "
+        "loss paths", "speed_check.sh z38 ([lp-8], [e2e-14]; logprobs' --profile retired in "
+        "issue 67)",
         Step("logprobs_check", "benchmarks.logprobs --check-from-logits", 120, out=False),
-        Step("logprobs_paths_profile", "benchmarks.logprobs --paths 17187 --reps 10 "
-             "--profile 17187", 200),
+        Step("logprobs_paths", "benchmarks.logprobs --paths 17187 --reps 10", 200),
         cold("e2e_steps", f"{E2E} --warmup 2 --reps 5 "
              "--methods treefx,treefx_nologits,treefx_step", 300)),
     "first-step": stage(
@@ -163,13 +163,13 @@ STAGES = {
         needs=("cudnn",)),
     "fla": stage(
         "hybrids on fla: fla_check then e2e Qwen3.5 (GPU 0), e2e Qwen3-Next (GPU 1), the tree "
-        "recurrence's state pass, exactness and timing (GPU 2)",
+        "recurrence's state pass and exactness (GPU 2)",
         "speed_check.sh b's GPUs 0-1 ([fla-1]) and z23 ([fla-34]; its Triton cache "
-        "from .cache/triton when carried)",
+        "from .cache/triton when carried; its timing case retired in issue 67)",
         Step("fla_check", "benchmarks.fla_check", 330),
         Step("e2e_qwen3_5", f"{NEXT} qwen3_5", 240),
         Step("e2e_qwen3_next", f"{NEXT} qwen3_next", 560, gpus="1"),
-        Step("fla_tree_check", "benchmarks.fla_check --cases state,exact,timing "
+        Step("fla_tree_check", "benchmarks.fla_check --cases state,exact "
              "--dtypes bfloat16 --value-heads 32", 560, gpus="2"),
         needs=("fla",), gpus=3),
     "grpo": stage(
