@@ -226,8 +226,7 @@ def run_trees(args, dev) -> dict:
     shares = treefx.distributed.assign(trees, world, cost=cost, order=args.order)
     num_sequences = sum(t.num_sequences for t in trees)
     capacity = max(args.budget, max(int(t.sequence_lengths.max()) for t in trees))
-    pack_shares = [call_chains(s) for s in shares] if args.packing_split == "trees" else \
-        treefx.distributed.assign(call_chains(trees), world, cost=cost)
+    pack_shares = treefx.distributed.assign(call_chains(trees), world, cost=cost)
     tree_tokens = [sum(t.num_tokens for t in s) for s in shares]
     seq_tokens = [sum(t.num_baseline_tokens for t in s) for s in shares]
     pack_tokens = [sum(t.num_tokens for t in s) for s in pack_shares]
@@ -440,7 +439,7 @@ def speed(ctx, model_type: str, config: dict, wrapper: str) -> dict:
     batch = treefx.distributed.pack(mine, reduction="mean")
     tree_tokens = gathered(batch.num_tokens)
     seq_tokens = gathered(sum(t.num_baseline_tokens for t in mine))
-    budget = ctx["budget"] or max(tree_tokens)
+    budget = max(tree_tokens)
     pack, info = packing_step(tm, held, opt, mine, budget, batch.num_sequences_normalizer,
                               batch.loss_scale, dev, fsdp)
     out = {"model": model_type, "config": config, "wrapper": wrapper,
@@ -450,12 +449,12 @@ def speed(ctx, model_type: str, config: dict, wrapper: str) -> dict:
            "trees_per_rank": gathered(len(mine)), "tree_tokens_per_rank": tree_tokens,
            "sequence_tokens_per_rank": seq_tokens,
            "por": round(1 - sum(tree_tokens) / sum(seq_tokens), 3),
-           "treefx_mode": f"parts of {budget}" if ctx["budget"] else "whole trees",
+           "treefx_mode": "whole trees",
            "packing_budget": budget,
            "micro_batches_per_rank": gathered(info["micro_batches"] + info[
                "padding_micro_batches"]),
            "padding_micro_batches_per_rank": gathered(info["padding_micro_batches"])}
-    for name, step in (("treefx", tree_step(tm, opt, batch, ctx["budget"], dev)),
+    for name, step in (("treefx", tree_step(tm, opt, batch, None, dev)),
                        ("packing", pack)):
         if name == "packing" and _late(ctx["time_limit"]):
             out["packing"] = "skipped: time limit"
@@ -492,9 +491,9 @@ def run_check(args, dev) -> int:
     layers = args.layers or 8
     tiny_hybrid = common.hybrid_config(32, 64, 2, 4, 2, 8, 2, 4, 8, 1024)
     ctx = {"dev": dev, "dry_run": dry, "backend": "inductor" if cuda else "eager",
-           "tokens": 300 if dry else args.tokens,
-           "lengths": common.scaled_lengths(0.03) if dry else {}, "por": args.por,
-           "budget": args.budget, "steps": 1 if dry else args.steps,
+           "tokens": 300 if dry else 16384,  # unique tree tokens per rank, POR 0.8
+           "lengths": common.scaled_lengths(0.03) if dry else {}, "por": 0.8,
+           "steps": 1 if dry else args.steps,
            "time_limit": args.time_limit,
            "shapes": {"exact_hybrid": tiny_hybrid if dry else
                       common.hybrid_config(256, 512, 4, 8, 2, 32, 4, 8, 32, 1024),
@@ -556,7 +555,7 @@ def main(argv=None):
     p.add_argument("--layers", type=int, default=None,
                    help="override the shape's depth (--check: the speed models', default 8)")
     p.add_argument("--budget", type=int, default=None,
-                   help="tokens per part / micro-batch (default 8192, dry run 64; --check: "
+                   help="tokens per part / micro-batch (default 8192, dry run 64; --check runs "
                         "trees whole, packing at the largest rank's tokens)")
     p.add_argument("--steps", type=int, default=None,
                    help="timed steps after the first (default 3; dry run 1)")
@@ -565,15 +564,9 @@ def main(argv=None):
     p.add_argument("--grad-sync", choices=("last", "every"), default="last",
                    help="packing: reduce-scatter gradients on the last micro-batch only (FSDP2 "
                         "then holds unsharded float32 gradients) or on every one")
-    p.add_argument("--packing-split", choices=("calls", "trees"), default="calls",
-                   help="packing's share of each rank: the calls balanced on their own, or the "
-                        "calls of the trees treefx gives the rank")
     p.add_argument("--time-limit", type=float, default=None,
                    help="seconds since the start after which no timed step (case) starts")
     p.add_argument("--cases", default=",".join(CASES), help=f"--check: of {', '.join(CASES)}")
-    p.add_argument("--tokens", type=int, default=16384,
-                   help="--check speed: unique tree tokens per rank")
-    p.add_argument("--por", type=float, default=0.8, help="--check speed: the trees' POR")
     args = p.parse_args(argv)
     args.methods = [m for m in args.methods.split(",") if m]
     if not args.methods or set(args.methods) - {"treefx", "packing"}:

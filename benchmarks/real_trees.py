@@ -3,9 +3,8 @@ micro-batches, document mask, gradients accumulated) on Qwen3-8B-shaped layers, 
 and data in one run (issue 34; BENCHMARKS.md, "Real agent trajectories"; benchmarks/README.md
 for the options).
 
-    python -m benchmarks.real_trees --trees swe.jsonl --sample 50 --seed 0 --slice 0:17 \
-        --time-limit 450 --out a.json          # then --slice 17:34 --out b.json, 34:50 ...
-    python -m benchmarks.real_trees --merge a.json b.json c.json --out all.json
+    python -m benchmarks.real_trees --trees swe.jsonl --sample 40 --seed 0 --slice 0:14 \
+        --budget 65536 --time-limit 240 --out a.json
     python -m benchmarks.real_trees --dry-run        # CPU: a tiny model, synthetic comb trees
 """
 
@@ -24,11 +23,6 @@ import torch
 import treefx
 from benchmarks import common
 from benchmarks.common import SHAPE_8B, TINY
-
-GRAD_PARAMS = ("model.embed_tokens.weight", "lm_head.weight",
-               "model.layers.0.self_attn.q_proj.weight", "model.layers.0.input_layernorm.weight",
-               "model.layers.{last}.mlp.down_proj.weight", "model.norm.weight")
-
 
 # ----------------------------------------------------------------------------- data
 
@@ -223,16 +217,6 @@ def timed(fn, model, cuda: bool, warmup: int, reps: int, pre_warm=None) -> dict:
             "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None}
 
 
-def _grads(model, names) -> dict:
-    return {n: p.grad.detach().cpu().float() for n, p in model.named_parameters()
-            if n in names and p.grad is not None}
-
-
-def _grad_rel(g: dict, ref: dict) -> dict:
-    return {n: float((g[n] - r).norm() / r.norm().clamp_min(1e-30))
-            for n, r in ref.items() if n in g}
-
-
 # ----------------------------------------------------------------------------- one task
 
 
@@ -244,9 +228,6 @@ def run_task(index: int, tree: treefx.Tree, tm, model, args, cuda: bool, dev: st
            "longest_call": int(lengths.max()), "bound": tree.bound,
            "trained_tokens": int(sum(int(tree.loss_mask(i)[1:].sum())
                                      for i in range(tree.num_sequences)))}
-    if args.max_call_tokens is not None and row["longest_call"] > args.max_call_tokens:
-        row["status"] = f"skipped: a call of {row['longest_call']} tokens > --max-call-tokens"
-        return row
     budget = args.budget
     t0 = time.perf_counter()
     batch = treefx.pack(tree, reduction="mean")
@@ -255,8 +236,7 @@ def run_task(index: int, tree: treefx.Tree, tm, model, args, cuda: bool, dev: st
     micro = packing_batches(tree, budget)
     pack_seq_ms = (time.perf_counter() - t0) * 1e3
     plan = treefx.parts.plan(batch, budget)
-    names = {n.format(last=args.layers - 1) for n in GRAD_PARAMS}
-    methods, grads = {}, {}
+    methods = {}
 
     def tree_step():
         return treefx.backward(tm, batch, max_tokens=budget)
@@ -278,10 +258,6 @@ def run_task(index: int, tree: treefx.Tree, tm, model, args, cuda: bool, dev: st
                           tokens=tree.num_baseline_tokens, host_pack_ms=pack_seq_ms)
             st["tokens_per_s"] = st["tokens"] / (st["step_ms"] / 1e3)
             st["sequence_tokens_per_s"] = tree.num_baseline_tokens / (st["step_ms"] / 1e3)
-            if args.check_grads:
-                t0 = time.perf_counter()
-                grads[name] = _grads(model, names)
-                st["grad_copy_s"] = time.perf_counter() - t0
             st["status"] = "ok"
             methods[name] = st
         except Exception as e:  # noqa: BLE001  (out of memory, however wrapped; else raised)
@@ -303,19 +279,13 @@ def run_task(index: int, tree: treefx.Tree, tm, model, args, cuda: bool, dev: st
         row["share_of_bound"] = row["speedup"] / row["bound"]
         row["loss_rel_diff"] = abs(t["loss"] - p["loss"]) / max(abs(p["loss"]), 1e-30)
         row["loss_agree"] = row["loss_rel_diff"] <= args.loss_tol
-        if args.check_grads:
-            rel = _grad_rel(grads["treefx"], grads["packing"])
-            row["grad_rel_diff"] = rel
-            row["grads_agree"] = bool(rel) and max(rel.values()) <= args.grad_tol
     return row
 
 
 def summary(rows: list[dict]) -> dict:
     both = [r for r in rows if "speedup" in r]
     out = {"tasks": len(rows), "both_measured": len(both),
-           "oom": [r["index"] for r in rows if str(r.get("status", "")).startswith("oom")],
-           "skipped": [r["index"] for r in rows
-                       if str(r.get("status", "")).startswith("skipped")]}
+           "oom": [r["index"] for r in rows if str(r.get("status", "")).startswith("oom")]}
     if not both:
         return out
     share = [r["share_of_bound"] for r in both]
@@ -338,40 +308,10 @@ def summary(rows: list[dict]) -> dict:
         # all tasks one after the other: sequence tokens (as trainers count them) per second
         overall_sequence_tokens_per_s={"treefx": seq / t_tree, "packing": seq / t_pack},
         overall_speedup=t_pack / t_tree)
-    if all("grads_agree" in r for r in both):
-        out["grads_agree"] = all(r["grads_agree"] for r in both)
-        out["max_grad_rel_diff"] = max(max(r["grad_rel_diff"].values()) for r in both)
     return out
 
 
 # ----------------------------------------------------------------------------- main
-
-
-def merge(paths: list[str], out: str) -> dict:
-    """Join the result files of shards of one selection: their tasks (each index once), each
-    run's meta and arguments, and the summary over all tasks."""
-    runs, rows, seen = [], [], {}
-    for path in paths:
-        with open(path) as f:
-            r = json.load(f)
-        runs.append({"file": path, "meta": r["meta"], "args": r["args"], "data": r["data"],
-                     "model": r["model"], "stopped": r.get("stopped")})
-        for row in r["tasks"]:
-            if row["index"] in seen:
-                raise ValueError(f"task {row['index']} is in both {seen[row['index']]} and "
-                                 f"{path}")
-            seen[row["index"]] = path
-            rows.append(row)
-    models = {json.dumps(run["model"], sort_keys=True) for run in runs}
-    sources = {(run["data"].get("source"), run["data"].get("sha256")) for run in runs}
-    if len(models) > 1 or len(sources) > 1:
-        raise ValueError("--merge: the files ran different models or data; not one experiment")
-    rows.sort(key=lambda row: row["index"])
-    res = {"merged": runs, "tasks": rows, "summary": summary(rows)}
-    common.save_json(res, out)
-    print(_summary_lines(res["summary"]), flush=True)
-    print(f"saved {out}", flush=True)
-    return res
 
 
 def main(argv=None):
@@ -385,35 +325,19 @@ def main(argv=None):
                    help="N trees drawn at random (--seed) from the file, in file order")
     p.add_argument("--slice", default=None,
                    help="A:B: run only the selected tasks A..B-1 (one shard of a longer "
-                        "selection; --merge joins the shards' files)")
+                        "selection)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--budget", type=int, default=None,
                    help="tokens per part / micro-batch (default 16384; dry run 96)")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--methods", default="treefx,packing")
-    p.add_argument("--regional", choices=("default", "on", "off"), default="default",
-                   help="treefx.compile's regional= for the shared model (default: None)")
-    p.add_argument("--verify", action="store_true",
-                   help="treefx.compile(verify=True): the part graph's first-call check (the "
-                        "report in the JSON's 'verification')")
     p.add_argument("--warmup", type=int, default=1, help="treefx's full warm-up steps per task")
     p.add_argument("--reps", type=int, default=3, help="treefx's timed steps per task")
-    p.add_argument("--check-grads", action="store_true",
-                   help="compare a few parameters' gradients between the methods")
-    p.add_argument("--max-call-tokens", type=int, default=None,
-                   help="skip tasks with a longer call (recorded as skipped)")
     p.add_argument("--time-limit", type=float, default=None,
                    help="seconds: stop before a task that would not finish by then")
-    p.add_argument("--merge", nargs="+", default=None, metavar="JSON",
-                   help="join the result files of shards (needs --out) and summarize; runs "
-                        "nothing")
     common.add_run_args(p, "CPU, a tiny float32 model, the eager backend, small synthetic "
                            "combs unless --trees")
     args = p.parse_args(argv)
-    if args.merge:
-        if not args.out:
-            p.error("--merge needs --out")
-        return merge(args.merge, args.out)
     if args.reps < 1:
         p.error("--reps must be at least 1")
     args.methods = [m for m in args.methods.split(",") if m]
@@ -425,7 +349,7 @@ def main(argv=None):
     backend = "inductor" if cuda else "eager"
     if args.budget is None:
         args.budget = 16384 if cuda else 96
-    args.loss_tol, args.grad_tol = (1e-2, 5e-2) if cuda else (1e-5, 1e-4)
+    args.loss_tol = 1e-2 if cuda else 1e-5
     common.bump_dynamo_limits()
     shape, dtype = (dict(SHAPE_8B), torch.bfloat16) if cuda else (dict(TINY), torch.float32)
     out = common.resolve_out(args, "real_trees", cuda)
@@ -442,9 +366,7 @@ def main(argv=None):
           f"{args.layers} layers, {dtype}, {backend}", flush=True)
     model = common.hf_model("qwen3", dev=dev, dtype=dtype, on_device=cuda,
                             num_hidden_layers=args.layers, **shape)
-    regional = {"default": None, "on": True, "off": False}[args.regional]
-    tm = treefx.compile(model, backend=backend, logits=False, verify=args.verify,
-                        regional=regional)
+    tm = treefx.compile(model, backend=backend, logits=False, verify=False)
     res["setup_s"] = time.perf_counter() - start
     ran = []  # (wall seconds, sequence tokens) of the tasks run
     for k, (index, tree) in enumerate(tasks):
@@ -465,16 +387,8 @@ def main(argv=None):
         t0 = time.perf_counter()
         row = run_task(index, tree, tm, model, args, cuda, dev)
         row["wall_s"] = time.perf_counter() - t0
-        if "methods" in row:
-            ran.append((row["wall_s"], row["sequence_tokens"]))
+        ran.append((row["wall_s"], row["sequence_tokens"]))
         res["tasks"].append(row)
-        if args.verify and "verification" not in res:
-            from treefx.run.parts import runners
-
-            found = [str(r.verification) for r in runners(tm) if r.verification is not None]
-            if found:
-                res["verification"] = found
-                print("first-call check of the part graph:", *found, sep="\n  ", flush=True)
         res["summary"] = summary(res["tasks"])
         res["elapsed_s"] = time.perf_counter() - start
         common.save_json(res, out)
@@ -489,11 +403,9 @@ def main(argv=None):
 def _line(r: dict) -> str:
     """One task's progress line: each method's step, and the speed-up against packing."""
     head = f"task {r['index']} {r.get('task') or ''}: {r['calls']} calls, bound {r['bound']:.2f}x"
-    if "methods" not in r:
-        return f"{head}  {r['status']}"
     steps = ", ".join(f"{k} {v['step_ms']:.1f} ms" if v["status"] == "ok" else f"{k} OOM"
                       for k, v in r["methods"].items())
-    keys = ("speedup", "share_of_bound", "loss_rel_diff", "grad_rel_diff")
+    keys = ("speedup", "share_of_bound", "loss_rel_diff")
     return f"{head}; {steps}; " + ", ".join(f"{k} {r[k]}" for k in keys if k in r)
 
 

@@ -31,8 +31,7 @@ def _run(module: str, *args: str, out) -> dict:
 @pytest.mark.slow  # 50 s; the other benchmarks' dry runs stay in CI
 @pytest.mark.filterwarnings("ignore")
 def test_e2e_dry_run_checks(tmp_path):
-    res = _run("e2e", "--por", "0.75", "--methods",
-               "treefx,treefx_nologits,treefx_regional,packed",
+    res = _run("e2e", "--por", "0.75", "--methods", "treefx,treefx_nologits,packed",
                out=tmp_path / "e2e.json")
     checks = res["dry_run_checks"]["por0.75"]
     for method in ("treefx", "packed"):
@@ -41,7 +40,7 @@ def test_e2e_dry_run_checks(tmp_path):
     flex = checks["flex_forward"]
     assert max(v for k, v in flex.items() if k.endswith("_max_abs")) < 1e-5
     run = res["runs"]["hidden64"]["por0.75"]
-    for method in ("treefx", "treefx_nologits", "treefx_regional", "packed"):
+    for method in ("treefx", "treefx_nologits", "packed"):
         assert "step_ms" in run[method], (method, run[method].get("error", "")[-1500:])
         # every treefx variant's loss is the tree's (the packed one's, to rounding)
         assert abs(run[method]["loss"] - run["packed"]["loss"]) < 1e-5 * abs(
@@ -265,9 +264,9 @@ def test_real_trees_refuses_ids_beyond_the_vocabulary(tmp_path):
 
 
 def test_real_trees_dry_run(tmp_path, monkeypatch):
-    """The experiment on the CPU: two comb trees from a file, both methods, the losses and a
-    few gradients equal (float32), every figure in the result file; a third task whose packing
-    runs out of memory is recorded as such and the run goes on."""
+    """The experiment on the CPU: two comb trees from a file, both methods, the losses equal
+    (float32), every figure in the result file; a third task whose packing runs out of memory
+    is recorded as such and the run goes on."""
     import torch
 
     rt = _real_trees()
@@ -287,7 +286,7 @@ def test_real_trees_dry_run(tmp_path, monkeypatch):
     monkeypatch.setattr(rt, "timed", oom_on_last)
     out = tmp_path / "res.json"
     rt.main(["--dry-run", "--trees", str(tmp_path / "t.jsonl"), "--layers", "1", "--budget",
-             "96", "--reps", "1", "--check-grads", "--out", str(out)])
+             "96", "--reps", "1", "--out", str(out)])
     with open(out) as f:
         res = json.load(f)
     assert res["meta"]["cuda"] is False and res["data"]["trees_in_file"] == 3
@@ -310,37 +309,23 @@ def test_real_trees_dry_run(tmp_path, monkeypatch):
         assert r["speedup"] == pytest.approx(p["step_ms"] / t["step_ms"])
         assert r["share_of_bound"] == pytest.approx(r["speedup"] / tree.bound)
         assert r["loss_rel_diff"] < 1e-5 and r["loss_agree"] is True
-        assert len(r["grad_rel_diff"]) == 6 and max(r["grad_rel_diff"].values()) < 1e-4
-        assert r["grads_agree"] is True
     assert rows[2]["status"] == "oom: packing"
     assert "simulated" not in rows[2]["methods"]["packing"]["error"]  # the outer error's
     assert not rt.common.is_oom(ValueError("a bug")) and rt.common.is_oom(torch.OutOfMemoryError("x"))
     assert rows[2]["methods"]["packing"]["status"] == "oom"
     assert rows[2]["methods"]["treefx"]["status"] == "ok" and "speedup" not in rows[2]
     s = res["summary"]
-    assert s["both_measured"] == 2 and s["oom"] == [2] and s["skipped"] == []
-    assert s["losses_agree"] is True and s["grads_agree"] is True
+    assert s["both_measured"] == 2 and s["oom"] == [2]
+    assert s["losses_agree"] is True
     for key in ("median_share_of_bound", "worst_share_of_bound", "median_speedup",
                 "lowest_speedup", "any_slower_than_packing", "slower_than_packing"):
         assert key in s, key
     assert s["worst_share_of_bound"] == min(r["share_of_bound"] for r in rows[:2])
 
-    # the shards' files joined: tasks once each, the summary over all
-    a, b = tmp_path / "a.json", tmp_path / "b.json"
-    for path, part in ((a, rows[:1]), (b, rows[1:])):
-        with open(path, "w") as f:
-            json.dump(dict(res, tasks=part), f)
-    merged = rt.main(["--merge", str(a), str(b), "--out", str(tmp_path / "m.json")])
-    assert [r["index"] for r in merged["tasks"]] == [0, 1, 2]
-    assert merged["summary"] == s
-    with pytest.raises(ValueError, match="task 0 is in both"):
-        rt.main(["--merge", str(a), str(a), "--out", str(tmp_path / "m2.json")])
 
-
-def test_real_trees_time_limit_and_skips(tmp_path, monkeypatch):
+def test_real_trees_time_limit(tmp_path, monkeypatch):
     """``--time-limit`` stops before a task that would not fit (0.3 s a task on a fake clock
-    against a limit of 0.1 s), the file keeping the tasks done; ``--max-call-tokens`` records
-    a longer task as skipped."""
+    against a limit of 0.1 s), the file keeping the tasks done; ``--slice`` resumes."""
     rt = _real_trees()
     trees = _comb_file(tmp_path / "t.jsonl", n=4)
     longest = [int(t.sequence_lengths.max()) for t in trees]
@@ -352,24 +337,14 @@ def test_real_trees_time_limit_and_skips(tmp_path, monkeypatch):
 
     def fake_task(index, tree, tm, model, args, cuda, dev):
         calls.append(index)
-        if args.max_call_tokens is not None and longest[index] > args.max_call_tokens:
-            return real_task(index, tree, tm, model, args, cuda, dev)
         clock[0] += 0.3
         return {"index": index, "task": None, "calls": tree.num_sequences,
                 "unique_tokens": tree.num_tokens, "sequence_tokens": tree.num_baseline_tokens,
                 "longest_call": longest[index], "bound": tree.bound, "status": "ok",
                 "methods": {}}
 
-    real_task = rt.run_task
     monkeypatch.setattr(rt, "run_task", fake_task)
     out = tmp_path / "res.json"
-    cut = sorted(longest)[1]  # skips the two longest
-    res = rt.main(["--dry-run", "--trees", str(tmp_path / "t.jsonl"), "--layers", "1",
-                   "--max-call-tokens", str(cut), "--out", str(out)])
-    skipped = [i for i, n in enumerate(longest) if n > cut]
-    assert sorted(res["summary"]["skipped"]) == skipped and len(skipped) == 2
-    assert all(res["tasks"][i]["status"].startswith("skipped") for i in skipped)
-    calls.clear()
     res = rt.main(["--dry-run", "--trees", str(tmp_path / "t.jsonl"), "--layers", "1",
                    "--time-limit", "0.1", "--out", str(out)])
     assert calls == [0]  # the first task always runs; the next would not fit

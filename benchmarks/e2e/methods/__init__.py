@@ -8,6 +8,7 @@ from __future__ import annotations
 from . import packed, packed_reset, tree, tree_step
 
 # hand and one_by_one were retired in issue 67: git show cdfeaf0:benchmarks/e2e/methods/NAME.py
+# treefx_regional and treefx_keep_states too: git show fae64e5:benchmarks/e2e/methods/tree.py
 METHODS = ("treefx", "packed")
 # opt-in with --methods (the treefx_* variants: methods/tree.py)
 EXTRA_METHODS = ("treefx_step", "packed_reset", *tree.VARIANTS)
