@@ -89,22 +89,27 @@ class PartPlan:
         activations, then again with them at their backward)."""
         return sum(p.num_tokens for p in self.parts if p.recompute)
 
-    def peak_held_tokens(self) -> int:
-        """The most tokens whose activations are held at once when the parts run in order and
-        each part's backward runs as soon as nothing after it reads it (what
-        :func:`treefx.backward` does): the current part's and those of the parts held
-        for their backward, but not of recompute or host parts other than the current one
-        (they hold no activations on the device between their forward and their backward).
-        At most ``max_tokens`` (unless planned with ``beyond="device"``). A recompute part's
+    def held_on_device(self) -> list[tuple[int, int]]:
+        """After each part's forward, in :func:`schedule`'s order: (tokens, parts) held on the
+        device for their backward. The current part counts, and so do the parts held for
+        their backward, but not recompute or host parts other than the current one (they hold
+        nothing on the device between their forward and their backward). A recompute part's
         backward, which builds its activations again, or a host part's, which copies them
         back, holds no more than its forward did (the parts held then were all held then
         too)."""
-        peak = 0
+        out = []
         for j, held in schedule(self):
-            peak = max(peak, sum(self.parts[i].num_tokens for i in held
-                                 if i == j or not (self.parts[i].recompute
-                                                   or self.parts[i].host)))
-        return peak
+            on = [i for i in held if i == j or not (self.parts[i].recompute
+                                                     or self.parts[i].host)]
+            out.append((sum(self.parts[i].num_tokens for i in on), len(on)))
+        return out
+
+    def peak_held_tokens(self) -> int:
+        """The most tokens whose activations are held at once when the parts run in order and
+        each part's backward runs as soon as nothing after it reads it (what
+        :func:`treefx.backward` does; :meth:`held_on_device`). At most ``max_tokens`` (unless
+        planned with ``beyond="device"``)."""
+        return max((tokens for tokens, _ in self.held_on_device()), default=0)
 
     def peak_context_tokens(self) -> int:
         """The longest *open path*: the most context tokens a part reads, the keys and values

@@ -102,7 +102,7 @@ def backward(tm: TreeModel, trees: Tree | Iterable[Tree] | TreeBatch | None, *,
     if front.runner.verify:
         _check_first_call(tm, front, trees)
     batch = _batch(trees, front.kind, reduction, num_sequences, loss_scale)
-    max_tokens = _token_budget(max_tokens, max_memory, memory, front.target, batch, beyond, mode)
+    max_tokens = _token_budget(max_tokens, max_memory, memory, front, batch, beyond, mode)
     run = Run(front.runner, batch, max_tokens, front.target, step=front.step, loss_fn=loss_fn,
               collective=front.kind == "fsdp", lockstep=mode == "rounds", beyond=beyond)
     _run_parts(run, front, mode)
@@ -237,9 +237,12 @@ def _run_parts(run: Run, front: _Front, mode: str | None) -> None:
         run.finish()
 
 
-def _token_budget(max_tokens, max_memory, memory, target, batch, beyond, mode) -> int:
+def _token_budget(max_tokens, max_memory, memory, front, batch, beyond, mode) -> int:
     """``max_tokens``, or the token budget of ``max_memory`` (the smaller where both; under
-    ``fsdp="gather_once"`` the unsharded parameters and gradients count as fixed bytes)."""
+    ``fsdp="gather_once"`` the unsharded parameters and gradients count as fixed bytes; the
+    default memory model counts each held part's output-weight gradient where the part graph
+    makes its own loss)."""
+    target = front.target
     if beyond not in ("host", "recompute", "device"):
         raise ValueError(f"treefx.backward: beyond must be 'host', 'recompute' or 'device', "
                          f"got {beyond!r}")
@@ -253,7 +256,7 @@ def _token_budget(max_tokens, max_memory, memory, target, batch, beyond, mode) -
     from . import memory as mem
 
     if memory is None:
-        memory = mem.for_model(target)
+        memory = mem.for_model(target, own_loss=front.runner.own_loss)
     elif not isinstance(memory, mem.MemoryModel):
         raise TypeError(f"treefx.backward: memory= takes a treefx.run.parts.memory."
                         f"MemoryModel, got {type(memory).__name__}")

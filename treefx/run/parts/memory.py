@@ -8,8 +8,12 @@ picks the budget with the fewest parts below that. The estimate of a step cut at
 ``max_tokens = T``, whose parts read an open path of at most ``C`` tokens
 (:meth:`treefx.parts.PartPlan.peak_context_tokens`)::
 
-    peak(T, C) = fixed + T · per_token + C · context_per_token + loss(T)
+    peak(T, C) = fixed + T · per_token + per_part + C · context_per_token + loss(T)
     loss(T) = min(T, chunk_rows) · logit_row + head_grad
+
+and a plan's (:meth:`MemoryModel.plan_peak`) counts, after each part's forward, the tokens
+and the parts held on the device (:meth:`treefx.parts.PartPlan.held_on_device`):
+``max(tokens · per_token + parts · per_part)`` in place of ``T · per_token + per_part``.
 
 - ``per_token``: activation bytes a token holds for its backward. Per layer (``s`` the
   dtype's size, ``h`` hidden, ``i`` intermediate, ``q = heads · head_dim``,
@@ -29,6 +33,13 @@ picks the budget with the fewest parts below that. The estimate of a step cut at
   part keeps only the rows later parts read (``PartPlan.exported_rows``), so for a plan
   (:meth:`MemoryModel.plan_peak`) ``C`` is the longest open path or, where more, the most
   such rows held at once.
+- ``per_part``: what every part held on the device keeps for its backward whatever its size:
+  where the part graph makes its own loss (:func:`treefx.backward` without ``loss_fn``), the
+  output weight's gradient, which the fused loss makes in the forward and saves for the
+  backward (``vocab · hidden · s``). Held parts each keep one: what the estimate lacked
+  against the measured peaks of steps in parts (BENCHMARKS.md, issue 66's table), seen part
+  by part on the CPU with :class:`treefx.tools.live_bytes.LiveBytes`. 0 with a ``loss_fn``
+  (``own_loss=False``): the log-probabilities' op saves no such buffer.
 - ``loss``: the fused loss's chunk of logits (:mod:`treefx.ops.cross_entropy.fast`: two
   [rows, vocab] tensors in the weights' dtype, ``rows = min(T, 4 · CHUNK_ELEMENTS // vocab)``,
   so ``logit_row = 2 · vocab · s`` bytes a row) and the output weight's float32 gradient
@@ -98,7 +109,8 @@ class MemoryModel:
     ``context_per_token``: bytes per open-path token (keys, values, their gradients, a copy).
     ``logit_row``, ``chunk_rows``: the loss's bytes per row of its chunk of logits, and the
     most rows a chunk has. ``head_grad``: the output weight's float32 gradient buffer.
-    ``fixed``: weights, gradients, optimizer state."""
+    ``fixed``: weights, gradients, optimizer state. ``per_part``: bytes each part held on the
+    device keeps whatever its size (the output weight's gradient its own loss saves)."""
 
     per_token: int
     context_per_token: int
@@ -106,43 +118,53 @@ class MemoryModel:
     chunk_rows: int = 0
     head_grad: int = 0
     fixed: int = 0
+    per_part: int = 0
 
     def loss(self, max_tokens: int) -> int:
         """The loss's bytes for parts of ``max_tokens`` tokens."""
         return min(max_tokens, self.chunk_rows) * self.logit_row + self.head_grad
 
-    def peak(self, max_tokens: int, context_tokens: int = 0) -> int:
-        """The estimated peak of a step holding ``max_tokens`` tokens' activations and an
-        open path of ``context_tokens``."""
-        return (self.fixed + max_tokens * self.per_token
+    def peak(self, max_tokens: int, context_tokens: int = 0, parts: int = 1) -> int:
+        """The estimated peak of a step holding ``max_tokens`` tokens' activations in
+        ``parts`` parts and an open path of ``context_tokens``."""
+        return (self.fixed + max_tokens * self.per_token + parts * self.per_part
                 + context_tokens * self.context_per_token + self.loss(max_tokens))
 
     def plan_peak(self, plan) -> int:
-        """The estimated peak of a :class:`treefx.parts.PartPlan`: its most held tokens, and
-        its longest open path or, where more, the most rows held parts keep for later parts
-        at once (:meth:`~treefx.parts.PartPlan.peak_exported_tokens`: those of several
-        branches' paths while their parts wait)."""
-        return self.peak(plan.peak_held_tokens(),
-                         max(plan.peak_context_tokens(), plan.peak_exported_tokens()))
+        """The estimated peak of a :class:`treefx.parts.PartPlan`: what the parts held on the
+        device at once hold (:meth:`~treefx.parts.PartPlan.held_on_device`: tokens and
+        parts, at the moment they weigh most), and its longest open path or, where more, the
+        most rows held parts keep for later parts at once
+        (:meth:`~treefx.parts.PartPlan.peak_exported_tokens`: those of several branches'
+        paths while their parts wait)."""
+        held = max((t * self.per_token + p * self.per_part for t, p in plan.held_on_device()),
+                   default=0)
+        ctx = max(plan.peak_context_tokens(), plan.peak_exported_tokens())
+        return (self.fixed + held + ctx * self.context_per_token
+                + self.loss(plan.peak_held_tokens()))
 
-    def calibrate(self, measured_peak, max_tokens: int, context_tokens: int = 0) -> int:
+    def calibrate(self, measured_peak, max_tokens: int, context_tokens: int = 0,
+                  parts: int = 1) -> int:
         """The per-token bytes that predict ``measured_peak`` (bytes or ``"41.2GiB"``, e.g.
         ``torch.cuda.max_memory_allocated()`` over one step) of a step that held
-        ``max_tokens`` tokens (``plan.peak_held_tokens()``) with an open path of
-        ``context_tokens`` (``plan.peak_context_tokens()``), the other terms as they are."""
+        ``max_tokens`` tokens (``plan.peak_held_tokens()``) in ``parts`` parts with an open
+        path of ``context_tokens`` (``plan.peak_context_tokens()``), the other terms as they
+        are."""
         rest = measured_peak if isinstance(measured_peak, numbers.Integral) \
             else parse_size(measured_peak)
-        rest -= self.fixed + context_tokens * self.context_per_token + self.loss(max_tokens)
+        rest -= (self.fixed + parts * self.per_part + context_tokens * self.context_per_token
+                 + self.loss(max_tokens))
         if max_tokens < 1 or rest <= 0:
             raise ValueError(f"a measured peak of {measured_peak} leaves nothing for "
                              f"{max_tokens} tokens' activations over the fixed, open-path and "
                              "loss terms")
         return math.ceil(rest / max_tokens)
 
-    def calibrated(self, measured_peak, max_tokens: int, context_tokens: int = 0):
+    def calibrated(self, measured_peak, max_tokens: int, context_tokens: int = 0,
+                   parts: int = 1):
         """This model with :meth:`calibrate`'s per-token bytes."""
         return dataclasses.replace(
-            self, per_token=self.calibrate(measured_peak, max_tokens, context_tokens))
+            self, per_token=self.calibrate(measured_peak, max_tokens, context_tokens, parts))
 
 
 def _get(config, *names, default=None):
@@ -170,7 +192,7 @@ def _shape(config) -> tuple[int, int, int, int, int, int, int]:
 
 
 def from_config(config, *, dtype=None, checkpointing: bool = False,
-                fixed_bytes: int = 0) -> MemoryModel:
+                fixed_bytes: int = 0, own_loss: bool = True) -> MemoryModel:
     """A :class:`MemoryModel` from a Hugging Face config (an object or a dict:
     ``hidden_size``, ``intermediate_size``, ``num_hidden_layers``, ``num_attention_heads``,
     ``num_key_value_heads``, ``head_dim``, ``vocab_size``, ``dtype``/``torch_dtype``; where
@@ -178,7 +200,9 @@ def from_config(config, *, dtype=None, checkpointing: bool = False,
     or the same keys as short names (``hidden``, ``intermediate``, ``layers``, ``heads``,
     ``kv_heads``, ``vocab``). ``dtype``: the activations' (default the config's, else
     bfloat16). ``checkpointing``: every layer activation-checkpointed. ``fixed_bytes``:
-    weights, gradients, optimizer state."""
+    weights, gradients, optimizer state. ``own_loss``: the part graphs make their own loss
+    (:func:`treefx.backward` without ``loss_fn``), each held part keeping the output weight's
+    gradient (``per_part``)."""
     h, i, layers, heads, kv_heads, head_dim, vocab = _shape(config)
     if dtype is None:
         dtype = _get(config, "dtype", "torch_dtype", default="bfloat16")
@@ -195,7 +219,8 @@ def from_config(config, *, dtype=None, checkpointing: bool = False,
     return MemoryModel(per_token=per_token,
                        context_per_token=3 * attention_layers * 2 * kv * s,
                        logit_row=2 * vocab * s, chunk_rows=max(1, 4 * CHUNK_ELEMENTS // vocab),
-                       head_grad=vocab * h * 4, fixed=int(fixed_bytes))
+                       head_grad=vocab * h * 4, fixed=int(fixed_bytes),
+                       per_part=vocab * h * s if own_loss else 0)
 
 
 def parameter_count(config) -> int:
@@ -225,14 +250,15 @@ def parse_shape(text: str) -> dict:
 
 
 def for_model(model: torch.nn.Module, *, checkpointing: bool | None = None,
-              fixed_bytes=None, dtype=None) -> MemoryModel:
+              fixed_bytes=None, dtype=None, own_loss: bool = True) -> MemoryModel:
     """A :class:`MemoryModel` of a Hugging Face causal LM (its ``config``; the compiled
     model's ``.model``). ``checkpointing``: default the model's
     ``is_activation_checkpointing`` (``is_gradient_checkpointing`` before transformers
     5.17). ``fixed_bytes`` (bytes or ``"20GiB"``): default, on a GPU,
     ``torch.cuda.memory_allocated()`` of the model's device now, plus the bytes of the gradients
     of trainable parameters that have none yet (the step allocates them); on the CPU, its
-    parameters' bytes twice (weights and gradients). ``dtype``: default its parameters'."""
+    parameters' bytes twice (weights and gradients). ``dtype``: default its parameters'.
+    ``own_loss``: as :func:`from_config`'s."""
     config = getattr(model, "config", None)
     if config is None:
         raise ValueError(f"max_memory= needs a model with a Hugging Face config (hidden size, "
@@ -258,7 +284,7 @@ def for_model(model: torch.nn.Module, *, checkpointing: bool | None = None,
     elif not isinstance(fixed_bytes, numbers.Integral):
         fixed_bytes = parse_size(fixed_bytes)
     return from_config(config, dtype=dtype, checkpointing=checkpointing,
-                       fixed_bytes=fixed_bytes)
+                       fixed_bytes=fixed_bytes, own_loss=own_loss)
 
 
 def longest_path(batch) -> int:
@@ -272,9 +298,10 @@ def longest_path(batch) -> int:
 def tokens_for(memory: MemoryModel, max_memory, batch=None) -> int:
     """The token budget (``max_tokens``) for ``max_memory`` bytes (or ``"40GiB"``): the whole
     batch when it fits in one part (``peak(N, 0)``); else the largest ``T`` with
-    ``peak(T, longest_path(batch))`` within the budget, so that any plan at ``T`` (whose open
-    path is no longer than that, and which holds at most ``T`` tokens' activations with
-    recompute or host parts) is estimated within it. Non-decreasing in ``max_memory``.
+    ``peak(T, longest_path(batch))`` within the budget: a bound for the plans at ``T`` (whose
+    open path is no longer than that, and which hold at most ``T`` tokens' activations with
+    recompute or host parts); :func:`plan_tokens` then passes over a plan whose held parts
+    (``per_part`` each) take it over the budget. Non-decreasing in ``max_memory``.
     Raises ValueError where not even one token fits."""
     budget = parse_size(max_memory)
     n = 0 if batch is None else batch.num_tokens
