@@ -5,6 +5,7 @@
     python -m benchmarks.parts_budget --trees .data/swe_issue66.jsonl --tasks 1 --layers 36 \
         --checkpointing
     python -m benchmarks.parts_budget --dry-run     # CPU: a tiny model, a synthetic comb
+    python -m benchmarks.parts_budget --trees .data/swe_issue66.jsonl --reestimate RESULT.json
 
 Model and data as :mod:`benchmarks.real_trees` has them. Per task, each step from no gradients:
 ``whole`` (one forward and backward), ``half`` / ``quarter`` (``treefx.backward(max_tokens=)``
@@ -12,6 +13,8 @@ of N / 2, N / 4) and ``memory`` (``max_memory=`` the weights and gradients plus
 ``--memory-fraction`` of the rest of the whole step's peak, or ``--max-memory``); per row the
 first call, the median step (:func:`benchmarks.real_trees.timed`), the peak, the plan and the
 memory model's estimate; ``--packing``: the share of the token-count bound.
+``--reestimate``: no step run, a recorded result's rows (its trees, layers, checkpointing and
+budgets) estimated again by today's memory model, beside the peaks measured then.
 """
 
 from __future__ import annotations
@@ -193,6 +196,38 @@ def _line(rec: dict) -> str:
             f"({rec['graphs']} graphs, {rec.get('part_captures', 0)} part captures){plan}")
 
 
+def reestimate(path: str, tasks) -> list[dict]:
+    """Each parts row of the result at ``path``: its plan again (the budget it ran), today's
+    estimate against the peak it measured (the estimate then plus what today's model adds to
+    the plan's peak; the fixed bytes are the run's, which the result does not keep alone)."""
+    import dataclasses
+    import json
+
+    with open(path) as f:
+        res = json.load(f)
+    a = res["args"]
+    cfg = dict(SHAPE_8B, num_hidden_layers=a["layers"])
+    new = mem.from_config(cfg, dtype="bfloat16", checkpointing=a["checkpointing"])
+    old = dataclasses.replace(new, per_part=0)  # the model the runs of 2026-12-05 had
+    rows = []
+    for row, (_, tree) in zip(res["tasks"], tasks):
+        batch = treefx.pack([tree])
+        for name, r in row["budgets"].items():
+            if "max_tokens" not in r or not r.get("peak_gib"):
+                continue
+            plan = treefx.parts.plan(batch, r["max_tokens"])
+            est = r["estimate_gib"] + (new.plan_peak(plan) - old.plan_peak(plan)) / 2 ** 30
+            rows.append({"task": row["task"], "row": name, "parts": plan.num_parts,
+                         "parts_then": r["parts"], "peak_gib": r["peak_gib"],
+                         "estimate_then_gib": r["estimate_gib"], "estimate_gib": est,
+                         "held_parts": max(p for _, p in plan.held_on_device())})
+            print(f"{row['task']}: {name}: {plan.num_parts} parts ({r['parts']} then), at most "
+                  f"{rows[-1]['held_parts']} held; peak {r['peak_gib']:.1f} GiB, estimated "
+                  f"{r['estimate_gib']:.1f} then ({r['estimate_gib'] / r['peak_gib']:.2f}), "
+                  f"{est:.1f} now ({est / r['peak_gib']:.2f})", flush=True)
+    return rows
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--trees", default=None, help="JSON Lines of trees (treefx.write_jsonl)")
@@ -215,6 +250,8 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--packing", action="store_true")
     p.add_argument("--packing-budget", type=int, default=65536)
+    p.add_argument("--reestimate", default=None, metavar="RESULT.json",
+                   help="no step run: a recorded result's rows estimated again (CPU)")
     common.add_run_args(p, "CPU, a tiny float32 model, the eager backend, a synthetic comb")
     args = p.parse_args(argv)
     args.configs = [c for c in args.configs.split(",") if c]
@@ -233,6 +270,11 @@ def main(argv=None):
         select.tasks = 1
     tasks, prov = load_tasks(select, SHAPE_8B["vocab_size"] if args.trees else
                              shape["vocab_size"])
+    if args.reestimate:
+        rows = reestimate(args.reestimate, tasks)
+        common.save_json({"meta": common.run_meta(False), "args": vars(args), "rows": rows},
+                         args.out)
+        return rows
     if args.trees and not cuda:
         shape["vocab_size"] = SHAPE_8B["vocab_size"]
     common.bump_dynamo_limits()

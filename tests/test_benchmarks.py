@@ -524,3 +524,17 @@ def test_parts_budget_dry_run(tmp_path):
         assert rec["parts"] >= 2 and rec["held_tokens"] <= n
     losses = [rec["loss"] for rec in task["budgets"].values()] + [task["packing"]["loss"]]
     assert max(losses) - min(losses) <= 1e-5 * abs(losses[0]), losses
+    # --reestimate: the recorded rows' plans again, today's memory model beside the peaks
+    # recorded (here made up), adding each held part's output-weight gradient (8B, bf16)
+    recorded = json.loads(out.read_text())
+    for name in ("half", "quarter"):
+        recorded["tasks"][0]["budgets"][name]["peak_gib"] = 1.0
+    out.write_text(json.dumps(recorded))
+    rows = parts_budget.main(["--dry-run", "--reestimate", str(out),
+                              "--out", str(tmp_path / "re.json")])
+    assert [r["row"] for r in rows] == ["half", "quarter"]
+    per_part = 151936 * 4096 * 2 / 2 ** 30
+    for r in rows:
+        assert r["parts"] == r["parts_then"] and r["held_parts"] >= 1
+        added = r["estimate_gib"] - r["estimate_then_gib"]
+        assert per_part - 1e-9 <= added <= r["held_parts"] * per_part + 1e-9, r
