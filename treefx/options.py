@@ -22,6 +22,9 @@ switch                             default    what it does
                                               (0: its own)
 ``TREEFX_SHARE_NO_GRAD``           1          a training model's no-grad calls run its
                                               training graph (0: a no-grad graph of their own)
+``TREEFX_PART_LOSS_GRAD_LATE``     0          1: a part graph's own loss makes the output
+                                              weight's gradient in the backward (one more
+                                              product; held parts keep no such buffer)
 ``TREEFX_TRUNK_ATTENTION``         auto       a site's leading chain on cuDNN's kernels (auto:
                                               on CUDA, bf16/fp16, heads up to 128; 1: anywhere,
                                               0: never)
@@ -147,6 +150,9 @@ class Options:
     share_no_grad: bool = _switch("TREEFX_SHARE_NO_GRAD", True,
                                   None,
                                   "a training model's no-grad calls run its training graph")
+    part_loss_grad_late: bool = _switch("TREEFX_PART_LOSS_GRAD_LATE", False,
+                                        None,
+                                        "a part's own loss: the weight's gradient in backward")
     trunk_attention: bool | None = _switch("TREEFX_TRUNK_ATTENTION", None,
                                            lambda: _tri("TREEFX_TRUNK_ATTENTION"),
                                            "leading chains on cuDNN's kernels (None: auto)")

@@ -21,7 +21,7 @@ from ...ops.cross_entropy import (
     tree_cross_entropy_and_logprobs,
     tree_token_logprobs,
 )
-from ...ops.logprobs import fused_linear_tree_logprobs
+from ...ops.logprobs import fused_linear_tree_logprobs, fused_linear_tree_loss_and_logprobs_late
 from ...ops.recurrence import register_site
 from ..graph import (
     KEY_SELECTION,
@@ -522,9 +522,12 @@ def emit_logprobs(ctx: GraphContext, site: LogprobsSite, in_part: bool) -> fx.No
     with g.inserting_before(node):
         if site.proj is not None:
             h, weight, bias = site.proj
-            if loss:  # the loss's gradients made in its forward: no second pass
-                new = g.call_function(fused_linear_tree_loss_and_logprobs,
-                                      (h, weight, bias, ids, parent, site.weights))
+            if loss:  # the loss's gradients made in its forward: no second pass (in a part,
+                # with TREEFX_PART_LOSS_GRAD_LATE, in its backward: no held [V, D] gradient)
+                fused = fused_linear_tree_loss_and_logprobs_late if (
+                    in_part and ctx.options.part_loss_grad_late) else \
+                    fused_linear_tree_loss_and_logprobs
+                new = g.call_function(fused, (h, weight, bias, ids, parent, site.weights))
             else:
                 new = g.call_function(fused_linear_tree_logprobs,
                                       (h, weight, bias, ids, parent, in_part))

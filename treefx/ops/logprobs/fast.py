@@ -267,3 +267,21 @@ def fused_linear_tree_logprobs(h: torch.Tensor, weight: torch.Tensor, bias: torc
     does not get (:mod:`treefx.ops.grad_into`)."""
     return _linear_tree_logprobs(h, weight, bias, input_ids, parent_token, all_rows,
                                  grad_into)[0]
+
+
+def fused_linear_tree_loss_and_logprobs_late(h: torch.Tensor, weight: torch.Tensor,
+                                             bias: torch.Tensor | None, input_ids: torch.Tensor,
+                                             parent_token: torch.Tensor, weights: torch.Tensor
+                                             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The loss and log-probabilities of
+    :func:`treefx.ops.cross_entropy.fused_linear_tree_loss_and_logprobs`, with the gradients
+    made in the backward instead: the loss is ``-(weights · lp).sum()`` over the
+    differentiable fused log-probabilities (:func:`fused_linear_tree_logprobs`, every row),
+    whose backward builds each chunk's logits again (four products with the output weight,
+    not three) and saves no [V, D] gradient from the forward. For the parts of
+    :func:`treefx.backward` (``TREEFX_PART_LOSS_GRAD_LATE``): a part held for its backward then
+    keeps no output-weight gradient. The same values and gradients up to rounding."""
+    lp = fused_linear_tree_logprobs(h, weight, bias, input_ids, parent_token, True)
+    valid = parent_token.reshape(-1) >= 0
+    w = torch.where(valid, weights.detach().reshape(-1).to(lp.dtype), torch.zeros_like(lp))
+    return -(w * lp).sum(), lp.detach()

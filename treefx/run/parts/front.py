@@ -256,7 +256,10 @@ def _token_budget(max_tokens, max_memory, memory, front, batch, beyond, mode) ->
     from . import memory as mem
 
     if memory is None:
-        memory = mem.for_model(target, own_loss=front.runner.own_loss)
+        # each held part keeps the output weight's gradient its own loss made in the
+        # forward, unless TREEFX_PART_LOSS_GRAD_LATE makes it in the backward
+        late = front.runner.plan.options.part_loss_grad_late
+        memory = mem.for_model(target, own_loss=front.runner.own_loss and not late)
     elif not isinstance(memory, mem.MemoryModel):
         raise TypeError(f"treefx.backward: memory= takes a treefx.run.parts.memory."
                         f"MemoryModel, got {type(memory).__name__}")
