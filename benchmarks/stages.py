@@ -200,6 +200,13 @@ STAGES = {
         Step("parts_budget_4", "benchmarks.parts_budget --trees .data/swe_issue66.jsonl "
              "--layers 4 --packing --beyond recompute,host", 540,
              env={"TREEFX_VERIFY": "0"})),
+    "parts-budget-late": stage(
+        "issue 66: the 4-layer table's rows again with TREEFX_PART_LOSS_GRAD_LATE=1 (each part's "
+        "output-weight gradient made in its backward): step and peak against parts-budget's",
+        "(new, 2026-12-05, fifth session; not yet run)",
+        Step("parts_budget_4_late", "benchmarks.parts_budget --trees .data/swe_issue66.jsonl "
+             "--layers 4 --configs whole,half,quarter,memory", 400,
+             env={"TREEFX_VERIFY": "0", "TREEFX_PART_LOSS_GRAD_LATE": "1"})),
     "parts-budget-36": stage(
         "issue 66's table at 36 layers with checkpointing: issue 66's SWE task whole, at half "
         "and a quarter, recompute and host parts, and what whole and half hold at their peaks",
