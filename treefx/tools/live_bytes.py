@@ -37,6 +37,7 @@ class LiveBytes(TorchDispatchMode):
         self.peak = 0
         self.at_peak: dict[str, int] = {}
         self._held: dict[int, tuple[int, str]] = {}  # id of a storage object -> (bytes, op)
+        self._by_op: collections.Counter = collections.Counter()  # live bytes by op
 
     @classmethod
     def is_infra_mode(cls) -> bool:
@@ -57,18 +58,18 @@ class LiveBytes(TorchDispatchMode):
             key = id(storage)
             if key in self._held or storage.nbytes() == 0:
                 continue
-            self._held[key] = (storage.nbytes(), str(func.overloadpacket.__name__))
+            op = str(func.overloadpacket.__name__)
+            self._held[key] = (storage.nbytes(), op)
+            self._by_op[op] += storage.nbytes()
             self.live += storage.nbytes()
             weakref.finalize(storage, self._free, key)
             grew = True
         if grew and self.live > self.peak:
             self.peak = self.live
-            by_op: collections.Counter = collections.Counter()
-            for n, op in self._held.values():
-                by_op[op] += n
-            self.at_peak = dict(by_op.most_common())
+            self.at_peak = {op: n for op, n in self._by_op.most_common() if n}
         return out
 
     def _free(self, key: int) -> None:
-        n, _ = self._held.pop(key, (0, ""))
+        n, op = self._held.pop(key, (0, ""))
+        self._by_op[op] -= n
         self.live -= n

@@ -137,11 +137,11 @@ class MemoryModel:
         most rows held parts keep for later parts at once
         (:meth:`~treefx.parts.PartPlan.peak_exported_tokens`: those of several branches'
         paths while their parts wait)."""
-        held = max((t * self.per_token + p * self.per_part for t, p in plan.held_on_device()),
-                   default=0)
+        held = plan.held_on_device()  # one walk of the schedule for both maxima
+        held_bytes = max((t * self.per_token + p * self.per_part for t, p in held), default=0)
+        tokens = max((t for t, _ in held), default=0)  # plan.peak_held_tokens()
         ctx = max(plan.peak_context_tokens(), plan.peak_exported_tokens())
-        return (self.fixed + held + ctx * self.context_per_token
-                + self.loss(plan.peak_held_tokens()))
+        return self.fixed + held_bytes + ctx * self.context_per_token + self.loss(tokens)
 
     def calibrate(self, measured_peak, max_tokens: int, context_tokens: int = 0,
                   parts: int = 1) -> int:
