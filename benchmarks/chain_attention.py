@@ -1,10 +1,6 @@
 """Tree attention alone at Qwen3-8B's heads: treefx's FlexAttention site, FlexAttention in the
 usual layout and cuDNN's interval-mask kernels, each against a float32 computation chain by
-chain (BENCHMARKS.md [att-1]; retired variants: benchmarks/README.md).
-
-    python -m benchmarks.chain_attention                 # the e2e benchmark's POR-0.75 tree
-    python -m benchmarks.chain_attention --dry-run       # CPU: tiny heads, FlexAttention only
-"""
+chain (BENCHMARKS.md [att-1]; retired variants: benchmarks/README.md)."""
 
 from __future__ import annotations
 
@@ -17,7 +13,7 @@ import numpy as np
 import torch
 
 import treefx
-from benchmarks import common, timing
+from benchmarks import common
 from benchmarks.internals import TreeFlexAttention, attention_ops, intervals, tree_block_tensors
 
 BLOCK = 128
@@ -110,8 +106,7 @@ def _rows(o):
 
 
 def _cudnn(row, q, k, v, grad, parent):
-    """cuDNN's interval-mask kernels (``cudnn.flex_attention``, where the frontend imports):
-    the plan's and first calls' times into ``row``; the variant."""
+    """cuDNN's interval-mask kernels (``cudnn.flex_attention``): the variant; first times in row."""
     from cudnn.flex_attention import create_mask_plan, flex_attn_func
 
     mf = torch.tensor(intervals.tree_intervals(parent)[None], device=q.device)
@@ -182,9 +177,9 @@ def main(argv=None):
                 if cuda:
                     o.backward(grad)
                     r["grad_rel"] = [common.norm_rel(x.grad, g) for x, g in zip(xs, ref[1:])]
-                    fs = timing.median_ms(lambda xs=xs: torch.no_grad()(fn)(*xs), args.reps,
+                    fs = common.median_ms(lambda xs=xs: torch.no_grad()(fn)(*xs), args.reps,
                                           cuda, warmup=1)
-                    bs = timing.median_ms(lambda xs=xs: fn(*xs).backward(grad), args.reps,
+                    bs = common.median_ms(lambda xs=xs: fn(*xs).backward(grad), args.reps,
                                           cuda, warmup=1)
                     r.update(fwd_ms=fs, fwd_bwd_ms=bs, tflops=pairs * 14 * d / bs / 1e9)
             except Exception as e:

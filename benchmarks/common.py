@@ -11,7 +11,9 @@ import json
 import os
 import platform
 import re
+import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -48,8 +50,7 @@ def _version(module: str):
 
 
 def run_meta(cuda: bool) -> dict:
-    """Device, host CPU (compile times depend on it), versions, date and command line of this
-    run, recorded in every result file."""
+    """Device, host CPU (compile times depend on it), versions, date and command line."""
     model = platform.processor() or "?"
     try:
         with open("/proc/cpuinfo") as f:
@@ -69,8 +70,7 @@ def run_meta(cuda: bool) -> dict:
 
 
 def bump_dynamo_limits(limit: int = 64, accumulated: int | None = 1024) -> None:
-    """Room for the graphs a benchmark compiles on purpose (sizes, methods, variants);
-    ``accumulated=None`` leaves the accumulated limits as they are."""
+    """Room for the graphs a benchmark compiles on purpose (``accumulated=None``: kept)."""
     cfg = torch._dynamo.config
     for name, val in (("recompile_limit", limit), ("cache_size_limit", limit),
                       ("accumulated_recompile_limit", accumulated),
@@ -84,10 +84,8 @@ def bump_dynamo_limits(limit: int = 64, accumulated: int | None = 1024) -> None:
 
 def dynamo_counts() -> dict:
     """Dynamo's counters of compiled graphs, frames and graph breaks so far."""
-    try:
-        from torch._dynamo.utils import counters
-    except Exception:
-        return {}
+    from torch._dynamo.utils import counters
+
     return {
         "unique_graphs": int(counters["stats"].get("unique_graphs", 0)),
         "frames_ok": int(counters["frames"].get("ok", 0)),
@@ -102,6 +100,39 @@ def unique_graphs() -> int:
 
 def counts_delta(a: dict, b: dict) -> dict:
     return {k: b.get(k, 0) - a.get(k, 0) for k in b}
+
+
+# ----------------------------------------------------------------------------- the one timer
+
+
+def timed(fn, cuda: bool):
+    """Run ``fn()`` once; return (its result, milliseconds). On the GPU the time is between two
+    CUDA events recorded around the call, after synchronizing on the second (so it is the GPU's
+    time for the call, host overhead included only where the GPU waits for it)."""
+    if cuda:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = fn()
+        end.record()
+        torch.cuda.synchronize()
+        return out, start.elapsed_time(end)
+    t0 = time.perf_counter()
+    out = fn()
+    return out, (time.perf_counter() - t0) * 1e3
+
+
+def repeat(fn, reps: int, cuda: bool, warmup: int = 0) -> list[float]:
+    """``warmup`` untimed calls, then ``reps`` timed ones (:func:`timed`); milliseconds each."""
+    for _ in range(warmup):
+        fn()
+    if cuda:
+        torch.cuda.synchronize()
+    return [timed(fn, cuda)[1] for _ in range(reps)]
+
+
+def median_ms(fn, reps: int, cuda: bool, warmup: int = 0) -> float:
+    """Median of :func:`repeat`."""
+    return statistics.median(repeat(fn, reps, cuda, warmup))
 
 
 def sync(cuda: bool) -> None:
@@ -122,8 +153,7 @@ def is_oom(e: BaseException) -> bool:
 
 
 def kernel_runs_delta(before: dict, after: dict) -> dict:
-    """``{"name:path": runs}`` of the tree recurrences' kernel paths taken between two reads
-    of ``treefx.ops.recurrence.kernel_runs()``."""
+    """``{"name:path": runs}`` taken between two reads of ``ops.recurrence.kernel_runs()``."""
     return {f"{n}:{p}": after[(n, p)] - before.get((n, p), 0) for n, p in after
             if after[(n, p)] != before.get((n, p), 0)}
 
@@ -148,8 +178,7 @@ def add_run_args(p: argparse.ArgumentParser, dry_run_help: str) -> None:
 
 
 def resolve_out(args, name: str, cuda: bool) -> str:
-    """``--out``, or ``benchmarks/results/<name>_<YYYY-MM-DD>_<device>.json`` (a dry run's ends
-    in ``_dryrun``, which git ignores)."""
+    """``--out``, or ``benchmarks/results/<name>_<YYYY-MM-DD>_<device>[_dryrun].json``."""
     if not args.out:
         dry = "_dryrun" if getattr(args, "dry_run", False) else ""
         args.out = str(RESULTS / f"{name}_{datetime.date.today()}_{device_tag(cuda)}{dry}.json")
@@ -221,8 +250,7 @@ TINY = {k: v for k, v in SHAPES["tiny"].items() if k != "num_hidden_layers"}
 
 def hybrid_config(hidden, intermediate, layers, heads, kv_heads, head_dim, k_heads, v_heads,
                   k_dim, vocab) -> dict:
-    """A Qwen3-Next config: a full-attention layer after every three linear-attention ones
-    (the last layer full), dense MLPs."""
+    """A Qwen3-Next config: every fourth layer and the last full attention, dense MLPs."""
     types = ["full_attention" if (i + 1) % 4 == 0 or i == layers - 1 else "linear_attention"
              for i in range(layers)]
     return dict(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
@@ -291,8 +319,7 @@ def fsdp_qwen3(shape: str, dev, checkpointing: bool, layers: int | None = None,
 
 
 def tree_pool(world: int, tokens: int, por: float, vocab: int, seed: int = 0, **lengths):
-    """Synthetic agent trees, the same on every rank: about ``tokens`` unique tokens per rank,
-    at least two trees per rank."""
+    """Synthetic agent trees, the same on every rank: ~``tokens`` a rank, at least two a rank."""
     trees, total, i = [], 0, 0
     while total < world * tokens or len(trees) < 2 * world:
         t = synth.agent_tree(seed=seed + i, vocab_size=vocab, target_por=por, rollouts=2,

@@ -1,13 +1,5 @@
 """The output layer's log-probabilities at an 8B model's shape (BENCHMARKS.md, "Log-probs
-without logits"; benchmarks/README.md for the modes and what was retired).
-
-    python -m benchmarks.logprobs --paths 17187      # GPU: the output layer's paths
-    python -m benchmarks.logprobs --dry-run          # CPU: tiny shapes
-    python -m benchmarks.logprobs --check-from-logits  # the log-probs read from logits
-
-``--paths N``: at N tokens, the logits materialized, the fused log-probs and the fused loss,
-forward + backward and no-grad, beside the matrix products alone (median of ``--reps``).
-"""
+without logits"; benchmarks/README.md for the modes and what was retired)."""
 
 from __future__ import annotations
 
@@ -21,8 +13,8 @@ from benchmarks import common
 
 
 def run_paths(n: int, hidden: int, vocab: int, dev: str, dtype, reps: int) -> dict:
-    """The output layer's paths at ``n`` tokens (see the module's docstring)."""
-    from benchmarks.timing import repeat
+    """The output layer's paths at ``n`` tokens: the logits materialized, the fused log-probs
+    and the fused loss, forward + backward and no-grad, beside the matrix products alone."""
     from treefx.ops.cross_entropy import fused_linear_tree_cross_entropy, tree_token_logprobs
     from treefx.ops.logprobs import fused_linear_tree_logprobs, tree_logprobs_from_logits
 
@@ -85,7 +77,7 @@ def run_paths(n: int, hidden: int, vocab: int, dev: str, dtype, reps: int) -> di
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
-        times = repeat(fn, reps, cuda, warmup=2)
+        times = common.repeat(fn, reps, cuda, warmup=2)
         out[f"{name}_ms"] = statistics.median(times)
         if cuda:
             out[f"{name}_peak_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30
@@ -113,8 +105,7 @@ def run_paths(n: int, hidden: int, vocab: int, dev: str, dtype, reps: int) -> di
 
 
 def forest_row(n: int, seed: int) -> torch.Tensor:
-    """[n] predecessor rows of a random forest in DFS order
-    (:func:`treefx.tools.synth.random_parent_row`), cut at ``n`` tokens."""
+    """[n] predecessor rows of a random forest in DFS order (``random_parent_row``), cut."""
     from treefx.tools.synth import random_parent_row
 
     roots = max(2, n // 500)

@@ -2,17 +2,7 @@
 (``FSDPEngineWithLMHead``, SDPA or ``verl-flex``: FlexAttention) and with treefx's
 (``treefx.integrations.verl.TreeFSDPEngine``), one process, the same GRPO batch of multi-turn
 prompts made as ``benchmarks.grpo`` makes them (issue 65; benchmarks/README.md says what verl
-needs).
-
-    python -m benchmarks.verl_engine              # GPU: Qwen3-1.7B shape, 28 layers, verl's bf16
-    python -m benchmarks.verl_engine --layers 8   # fewer decoder layers (recorded in the result)
-    python -m benchmarks.verl_engine --dry-run    # CPU: tiny Qwen3, float32; the engines must agree
-
-Both engines take verl's defaults where this script sets nothing and load the same checkpoint;
-the first ``compute_log_prob`` and update alone, then the median of ``--steps`` after
-``--warmup`` (CUDA events); learning rate 0, so every step repeats the same work. Compared:
-the first log-probs over the response tokens and the first update's loss (``TOL``).
-"""
+needs)."""
 
 from __future__ import annotations
 
@@ -25,17 +15,16 @@ import tempfile
 import torch
 import torch.distributed as dist
 
+import treefx
 from benchmarks import common
 from benchmarks.common import SHAPES
 from benchmarks.grpo import add_rollout_args, make_rollouts
-from benchmarks.timing import timed
 
 TOL = {"float32": {"logprob": 1e-5, "loss": 1e-5}, "bfloat16": {"logprob": 0.1, "loss": 1e-2}}
 
 
 def _batch(rollouts: dict, micro: int, seed: int):
-    """verl's update batch (jagged, with the worker's metadata) for ``rollouts``, and its token
-    counts."""
+    """verl's update batch (jagged, the worker's metadata) for ``rollouts``; its token counts."""
     import treefx.integrations.verl as tv
 
     g = torch.Generator().manual_seed(seed)
@@ -51,14 +40,9 @@ def _batch(rollouts: dict, micro: int, seed: int):
                          micro_batch_size_per_gpu=micro)
     stats = {"rows": B, "row_tokens": sum(len(p) + len(r) for p, r in rows),
              "padded_tokens": B * (P + R),
-             "tree_tokens_whole_batch": _tree_tokens([p + r for p, r in rows])}
+             "tree_tokens_whole_batch":
+                 treefx.Tree.from_sequences([p + r for p, r in rows]).num_tokens}
     return td, stats
-
-
-def _tree_tokens(seqs) -> int:
-    import treefx
-
-    return treefx.Tree.from_sequences(seqs).num_tokens
 
 
 def _configs(folder: str, model_type: str, dry_run: bool, checkpointing: bool,
@@ -100,7 +84,7 @@ def run_engine(name: str, folder: str, td, args, cuda: bool) -> dict:
     loss_fn = functools.partial(ppo_loss, ActorConfig(
         strategy="fsdp2", rollout_n=args.G, ppo_micro_batch_size_per_gpu=args.micro,
         use_kl_loss=True, kl_loss_coef=0.001, entropy_coeff=0.0, loss_agg_mode="token-mean"))
-    timer = functools.partial(timed, cuda=cuda)
+    timer = functools.partial(common.timed, cuda=cuda)
     rec = {"engine": type(engine).__name__, "attention": attention, "log_prob_ms": [], "update_ms": [], "losses": []}
 
     def log_prob():

@@ -143,7 +143,7 @@ def test_grpo_dry_run_regional_first_cycle_breakdown(tmp_path):
 def test_profile_kinds_do_not_count_fused_kernels_as_copies():
     sys.path.insert(0, ROOT)
     try:
-        from benchmarks.e2e.profile import kernel_kind as kind
+        from benchmarks.e2e.main import kernel_kind as kind
     finally:
         sys.path.pop(0)
     assert kind("triton_poi_fused__to_copy__unsafe_view_add_cos_mul_permute_10") == \

@@ -1,5 +1,4 @@
-"""The e2e run's tree sizes and bounds, the summary rows and the table
-printed at the end."""
+"""The e2e run's tree sizes and bounds, the summary rows and the table printed at the end."""
 
 from __future__ import annotations
 
