@@ -1,15 +1,5 @@
 """How evenly ``treefx.distributed.assign`` spreads real trees over ranks (CPU only; BENCHMARKS.md,
-"Several GPUs", and docs/distributed.md).
-
-    python -m benchmarks.balance --trees .data/swe200.jsonl [--worlds 2 4 8] [--per-rank 1 2 4]
-    python -m benchmarks.balance --trees .data/swe200.jsonl --simulate 32768 --per-rank 1 4
-
-Per (world, trees per rank): the slowest rank's cost over the mean (Qwen3-8B's FLOP cost
-model), whole trees and ``split=True``. ``--simulate BUDGET`` (default ``--worlds 8 16 32
-64``): both FSDP2 designs of ``treefx.backward``, ``rounds`` and ``gather_once``, predicted as
-docs/distributed.md states (``--token-ms``, ``--param-gb`` over ``--node-gbs`` within
-``--gpus-per-node`` GPUs, else ``--net-gbs``) over random steps drawn with replacement.
-"""
+"Several GPUs", and docs/distributed.md)."""
 
 from __future__ import annotations
 
@@ -19,6 +9,7 @@ import random
 import statistics
 import time
 
+from benchmarks import common
 from treefx import parts
 from treefx.distributed import DEFAULT_COST, assign
 from treefx.layout import pack
@@ -44,8 +35,7 @@ def simulate_step(ranks, budget: int, comm_tokens: float) -> dict:
 
 
 def comm_tokens(world: int, args) -> float:
-    """One all-gather of the parameters plus one reduce-scatter of the gradients, in
-    token-times."""
+    """One all-gather of the parameters plus one reduce-scatter of the gradients (token-times)."""
     gbs = args.node_gbs if world <= args.gpus_per_node else args.net_gbs
     return 2 * args.param_gb * (world - 1) / world / gbs / (args.token_ms / 1000)
 
@@ -98,14 +88,12 @@ def main(argv=None):
         if args.worlds == p.get_default("worlds"):
             args.worlds = [8, 16, 32, 64]
         rows = simulate(trees, args, rng)
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump({"trees": args.trees, "steps": args.steps, "seed": args.seed,
-                           "simulate_budget": args.simulate, "token_ms": args.token_ms,
-                           "param_gb": args.param_gb, "node_gbs": args.node_gbs,
-                           "net_gbs": args.net_gbs, "gpus_per_node": args.gpus_per_node,
-                           "sampling": "with replacement", "order": "largest_first",
-                           "rows": rows}, f, indent=1)
+        common.save_json({"trees": args.trees, "steps": args.steps, "seed": args.seed,
+                          "simulate_budget": args.simulate, "token_ms": args.token_ms,
+                          "param_gb": args.param_gb, "node_gbs": args.node_gbs,
+                          "net_gbs": args.net_gbs, "gpus_per_node": args.gpus_per_node,
+                          "sampling": "with replacement", "order": "largest_first",
+                          "rows": rows}, args.out)
         return
     rows = []
     print("world  trees/rank  whole: median  worst   split: median  worst   slowest assign s")
@@ -126,10 +114,8 @@ def main(argv=None):
             print(f"{world:5d}  {per:10d}  {row['whole_median']:13.3f}  {row['whole_worst']:5.3f}"
                   f"  {row['split_median']:13.3f}  {row['split_worst']:5.3f}"
                   f"  {row['slowest_split_assign_s']:16.2f}", flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"trees": args.trees, "steps": args.steps, "seed": args.seed,
-                       "cost": "DEFAULT_COST (Qwen3-8B FLOPs)", "rows": rows}, f, indent=1)
+    common.save_json({"trees": args.trees, "steps": args.steps, "seed": args.seed,
+                      "cost": "DEFAULT_COST (Qwen3-8B FLOPs)", "rows": rows}, args.out)
 
 
 if __name__ == "__main__":

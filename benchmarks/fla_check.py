@@ -1,17 +1,6 @@
 """Gated DeltaNet on fla's kernels through the tree, against each sequence alone and a float64
 recurrence, values and gradients (BENCHMARKS.md, "Hybrids on fla's kernels"; benchmarks/README.md
-for the cases and options).
-
-    python -m benchmarks.fla_check                 # GPU with fla installed: op, model
-    python -m benchmarks.fla_check --cases state,exact --dtypes bfloat16 --value-heads 32
-    python -m benchmarks.fla_check --dry-run       # CPU: op, model on the torch kernel (no fla)
-    python -m benchmarks.fla_check --cases interpret-state   # CPU, Triton's interpreter
-
-Cases: ``op`` (the tree recurrence alone), ``model`` (HF Qwen3-Next and Qwen3.5, whole and in
-parts), ``exact`` (the one-pass path against fla depth by depth), ``state`` (the one-launch
-state pass; ``interpret-state`` under ``TRITON_INTERPRET=1``); each case's tolerance is in its
-code.
-"""
+for the cases and options)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,6 @@
 """How close a profiled e2e step can come to the matmul rate without new kernels: the step split
 into GEMMs and the rest, and the model FLOP/s with the host's idle time gone and the log-probs'
-kernels at ``--bandwidth`` TB/s (BENCHMARKS.md, "Training step against sequence packing").
-
-    python -m benchmarks.flop_budget benchmarks/results/e2e_z51a_two_2026-11-28_h100.json
-
-Reads one ``benchmarks.e2e --profile`` result; FLOPs as :func:`benchmarks.e2e.report.model_flops`.
-"""
+kernels at ``--bandwidth`` TB/s (BENCHMARKS.md, "Training step against sequence packing")."""
 
 from __future__ import annotations
 
@@ -19,10 +14,8 @@ _BYTES = {"torch.bfloat16": 2, "torch.float16": 2, "torch.float32": 4}
 
 
 def budget(result: dict, method: str = "treefx", bandwidth_tb_s: float = 3.35) -> list[dict]:
-    """One entry per (model, tree) the result profiled for ``method``: the step, the model's
-    TFLOP, the GEMMs' rate, and the step and its FLOP/s share of the burst (and sustained,
-    where measured) matmul rate as timed, without idle time, and with the log-probs' kernels
-    at ``bandwidth_tb_s`` too."""
+    """One entry per (model, tree) the result profiled for ``method``: the step's FLOP/s share
+    of the matmul rate as timed, without idle time, with the log-probs at ``bandwidth_tb_s``."""
     out = []
     for model, trees in result["runs"].items():
         m = result["models"][model]

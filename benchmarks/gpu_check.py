@@ -1,11 +1,6 @@
 """GPU exactness of the inductor backend against the per-sequence oracle (``treefx.verify``),
 case by case (BENCHMARKS.md, "Exactness on the GPU" and "Model families"; the cases retired in
-issue 67: benchmarks/README.md).
-
-    python -m benchmarks.gpu_check                      # GPU, every case
-    python -m benchmarks.gpu_check --cases qwen3-fp32   # some cases (CASES below)
-    python -m benchmarks.gpu_check --dry-run            # CPU: tiny model, eager, a few cases
-"""
+issue 67: benchmarks/README.md)."""
 
 from __future__ import annotations
 
@@ -136,8 +131,7 @@ FAMILY_CONFIG = {"falcon": dict(alibi=True),
 
 
 def _family_trees(model) -> list:
-    """The zoo's probe forest and a synthetic agent tree of ~1,800 tokens, over token ids the
-    model treats plainly."""
+    """The zoo's probe forest and a ~1,800-token agent tree, over ids the model treats plainly."""
     import numpy as np
 
     from treefx.tools import zoo
@@ -202,8 +196,7 @@ def case_families(res):
 
 
 def _grad_run(fn, xs, go, rows=None):
-    """``fn(*xs)`` on detached copies: [output (its first ``rows`` rows), *input gradients for
-    the output gradient ``go``], in float64."""
+    """``fn(*xs)`` on detached copies: [output (``rows`` of it), *input gradients for ``go``]."""
     xs = [x.detach().clone().requires_grad_() for x in xs]
     out = fn(*xs)
     grads = torch.autograd.grad(out, xs, go.to(out.dtype))
@@ -413,8 +406,7 @@ def case_trunk(res):
 
 
 def case_intervals(res):
-    """Tree attention on cuDNN's interval-mask kernels (the default for bf16/fp16 where the
-    frontend is installed)."""
+    """Tree attention on cuDNN's interval-mask kernels (bf16/fp16's default with the frontend)."""
     _attention_case(res, "intervals", _interval_op_errors, "TREEFX_CUDNN_ATTENTION",
                     "interval-mask", odd=True)
 

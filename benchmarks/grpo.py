@@ -1,16 +1,6 @@
 """TRL's GRPO training step with and without treefx: ``trl.GRPOTrainer`` against
 ``treefx.integrations.trl.TreeGRPOTrainer``, one GPU, one process, the same pre-made rollouts
-(issue 35; benchmarks/README.md says what a cycle times, what is compared and what TRL needs).
-
-    python -m benchmarks.grpo                  # GPU: Qwen3-1.7B shape, 28 layers, bf16
-    python -m benchmarks.grpo --layers 8       # fewer decoder layers (recorded in the result)
-    python -m benchmarks.grpo --dry-run        # CPU: tiny Qwen3, float32; the paths must agree
-
-A ``rollout_func`` hands both trainers the same prompts (``--groups`` sharing a ``--context``,
-each with its own ``--history`` and ``--question``) and G completions each; a *cycle* per
-generation batch is TRL's prep (old and reference log-probs, rewards, advantages) and its
-``training_step`` calls, SGD at learning rate 0 so every cycle repeats the same work.
-"""
+(issue 35; benchmarks/README.md says what a cycle times, what is compared and what TRL needs)."""
 
 from __future__ import annotations
 
@@ -41,18 +31,13 @@ TOL = {"float32": {"logprob": 1e-5, "loss": 1e-5, "grad": 1e-5},
 # ----------------------------------------------------------------------------- data
 
 
-def _range(text: str) -> tuple[int, int]:
-    lo, _, hi = text.partition(",")
-    return int(lo), int(hi or lo)
-
-
 def make_rollouts(args, vocab: int, eos: int) -> dict:
     """The pre-made rollouts: per group its prompt ids and G completions (ids, EOS last)."""
     g = torch.Generator().manual_seed(args.seed)
 
-    def length(r):
-        lo, hi = r
-        return int(torch.randint(lo, hi + 1, (1,), generator=g))
+    def length(text):  # "lo,hi" (or "n")
+        lo, _, hi = text.partition(",")
+        return int(torch.randint(int(lo), int(hi or lo) + 1, (1,), generator=g))
 
     def draw(n):  # ids 10.. below the vocabulary: never the tokenizer's pad (0) or EOS (2)
         return torch.randint(10, vocab, (n,), generator=g).tolist()
@@ -60,8 +45,8 @@ def make_rollouts(args, vocab: int, eos: int) -> dict:
     context = draw(args.context)
     groups = []
     for _ in range(args.groups):
-        prompt = context + draw(length(_range(args.history))) + draw(length(_range(args.question)))
-        completions = [draw(max(1, length(_range(args.completion)) - 1)) + [eos]
+        prompt = context + draw(length(args.history)) + draw(length(args.question))
+        completions = [draw(max(1, length(args.completion) - 1)) + [eos]
                        for _ in range(args.G)]
         groups.append({"prompt": prompt, "completions": completions})
     return {"context": context, "groups": groups}
@@ -142,8 +127,7 @@ def reward(completions, completion_ids=None, **kwargs):
 
 
 def save_checkpoint(path: str, config: dict, cuda: bool, dtype) -> tuple[dict, int]:
-    """A Qwen3 of ``config`` and the offline chat tokenizer saved to ``path`` (TRL loads the
-    policy and the reference model from it); its description and the EOS id."""
+    """A Qwen3 of ``config`` and the chat tokenizer saved to ``path``; its info, EOS id."""
     import transformers
 
     from treefx.models.chat import tiny_chat_tokenizer
@@ -205,6 +189,7 @@ class _TreefxNotes(logging.Handler):
     def __init__(self):
         super().__init__(logging.INFO)
         self.messages: list[str] = []
+        self.others: list = []
         self.logger = logging.getLogger("treefx")
         self.level_before = self.logger.level
         self.propagate_before = self.logger.propagate
@@ -215,33 +200,21 @@ class _TreefxNotes(logging.Handler):
             self.logger.setLevel(logging.INFO)
             self.logger.propagate = False
             self.others = [h for h in logging.getLogger().handlers] or [logging.lastResort]
-            for h in self.others:
-                self.logger.addHandler(_AtLeast(h, logging.WARNING))
 
     def emit(self, record):
         text = record.getMessage()
         if len(self.messages) < 40 and any(k in text for k in self.KEEP):
             self.messages.append(text[:600])
             print(f"  treefx: {text[:300]}", flush=True)
+        if record.levelno >= logging.WARNING:
+            for h in self.others:
+                h.handle(record)
 
     def close(self):
-        for h in list(self.logger.handlers):
-            if h is self or isinstance(h, _AtLeast):
-                self.logger.removeHandler(h)
+        self.logger.removeHandler(self)
         self.logger.setLevel(self.level_before)
         self.logger.propagate = self.propagate_before
         super().close()
-
-
-class _AtLeast(logging.Handler):
-    """``handler`` for records of ``level`` and above."""
-
-    def __init__(self, handler, level):
-        super().__init__(level)
-        self.handler = handler
-
-    def emit(self, record):
-        self.handler.handle(record)
 
 
 def _compile_state(trainer, model) -> dict:
@@ -457,8 +430,7 @@ def run_path(name: str, ckpt: str, rollouts: dict, args, cuda: bool, tmp: str,
     dataset = datasets.Dataset.from_list([{"prompt": f"group-{k}"} for k in range(args.groups)])
 
     class Grads(transformers.TrainerCallback):
-        """Every parameter's gradient at the first optimizer step: kept for the reference
-        path, compared with it for the other."""
+        """Each gradient at the first optimizer step: kept (reference path) or compared."""
 
         def on_pre_optimizer_step(self, a, state, control, model=None, **kw):
             if grads.get("done"):

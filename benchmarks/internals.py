@@ -1,8 +1,5 @@
-"""Every import of a treefx module outside its public API, in one place.
-
-The benchmarks build block masks and call treefx's attention op directly (to time them alone);
-those live in modules the package may rename. When they move, this file is the one to change.
-"""
+"""Every import of a treefx module outside its public API (block masks, the attention op: modules
+the package may rename), in one place: when they move, this file is the one to change."""
 
 from treefx.mask import tree_block_tensors  # noqa: F401
 from treefx.ops.attention import TreeFlexAttention  # noqa: F401

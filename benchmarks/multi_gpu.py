@@ -1,16 +1,5 @@
 """Several GPUs, one process each (torchrun; plain ``python``: one process), treefx against
-sequence packing (issue 37; BENCHMARKS.md, "Several GPUs"; benchmarks/README.md for commands).
-
-    torchrun --nproc_per_node=2 -m benchmarks.multi_gpu --trees .data/swe200.jsonl \
-        --shape qwen3-8b --budget 8192 --time-limit 480 --out mg_8b_x2.json
-    torchrun --nproc_per_node=2 -m benchmarks.multi_gpu --check --cases fsdp-hybrid-exact,ddp-exact
-    python -m benchmarks.multi_gpu --dry-run                  # CPU, gloo (--check: every case)
-
-Real trees (the default): FSDP2 Qwen3, ``treefx.backward`` in parts of ``--budget`` against
-per-call packing, one after the other from the same initial shards. ``--check``: the exactness
-cases (against one process running every sequence alone) and the speed cases; exit status 1
-when a case fails. ``--time-limit``: no timed step (trees) or case (check) starts past it.
-"""
+sequence packing (issue 37; BENCHMARKS.md, "Several GPUs"; benchmarks/README.md for commands)."""
 
 from __future__ import annotations
 
@@ -183,8 +172,7 @@ def measure(name: str, step, steps: int, dev, time_limit=None, on_step=lambda r:
 
 
 def select_trees(args, vocab: int) -> tuple[list[tuple[int, treefx.Tree]], dict]:
-    """The trees of the run with their index in the file (the same on every rank), and the
-    data's provenance."""
+    """The run's trees with their index in the file (the same on every rank), provenance."""
     if args.trees:
         pool = list(treefx.read_jsonl(args.trees))
         prov = dict(file_provenance(args.trees), trees_in_file=len(pool))
@@ -318,8 +306,7 @@ def run_trees(args, dev) -> dict:
 
 
 def _whole_grads(model) -> dict:
-    """Every parameter's whole gradient (FSDP2's shards gathered: every rank calls it), the
-    ``.grad`` then cleared."""
+    """Every parameter's whole gradient (FSDP2's shards gathered: every rank calls it)."""
     out = {}
     for n, p in model.named_parameters():
         g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad

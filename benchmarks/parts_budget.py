@@ -1,21 +1,5 @@
 """Issue 66's table: a real tree trained whole and in parts at several budgets, one process
-(benchmarks/README.md and BENCHMARKS.md say what each row records).
-
-    python -m benchmarks.parts_budget --trees .data/swe_issue66.jsonl --layers 4
-    python -m benchmarks.parts_budget --trees .data/swe_issue66.jsonl --tasks 1 --layers 36 \
-        --checkpointing
-    python -m benchmarks.parts_budget --dry-run     # CPU: a tiny model, a synthetic comb
-    python -m benchmarks.parts_budget --trees .data/swe_issue66.jsonl --reestimate RESULT.json
-
-Model and data as :mod:`benchmarks.real_trees` has them. Per task, each step from no gradients:
-``whole`` (one forward and backward), ``half`` / ``quarter`` (``treefx.backward(max_tokens=)``
-of N / 2, N / 4) and ``memory`` (``max_memory=`` the weights and gradients plus
-``--memory-fraction`` of the rest of the whole step's peak, or ``--max-memory``); per row the
-first call, the median step (:func:`benchmarks.real_trees.timed`), the peak, the plan and the
-memory model's estimate; ``--packing``: the share of the token-count bound.
-``--reestimate``: no step run, a recorded result's rows (its trees, layers, checkpointing and
-budgets) estimated again by today's memory model, beside the peaks measured then.
-"""
+(benchmarks/README.md and BENCHMARKS.md say what each row records)."""
 
 from __future__ import annotations
 
@@ -53,8 +37,7 @@ def _first(fn, model, cuda: bool) -> tuple[float, int]:
 
 
 def _where(frames) -> str:
-    """An allocation's place: the innermost treefx frame (or, failing that, the innermost),
-    with the innermost frame's function when it is another."""
+    """An allocation's place: its innermost treefx frame (or innermost), and innermost function."""
     names = [(f.get("filename", ""), f.get("line", 0), f.get("name", "")) for f in frames]
     own = next((n for n in names if "/treefx/" in n[0]), names[0] if names else ("?", 0, "?"))
     place = f"{own[0].rsplit('/', 2)[-1]}:{own[1]} {own[2]}"

@@ -1,12 +1,7 @@
 """Real agent trees task by task: ``treefx.backward`` against per-call sequence packing (FFD
 micro-batches, document mask, gradients accumulated) on Qwen3-8B-shaped layers, the same model
 and data in one run (issue 34; BENCHMARKS.md, "Real agent trajectories"; benchmarks/README.md
-for the options).
-
-    python -m benchmarks.real_trees --trees swe.jsonl --sample 40 --seed 0 --slice 0:14 \
-        --budget 65536 --time-limit 240 --out a.json
-    python -m benchmarks.real_trees --dry-run        # CPU: a tiny model, synthetic comb trees
-"""
+for the options)."""
 
 from __future__ import annotations
 
@@ -53,17 +48,8 @@ def _top_id(tree: treefx.Tree) -> int:
     return max(int(s.max()) for s in tree.segments if len(s))
 
 
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def synthetic_combs(n: int, vocab: int, seed: int, dry_run: bool):
-    """``n`` synthetic tasks (:func:`comb_tree`, a random number of calls each) and their
-    provenance."""
+    """``n`` synthetic tasks (:func:`comb_tree`, a random number of calls each), provenance."""
     calls, scale = ((4, 6), 0.08) if dry_run else ((20, 40), 3.0)
     rng = random.Random(seed)
     trees = [comb_tree(seed * 1000 + i, vocab, rng.randint(*calls), scale) for i in range(n)]
@@ -73,13 +59,13 @@ def synthetic_combs(n: int, vocab: int, seed: int, dry_run: bool):
 
 
 def file_provenance(path: str) -> dict:
-    return {"source": os.path.abspath(path), "bytes": os.path.getsize(path),
-            "sha256": _sha256(path)}
+    with open(path, "rb") as f:
+        sha = hashlib.file_digest(f, "sha256").hexdigest()
+    return {"source": os.path.abspath(path), "bytes": os.path.getsize(path), "sha256": sha}
 
 
 def load_tasks(args, vocab: int) -> tuple[list[tuple[int, treefx.Tree]], dict]:
-    """The selected trees with their line index in the file (0-based, non-empty lines), and
-    the data's provenance. Only the selected lines are parsed."""
+    """The selected trees (only their lines parsed) with their 0-based line index, provenance."""
     if not args.trees:
         n = args.tasks if args.tasks is not None else (args.sample or 3)
         trees, prov = synthetic_combs(n, vocab, args.seed, args.dry_run)
@@ -142,8 +128,7 @@ def ffd(lengths: list[int], capacity: int) -> list[list[int]]:
 
 
 def call_chains(trees: treefx.Tree | list[treefx.Tree]) -> list[treefx.Tree]:
-    """Every call of ``trees`` (one tree or several) as its own one-sequence tree, its weight
-    and loss mask kept."""
+    """Every call of ``trees`` as its own one-sequence tree, its weight and loss mask kept."""
     trees = [trees] if isinstance(trees, treefx.Tree) else list(trees)
     return [treefx.Tree.from_sequences([t.sequence(i)], weights=[float(t.weights[i])],
                                        loss_masks=[t.loss_mask(i)])
@@ -167,8 +152,7 @@ def packing_batches(trees: treefx.Tree | list[treefx.Tree], budget: int, *,
 
 
 def packed_step(tm, batches, dev) -> torch.Tensor:
-    """Forward and backward of each packed micro-batch (gradients accumulated): the summed
-    loss, float64."""
+    """Forward and backward of each micro-batch (gradients accumulated): the float64 sum."""
     total = torch.zeros((), dtype=torch.float64, device=dev)
     for b in batches:
         loss = treefx.tree_loss(tm(b), b)
@@ -393,8 +377,7 @@ def main(argv=None):
         res["elapsed_s"] = time.perf_counter() - start
         common.save_json(res, out)
         print(_line(row), flush=True)
-    s = res["summary"]
-    print(_summary_lines(s), flush=True)
+    print("summary: " + ", ".join(f"{k} {v}" for k, v in res["summary"].items()), flush=True)
     common.save_json(res, out)
     print(f"saved {out}", flush=True)
     return res
@@ -408,9 +391,6 @@ def _line(r: dict) -> str:
     keys = ("speedup", "share_of_bound", "loss_rel_diff")
     return f"{head}; {steps}; " + ", ".join(f"{k} {r[k]}" for k in keys if k in r)
 
-
-def _summary_lines(s: dict) -> str:
-    return "summary: " + ", ".join(f"{k} {v}" for k, v in s.items())
 
 
 if __name__ == "__main__":

@@ -1,12 +1,6 @@
 """Share of the FLOP bound for a ``benchmarks.real_trees`` result: the token-count bound with
 attention's attended pairs counted too (``treefx.distributed.CostModel.from_config`` of the
-measured model: FLOPs per token and per (query, key) pair of a training step).
-
-    python -m benchmarks.real_trees_flops RESULT.json TREES.jsonl [--layers 4]
-
-Per task: packing's FLOPs (every call alone: its tokens, L(L+1)/2 pairs) over the tree's
-(unique tokens, ``attended_pairs``), and the measured speed-up over that ratio.
-"""
+measured model: FLOPs per token and per (query, key) pair of a training step)."""
 
 from __future__ import annotations
 

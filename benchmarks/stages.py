@@ -1,14 +1,5 @@
 """Device stages: the benchmark runs behind BENCHMARKS.md's GPU figures, by name, each one call
-of a GPU machine (benchmarks/README.md, "Device stages", lists them and what they carry).
-
-    python -m benchmarks.stages --list           # the stages, what each reruns
-    python -m benchmarks.stages dense --print    # its command lines, nothing run
-    python -m benchmarks.stages dense            # run: logs and JSON under $OUT (or --out)
-
-A stage is phases run one after another; a phase's steps on different GPUs run at the same
-time. Each step writes ``<name>.log`` and ``<name>.json``, the stage ``stage_<stage>.json``.
-The shell scripts these replace: ``git show 25cc067:benchmarks/speed_check.sh``.
-"""
+of a GPU machine (benchmarks/README.md, "Device stages", lists them and what they carry)."""
 
 from __future__ import annotations
 
@@ -243,8 +234,7 @@ STAGES = {
 # ----------------------------------------------------------------------------- running
 
 def command(step: Step, out: str, caches: dict, mkdir=tempfile.mkdtemp) -> tuple[list, dict]:
-    """The argument list and the environment additions of one step (``{out}`` in its
-    arguments: the output folder)."""
+    """One step's argument list and environment additions (``{out}``: the output folder)."""
     args = shlex.split(step.args.replace("{out}", out)) + (
         ["--out", os.path.join(out, step.name + ".json")] if step.out else [])
     head = ([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={step.nproc}",

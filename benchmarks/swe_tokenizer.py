@@ -1,9 +1,5 @@
 """Trains the 32k byte-level BPE the SWE trees are tokenized with (no hub here; BENCHMARKS.md,
-"Real agent trajectories"), on every tenth trajectory of a folder, for ``treefx ingest``.
-
-    python -m benchmarks.swe_tokenizer TRAJ_DIR OUT_DIR [--vocab-size 32000]
-    treefx ingest TRAJ_DIR/*.traj.json --tokenizer OUT_DIR -o trees.jsonl --workers 2
-"""
+"Real agent trajectories"), on every tenth trajectory of a folder, for ``treefx ingest``."""
 
 from __future__ import annotations
 

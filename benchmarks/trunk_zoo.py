@@ -1,15 +1,6 @@
 """The trunk split (:mod:`treefx.ops.attention.trunk`), or with ``--intervals`` the interval op,
 across the zoo's model families on the CPU, each against every sequence run alone
-(``treefx.verify``; docs/performance.md has the results).
-
-    python -m benchmarks.trunk_zoo --models qwen3,llama,mistral
-    python -m benchmarks.trunk_zoo            # the default sample below
-    python -m benchmarks.trunk_zoo --intervals [--checkpointing]
-
-Per family: passed, whether a site split its chain off (or took the interval op), the errors;
-``--checkpointing``: every layer checkpointed. (``--parts``, ``treefx.backward`` in parts of 40
-and 9 tokens, was retired in issue 67: benchmarks/README.md.)
-"""
+(``treefx.verify``; docs/performance.md has the results)."""
 
 from __future__ import annotations
 
