@@ -59,8 +59,8 @@ def synthetic_combs(n: int, vocab: int, seed: int, dry_run: bool):
 
 
 def file_provenance(path: str) -> dict:
-    with open(path, "rb") as f:
-        sha = hashlib.file_digest(f, "sha256").hexdigest()
+    with open(path, "rb") as f:  # (hashlib.file_digest is Python 3.11; treefx takes 3.10)
+        sha = hashlib.sha256(f.read()).hexdigest()
     return {"source": os.path.abspath(path), "bytes": os.path.getsize(path), "sha256": sha}
 
 
